@@ -1,0 +1,235 @@
+"""``kvtier.AsyncClient``: the asyncio client (same arguments and calls as ``Client``).
+
+Open it with ``async with AsyncClient(...) as c`` (or ``await c.open()``).
+The session channel is used rarely (open, extent changes) and is driven from
+a worker thread so the event loop never blocks on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import types
+from collections.abc import Sequence
+from typing import Any, Awaitable, Callable, TypeVar
+
+import grpc
+import numpy as np
+from google.protobuf.json_format import MessageToDict
+
+from kvtier._core import (
+    DEFAULT_TIMEOUT,
+    SESSION_METADATA,
+    LeaseState,
+    ReservationState,
+    Tier,
+    as_bytes_view,
+    as_keys,
+    grpc_options,
+    socket_paths,
+)
+from kvtier._session import SegmentMaps, SessionLink, map_request, open_request
+from kvtier.errors import Corrupted, FailedPrecondition, InvalidArgument, KVTierError, from_rpc_error
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+
+_Resp = TypeVar("_Resp")
+
+
+class AsyncReservation(ReservationState):
+    """Like ``kvtier.Reservation``; ``await commit()``, ``async with`` aborts on exit."""
+
+    def __init__(self, client: AsyncClient, keys: list[bytes], resp: pb.ReserveResponse) -> None:
+        super().__init__(keys, resp, client._maps, client.block_bytes)
+        self._client = client
+
+    async def commit(self) -> int:
+        if self.done:
+            return 0
+        req = self.commit_request(self._client.checksum)
+        resp = await self._client._call(self._client._stub.Commit, req)
+        self.done = True
+        self.release_views()
+        return int(resp.committed)
+
+    async def abort(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.release_views()
+        await self._client._call(self._client._stub.Abort,
+                                 pb.AbortRequest(reservation_id=self.reservation_id))
+
+    async def __aenter__(self) -> AsyncReservation:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                        tb: types.TracebackType | None) -> None:
+        if not self.done:
+            try:
+                await self.abort()
+            except KVTierError:
+                if et is None:
+                    raise
+
+
+class AsyncLease(LeaseState):
+    """Like ``kvtier.Lease``; released by ``async with`` exit or ``await release()``."""
+
+    def __init__(self, client: AsyncClient, keys: list[bytes], resp: pb.AcquireResponse) -> None:
+        self._client = client
+        self.lease_id = resp.lease_id
+        super().__init__(keys, resp, client._maps, client.checksum)
+
+    async def release(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.release_views()
+        await self._client._call(self._client._stub.Release,
+                                 pb.ReleaseRequest(lease_id=self.lease_id))
+
+    async def __aenter__(self) -> AsyncLease:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                        tb: types.TracebackType | None) -> None:
+        try:
+            await self.release()
+        except KVTierError:
+            if et is None:
+                raise
+
+
+class AsyncClient:
+    """The asyncio twin of ``kvtier.Client``."""
+
+    def __init__(
+        self,
+        socket: str | os.PathLike[str] | None = None,
+        *,
+        namespace: str,
+        block_bytes: int,
+        model_uid: str,
+        timeout: float = DEFAULT_TIMEOUT,
+        checksum: bool = False,
+    ) -> None:
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
+            raise InvalidArgument(f"block_bytes must be a positive int, got {block_bytes!r}")
+        self.namespace = namespace
+        self.block_bytes = block_bytes
+        self.model_uid = model_uid
+        self.timeout = timeout
+        self.checksum = checksum
+        self.grpc_path, self.session_path = socket_paths(socket)
+        self._maps = SegmentMaps()
+        self._link: SessionLink | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._metadata: tuple[tuple[str, str], ...] = ()
+
+    async def open(self) -> AsyncClient:
+        """Open the session (idempotent)."""
+        if self._link is not None:
+            return self
+        link = await asyncio.to_thread(SessionLink, self.session_path, self.timeout)
+        try:
+            resp, fds = await asyncio.to_thread(
+                link.request, open_request(self.namespace, self.block_bytes, self.model_uid)
+            )
+            opened = resp.opened
+            self._maps.update(opened.segments_version, opened.segments,
+                              [s.segment_id for s in opened.segments], fds)
+        except BaseException:
+            link.close()
+            raise
+        self._link = link
+        self.token = opened.token
+        self.daemon_version = opened.daemon_version
+        self._metadata = ((SESSION_METADATA, self.token),)
+        self._channel = grpc.aio.insecure_channel(f"unix:{self.grpc_path}", options=grpc_options())
+        self._stub = pb_grpc.KVTierStub(self._channel)
+        return self
+
+    async def _call(self, method: Callable[..., Awaitable[_Resp]], request: Any) -> _Resp:
+        if self._link is None:
+            raise FailedPrecondition("AsyncClient is not open: use 'async with' or 'await open()'")
+        try:
+            return await method(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    async def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
+        missing = self._maps.missing(s.segment_id for s in slots)
+        if version == self._maps.version and not missing:
+            return
+        assert self._link is not None
+        resp, fds = await asyncio.to_thread(self._link.request, map_request(missing))
+        m = resp.mapped
+        self._maps.update(m.segments_version, m.segments, m.fd_segment_ids, fds)
+
+    async def lookup(self, keys: Sequence[bytes]) -> int:
+        resp = await self._call(self._stub.Lookup, pb.LookupRequest(keys=as_keys(keys)))
+        return int(resp.hits)
+
+    async def lookup_tiers(self, keys: Sequence[bytes]) -> list[Tier]:
+        resp = await self._call(self._stub.Lookup, pb.LookupRequest(keys=as_keys(keys)))
+        return [Tier(t) for t in resp.tiers]
+
+    async def reserve(self, keys: Sequence[bytes]) -> AsyncReservation:
+        keys = as_keys(keys)
+        resp = await self._call(self._stub.Reserve, pb.ReserveRequest(keys=keys))
+        try:
+            await self._sync_maps(resp.segments_version, resp.slots)
+            return AsyncReservation(self, keys, resp)
+        except BaseException:
+            if resp.reservation_id:
+                await self._call(self._stub.Abort,
+                                 pb.AbortRequest(reservation_id=resp.reservation_id))
+            raise
+
+    async def acquire(self, keys: Sequence[bytes]) -> AsyncLease:
+        keys = as_keys(keys)
+        resp = await self._call(self._stub.Acquire, pb.AcquireRequest(keys=keys))
+        try:
+            await self._sync_maps(resp.segments_version, resp.slots)
+            return AsyncLease(self, keys, resp)
+        except BaseException:
+            if resp.lease_id:
+                await self._call(self._stub.Release, pb.ReleaseRequest(lease_id=resp.lease_id))
+            raise
+
+    async def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
+        keys = as_keys(keys)
+        if len(keys) != len(blocks):
+            raise InvalidArgument(f"keys and blocks differ in length ({len(keys)} != {len(blocks)})")
+        views = [as_bytes_view(b, i, self.block_bytes) for i, b in enumerate(blocks)]
+        async with await self.reserve(keys) as r:
+            for i in r.reserved:
+                r.write(i, views[i])
+            return await r.commit()
+
+    async def get(self, keys: Sequence[bytes]) -> list[np.ndarray]:
+        async with await self.acquire(keys) as lease:
+            return [v.copy() for v in lease.views]
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        resp = await self._call(self._stub.Delete, pb.DeleteRequest(keys=as_keys(keys)))
+        return int(resp.deleted)
+
+    async def stats(self) -> dict[str, Any]:
+        resp = await self._call(self._stub.Stats, pb.StatsRequest())
+        return MessageToDict(resp, preserving_proto_field_name=True,
+                             always_print_fields_with_no_presence=True)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        if self._link is not None:
+            self._link.close()
+        self._maps.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

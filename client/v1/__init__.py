@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code for kvtier.v1 (see scripts/gen_proto.py)."""

@@ -1,0 +1,318 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_DRAM: _ClassVar[Tier]
+    TIER_SSD: _ClassVar[Tier]
+    TIER_SHARED: _ClassVar[Tier]
+
+class ReserveStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESERVE_STATUS_UNSPECIFIED: _ClassVar[ReserveStatus]
+    RESERVE_STATUS_RESERVED: _ClassVar[ReserveStatus]
+    RESERVE_STATUS_EXISTS: _ClassVar[ReserveStatus]
+    RESERVE_STATUS_IN_FLIGHT: _ClassVar[ReserveStatus]
+TIER_UNSPECIFIED: Tier
+TIER_DRAM: Tier
+TIER_SSD: Tier
+TIER_SHARED: Tier
+RESERVE_STATUS_UNSPECIFIED: ReserveStatus
+RESERVE_STATUS_RESERVED: ReserveStatus
+RESERVE_STATUS_EXISTS: ReserveStatus
+RESERVE_STATUS_IN_FLIGHT: ReserveStatus
+
+class NamespaceDecl(_message.Message):
+    __slots__ = ("name", "block_bytes", "model_uid")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_UID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    block_bytes: int
+    model_uid: str
+    def __init__(self, name: _Optional[str] = ..., block_bytes: _Optional[int] = ..., model_uid: _Optional[str] = ...) -> None: ...
+
+class SegmentInfo(_message.Message):
+    __slots__ = ("segment_id", "data_offset", "data_bytes")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    data_offset: int
+    data_bytes: int
+    def __init__(self, segment_id: _Optional[int] = ..., data_offset: _Optional[int] = ..., data_bytes: _Optional[int] = ...) -> None: ...
+
+class OpenSession(_message.Message):
+    __slots__ = ("ns",)
+    NS_FIELD_NUMBER: _ClassVar[int]
+    ns: NamespaceDecl
+    def __init__(self, ns: _Optional[_Union[NamespaceDecl, _Mapping]] = ...) -> None: ...
+
+class MapSegments(_message.Message):
+    __slots__ = ("want_fds",)
+    WANT_FDS_FIELD_NUMBER: _ClassVar[int]
+    want_fds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, want_fds: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("open", "map")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    MAP_FIELD_NUMBER: _ClassVar[int]
+    open: OpenSession
+    map: MapSegments
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., map: _Optional[_Union[MapSegments, _Mapping]] = ...) -> None: ...
+
+class SessionOpened(_message.Message):
+    __slots__ = ("token", "slot_bytes", "segments_version", "segments", "daemon_version", "boot_epoch")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    slot_bytes: int
+    segments_version: int
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentInfo]
+    daemon_version: str
+    boot_epoch: int
+    def __init__(self, token: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments_version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ...) -> None: ...
+
+class SegmentsMapped(_message.Message):
+    __slots__ = ("segments_version", "segments", "fd_segment_ids")
+    SEGMENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    FD_SEGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    segments_version: int
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentInfo]
+    fd_segment_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, segments_version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., fd_segment_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SessionError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("opened", "mapped", "error")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    opened: SessionOpened
+    mapped: SegmentsMapped
+    error: SessionError
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., mapped: _Optional[_Union[SegmentsMapped, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ...) -> None: ...
+
+class SlotRef(_message.Message):
+    __slots__ = ("segment_id", "offset", "length", "checksum", "has_checksum")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    offset: int
+    length: int
+    checksum: int
+    has_checksum: bool
+    def __init__(self, segment_id: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., has_checksum: _Optional[bool] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("hits", "tiers")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    hits: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, hits: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reservation_id", "statuses", "slots", "segments_version")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    statuses: _containers.RepeatedScalarFieldContainer[ReserveStatus]
+    slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
+    segments_version: int
+    def __init__(self, reservation_id: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[ReserveStatus, str]]] = ..., slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., segments_version: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("reservation_id", "lengths", "checksums")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reservation_id: _Optional[int] = ..., lengths: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("committed",)
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    committed: int
+    def __init__(self, committed: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("reservation_id",)
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    def __init__(self, reservation_id: _Optional[int] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: int
+    def __init__(self, aborted: _Optional[int] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("lease_id", "hits", "slots", "tiers", "segments_version")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    hits: int
+    slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    segments_version: int
+    def __init__(self, lease_id: _Optional[int] = ..., hits: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., segments_version: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "total_bytes", "free_bytes", "reserved_bytes", "committed_bytes", "committed_blocks", "reserved_blocks")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    total_bytes: int
+    free_bytes: int
+    reserved_bytes: int
+    committed_bytes: int
+    committed_blocks: int
+    reserved_blocks: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("name", "block_bytes", "model_uid", "slot_bytes", "segments", "committed_blocks", "reserved_blocks", "free_slots", "leased_blocks", "sessions", "hits", "misses")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_UID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    block_bytes: int
+    model_uid: str
+    slot_bytes: int
+    segments: int
+    committed_blocks: int
+    reserved_blocks: int
+    free_slots: int
+    leased_blocks: int
+    sessions: int
+    hits: int
+    misses: int
+    def __init__(self, name: _Optional[str] = ..., block_bytes: _Optional[int] = ..., model_uid: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., free_slots: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "namespaces", "sessions", "leases", "reservations", "evictions", "mlocked", "mlock_error", "prefault_seconds", "daemon_version", "boot_epoch", "uptime_seconds")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    MLOCKED_FIELD_NUMBER: _ClassVar[int]
+    MLOCK_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PREFAULT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    sessions: int
+    leases: int
+    reservations: int
+    evictions: int
+    mlocked: bool
+    mlock_error: str
+    prefault_seconds: float
+    daemon_version: str
+    boot_epoch: int
+    uptime_seconds: float
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., mlocked: _Optional[bool] = ..., mlock_error: _Optional[str] = ..., prefault_seconds: _Optional[float] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+
+class CheckRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckResponse(_message.Message):
+    __slots__ = ("problems",)
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, problems: _Optional[_Iterable[str]] = ...) -> None: ...

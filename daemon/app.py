@@ -1,0 +1,236 @@
+"""Wiring: build the store, the gRPC server, the session channel and metrics.
+
+``create_daemon(config)`` returns a started ``Daemon`` with its bound
+addresses (tests use temp directories and metrics port 0); ``Daemon.stop()``
+stops it gracefully.  Ordering at start: directories and the instance lock,
+then the store, then the sockets; systemd hears READY=1 only after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import glob
+import logging
+import os
+import resource
+import time
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from prometheus_client import CollectorRegistry, start_http_server
+
+from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME
+from kvtier.errors import FailedPrecondition
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+from kvtierd import systemd
+from kvtierd.config import Config
+from kvtierd.metrics import Metrics
+from kvtierd.segments import Segment, SegmentLayout
+from kvtierd.service import KVTierService
+from kvtierd.session_channel import SessionChannel
+from kvtierd.store import Block, Namespace, Store
+
+log = logging.getLogger(__name__)
+
+#: How often leases and reservations are checked against their TTL.
+EXPIRY_INTERVAL = 1.0
+SERVICE_NAME = "kvtier.v1.KVTier"
+
+
+@dataclasses.dataclass
+class Daemon:
+    """A running kvtierd: what it serves and where."""
+
+    config: Config
+    store: Store
+    metrics: Metrics
+    server: grpc.aio.Server
+    channel: SessionChannel
+    health: Any
+    grpc_path: str
+    session_path: str
+    metrics_port: int | None
+    _http: Any
+    _lock_fd: int
+    _expiry: asyncio.Task[None]
+    _stopped: bool = False
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting work, let in-flight calls finish (bounded), release everything."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.server.grace if grace is None else grace
+        systemd.notify("STOPPING=1")
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.channel.stop()
+        self._expiry.cancel()
+        await asyncio.gather(self._expiry, return_exceptions=True)
+        await self.store.drain()
+        self.store.close_all()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.grpc_path)
+        os.close(self._lock_fd)
+        log.info("kvtierd stopped")
+
+
+def _lock_instance(shm_dir: str, instance: str) -> int:
+    """Hold an flock on the instance; the kernel drops it when we die (even by SIGKILL)."""
+    path = os.path.join(shm_dir, "kvtierd.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise FailedPrecondition(
+            f"another kvtierd (pid {holder}) is running instance {instance!r} on {shm_dir}"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _next_boot_epoch(shm_dir: str) -> int:
+    """A counter in the instance directory, bumped at every start."""
+    path = os.path.join(shm_dir, "epoch")
+    try:
+        with open(path) as f:
+            epoch = int(f.read().strip() or 0) + 1
+    except (FileNotFoundError, ValueError):
+        epoch = 1
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{epoch}\n")
+    os.replace(tmp, path)
+    return epoch
+
+
+def _make_dir(path: str, mode: int) -> None:
+    os.makedirs(path, mode=mode, exist_ok=True)
+    os.chmod(path, mode)
+
+
+def _raise_nofile_limit() -> None:
+    """One fd per extent: take the hard NOFILE limit as the soft one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _create_extent(
+    cfg: Config, boot_epoch: int, ns: Namespace, index: int, layout: SegmentLayout, seg_id: int
+) -> Segment:
+    return Segment.create(
+        cfg.dram.shm_dir,
+        segment_id=seg_id,
+        namespace=ns.name,
+        model_uid=ns.model_uid,
+        index=index,
+        layout=layout,
+        boot_epoch=boot_epoch,
+        mlock=cfg.dram.mlock,
+        prefault_threads=cfg.dram.prefault_threads,
+    )
+
+
+async def _expire_forever(store: Store, metrics: Metrics) -> None:
+    while True:
+        await asyncio.sleep(EXPIRY_INTERVAL)
+        _, leases = store.expire()
+        if leases:
+            metrics.expired_leases.inc(leases)
+
+
+async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = None) -> Daemon:
+    """Build and start a daemon for ``cfg``; returns once every socket is bound."""
+    t0 = time.monotonic()
+    _make_dir(cfg.server.socket_dir, 0o755)
+    _make_dir(cfg.dram.shm_dir, 0o700)
+    lock_fd = _lock_instance(cfg.dram.shm_dir, cfg.instance)
+    try:
+        _raise_nofile_limit()
+        stale = glob.glob(os.path.join(cfg.dram.shm_dir, "*.seg"))
+        for path in stale:
+            os.unlink(path)
+        if stale:
+            log.info("cold start: removed %d segment files of a previous run", len(stale))
+        boot_epoch = _next_boot_epoch(cfg.dram.shm_dir)
+
+        registry = registry if registry is not None else CollectorRegistry()
+        metrics = Metrics(registry)
+
+        def on_evict(block: Block) -> None:
+            metrics.evicted_blocks.labels(block.ns.name, "dram").inc()
+
+        store = Store(
+            capacity=cfg.dram.capacity,
+            extent_size=cfg.dram.extent_size,
+            extent_factory=functools.partial(_create_extent, cfg, boot_epoch),
+            lease_ttl=cfg.leases.ttl,
+            reservation_ttl=cfg.reservations.ttl,
+            boot_epoch=boot_epoch,
+            on_evict=on_evict,
+        )
+        metrics.watch(store)
+
+        grpc_path = os.path.join(cfg.server.socket_dir, GRPC_SOCKET_NAME)
+        session_path = os.path.join(cfg.server.socket_dir, SESSION_SOCKET_NAME)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(grpc_path)
+        limit = cfg.server.max_message_bytes
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+            ]
+        )
+        service = KVTierService(store, metrics, max_keys=cfg.server.max_keys_per_call,
+                                started=t0)
+        pb_grpc.add_KVTierServicer_to_server(service, server)
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        server.add_insecure_port(f"unix:{grpc_path}")
+        await server.start()
+        os.chmod(grpc_path, cfg.server.socket_mode)
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+        channel = SessionChannel(store, metrics, session_path, cfg.server.socket_mode)
+        await channel.start()
+
+        http = None
+        metrics_port: int | None = None
+        if cfg.metrics.host is not None:
+            http, _thread = start_http_server(cfg.metrics.port, addr=cfg.metrics.host,
+                                              registry=registry)
+            metrics_port = http.server_port
+
+        expiry = asyncio.get_running_loop().create_task(_expire_forever(store, metrics))
+    except BaseException:
+        os.close(lock_fd)
+        raise
+    daemon = Daemon(
+        config=cfg, store=store, metrics=metrics, server=server, channel=channel, health=health,
+        grpc_path=grpc_path, session_path=session_path, metrics_port=metrics_port, _http=http,
+        _lock_fd=lock_fd, _expiry=expiry,
+    )
+    log.info(
+        "kvtierd ready in %.2f s: grpc %s, sessions %s, metrics %s, DRAM %.1f MiB in %s "
+        "(epoch %d)",
+        time.monotonic() - t0, grpc_path, session_path,
+        f"{cfg.metrics.host}:{metrics_port}" if metrics_port is not None else "off",
+        cfg.dram.capacity / 2**20, cfg.dram.shm_dir, boot_epoch,
+    )
+    systemd.notify("READY=1")
+    return daemon

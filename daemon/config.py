@@ -1,0 +1,765 @@
+"""The daemon's configuration: typed, frozen, loaded once.
+
+Sources, lowest to highest precedence:
+
+1. built-in defaults (the ``DEFAULT_*`` constants below);
+2. a YAML file: ``path``, or ``$KVTIER_CONFIG`` when no path is given;
+3. environment variables ``KVTIER_INSTANCE`` and ``KVTIER_<SECTION>_<KEY>``
+   (e.g. ``KVTIER_DRAM_CAPACITY=2GiB``); other ``KVTIER_*`` variables that
+   match no section (``KVTIER_SOCKET_DIR``, ``KVTIER_CONFIG``...) belong to
+   someone else and are ignored;
+4. overrides ``section.key=value`` (``instance=name`` for the top level),
+   e.g. from ``kvtierd --set dram.capacity=2GiB``.
+
+Environment and override values are read as YAML scalars, so ``true``,
+``4096`` and ``2GiB`` mean what they do in the file.  For keys whose value is
+text (``instance``, paths, ``socket_mode``, ``metrics.address``,
+``log.level``) a scalar that YAML would read as something else is kept as
+written: ``KVTIER_SERVER_SOCKET_MODE=0660`` is the string ``"0660"`` (YAML 1.1
+would make it the integer 432) and ``KVTIER_METRICS_ADDRESS=`` is ``""``.
+
+Sizes are ``"64MiB"``-style strings with binary units B/KiB/MiB/GiB/TiB
+(KB/MB/GB/TB are decimal) or plain integers of bytes; durations are
+``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"`` or a number of seconds.  Booleans
+are only ``true``/``false`` (YAML 1.1's ``yes``/``on``/... are text here, so
+they are rejected rather than silently read as booleans).
+
+Anything wrong -- an unknown key, a wrong type, a bad unit, a value out of
+range, a file that is missing or not a mapping -- raises :class:`ConfigError`
+whose message starts with the dotted key (or the file / variable / override
+that holds the unknown key) and says what was expected and what was given.
+Nothing is warned about and carried on from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+import mmap
+import os
+import pwd
+import re
+from collections.abc import Callable, Mapping, Sequence
+from decimal import Decimal
+from fractions import Fraction
+from typing import Any, Final, TypeVar
+
+import yaml
+
+from kvtier._paths import (
+    GRPC_SOCKET_NAME,
+    SESSION_SOCKET_NAME,
+    default_shm_dir,
+    default_socket_dir,
+)
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DramConfig",
+    "LeaseConfig",
+    "LogConfig",
+    "MetricsConfig",
+    "ReservationConfig",
+    "ServerConfig",
+    "config_to_dict",
+    "format_duration",
+    "format_size",
+    "load_config",
+    "parse_duration",
+    "parse_size",
+]
+
+_T = TypeVar("_T")
+
+KiB: Final = 1024
+MiB: Final = 1024 * KiB
+GiB: Final = 1024 * MiB
+TiB: Final = 1024 * GiB
+
+# ---------------------------------------------------------------------------
+# Defaults and limits.  Each value says why it is what it is.
+# ---------------------------------------------------------------------------
+
+#: One daemon per host is the common case; further daemons must name themselves.
+DEFAULT_INSTANCE: Final = "default"
+#: Owner and group (the serving engine's group) may connect; nobody else may.
+DEFAULT_SOCKET_MODE: Final = 0o660
+#: gRPC's own default receive limit; a 4096-key call with metadata fits many times over.
+DEFAULT_MAX_MESSAGE_BYTES: Final = 4 * MiB
+#: A 128k-token prompt in 32-token blocks is one call; larger batches are split by the client.
+DEFAULT_MAX_KEYS_PER_CALL: Final = 4096
+#: In-flight calls are short memory operations; 2 s ends them well inside systemd's stop timeout.
+DEFAULT_GRACE: Final = 2.0
+#: A modest pool that fits a laptop out of the box; production sets the real budget.
+DEFAULT_DRAM_CAPACITY: Final = 1 * GiB
+#: 16 extents fill the default pool: few mmaps, yet a small namespace does not grab it all.
+DEFAULT_EXTENT_SIZE: Final = 64 * MiB
+#: 0 = auto (the segments module picks from the CPU count), the right choice almost always.
+DEFAULT_PREFAULT_THREADS: Final = 0
+#: Keep the DRAM tier out of swap whenever RLIMIT_MEMLOCK lets us; silently skipped otherwise.
+DEFAULT_MLOCK: Final = True
+#: Far longer than a client holds a block for a copy, short enough that a crashed client's pins free.
+DEFAULT_LEASE_TTL: Final = 300.0
+#: A writer that has not committed within a minute has died or stalled; reclaim its slots.
+DEFAULT_RESERVATION_TTL: Final = 60.0
+#: Loopback only, so metrics are not exposed to the network unasked; 9464 is the exporter convention.
+DEFAULT_METRICS_ADDRESS: Final = "127.0.0.1:9464"
+#: Lifecycle events and errors without per-call noise.
+DEFAULT_LOG_LEVEL: Final = "info"
+
+#: Below this a single batch of keys with its metadata no longer fits in one message.
+MIN_MAX_MESSAGE_BYTES: Final = 64 * KiB
+#: gRPC keeps message limits in a signed 32-bit int.
+MAX_MAX_MESSAGE_BYTES: Final = 2**31 - 1
+#: Above this one call would hold the store's lock for too long; clients split larger batches.
+MAX_KEYS_PER_CALL_LIMIT: Final = 1_000_000
+#: Below this the pool cannot hold even one extent of reasonable size.
+MIN_DRAM_CAPACITY: Final = 1 * MiB
+#: Below this per-extent overhead (header page, slot table, an mmap) dominates.
+MIN_EXTENT_SIZE: Final = 64 * KiB
+#: Extents are mmapped files, so they are whole pages.
+EXTENT_ALIGNMENT: Final = mmap.PAGESIZE
+#: The levels the daemon logs at; ``critical`` has no use that ``error`` does not cover.
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+
+_INSTANCE_RE: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_SIZE_RE: Final = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)")
+_DURATION_RE: Final = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)")
+_MODE_RE: Final = re.compile(r"(?:0o|0)?([0-7]{1,4})")
+_HOST_RE: Final = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?")
+_ENV_REF_RE: Final = re.compile(r"\$(?:\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+_SIZE_UNITS: Final[Mapping[str, int]] = {
+    "": 1,
+    "B": 1,
+    "KiB": KiB,
+    "MiB": MiB,
+    "GiB": GiB,
+    "TiB": TiB,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+}
+_DURATION_UNITS: Final[Mapping[str, Fraction]] = {
+    "": Fraction(1),
+    "ms": Fraction(1, 1000),
+    "s": Fraction(1),
+    "m": Fraction(60),
+    "h": Fraction(3600),
+}
+_SIZE_EXAMPLE: Final = "a size like '64GiB'"
+_SIZE_UNITS_HINT: Final = "units: B, KiB, MiB, GiB, TiB; KB, MB, GB, TB are decimal"
+_DURATION_EXAMPLE: Final = "a duration like '30s'"
+_DURATION_UNITS_HINT: Final = "units: ms, s, m, h; a bare number is seconds"
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key and the problem."""
+
+
+# ---------------------------------------------------------------------------
+# The schema.  Field names are the YAML keys.  Constructing these directly
+# (e.g. in tests) skips validation; the daemon always goes through load_config.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The gRPC and session sockets."""
+
+    socket_dir: str
+    socket_mode: int = DEFAULT_SOCKET_MODE
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_keys_per_call: int = DEFAULT_MAX_KEYS_PER_CALL
+    grace: float = DEFAULT_GRACE
+
+    @property
+    def grpc_socket(self) -> str:
+        """Path of the gRPC control-plane socket."""
+        return os.path.join(self.socket_dir, GRPC_SOCKET_NAME)
+
+    @property
+    def session_socket(self) -> str:
+        """Path of the session (fd-passing) socket."""
+        return os.path.join(self.socket_dir, SESSION_SOCKET_NAME)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DramConfig:
+    """The shared-memory DRAM tier."""
+
+    shm_dir: str
+    capacity: int = DEFAULT_DRAM_CAPACITY
+    extent_size: int = DEFAULT_EXTENT_SIZE
+    prefault_threads: int = DEFAULT_PREFAULT_THREADS
+    mlock: bool = DEFAULT_MLOCK
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaseConfig:
+    """Read leases (pins granted by acquire)."""
+
+    ttl: float = DEFAULT_LEASE_TTL
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReservationConfig:
+    """Write reservations (slots granted by reserve, awaiting commit)."""
+
+    ttl: float = DEFAULT_RESERVATION_TTL
+
+
+def _metrics_defaults() -> tuple[str, int]:
+    host, _, port = DEFAULT_METRICS_ADDRESS.rpartition(":")
+    return host, int(port)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """The Prometheus endpoint.
+
+    ``address`` is what was configured; ``host`` and ``port`` are parsed from
+    it (``host`` is None when disabled; an IPv6 host is kept without brackets).
+    """
+
+    address: str = DEFAULT_METRICS_ADDRESS
+    host: str | None = dataclasses.field(
+        default=_metrics_defaults()[0], metadata={"derived": True}
+    )
+    port: int = dataclasses.field(default=_metrics_defaults()[1], metadata={"derived": True})
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the metrics endpoint is served."""
+        return self.host is not None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LogConfig:
+    """Logging."""
+
+    level: str = DEFAULT_LOG_LEVEL
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Config:
+    """The whole daemon configuration; build it with :func:`load_config`."""
+
+    server: ServerConfig
+    dram: DramConfig
+    instance: str = DEFAULT_INSTANCE
+    leases: LeaseConfig = dataclasses.field(default_factory=LeaseConfig)
+    reservations: ReservationConfig = dataclasses.field(default_factory=ReservationConfig)
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+
+
+#: Section name -> its dataclass, in the order the YAML file documents them.
+SECTIONS: Final[Mapping[str, type[Any]]] = {
+    "server": ServerConfig,
+    "dram": DramConfig,
+    "leases": LeaseConfig,
+    "reservations": ReservationConfig,
+    "metrics": MetricsConfig,
+    "log": LogConfig,
+}
+
+
+def _section_keys(cls: type[Any]) -> tuple[str, ...]:
+    return tuple(
+        f.name for f in dataclasses.fields(cls) if not f.metadata.get("derived", False)
+    )
+
+
+#: Section name -> the keys it accepts (its dataclass fields less derived ones).
+SECTION_KEYS: Final[Mapping[str, tuple[str, ...]]] = {
+    name: _section_keys(cls) for name, cls in SECTIONS.items()
+}
+#: Keys accepted at the top level of the file.
+TOP_LEVEL_KEYS: Final = ("instance", *SECTIONS)
+#: Keys whose value is text: an env/override scalar YAML would read as non-text is kept as written.
+_TEXT_KEYS: Final = frozenset(
+    {
+        "instance",
+        "server.socket_dir",
+        "server.socket_mode",
+        "dram.shm_dir",
+        "metrics.address",
+        "log.level",
+    }
+)
+
+
+# ---------------------------------------------------------------------------
+# YAML: safe loading with YAML 1.2 booleans.
+# ---------------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` whose only booleans are true/false (not yes/no/on/off)."""
+
+
+_BOOL_TAG: Final = "tag:yaml.org,2002:bool"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def _safe_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 -- _Loader is a SafeLoader
+
+
+# ---------------------------------------------------------------------------
+# Value parsers.  Each takes (value, dotted key) and raises ConfigError
+# "<key>: expected ..., got <value>".
+# ---------------------------------------------------------------------------
+
+
+def _fail(key: str, expected: str, value: object, hint: str = "") -> ConfigError:
+    suffix = f" ({hint})" if hint else ""
+    return ConfigError(f"{key}: expected {expected}, got {value!r}{suffix}")
+
+
+def parse_size(value: object, key: str) -> int:
+    """Parse a size in bytes: an int, or a string like ``"64MiB"``, ``"1.5GiB"``, ``"4096"``.
+
+    Binary units B/KiB/MiB/GiB/TiB; KB/MB/GB/TB are powers of ten. The
+    result must be a whole, non-negative number of bytes. Raises ConfigError
+    naming ``key`` otherwise.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise _fail(key, _SIZE_EXAMPLE, value)
+    if isinstance(value, int):
+        if value < 0:
+            raise _fail(key, _SIZE_EXAMPLE, value)
+        return value
+    match = _SIZE_RE.fullmatch(value.strip())
+    if match is None:
+        raise _fail(key, _SIZE_EXAMPLE, value)
+    number, unit = match.groups()
+    if unit not in _SIZE_UNITS:
+        raise _fail(key, _SIZE_EXAMPLE, value, _SIZE_UNITS_HINT)
+    exact = Fraction(number) * _SIZE_UNITS[unit]
+    if exact.denominator != 1:
+        raise _fail(key, "a whole number of bytes", value)
+    return int(exact)
+
+
+def parse_duration(value: object, key: str) -> float:
+    """Parse a duration in seconds: a number, or a string like ``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"``.
+
+    The result is finite and non-negative. Raises ConfigError naming ``key``
+    otherwise.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise _fail(key, _DURATION_EXAMPLE, value)
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value < 0:
+            raise _fail(key, _DURATION_EXAMPLE, value)
+        return float(value)
+    match = _DURATION_RE.fullmatch(value.strip())
+    if match is None:
+        raise _fail(key, _DURATION_EXAMPLE, value)
+    number, unit = match.groups()
+    if unit not in _DURATION_UNITS:
+        raise _fail(key, _DURATION_EXAMPLE, value, _DURATION_UNITS_HINT)
+    return float(Fraction(number) * _DURATION_UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    """Format bytes as the largest binary unit that divides them exactly (``parse_size`` inverts it)."""
+    for name, unit in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= unit and n % unit == 0:
+            return f"{n // unit}{name}"
+    return f"{n}B"
+
+
+def format_duration(seconds: float) -> str:
+    """Format seconds as ``"300s"``, ``"250ms"`` or ``"1.5s"`` (``parse_duration`` inverts it)."""
+    if seconds == int(seconds):
+        return f"{int(seconds)}s"
+    millis = round(seconds * 1000)
+    if float(Fraction(millis, 1000)) == seconds:
+        return f"{millis}ms"
+    return f"{Decimal(repr(seconds)):f}s"
+
+
+def _parse_int(value: object, key: str, lo: int, hi: int | None = None) -> int:
+    expected = f"an integer in {lo}..{hi}" if hi is not None else f"an integer >= {lo}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(key, expected, value)
+    if value < lo or (hi is not None and value > hi):
+        raise _fail(key, expected, value)
+    return value
+
+
+def _parse_bool(value: object, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(key, "true or false", value)
+    return value
+
+
+def _parse_size_in(value: object, key: str, lo: int, hi: int | None = None) -> int:
+    n = parse_size(value, key)
+    if n < lo:
+        raise _fail(key, f"a size of at least {format_size(lo)}", value)
+    if hi is not None and n > hi:
+        raise _fail(key, f"a size of at most {hi} bytes", value)
+    return n
+
+
+def _parse_positive_duration(value: object, key: str) -> float:
+    seconds = parse_duration(value, key)
+    if seconds <= 0:
+        raise _fail(key, "a duration > 0 like '30s'", value)
+    return seconds
+
+
+def _parse_instance(value: object, key: str) -> str:
+    if not isinstance(value, str) or _INSTANCE_RE.fullmatch(value) is None:
+        raise _fail(key, "a name of 1-64 characters from [A-Za-z0-9_-]", value)
+    return value
+
+
+def _parse_socket_mode(value: object, key: str) -> int:
+    expected = "an octal mode string like '0660'"
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise _fail(key, expected, value, "quote it: YAML reads an unquoted 0660 as the integer 432")
+    if not isinstance(value, str):
+        raise _fail(key, expected, value)
+    match = _MODE_RE.fullmatch(value.strip())
+    if match is None:
+        raise _fail(key, expected, value)
+    mode = int(match.group(1), 8)
+    if mode > 0o777:
+        raise _fail(key, "permission bits only (at most '0777')", value)
+    if mode & 0o600 != 0o600:
+        raise _fail(key, "a mode that keeps the owner's read and write bits (0600)", value)
+    return mode
+
+
+def _parse_metrics_address(value: object, key: str) -> tuple[str, str | None, int]:
+    expected = "'host:port', '[ipv6]:port' or '' to disable"
+    if not isinstance(value, str):
+        raise _fail(key, expected, value)
+    address = value.strip()
+    if address == "":
+        return "", None, 0
+    if address.startswith("["):
+        host, sep, port_text = address[1:].partition("]:")
+        try:
+            ip = ipaddress.ip_address(host.partition("%")[0])
+        except ValueError:
+            raise _fail(key, expected, value) from None
+        if not sep or ip.version != 6:
+            raise _fail(key, expected, value)
+    else:
+        host, sep, port_text = address.rpartition(":")
+        if ":" in host:
+            raise _fail(key, expected, value, "put an IPv6 address in brackets: '[::1]:9464'")
+        if not sep or _HOST_RE.fullmatch(host) is None:
+            raise _fail(key, expected, value)
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise _fail(key, f"{expected}, with a port in 0..65535", value)
+    return address, host, int(port_text)
+
+
+def _parse_log_level(value: object, key: str) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in LOG_LEVELS:
+        raise _fail(key, "one of " + ", ".join(LOG_LEVELS), value)
+    return value.strip().lower()
+
+
+def _home(env: Mapping[str, str]) -> str:
+    home = env.get("HOME", "")
+    return home if home else pwd.getpwuid(os.getuid()).pw_dir
+
+
+def _path_parser(env: Mapping[str, str]) -> Callable[[object, str], str]:
+    """A parser for absolute directory paths, expanding ``~`` and ``$VAR``/``${VAR}`` from ``env``."""
+
+    def parse(value: object, key: str) -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise _fail(key, "an absolute path", value)
+        text = value.strip()
+
+        def substitute(match: re.Match[str]) -> str:
+            name = match.group(1) if match.group(1) is not None else match.group(2)
+            if name not in env:
+                raise ConfigError(
+                    f"{key}: environment variable {name!r} is not set (in {value!r})"
+                )
+            return env[name]
+
+        text = _ENV_REF_RE.sub(substitute, text)
+        if text == "~" or text.startswith("~/"):
+            text = _home(env) + text[1:]
+        elif text.startswith("~"):
+            expanded = os.path.expanduser(text)
+            if expanded == text:
+                raise _fail(key, "an absolute path (unknown user in '~user')", value)
+            text = expanded
+        if not os.path.isabs(text):
+            raise _fail(key, "an absolute path", value)
+        return os.path.normpath(text)
+
+    return parse
+
+
+# ---------------------------------------------------------------------------
+# Sources.  Each yields {dotted key: (raw value, where it came from)}.
+# ---------------------------------------------------------------------------
+
+_Raw = dict[str, tuple[object, str]]
+
+
+def _known(section: str | None) -> str:
+    keys = TOP_LEVEL_KEYS if section is None else SECTION_KEYS[section]
+    return "(known: " + ", ".join(sorted(keys)) + ")"
+
+
+def _from_file(path: str | os.PathLike[str]) -> _Raw:
+    where = os.fspath(path)
+    try:
+        with open(where, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{where}: cannot read config file: {reason}") from None
+    try:
+        data = _safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: invalid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{where}: expected a mapping of sections at the top level, "
+            f"got {type(data).__name__} {data!r}"
+        )
+    raw: _Raw = {}
+    for name, body in data.items():
+        if name not in TOP_LEVEL_KEYS:
+            raise ConfigError(f"{where}: unknown key {str(name)!r} {_known(None)}")
+        if name == "instance":
+            raw["instance"] = (body, where)
+            continue
+        if body is None:  # a section whose keys are all commented out
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(
+                f"{name}: expected a mapping of {', '.join(SECTION_KEYS[name])}, "
+                f"got {body!r} (from {where})"
+            )
+        for sub, value in body.items():
+            if sub not in SECTION_KEYS[name]:
+                raise ConfigError(f"{where}: unknown key '{name}.{sub}' {_known(name)}")
+            raw[f"{name}.{sub}"] = (value, where)
+    return raw
+
+
+def _scalar(text: str, key: str, where: str) -> object:
+    """Read an env/override value as a YAML scalar (text keys keep non-text scalars as written)."""
+    try:
+        value = _safe_load(text)
+    except yaml.YAMLError:
+        value = text
+    if value is None or (key in _TEXT_KEYS and not isinstance(value, str)):
+        return text
+    return value
+
+
+def _from_env(env: Mapping[str, str]) -> _Raw:
+    raw: _Raw = {}
+    for name in sorted(env):
+        if not name.startswith("KVTIER_"):
+            continue
+        rest = name[len("KVTIER_") :]
+        if rest == "INSTANCE":
+            raw["instance"] = (_scalar(env[name], "instance", name), name)
+            continue
+        section = next((s for s in SECTIONS if rest.startswith(s.upper() + "_")), None)
+        if section is None:
+            continue  # KVTIER_SOCKET_DIR, KVTIER_CONFIG, ...: not ours
+        sub = rest[len(section) + 1 :]
+        keys = [k for k in SECTION_KEYS[section] if k.upper() == sub]
+        if not keys:
+            raise ConfigError(f"{name}: unknown key '{section}.{sub.lower()}' {_known(section)}")
+        key = f"{section}.{keys[0]}"
+        raw[key] = (_scalar(env[name], key, name), name)
+    return raw
+
+
+def _from_overrides(overrides: Sequence[str]) -> _Raw:
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a sequence of 'section.key=value' strings, not a str")
+    raw: _Raw = {}
+    for item in overrides:
+        where = f"override {item!r}"
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(f"{where}: expected 'section.key=value'")
+        key = key.strip()
+        section, dot, sub = key.partition(".")
+        if not dot:
+            if key != "instance":
+                raise ConfigError(f"{where}: unknown key {key!r} {_known(None)}")
+        elif section not in SECTION_KEYS:
+            raise ConfigError(f"{where}: unknown key {key!r} {_known(None)}")
+        elif sub not in SECTION_KEYS[section]:
+            raise ConfigError(f"{where}: unknown key {key!r} {_known(section)}")
+        raw[key] = (_scalar(text, key, where), where)
+    return raw
+
+
+def _socket_dir_source(env: Mapping[str, str]) -> str:
+    if env.get("KVTIER_SOCKET_DIR", ""):
+        return "KVTIER_SOCKET_DIR"
+    if env.get("XDG_RUNTIME_DIR", ""):
+        return "default under XDG_RUNTIME_DIR"
+    return "default"
+
+
+# ---------------------------------------------------------------------------
+# Loading.
+# ---------------------------------------------------------------------------
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Sequence[str] = (),
+) -> Config:
+    """Build the configuration from defaults < file < environment < overrides.
+
+    ``path`` None means ``$KVTIER_CONFIG`` if set and non-empty, else no file.
+    ``env`` defaults to ``os.environ``. ``overrides`` are ``section.key=value``
+    strings (``instance=name`` for the top level). Raises ConfigError on any
+    invalid input; never returns a partially valid config.
+    """
+    if env is None:
+        env = os.environ
+    if path is None and env.get("KVTIER_CONFIG", ""):
+        path = env["KVTIER_CONFIG"]
+    raw: _Raw = {}
+    if path is not None:
+        raw.update(_from_file(path))
+    raw.update(_from_env(env))
+    raw.update(_from_overrides(overrides))
+    return _build(raw, env)
+
+
+def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
+    def take(key: str, parse: Callable[[object, str], _T], default: _T) -> _T:
+        if key not in raw:
+            return default
+        value, where = raw[key]
+        try:
+            return parse(value, key)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (from {where})") from None
+
+    parse_path = _path_parser(env)
+    instance = take("instance", _parse_instance, DEFAULT_INSTANCE)
+    raw.setdefault("server.socket_dir", (default_socket_dir(env), _socket_dir_source(env)))
+    raw.setdefault("dram.shm_dir", (default_shm_dir(instance), "default for the instance"))
+
+    server = ServerConfig(
+        socket_dir=take("server.socket_dir", parse_path, ""),
+        socket_mode=take("server.socket_mode", _parse_socket_mode, DEFAULT_SOCKET_MODE),
+        max_message_bytes=take(
+            "server.max_message_bytes",
+            lambda v, k: _parse_size_in(v, k, MIN_MAX_MESSAGE_BYTES, MAX_MAX_MESSAGE_BYTES),
+            DEFAULT_MAX_MESSAGE_BYTES,
+        ),
+        max_keys_per_call=take(
+            "server.max_keys_per_call",
+            lambda v, k: _parse_int(v, k, 1, MAX_KEYS_PER_CALL_LIMIT),
+            DEFAULT_MAX_KEYS_PER_CALL,
+        ),
+        grace=take("server.grace", parse_duration, DEFAULT_GRACE),
+    )
+    capacity = take(
+        "dram.capacity",
+        lambda v, k: _parse_size_in(v, k, MIN_DRAM_CAPACITY),
+        DEFAULT_DRAM_CAPACITY,
+    )
+
+    def parse_extent(value: object, key: str) -> int:
+        n = _parse_size_in(value, key, MIN_EXTENT_SIZE)
+        if n % EXTENT_ALIGNMENT:
+            raise _fail(key, f"a multiple of the page size ({EXTENT_ALIGNMENT} bytes)", value)
+        if n > capacity:
+            raise _fail(key, f"a size of at most dram.capacity ({format_size(capacity)})", value)
+        return n
+
+    # The default extent shrinks to fit a pool smaller than it (an explicit one must fit).
+    default_extent = min(DEFAULT_EXTENT_SIZE, capacity - capacity % EXTENT_ALIGNMENT)
+    dram = DramConfig(
+        shm_dir=take("dram.shm_dir", parse_path, ""),
+        capacity=capacity,
+        extent_size=take("dram.extent_size", parse_extent, default_extent),
+        prefault_threads=take(
+            "dram.prefault_threads", lambda v, k: _parse_int(v, k, 0), DEFAULT_PREFAULT_THREADS
+        ),
+        mlock=take("dram.mlock", _parse_bool, DEFAULT_MLOCK),
+    )
+    address, host, port = take(
+        "metrics.address",
+        _parse_metrics_address,
+        _parse_metrics_address(DEFAULT_METRICS_ADDRESS, "metrics.address"),
+    )
+    return Config(
+        instance=instance,
+        server=server,
+        dram=dram,
+        leases=LeaseConfig(
+            ttl=take("leases.ttl", _parse_positive_duration, DEFAULT_LEASE_TTL),
+        ),
+        reservations=ReservationConfig(
+            ttl=take("reservations.ttl", _parse_positive_duration, DEFAULT_RESERVATION_TTL),
+        ),
+        metrics=MetricsConfig(address=address, host=host, port=port),
+        log=LogConfig(level=take("log.level", _parse_log_level, DEFAULT_LOG_LEVEL)),
+    )
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """The effective config as plain YAML-ready data in the file's own notation.
+
+    Sizes and durations come back as strings (``"64MiB"``, ``"300s"``), the
+    socket mode as ``"0660"``, metrics as its ``address``; loading the result
+    as a file gives an equal Config.
+    """
+    s, d = cfg.server, cfg.dram
+    return {
+        "instance": cfg.instance,
+        "server": {
+            "socket_dir": s.socket_dir,
+            "socket_mode": f"0{s.socket_mode:03o}",
+            "max_message_bytes": format_size(s.max_message_bytes),
+            "max_keys_per_call": s.max_keys_per_call,
+            "grace": format_duration(s.grace),
+        },
+        "dram": {
+            "shm_dir": d.shm_dir,
+            "capacity": format_size(d.capacity),
+            "extent_size": format_size(d.extent_size),
+            "prefault_threads": d.prefault_threads,
+            "mlock": d.mlock,
+        },
+        "leases": {"ttl": format_duration(cfg.leases.ttl)},
+        "reservations": {"ttl": format_duration(cfg.reservations.ttl)},
+        "metrics": {"address": cfg.metrics.address},
+        "log": {"level": cfg.log.level},
+    }

@@ -1,0 +1,212 @@
+"""The gRPC service: wire format <-> store calls, validation, error mapping.
+
+This is where a request enters.  Each handler validates its message at the
+edge with an exact message, finds the session from the ``kvtier-session``
+metadata, calls the store, and builds the response.  No policy lives here;
+errors raised anywhere below travel as the status ``kvtier.errors.STATUS_OF``
+gives them, applied in one place (``_rpc``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from kvtier import __version__
+from kvtier.errors import Internal, InvalidArgument, KVTierError, Unauthenticated, status_of
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+from kvtierd.metrics import Metrics
+from kvtierd.segments import MAX_KEY_BYTES
+from kvtierd.store import ReserveStatus, Session, SlotGrant, Store
+
+log = logging.getLogger(__name__)
+
+#: Metadata entry that carries the session token on every call.
+SESSION_METADATA = "kvtier-session"
+
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
+_Handler = Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]]
+
+
+def validate_keys(keys: Sequence[bytes], max_keys: int) -> None:
+    """Reject empty/oversized key lists and keys outside 1..64 bytes."""
+    if not keys:
+        raise InvalidArgument(f"keys is empty (1..{max_keys} keys per call)")
+    if len(keys) > max_keys:
+        raise InvalidArgument(f"{len(keys)} keys exceed max_keys_per_call {max_keys}")
+    for i, key in enumerate(keys):
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise InvalidArgument(f"keys[{i}] is {len(key)} bytes (1..{MAX_KEY_BYTES} allowed)")
+
+
+def _rpc(method: str) -> Callable[[_Handler[_Req, _Resp]], _Handler[_Req, _Resp]]:
+    """Time the call and turn kvtier errors into their status (the one mapping point)."""
+
+    def deco(fn: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
+        @functools.wraps(fn)
+        async def wrapper(self: KVTierService, request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
+            t0 = time.perf_counter()
+            try:
+                return await fn(self, request, context)
+            except KVTierError as exc:
+                err: KVTierError = exc
+            except Exception as exc:  # a bug: log it whole, answer INTERNAL, keep serving
+                log.exception("%s failed", method)
+                err = Internal(f"{method}: {type(exc).__name__}: {exc}")
+            finally:
+                self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - t0)
+            code = status_of(err)
+            self.metrics.rpc_errors.labels(method, code.name).inc()
+            await context.abort(code, str(err))
+            raise AssertionError("unreachable: context.abort raises")
+
+        return wrapper
+
+    return deco
+
+
+def _slot_refs(grants: Sequence[SlotGrant]) -> list[pb.SlotRef]:
+    return [
+        pb.SlotRef(
+            segment_id=g.segment_id, offset=g.offset, length=g.length,
+            checksum=g.checksum or 0, has_checksum=g.checksum is not None,
+        )
+        for g in grants
+    ]
+
+
+class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
+    """``kvtier.v1.KVTier`` over a ``Store``."""
+
+    def __init__(self, store: Store, metrics: Metrics, *, max_keys: int, started: float) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.max_keys = max_keys
+        self.started = started
+
+    def _session(self, context: grpc.aio.ServicerContext) -> Session:
+        for key, value in context.invocation_metadata() or ():
+            if key == SESSION_METADATA:
+                token = value.decode() if isinstance(value, bytes) else value
+                return self.store.session_for(token)
+        raise Unauthenticated(f"missing {SESSION_METADATA!r} metadata: open a session first")
+
+    @_rpc("Lookup")
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        session = self._session(context)
+        validate_keys(request.keys, self.max_keys)
+        hits = self.store.lookup(session, request.keys)
+        ns = session.ns.name
+        self.metrics.lookups.labels(ns).inc()
+        self.metrics.hit_blocks.labels(ns, "lookup").inc(hits)
+        self.metrics.missed_blocks.labels(ns, "lookup").inc(len(request.keys) - hits)
+        return pb.LookupResponse(hits=hits, tiers=[pb.TIER_DRAM] * hits)
+
+    @_rpc("Reserve")
+    async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+        session = self._session(context)
+        validate_keys(request.keys, self.max_keys)
+        result = await self.store.reserve(session, request.keys)
+        self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.slots))
+        return pb.ReserveResponse(
+            reservation_id=result.reservation_id,
+            statuses=result.statuses,
+            slots=_slot_refs(result.slots),
+            segments_version=result.segments_version,
+        )
+
+    @_rpc("Commit")
+    async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
+        session = self._session(context)
+        checksums = list(request.checksums) if request.checksums else None
+        n = self.store.commit(session, request.reservation_id, list(request.lengths), checksums)
+        self.metrics.committed_blocks.labels(session.ns.name).inc(n)
+        return pb.CommitResponse(committed=n)
+
+    @_rpc("Abort")
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        session = self._session(context)
+        n = self.store.abort(session, request.reservation_id)
+        self.metrics.aborted_blocks.labels(session.ns.name, "abort").inc(n)
+        return pb.AbortResponse(aborted=n)
+
+    @_rpc("Acquire")
+    async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
+        session = self._session(context)
+        validate_keys(request.keys, self.max_keys)
+        result = self.store.acquire(session, request.keys)
+        hits = len(result.slots)
+        ns = session.ns.name
+        self.metrics.hit_blocks.labels(ns, "acquire").inc(hits)
+        self.metrics.missed_blocks.labels(ns, "acquire").inc(len(request.keys) - hits)
+        return pb.AcquireResponse(
+            lease_id=result.lease_id,
+            hits=hits,
+            slots=_slot_refs(result.slots),
+            tiers=[pb.TIER_DRAM] * hits,
+            segments_version=result.segments_version,
+        )
+
+    @_rpc("Release")
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        session = self._session(context)
+        self.store.release(session, request.lease_id)
+        return pb.ReleaseResponse()
+
+    @_rpc("Delete")
+    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+        session = self._session(context)
+        validate_keys(request.keys, self.max_keys)
+        return pb.DeleteResponse(deleted=self.store.delete(session, request.keys))
+
+    @_rpc("Stats")
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        return build_stats(self.store, self.started)
+
+    @_rpc("Check")
+    async def Check(self, request: pb.CheckRequest, context: grpc.aio.ServicerContext) -> pb.CheckResponse:
+        return pb.CheckResponse(problems=self.store.check())
+
+
+def build_stats(store: Store, started: float) -> pb.StatsResponse:
+    """A ``StatsResponse`` snapshot of the store."""
+    acct = store.dram_bytes()
+    committed_blocks = sum(ns.committed for ns in store.namespaces.values())
+    reserved_blocks = sum(ns.reserved for ns in store.namespaces.values())
+    tiers = [
+        pb.TierStats(
+            tier=pb.TIER_DRAM, total_bytes=acct["total"], free_bytes=acct["free"],
+            reserved_bytes=acct["reserved"], committed_bytes=acct["committed"],
+            committed_blocks=committed_blocks, reserved_blocks=reserved_blocks,
+        )
+    ]
+    namespaces = [
+        pb.NamespaceStats(
+            name=ns.name, block_bytes=ns.block_bytes, model_uid=ns.model_uid,
+            slot_bytes=ns.slot_bytes, segments=len(ns.extents), committed_blocks=ns.committed,
+            reserved_blocks=ns.reserved, free_slots=ns.free_slots(), leased_blocks=ns.leased,
+            sessions=ns.sessions, hits=ns.hits, misses=ns.misses,
+        )
+        for ns in store.namespaces.values()
+    ]
+    return pb.StatsResponse(
+        tiers=tiers,
+        namespaces=namespaces,
+        sessions=len(store.sessions),
+        leases=store.lease_count,
+        reservations=store.reservation_count,
+        evictions=store.evictions,
+        mlocked=not store.mlock_errors,
+        mlock_error=store.mlock_errors[0] if store.mlock_errors else "",
+        prefault_seconds=store.prefault_seconds,
+        daemon_version=__version__,
+        boot_epoch=store.boot_epoch,
+        uptime_seconds=time.monotonic() - started,
+    )

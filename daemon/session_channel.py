@@ -1,0 +1,261 @@
+"""The session channel: a Unix stream socket that opens sessions and passes fds.
+
+A client connects once, declares its namespace (``OpenSession``), and gets a
+session token plus the namespace's segment file descriptors (``SCM_RIGHTS``);
+later ``MapSegments`` requests fetch fds of extents added since.  The peer's
+pid/uid/gid come from ``SO_PEERCRED``.  The open connection *is* the session's
+liveness: when it closes (the client exited, crashed or was SIGKILLed) the
+session's leases are released and its reservations aborted at once.
+
+Frames are a 4-byte big-endian length and a ``kvtier.v1.SessionRequest`` /
+``SessionResponse``.  Anything malformed gets a ``SessionError`` frame and the
+connection is closed; the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import os
+import re
+import socket
+import struct
+from typing import Final
+
+from google.protobuf.message import DecodeError
+
+from kvtier import __version__
+from kvtier.errors import FailedPrecondition, InvalidArgument, KVTierError, status_of
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtierd.metrics import Metrics
+from kvtierd.segments import Segment
+from kvtierd.store import Peer, Session, Store
+
+log = logging.getLogger(__name__)
+
+#: Largest frame either side sends: the segment list of a 16 TiB namespace in
+#: 64 MiB extents is ~4 MiB; requests are tiny.  Anything above is hostile.
+MAX_FRAME: Final = 8 << 20
+#: Linux SCM_MAX_FD: most fds one sendmsg may carry; longer lists are split.
+MAX_FDS_PER_MSG: Final = 253
+#: A connection must declare its namespace this soon or it is dropped (a
+#: half-open connection that never speaks must not hold resources forever).
+HANDSHAKE_TIMEOUT: Final = 10.0
+_NAME_RE: Final = re.compile(r"[A-Za-z0-9._/-]{1,128}")
+_LEN: Final = struct.Struct(">I")
+
+
+class _Closed(Exception):
+    """The peer closed the connection."""
+
+
+def validate_decl(decl: pb.NamespaceDecl) -> None:
+    """Check a namespace declaration at the edge, with exact messages."""
+    if not _NAME_RE.fullmatch(decl.name):
+        raise InvalidArgument(
+            f"namespace name {decl.name!r} must be 1..128 characters of [A-Za-z0-9._/-]"
+        )
+    if decl.block_bytes == 0:
+        raise InvalidArgument("block_bytes is required and must be > 0")
+    if not 0 < len(decl.model_uid) <= 256:
+        raise InvalidArgument(f"model_uid must be 1..256 characters, got {len(decl.model_uid)}")
+
+
+class SessionChannel:
+    """Serves the session socket at ``path`` for ``store``."""
+
+    def __init__(self, store: Store, metrics: Metrics, path: str, mode: int) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.path = path
+        self.mode = mode
+        self._sock: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.bind(self.path)
+        os.chmod(self.path, self.mode)
+        sock.listen(512)
+        sock.setblocking(False)
+        self._sock = sock
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def stop(self) -> None:
+        """Stop accepting, close every connection (ending its session)."""
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            await asyncio.gather(self._accept_task, return_exceptions=True)
+        for task in list(self._conns):
+            task.cancel()
+        await asyncio.gather(*self._conns, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    async def _accept_loop(self) -> None:
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:  # EMFILE and friends: back off, keep serving
+                log.warning("session channel accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = loop.create_task(self._serve(conn))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        session: Session | None = None
+        try:
+            pid, uid, gid = struct.unpack(
+                "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            )
+            peer = Peer(pid, uid, gid)
+            while True:
+                timeout = HANDSHAKE_TIMEOUT if session is None else None
+                try:
+                    frame = await asyncio.wait_for(self._read_frame(conn), timeout)
+                except asyncio.TimeoutError:
+                    raise InvalidArgument(
+                        f"no OpenSession within {HANDSHAKE_TIMEOUT:.0f} s of connecting"
+                    ) from None
+                try:
+                    req = pb.SessionRequest.FromString(frame)
+                except DecodeError:
+                    raise InvalidArgument("session channel frame is not a SessionRequest") from None
+                kind = req.WhichOneof("kind")
+                if kind == "open":
+                    if session is not None:
+                        raise FailedPrecondition("this connection already has a session")
+                    validate_decl(req.open.ns)
+                    session = self.store.open_session(
+                        req.open.ns.name, req.open.ns.block_bytes, req.open.ns.model_uid, peer
+                    )
+                    log.debug("session %d opened by pid %d uid %d in %r", session.id, pid, uid,
+                              session.ns.name)
+                    await self._send_opened(conn, session)
+                elif kind == "map":
+                    if session is None:
+                        raise FailedPrecondition("MapSegments before OpenSession")
+                    await self._send_mapped(conn, session, set(req.map.want_fds))
+                else:
+                    raise InvalidArgument("empty SessionRequest (set open or map)")
+        except _Closed:
+            pass
+        except KVTierError as exc:
+            await self._send_error(conn, exc)
+        except (ConnectionError, OSError) as exc:
+            log.debug("session channel connection failed: %s", exc)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            if session is not None:
+                aborted, released = self.store.close_session(session)
+                self.metrics.sessions_closed.inc()
+                if aborted or released:
+                    log.info("session %d (pid %d) closed: %d reservations aborted, %d leases "
+                             "released", session.id, session.peer.pid, aborted, released)
+            conn.close()
+
+    # ------------------------------------------------------------- framing
+    async def _read_exact(self, conn: socket.socket, n: int) -> bytes:
+        loop = asyncio.get_running_loop()
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = await loop.sock_recv(conn, n - len(buf))
+            if not chunk:
+                raise _Closed()
+            buf += chunk
+        return bytes(buf)
+
+    async def _read_frame(self, conn: socket.socket) -> bytes:
+        (length,) = _LEN.unpack(await self._read_exact(conn, _LEN.size))
+        if length > MAX_FRAME:
+            raise InvalidArgument(f"frame of {length} bytes exceeds {MAX_FRAME}")
+        return await self._read_exact(conn, length)
+
+    async def _send(self, conn: socket.socket, msg: pb.SessionResponse, fds: list[int]) -> None:
+        body = msg.SerializeToString()
+        data = memoryview(_LEN.pack(len(body)) + body)
+        # Split so each sendmsg carries at most MAX_FDS_PER_MSG fds (>= 1 byte each).
+        n_pieces = max(1, -(-len(fds) // MAX_FDS_PER_MSG))
+        if n_pieces > len(data):
+            raise InvalidArgument(f"too many segments to send ({len(fds)})")
+        cut = [len(data) * k // n_pieces for k in range(n_pieces + 1)]
+        loop = asyncio.get_running_loop()
+        for k in range(n_pieces):
+            piece = data[cut[k] : cut[k + 1]]
+            chunk_fds = fds[k * MAX_FDS_PER_MSG : (k + 1) * MAX_FDS_PER_MSG]
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", chunk_fds))] if chunk_fds else []
+            while piece:
+                try:
+                    sent = conn.sendmsg([piece], anc)
+                except BlockingIOError:
+                    fut: asyncio.Future[None] = loop.create_future()
+                    loop.add_writer(conn.fileno(), fut.set_result, None)
+                    try:
+                        await fut
+                    finally:
+                        loop.remove_writer(conn.fileno())
+                    continue
+                piece = piece[sent:]
+                anc = []  # the fds went with the first bytes
+
+    async def _send_opened(self, conn: socket.socket, session: Session) -> None:
+        ns = session.ns
+        segs = self.store.segments(ns)
+        msg = pb.SessionResponse(
+            opened=pb.SessionOpened(
+                token=session.token,
+                slot_bytes=ns.slot_bytes,
+                segments_version=ns.segments_version,
+                segments=[_info(s) for s in segs],
+                daemon_version=__version__,
+                boot_epoch=self.store.boot_epoch,
+            )
+        )
+        await self._send(conn, msg, [s.fd for s in segs])
+
+    async def _send_mapped(self, conn: socket.socket, session: Session, want: set[int]) -> None:
+        ns = session.ns
+        segs = self.store.segments(ns)
+        # Only this namespace's segments can ever be sent (DESIGN invariant 5).
+        send = [s for s in segs if s.segment_id in want]
+        msg = pb.SessionResponse(
+            mapped=pb.SegmentsMapped(
+                segments_version=ns.segments_version,
+                segments=[_info(s) for s in segs],
+                fd_segment_ids=[s.segment_id for s in send],
+            )
+        )
+        await self._send(conn, msg, [s.fd for s in send])
+
+    async def _send_error(self, conn: socket.socket, exc: KVTierError) -> None:
+        msg = pb.SessionResponse(
+            error=pb.SessionError(code=status_of(exc).value[0], message=str(exc))
+        )
+        try:
+            await asyncio.wait_for(self._send(conn, msg, []), 1.0)
+        except (OSError, asyncio.TimeoutError, KVTierError):
+            pass
+
+
+def _info(seg: Segment) -> pb.SegmentInfo:
+    return pb.SegmentInfo(
+        segment_id=seg.segment_id,
+        data_offset=seg.layout.data_offset,
+        data_bytes=seg.layout.n_slots * seg.layout.slot_bytes,
+    )

@@ -1,0 +1,796 @@
+"""The store: per-namespace index, one host-wide LRU, reservations, leases.
+
+Policy lives here; bytes never do.  The store decides which slot a key gets,
+when a block becomes visible, which block is evicted, and who holds what;
+the mechanism (``segments``) persists slot states; the service translates the
+wire.  Every public call either applies fully or changes nothing (a failed
+call may only have *evicted* unleased blocks, which is cache policy, never a
+loss of anything acknowledged to a caller as leased or reserved).
+
+Pins (the three workflows; each pin is granted by exactly one call and
+released by exactly one call):
+
+1. **write**: ``reserve`` grants a reservation (slot state RESERVED, key
+   IN_FLIGHT); exactly one of ``commit`` / ``abort`` / reservation expiry /
+   session close ends it.
+2. **read**: ``acquire`` grants a lease (each block's pin count +1, the block
+   leaves the LRU); exactly one of ``release`` / lease expiry / session close
+   ends it.
+3. **delete of a leased block**: ``delete`` hides the block at once (it is
+   *doomed*); its slot is freed by whichever workflow-2 ending drops the last
+   pin.
+
+Capacity: one global DRAM budget (``dram.capacity``) from which namespaces
+grow in extents.  A reserve that finds no free slot evicts the host-wide
+least recently used unleased block of the same namespace, or reclaims a
+whole extent of another namespace whose blocks are all evictable (so the
+budget can move between namespaces), or grows a new extent when the budget
+allows.  Eviction is the one place where DRAM blocks leave: the spill tiers
+turn ``_evict`` into demotion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final
+
+from kvtier.errors import (
+    CapacityExhausted,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    Unauthenticated,
+)
+from kvtierd.segments import Segment, SegmentLayout, SlotState
+
+log = logging.getLogger(__name__)
+
+#: How many LRU entries one reserve may inspect while looking for victims:
+#: bounds the work of a single allocation (STYLE: bounded work per operation).
+EVICTION_SCAN_LIMIT: Final = 4096
+#: Grow/reclaim rounds one reserve may take before it settles for eviction;
+#: each round adds or reclaims at least one extent, so this bounds its work.
+MAX_GROW_ROUNDS: Final = 64
+
+
+class ReserveStatus:
+    """Per-key outcome of a reserve (values match the wire enum)."""
+
+    RESERVED: Final = 1
+    EXISTS: Final = 2
+    IN_FLIGHT: Final = 3
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Peer:
+    """Who is on the other end of a session channel (from SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Extent:
+    """One segment of a namespace plus the store's bookkeeping of its slots."""
+
+    segment: Segment
+    free: list[int]
+    generations: list[int]
+    reserved: int = 0
+    committed: int = 0  # includes doomed blocks still pinned
+    pinned: int = 0  # slots with pins > 0
+
+    @property
+    def n_slots(self) -> int:
+        return self.segment.layout.n_slots
+
+    @property
+    def bytes(self) -> int:
+        return self.segment.layout.file_bytes
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Block:
+    """A committed block: where it lives and who pins it."""
+
+    ns: Namespace
+    key: bytes
+    extent: Extent
+    slot: int
+    length: int
+    checksum: int | None
+    generation: int
+    pins: int = 0
+    doomed: bool = False
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Namespace:
+    """A namespace: its declared layout, extents and key index."""
+
+    name: str
+    block_bytes: int
+    model_uid: str
+    slot_bytes: int
+    extents: list[Extent] = dataclasses.field(default_factory=list)
+    index: dict[bytes, Block] = dataclasses.field(default_factory=dict)
+    in_flight: dict[bytes, int] = dataclasses.field(default_factory=dict)  # key -> reservation id
+    next_extent_index: int = 0
+    segments_version: int = 1
+    sessions: int = 0
+    reserved: int = 0
+    committed: int = 0  # slots holding committed data (doomed included)
+    leased: int = 0  # blocks with pins > 0
+    hits: int = 0
+    misses: int = 0
+    grow_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+    def free_slots(self) -> int:
+        return sum(len(e.free) for e in self.extents)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Reservation:
+    id: int
+    session: Session
+    keys: list[bytes]
+    places: list[tuple[Extent, int, int]]  # (extent, slot, generation) per key
+    expires: float
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Lease:
+    id: int
+    session: Session
+    blocks: list[Block]
+    expires: float
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Session:
+    id: int
+    token: str
+    ns: Namespace
+    peer: Peer
+    opened: float
+    leases: dict[int, Lease] = dataclasses.field(default_factory=dict)
+    reservations: dict[int, Reservation] = dataclasses.field(default_factory=dict)
+    closed: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SlotGrant:
+    """Where a reserved or leased block's bytes are, for the wire."""
+
+    segment_id: int
+    offset: int
+    length: int
+    checksum: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReserveResult:
+    reservation_id: int
+    statuses: list[int]
+    slots: list[SlotGrant]
+    segments_version: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AcquireResult:
+    lease_id: int
+    slots: list[SlotGrant]
+    segments_version: int
+
+
+class _NeedExtent(Exception):
+    """Internal signal: the reserve fits only after growing ``slots`` more free slots."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__(slots)
+        self.slots = slots
+
+
+#: Creates a segment file for (namespace, extent index, layout, segment id); blocking I/O.
+ExtentFactory = Callable[[Namespace, int, SegmentLayout, int], Segment]
+
+
+class Store:
+    """Index, LRU, reservations and leases over the DRAM extents.
+
+    All methods run on the event loop thread; the only awaits are extent
+    creation/retirement (blocking I/O sent to an executor).
+    """
+
+    def __init__(
+        self,
+        *,
+        capacity: int,
+        extent_size: int,
+        extent_factory: ExtentFactory,
+        lease_ttl: float,
+        reservation_ttl: float,
+        boot_epoch: int,
+        clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[Block], None] | None = None,
+    ) -> None:
+        self.capacity = capacity
+        self.extent_size = extent_size
+        self.lease_ttl = lease_ttl
+        self.reservation_ttl = reservation_ttl
+        self.boot_epoch = boot_epoch
+        self._factory = extent_factory
+        self._clock = clock
+        self._on_evict = on_evict
+        self.namespaces: dict[str, Namespace] = {}
+        self.sessions: dict[int, Session] = {}
+        self._by_token: dict[str, Session] = {}
+        self.lru: collections.OrderedDict[Block, None] = collections.OrderedDict()
+        self.budget_free = capacity
+        self._ids = itertools.count(1)
+        self._segment_ids = itertools.count(1)
+        self._access_seq = itertools.count(1)
+        self._reservations: dict[int, Reservation] = {}
+        self._leases: dict[int, Lease] = {}
+        self._retiring: set[asyncio.Future[None]] = set()
+        # event counters (read by metrics at scrape time)
+        self.evictions = 0
+        self.mlock_errors: list[str] = []
+        self.prefault_seconds = 0.0
+
+    # ================================================================ sessions
+    def open_session(self, name: str, block_bytes: int, model_uid: str, peer: Peer) -> Session:
+        """Declare (or join) a namespace and start a session in it."""
+        ns = self.namespaces.get(name)
+        if ns is None:
+            if SegmentLayout.fit(block_bytes, self.capacity) is None:
+                raise InvalidArgument(
+                    f"block_bytes {block_bytes} does not fit in dram.capacity {self.capacity}"
+                )
+            slot_bytes = SegmentLayout.fit(block_bytes, self.capacity).slot_bytes  # type: ignore[union-attr]
+            ns = Namespace(name, block_bytes, model_uid, slot_bytes)
+            self.namespaces[name] = ns
+            log.info("namespace %r declared: block_bytes=%d model_uid=%r", name, block_bytes,
+                     model_uid)
+        elif ns.block_bytes != block_bytes or ns.model_uid != model_uid:
+            raise FailedPrecondition(
+                f"namespace {name!r} is declared with block_bytes={ns.block_bytes} "
+                f"model_uid={ns.model_uid!r}; refusing block_bytes={block_bytes} "
+                f"model_uid={model_uid!r}"
+            )
+        sid = next(self._ids)
+        session = Session(sid, secrets.token_hex(16), ns, peer, self._clock())
+        self.sessions[sid] = session
+        self._by_token[session.token] = session
+        ns.sessions += 1
+        return session
+
+    def session_for(self, token: str) -> Session:
+        session = self._by_token.get(token)
+        if session is None:
+            raise Unauthenticated(
+                "unknown session token (the session was closed or never opened; "
+                "open one on the session channel)"
+            )
+        return session
+
+    def close_session(self, session: Session) -> tuple[int, int]:
+        """End a session: abort its reservations and release its leases.
+
+        Returns (reservations aborted, leases released).  Idempotent.
+        """
+        if session.closed:
+            return (0, 0)
+        session.closed = True
+        n_res = len(session.reservations)
+        n_lease = len(session.leases)
+        for res in list(session.reservations.values()):
+            self._end_reservation(res, commit=None)
+        for lease in list(session.leases.values()):
+            self._end_lease(lease)
+        del self.sessions[session.id]
+        del self._by_token[session.token]
+        session.ns.sessions -= 1
+        return (n_res, n_lease)
+
+    # ================================================================ lookup
+    def lookup(self, session: Session, keys: Sequence[bytes]) -> int:
+        """Number of leading keys present (committed, not deleted); no side effects."""
+        index = session.ns.index
+        hits = 0
+        for key in keys:
+            if key not in index:
+                break
+            hits += 1
+        return hits
+
+    # ================================================================ write path
+    async def reserve(self, session: Session, keys: Sequence[bytes]) -> ReserveResult:
+        """Allocate writable slots for the keys not yet present (all or nothing)."""
+        ns = session.ns
+        for _round in range(MAX_GROW_ROUNDS):
+            try:
+                return self._reserve_now(session, keys, may_grow=True)
+            except _NeedExtent as need:
+                if not await self._grow(ns, need.slots):
+                    break
+        return self._reserve_now(session, keys, may_grow=False)
+
+    def _reserve_now(self, session: Session, keys: Sequence[bytes], *, may_grow: bool) -> ReserveResult:
+        ns = session.ns
+        if session.closed:
+            raise Unauthenticated("session is closed")
+        statuses: list[int] = []
+        new_keys: list[bytes] = []
+        seen: set[bytes] = set()
+        for i, key in enumerate(keys):
+            if key in seen:
+                raise InvalidArgument(f"duplicate key at index {i}")
+            seen.add(key)
+            if key in ns.index:
+                statuses.append(ReserveStatus.EXISTS)
+            elif key in ns.in_flight:
+                statuses.append(ReserveStatus.IN_FLIGHT)
+            else:
+                statuses.append(ReserveStatus.RESERVED)
+                new_keys.append(key)
+        if not new_keys:
+            return ReserveResult(0, statuses, [], ns.segments_version)
+        places = self._take_slots(ns, len(new_keys), may_grow=may_grow)
+        # From here on nothing can fail: apply.
+        rid = next(self._ids)
+        res = Reservation(rid, session, new_keys, [], self._clock() + self.reservation_ttl)
+        grants: list[SlotGrant] = []
+        for key, (ext, slot) in zip(new_keys, places):
+            gen = ext.generations[slot] + 1
+            ext.generations[slot] = gen
+            ext.reserved += 1
+            ext.segment.mark_reserved(slot, gen)
+            ns.in_flight[key] = rid
+            res.places.append((ext, slot, gen))
+            grants.append(SlotGrant(ext.segment.segment_id, ext.segment.slot_offset(slot),
+                                    ns.block_bytes, None))
+        ns.reserved += len(new_keys)
+        session.reservations[rid] = res
+        self._reservations[rid] = res
+        return ReserveResult(rid, statuses, grants, ns.segments_version)
+
+    def _take_slots(self, ns: Namespace, n: int, *, may_grow: bool) -> list[tuple[Extent, int]]:
+        """Pop ``n`` free slots of ``ns``, evicting or reclaiming as needed.
+
+        On failure every popped slot is back on its free list.
+        """
+        taken: list[tuple[Extent, int]] = []
+
+        def give_back() -> None:
+            for ext, slot in taken:
+                ext.free.append(slot)
+
+        for ext in ns.extents:
+            while ext.free and len(taken) < n:
+                taken.append((ext, ext.free.pop()))
+            if len(taken) == n:
+                return taken
+        short = n - len(taken)
+        # Room in the budget: grow rather than evict.
+        if may_grow and SegmentLayout.fit(ns.block_bytes, self.budget_free) is not None:
+            give_back()
+            raise _NeedExtent(n)
+        # Plan victims without changing anything.
+        same_ns: list[Block] = []
+        reclaim: list[Extent] = []
+        considered: set[int] = set()
+        for scanned, block in enumerate(self.lru):
+            if scanned >= EVICTION_SCAN_LIMIT or len(same_ns) >= short:
+                break
+            if block.ns is ns:
+                same_ns.append(block)
+            elif may_grow and id(block.extent) not in considered:
+                considered.add(id(block.extent))
+                ext = block.extent
+                if ext.reserved == 0 and ext.pinned == 0 and ext.committed + len(ext.free) == ext.n_slots:
+                    reclaim.append(ext)
+                    break  # one reclaimed extent funds a growth step; re-plan after it
+        if len(same_ns) >= short:
+            for block in same_ns[:short]:
+                self._evict(block)
+                taken.append((block.extent, block.extent.free.pop()))
+            return taken
+        if reclaim:
+            give_back()
+            for ext in reclaim:
+                self._retire_extent(ext)
+            raise _NeedExtent(n)
+        give_back()
+        raise CapacityExhausted(
+            f"DRAM is full for namespace {ns.name!r}: {n} slots needed, "
+            f"{len(taken) + len(same_ns)} obtainable ({ns.leased} leased and "
+            f"{ns.reserved} reserved blocks in this namespace cannot be evicted)"
+        )
+
+    def commit(
+        self,
+        session: Session,
+        reservation_id: int,
+        lengths: Sequence[int],
+        checksums: Sequence[int] | None,
+    ) -> int:
+        """Make a reservation's slots visible, all or nothing."""
+        res = self._own_reservation(session, reservation_id)
+        n = len(res.keys)
+        if len(lengths) != n:
+            raise InvalidArgument(
+                f"reservation {reservation_id} has {n} slots but {len(lengths)} lengths were given"
+            )
+        if checksums is not None and len(checksums) != n:
+            raise InvalidArgument(
+                f"lengths and checksums differ in length ({n} != {len(checksums)})"
+            )
+        limit = session.ns.block_bytes
+        for i, length in enumerate(lengths):
+            if not 0 < length <= limit:
+                raise InvalidArgument(f"lengths[{i}] = {length} is outside 1..{limit} (block_bytes)")
+        self._end_reservation(res, commit=(lengths, checksums))
+        return n
+
+    def abort(self, session: Session, reservation_id: int) -> int:
+        res = self._own_reservation(session, reservation_id)
+        self._end_reservation(res, commit=None)
+        return len(res.keys)
+
+    def _own_reservation(self, session: Session, reservation_id: int) -> Reservation:
+        if reservation_id == 0:
+            raise InvalidArgument("reservation_id is required (0 is not a reservation)")
+        res = session.reservations.get(reservation_id)
+        if res is None:
+            raise NotFound(
+                f"reservation {reservation_id} is not open in this session "
+                "(never issued, already committed or aborted, or expired)"
+            )
+        return res
+
+    def _end_reservation(
+        self,
+        res: Reservation,
+        commit: tuple[Sequence[int], Sequence[int] | None] | None,
+    ) -> None:
+        ns = res.session.ns
+        for i, (key, (ext, slot, gen)) in enumerate(zip(res.keys, res.places)):
+            del ns.in_flight[key]
+            ext.reserved -= 1
+            if commit is None:
+                ext.segment.mark_free(slot)
+                ext.free.append(slot)
+                continue
+            lengths, checksums = commit
+            checksum = checksums[i] if checksums is not None else None
+            ext.segment.mark_committed(
+                slot, key=key, length=lengths[i], checksum=checksum,
+                last_access=next(self._access_seq), generation=gen, epoch=self.boot_epoch,
+            )
+            block = Block(ns, key, ext, slot, lengths[i], checksum, gen)
+            ext.committed += 1
+            ns.committed += 1
+            ns.index[key] = block
+            self.lru[block] = None
+        ns.reserved -= len(res.keys)
+        del res.session.reservations[res.id]
+        del self._reservations[res.id]
+
+    # ================================================================ read path
+    def acquire(self, session: Session, keys: Sequence[bytes]) -> AcquireResult:
+        """Lease the longest present prefix of ``keys``."""
+        if session.closed:
+            raise Unauthenticated("session is closed")
+        ns = session.ns
+        blocks: list[Block] = []
+        for key in keys:
+            block = ns.index.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        if len({id(b) for b in blocks}) != len(blocks):
+            raise InvalidArgument("duplicate keys in one acquire")
+        ns.hits += len(blocks)
+        ns.misses += len(keys) - len(blocks)
+        if not blocks:
+            return AcquireResult(0, [], ns.segments_version)
+        lid = next(self._ids)
+        lease = Lease(lid, session, blocks, self._clock() + self.lease_ttl)
+        for block in blocks:
+            self._pin(block)
+            block.extent.segment.touch(block.slot, next(self._access_seq))
+        session.leases[lid] = lease
+        self._leases[lid] = lease
+        grants = [
+            SlotGrant(b.extent.segment.segment_id, b.extent.segment.slot_offset(b.slot), b.length,
+                      b.checksum)
+            for b in blocks
+        ]
+        return AcquireResult(lid, grants, ns.segments_version)
+
+    def release(self, session: Session, lease_id: int) -> None:
+        if lease_id == 0:
+            raise InvalidArgument("lease_id is required (0 is not a lease)")
+        lease = session.leases.get(lease_id)
+        if lease is None:
+            raise NotFound(
+                f"lease {lease_id} is not held by this session (already released, or expired)"
+            )
+        self._end_lease(lease)
+
+    def _pin(self, block: Block) -> None:
+        if block.pins == 0:
+            self.lru.pop(block, None)
+            block.extent.pinned += 1
+            block.ns.leased += 1
+        block.pins += 1
+
+    def _end_lease(self, lease: Lease) -> None:
+        for block in lease.blocks:
+            block.pins -= 1
+            if block.pins:
+                continue
+            block.extent.pinned -= 1
+            block.ns.leased -= 1
+            if block.doomed:
+                self._free_block(block)
+            else:
+                self.lru[block] = None  # most recently used
+        del lease.session.leases[lease.id]
+        del self._leases[lease.id]
+
+    # ================================================================ delete / evict
+    def delete(self, session: Session, keys: Sequence[bytes]) -> int:
+        """Remove present keys; a leased block is hidden now and freed at its last release."""
+        ns = session.ns
+        deleted = 0
+        for key in dict.fromkeys(keys):
+            block = ns.index.pop(key, None)
+            if block is None:
+                continue
+            deleted += 1
+            if block.pins:
+                block.doomed = True
+            else:
+                self.lru.pop(block, None)
+                self._free_block(block)
+        return deleted
+
+    def _evict(self, block: Block) -> None:
+        """The one exit of DRAM blocks (the spill tiers turn this into demotion)."""
+        assert block.pins == 0 and not block.doomed
+        del block.ns.index[block.key]
+        self.lru.pop(block, None)
+        self._free_block(block)
+        self.evictions += 1
+        if self._on_evict is not None:
+            self._on_evict(block)
+
+    def _free_block(self, block: Block) -> None:
+        ext = block.extent
+        ext.segment.mark_free(block.slot)
+        ext.committed -= 1
+        block.ns.committed -= 1
+        ext.free.append(block.slot)
+
+    # ================================================================ extents
+    async def _grow(self, ns: Namespace, need: int) -> bool:
+        """Add extents to ``ns`` from the global budget until ``need`` slots are free.
+
+        File creation and pre-faulting run off the loop; the budget is taken
+        before and given back if creation fails.  False when nothing could be
+        added (the caller then evicts).
+        """
+        async with ns.grow_lock:
+            while ns.free_slots() < need:
+                layout = SegmentLayout.fit(ns.block_bytes, min(self.budget_free, max(
+                    self.extent_size, SegmentLayout.one_slot_file_bytes(ns.block_bytes))))
+                if layout is None:
+                    break
+                self.budget_free -= layout.file_bytes
+                index = ns.next_extent_index
+                ns.next_extent_index += 1
+                seg_id = next(self._segment_ids)
+                loop = asyncio.get_running_loop()
+                try:
+                    segment = await loop.run_in_executor(None, self._factory, ns, index, layout,
+                                                         seg_id)
+                except BaseException as exc:
+                    self.budget_free += layout.file_bytes
+                    if isinstance(exc, OSError):
+                        raise CapacityExhausted(f"could not create a DRAM extent: {exc}") from exc
+                    raise
+                self.add_extent(ns, segment)
+            return ns.free_slots() > 0
+
+    def add_extent(self, ns: Namespace, segment: Segment) -> None:
+        """Account a created segment (its bytes are already taken from the budget)."""
+        n = segment.layout.n_slots
+        ext = Extent(segment, list(range(n - 1, -1, -1)), [0] * n)
+        ns.extents.append(ext)
+        ns.segments_version += 1
+        self.prefault_seconds += segment.prefault_seconds
+        if segment.mlock_error is not None:
+            self.mlock_errors.append(segment.mlock_error)
+
+    def _retire_extent(self, ext: Extent) -> None:
+        """Evict every block of an extent and give its bytes back to the budget."""
+        ns = ext.segment.namespace
+        owner = self.namespaces[ns]
+        for block in [b for b in owner.index.values() if b.extent is ext]:
+            self._evict(block)
+        assert ext.committed == 0 and ext.reserved == 0
+        owner.extents.remove(ext)
+        owner.segments_version += 1
+        self.budget_free += ext.bytes
+        log.info("reclaimed extent %d of namespace %r (%d bytes) for another namespace",
+                 ext.segment.index, ns, ext.bytes)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            ext.segment.close(unlink=True)
+            return
+        fut = loop.run_in_executor(None, lambda: ext.segment.close(unlink=True))
+        self._retiring.add(fut)
+        fut.add_done_callback(self._retiring.discard)
+
+    def segments(self, ns: Namespace) -> list[Segment]:
+        return [e.segment for e in ns.extents]
+
+    async def drain(self) -> None:
+        """Wait for extents being retired in the background."""
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
+
+    def close_all(self) -> None:
+        """Unmap every segment, keeping the files (the warm-restart path re-attaches them)."""
+        for ns in self.namespaces.values():
+            for ext in ns.extents:
+                ext.segment.close(unlink=False)
+
+    # ================================================================ expiry
+    def expire(self) -> tuple[int, int]:
+        """Abort reservations and release leases past their deadline; returns the counts."""
+        now = self._clock()
+        stale_res = [r for r in self._reservations.values() if r.expires <= now]
+        for res in stale_res:
+            log.warning("reservation %d of session %d expired; its %d slots are returned",
+                        res.id, res.session.id, len(res.keys))
+            self._end_reservation(res, commit=None)
+        stale_leases = [lease for lease in self._leases.values() if lease.expires <= now]
+        for lease in stale_leases:
+            log.warning("lease %d of session %d expired after %.0f s", lease.id,
+                        lease.session.id, self.lease_ttl)
+            self._end_lease(lease)
+        return (len(stale_res), len(stale_leases))
+
+    # ================================================================ accounting
+    @property
+    def lease_count(self) -> int:
+        return len(self._leases)
+
+    @property
+    def reservation_count(self) -> int:
+        return len(self._reservations)
+
+    def dram_bytes(self) -> dict[str, int]:
+        """Tier accounting: total = free + reserved + committed (bytes of slots)."""
+        reserved = sum(ns.reserved * ns.slot_bytes for ns in self.namespaces.values())
+        committed = sum(ns.committed * ns.slot_bytes for ns in self.namespaces.values())
+        return {
+            "total": self.capacity,
+            "reserved": reserved,
+            "committed": committed,
+            "free": self.capacity - reserved - committed,
+        }
+
+    def check(self) -> list[str]:
+        """Cross-check the index against the segments' slot tables; the problems found.
+
+        An empty list means: every tier balances (free + reserved + committed ==
+        total per extent and for the budget), every indexed block is committed
+        on its segment under its key and generation, every committed or
+        reserved slot is known to the index or a reservation, the LRU holds
+        exactly the unleased visible blocks, and pin counts equal the leases.
+        """
+        problems: list[str] = []
+        pins: collections.Counter[int] = collections.Counter()
+        for lease in self._leases.values():
+            for block in lease.blocks:
+                pins[id(block)] += 1
+        reserved_at: dict[tuple[int, int], Reservation] = {}
+        for res in self._reservations.values():
+            for ext, slot, _gen in res.places:
+                reserved_at[(id(ext), slot)] = res
+        extent_bytes = 0
+        lru_expected: set[int] = set()
+        for ns in self.namespaces.values():
+            blocks_at: dict[tuple[int, int], Block] = {}
+            for key, block in ns.index.items():
+                if block.key != key or block.doomed:
+                    problems.append(f"{ns.name}: index entry {key.hex()} points at a wrong block")
+                blocks_at[(id(block.extent), block.slot)] = block
+                if block.pins == 0:
+                    lru_expected.add(id(block))
+            for lease in self._leases.values():
+                for block in lease.blocks:
+                    if block.doomed and block.ns is ns:
+                        blocks_at[(id(block.extent), block.slot)] = block
+            totals = {"free": 0, "reserved": 0, "committed": 0}
+            for ext in ns.extents:
+                extent_bytes += ext.bytes
+                free_set = set(ext.free)
+                if len(free_set) != len(ext.free):
+                    problems.append(f"{ns.name}: extent {ext.segment.index} free list has duplicates")
+                counts = {"free": 0, "reserved": 0, "committed": 0}
+                for slot in range(ext.n_slots):
+                    rec = ext.segment.read_slot(slot)
+                    where = f"{ns.name}: extent {ext.segment.index} slot {slot}"
+                    block = blocks_at.get((id(ext), slot))
+                    res = reserved_at.get((id(ext), slot))
+                    if rec.state == SlotState.FREE:
+                        counts["free"] += 1
+                        if slot not in free_set:
+                            problems.append(f"{where}: FREE on segment but not on the free list")
+                        if block is not None or res is not None:
+                            problems.append(f"{where}: FREE on segment but in use in the index")
+                    elif rec.state == SlotState.RESERVED:
+                        counts["reserved"] += 1
+                        if res is None:
+                            problems.append(f"{where}: RESERVED on segment but no reservation")
+                    else:
+                        counts["committed"] += 1
+                        if block is None:
+                            problems.append(f"{where}: COMMITTED on segment but not indexed")
+                        elif (rec.key, rec.length, rec.generation) != (
+                            block.key, block.length, block.generation
+                        ):
+                            problems.append(f"{where}: slot table disagrees with the index")
+                    if block is not None and pins[id(block)] != block.pins:
+                        problems.append(f"{where}: pins {block.pins} != leases {pins[id(block)]}")
+                if counts["free"] != len(ext.free):
+                    problems.append(f"{ns.name}: extent {ext.segment.index} free list "
+                                    f"{len(ext.free)} != FREE slots {counts['free']}")
+                if (counts["reserved"], counts["committed"]) != (ext.reserved, ext.committed):
+                    problems.append(f"{ns.name}: extent {ext.segment.index} counters "
+                                    f"({ext.reserved}, {ext.committed}) != slot table "
+                                    f"({counts['reserved']}, {counts['committed']})")
+                if sum(counts.values()) != ext.n_slots:
+                    problems.append(f"{ns.name}: extent {ext.segment.index} does not balance")
+                for k in totals:
+                    totals[k] += counts[k]
+            if (totals["reserved"], totals["committed"]) != (ns.reserved, ns.committed):
+                problems.append(f"{ns.name}: namespace counters ({ns.reserved}, {ns.committed}) "
+                                f"!= slot tables ({totals['reserved']}, {totals['committed']})")
+            if set(ns.in_flight) != {k for r in self._reservations.values()
+                                     if r.session.ns is ns for k in r.keys}:
+                problems.append(f"{ns.name}: in-flight keys disagree with open reservations")
+        if extent_bytes + self.budget_free != self.capacity:
+            problems.append(f"DRAM budget does not balance: extents {extent_bytes} + free "
+                            f"{self.budget_free} != capacity {self.capacity}")
+        if {id(b) for b in self.lru} != lru_expected:
+            problems.append("LRU does not hold exactly the unleased visible blocks")
+        acct = self.dram_bytes()
+        if acct["free"] + acct["reserved"] + acct["committed"] != acct["total"] or acct["free"] < 0:
+            problems.append(f"DRAM accounting does not add up: {acct}")
+        return problems
+
+    def require_consistent(self) -> None:
+        problems = self.check()
+        if problems:
+            raise Internal("store check failed: " + "; ".join(problems[:10]))
+
+
+def iter_blocks(store: Store) -> Iterable[Block]:
+    for ns in store.namespaces.values():
+        yield from ns.index.values()

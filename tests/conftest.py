@@ -1,0 +1,141 @@
+"""Shared fixtures: a real kvtierd process on temp sockets and a small pool."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvtier.cli import fetch_stats, run_check
+from kvtier.v1 import kvtier_pb2 as pb
+
+#: Small pools keep tests fast and memory-light on a shared 2-core machine.
+TEST_CAPACITY = "32MiB"
+TEST_EXTENT = "4MiB"
+
+
+@dataclasses.dataclass
+class DaemonProc:
+    """A kvtierd child process and where it listens."""
+
+    proc: subprocess.Popen[str]
+    socket_dir: str
+    shm_dir: str
+    log_path: str
+    args: list[str]
+
+    @property
+    def grpc_path(self) -> str:
+        return os.path.join(self.socket_dir, "kvtier.sock")
+
+    def stats(self) -> pb.StatsResponse:
+        return fetch_stats(self.socket_dir, timeout=10)
+
+    def check(self) -> list[str]:
+        """The daemon's store.check(): empty when index, slot tables and accounting agree."""
+        return run_check(self.socket_dir, timeout=30)
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def metrics_port(self) -> int:
+        m = re.search(r"metrics 127\.0\.0\.1:(\d+)", self.log())
+        assert m, "daemon log has no metrics address"
+        return int(m.group(1))
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def wait_serving(socket_dir: str, proc: subprocess.Popen[str] | None, timeout: float = 20) -> None:
+    """Poll the gRPC health service until SERVING (or the process dies)."""
+    path = os.path.join(socket_dir, "kvtier.sock")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"kvtierd exited with {proc.returncode}")
+        if os.path.exists(path):
+            with grpc.insecure_channel(f"unix:{path}") as ch:
+                try:
+                    resp = health_pb2_grpc.HealthStub(ch).Check(
+                        health_pb2.HealthCheckRequest(service="kvtier.v1.KVTier"), timeout=1
+                    )
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+        time.sleep(0.05)
+    raise TimeoutError("kvtierd did not become ready")
+
+
+def start_daemon(base: str, *extra: str, capacity: str = TEST_CAPACITY,
+                 extent: str = TEST_EXTENT, shm_dir: str | None = None) -> DaemonProc:
+    socket_dir = os.path.join(base, "sock")
+    shm_dir = shm_dir or f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}"
+    log_path = os.path.join(base, f"kvtierd-{uuid.uuid4().hex[:6]}.log")
+    args = [
+        sys.executable, "-m", "kvtierd",
+        "--set", f"server.socket_dir={socket_dir}",
+        "--set", f"dram.shm_dir={shm_dir}",
+        "--set", f"dram.capacity={capacity}",
+        "--set", f"dram.extent_size={extent}",
+        "--set", "metrics.address=127.0.0.1:0",
+        "--set", "log.level=debug",
+        *extra,
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env, text=True)
+    d = DaemonProc(proc, socket_dir, shm_dir, log_path, args)
+    try:
+        wait_serving(socket_dir, proc)
+    except BaseException:
+        stop_daemon(d)
+        print(d.log(), file=sys.stderr)
+        raise
+    return d
+
+
+def stop_daemon(d: DaemonProc, *, keep_shm: bool = False) -> None:
+    if d.proc.poll() is None:
+        d.proc.send_signal(signal.SIGTERM)
+        try:
+            d.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            d.proc.kill()
+            d.proc.wait(10)
+    if not keep_shm:
+        shutil.rmtree(d.shm_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def workdir() -> Iterator[str]:
+    """A short temp dir (Unix socket paths are limited to 107 bytes)."""
+    path = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(workdir: str) -> Iterator[DaemonProc]:
+    d = start_daemon(workdir)
+    yield d
+    stop_daemon(d)
+    assert d.proc.returncode == 0, d.log()
