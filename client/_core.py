@@ -147,7 +147,8 @@ class LeaseState:
         if verify:
             for i, (ref, view) in enumerate(zip(resp.slots, self.views)):
                 if ref.has_checksum and xxhash.xxh3_64_intdigest(view) != ref.checksum:
-                    raise Corrupted(f"block {self.keys[i].hex()} failed its checksum")
+                    raise Corrupted(f"block {self.keys[i].hex()} failed its checksum",
+                                    key=self.keys[i])
         self.done = self.lease_id == 0
 
     @property

@@ -193,9 +193,12 @@ class AsyncClient:
         try:
             await self._sync_maps(resp.segments_version, resp.slots)
             return AsyncLease(self, keys, resp)
-        except BaseException:
+        except BaseException as exc:
             if resp.lease_id:
                 await self._call(self._stub.Release, pb.ReleaseRequest(lease_id=resp.lease_id))
+            if isinstance(exc, Corrupted):
+                await self._call(self._stub.Delete,
+                                 pb.DeleteRequest(keys=[exc.key], corrupted=True))
             raise
 
     async def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:

@@ -86,12 +86,7 @@ class Lease(LeaseState):
     def __init__(self, client: Client, keys: list[bytes], resp: pb.AcquireResponse) -> None:
         self._client = client
         self.lease_id = resp.lease_id
-        try:
-            super().__init__(keys, resp, client._maps, client.checksum)
-        except Corrupted:
-            self.done = False
-            self.release()
-            raise
+        super().__init__(keys, resp, client._maps, client.checksum)
 
     def release(self) -> None:
         if self.done:
@@ -200,11 +195,14 @@ class Client:
         resp = self._call(self._stub.Acquire, pb.AcquireRequest(keys=keys))
         try:
             self._sync_maps(resp.segments_version, resp.slots)
-        except BaseException:
+            return Lease(self, keys, resp)
+        except BaseException as exc:
             if resp.lease_id:
                 self._call(self._stub.Release, pb.ReleaseRequest(lease_id=resp.lease_id))
+            if isinstance(exc, Corrupted):
+                # Never served: the bad block becomes a miss and the daemon counts it.
+                self._call(self._stub.Delete, pb.DeleteRequest(keys=[exc.key], corrupted=True))
             raise
-        return Lease(self, keys, resp)
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
         """Store each block under its key, skipping present keys; returns how many were stored."""

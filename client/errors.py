@@ -31,7 +31,14 @@ class FailedPrecondition(KVTierError):
 
 
 class Corrupted(KVTierError):
-    """Bytes failed their checksum; they are never served."""
+    """Bytes failed their checksum; they are never served.
+
+    ``key`` names the failing block when the client detected it.
+    """
+
+    def __init__(self, message: str, key: bytes = b"") -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class Unavailable(KVTierError):

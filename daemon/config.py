@@ -46,7 +46,6 @@ from fractions import Fraction
 from typing import Any, Final, TypeVar
 
 import yaml
-
 from kvtier._paths import (
     GRPC_SOCKET_NAME,
     SESSION_SOCKET_NAME,
@@ -226,9 +225,7 @@ class MetricsConfig:
     """
 
     address: str = DEFAULT_METRICS_ADDRESS
-    host: str | None = dataclasses.field(
-        default=_metrics_defaults()[0], metadata={"derived": True}
-    )
+    host: str | None = dataclasses.field(default=_metrics_defaults()[0], metadata={"derived": True})
     port: int = dataclasses.field(default=_metrics_defaults()[1], metadata={"derived": True})
 
     @property
@@ -269,9 +266,7 @@ SECTIONS: Final[Mapping[str, type[Any]]] = {
 
 
 def _section_keys(cls: type[Any]) -> tuple[str, ...]:
-    return tuple(
-        f.name for f in dataclasses.fields(cls) if not f.metadata.get("derived", False)
-    )
+    return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("derived", False))
 
 
 #: Section name -> the keys it accepts (its dataclass fields less derived ones).
@@ -313,7 +308,7 @@ _Loader.add_implicit_resolver(
 
 
 def _safe_load(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 -- _Loader is a SafeLoader
+    return yaml.load(text, Loader=_Loader)
 
 
 # ---------------------------------------------------------------------------
@@ -431,7 +426,9 @@ def _parse_instance(value: object, key: str) -> str:
 def _parse_socket_mode(value: object, key: str) -> int:
     expected = "an octal mode string like '0660'"
     if isinstance(value, int) and not isinstance(value, bool):
-        raise _fail(key, expected, value, "quote it: YAML reads an unquoted 0660 as the integer 432")
+        raise _fail(
+            key, expected, value, "quote it: YAML reads an unquoted 0660 as the integer 432"
+        )
     if not isinstance(value, str):
         raise _fail(key, expected, value)
     match = _MODE_RE.fullmatch(value.strip())
@@ -493,9 +490,7 @@ def _path_parser(env: Mapping[str, str]) -> Callable[[object, str], str]:
         def substitute(match: re.Match[str]) -> str:
             name = match.group(1) if match.group(1) is not None else match.group(2)
             if name not in env:
-                raise ConfigError(
-                    f"{key}: environment variable {name!r} is not set (in {value!r})"
-                )
+                raise ConfigError(f"{key}: environment variable {name!r} is not set (in {value!r})")
             return env[name]
 
         text = _ENV_REF_RE.sub(substitute, text)

@@ -55,6 +55,10 @@ class Metrics:
             "kvtier_evicted_blocks", "Blocks evicted from a tier", ["namespace", "tier"],
             registry=registry,
         )
+        self.checksum_failures = Counter(
+            "kvtier_checksum_failures", "Blocks whose bytes failed their checksum (never served)",
+            ["namespace", "tier"], registry=registry,
+        )
         self.expired_leases = Counter(
             "kvtier_expired_leases", "Leases ended by their TTL", registry=registry
         )

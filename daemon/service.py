@@ -164,7 +164,12 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         session = self._session(context)
         validate_keys(request.keys, self.max_keys)
-        return pb.DeleteResponse(deleted=self.store.delete(session, request.keys))
+        deleted = self.store.delete(session, request.keys)
+        if request.corrupted:
+            log.warning("namespace %r: %d blocks failed their checksum at a reader (pid %d); "
+                        "deleted", session.ns.name, deleted, session.peer.pid)
+            self.metrics.checksum_failures.labels(session.ns.name, "dram").inc(deleted)
+        return pb.DeleteResponse(deleted=deleted)
 
     @_rpc("Stats")
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:

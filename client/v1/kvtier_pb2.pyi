@@ -218,10 +218,12 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DeleteRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "corrupted")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPTED_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    corrupted: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., corrupted: _Optional[bool] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
     __slots__ = ("deleted",)

@@ -1,0 +1,306 @@
+"""End-to-end: a real kvtierd process, real clients in other processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier import errors
+from tests.conftest import DaemonProc, start_daemon, stop_daemon
+
+WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
+
+
+def run_worker(d: DaemonProc, action: str, **args: object) -> str:
+    out = subprocess.run(
+        [sys.executable, WORKER, d.socket_dir, action, json.dumps(args)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def spawn_worker(d: DaemonProc, action: str, **args: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, WORKER, d.socket_dir, action, json.dumps(args)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def dram(d: DaemonProc) -> dict[str, int]:
+    t = d.stats().tiers[0]
+    acct = {"total": t.total_bytes, "free": t.free_bytes, "reserved": t.reserved_bytes,
+            "committed": t.committed_bytes}
+    assert acct["free"] + acct["reserved"] + acct["committed"] == acct["total"]
+    return acct
+
+
+def keys_hex(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}-{i:04d}".encode().hex() for i in range(n)]
+
+
+def test_round_trip_between_processes_is_byte_exact(daemon: DaemonProc) -> None:
+    keys = keys_hex("rt", 20)
+    assert run_worker(daemon, "put", keys=keys).strip() == "PUT 20"
+    # The writer has exited; a fresh process reads every byte back.
+    assert run_worker(daemon, "verify", keys=keys).strip() == "VERIFY 20 OK"
+    assert daemon.check() == []
+
+
+def test_lookup_returns_longest_present_prefix(daemon: DaemonProc) -> None:
+    with kvtier.Client(daemon.socket_dir, namespace="p", block_bytes=4096, model_uid="m") as c:
+        keys = kvtier.block_keys(list(range(160)), 16, salt=b"tenant")
+        assert c.put(keys[:6], [np.full(4096, i, np.uint8) for i in range(6)]) == 6
+        assert c.lookup(keys) == 6
+        assert c.lookup(keys[:3]) == 3
+        assert c.lookup(keys[6:]) == 0
+        assert c.lookup([keys[0], keys[7], keys[1]]) == 1
+        assert c.lookup_tiers(keys) == [kvtier.Tier.DRAM] * 6
+        # lookup has no side effects: no lease, nothing reserved
+        s = daemon.stats()
+        assert (s.leases, s.reservations) == (0, 0)
+
+
+def test_put_skips_present_keys_and_keeps_exact_lengths(daemon: DaemonProc) -> None:
+    with kvtier.Client(daemon.socket_dir, namespace="len", block_bytes=10000, model_uid="m") as c:
+        blocks = [np.arange(n, dtype=np.uint8) for n in (1, 4095, 4096, 10000)]
+        keys = [b"a", b"b", b"c", b"d"]
+        assert c.put(keys, blocks) == 4
+        assert c.put(keys, blocks) == 0
+        got = c.get(keys)
+        assert [len(g) for g in got] == [1, 4095, 4096, 10000]
+        assert all(np.array_equal(a, b) for a, b in zip(got, blocks))
+        with pytest.raises(errors.InvalidArgument, match="a block holds 1..10000 bytes"):
+            c.put([b"e"], [np.zeros(10001, np.uint8)])
+
+
+def test_eviction_at_capacity_keeps_most_recent(daemon: DaemonProc) -> None:
+    bb = 1 << 20  # 32 MiB pool: about 30 such blocks fit
+    with kvtier.Client(daemon.socket_dir, namespace="evict", block_bytes=bb, model_uid="m") as c:
+        keys = [f"k{i}".encode() for i in range(80)]
+        for i in range(0, 80, 8):
+            assert c.put(keys[i : i + 8], [np.full(bb, i, np.uint8)] * 8) == 8
+        s = daemon.stats()
+        assert s.evictions > 0
+        present = [k for k in keys if c.lookup([k]) == 1]
+        assert 0 < len(present) < 80
+        assert keys[-1] in present and keys[0] not in present
+        assert dram(daemon)["committed"] <= dram(daemon)["total"]
+    assert daemon.check() == []
+
+
+def test_leased_block_survives_filling_the_pool(daemon: DaemonProc) -> None:
+    bb = 1 << 20
+    with kvtier.Client(daemon.socket_dir, namespace="lease", block_bytes=bb, model_uid="m") as c:
+        c.put([b"pinned"], [np.full(bb, 7, np.uint8)])
+        with c.acquire([b"pinned"]) as lease:
+            view = lease.views[0]
+            for i in range(0, 100, 10):
+                c.put([f"f{i + j}".encode() for j in range(10)], [np.full(bb, 1, np.uint8)] * 10)
+            assert daemon.stats().evictions > 0
+            assert np.all(view == 7)  # never overwritten while leased
+            assert c.lookup([b"pinned"]) == 1
+    assert daemon.check() == []
+
+
+def test_sigkill_of_client_returns_its_capacity(daemon: DaemonProc) -> None:
+    keys = keys_hex("held", 4)
+    run_worker(daemon, "put", keys=keys)
+    before = dram(daemon)
+    p = spawn_worker(daemon, "hold", lease=keys, reserve=keys_hex("new", 5))
+    assert p.stdout is not None
+    assert p.stdout.readline().strip() == "HELD 4 5"
+    s = daemon.stats()
+    assert (s.leases, s.reservations) == (1, 1)
+    assert dram(daemon)["reserved"] > 0
+    p.send_signal(signal.SIGKILL)
+    p.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        s = daemon.stats()
+        if (s.leases, s.reservations, s.sessions) == (0, 0, 0):
+            break
+        time.sleep(0.05)
+    assert (s.leases, s.reservations, s.sessions) == (0, 0, 0)
+    assert dram(daemon) == before
+    assert daemon.check() == []
+    # The reserved keys were never committed: not visible, and writable again.
+    assert run_worker(daemon, "put", keys=keys_hex("new", 5)).strip() == "PUT 5"
+
+
+def test_many_client_processes_at_once_stay_consistent(daemon: DaemonProc) -> None:
+    procs = [
+        spawn_worker(daemon, "stress", seed=seed, universe=60, seconds=4, block_bytes=65536,
+                     namespace=f"stress/{seed % 2}")
+        for seed in range(4)
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert out.startswith("STRESS "), out
+        assert int(out.split()[1]) > 0
+    s = daemon.stats()
+    assert (s.leases, s.reservations) == (0, 0)
+    dram(daemon)
+    assert daemon.check() == []
+
+
+def test_async_client_round_trip(daemon: DaemonProc) -> None:
+    async def go() -> None:
+        async with kvtier.AsyncClient(daemon.socket_dir, namespace="aio", block_bytes=8192,
+                                      model_uid="m") as c:
+            keys = [b"x1", b"x2", b"x3"]
+            blocks = [np.full(8192 - i, i, np.uint8) for i in range(3)]
+            assert await c.put(keys, blocks) == 3
+            assert await c.lookup(keys) == 3
+            got = await c.get(keys)
+            assert all(np.array_equal(a, b) for a, b in zip(got, blocks))
+            async with await c.reserve([b"x1", b"y"]) as r:
+                assert r.statuses == [kvtier.KeyStatus.EXISTS, kvtier.KeyStatus.RESERVED]
+                r.write(1, b"hello")
+                assert await r.commit() == 1
+            async with await c.acquire([b"y"]) as lease:
+                assert bytes(lease.views[0]) == b"hello"
+            assert await c.delete([b"y", b"nope"]) == 1
+            assert (await c.stats())["sessions"] >= 1
+
+    asyncio.run(go())
+    assert daemon.check() == []
+
+
+def test_reserve_views_are_writable_and_acquire_views_read_only(daemon: DaemonProc) -> None:
+    with kvtier.Client(daemon.socket_dir, namespace="views", block_bytes=4096, model_uid="m") as c:
+        with c.reserve([b"k"]) as r:
+            buf = r.buffers[0]
+            assert buf is not None and buf.flags.writeable and len(buf) == 4096
+            buf[:3] = [1, 2, 3]
+            r.lengths[0] = 3
+            r.commit()
+        with c.acquire([b"k"]) as lease:
+            assert not lease.views[0].flags.writeable
+            assert lease.views[0].tolist() == [1, 2, 3]
+        # Leaving a reservation without commit aborts it: nothing becomes visible.
+        with c.reserve([b"never"]) as r:
+            r.write(0, b"abc")
+        assert c.lookup([b"never"]) == 0
+        assert daemon.stats().reservations == 0
+
+
+def test_corrupted_block_is_never_served_and_becomes_a_miss(daemon: DaemonProc) -> None:
+    with kvtier.Client(daemon.socket_dir, namespace="sum", block_bytes=4096, model_uid="m",
+                       checksum=True) as c:
+        c.put([b"k"], [b"payload"])
+        with c.acquire([b"k"]) as lease:
+            assert bytes(lease.views[0]) == b"payload"
+        with c.reserve([b"bad"]) as r:
+            r.write(0, b"good bytes")
+            scribble = r.buffers[0]
+            r.commit()
+        assert scribble is not None
+        scribble[0] = ord("X")  # a buggy writer scribbles over a committed block
+        with pytest.raises(errors.Corrupted, match="failed its checksum"):
+            c.acquire([b"bad"])
+        assert c.lookup([b"bad"]) == 0  # now a miss
+        assert daemon.stats().leases == 0
+        port = daemon.metrics_port()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        assert b'kvtier_checksum_failures_total{namespace="sum",tier="dram"} 1.0' in text
+    assert daemon.check() == []
+
+
+def test_metrics_endpoint_reports_occupancy_and_events(daemon: DaemonProc) -> None:
+    with kvtier.Client(daemon.socket_dir, namespace="met", block_bytes=4096, model_uid="m") as c:
+        c.put([b"a", b"b"], [b"1", b"2"])
+        c.lookup([b"a", b"b", b"c"])
+        c.get([b"a"])
+        port = daemon.metrics_port()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    assert samples['kvtier_committed_blocks_total{namespace="met"}'] == 2
+    assert samples['kvtier_hit_blocks_total{namespace="met",op="lookup"}'] == 2
+    assert samples['kvtier_missed_blocks_total{namespace="met",op="lookup"}'] == 1
+    assert samples['kvtier_namespace_blocks{namespace="met",state="committed",tier="dram"}'] == 2
+    total = samples['kvtier_tier_bytes{state="total",tier="dram"}']
+    assert total == 32 << 20
+    parts = sum(samples[f'kvtier_tier_bytes{{state="{s}",tier="dram"}}']
+                for s in ("free", "reserved", "committed"))
+    assert parts == total
+    assert samples['kvtier_rpc_duration_seconds_count{method="Reserve"}'] >= 1
+    assert samples["kvtier_active_sessions"] >= 0
+
+
+def test_second_daemon_on_same_instance_refuses_to_start(daemon: DaemonProc, workdir: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtierd", "--set", f"server.socket_dir={workdir}/other",
+         "--set", f"dram.shm_dir={daemon.shm_dir}", "--set", "metrics.address="],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 1
+    assert f"another kvtierd (pid {daemon.proc.pid}) is running instance 'default'" in proc.stderr
+    assert daemon.alive()
+
+
+def test_sigkilled_daemon_does_not_block_its_successor(workdir: str) -> None:
+    d = start_daemon(workdir)
+    try:
+        d.kill()
+        d2 = start_daemon(workdir, shm_dir=d.shm_dir)
+        stop_daemon(d2)
+        assert d2.proc.returncode == 0
+    finally:
+        stop_daemon(d)
+
+
+def test_sigterm_stops_daemon_gracefully(workdir: str) -> None:
+    d = start_daemon(workdir)
+    t0 = time.monotonic()
+    stop_daemon(d)
+    assert d.proc.returncode == 0
+    assert time.monotonic() - t0 < 5
+    assert "kvtierd stopped" in d.log()
+
+
+def test_config_error_stops_daemon_naming_the_key(workdir: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtierd", "--set", "dram.capasity=1GiB"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "dram.capasity" in proc.stderr
+
+
+def test_cli_stats_and_ls(daemon: DaemonProc) -> None:
+    with kvtier.Client(daemon.socket_dir, namespace="cli/ns", block_bytes=4096, model_uid="m") as c:
+        c.put([b"a"], [b"x"])
+        kv = [sys.executable, "-m", "kvtier.cli", "--socket", daemon.socket_dir]
+        out = subprocess.run([*kv, "stats"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "dram" in out.stdout and "cli/ns" in out.stdout
+        js = subprocess.run([*kv, "stats", "--json"], capture_output=True, text=True, timeout=60)
+        data = json.loads(js.stdout)
+        assert data["tiers"][0]["committed_blocks"] == "1"
+        ls = subprocess.run([*kv, "ls"], capture_output=True, text=True, timeout=60)
+        assert "cli/ns" in ls.stdout
+        chk = subprocess.run([*kv, "check"], capture_output=True, text=True, timeout=60)
+        assert chk.returncode == 0 and "consistent" in chk.stdout
+
+
+def test_cli_reports_unreachable_daemon(workdir: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "--socket", workdir, "stats"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "Unavailable" in out.stderr
