@@ -12,7 +12,7 @@
 
 __version__ = "0.1.0"
 
-from kvtier import errors  # noqa: E402
+from kvtier import errors
 from kvtier._core import KeyStatus, Tier
 from kvtier.aio import AsyncClient, AsyncLease, AsyncReservation
 from kvtier.client import Client, Lease, Reservation

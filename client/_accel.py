@@ -50,16 +50,17 @@ def copy_into(dst: Any, src: Any) -> int:
     return _py_copy_into(dst, src)
 
 
-def prefault(buf: Any) -> int:
+def prefault(buf: Any, threads: int = 0) -> int:
     """Fault every page of ``buf`` in writable, leaving its content unchanged.
 
     Touches each 4096-byte page the buffer overlaps and returns how many pages
     that is (``ceil(len / 4096)`` for a page-aligned buffer).  Raises
     ValueError "buf is not C-contiguous", TypeError "buf is read-only" or when
-    ``buf`` is not a buffer.
+    ``buf`` is not a buffer.  ``threads``: native workers (0 = auto); the
+    fallback always uses one.
     """
     if NATIVE:
-        return _native.prefault(buf)
+        return _native.prefault(buf, threads)
     return _py_prefault(buf)
 
 

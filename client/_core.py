@@ -128,7 +128,7 @@ class ReservationState:
             if checksum:
                 buf = self.buffers[i]
                 assert buf is not None
-                sums.append(xxhash.xxh3_64_intdigest(buf[:n]))
+                sums.append(xxhash.xxh3_64_intdigest(buf[:n].data))
         return pb.CommitRequest(reservation_id=self.reservation_id, lengths=lengths, checksums=sums)
 
     def release_views(self) -> None:
@@ -145,8 +145,8 @@ class LeaseState:
         self.tiers = [Tier(t) for t in resp.tiers]
         self.views = [maps.view(ref, ref.length, writable=False) for ref in resp.slots]
         if verify:
-            for i, (ref, view) in enumerate(zip(resp.slots, self.views)):
-                if ref.has_checksum and xxhash.xxh3_64_intdigest(view) != ref.checksum:
+            for i, (ref, view) in enumerate(zip(resp.slots, self.views, strict=False)):
+                if ref.has_checksum and xxhash.xxh3_64_intdigest(view.data) != ref.checksum:
                     raise Corrupted(f"block {self.keys[i].hex()} failed its checksum",
                                     key=self.keys[i])
         self.done = self.lease_id == 0

@@ -115,7 +115,7 @@ class SegmentMaps:
             raise FailedPrecondition(f"expected {len(fd_ids)} segment fds, received {len(fds)}")
         info = {s.segment_id: s for s in segments}
         try:
-            for seg_id, fd in zip(fd_ids, fds):
+            for seg_id, fd in zip(fd_ids, fds, strict=False):
                 seg = info.get(seg_id)
                 if seg is None or seg_id in self._maps:
                     continue

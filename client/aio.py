@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import types
-from collections.abc import Sequence
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -29,7 +29,13 @@ from kvtier._core import (
     socket_paths,
 )
 from kvtier._session import SegmentMaps, SessionLink, map_request, open_request
-from kvtier.errors import Corrupted, FailedPrecondition, InvalidArgument, KVTierError, from_rpc_error
+from kvtier.errors import (
+    Corrupted,
+    FailedPrecondition,
+    InvalidArgument,
+    KVTierError,
+    from_rpc_error,
+)
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -226,7 +232,7 @@ class AsyncClient:
 
     async def close(self) -> None:
         if self._channel is not None:
-            await self._channel.close()
+            await self._channel.close(None)
         if self._link is not None:
             self._link.close()
         self._maps.close()

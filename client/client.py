@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import types
-from collections.abc import Sequence
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -243,4 +243,4 @@ class Client:
         self.close()
 
 
-__all__ = ["Client", "Reservation", "Lease", "KeyStatus", "Tier"]
+__all__ = ["Client", "KeyStatus", "Lease", "Reservation", "Tier"]

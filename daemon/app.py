@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME

@@ -46,6 +46,7 @@ from fractions import Fraction
 from typing import Any, Final, TypeVar
 
 import yaml
+
 from kvtier._paths import (
     GRPC_SOCKET_NAME,
     SESSION_SOCKET_NAME,

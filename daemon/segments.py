@@ -206,7 +206,7 @@ class Segment:
             _unlink_quietly(path)
             raise
         t0 = time.perf_counter()
-        _accel.prefault(mm)  # threads: auto (prefault_threads wired once _accel takes it)
+        _accel.prefault(mm, prefault_threads)
         prefault_seconds = time.perf_counter() - t0
         mlock_error = _mlock(mm) if mlock else "mlock disabled by config (dram.mlock: false)"
         seg = cls(

@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -23,7 +23,7 @@ from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.metrics import Metrics
 from kvtierd.segments import MAX_KEY_BYTES
-from kvtierd.store import ReserveStatus, Session, SlotGrant, Store
+from kvtierd.store import Session, SlotGrant, Store
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ SESSION_METADATA = "kvtier-session"
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
-_Handler = Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]]
+_Handler = Callable[[Any, _Req, Any], Awaitable[_Resp]]
 
 
 def validate_keys(keys: Sequence[bytes], max_keys: int) -> None:
@@ -51,7 +51,7 @@ def _rpc(method: str) -> Callable[[_Handler[_Req, _Resp]], _Handler[_Req, _Resp]
 
     def deco(fn: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
         @functools.wraps(fn)
-        async def wrapper(self: KVTierService, request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
+        async def wrapper(self: KVTierService, request: _Req, context: grpc.aio.ServicerContext[Any, Any]) -> _Resp:
             t0 = time.perf_counter()
             try:
                 return await fn(self, request, context)
@@ -91,7 +91,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         self.max_keys = max_keys
         self.started = started
 
-    def _session(self, context: grpc.aio.ServicerContext) -> Session:
+    def _session(self, context: grpc.aio.ServicerContext[Any, Any]) -> Session:
         for key, value in context.invocation_metadata() or ():
             if key == SESSION_METADATA:
                 token = value.decode() if isinstance(value, bytes) else value
@@ -99,7 +99,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         raise Unauthenticated(f"missing {SESSION_METADATA!r} metadata: open a session first")
 
     @_rpc("Lookup")
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.LookupResponse:
         session = self._session(context)
         validate_keys(request.keys, self.max_keys)
         hits = self.store.lookup(session, request.keys)
@@ -110,20 +110,20 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         return pb.LookupResponse(hits=hits, tiers=[pb.TIER_DRAM] * hits)
 
     @_rpc("Reserve")
-    async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+    async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ReserveResponse:
         session = self._session(context)
         validate_keys(request.keys, self.max_keys)
         result = await self.store.reserve(session, request.keys)
         self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.slots))
         return pb.ReserveResponse(
             reservation_id=result.reservation_id,
-            statuses=result.statuses,
+            statuses=cast(Any, result.statuses),
             slots=_slot_refs(result.slots),
             segments_version=result.segments_version,
         )
 
     @_rpc("Commit")
-    async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
+    async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CommitResponse:
         session = self._session(context)
         checksums = list(request.checksums) if request.checksums else None
         n = self.store.commit(session, request.reservation_id, list(request.lengths), checksums)
@@ -131,14 +131,14 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         return pb.CommitResponse(committed=n)
 
     @_rpc("Abort")
-    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.AbortResponse:
         session = self._session(context)
         n = self.store.abort(session, request.reservation_id)
         self.metrics.aborted_blocks.labels(session.ns.name, "abort").inc(n)
         return pb.AbortResponse(aborted=n)
 
     @_rpc("Acquire")
-    async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
+    async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.AcquireResponse:
         session = self._session(context)
         validate_keys(request.keys, self.max_keys)
         result = self.store.acquire(session, request.keys)
@@ -155,13 +155,13 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         )
 
     @_rpc("Release")
-    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ReleaseResponse:
         session = self._session(context)
         self.store.release(session, request.lease_id)
         return pb.ReleaseResponse()
 
     @_rpc("Delete")
-    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.DeleteResponse:
         session = self._session(context)
         validate_keys(request.keys, self.max_keys)
         deleted = self.store.delete(session, request.keys)
@@ -172,11 +172,11 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         return pb.DeleteResponse(deleted=deleted)
 
     @_rpc("Stats")
-    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.StatsResponse:
         return build_stats(self.store, self.started)
 
     @_rpc("Check")
-    async def Check(self, request: pb.CheckRequest, context: grpc.aio.ServicerContext) -> pb.CheckResponse:
+    async def Check(self, request: pb.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CheckResponse:
         return pb.CheckResponse(problems=self.store.check())
 
 

@@ -128,7 +128,7 @@ class SessionChannel:
                 timeout = HANDSHAKE_TIMEOUT if session is None else None
                 try:
                     frame = await asyncio.wait_for(self._read_frame(conn), timeout)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise InvalidArgument(
                         f"no OpenSession within {HANDSHAKE_TIMEOUT:.0f} s of connecting"
                     ) from None
@@ -249,7 +249,7 @@ class SessionChannel:
         )
         try:
             await asyncio.wait_for(self._send(conn, msg, []), 1.0)
-        except (OSError, asyncio.TimeoutError, KVTierError):
+        except (TimeoutError, OSError, KVTierError):
             pass
 
 

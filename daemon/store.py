@@ -350,7 +350,7 @@ class Store:
         rid = next(self._ids)
         res = Reservation(rid, session, new_keys, [], self._clock() + self.reservation_ttl)
         grants: list[SlotGrant] = []
-        for key, (ext, slot) in zip(new_keys, places):
+        for key, (ext, slot) in zip(new_keys, places, strict=False):
             gen = ext.generations[slot] + 1
             ext.generations[slot] = gen
             ext.reserved += 1
@@ -464,7 +464,7 @@ class Store:
         commit: tuple[Sequence[int], Sequence[int] | None] | None,
     ) -> None:
         ns = res.session.ns
-        for i, (key, (ext, slot, gen)) in enumerate(zip(res.keys, res.places)):
+        for i, (key, (ext, slot, gen)) in enumerate(zip(res.keys, res.places, strict=False)):
             del ns.in_flight[key]
             ext.reserved -= 1
             if commit is None:
@@ -736,28 +736,28 @@ class Store:
                 for slot in range(ext.n_slots):
                     rec = ext.segment.read_slot(slot)
                     where = f"{ns.name}: extent {ext.segment.index} slot {slot}"
-                    block = blocks_at.get((id(ext), slot))
-                    res = reserved_at.get((id(ext), slot))
+                    owner = blocks_at.get((id(ext), slot))
+                    holder = reserved_at.get((id(ext), slot))
                     if rec.state == SlotState.FREE:
                         counts["free"] += 1
                         if slot not in free_set:
                             problems.append(f"{where}: FREE on segment but not on the free list")
-                        if block is not None or res is not None:
+                        if owner is not None or holder is not None:
                             problems.append(f"{where}: FREE on segment but in use in the index")
                     elif rec.state == SlotState.RESERVED:
                         counts["reserved"] += 1
-                        if res is None:
+                        if holder is None:
                             problems.append(f"{where}: RESERVED on segment but no reservation")
                     else:
                         counts["committed"] += 1
-                        if block is None:
+                        if owner is None:
                             problems.append(f"{where}: COMMITTED on segment but not indexed")
                         elif (rec.key, rec.length, rec.generation) != (
-                            block.key, block.length, block.generation
+                            owner.key, owner.length, owner.generation
                         ):
                             problems.append(f"{where}: slot table disagrees with the index")
-                    if block is not None and pins[id(block)] != block.pins:
-                        problems.append(f"{where}: pins {block.pins} != leases {pins[id(block)]}")
+                    if owner is not None and pins[id(owner)] != owner.pins:
+                        problems.append(f"{where}: pins {owner.pins} != leases {pins[id(owner)]}")
                 if counts["free"] != len(ext.free):
                     problems.append(f"{ns.name}: extent {ext.segment.index} free list "
                                     f"{len(ext.free)} != FREE slots {counts['free']}")

@@ -79,7 +79,7 @@ def test_put_skips_present_keys_and_keeps_exact_lengths(daemon: DaemonProc) -> N
         assert c.put(keys, blocks) == 0
         got = c.get(keys)
         assert [len(g) for g in got] == [1, 4095, 4096, 10000]
-        assert all(np.array_equal(a, b) for a, b in zip(got, blocks))
+        assert all(np.array_equal(a, b) for a, b in zip(got, blocks, strict=False))
         with pytest.raises(errors.InvalidArgument, match="a block holds 1..10000 bytes"):
             c.put([b"e"], [np.zeros(10001, np.uint8)])
 
@@ -164,7 +164,7 @@ def test_async_client_round_trip(daemon: DaemonProc) -> None:
             assert await c.put(keys, blocks) == 3
             assert await c.lookup(keys) == 3
             got = await c.get(keys)
-            assert all(np.array_equal(a, b) for a, b in zip(got, blocks))
+            assert all(np.array_equal(a, b) for a, b in zip(got, blocks, strict=False))
             async with await c.reserve([b"x1", b"y"]) as r:
                 assert r.statuses == [kvtier.KeyStatus.EXISTS, kvtier.KeyStatus.RESERVED]
                 r.write(1, b"hello")

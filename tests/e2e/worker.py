@@ -7,7 +7,6 @@ kill it at a chosen point.
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 import time
@@ -41,7 +40,7 @@ def main() -> int:
         keys = [bytes.fromhex(k) for k in args["keys"]]
         got = c.get(keys)
         ok = len(got) == len(keys) and all(
-            np.array_equal(g, block_for(ns, k, bb - i % 7)) for i, (k, g) in enumerate(zip(keys, got))
+            np.array_equal(g, block_for(ns, k, bb - i % 7)) for i, (k, g) in enumerate(zip(keys, got, strict=False))
         )
         print(f"VERIFY {len(got)} {'OK' if ok else 'BAD'}", flush=True)
     elif action == "hold":
@@ -63,7 +62,7 @@ def main() -> int:
                 c.put(keys, [block_for(ns, k, bb) for k in keys])
             elif op < 0.9:
                 with c.acquire(keys) as lease:
-                    for k, v in zip(lease.keys, lease.views):
+                    for k, v in zip(lease.keys, lease.views, strict=False):
                         if not np.array_equal(v, block_for(ns, k, bb)):
                             print(f"CORRUPT {k!r}", flush=True)
                             return 1

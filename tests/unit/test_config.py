@@ -12,6 +12,7 @@ import pytest
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvtier._paths import (
     GRPC_SOCKET_NAME,
     SESSION_SOCKET_NAME,

@@ -1,0 +1,33 @@
+# The two commands: `make run` (the daemon on embedded defaults) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install lint typecheck bench proto clean
+
+$(STAMP): pyproject.toml setup.py csrc/native.c scripts/install.sh
+	VENV=$(VENV) scripts/install.sh
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/kvtierd
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check client daemon tests bench scripts
+
+typecheck: $(STAMP)
+	$(PY) scripts/typecheck.py
+
+bench: $(STAMP)
+	bench/run_core.sh
+
+proto: $(STAMP)
+	$(PY) scripts/gen_proto.py
+
+clean:
+	rm -rf build *.egg-info client/_native*.so
