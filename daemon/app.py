@@ -147,7 +147,9 @@ def _create_extent(
 async def _expire_forever(store: Store, metrics: Metrics) -> None:
     while True:
         await asyncio.sleep(EXPIRY_INTERVAL)
-        _, leases = store.expire()
+        aborted, leases = store.expire()
+        for ns_name, n in aborted.items():
+            metrics.aborted_blocks.labels(ns_name, "expired").inc(n)
         if leases:
             metrics.expired_leases.inc(leases)
 

@@ -165,8 +165,9 @@ class SessionChannel:
             if session is not None:
                 aborted, released = self.store.close_session(session)
                 self.metrics.sessions_closed.inc()
+                self.metrics.aborted_blocks.labels(session.ns.name, "session_closed").inc(aborted)
                 if aborted or released:
-                    log.info("session %d (pid %d) closed: %d reservations aborted, %d leases "
+                    log.info("session %d (pid %d) closed: %d reserved slots returned, %d leases "
                              "released", session.id, session.peer.pid, aborted, released)
             conn.close()
 

@@ -286,12 +286,12 @@ class Store:
     def close_session(self, session: Session) -> tuple[int, int]:
         """End a session: abort its reservations and release its leases.
 
-        Returns (reservations aborted, leases released).  Idempotent.
+        Returns (reserved slots returned, leases released).  Idempotent.
         """
         if session.closed:
             return (0, 0)
         session.closed = True
-        n_res = len(session.reservations)
+        n_res = sum(len(r.keys) for r in session.reservations.values())
         n_lease = len(session.leases)
         for res in list(session.reservations.values()):
             self._end_reservation(res, commit=None)
@@ -659,8 +659,11 @@ class Store:
                 ext.segment.close(unlink=False)
 
     # ================================================================ expiry
-    def expire(self) -> tuple[int, int]:
-        """Abort reservations and release leases past their deadline; returns the counts."""
+    def expire(self) -> tuple[collections.Counter[str], int]:
+        """Abort reservations and release leases past their deadline.
+
+        Returns (reserved slots returned per namespace, leases released).
+        """
         now = self._clock()
         stale_res = [r for r in self._reservations.values() if r.expires <= now]
         for res in stale_res:
@@ -672,7 +675,10 @@ class Store:
             log.warning("lease %d of session %d expired after %.0f s", lease.id,
                         lease.session.id, self.lease_ttl)
             self._end_lease(lease)
-        return (len(stale_res), len(stale_leases))
+        aborted: collections.Counter[str] = collections.Counter()
+        for res in stale_res:
+            aborted[res.session.ns.name] += len(res.keys)
+        return (aborted, len(stale_leases))
 
     # ================================================================ accounting
     @property

@@ -304,3 +304,45 @@ def test_cli_reports_unreachable_daemon(workdir: str) -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "Unavailable" in out.stderr
+
+
+def test_leases_and_reservations_expire(workdir: str) -> None:
+    d = start_daemon(workdir, "--set", "leases.ttl=1s", "--set", "reservations.ttl=1s")
+    try:
+        with kvtier.Client(d.socket_dir, namespace="ttl", block_bytes=4096, model_uid="m") as c:
+            c.put([b"a"], [b"x"])
+            lease = c.acquire([b"a"])
+            r = c.reserve([b"b"])
+            assert (d.stats().leases, d.stats().reservations) == (1, 1)
+            time.sleep(2.5)
+            s = d.stats()
+            assert (s.leases, s.reservations) == (0, 0)
+            with pytest.raises(errors.NotFound, match=f"lease {lease.lease_id} is not held"):
+                lease.release()
+            with pytest.raises(errors.NotFound, match=f"reservation {r.reservation_id} is not open"):
+                r.commit()
+            assert c.lookup([b"b"]) == 0
+            assert c.put([b"b"], [b"y"]) == 1  # the expired key is writable again
+        assert d.check() == []
+    finally:
+        stop_daemon(d)
+
+
+def test_session_only_receives_its_own_namespace_segments(daemon: DaemonProc) -> None:
+    from kvtier._session import SessionLink, map_request, open_request
+
+    with kvtier.Client(daemon.socket_dir, namespace="iso/a", block_bytes=4096, model_uid="m") as a:
+        a.put([b"secret"], [b"tenant a bytes"])
+        link = SessionLink(os.path.join(daemon.socket_dir, "kvtier-session.sock"), 10)
+        try:
+            resp, fds = link.request(open_request("iso/b", 4096, "m"))
+            assert fds == [] and list(resp.opened.segments) == []
+            # Ask for every segment id there could be: none of A's may come back.
+            resp, fds = link.request(map_request(list(range(1, 64))))
+            assert fds == [] and list(resp.mapped.fd_segment_ids) == []
+        finally:
+            link.close()
+        with kvtier.Client(daemon.socket_dir, namespace="iso/b", block_bytes=4096,
+                           model_uid="m") as b:
+            assert b.lookup([b"secret"]) == 0
+            assert b.get([b"secret"]) == []
