@@ -188,6 +188,22 @@ class SessionChannel:
             raise InvalidArgument(f"frame of {length} bytes exceeds {MAX_FRAME}")
         return await self._read_exact(conn, length)
 
+    async def _send_with_fds(self, conn: socket.socket, msg: pb.SessionResponse,
+                             segments: list[Segment]) -> None:
+        """Send ``msg`` with the segments' fds.
+
+        The fds are duplicated now, synchronously: a segment retired by
+        another namespace's growth while this send waits for socket space
+        closes its own fd, and that number could be reused for another
+        namespace's segment before the send completes.
+        """
+        fds = [os.dup(s.fd) for s in segments]
+        try:
+            await self._send(conn, msg, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
     async def _send(self, conn: socket.socket, msg: pb.SessionResponse, fds: list[int]) -> None:
         body = msg.SerializeToString()
         data = memoryview(_LEN.pack(len(body)) + body)
@@ -228,7 +244,7 @@ class SessionChannel:
                 boot_epoch=self.store.boot_epoch,
             )
         )
-        await self._send(conn, msg, [s.fd for s in segs])
+        await self._send_with_fds(conn, msg, segs)
 
     async def _send_mapped(self, conn: socket.socket, session: Session, want: set[int]) -> None:
         ns = session.ns
@@ -242,7 +258,7 @@ class SessionChannel:
                 fd_segment_ids=[s.segment_id for s in send],
             )
         )
-        await self._send(conn, msg, [s.fd for s in send])
+        await self._send_with_fds(conn, msg, send)
 
     async def _send_error(self, conn: socket.socket, exc: KVTierError) -> None:
         msg = pb.SessionResponse(
