@@ -53,13 +53,16 @@ def main() -> int:
     elif action == "stress":
         rng = random.Random(args["seed"])
         universe = [f"{args['seed']}-{i}".encode() for i in range(args["universe"])]
-        ops = 0
+        ops = refused = 0
         deadline = time.monotonic() + args["seconds"]
         while time.monotonic() < deadline:
             keys = rng.sample(universe, rng.randint(1, 16))
             op = rng.random()
             if op < 0.45:
-                c.put(keys, [block_for(ns, k, bb) for k in keys])
+                try:
+                    c.put(keys, [block_for(ns, k, bb) for k in keys])
+                except kvtier.errors.CapacityExhausted:
+                    refused += 1  # legitimate under pressure: everything else is pinned
             elif op < 0.9:
                 with c.acquire(keys) as lease:
                     for k, v in zip(lease.keys, lease.views, strict=False):
@@ -71,7 +74,7 @@ def main() -> int:
             else:
                 c.lookup(keys)
             ops += 1
-        print(f"STRESS {ops}", flush=True)
+        print(f"STRESS {ops} {refused}", flush=True)
     else:
         print(f"unknown action {action}", file=sys.stderr)
         return 2
