@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import types
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -39,8 +39,6 @@ from kvtier.errors import (
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
-_Resp = TypeVar("_Resp")
-
 
 class AsyncReservation(ReservationState):
     """Like ``kvtier.Reservation``; ``await commit()``, ``async with`` aborts on exit."""
@@ -53,7 +51,7 @@ class AsyncReservation(ReservationState):
         if self.done:
             return 0
         req = self.commit_request(self._client.checksum)
-        resp = await self._client._call(self._client._stub.Commit, req)
+        resp = await self._client._call("Commit", req)
         self.done = True
         self.release_views()
         return int(resp.committed)
@@ -63,7 +61,7 @@ class AsyncReservation(ReservationState):
             return
         self.done = True
         self.release_views()
-        await self._client._call(self._client._stub.Abort,
+        await self._client._call("Abort",
                                  pb.AbortRequest(reservation_id=self.reservation_id))
 
     async def __aenter__(self) -> AsyncReservation:
@@ -92,7 +90,7 @@ class AsyncLease(LeaseState):
             return
         self.done = True
         self.release_views()
-        await self._client._call(self._client._stub.Release,
+        await self._client._call("Release",
                                  pb.ReleaseRequest(lease_id=self.lease_id))
 
     async def __aenter__(self) -> AsyncLease:
@@ -132,6 +130,7 @@ class AsyncClient:
         self._link: SessionLink | None = None
         self._channel: grpc.aio.Channel | None = None
         self._metadata: tuple[tuple[str, str], ...] = ()
+        self._closed = False
 
     async def open(self) -> AsyncClient:
         """Open the session (idempotent)."""
@@ -156,15 +155,20 @@ class AsyncClient:
         self._stub = pb_grpc.KVTierStub(self._channel)
         return self
 
-    async def _call(self, method: Callable[..., Awaitable[_Resp]], request: Any) -> _Resp:
+    async def _call(self, method: str, request: Any) -> Any:
+        if self._closed:
+            raise FailedPrecondition("kvtier.AsyncClient is closed")
         if self._link is None:
             raise FailedPrecondition("AsyncClient is not open: use 'async with' or 'await open()'")
         try:
-            return await method(request, timeout=self.timeout, metadata=self._metadata)
+            return await getattr(self._stub, method)(request, timeout=self.timeout,
+                                                     metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
     async def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
+        if self._closed:
+            raise FailedPrecondition("kvtier.AsyncClient is closed")
         missing = self._maps.missing(s.segment_id for s in slots)
         if version == self._maps.version and not missing:
             return
@@ -174,36 +178,36 @@ class AsyncClient:
         self._maps.update(m.segments_version, m.segments, m.fd_segment_ids, fds)
 
     async def lookup(self, keys: Sequence[bytes]) -> int:
-        resp = await self._call(self._stub.Lookup, pb.LookupRequest(keys=as_keys(keys)))
+        resp = await self._call("Lookup", pb.LookupRequest(keys=as_keys(keys)))
         return int(resp.hits)
 
     async def lookup_tiers(self, keys: Sequence[bytes]) -> list[Tier]:
-        resp = await self._call(self._stub.Lookup, pb.LookupRequest(keys=as_keys(keys)))
+        resp = await self._call("Lookup", pb.LookupRequest(keys=as_keys(keys)))
         return [Tier(t) for t in resp.tiers]
 
     async def reserve(self, keys: Sequence[bytes]) -> AsyncReservation:
         keys = as_keys(keys)
-        resp = await self._call(self._stub.Reserve, pb.ReserveRequest(keys=keys))
+        resp = await self._call("Reserve", pb.ReserveRequest(keys=keys))
         try:
             await self._sync_maps(resp.segments_version, resp.slots)
             return AsyncReservation(self, keys, resp)
         except BaseException:
             if resp.reservation_id:
-                await self._call(self._stub.Abort,
+                await self._call("Abort",
                                  pb.AbortRequest(reservation_id=resp.reservation_id))
             raise
 
     async def acquire(self, keys: Sequence[bytes]) -> AsyncLease:
         keys = as_keys(keys)
-        resp = await self._call(self._stub.Acquire, pb.AcquireRequest(keys=keys))
+        resp = await self._call("Acquire", pb.AcquireRequest(keys=keys))
         try:
             await self._sync_maps(resp.segments_version, resp.slots)
             return AsyncLease(self, keys, resp)
         except BaseException as exc:
             if resp.lease_id:
-                await self._call(self._stub.Release, pb.ReleaseRequest(lease_id=resp.lease_id))
+                await self._call("Release", pb.ReleaseRequest(lease_id=resp.lease_id))
             if isinstance(exc, Corrupted):
-                await self._call(self._stub.Delete,
+                await self._call("Delete",
                                  pb.DeleteRequest(keys=[exc.key], corrupted=True))
             raise
 
@@ -222,15 +226,18 @@ class AsyncClient:
             return [v.copy() for v in lease.views]
 
     async def delete(self, keys: Sequence[bytes]) -> int:
-        resp = await self._call(self._stub.Delete, pb.DeleteRequest(keys=as_keys(keys)))
+        resp = await self._call("Delete", pb.DeleteRequest(keys=as_keys(keys)))
         return int(resp.deleted)
 
     async def stats(self) -> dict[str, Any]:
-        resp = await self._call(self._stub.Stats, pb.StatsRequest())
+        resp = await self._call("Stats", pb.StatsRequest())
         return MessageToDict(resp, preserving_proto_field_name=True,
                              always_print_fields_with_no_presence=True)
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self._channel is not None:
             await self._channel.close(None)
         if self._link is not None:

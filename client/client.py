@@ -30,7 +30,13 @@ from kvtier._core import (
     socket_paths,
 )
 from kvtier._session import SegmentMaps, SessionLink, map_request, open_request
-from kvtier.errors import Corrupted, InvalidArgument, KVTierError, from_rpc_error
+from kvtier.errors import (
+    Corrupted,
+    FailedPrecondition,
+    InvalidArgument,
+    KVTierError,
+    from_rpc_error,
+)
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -151,15 +157,20 @@ class Client:
         self._metadata = ((SESSION_METADATA, self.token),)
         self._channel = grpc.insecure_channel(f"unix:{self.grpc_path}", options=grpc_options())
         self._stub = pb_grpc.KVTierStub(self._channel)
+        self._closed = False
 
     # ------------------------------------------------------------- plumbing
     def _call(self, method: Callable[..., _Resp], request: Any) -> _Resp:
+        if self._closed:
+            raise FailedPrecondition("kvtier.Client is closed")
         try:
             return method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
     def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
+        if self._closed:
+            raise FailedPrecondition("kvtier.Client is closed")
         missing = self._maps.missing(s.segment_id for s in slots)
         if version == self._maps.version and not missing:
             return
@@ -232,6 +243,9 @@ class Client:
 
     def close(self) -> None:
         """End the session: the daemon releases its leases and aborts its reservations."""
+        if self._closed:
+            return
+        self._closed = True
         self._channel.close()
         self._link.close()
         self._maps.close()

@@ -27,12 +27,11 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME
 from kvtier.errors import FailedPrecondition
-from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd import systemd
 from kvtierd.config import Config
 from kvtierd.metrics import Metrics
 from kvtierd.segments import Segment, SegmentLayout
-from kvtierd.service import KVTierService
+from kvtierd.service import KVTierService, add_to_server
 from kvtierd.session_channel import SessionChannel
 from kvtierd.store import Block, Namespace, Store
 
@@ -199,7 +198,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         )
         service = KVTierService(store, metrics, max_keys=cfg.server.max_keys_per_call,
                                 started=t0)
-        pb_grpc.add_KVTierServicer_to_server(service, server)
+        add_to_server(service, server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         server.add_insecure_port(f"unix:{grpc_path}")

@@ -36,6 +36,7 @@ import struct
 import time
 from typing import Final
 
+import numpy as np
 import xxhash
 
 from kvtier import _accel
@@ -64,6 +65,21 @@ assert _SLOT.size <= SLOT_ENTRY_BYTES
 assert _HEADER.size + _HEADER_SUM.size <= HEADER_BYTES
 
 FLAG_HAS_CHECKSUM: Final = 1
+
+#: The slot entry as a numpy record, for scanning whole tables at attach time.
+SLOT_DTYPE: Final = np.dtype(
+    {
+        "names": ["state", "key_len", "flags", "length", "checksum", "last_access",
+                  "generation", "epoch", "key"],
+        "formats": ["u1", "u1", "u1", "<u8", "<u8", "<u8", "<u8", "<u8", f"S{MAX_KEY_BYTES}"],
+        "offsets": [0, 1, 2, 8, 16, 24, 32, 40, 48],
+        "itemsize": SLOT_ENTRY_BYTES,
+    }
+)
+
+
+class SegmentInvalid(ValueError):
+    """A segment file that must not be used; the message says why."""
 #: Byte offset of last_access inside a slot entry (after 4 bytes, pad32, length, checksum).
 _LAST_ACCESS_AT: Final = 24
 
@@ -232,6 +248,54 @@ class Segment:
         )
         return seg
 
+    @classmethod
+    def attach(cls, path: str, *, segment_id: int) -> Segment:
+        """Open and validate an existing segment file without touching its data pages.
+
+        Raises ``SegmentInvalid`` (never half-uses a file): bad magic,
+        version or header checksum, a geometry that does not add up, a file
+        size that differs from the header's (truncated or extended), or a
+        file name that does not match its header.
+        """
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise SegmentInvalid(f"truncated: {size} bytes, shorter than its header")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                try:
+                    head = read_header(mm)
+                except ValueError as exc:
+                    raise SegmentInvalid(str(exc)) from None
+                layout = _validated_layout(head, size)
+                name = str(head["namespace"])
+                index = int(head["index"])  # type: ignore[call-overload]
+                if os.path.basename(path) != segment_file_name(name, index):
+                    raise SegmentInvalid(
+                        f"file name does not match its header (namespace {name!r}, extent {index})"
+                    )
+            except BaseException:
+                mm.close()
+                raise
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(
+            segment_id=segment_id, path=path, fd=fd, mm=mm, namespace=name,
+            model_uid=str(head["model_uid"]), index=index, layout=layout,
+            mlock_error=None, prefault_seconds=0.0,
+        )
+
+    def lock_and_populate(self, *, mlock: bool) -> None:
+        """mlock an attached segment (faults its pages in without changing them)."""
+        self.mlock_error = _mlock(self.mm) if mlock else "mlock disabled by config (dram.mlock: false)"
+
+    def scan(self) -> np.ndarray:
+        """The whole slot table as a structured array (a copy)."""
+        return np.frombuffer(self.mm, dtype=SLOT_DTYPE, count=self.layout.n_slots,
+                             offset=TABLE_OFFSET).copy()
+
     def close(self, *, unlink: bool) -> None:
         """Unmap and close; with ``unlink`` also remove the file (its data is gone)."""
         try:
@@ -246,6 +310,9 @@ class Segment:
     def _write_header(self, boot_epoch: int) -> None:
         name = self.namespace.encode()
         uid = self.model_uid.encode()
+        if len(name) > NAME_BYTES or len(uid) > UID_BYTES:
+            raise ValueError(f"namespace ({len(name)} B) or model_uid ({len(uid)} B) too long "
+                             f"for the header ({NAME_BYTES}/{UID_BYTES} B)")
         lay = self.layout
         head = _HEADER.pack(
             MAGIC, FORMAT_VERSION, lay.n_slots, self.index, lay.block_bytes, lay.slot_bytes,
@@ -338,6 +405,26 @@ def read_header(mm: mmap.mmap | bytes) -> dict[str, object]:
         "created_unix_ns": created, "namespace": name[:nlen].decode(),
         "model_uid": uid[:ulen].decode(),
     }
+
+
+def _validated_layout(head: dict[str, object], file_size: int) -> SegmentLayout:
+    """The layout a header describes, if its numbers are mutually consistent."""
+    n, block, slot, table, data = (int(head[k]) for k in (  # type: ignore[call-overload]
+        "n_slots", "block_bytes", "slot_bytes", "table_offset", "data_offset"))
+    if n < 1 or block < 1:
+        raise SegmentInvalid(f"header has n_slots={n} block_bytes={block}")
+    if slot != round_up(block, PAGE) or table != TABLE_OFFSET:
+        raise SegmentInvalid(f"header geometry is inconsistent (slot_bytes={slot}, "
+                             f"block_bytes={block}, table_offset={table})")
+    if data != round_up(TABLE_OFFSET + n * SLOT_ENTRY_BYTES, PAGE):
+        raise SegmentInvalid(f"header data_offset {data} does not follow from {n} slots")
+    layout = SegmentLayout(block, slot, n, data)
+    if file_size != layout.file_bytes:
+        raise SegmentInvalid(
+            f"file is {file_size} bytes but its header describes {layout.file_bytes} "
+            "(truncated or extended)"
+        )
+    return layout
 
 
 def _unlink_quietly(path: str) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvtier import __version__
 from kvtier.errors import Internal, InvalidArgument, KVTierError, Unauthenticated, status_of
@@ -46,6 +47,45 @@ def validate_keys(keys: Sequence[bytes], max_keys: int) -> None:
             raise InvalidArgument(f"keys[{i}] is {len(key)} bytes (1..{MAX_KEY_BYTES} allowed)")
 
 
+class _Malformed:
+    """Stands in for a request whose bytes did not parse (answered INVALID_ARGUMENT)."""
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+
+
+def _lenient(message_type: Any) -> Callable[[bytes], Any]:
+    """A deserializer that turns undecodable bytes into ``_Malformed`` instead of raising.
+
+    gRPC answers a deserializer exception with UNKNOWN and a logged
+    traceback; a malformed request is the caller's error, not ours.
+    """
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except DecodeError:
+            return _Malformed(message_type.DESCRIPTOR.full_name)
+
+    return parse
+
+
+def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
+    """Register every ``kvtier.v1.KVTier`` method of ``service`` on ``server``."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["KVTier"].methods:
+        req_type = getattr(pb, method.input_type.name)
+        resp_type = getattr(pb, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(service, method.name),
+            request_deserializer=_lenient(req_type),
+            response_serializer=resp_type.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("kvtier.v1.KVTier", handlers),)
+    )
+
+
 def _rpc(method: str) -> Callable[[_Handler[_Req, _Resp]], _Handler[_Req, _Resp]]:
     """Time the call and turn kvtier errors into their status (the one mapping point)."""
 
@@ -54,6 +94,8 @@ def _rpc(method: str) -> Callable[[_Handler[_Req, _Resp]], _Handler[_Req, _Resp]
         async def wrapper(self: KVTierService, request: _Req, context: grpc.aio.ServicerContext[Any, Any]) -> _Resp:
             t0 = time.perf_counter()
             try:
+                if isinstance(request, _Malformed):
+                    raise InvalidArgument(f"request body is not a {request.type_name}")
                 return await fn(self, request, context)
             except KVTierError as exc:
                 err: KVTierError = exc

@@ -29,7 +29,7 @@ from kvtier import __version__
 from kvtier.errors import FailedPrecondition, InvalidArgument, KVTierError, status_of
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.metrics import Metrics
-from kvtierd.segments import Segment
+from kvtierd.segments import UID_BYTES, Segment
 from kvtierd.store import Peer, Session, Store
 
 log = logging.getLogger(__name__)
@@ -58,8 +58,9 @@ def validate_decl(decl: pb.NamespaceDecl) -> None:
         )
     if decl.block_bytes == 0:
         raise InvalidArgument("block_bytes is required and must be > 0")
-    if not 0 < len(decl.model_uid) <= 256:
-        raise InvalidArgument(f"model_uid must be 1..256 characters, got {len(decl.model_uid)}")
+    uid_bytes = len(decl.model_uid.encode())
+    if not 0 < uid_bytes <= UID_BYTES:
+        raise InvalidArgument(f"model_uid must be 1..{UID_BYTES} bytes of UTF-8, got {uid_bytes}")
 
 
 class SessionChannel:
