@@ -11,7 +11,7 @@ import asyncio
 import os
 import types
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import numpy as np
