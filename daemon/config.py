@@ -88,7 +88,7 @@ DEFAULT_INSTANCE: Final = "default"
 DEFAULT_SOCKET_MODE: Final = 0o660
 #: gRPC's own default receive limit; a 4096-key call with metadata fits many times over.
 DEFAULT_MAX_MESSAGE_BYTES: Final = 4 * MiB
-#: A 128k-token prompt in 32-token blocks is one call; larger batches are split by the client.
+#: A 128k-token prompt in 32-token blocks is one call; larger batches are refused, not split.
 DEFAULT_MAX_KEYS_PER_CALL: Final = 4096
 #: In-flight calls are short memory operations; 2 s ends them well inside systemd's stop timeout.
 DEFAULT_GRACE: Final = 2.0
@@ -113,7 +113,7 @@ DEFAULT_LOG_LEVEL: Final = "info"
 MIN_MAX_MESSAGE_BYTES: Final = 64 * KiB
 #: gRPC keeps message limits in a signed 32-bit int.
 MAX_MAX_MESSAGE_BYTES: Final = 2**31 - 1
-#: Above this one call would hold the store's lock for too long; clients split larger batches.
+#: Above this one call would hold the event loop for too long (bounded work per call).
 MAX_KEYS_PER_CALL_LIMIT: Final = 1_000_000
 #: Below this the pool cannot hold even one extent of reasonable size.
 MIN_DRAM_CAPACITY: Final = 1 * MiB
