@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
-import glob
 import logging
 import os
 import resource
@@ -30,6 +29,7 @@ from kvtier.errors import FailedPrecondition
 from kvtierd import systemd
 from kvtierd.config import Config
 from kvtierd.metrics import Metrics
+from kvtierd.recovery import recover
 from kvtierd.segments import Segment, SegmentLayout
 from kvtierd.service import KVTierService, add_to_server
 from kvtierd.session_channel import SessionChannel
@@ -58,6 +58,7 @@ class Daemon:
     _http: Any
     _lock_fd: int
     _expiry: asyncio.Task[None]
+    _locker: asyncio.Task[None]
     _stopped: bool = False
 
     async def stop(self, grace: float | None = None) -> None:
@@ -71,7 +72,8 @@ class Daemon:
         await self.server.stop(grace)
         await self.channel.stop()
         self._expiry.cancel()
-        await asyncio.gather(self._expiry, return_exceptions=True)
+        self._locker.cancel()
+        await asyncio.gather(self._expiry, self._locker, return_exceptions=True)
         await self.store.drain()
         self.store.close_all()
         if self._http is not None:
@@ -143,6 +145,21 @@ def _create_extent(
     )
 
 
+async def _lock_adopted(store: Store, mlock: bool) -> None:
+    """mlock re-adopted extents after READY (it faults every page in: seconds for big pools)."""
+    loop = asyncio.get_running_loop()
+    for ns in list(store.namespaces.values()):
+        for ext in list(ns.extents):
+            seg = ext.segment
+            if not seg.adopted:
+                continue  # created by this run: locked when created
+            t0 = time.perf_counter()
+            await loop.run_in_executor(None, functools.partial(seg.lock_and_populate, mlock=mlock))
+            store.prefault_seconds += time.perf_counter() - t0
+            if seg.mlock_error is not None:
+                store.mlock_errors.append(seg.mlock_error)
+
+
 async def _expire_forever(store: Store, metrics: Metrics) -> None:
     while True:
         await asyncio.sleep(EXPIRY_INTERVAL)
@@ -161,11 +178,6 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
     lock_fd = _lock_instance(cfg.dram.shm_dir, cfg.instance)
     try:
         _raise_nofile_limit()
-        stale = glob.glob(os.path.join(cfg.dram.shm_dir, "*.seg"))
-        for path in stale:
-            os.unlink(path)
-        if stale:
-            log.info("cold start: removed %d segment files of a previous run", len(stale))
         boot_epoch = _next_boot_epoch(cfg.dram.shm_dir)
 
         registry = registry if registry is not None else CollectorRegistry()
@@ -183,6 +195,10 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
             boot_epoch=boot_epoch,
             on_evict=on_evict,
         )
+        # Nothing is served yet, so recovery may block: READY comes after it.
+        report = recover(store, cfg.dram.shm_dir)
+        store.recovery_seconds = report.seconds
+        store.dropped_segments = report.dropped
         metrics.watch(store)
 
         grpc_path = os.path.join(cfg.server.socket_dir, GRPC_SOCKET_NAME)
@@ -217,14 +233,16 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
                                               registry=registry)
             metrics_port = http.server_port
 
-        expiry = asyncio.get_running_loop().create_task(_expire_forever(store, metrics))
+        loop = asyncio.get_running_loop()
+        expiry = loop.create_task(_expire_forever(store, metrics))
+        locker = loop.create_task(_lock_adopted(store, cfg.dram.mlock))
     except BaseException:
         os.close(lock_fd)
         raise
     daemon = Daemon(
         config=cfg, store=store, metrics=metrics, server=server, channel=channel, health=health,
         grpc_path=grpc_path, session_path=session_path, metrics_port=metrics_port, _http=http,
-        _lock_fd=lock_fd, _expiry=expiry,
+        _lock_fd=lock_fd, _expiry=expiry, _locker=locker,
     )
     log.info(
         "kvtierd ready in %.2f s: grpc %s, sessions %s, metrics %s, DRAM %.1f MiB in %s "

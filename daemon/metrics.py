@@ -114,6 +114,15 @@ class _StoreCollector(Collector):
         yield ns_blocks
         yield ns_bytes
         yield ns_sessions
+        recovered = GaugeMetricFamily(
+            "kvtier_recovered_blocks", "Blocks re-adopted from a previous run at start",
+            labels=["namespace"],
+        )
+        for ns in list(store.namespaces.values()):
+            recovered.add_metric([ns.name], ns.recovered)
+        yield recovered
+        yield GaugeMetricFamily("kvtier_recovery_seconds", "Time the start spent re-adopting "
+                                "segments", value=store.recovery_seconds)
         yield GaugeMetricFamily("kvtier_active_sessions", "Open sessions", value=len(store.sessions))
         yield GaugeMetricFamily("kvtier_active_leases", "Leases held", value=store.lease_count)
         yield GaugeMetricFamily(

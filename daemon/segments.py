@@ -65,6 +65,8 @@ assert _SLOT.size <= SLOT_ENTRY_BYTES
 assert _HEADER.size + _HEADER_SUM.size <= HEADER_BYTES
 
 FLAG_HAS_CHECKSUM: Final = 1
+#: Byte offset of the key inside a slot entry.
+KEY_OFFSET: Final = 48
 
 #: The slot entry as a numpy record, for scanning whole tables at attach time.
 SLOT_DTYPE: Final = np.dtype(
@@ -72,7 +74,7 @@ SLOT_DTYPE: Final = np.dtype(
         "names": ["state", "key_len", "flags", "length", "checksum", "last_access",
                   "generation", "epoch", "key"],
         "formats": ["u1", "u1", "u1", "<u8", "<u8", "<u8", "<u8", "<u8", f"S{MAX_KEY_BYTES}"],
-        "offsets": [0, 1, 2, 8, 16, 24, 32, 40, 48],
+        "offsets": [0, 1, 2, 8, 16, 24, 32, 40, KEY_OFFSET],
         "itemsize": SLOT_ENTRY_BYTES,
     }
 )
@@ -195,6 +197,8 @@ class Segment:
         self.layout = layout
         self.mlock_error = mlock_error
         self.prefault_seconds = prefault_seconds
+        #: True when attached from a previous run (its pages are locked after READY).
+        self.adopted = False
 
     # ----------------------------------------------------------- lifecycle
     @classmethod
@@ -281,11 +285,13 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        return cls(
+        seg = cls(
             segment_id=segment_id, path=path, fd=fd, mm=mm, namespace=name,
             model_uid=str(head["model_uid"]), index=index, layout=layout,
             mlock_error=None, prefault_seconds=0.0,
         )
+        seg.adopted = True
+        return seg
 
     def lock_and_populate(self, *, mlock: bool) -> None:
         """mlock an attached segment (faults its pages in without changing them)."""

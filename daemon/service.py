@@ -240,6 +240,7 @@ def build_stats(store: Store, started: float) -> pb.StatsResponse:
             slot_bytes=ns.slot_bytes, segments=len(ns.extents), committed_blocks=ns.committed,
             reserved_blocks=ns.reserved, free_slots=ns.free_slots(), leased_blocks=ns.leased,
             sessions=ns.sessions, hits=ns.hits, misses=ns.misses,
+            recovered_blocks=ns.recovered,
         )
         for ns in store.namespaces.values()
     ]
@@ -256,4 +257,8 @@ def build_stats(store: Store, started: float) -> pb.StatsResponse:
         daemon_version=__version__,
         boot_epoch=store.boot_epoch,
         uptime_seconds=time.monotonic() - started,
+        warm_start=any(ns.recovered for ns in store.namespaces.values()),
+        recovered_blocks=sum(ns.recovered for ns in store.namespaces.values()),
+        recovery_seconds=store.recovery_seconds,
+        dropped_segments=store.dropped_segments,
     )

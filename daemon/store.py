@@ -41,6 +41,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
+import numpy as np
+
 from kvtier.errors import (
     CapacityExhausted,
     FailedPrecondition,
@@ -49,7 +51,7 @@ from kvtier.errors import (
     NotFound,
     Unauthenticated,
 )
-from kvtierd.segments import Segment, SegmentLayout, SlotState
+from kvtierd.segments import KEY_OFFSET, MAX_KEY_BYTES, Segment, SegmentLayout, SlotState
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +87,13 @@ class Extent:
     segment: Segment
     free: list[int]
     generations: list[int]
-    reserved: int = 0
+    reserved: int = 0  # includes quarantined slots
     committed: int = 0  # includes doomed blocks still pinned
     pinned: int = 0  # slots with pins > 0
+    # Slots found RESERVED at recovery: a writer of the previous daemon may
+    # still be copying into them, so they are reused only after the
+    # reservation TTL (slot -> monotonic deadline).
+    quarantine: dict[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def n_slots(self) -> int:
@@ -132,6 +138,7 @@ class Namespace:
     leased: int = 0  # blocks with pins > 0
     hits: int = 0
     misses: int = 0
+    recovered: int = 0  # blocks re-adopted from a previous run's segments
     grow_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
     def free_slots(self) -> int:
@@ -239,6 +246,7 @@ class Store:
         self._ids = itertools.count(1)
         self._segment_ids = itertools.count(1)
         self._access_seq = itertools.count(1)
+        self._adopted: dict[Block, int] = {}  # block -> persisted last access, until finish_recovery
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, Lease] = {}
         self._retiring: set[asyncio.Future[None]] = set()
@@ -246,6 +254,8 @@ class Store:
         self.evictions = 0
         self.mlock_errors: list[str] = []
         self.prefault_seconds = 0.0
+        self.recovery_seconds = 0.0
+        self.dropped_segments: list[str] = []
 
     # ================================================================ sessions
     def open_session(self, name: str, block_bytes: int, model_uid: str, peer: Peer) -> Session:
@@ -385,6 +395,17 @@ class Store:
         if may_grow and SegmentLayout.fit(ns.block_bytes, self.budget_free) is not None:
             give_back()
             raise _NeedExtent(n)
+        # An empty extent of another namespace costs nothing to reclaim.
+        if may_grow:
+            for other in self.namespaces.values():
+                if other is ns or other.grow_lock.locked():
+                    continue  # never take what a growing namespace just created
+                empty = next((e for e in other.extents
+                              if e.committed == 0 and e.reserved == 0), None)
+                if empty is not None:
+                    give_back()
+                    self._retire_extent(empty)
+                    raise _NeedExtent(n)
         # Plan victims without changing anything.
         same_ns: list[Block] = []
         reclaim: list[Extent] = []
@@ -644,6 +665,112 @@ class Store:
         self._retiring.add(fut)
         fut.add_done_callback(self._retiring.discard)
 
+    # ================================================================ recovery
+    def new_segment_id(self) -> int:
+        return next(self._segment_ids)
+
+    def adopt_extent(self, segment: Segment) -> int:
+        """Take over a segment of a previous run; returns the blocks recovered.
+
+        COMMITTED slots with a sane key and length become visible blocks;
+        RESERVED slots are quarantined for the reservation TTL (a writer of
+        the previous daemon may still be copying) and then freed; anything
+        else is freed.  Raises ``CapacityExhausted`` when the budget cannot
+        hold the extent and ``FailedPrecondition`` when its layout conflicts
+        with the namespace's other extents; the store is unchanged then.
+        """
+        lay = segment.layout
+        if lay.file_bytes > self.budget_free:
+            raise CapacityExhausted(
+                f"extent needs {lay.file_bytes} bytes, {self.budget_free} left in dram.capacity"
+            )
+        ns = self.namespaces.get(segment.namespace)
+        if ns is not None and (ns.block_bytes, ns.model_uid) != (lay.block_bytes, segment.model_uid):
+            raise FailedPrecondition(
+                f"extent {segment.index} of namespace {segment.namespace!r} has block_bytes="
+                f"{lay.block_bytes} model_uid={segment.model_uid!r}, other extents have "
+                f"block_bytes={ns.block_bytes} model_uid={ns.model_uid!r}"
+            )
+        if ns is not None and any(e.segment.index == segment.index for e in ns.extents):
+            raise FailedPrecondition(f"extent {segment.index} of {segment.namespace!r} twice")
+        if ns is None:
+            ns = Namespace(segment.namespace, lay.block_bytes, segment.model_uid, lay.slot_bytes)
+            self.namespaces[ns.name] = ns
+        table = segment.scan()
+        # Raw key bytes (numpy's "S" type would strip trailing NULs, which keys may have).
+        keys = table.view(np.uint8).reshape(lay.n_slots, -1)[:, KEY_OFFSET:]
+        state = table["state"]
+        key_len = table["key_len"]
+        length = table["length"]
+        valid = ((state == SlotState.COMMITTED) & (key_len >= 1) & (key_len <= MAX_KEY_BYTES)
+                 & (length >= 1) & (length <= lay.block_bytes))
+        ext = Extent(segment, [], [int(g) for g in table["generation"]])
+        deadline = self._clock() + self.reservation_ttl
+        recovered = 0
+        for slot in range(lay.n_slots - 1, -1, -1):
+            if valid[slot]:
+                key = keys[slot, : key_len[slot]].tobytes()
+                rec = table[slot]
+                last = int(rec["last_access"])
+                old = ns.index.get(key)
+                if old is not None:  # the same key twice (never written so; be safe)
+                    log.warning("namespace %r: key %s committed twice; keeping the newer copy",
+                                ns.name, key.hex())
+                    if self._adopted.get(old, 0) >= last:
+                        segment.mark_free(slot)
+                        ext.free.append(slot)
+                        continue
+                    del ns.index[key]
+                    del self._adopted[old]
+                    self._free_block(old)
+                    recovered -= 1
+                checksum = int(rec["checksum"]) if rec["flags"] & 1 else None
+                block = Block(ns, key, ext, slot, int(length[slot]), checksum,
+                              int(rec["generation"]))
+                ns.index[key] = block
+                ext.committed += 1
+                ns.committed += 1
+                self._adopted[block] = last
+                recovered += 1
+            elif state[slot] == SlotState.RESERVED:
+                ext.quarantine[slot] = deadline
+                ext.reserved += 1
+                ns.reserved += 1
+            else:
+                if state[slot] != SlotState.FREE:
+                    segment.mark_free(slot)
+                ext.free.append(slot)
+        self.budget_free -= lay.file_bytes
+        ns.extents.append(ext)
+        ns.extents.sort(key=lambda e: e.segment.index)
+        ns.next_extent_index = max(ns.next_extent_index, segment.index + 1)
+        ns.recovered += recovered
+        return recovered
+
+    def finish_recovery(self) -> None:
+        """Order the adopted blocks by their persisted last access (oldest first in the LRU)."""
+        order = sorted(self._adopted.items(), key=lambda item: item[1])
+        for block, _ in order:
+            self.lru[block] = None
+        top = order[-1][1] if order else 0
+        self._access_seq = itertools.count(top + 1)
+        self._adopted = {}
+
+    def _release_quarantine(self, now: float) -> int:
+        n = 0
+        for ns in self.namespaces.values():
+            for ext in ns.extents:
+                if not ext.quarantine:
+                    continue
+                for slot in [s for s, t in ext.quarantine.items() if t <= now]:
+                    del ext.quarantine[slot]
+                    ext.segment.mark_free(slot)
+                    ext.reserved -= 1
+                    ns.reserved -= 1
+                    ext.free.append(slot)
+                    n += 1
+        return n
+
     def segments(self, ns: Namespace) -> list[Segment]:
         return [e.segment for e in ns.extents]
 
@@ -670,6 +797,7 @@ class Store:
             log.warning("reservation %d of session %d expired; its %d slots are returned",
                         res.id, res.session.id, len(res.keys))
             self._end_reservation(res, commit=None)
+        self._release_quarantine(now)
         stale_leases = [lease for lease in self._leases.values() if lease.expires <= now]
         for lease in stale_leases:
             log.warning("lease %d of session %d expired after %.0f s", lease.id,
@@ -752,7 +880,7 @@ class Store:
                             problems.append(f"{where}: FREE on segment but in use in the index")
                     elif rec.state == SlotState.RESERVED:
                         counts["reserved"] += 1
-                        if holder is None:
+                        if holder is None and slot not in ext.quarantine:
                             problems.append(f"{where}: RESERVED on segment but no reservation")
                     else:
                         counts["committed"] += 1

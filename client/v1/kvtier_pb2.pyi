@@ -254,7 +254,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("name", "block_bytes", "model_uid", "slot_bytes", "segments", "committed_blocks", "reserved_blocks", "free_slots", "leased_blocks", "sessions", "hits", "misses")
+    __slots__ = ("name", "block_bytes", "model_uid", "slot_bytes", "segments", "committed_blocks", "reserved_blocks", "free_slots", "leased_blocks", "sessions", "hits", "misses", "recovered_blocks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_UID_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +267,7 @@ class NamespaceStats(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     block_bytes: int
     model_uid: str
@@ -279,10 +280,11 @@ class NamespaceStats(_message.Message):
     sessions: int
     hits: int
     misses: int
-    def __init__(self, name: _Optional[str] = ..., block_bytes: _Optional[int] = ..., model_uid: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., free_slots: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
+    recovered_blocks: int
+    def __init__(self, name: _Optional[str] = ..., block_bytes: _Optional[int] = ..., model_uid: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., free_slots: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., recovered_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "sessions", "leases", "reservations", "evictions", "mlocked", "mlock_error", "prefault_seconds", "daemon_version", "boot_epoch", "uptime_seconds")
+    __slots__ = ("tiers", "namespaces", "sessions", "leases", "reservations", "evictions", "mlocked", "mlock_error", "prefault_seconds", "daemon_version", "boot_epoch", "uptime_seconds", "warm_start", "recovered_blocks", "recovery_seconds", "dropped_segments")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +297,10 @@ class StatsResponse(_message.Message):
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WARM_START_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     sessions: int
@@ -307,7 +313,11 @@ class StatsResponse(_message.Message):
     daemon_version: str
     boot_epoch: int
     uptime_seconds: float
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., mlocked: _Optional[bool] = ..., mlock_error: _Optional[str] = ..., prefault_seconds: _Optional[float] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+    warm_start: bool
+    recovered_blocks: int
+    recovery_seconds: float
+    dropped_segments: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., mlocked: _Optional[bool] = ..., mlock_error: _Optional[str] = ..., prefault_seconds: _Optional[float] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., warm_start: _Optional[bool] = ..., recovered_blocks: _Optional[int] = ..., recovery_seconds: _Optional[float] = ..., dropped_segments: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CheckRequest(_message.Message):
     __slots__ = ()
