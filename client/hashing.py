@@ -48,6 +48,8 @@ def block_keys(
         raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
     if arr.size and int(arr.min()) < 0:
         raise ValueError("tokens must be non-negative")
+    if arr.size and arr.dtype.kind == "u" and int(arr.max()) >= 2**63:
+        raise ValueError("tokens must be < 2**63")
     data = arr.astype("<i8", copy=False).tobytes()
     n_blocks = arr.size // block_tokens
     step = block_tokens * 8

@@ -377,12 +377,19 @@ class Store:
     def _take_slots(self, ns: Namespace, n: int, *, may_grow: bool) -> list[tuple[Extent, int]]:
         """Pop ``n`` free slots of ``ns``, evicting or reclaiming as needed.
 
-        On failure every popped slot is back on its free list.
+        Order: free slots; growth while the budget allows; then, walking the
+        host-wide LRU from the oldest block, either evict blocks of ``ns`` or
+        reclaim whole extents of other namespaces (empty ones first) until
+        the budget fits a new extent.  Victims are planned before anything
+        changes: on failure every popped slot is back and nothing is evicted.
+        (A key the same request saw as EXISTS may be among the victims when
+        the request needs nearly the whole namespace; its status was true
+        when the call began.)
         """
         taken: list[tuple[Extent, int]] = []
 
         def give_back() -> None:
-            for ext, slot in taken:
+            for ext, slot in reversed(taken):
                 ext.free.append(slot)
 
         for ext in ns.extents:
@@ -395,42 +402,45 @@ class Store:
         if may_grow and SegmentLayout.fit(ns.block_bytes, self.budget_free) is not None:
             give_back()
             raise _NeedExtent(n)
-        # An empty extent of another namespace costs nothing to reclaim.
-        if may_grow:
-            for other in self.namespaces.values():
-                if other is ns or other.grow_lock.locked():
-                    continue  # never take what a growing namespace just created
-                empty = next((e for e in other.extents
-                              if e.committed == 0 and e.reserved == 0), None)
-                if empty is not None:
-                    give_back()
-                    self._retire_extent(empty)
-                    raise _NeedExtent(n)
-        # Plan victims without changing anything.
         same_ns: list[Block] = []
         reclaim: list[Extent] = []
-        considered: set[int] = set()
+        reclaim_bytes = 0
+
+        def funded() -> bool:
+            return SegmentLayout.fit(ns.block_bytes, self.budget_free + reclaim_bytes) is not None
+
+        if may_grow:
+            # Empty extents of other namespaces cost nothing to reclaim (but never
+            # take what a namespace that is growing right now just created).
+            for other in self.namespaces.values():
+                if other is ns or other.grow_lock.locked():
+                    continue
+                for ext in other.extents:
+                    if not funded() and ext.committed == 0 and ext.reserved == 0:
+                        reclaim.append(ext)
+                        reclaim_bytes += ext.bytes
+        considered: set[int] = {id(e) for e in reclaim}
         for scanned, block in enumerate(self.lru):
-            if scanned >= EVICTION_SCAN_LIMIT or len(same_ns) >= short:
+            if scanned >= EVICTION_SCAN_LIMIT or len(same_ns) >= short or (reclaim and funded()):
                 break
             if block.ns is ns:
                 same_ns.append(block)
             elif may_grow and id(block.extent) not in considered:
                 considered.add(id(block.extent))
                 ext = block.extent
-                if ext.reserved == 0 and ext.pinned == 0 and ext.committed + len(ext.free) == ext.n_slots:
+                if ext.reserved == 0 and ext.pinned == 0 and not block.ns.grow_lock.locked():
                     reclaim.append(ext)
-                    break  # one reclaimed extent funds a growth step; re-plan after it
+                    reclaim_bytes += ext.bytes
+        if reclaim and funded():
+            give_back()
+            for ext in reclaim:
+                self._retire_extent(ext)
+            raise _NeedExtent(n)
         if len(same_ns) >= short:
             for block in same_ns[:short]:
                 self._evict(block)
                 taken.append((block.extent, block.extent.free.pop()))
             return taken
-        if reclaim:
-            give_back()
-            for ext in reclaim:
-                self._retire_extent(ext)
-            raise _NeedExtent(n)
         give_back()
         raise CapacityExhausted(
             f"DRAM is full for namespace {ns.name!r}: {n} slots needed, "
@@ -861,12 +871,14 @@ class Store:
                     if block.doomed and block.ns is ns:
                         blocks_at[(id(block.extent), block.slot)] = block
             totals = {"free": 0, "reserved": 0, "committed": 0}
+            ns_pinned = 0
             for ext in ns.extents:
                 extent_bytes += ext.bytes
                 free_set = set(ext.free)
                 if len(free_set) != len(ext.free):
                     problems.append(f"{ns.name}: extent {ext.segment.index} free list has duplicates")
                 counts = {"free": 0, "reserved": 0, "committed": 0}
+                pinned_slots = 0
                 for slot in range(ext.n_slots):
                     rec = ext.segment.read_slot(slot)
                     where = f"{ns.name}: extent {ext.segment.index} slot {slot}"
@@ -886,12 +898,16 @@ class Store:
                         counts["committed"] += 1
                         if owner is None:
                             problems.append(f"{where}: COMMITTED on segment but not indexed")
-                        elif (rec.key, rec.length, rec.generation) != (
-                            owner.key, owner.length, owner.generation
+                        elif (rec.key, rec.length, rec.generation, rec.checksum) != (
+                            owner.key, owner.length, owner.generation, owner.checksum
                         ):
                             problems.append(f"{where}: slot table disagrees with the index")
-                    if owner is not None and pins[id(owner)] != owner.pins:
-                        problems.append(f"{where}: pins {owner.pins} != leases {pins[id(owner)]}")
+                    if owner is not None:
+                        if pins[id(owner)] != owner.pins:
+                            problems.append(
+                                f"{where}: pins {owner.pins} != leases {pins[id(owner)]}")
+                        if owner.pins:
+                            pinned_slots += 1
                 if counts["free"] != len(ext.free):
                     problems.append(f"{ns.name}: extent {ext.segment.index} free list "
                                     f"{len(ext.free)} != FREE slots {counts['free']}")
@@ -901,8 +917,14 @@ class Store:
                                     f"({counts['reserved']}, {counts['committed']})")
                 if sum(counts.values()) != ext.n_slots:
                     problems.append(f"{ns.name}: extent {ext.segment.index} does not balance")
+                if pinned_slots != ext.pinned:
+                    problems.append(f"{ns.name}: extent {ext.segment.index} pinned counter "
+                                    f"{ext.pinned} != leased slots {pinned_slots}")
+                ns_pinned += pinned_slots
                 for k in totals:
                     totals[k] += counts[k]
+            if ns_pinned != ns.leased:
+                problems.append(f"{ns.name}: leased counter {ns.leased} != leased blocks {ns_pinned}")
             if (totals["reserved"], totals["committed"]) != (ns.reserved, ns.committed):
                 problems.append(f"{ns.name}: namespace counters ({ns.reserved}, {ns.committed}) "
                                 f"!= slot tables ({totals['reserved']}, {totals['committed']})")
