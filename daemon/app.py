@@ -57,8 +57,7 @@ class Daemon:
     metrics_port: int | None
     _http: Any
     _lock_fd: int
-    _expiry: asyncio.Task[None]
-    _locker: asyncio.Task[None]
+    _tasks: list[asyncio.Task[None]]  # expiry, background mlock, systemd watchdog
     _stopped: bool = False
 
     async def stop(self, grace: float | None = None) -> None:
@@ -71,9 +70,9 @@ class Daemon:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.channel.stop()
-        self._expiry.cancel()
-        self._locker.cancel()
-        await asyncio.gather(self._expiry, self._locker, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.store.drain()
         self.store.close_all()
         if self._http is not None:
@@ -160,6 +159,13 @@ async def _lock_adopted(store: Store, mlock: bool) -> None:
                 store.mlock_errors.append(seg.mlock_error)
 
 
+async def _watchdog_forever(interval: float) -> None:
+    """Ping systemd from the event loop itself: a stuck loop stops the pings."""
+    while True:
+        systemd.notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
+
+
 async def _expire_forever(store: Store, metrics: Metrics) -> None:
     while True:
         await asyncio.sleep(EXPIRY_INTERVAL)
@@ -234,15 +240,20 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
             metrics_port = http.server_port
 
         loop = asyncio.get_running_loop()
-        expiry = loop.create_task(_expire_forever(store, metrics))
-        locker = loop.create_task(_lock_adopted(store, cfg.dram.mlock))
+        tasks = [
+            loop.create_task(_expire_forever(store, metrics)),
+            loop.create_task(_lock_adopted(store, cfg.dram.mlock)),
+        ]
+        interval = systemd.watchdog_interval()
+        if interval is not None:
+            tasks.append(loop.create_task(_watchdog_forever(interval)))
     except BaseException:
         os.close(lock_fd)
         raise
     daemon = Daemon(
         config=cfg, store=store, metrics=metrics, server=server, channel=channel, health=health,
         grpc_path=grpc_path, session_path=session_path, metrics_port=metrics_port, _http=http,
-        _lock_fd=lock_fd, _expiry=expiry, _locker=locker,
+        _lock_fd=lock_fd, _tasks=tasks,
     )
     log.info(
         "kvtierd ready in %.2f s: grpc %s, sessions %s, metrics %s, DRAM %.1f MiB in %s "

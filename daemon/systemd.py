@@ -17,3 +17,20 @@ def notify(state: str) -> bool:
         sock.connect(addr)
         sock.sendall(state.encode())
     return True
+
+
+def watchdog_interval() -> float | None:
+    """Seconds between WATCHDOG=1 pings (half of ``$WATCHDOG_USEC``), or None when off.
+
+    Honors ``$WATCHDOG_PID``: the pings are only for the process systemd named.
+    """
+    usec = os.environ.get("WATCHDOG_USEC")
+    if not usec:
+        return None
+    pid = os.environ.get("WATCHDOG_PID")
+    if pid and pid.isdigit() and int(pid) != os.getpid():
+        return None
+    try:
+        return max(int(usec) / 2e6, 0.01)
+    except ValueError:
+        return None
