@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ import xxhash
 from kvtier import _accel
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME, default_socket_dir
 from kvtier._session import SegmentMaps
-from kvtier.errors import Corrupted, InvalidArgument
+from kvtier.errors import Corrupted, InvalidArgument, Unavailable
 from kvtier.v1 import kvtier_pb2 as pb
 
 #: Metadata entry that carries the session token on every call.
@@ -43,6 +44,39 @@ class Tier(enum.IntEnum):
     SHARED = pb.TIER_SHARED
 
 
+class Backoff:
+    """Reconnect pacing: exponential from ``initial`` to ``maximum`` seconds.
+
+    While waiting, calls fail fast with ``Unavailable`` instead of hanging.
+    """
+
+    def __init__(self, initial: float = 0.05, maximum: float = 5.0) -> None:
+        self.initial = initial
+        self.maximum = maximum
+        self._delay = 0.0
+        self._next = 0.0
+        self._last_error = ""
+
+    def check(self) -> None:
+        wait = self._next - time.monotonic()
+        if wait > 0:
+            raise Unavailable(f"kvtierd is unavailable ({self._last_error}); "
+                              f"next reconnect attempt in {wait:.2f} s")
+
+    def failed(self, exc: BaseException) -> None:
+        self._delay = min(max(self._delay * 2, self.initial), self.maximum)
+        self._next = time.monotonic() + self._delay
+        self._last_error = str(exc)
+
+    def succeeded(self) -> None:
+        self._delay = 0.0
+        self._next = 0.0
+
+
+#: Calls that carry ids of the session that issued them: never retried in a new one.
+SESSION_BOUND = frozenset({"Commit", "Abort", "Release"})
+
+
 def socket_paths(socket: str | os.PathLike[str] | None) -> tuple[str, str]:
     """(gRPC socket, session socket) from a socket directory or gRPC socket path."""
     path = os.fspath(socket) if socket is not None else default_socket_dir()
@@ -55,6 +89,10 @@ def grpc_options() -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        # A restarted daemon is back within ~100 ms: retry the socket quickly.
+        ("grpc.initial_reconnect_backoff_ms", 50),
+        ("grpc.min_reconnect_backoff_ms", 50),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 
@@ -91,8 +129,9 @@ class ReservationState:
     """A reservation's keys, statuses and writable buffers (transport-free part)."""
 
     def __init__(self, keys: list[bytes], resp: pb.ReserveResponse, maps: SegmentMaps,
-                 block_bytes: int) -> None:
+                 block_bytes: int, session_gen: int) -> None:
         self.keys = keys
+        self.session_gen = session_gen
         self.reservation_id = resp.reservation_id
         self.statuses = [KeyStatus(s) for s in resp.statuses]
         self.buffers: list[np.ndarray | None] = [None] * len(keys)
@@ -139,7 +178,8 @@ class LeaseState:
     """Read-only views of the leased blocks (transport-free part)."""
 
     def __init__(self, keys: list[bytes], resp: pb.AcquireResponse, maps: SegmentMaps,
-                 verify: bool) -> None:
+                 verify: bool, session_gen: int) -> None:
+        self.session_gen = session_gen
         self.lease_id = resp.lease_id
         self.keys = keys[: resp.hits]
         self.tiers = [Tier(t) for t in resp.tiers]

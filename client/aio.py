@@ -19,7 +19,9 @@ from google.protobuf.json_format import MessageToDict
 
 from kvtier._core import (
     DEFAULT_TIMEOUT,
+    SESSION_BOUND,
     SESSION_METADATA,
+    Backoff,
     LeaseState,
     ReservationState,
     Tier,
@@ -31,9 +33,13 @@ from kvtier._core import (
 from kvtier._session import SegmentMaps, SessionLink, map_request, open_request
 from kvtier.errors import (
     Corrupted,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     KVTierError,
+    SessionLost,
+    Unauthenticated,
+    Unavailable,
     from_rpc_error,
 )
 from kvtier.v1 import kvtier_pb2 as pb
@@ -44,14 +50,19 @@ class AsyncReservation(ReservationState):
     """Like ``kvtier.Reservation``; ``await commit()``, ``async with`` aborts on exit."""
 
     def __init__(self, client: AsyncClient, keys: list[bytes], resp: pb.ReserveResponse) -> None:
-        super().__init__(keys, resp, client._maps, client.block_bytes)
+        super().__init__(keys, resp, client._maps, client.block_bytes, client._session_gen)
         self._client = client
 
     async def commit(self) -> int:
         if self.done:
             return 0
         req = self.commit_request(self._client.checksum)
-        resp = await self._client._call("Commit", req)
+        try:
+            resp = await self._client._bound_call("Commit", req, self.session_gen, "reservation")
+        except SessionLost:
+            self.done = True
+            self.release_views()
+            raise
         self.done = True
         self.release_views()
         return int(resp.committed)
@@ -61,8 +72,9 @@ class AsyncReservation(ReservationState):
             return
         self.done = True
         self.release_views()
-        await self._client._call("Abort",
-                                 pb.AbortRequest(reservation_id=self.reservation_id))
+        await self._client._bound_call(
+            "Abort", pb.AbortRequest(reservation_id=self.reservation_id), self.session_gen,
+            "reservation")
 
     async def __aenter__(self) -> AsyncReservation:
         return self
@@ -82,16 +94,15 @@ class AsyncLease(LeaseState):
 
     def __init__(self, client: AsyncClient, keys: list[bytes], resp: pb.AcquireResponse) -> None:
         self._client = client
-        self.lease_id = resp.lease_id
-        super().__init__(keys, resp, client._maps, client.checksum)
+        super().__init__(keys, resp, client._maps, client.checksum, client._session_gen)
 
     async def release(self) -> None:
         if self.done:
             return
         self.done = True
         self.release_views()
-        await self._client._call("Release",
-                                 pb.ReleaseRequest(lease_id=self.lease_id))
+        await self._client._bound_call("Release", pb.ReleaseRequest(lease_id=self.lease_id),
+                                       self.session_gen, "lease")
 
     async def __aenter__(self) -> AsyncLease:
         return self
@@ -117,6 +128,7 @@ class AsyncClient:
         model_uid: str,
         timeout: float = DEFAULT_TIMEOUT,
         checksum: bool = False,
+        reconnect_max: float = 5.0,
     ) -> None:
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be a positive int, got {block_bytes!r}")
@@ -131,40 +143,89 @@ class AsyncClient:
         self._channel: grpc.aio.Channel | None = None
         self._metadata: tuple[tuple[str, str], ...] = ()
         self._closed = False
+        self._session_gen = 0
+        self._backoff = Backoff(maximum=reconnect_max)
+        self._session_lock: asyncio.Lock | None = None
 
     async def open(self) -> AsyncClient:
         """Open the session (idempotent)."""
-        if self._link is not None:
+        if self._channel is not None:
             return self
+        await self._open_session()
+        self._channel = grpc.aio.insecure_channel(f"unix:{self.grpc_path}", options=grpc_options())
+        self._stub = pb_grpc.KVTierStub(self._channel)
+        return self
+
+    async def _open_session(self) -> None:
         link = await asyncio.to_thread(SessionLink, self.session_path, self.timeout)
+        maps = SegmentMaps()
         try:
             resp, fds = await asyncio.to_thread(
                 link.request, open_request(self.namespace, self.block_bytes, self.model_uid)
             )
             opened = resp.opened
-            self._maps.update(opened.segments_version, opened.segments,
-                              [s.segment_id for s in opened.segments], fds)
+            maps.update(opened.segments_version, opened.segments,
+                        [s.segment_id for s in opened.segments], fds)
         except BaseException:
             link.close()
+            maps.close()
             raise
+        self._maps.close()
+        self._maps = maps
         self._link = link
         self.token = opened.token
         self.daemon_version = opened.daemon_version
         self._metadata = ((SESSION_METADATA, self.token),)
-        self._channel = grpc.aio.insecure_channel(f"unix:{self.grpc_path}", options=grpc_options())
-        self._stub = pb_grpc.KVTierStub(self._channel)
-        return self
+        self._session_gen += 1
 
-    async def _call(self, method: str, request: Any) -> Any:
+    def _lose_session(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+    async def _ensure_session(self) -> None:
         if self._closed:
             raise FailedPrecondition("kvtier.AsyncClient is closed")
-        if self._link is None:
+        if self._channel is None:
             raise FailedPrecondition("AsyncClient is not open: use 'async with' or 'await open()'")
+        if self._link is not None:
+            return
+        if self._session_lock is None:
+            self._session_lock = asyncio.Lock()
+        async with self._session_lock:
+            if self._link is not None:
+                return
+            self._backoff.check()
+            try:
+                await self._open_session()
+            except Unavailable as exc:
+                self._backoff.failed(exc)
+                raise
+            self._backoff.succeeded()
+
+    async def _call(self, method: str, request: Any, *, retry: bool = True) -> Any:
+        """One RPC in the current session; reconnects once if the daemon restarted."""
+        await self._ensure_session()
+        metadata = self._metadata
         try:
             return await getattr(self._stub, method)(request, timeout=self.timeout,
-                                                     metadata=self._metadata)
+                                                     metadata=metadata)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            err = from_rpc_error(exc)
+        if isinstance(err, (Unavailable, Unauthenticated)) and not isinstance(err, DeadlineExceeded):
+            if self._metadata == metadata:
+                self._lose_session()
+            if retry and isinstance(err, Unauthenticated) and method not in SESSION_BOUND:
+                return await self._call(method, request, retry=False)
+        raise err
+
+    async def _bound_call(self, method: str, request: Any, session_gen: int, what: str) -> Any:
+        if session_gen != self._session_gen:
+            raise SessionLost(f"{what} was lost: kvtierd restarted since it was granted")
+        try:
+            return await self._call(method, request, retry=False)
+        except Unauthenticated:
+            raise SessionLost(f"{what} was lost: kvtierd restarted since it was granted") from None
 
     async def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
         if self._closed:
@@ -172,8 +233,10 @@ class AsyncClient:
         missing = self._maps.missing(s.segment_id for s in slots)
         if version == self._maps.version and not missing:
             return
-        assert self._link is not None
-        resp, fds = await asyncio.to_thread(self._link.request, map_request(missing))
+        link = self._link
+        if link is None:
+            raise Unavailable("the session ended while the call was in flight")
+        resp, fds = await asyncio.to_thread(link.request, map_request(missing))
         m = resp.mapped
         self._maps.update(m.segments_version, m.segments, m.fd_segment_ids, fds)
 
@@ -240,8 +303,7 @@ class AsyncClient:
         self._closed = True
         if self._channel is not None:
             await self._channel.close(None)
-        if self._link is not None:
-            self._link.close()
+        self._lose_session()
         self._maps.close()
 
     async def __aenter__(self) -> AsyncClient:

@@ -175,6 +175,10 @@ def _fmt_x(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _fmt_pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
 def _fmt_ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.3f}"
 
@@ -185,6 +189,57 @@ def _table(rows: list[list[str]]) -> str:
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
         for r in rows
     )
+
+
+class CpuMeter:
+    """How busy the machine was with *other* work while something was measured.
+
+    Reads ``/proc/stat`` (all CPUs, steal included) and ``/proc/PID/stat`` of
+    the processes of this run; ``foreign`` = (busy CPU time not spent by
+    them) / (elapsed time x CPUs).  0 on a quiet machine; 0.5 on two CPUs
+    means one was taken by someone else.  None when /proc cannot be read.
+    """
+
+    def __init__(self, pids: Callable[[], Sequence[int]]) -> None:
+        self._pids = pids
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._start: tuple[float, float, float] | None = None
+
+    @staticmethod
+    def _machine() -> float:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+        return float(sum(v[:8]) - idle)
+
+    def _ours(self) -> float:
+        total = 0.0
+        for pid in self._pids():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total
+
+    def start(self) -> None:
+        try:
+            self._start = (time.monotonic(), self._machine(), self._ours())
+        except OSError:
+            self._start = None
+
+    def stop(self) -> float | None:
+        if self._start is None:
+            return None
+        try:
+            t1, busy1, ours1 = time.monotonic(), self._machine(), self._ours()
+        except OSError:
+            return None
+        t0, busy0, ours0 = self._start
+        cpus = os.cpu_count() or 1
+        elapsed = (t1 - t0) * self._tick * cpus
+        if elapsed <= 0:
+            return None
+        return max(0.0, ((busy1 - busy0) - (ours1 - ours0)) / elapsed)
 
 
 # =====================================================================  processes
@@ -210,6 +265,20 @@ def _tail(path: str, lines: int = 30) -> str:
             return "".join(f.readlines()[-lines:])
     except OSError:
         return ""
+
+
+def peer_pid(unix_path: str) -> int | None:
+    """The pid of the process listening on a Unix socket (SO_PEERCRED), if it can be had."""
+    import socket
+    import struct
+
+    with contextlib.suppress(OSError):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2)
+            s.connect(unix_path)
+            creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            return int(struct.unpack("3i", creds)[0])
+    return None
 
 
 def wait_serving(socket_dir: str, proc: subprocess.Popen[bytes] | None, timeout: float = 30) -> None:
@@ -290,6 +359,7 @@ def own_daemon(workdir: str, capacity: int, extent: int, info: dict[str, Any]) -
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    info["pid"] = proc.pid
     try:
         try:
             wait_serving(socket_dir, proc)
@@ -329,6 +399,7 @@ def own_redis(workdir: str, info: dict[str, Any]) -> Iterator[str | None]:
     _progress(f"starting {binary} on {path}")
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    info["pid"] = proc.pid
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -893,23 +964,31 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         else:
             socket_dir = args.socket
             wait_serving(socket_dir, None, timeout=5)
-            res["daemon"]["socket_dir"] = socket_dir
+            res["daemon"].update(socket_dir=socket_dir,
+                                 pid=peer_pid(os.path.join(socket_dir, "kvtier.sock")))
         _progress(f"starting {max(clients)} client process(es)")
         workers = Workers(max(clients), socket_dir, redis_path, clients)
         stack.callback(workers.close)
         workers.call([{"kind": "ping"}] * max(clients))
+        ours = [os.getpid(), *(p.pid for p in workers.procs)] + [
+            pid for pid in (res["daemon"].get("pid"), res["redis"].get("pid")) if pid]
+        meter = CpuMeter(lambda: ours)
 
         _progress(f"latency: {args.latency_samples} rounds of empty call, lookup({LOOKUP_KEYS}), "
                   "acquire/release, reserve/commit, delete")
+        meter.start()
         floor, lat = measure_latency(socket_dir, min(sizes), run, args.latency_samples,
                                      LATENCY_WARMUP // 10 if quick else LATENCY_WARMUP)
         res["floor"], res["latency"] = floor, lat
+        res["floor"]["foreign_cpu"] = meter.stop()
 
         backends = ["kvtier"] + (["redis"] if redis_path else [])
         for block in sizes:
             _progress(f"{fmt_size(block)}: memcpy baselines")
             mc_budget, mc_reps = (0.05, 3) if quick else (0.4, 5)
+            meter.start()
             before = measure_memcpy(block, args.batch, mc_budget, mc_reps)
+            before["foreign_cpu"] = meter.stop()
             # Provisional denominator for the progress lines; the final one adds the after-run reps.
             mc = memcpy_summary(before, None)
             for backend in backends:
@@ -929,8 +1008,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                             task = {**common, "clients": n,
                                     "iters": max(common["min_iters"], math.ceil(n1 / n))}
                         _progress(f"{fmt_size(block)}: {backend} {op}, {n} client(s)")
+                        meter.start()
                         per = workers.call([task] * n)
                         row = _aggregate(backend, op, block, args.batch, per, mc["bytes_per_s"])
+                        row["foreign_cpu"] = meter.stop()
                         if n == 1:
                             n1 = row["iters"]
                         elif n1 is None:
@@ -1002,16 +1083,17 @@ def render(res: dict[str, Any]) -> str:
     out.append(f"Redis: {rd.get('version')} via redis-py {rd.get('redis_py')} on a Unix socket"
                if rd.get("available") else f"Redis: skipped ({rd.get('reason', '?')})")
     out += ["", "== Baseline: copy throughput (GiB/s) of one batch, 32 distinct resident blocks =="]
-    rows = [["block", "memcpy 1 thread", "best", "copy_into", "1 block reused"]]
+    rows = [["block", "memcpy 1 thread", "best", "copy_into", "1 block reused", "other CPU"]]
     for mc in res["memcpy"]:
         rows.append([fmt_size(mc["block_bytes"]), _fmt_rate(mc["bytes_per_s"]),
                      _fmt_rate(mc["best_bytes_per_s"]), _fmt_rate(mc["copy_into_bytes_per_s"]),
-                     _fmt_rate(mc["one_block_bytes_per_s"])])
+                     _fmt_rate(mc["one_block_bytes_per_s"]), _fmt_pct(mc.get("foreign_cpu"))])
     out.append(_table(rows))
 
-    out += ["", "== Throughput (GiB/s; x memcpy = vs 1-thread memcpy above; x Redis = kvtier/Redis) =="]
+    out += ["", "== Throughput (GiB/s; x memcpy = vs 1-thread memcpy above; x Redis = kvtier/Redis;",
+            "   other CPU = share of all CPUs busy with work outside this benchmark meanwhile) =="]
     rows = [["op", "block", "clients", "kvtier", "x memcpy", "Redis", "x memcpy", "x Redis",
-             "kvtier ms/batch: rpc+copy+rpc"]]
+             "kvtier ms/batch: rpc+copy+rpc", "other CPU"]]
     by = {(r["backend"], r["op"], r["block_bytes"], r["clients"]): r for r in res["throughput"]}
     for op in ("put", "get"):
         for block in res["config"]["sizes"]:
@@ -1026,11 +1108,12 @@ def render(res: dict[str, Any]) -> str:
                              _fmt_rate(rd_row["bytes_per_s"]) if rd_row else "-",
                              _fmt_x(rd_row["x_memcpy"]) if rd_row else "-",
                              _fmt_x(kv.get("x_redis")),
-                             "+".join(f"{x:.2f}" for x in ph)])
+                             "+".join(f"{x:.2f}" for x in ph), _fmt_pct(kv.get("foreign_cpu"))])
     out.append(_table(rows))
 
     fl = res["floor"]
-    out += ["", f"== Latency (ms, {fl['n']} samples each, interleaved; x floor = vs the empty call) =="]
+    out += ["", f"== Latency (ms, {fl['n']} samples each, interleaved; x floor = vs the empty call; "
+                f"other CPU {_fmt_pct(fl.get('foreign_cpu'))}) =="]
     rows = [["call", "RPCs", "p50", "p99", "p50 x floor", "p99 x floor"]]
     for r in res["latency"]:
         rows.append([r["label"], str(r["rpcs"]), _fmt_ms(r["p50_s"]), _fmt_ms(r["p99_s"]),

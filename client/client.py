@@ -9,9 +9,10 @@ ones.  Every call makes a fixed number of RPCs however many keys it carries
 from __future__ import annotations
 
 import os
+import threading
 import types
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -19,7 +20,9 @@ from google.protobuf.json_format import MessageToDict
 
 from kvtier._core import (
     DEFAULT_TIMEOUT,
+    SESSION_BOUND,
     SESSION_METADATA,
+    Backoff,
     KeyStatus,
     LeaseState,
     ReservationState,
@@ -32,15 +35,17 @@ from kvtier._core import (
 from kvtier._session import SegmentMaps, SessionLink, map_request, open_request
 from kvtier.errors import (
     Corrupted,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     KVTierError,
+    SessionLost,
+    Unauthenticated,
+    Unavailable,
     from_rpc_error,
 )
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
-
-_Resp = TypeVar("_Resp")
 
 
 class Reservation(ReservationState):
@@ -49,11 +54,13 @@ class Reservation(ReservationState):
     ``buffers[i]`` is a writable uint8 view of ``block_bytes`` for each key
     whose status is ``RESERVED`` (``None`` otherwise).  Write into it (or use
     ``write(i, data)``, which also records the length), then ``commit()``.
-    Leaving the ``with`` block without committing aborts.
+    Leaving the ``with`` block without committing aborts.  If the daemon
+    restarted meanwhile, ``commit()`` raises ``SessionLost`` (nothing was
+    committed; write again).
     """
 
     def __init__(self, client: Client, keys: list[bytes], resp: pb.ReserveResponse) -> None:
-        super().__init__(keys, resp, client._maps, client.block_bytes)
+        super().__init__(keys, resp, client._maps, client.block_bytes, client._session_gen)
         self._client = client
 
     def commit(self) -> int:
@@ -61,7 +68,12 @@ class Reservation(ReservationState):
         if self.done:
             return 0
         req = self.commit_request(self._client.checksum)
-        resp = self._client._call(self._client._stub.Commit, req)
+        try:
+            resp = self._client._bound_call("Commit", req, self.session_gen, "reservation")
+        except SessionLost:
+            self.done = True
+            self.release_views()
+            raise
         self.done = True
         self.release_views()
         return int(resp.committed)
@@ -71,7 +83,8 @@ class Reservation(ReservationState):
             return
         self.done = True
         self.release_views()
-        self._client._call(self._client._stub.Abort, pb.AbortRequest(reservation_id=self.reservation_id))
+        self._client._bound_call("Abort", pb.AbortRequest(reservation_id=self.reservation_id),
+                                 self.session_gen, "reservation")
 
     def __enter__(self) -> Reservation:
         return self
@@ -87,19 +100,24 @@ class Reservation(ReservationState):
 
 
 class Lease(LeaseState):
-    """Read-only views of the leased leading prefix; released on exit."""
+    """Read-only views of the leased leading prefix; released on exit.
+
+    If the daemon restarted while the lease was held, ``release()`` raises
+    ``SessionLost``: the lease was not honoured to the end, so what the views
+    showed after the restart is not guaranteed.
+    """
 
     def __init__(self, client: Client, keys: list[bytes], resp: pb.AcquireResponse) -> None:
         self._client = client
-        self.lease_id = resp.lease_id
-        super().__init__(keys, resp, client._maps, client.checksum)
+        super().__init__(keys, resp, client._maps, client.checksum, client._session_gen)
 
     def release(self) -> None:
         if self.done:
             return
         self.done = True
         self.release_views()
-        self._client._call(self._client._stub.Release, pb.ReleaseRequest(lease_id=self.lease_id))
+        self._client._bound_call("Release", pb.ReleaseRequest(lease_id=self.lease_id),
+                                 self.session_gen, "lease")
 
     def __enter__(self) -> Lease:
         return self
@@ -122,6 +140,12 @@ class Client:
     conflicting declaration raises ``FailedPrecondition``.  With
     ``checksum=True`` commits carry an xxh3-64 of each block and reads verify
     it (a mismatch raises ``Corrupted``).
+
+    The client rides through daemon restarts: a call that finds the daemon
+    gone raises ``Unavailable`` (after at most ``timeout`` seconds); later
+    calls reconnect (backing off exponentially up to ``reconnect_max``
+    seconds, failing fast in between) and open a new session.  Leases and
+    reservations of the old session are reported as ``SessionLost``.
     """
 
     def __init__(
@@ -133,6 +157,7 @@ class Client:
         model_uid: str,
         timeout: float = DEFAULT_TIMEOUT,
         checksum: bool = False,
+        reconnect_max: float = 5.0,
     ) -> None:
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be a positive int, got {block_bytes!r}")
@@ -142,77 +167,131 @@ class Client:
         self.timeout = timeout
         self.checksum = checksum
         self.grpc_path, self.session_path = socket_paths(socket)
+        self._backoff = Backoff(maximum=reconnect_max)
+        self._closed = False
+        self._link: SessionLink | None = None
         self._maps = SegmentMaps()
-        self._link = SessionLink(self.session_path, timeout)
+        self._session_gen = 0
+        self._metadata: tuple[tuple[str, str], ...] = ()
+        self._lock = threading.RLock()
+        self._open_session()
+        self._channel = grpc.insecure_channel(f"unix:{self.grpc_path}", options=grpc_options())
+        self._stub = pb_grpc.KVTierStub(self._channel)
+
+    # ------------------------------------------------------------- session
+    def _open_session(self) -> None:
+        link = SessionLink(self.session_path, self.timeout)
+        maps = SegmentMaps()
         try:
-            resp, fds = self._link.request(open_request(namespace, block_bytes, model_uid))
+            resp, fds = link.request(open_request(self.namespace, self.block_bytes, self.model_uid))
             opened = resp.opened
-            self._maps.update(opened.segments_version, opened.segments,
-                              [s.segment_id for s in opened.segments], fds)
+            maps.update(opened.segments_version, opened.segments,
+                        [s.segment_id for s in opened.segments], fds)
         except BaseException:
-            self._link.close()
+            link.close()
+            maps.close()
             raise
+        self._maps.close()
+        self._maps = maps
+        self._link = link
         self.token = opened.token
         self.daemon_version = opened.daemon_version
         self._metadata = ((SESSION_METADATA, self.token),)
-        self._channel = grpc.insecure_channel(f"unix:{self.grpc_path}", options=grpc_options())
-        self._stub = pb_grpc.KVTierStub(self._channel)
-        self._closed = False
+        self._session_gen += 1
+
+    def _lose_session(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+    def _ensure_session(self) -> None:
+        if self._closed:
+            raise FailedPrecondition("kvtier.Client is closed")
+        if self._link is not None:
+            return
+        self._backoff.check()
+        try:
+            self._open_session()
+        except Unavailable as exc:
+            self._backoff.failed(exc)
+            raise
+        self._backoff.succeeded()
 
     # ------------------------------------------------------------- plumbing
-    def _call(self, method: Callable[..., _Resp], request: Any) -> _Resp:
-        if self._closed:
-            raise FailedPrecondition("kvtier.Client is closed")
+    def _call(self, method: str, request: Any, *, retry: bool = True) -> Any:
+        """One RPC in the current session; reconnects once if the daemon restarted."""
+        with self._lock:
+            self._ensure_session()
+            metadata = self._metadata
         try:
-            return method(request, timeout=self.timeout, metadata=self._metadata)
+            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            err = from_rpc_error(exc)
+        if isinstance(err, (Unavailable, Unauthenticated)) and not isinstance(err, DeadlineExceeded):
+            with self._lock:
+                if self._metadata == metadata:  # nobody reconnected meanwhile
+                    self._lose_session()
+            if retry and isinstance(err, Unauthenticated) and method not in SESSION_BOUND:
+                return self._call(method, request, retry=False)  # a restarted daemon
+        raise err
+
+    def _bound_call(self, method: str, request: Any, session_gen: int, what: str) -> Any:
+        """A call carrying an id of session ``session_gen`` (commit/abort/release)."""
+        if session_gen != self._session_gen:
+            raise SessionLost(f"{what} was lost: kvtierd restarted since it was granted")
+        try:
+            return self._call(method, request, retry=False)
+        except Unauthenticated:
+            raise SessionLost(f"{what} was lost: kvtierd restarted since it was granted") from None
 
     def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
-        if self._closed:
-            raise FailedPrecondition("kvtier.Client is closed")
-        missing = self._maps.missing(s.segment_id for s in slots)
-        if version == self._maps.version and not missing:
-            return
-        resp, fds = self._link.request(map_request(missing))
-        m = resp.mapped
-        self._maps.update(m.segments_version, m.segments, m.fd_segment_ids, fds)
+        with self._lock:
+            if self._closed:
+                raise FailedPrecondition("kvtier.Client is closed")
+            missing = self._maps.missing(s.segment_id for s in slots)
+            if version == self._maps.version and not missing:
+                return
+            if self._link is None:
+                raise Unavailable("the session ended while the call was in flight")
+            resp, fds = self._link.request(map_request(missing))
+            m = resp.mapped
+            self._maps.update(m.segments_version, m.segments, m.fd_segment_ids, fds)
 
     # ------------------------------------------------------------- API
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` present; no side effects."""
-        return int(self._call(self._stub.Lookup, pb.LookupRequest(keys=as_keys(keys))).hits)
+        return int(self._call("Lookup", pb.LookupRequest(keys=as_keys(keys))).hits)
 
     def lookup_tiers(self, keys: Sequence[bytes]) -> list[Tier]:
         """The tier of each leading present key (callers can decide whether loading pays)."""
-        resp = self._call(self._stub.Lookup, pb.LookupRequest(keys=as_keys(keys)))
+        resp = self._call("Lookup", pb.LookupRequest(keys=as_keys(keys)))
         return [Tier(t) for t in resp.tiers]
 
     def reserve(self, keys: Sequence[bytes]) -> Reservation:
         """Writable slots for the keys not present yet (a context manager)."""
         keys = as_keys(keys)
-        resp = self._call(self._stub.Reserve, pb.ReserveRequest(keys=keys))
+        resp = self._call("Reserve", pb.ReserveRequest(keys=keys))
         try:
             self._sync_maps(resp.segments_version, resp.slots)
             return Reservation(self, keys, resp)
         except BaseException:
             if resp.reservation_id:
-                self._call(self._stub.Abort, pb.AbortRequest(reservation_id=resp.reservation_id))
+                self._call("Abort", pb.AbortRequest(reservation_id=resp.reservation_id))
             raise
 
     def acquire(self, keys: Sequence[bytes]) -> Lease:
         """Lease the longest present prefix of ``keys`` for reading (a context manager)."""
         keys = as_keys(keys)
-        resp = self._call(self._stub.Acquire, pb.AcquireRequest(keys=keys))
+        resp = self._call("Acquire", pb.AcquireRequest(keys=keys))
         try:
             self._sync_maps(resp.segments_version, resp.slots)
             return Lease(self, keys, resp)
         except BaseException as exc:
             if resp.lease_id:
-                self._call(self._stub.Release, pb.ReleaseRequest(lease_id=resp.lease_id))
+                self._call("Release", pb.ReleaseRequest(lease_id=resp.lease_id))
             if isinstance(exc, Corrupted):
                 # Never served: the bad block becomes a miss and the daemon counts it.
-                self._call(self._stub.Delete, pb.DeleteRequest(keys=[exc.key], corrupted=True))
+                self._call("Delete", pb.DeleteRequest(keys=[exc.key], corrupted=True))
             raise
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
@@ -233,11 +312,11 @@ class Client:
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove keys; returns how many were present."""
-        return int(self._call(self._stub.Delete, pb.DeleteRequest(keys=as_keys(keys))).deleted)
+        return int(self._call("Delete", pb.DeleteRequest(keys=as_keys(keys))).deleted)
 
     def stats(self) -> dict[str, Any]:
         """The daemon's statistics as a dict (see ``StatsResponse`` in the proto)."""
-        resp = self._call(self._stub.Stats, pb.StatsRequest())
+        resp = self._call("Stats", pb.StatsRequest())
         return MessageToDict(resp, preserving_proto_field_name=True,
                              always_print_fields_with_no_presence=True)
 
@@ -247,7 +326,7 @@ class Client:
             return
         self._closed = True
         self._channel.close()
-        self._link.close()
+        self._lose_session()
         self._maps.close()
 
     def __enter__(self) -> Client:

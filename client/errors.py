@@ -30,6 +30,14 @@ class FailedPrecondition(KVTierError):
     """The system is not in the state the call needs (e.g. a layout conflict)."""
 
 
+class SessionLost(FailedPrecondition):
+    """A lease or reservation belonged to a session that ended (the daemon restarted).
+
+    A lost lease's views may no longer hold its blocks; a lost reservation
+    committed nothing.  The client has already opened a new session.
+    """
+
+
 class Corrupted(KVTierError):
     """Bytes failed their checksum; they are never served.
 
