@@ -221,11 +221,11 @@ class AsyncClient:
 
     async def _bound_call(self, method: str, request: Any, session_gen: int, what: str) -> Any:
         if session_gen != self._session_gen:
-            raise SessionLost(f"{what} was lost: kvtierd restarted since it was granted")
+            raise SessionLost(f"{what} was lost: its session ended (kvtierd restarted or the session connection dropped)")
         try:
             return await self._call(method, request, retry=False)
         except Unauthenticated:
-            raise SessionLost(f"{what} was lost: kvtierd restarted since it was granted") from None
+            raise SessionLost(f"{what} was lost: its session ended (kvtierd restarted or the session connection dropped)") from None
 
     async def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
         if self._closed:

@@ -238,11 +238,11 @@ class Client:
     def _bound_call(self, method: str, request: Any, session_gen: int, what: str) -> Any:
         """A call carrying an id of session ``session_gen`` (commit/abort/release)."""
         if session_gen != self._session_gen:
-            raise SessionLost(f"{what} was lost: kvtierd restarted since it was granted")
+            raise SessionLost(f"{what} was lost: its session ended (kvtierd restarted or the session connection dropped)")
         try:
             return self._call(method, request, retry=False)
         except Unauthenticated:
-            raise SessionLost(f"{what} was lost: kvtierd restarted since it was granted") from None
+            raise SessionLost(f"{what} was lost: its session ended (kvtierd restarted or the session connection dropped)") from None
 
     def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
         with self._lock:
