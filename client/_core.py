@@ -18,7 +18,7 @@ import xxhash
 from kvtier import _accel
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME, default_socket_dir
 from kvtier._session import SegmentMaps
-from kvtier.errors import Corrupted, InvalidArgument, Unavailable
+from kvtier.errors import Corrupted, InvalidArgument, SessionLost, Unavailable
 from kvtier.v1 import kvtier_pb2 as pb
 
 #: Metadata entry that carries the session token on every call.
@@ -71,6 +71,11 @@ class Backoff:
     def succeeded(self) -> None:
         self._delay = 0.0
         self._next = 0.0
+
+
+def session_lost(what: str) -> SessionLost:
+    return SessionLost(f"{what} was lost: its session ended "
+                       "(kvtierd restarted or the session connection dropped)")
 
 
 #: Calls that carry ids of the session that issued them: never retried in a new one.

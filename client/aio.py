@@ -28,6 +28,7 @@ from kvtier._core import (
     as_bytes_view,
     as_keys,
     grpc_options,
+    session_lost,
     socket_paths,
 )
 from kvtier._session import SegmentMaps, SessionLink, map_request, open_request
@@ -221,11 +222,11 @@ class AsyncClient:
 
     async def _bound_call(self, method: str, request: Any, session_gen: int, what: str) -> Any:
         if session_gen != self._session_gen:
-            raise SessionLost(f"{what} was lost: its session ended (kvtierd restarted or the session connection dropped)")
+            raise session_lost(what)
         try:
             return await self._call(method, request, retry=False)
         except Unauthenticated:
-            raise SessionLost(f"{what} was lost: its session ended (kvtierd restarted or the session connection dropped)") from None
+            raise session_lost(what) from None
 
     async def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
         if self._closed:

@@ -30,6 +30,7 @@ from kvtier._core import (
     as_bytes_view,
     as_keys,
     grpc_options,
+    session_lost,
     socket_paths,
 )
 from kvtier._session import SegmentMaps, SessionLink, map_request, open_request
@@ -238,11 +239,11 @@ class Client:
     def _bound_call(self, method: str, request: Any, session_gen: int, what: str) -> Any:
         """A call carrying an id of session ``session_gen`` (commit/abort/release)."""
         if session_gen != self._session_gen:
-            raise SessionLost(f"{what} was lost: its session ended (kvtierd restarted or the session connection dropped)")
+            raise session_lost(what)
         try:
             return self._call(method, request, retry=False)
         except Unauthenticated:
-            raise SessionLost(f"{what} was lost: its session ended (kvtierd restarted or the session connection dropped)") from None
+            raise session_lost(what) from None
 
     def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
         with self._lock:
