@@ -707,49 +707,62 @@ class Store:
             ns = Namespace(segment.namespace, lay.block_bytes, segment.model_uid, lay.slot_bytes)
             self.namespaces[ns.name] = ns
         table = segment.scan()
-        # Raw key bytes (numpy's "S" type would strip trailing NULs, which keys may have).
-        keys = table.view(np.uint8).reshape(lay.n_slots, -1)[:, KEY_OFFSET:]
+        n = lay.n_slots
         state = table["state"]
         key_len = table["key_len"]
         length = table["length"]
         valid = ((state == SlotState.COMMITTED) & (key_len >= 1) & (key_len <= MAX_KEY_BYTES)
                  & (length >= 1) & (length <= lay.block_bytes))
-        ext = Extent(segment, [], [int(g) for g in table["generation"]])
+        ext = Extent(segment, [], table["generation"].tolist())
+        # Plain Python lists: per-element numpy access would dominate a 250k-block start.
+        # Raw key bytes (numpy's "S" type would strip trailing NULs, which keys may have).
+        raw_keys = np.ascontiguousarray(
+            table.view(np.uint8).reshape(n, -1)[:, KEY_OFFSET : KEY_OFFSET + MAX_KEY_BYTES]
+        ).tobytes()
+        klen, lens, gens = key_len.tolist(), length.tolist(), ext.generations
+        lasts, sums = table["last_access"].tolist(), table["checksum"].tolist()
+        has_sum = (table["flags"] & 1).astype(bool).tolist()
+        valid_l, state_l = valid.tolist(), state.tolist()
         deadline = self._clock() + self.reservation_ttl
         recovered = 0
-        for slot in range(lay.n_slots - 1, -1, -1):
-            if valid[slot]:
-                key = keys[slot, : key_len[slot]].tobytes()
-                rec = table[slot]
-                last = int(rec["last_access"])
-                old = ns.index.get(key)
+        index, adopted = ns.index, self._adopted
+        for slot in range(n - 1, -1, -1):
+            if valid_l[slot]:
+                at = slot * MAX_KEY_BYTES
+                key = raw_keys[at : at + klen[slot]]
+                last = lasts[slot]
+                old = index.get(key)
                 if old is not None:  # the same key twice (never written so; be safe)
                     log.warning("namespace %r: key %s committed twice; keeping the newer copy",
                                 ns.name, key.hex())
-                    if self._adopted.get(old, 0) >= last:
+                    if adopted.get(old, 0) >= last:
                         segment.mark_free(slot)
                         ext.free.append(slot)
                         continue
-                    del ns.index[key]
-                    del self._adopted[old]
-                    self._free_block(old)
-                    recovered -= 1
-                checksum = int(rec["checksum"]) if rec["flags"] & 1 else None
-                block = Block(ns, key, ext, slot, int(length[slot]), checksum,
-                              int(rec["generation"]))
-                ns.index[key] = block
-                ext.committed += 1
-                ns.committed += 1
-                self._adopted[block] = last
+                    del index[key]
+                    del adopted[old]
+                    if old.extent is ext:  # not counted yet: just free its slot
+                        segment.mark_free(old.slot)
+                        ext.free.append(old.slot)
+                        recovered -= 1
+                    else:
+                        self._free_block(old)
+                        ns.recovered -= 1
+                block = Block(ns, key, ext, slot, lens[slot], sums[slot] if has_sum[slot] else None,
+                              gens[slot])
+                index[key] = block
+                adopted[block] = last
                 recovered += 1
-            elif state[slot] == SlotState.RESERVED:
+            elif state_l[slot] == SlotState.RESERVED:
                 ext.quarantine[slot] = deadline
                 ext.reserved += 1
                 ns.reserved += 1
             else:
-                if state[slot] != SlotState.FREE:
+                if state_l[slot] != SlotState.FREE:
                     segment.mark_free(slot)
                 ext.free.append(slot)
+        ext.committed += recovered
+        ns.committed += recovered
         self.budget_free -= lay.file_bytes
         ns.extents.append(ext)
         ns.extents.sort(key=lambda e: e.segment.index)
