@@ -18,10 +18,14 @@ the same machine, because absolute numbers on a shared box are noise:
 A put is ``reserve`` -> copy each block into its shared-memory slot ->
 ``commit``; a get is ``acquire`` -> ``np.copyto`` each leased view into a
 pre-faulted buffer -> ``release``.  The keys of each put batch are deleted
-after it, outside the timed region, so the store never has to evict.  Two
-client processes (``--clients 1,2``) start together at a barrier and do the
-same number of batches; their aggregate throughput is the bytes of both over
-the timed seconds of the slower one.
+after it, outside the timed region, so the store never has to evict; before
+timing, the namespace is grown to the slots every client holds at once (so
+no timed reserve waits for a new extent) and each client does
+``WARMUP_BATCHES`` untimed batches.  Two client processes (``--clients
+1,2``) start together at a barrier and do the same number of batches (half
+the single client's each); their aggregate throughput is the bytes of both
+over the timed seconds of the slower one.  Each figure also records how
+busy the machine was with other work meanwhile (``foreign_cpu``).
 
 With no ``--socket`` the benchmark starts its own ``kvtierd`` (temp sockets,
 a fresh ``/dev/shm/kvtier-bench-*`` directory, metrics off) and stops it and
@@ -536,11 +540,17 @@ class _Worker:
         def next_keys() -> list[bytes]:
             return self.fresh_keys(t["run"], block, batch) if kind == "put" else get_keys
 
+        n_clients = t["clients"]
+        if kind == "put" and backend == "kvtier" and self.wid == 0:
+            # Grow the namespace to the slots all clients hold at once, so no timed
+            # reserve waits for a new extent to be created and pre-faulted.
+            self._prealloc(self.client(block), t["run"], block, batch, n_clients)
+        if n_clients > 1:
+            self.barriers[n_clients].wait(BARRIER_TIMEOUT)
         for _ in range(WARMUP_BATCHES):
             keys = next_keys()
             op(keys)
             after(keys)
-        n_clients = t["clients"]
         if n_clients > 1:
             self.barriers[n_clients].wait(BARRIER_TIMEOUT)
         iters: int | None = t.get("iters")
@@ -568,6 +578,15 @@ class _Worker:
             "wall_s": wall, "bytes_per_s": nbytes / timed, "phase_s": phases,
             "batch_p50_s": percentile(batch_s, 50), "batch_p99_s": percentile(batch_s, 99),
         }
+
+    def _prealloc(self, c: Any, run: str, block: int, batch: int, n_clients: int) -> None:
+        held = []
+        try:
+            for _ in range(n_clients):
+                held.append(c.reserve(self.fresh_keys(run, block, batch)))
+        finally:
+            for r in held:
+                r.abort()
 
     @staticmethod
     def _kv_put(c: Any, bufs: npt.NDArray[np.uint8]) -> Callable[[list[bytes]], tuple[float, ...]]:
@@ -672,23 +691,40 @@ class Workers:
             self.conns.append(parent)
 
     def call(self, tasks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Send ``tasks[i]`` to worker ``i`` (all at once), then collect every answer."""
+        """Send ``tasks[i]`` to worker ``i`` (all at once), then collect every answer.
+
+        The first failure breaks the barriers, so a partner waiting at one fails
+        fast instead of timing out, and raises with the worker's traceback.
+        """
         for conn, task in zip(self.conns, tasks, strict=False):
             conn.send(task)
-        out = []
-        for i in range(len(tasks)):
-            conn = self.conns[i]
-            deadline = time.monotonic() + TASK_TIMEOUT
-            while not conn.poll(0.5):
+        results: list[dict[str, Any] | None] = [None] * len(tasks)
+        pending = {id(self.conns[i]): i for i in range(len(tasks))}
+        deadline = time.monotonic() + TASK_TIMEOUT
+        while pending:
+            ready = multiprocessing.connection.wait(
+                [self.conns[i] for i in pending.values()], timeout=0.5)
+            for obj in ready:
+                i = pending.pop(id(obj))
+                status, value = self.conns[i].recv()
+                if status != "ok":
+                    self._break_barriers()
+                    raise RuntimeError(f"bench worker {i} failed:\n{value}")
+                results[i] = value
+            if ready:
+                continue
+            for i in pending.values():
                 if not self.procs[i].is_alive():
+                    self._break_barriers()
                     raise RuntimeError(f"bench worker {i} died (exit code {self.procs[i].exitcode})")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"bench worker {i} took over {TASK_TIMEOUT:.0f} s")
-            status, value = conn.recv()
-            if status != "ok":
-                raise RuntimeError(f"bench worker {i} failed:\n{value}")
-            out.append(value)
-        return out
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bench workers took over {TASK_TIMEOUT:.0f} s for one task")
+        return [r for r in results if r is not None]
+
+    def _break_barriers(self) -> None:
+        for b in self.barriers.values():
+            with contextlib.suppress(Exception):
+                b.abort()
 
     def close(self) -> None:
         for conn in self.conns:
@@ -957,8 +993,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     raise RuntimeError(f"Redis is required but unavailable: {res['redis']['reason']}")
                 _progress(f"skipping Redis: {res['redis']['reason']}")
         if args.socket is None:
-            capacity = args.capacity_bytes or capacity_for(sizes, max(clients) * args.batch,
-                                                           args.extent_bytes)
+            # Live slots per namespace: every client's batch at once, or the latency
+            # section's lookup keys plus the one it reserves (in the smallest size).
+            live = max(max(clients) * args.batch, LOOKUP_KEYS + 1)
+            capacity = args.capacity_bytes or capacity_for(sizes, live, args.extent_bytes)
             socket_dir = stack.enter_context(own_daemon(workdir, capacity, args.extent_bytes,
                                                         res["daemon"]))
         else:
@@ -1052,21 +1090,28 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets at 2 MiB, one client, and lookup(64) p50 vs the floor."""
     by = {(r["backend"], r["op"], r["block_bytes"], r["clients"]): r for r in res["throughput"]}
+    batch = res["config"]["batch"]
+    # The throughput targets are stated for batches of DEFAULT_BATCH; other batches are shown
+    # but not judged (the per-call RPC cost is amortized over more or fewer bytes).
+    judged = batch == DEFAULT_BATCH
     out: list[dict[str, Any]] = []
+
+    def add(name: str, goal: str, value: float | None, ok: Callable[[float], bool],
+            judge: bool = True) -> None:
+        met = None if value is None or not judge else ok(value)
+        out.append({"name": name, "goal": goal, "value": value, "met": met})
+
     for op in ("put", "get"):
         row = by.get(("kvtier", op, 2 * MiB, 1))
-        out.append({"name": f"{op} 2 MiB, 1 client, vs single-thread memcpy", "goal": ">= 0.7x",
-                    "value": row["x_memcpy"] if row else None})
-        out[-1]["met"] = None if out[-1]["value"] is None else out[-1]["value"] >= 0.7
+        add(f"{op} 2 MiB x{batch}, 1 client, vs single-thread memcpy", ">= 0.7x",
+            row["x_memcpy"] if row else None, lambda v: v >= 0.7, judged)
     for op in ("put", "get"):
         row = by.get(("kvtier", op, 2 * MiB, 1))
-        out.append({"name": f"{op} 2 MiB, 1 client, vs Redis", "goal": ">= 5x",
-                    "value": row.get("x_redis") if row else None})
-        out[-1]["met"] = None if out[-1]["value"] is None else out[-1]["value"] >= 5.0
+        add(f"{op} 2 MiB x{batch}, 1 client, vs Redis", ">= 5x",
+            row.get("x_redis") if row else None, lambda v: v >= 5.0, judged)
     lk = next((r for r in res["latency"] if r["name"] == "lookup"), None)
-    out.append({"name": f"lookup {LOOKUP_KEYS} keys p50 vs empty-call floor p50",
-                "goal": "<= 1.5x", "value": lk["p50_x_floor"] if lk else None})
-    out[-1]["met"] = None if out[-1]["value"] is None else out[-1]["value"] <= 1.5
+    add(f"lookup {LOOKUP_KEYS} keys p50 vs empty-call floor p50", "<= 1.5x",
+        lk["p50_x_floor"] if lk else None, lambda v: v <= 1.5)
     return out
 
 
@@ -1125,7 +1170,8 @@ def render(res: dict[str, Any]) -> str:
     for t in res["targets"]:
         v = t["value"]
         rows.append([t["name"], t["goal"], _fmt_x(v),
-                     "not measured" if t["met"] is None else "yes" if t["met"] else "NO"])
+                     ("not measured" if v is None else "not judged") if t["met"] is None
+                     else "yes" if t["met"] else "NO"])
     out.append(_table(rows))
     d = res["daemon"]
     if "evictions" in d:
