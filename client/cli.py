@@ -25,6 +25,20 @@ def _admin_call(socket: str | None, method: str, request: Any, timeout: float) -
             raise from_rpc_error(exc) from None
 
 
+def health(socket: str | None, timeout: float = 5.0) -> str:
+    """The gRPC health status of the KVTier service ("SERVING" when all is well)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    grpc_path, _ = socket_paths(socket)
+    with grpc.insecure_channel(f"unix:{grpc_path}", options=grpc_options()) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="kvtier.v1.KVTier"), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
 def fetch_stats(socket: str | None, timeout: float = DEFAULT_TIMEOUT) -> pb.StatsResponse:
     """One Stats call (needs no session)."""
     resp: pb.StatsResponse = _admin_call(socket, "Stats", pb.StatsRequest(), timeout)
@@ -98,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--json", action="store_true")
     ls = sub.add_parser("ls", help="namespaces")
     ls.add_argument("--json", action="store_true")
+    sub.add_parser("health", help="exit 0 when the daemon answers SERVING (for health checks)")
     sub.add_parser("check", help="cross-check the daemon's index and slot tables (exit 1 on problems)")
     bench = sub.add_parser("bench", help="throughput and latency benchmark (see docs/benchmarks.md)",
                            add_help=False)
@@ -108,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier import bench as bench_mod
 
             return bench_mod.main(args.rest)
+        if args.cmd == "health":
+            status = health(args.socket)
+            print(status)
+            return 0 if status == "SERVING" else 1
         if args.cmd == "check":
             problems = run_check(args.socket)
             for line in problems:

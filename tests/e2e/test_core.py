@@ -346,3 +346,9 @@ def test_session_only_receives_its_own_namespace_segments(daemon: DaemonProc) ->
                            model_uid="m") as b:
             assert b.lookup([b"secret"]) == 0
             assert b.get([b"secret"]) == []
+
+
+def test_cli_health_reports_serving(daemon: DaemonProc) -> None:
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "--socket", daemon.socket_dir,
+                          "health"], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "SERVING", out.stderr
