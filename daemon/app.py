@@ -117,8 +117,10 @@ def _next_boot_epoch(shm_dir: str) -> int:
 
 
 def _make_dir(path: str, mode: int) -> None:
+    """Create ``path``; set its mode when it is ours (a volume root owned by root is not)."""
     os.makedirs(path, mode=mode, exist_ok=True)
-    os.chmod(path, mode)
+    if os.stat(path).st_uid == os.geteuid():
+        os.chmod(path, mode)
 
 
 def _raise_nofile_limit() -> None:

@@ -218,14 +218,16 @@ class Segment:
         """Create, size, pre-fault (in parallel) and format a new segment file."""
         path = os.path.join(directory, segment_file_name(namespace, index))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        t0 = time.perf_counter()
         try:
-            os.ftruncate(fd, layout.file_bytes)
+            # Allocate now: a tmpfs smaller than the pool gives ENOSPC here
+            # instead of SIGBUS when the pages are first touched.
+            os.posix_fallocate(fd, 0, layout.file_bytes)
             mm = mmap.mmap(fd, layout.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             _unlink_quietly(path)
             raise
-        t0 = time.perf_counter()
         _accel.prefault(mm, prefault_threads)
         prefault_seconds = time.perf_counter() - t0
         mlock_error = _mlock(mm) if mlock else "mlock disabled by config (dram.mlock: false)"

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+
+log = logging.getLogger(__name__)
+_warned = False
 
 
 def notify(state: str) -> bool:
@@ -13,9 +17,16 @@ def notify(state: str) -> bool:
         return False
     if addr.startswith("@"):  # abstract namespace socket
         addr = "\0" + addr[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-        sock.connect(addr)
-        sock.sendall(state.encode())
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(addr)
+            sock.sendall(state.encode())
+    except OSError as exc:
+        global _warned
+        if not _warned:  # a broken NOTIFY_SOCKET must not take the daemon down
+            log.warning("cannot notify systemd at %r: %s", os.environ.get("NOTIFY_SOCKET"), exc)
+            _warned = True
+        return False
     return True
 
 
