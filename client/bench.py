@@ -1183,9 +1183,7 @@ def render(res: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     """``kvtier bench [options]``; see ``--help``.
 
-    A leading ``--`` is dropped: ``kvtier bench -- --quick`` gets options past
-    the top-level parser of ``kvtier`` (whose REMAINDER argument does not take
-    an option as its first word).
+    A leading ``--`` is dropped (older scripts wrote ``kvtier bench -- ...``).
     """
     argv = list(argv)
     if argv[:1] == ["--"]:

@@ -105,6 +105,18 @@ def _as_json(s: pb.StatsResponse) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "bench" in argv:  # everything after the word goes to the benchmark untouched
+        at = argv.index("bench")
+        head, rest = argv[:at], argv[at + 1 :]
+        pre = argparse.ArgumentParser(prog="kvtier", add_help=False)
+        pre.add_argument("--socket")
+        known, unknown = pre.parse_known_args(head)
+        if not unknown:
+            from kvtier import bench as bench_mod
+
+            extra = ["--socket", known.socket] if known.socket else []
+            return int(bench_mod.main(extra + rest))
     p = argparse.ArgumentParser(prog="kvtier", description="kvtier admin and tools")
     p.add_argument("--socket", help="daemon socket directory (default: as kvtierd)")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -114,15 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("--json", action="store_true")
     sub.add_parser("health", help="exit 0 when the daemon answers SERVING (for health checks)")
     sub.add_parser("check", help="cross-check the daemon's index and slot tables (exit 1 on problems)")
-    bench = sub.add_parser("bench", help="throughput and latency benchmark (see docs/benchmarks.md)",
-                           add_help=False)
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("bench", help="throughput and latency benchmark (kvtier bench --help)")
     args = p.parse_args(argv)
     try:
-        if args.cmd == "bench":
-            from kvtier import bench as bench_mod
-
-            return bench_mod.main(args.rest)
         if args.cmd == "health":
             status = health(args.socket)
             print(status)

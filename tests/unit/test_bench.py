@@ -23,10 +23,7 @@ from kvtierd.segments import SegmentLayout
 def test_quick_run_reports_positive_throughputs_and_latencies(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "bench.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    # "--" gets the options past the top-level `kvtier` parser (its REMAINDER
-    # argument refuses an option as first word); bench.main drops it.
-    cmd = [sys.executable, "-m", "kvtier.cli", "bench", "--",
-           "--quick", "--no-redis", "--json", str(out)]
+    cmd = [sys.executable, "-m", "kvtier.cli", "bench", "--quick", "--no-redis", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "Throughput" in proc.stdout and "Latency" in proc.stdout
