@@ -83,6 +83,10 @@ STATUS_OF: dict[type[KVTierError], grpc.StatusCode] = {
     Internal: grpc.StatusCode.INTERNAL,
 }
 
+#: Raised by the client itself, never sent by the daemon: they travel (if ever)
+#: as their base class's code, and a code never decodes back to them.
+CLIENT_ONLY: tuple[type[KVTierError], ...] = (SessionLost,)
+
 _ERROR_OF: dict[grpc.StatusCode, type[KVTierError]] = {v: k for k, v in STATUS_OF.items()}
 # Codes only gRPC itself produces (never the daemon) map onto the nearest class.
 _ERROR_OF[grpc.StatusCode.CANCELLED] = Unavailable

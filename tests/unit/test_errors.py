@@ -49,7 +49,7 @@ def test_the_table_is_one_to_one() -> None:
 def test_every_error_class_of_the_module_is_in_the_table() -> None:
     classes = {obj for _, obj in inspect.getmembers(errors, inspect.isclass)
                if issubclass(obj, KVTierError) and obj is not KVTierError}
-    assert classes == set(STATUS_OF)
+    assert classes == set(STATUS_OF) | set(errors.CLIENT_ONLY)
 
 
 def test_every_error_derives_from_kvtier_error() -> None:
@@ -130,3 +130,10 @@ def test_from_rpc_error_without_details_still_says_something() -> None:
 def test_from_rpc_error_of_a_bare_rpc_error_is_internal() -> None:
     exc = from_rpc_error(grpc.RpcError("connection reset"))
     assert type(exc) is Internal and "connection reset" in str(exc)
+
+
+def test_client_only_errors_travel_as_their_base_and_never_decode_back() -> None:
+    for cls in errors.CLIENT_ONLY:
+        code = status_of(cls("x"))
+        assert type(from_status(code, "x")) is not cls
+        assert isinstance(from_status(code, "x"), cls.__mro__[1])
