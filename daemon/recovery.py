@@ -38,9 +38,11 @@ class RecoveryReport:
 
 
 def _recency(seg: Segment) -> int:
-    table = seg.scan()
+    table = seg.scan(copy=False)
     committed = table["last_access"][table["state"] == SlotState.COMMITTED]
-    return int(committed.max()) if committed.size else 0
+    recency = int(committed.max()) if committed.size else 0
+    del table, committed  # release the view of the mapping
+    return recency
 
 
 def recover(store: Store, shm_dir: str) -> RecoveryReport:

@@ -299,10 +299,11 @@ class Segment:
         """mlock an attached segment (faults its pages in without changing them)."""
         self.mlock_error = _mlock(self.mm) if mlock else "mlock disabled by config (dram.mlock: false)"
 
-    def scan(self) -> np.ndarray:
-        """The whole slot table as a structured array (a copy)."""
-        return np.frombuffer(self.mm, dtype=SLOT_DTYPE, count=self.layout.n_slots,
-                             offset=TABLE_OFFSET).copy()
+    def scan(self, *, copy: bool = True) -> np.ndarray:
+        """The whole slot table as a structured array (a snapshot, or a live view)."""
+        view = np.frombuffer(self.mm, dtype=SLOT_DTYPE, count=self.layout.n_slots,
+                             offset=TABLE_OFFSET)
+        return view.copy() if copy else view
 
     def close(self, *, unlink: bool) -> None:
         """Unmap and close; with ``unlink`` also remove the file (its data is gone)."""

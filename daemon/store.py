@@ -246,7 +246,9 @@ class Store:
         self._ids = itertools.count(1)
         self._segment_ids = itertools.count(1)
         self._access_seq = itertools.count(1)
-        self._adopted: dict[Block, int] = {}  # block -> persisted last access, until finish_recovery
+        # Adopted blocks and their persisted last access, until finish_recovery.
+        self._adopted: list[Block] = []
+        self._adopted_at: list[int] = []
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, Lease] = {}
         self._retiring: set[asyncio.Future[None]] = set()
@@ -722,45 +724,48 @@ class Store:
         klen, lens, gens = key_len.tolist(), length.tolist(), ext.generations
         lasts, sums = table["last_access"].tolist(), table["checksum"].tolist()
         has_sum = (table["flags"] & 1).astype(bool).tolist()
-        valid_l, state_l = valid.tolist(), state.tolist()
+        state_l = state.tolist()
         deadline = self._clock() + self.reservation_ttl
         recovered = 0
-        index, adopted = ns.index, self._adopted
-        for slot in range(n - 1, -1, -1):
-            if valid_l[slot]:
-                at = slot * MAX_KEY_BYTES
-                key = raw_keys[at : at + klen[slot]]
-                last = lasts[slot]
-                old = index.get(key)
-                if old is not None:  # the same key twice (never written so; be safe)
-                    log.warning("namespace %r: key %s committed twice; keeping the newer copy",
-                                ns.name, key.hex())
-                    if adopted.get(old, 0) >= last:
-                        segment.mark_free(slot)
-                        ext.free.append(slot)
-                        continue
-                    del index[key]
-                    del adopted[old]
-                    if old.extent is ext:  # not counted yet: just free its slot
-                        segment.mark_free(old.slot)
-                        ext.free.append(old.slot)
-                        recovered -= 1
-                    else:
-                        self._free_block(old)
-                        ns.recovered -= 1
-                block = Block(ns, key, ext, slot, lens[slot], sums[slot] if has_sum[slot] else None,
-                              gens[slot])
-                index[key] = block
-                adopted[block] = last
-                recovered += 1
-            elif state_l[slot] == SlotState.RESERVED:
-                ext.quarantine[slot] = deadline
-                ext.reserved += 1
-                ns.reserved += 1
-            else:
-                if state_l[slot] != SlotState.FREE:
+        index, adopted, adopted_at = ns.index, self._adopted, self._adopted_at
+        reserved_mask = state == SlotState.RESERVED
+        for slot in np.flatnonzero(reserved_mask).tolist():
+            ext.quarantine[slot] = deadline
+        ext.reserved += len(ext.quarantine)
+        ns.reserved += len(ext.quarantine)
+        rest = np.flatnonzero(~valid & ~reserved_mask).tolist()
+        for slot in rest:
+            if state_l[slot] != SlotState.FREE:
+                segment.mark_free(slot)
+        ext.free = rest[::-1]  # pop() hands out the lowest slot first
+        for slot in np.flatnonzero(valid).tolist():
+            at = slot * MAX_KEY_BYTES
+            key = raw_keys[at : at + klen[slot]]
+            last = lasts[slot]
+            old = index.get(key)
+            if old is not None:  # the same key twice (never written so; be safe)
+                log.warning("namespace %r: key %s committed twice; keeping the newer copy",
+                            ns.name, key.hex())
+                if old.extent.segment.read_slot(old.slot).last_access >= last:
                     segment.mark_free(slot)
-                ext.free.append(slot)
+                    ext.free.append(slot)
+                    continue
+                del index[key]
+                at_old = adopted.index(old)  # rare: a linear search is fine
+                del adopted[at_old], adopted_at[at_old]
+                if old.extent is ext:  # not counted yet: just free its slot
+                    segment.mark_free(old.slot)
+                    ext.free.append(old.slot)
+                    recovered -= 1
+                else:
+                    self._free_block(old)
+                    ns.recovered -= 1
+            block = Block(ns, key, ext, slot, lens[slot], sums[slot] if has_sum[slot] else None,
+                          gens[slot])
+            index[key] = block
+            adopted.append(block)
+            adopted_at.append(last)
+            recovered += 1
         ext.committed += recovered
         ns.committed += recovered
         self.budget_free -= lay.file_bytes
@@ -772,12 +777,14 @@ class Store:
 
     def finish_recovery(self) -> None:
         """Order the adopted blocks by their persisted last access (oldest first in the LRU)."""
-        order = sorted(self._adopted.items(), key=lambda item: item[1])
-        for block, _ in order:
-            self.lru[block] = None
-        top = order[-1][1] if order else 0
+        blocks = self._adopted
+        lasts = np.array(self._adopted_at, dtype=np.uint64)
+        lru = self.lru
+        for i in np.argsort(lasts, kind="stable").tolist():
+            lru[blocks[i]] = None
+        top = int(lasts.max()) if len(blocks) else 0
         self._access_seq = itertools.count(top + 1)
-        self._adopted = {}
+        self._adopted, self._adopted_at = [], []
 
     def _release_quarantine(self, now: float) -> int:
         n = 0
