@@ -97,6 +97,49 @@ kvt_threads_for(size_t len, size_t requested, int auto_cap)
     return n < 1 ? 1 : (int)n;
 }
 
+/* Copies at least this big bypass the cache with non-temporal stores: a KV
+ * block written into shared memory is read next by another process (or a DMA
+ * engine), not by this core, so pulling each destination line into the cache
+ * first (read-for-ownership) only costs bandwidth and evicts useful data.
+ * glibc switches to such stores only above ~3/4 of the L3 size per call, far
+ * above one block; 256 KiB keeps small copies on the cached path. */
+#define KVT_STREAM_MIN ((size_t)256 << 10)
+
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <emmintrin.h>
+
+static void
+kvt_memcpy_stream(char *dst, const char *src, size_t len)
+{
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    size_t i, body;
+
+    if (len < KVT_STREAM_MIN) {
+        memcpy(dst, src, len);
+        return;
+    }
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    len -= head;
+    body = len & ~(size_t)63;
+    for (i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    _mm_sfence(); /* streamed stores are weakly ordered: make them visible first */
+    memcpy(dst + body, src + body, len - body);
+}
+#else
+#define kvt_memcpy_stream memcpy
+#endif
+
 typedef struct {
     char *dst;
     const char *src;
@@ -107,7 +150,7 @@ static void *
 kvt_copy_worker(void *arg)
 {
     kvt_copy_job *job = arg;
-    memcpy(job->dst, job->src, job->len);
+    kvt_memcpy_stream(job->dst, job->src, job->len);
     return NULL;
 }
 
@@ -130,7 +173,7 @@ kvt_copy(char *dst, const char *src, size_t len, size_t threads)
     }
     n = kvt_threads_for(len, threads, KVT_COPY_AUTO_THREADS);
     if (n == 1) {
-        memcpy(dst, src, len);
+        kvt_memcpy_stream(dst, src, len);
         return;
     }
     /* Chunks are whole pages, so no two threads write the same page. */
