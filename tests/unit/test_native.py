@@ -296,3 +296,23 @@ def test_native_stub_matches_module(tmp_path: Path) -> None:
         timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("dst_off", "src_off", "size"),
+                         [(0, 0, 256 << 10), (3, 5, (256 << 10) + 63), (15, 1, (1 << 20) + 17),
+                          (1, 0, (5 << 20) + 3)])
+def test_streaming_copy_at_odd_alignments_is_byte_exact(
+        dst_off: int, src_off: int, size: int, threads: int) -> None:
+    """Copies >= 256 KiB take the non-temporal-store path: head, 64-byte body, tail."""
+    native = pytest.importorskip("kvtier._native", reason="the C extension is not built")
+    src = np.frombuffer(random_bytes(size + src_off, seed=size), dtype=np.uint8)[src_off:]
+    dst = make_mmap(size + dst_off + 64)
+    dst[:] = b"\xee" * len(dst)
+    view = np.frombuffer(dst, dtype=np.uint8)
+    assert native.copy(view[dst_off : dst_off + size], src, threads) == size
+    assert bytes(view[dst_off : dst_off + size]) == src.tobytes()
+    assert bytes(view[:dst_off]) == b"\xee" * dst_off
+    assert bytes(view[dst_off + size :]) == b"\xee" * 64
+    del view
+    dst.close()
