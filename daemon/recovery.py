@@ -37,27 +37,29 @@ class RecoveryReport:
         return bool(self.blocks)
 
 
-def _recency(seg: Segment) -> int:
+def _usage(seg: Segment) -> tuple[int, int]:
+    """(committed blocks, most recent access) of a segment, read from its slot table."""
     table = seg.scan(copy=False)
     committed = table["last_access"][table["state"] == SlotState.COMMITTED]
-    recency = int(committed.max()) if committed.size else 0
+    usage = (int(committed.size), int(committed.max()) if committed.size else 0)
     del table, committed  # release the view of the mapping
-    return recency
+    return usage
 
 
 def recover(store: Store, shm_dir: str) -> RecoveryReport:
     """Attach and adopt every valid segment in ``shm_dir``; blocking I/O (run before serving)."""
     t0 = time.monotonic()
     report = RecoveryReport()
-    attached: list[tuple[int, Segment]] = []
+    attached: list[tuple[tuple[int, int], Segment]] = []
     for path in sorted(glob.glob(os.path.join(shm_dir, "*.seg"))):
         try:
             seg = Segment.attach(path, segment_id=store.new_segment_id())
         except (SegmentInvalid, OSError) as exc:
             _drop(report, path, f"reformatted: {exc}")
             continue
-        attached.append((_recency(seg), seg))
-    attached.sort(key=lambda item: -item[0])
+        attached.append((_usage(seg), seg))
+    attached = _one_layout_per_namespace(attached, report)
+    attached.sort(key=lambda item: -item[0][1])  # most recently used first
     for _, seg in attached:
         try:
             n = store.adopt_extent(seg)
@@ -78,6 +80,33 @@ def recover(store: Store, shm_dir: str) -> RecoveryReport:
              report.seconds, f"; {len(report.dropped)} segment files dropped" if report.dropped
              else "")
     return report
+
+
+def _one_layout_per_namespace(
+    attached: list[tuple[tuple[int, int], Segment]], report: RecoveryReport
+) -> list[tuple[tuple[int, int], Segment]]:
+    """Extents of one namespace that disagree on (block_bytes, model_uid) are never mixed:
+    the layout holding the most blocks stays (ties: the most recently used), the
+    others are dropped.  A client declaring another layout later reformats it."""
+    groups: dict[str, dict[tuple[int, str], list[tuple[tuple[int, int], Segment]]]] = {}
+    for item in attached:
+        seg = item[1]
+        layout = (seg.layout.block_bytes, seg.model_uid)
+        groups.setdefault(seg.namespace, {}).setdefault(layout, []).append(item)
+    kept: list[tuple[tuple[int, int], Segment]] = []
+    for name, by_layout in groups.items():
+        ranked = sorted(by_layout.items(), key=lambda kv: (
+            -sum(u[0] for u, _ in kv[1]), -max(u[1] for u, _ in kv[1])))
+        (win_bb, win_uid), winners = ranked[0]
+        kept.extend(winners)
+        for (bb, uid), losers in ranked[1:]:
+            for _, seg in losers:
+                seg.close(unlink=True)
+                _drop(report, seg.path,
+                      f"dropped: namespace {name!r} extent {seg.index} has block_bytes={bb} "
+                      f"model_uid={uid!r}, its other extents (holding more blocks) have "
+                      f"block_bytes={win_bb} model_uid={win_uid!r}")
+    return kept
 
 
 def _drop(report: RecoveryReport, path: str, why: str) -> None:

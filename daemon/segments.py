@@ -92,6 +92,7 @@ class SlotState(enum.IntEnum):
     FREE = 0
     RESERVED = 1
     COMMITTED = 2
+    DOOMED = 3  # deleted while leased: freed at the last release, never re-adopted
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -363,6 +364,10 @@ class Segment:
         )
         self.mm[off + 1 : off + _SLOT.size] = packed[1:]
         self.mm[off] = SlotState.COMMITTED
+
+    def mark_doomed(self, slot: int) -> None:
+        """A deleted block still being read: a restart must not bring it back."""
+        self.mm[self._entry_offset(slot)] = SlotState.DOOMED
 
     def mark_free(self, slot: int) -> None:
         """Invalidate first: the state byte flips before anything else changes."""

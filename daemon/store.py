@@ -139,6 +139,9 @@ class Namespace:
     hits: int = 0
     misses: int = 0
     recovered: int = 0  # blocks re-adopted from a previous run's segments
+    # False while the layout only comes from recovered segments: the first
+    # declaration of this boot may then differ, and reformats the namespace.
+    declared: bool = False
     grow_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
     def free_slots(self) -> int:
@@ -273,12 +276,21 @@ class Store:
             self.namespaces[name] = ns
             log.info("namespace %r declared: block_bytes=%d model_uid=%r", name, block_bytes,
                      model_uid)
+        elif (ns.block_bytes, ns.model_uid) != (block_bytes, model_uid) and not ns.declared:
+            # Only recovered data has this layout (e.g. the model was upgraded while the
+            # daemon was down): reformat this namespace, never mix or refuse forever.
+            self._reformat(ns, f"declared with block_bytes={block_bytes} "
+                               f"model_uid={model_uid!r}; the {ns.committed} recovered blocks of "
+                               f"block_bytes={ns.block_bytes} model_uid={ns.model_uid!r} are "
+                               "dropped")
+            return self.open_session(name, block_bytes, model_uid, peer)
         elif ns.block_bytes != block_bytes or ns.model_uid != model_uid:
             raise FailedPrecondition(
                 f"namespace {name!r} is declared with block_bytes={ns.block_bytes} "
                 f"model_uid={ns.model_uid!r}; refusing block_bytes={block_bytes} "
                 f"model_uid={model_uid!r}"
             )
+        ns.declared = True
         sid = next(self._ids)
         session = Session(sid, secrets.token_hex(16), ns, peer, self._clock())
         self.sessions[sid] = session
@@ -480,6 +492,17 @@ class Store:
         self._end_reservation(res, commit=None)
         return len(res.keys)
 
+    def _expire_reservation(self, res: Reservation, until: float) -> None:
+        """End a reservation whose writer may still be copying: its slots stay
+        RESERVED (quarantined) until ``until``, so they cannot be handed to
+        another writer while the late one scribbles on them."""
+        ns = res.session.ns
+        for key, (ext, slot, _gen) in zip(res.keys, res.places, strict=True):
+            del ns.in_flight[key]
+            ext.quarantine[slot] = until  # still counted in ext.reserved / ns.reserved
+        del res.session.reservations[res.id]
+        del self._reservations[res.id]
+
     def _own_reservation(self, session: Session, reservation_id: int) -> Reservation:
         if reservation_id == 0:
             raise InvalidArgument("reservation_id is required (0 is not a reservation)")
@@ -594,6 +617,7 @@ class Store:
             deleted += 1
             if block.pins:
                 block.doomed = True
+                block.extent.segment.mark_doomed(block.slot)  # persisted: a crash keeps it deleted
             else:
                 self.lru.pop(block, None)
                 self._free_block(block)
@@ -656,7 +680,7 @@ class Store:
         if segment.mlock_error is not None:
             self.mlock_errors.append(segment.mlock_error)
 
-    def _retire_extent(self, ext: Extent) -> None:
+    def _retire_extent(self, ext: Extent, why: str = "for another namespace") -> None:
         """Evict every block of an extent and give its bytes back to the budget."""
         ns = ext.segment.namespace
         owner = self.namespaces[ns]
@@ -666,8 +690,8 @@ class Store:
         owner.extents.remove(ext)
         owner.segments_version += 1
         self.budget_free += ext.bytes
-        log.info("reclaimed extent %d of namespace %r (%d bytes) for another namespace",
-                 ext.segment.index, ns, ext.bytes)
+        log.info("reclaimed extent %d of namespace %r (%d bytes) %s",
+                 ext.segment.index, ns, ext.bytes, why)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -676,6 +700,18 @@ class Store:
         fut = loop.run_in_executor(None, lambda: ext.segment.close(unlink=True))
         self._retiring.add(fut)
         fut.add_done_callback(self._retiring.discard)
+
+    def _reformat(self, ns: Namespace, why: str) -> None:
+        """Drop a namespace nobody uses yet: every extent retired, its files removed."""
+        assert ns.sessions == 0
+        log.warning("namespace %r reformatted: %s", ns.name, why)
+        self.dropped_segments.append(f"namespace {ns.name!r} reformatted: {why}")
+        for ext in list(ns.extents):
+            ext.reserved -= len(ext.quarantine)  # a late writer of a previous run writes
+            ns.reserved -= len(ext.quarantine)   # into the unlinked file: harmless
+            ext.quarantine.clear()
+            self._retire_extent(ext, "(namespace reformatted)")
+        del self.namespaces[ns.name]
 
     # ================================================================ recovery
     def new_segment_id(self) -> int:
@@ -824,9 +860,9 @@ class Store:
         now = self._clock()
         stale_res = [r for r in self._reservations.values() if r.expires <= now]
         for res in stale_res:
-            log.warning("reservation %d of session %d expired; its %d slots are returned",
-                        res.id, res.session.id, len(res.keys))
-            self._end_reservation(res, commit=None)
+            log.warning("reservation %d of session %d expired; its %d slots are quarantined for "
+                        "%.0f s", res.id, res.session.id, len(res.keys), self.reservation_ttl)
+            self._expire_reservation(res, now + self.reservation_ttl)
         self._release_quarantine(now)
         stale_leases = [lease for lease in self._leases.values() if lease.expires <= now]
         for lease in stale_leases:
@@ -914,9 +950,14 @@ class Store:
                         counts["reserved"] += 1
                         if holder is None and slot not in ext.quarantine:
                             problems.append(f"{where}: RESERVED on segment but no reservation")
+                    elif rec.state == SlotState.DOOMED:
+                        counts["committed"] += 1  # still pinned by a reader
+                        if owner is None or not owner.doomed:
+                            problems.append(f"{where}: DOOMED on segment but not a deleted "
+                                            "leased block")
                     else:
                         counts["committed"] += 1
-                        if owner is None:
+                        if owner is None or owner.doomed:
                             problems.append(f"{where}: COMMITTED on segment but not indexed")
                         elif (rec.key, rec.length, rec.generation, rec.checksum) != (
                             owner.key, owner.length, owner.generation, owner.checksum

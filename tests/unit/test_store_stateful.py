@@ -109,6 +109,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.clock = FakeClock()
         self.evicted: list[Block] = []
+        self.quarantine: list[tuple[str, float, int]] = []  # (namespace, until, slots)
         self.store = Store(
             capacity=CAPACITY,
             extent_size=EXTENT,
@@ -202,6 +203,7 @@ class StoreMachine(RuleBasedStateMachine):
         """Own slots neither reserved nor pinned: a reserve of this many must succeed."""
         total = sum(e.n_slots for e in self.store.namespaces[ns].extents)
         reserved = sum(len(r.keys) for r in self.reservations.values() if r.ns == ns)
+        reserved += sum(q for name, _, q in self.quarantine if name == ns)
         leased = sum(1 for b in self._pinned() if b.ns == ns)
         return total - reserved - leased
 
@@ -400,14 +402,19 @@ class StoreMachine(RuleBasedStateMachine):
         for rid in stale_res:
             expected[self.reservations[rid].ns] += len(self.reservations[rid].keys)
         assert self.store.expire() == (expected, len(stale_leases))
+        # An expired reservation's slots stay quarantined for another TTL (a late
+        # writer may still be copying); the store releases due ones in the same call.
+        self.quarantine = [(ns, until, n) for ns, until, n in self.quarantine if until > now]
         for rid in stale_res:
+            r = self.reservations[rid]
+            self.quarantine.append((r.ns, now + RESERVATION_TTL, len(r.keys)))
             del self.reservations[rid]
         for lid in stale_leases:
             self._end_lease(lid)
 
     # ------------------------------------------------------------ liveness (opt-in)
     @precondition(lambda self: self.check_progress and not self.leases
-                  and not self.reservations)
+                  and not self.reservations and not self.quarantine)
     @rule(slot=sessions)
     def one_key_fits_when_nothing_is_pinned(self, slot: int) -> None:
         try:
@@ -450,7 +457,8 @@ class StoreMachine(RuleBasedStateMachine):
         for ns in NAMESPACES:
             n = self.store.namespaces[ns]
             assert n.reserved == sum(len(r.keys) for r in self.reservations.values()
-                                     if r.ns == ns)
+                                     if r.ns == ns) + sum(q for name, _, q in self.quarantine
+                                                          if name == ns)
             assert n.leased == sum(1 for b in self._pinned() if b.ns == ns)
         acct = self.store.dram_bytes()
         assert acct["free"] + acct["reserved"] + acct["committed"] == acct["total"] == CAPACITY
