@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
+from kvtier._accel import copy_into
 from kvtier._core import (
     DEFAULT_TIMEOUT,
     SESSION_BOUND,
@@ -112,11 +113,17 @@ class Lease(LeaseState):
         self._client = client
         super().__init__(keys, resp, client._maps, client.checksum, client._session_gen)
 
-    def release(self) -> None:
+    def release(self, *, wait: bool = True) -> None:
+        """End the lease.  ``wait=False`` sends the Release without waiting for its
+        answer (one RPC round trip off the read path); the views are gone either way,
+        and a failure then can only mean the lease had already ended."""
         if self.done:
             return
         self.done = True
         self.release_views()
+        if not wait and self.session_gen == self._client._session_gen:
+            self._client._send_release(self.lease_id)
+            return
         self._client._bound_call("Release", pb.ReleaseRequest(lease_id=self.lease_id),
                                  self.session_gen, "lease")
 
@@ -175,6 +182,7 @@ class Client:
         self._session_gen = 0
         self._metadata: tuple[tuple[str, str], ...] = ()
         self._lock = threading.RLock()
+        self._pending_release: grpc.Future[Any] | None = None
         self._open_session()
         self._channel = grpc.insecure_channel(f"unix:{self.grpc_path}", options=grpc_options())
         self._stub = pb_grpc.KVTierStub(self._channel)
@@ -245,6 +253,20 @@ class Client:
         except Unauthenticated:
             raise session_lost(what) from None
 
+    def _send_release(self, lease_id: int) -> None:
+        """Release without waiting for the answer; the previous one is reaped first."""
+        self._reap_release()
+        self._pending_release = self._stub.Release.future(
+            pb.ReleaseRequest(lease_id=lease_id), timeout=self.timeout, metadata=self._metadata)
+
+    def _reap_release(self) -> None:
+        fut, self._pending_release = self._pending_release, None
+        if fut is not None:
+            try:
+                fut.result()
+            except grpc.RpcError:
+                pass  # the lease had already ended (expired, session lost): nothing to undo
+
     def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
         with self._lock:
             if self._closed:
@@ -306,10 +328,33 @@ class Client:
                 r.write(i, views[i])
             return r.commit()
 
-    def get(self, keys: Sequence[bytes]) -> list[np.ndarray]:
-        """Copies of the blocks of the longest present prefix of ``keys``."""
-        with self.acquire(keys) as lease:
-            return [v.copy() for v in lease.views]
+    def get(self, keys: Sequence[bytes], out: Sequence[Any] | None = None) -> list[np.ndarray]:
+        """Copies of the blocks of the longest present prefix of ``keys``.
+
+        With ``out`` (one writable buffer of at least ``block_bytes`` per key) the
+        blocks are copied into those buffers and the results are views of them;
+        otherwise new arrays are allocated.
+        """
+        if out is not None and len(out) != len(keys):
+            raise InvalidArgument(f"keys and out differ in length ({len(keys)} != {len(out)})")
+        lease = self.acquire(keys)
+        try:
+            if out is None:
+                got = [v.copy() for v in lease.views]
+            else:
+                got = []
+                for i, view in enumerate(lease.views):
+                    dst = np.frombuffer(out[i], dtype=np.uint8)
+                    if dst.nbytes < len(view):
+                        raise InvalidArgument(
+                            f"out[{i}] holds {dst.nbytes} bytes, its block has {len(view)}")
+                    copy_into(dst, view)
+                    got.append(dst[: len(view)])
+        except BaseException:
+            lease.release()
+            raise
+        lease.release(wait=False)
+        return got
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove keys; returns how many were present."""
@@ -325,6 +370,7 @@ class Client:
         """End the session: the daemon releases its leases and aborts its reservations."""
         if self._closed:
             return
+        self._reap_release()
         self._closed = True
         self._channel.close()
         self._lose_session()

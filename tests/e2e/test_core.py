@@ -352,3 +352,25 @@ def test_cli_health_reports_serving(daemon: DaemonProc) -> None:
     out = subprocess.run([sys.executable, "-m", "kvtier.cli", "--socket", daemon.socket_dir,
                           "health"], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "SERVING", out.stderr
+
+
+def test_get_into_caller_buffers_and_release_without_waiting(daemon: DaemonProc) -> None:
+    with kvtier.Client(daemon.socket_dir, namespace="out", block_bytes=8192, model_uid="m") as c:
+        blocks = [np.full(8192 - i, i, np.uint8) for i in range(4)]
+        keys = [f"o{i}".encode() for i in range(4)]
+        c.put(keys, blocks)
+        out = [bytearray(8192) for _ in keys]
+        for _ in range(3):  # the previous release is reaped by the next one
+            got = c.get(keys, out=out)
+            assert [len(g) for g in got] == [8192 - i for i in range(4)]
+            assert all(np.array_equal(g, b) for g, b in zip(got, blocks, strict=True))
+            assert np.shares_memory(got[0], np.frombuffer(out[0], np.uint8))
+        with pytest.raises(errors.InvalidArgument, match=r"out\[0\] holds 10 bytes"):
+            c.get(keys[:1], out=[bytearray(10)])
+        with pytest.raises(errors.InvalidArgument, match="keys and out differ in length"):
+            c.get(keys, out=out[:1])
+    deadline = time.monotonic() + 10
+    while daemon.stats().leases and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemon.stats().leases == 0
+    assert daemon.check() == []
