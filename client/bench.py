@@ -61,6 +61,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier import __version__, _accel
+from kvtier.cli import wait_serving
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -283,30 +284,6 @@ def peer_pid(unix_path: str) -> int | None:
             creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             return int(struct.unpack("3i", creds)[0])
     return None
-
-
-def wait_serving(socket_dir: str, proc: subprocess.Popen[bytes] | None, timeout: float = 30) -> None:
-    """Poll the daemon's gRPC health service until SERVING (or the process dies)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    path = os.path.join(socket_dir, "kvtier.sock")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"kvtierd exited with status {proc.returncode}")
-        if os.path.exists(path):
-            with grpc.insecure_channel(f"unix:{path}") as ch:
-                try:
-                    resp = health_pb2_grpc.HealthStub(ch).Check(
-                        health_pb2.HealthCheckRequest(service="kvtier.v1.KVTier"), timeout=1
-                    )
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-        time.sleep(0.05)
-    raise TimeoutError(f"kvtierd on {socket_dir} did not become ready in {timeout:.0f} s")
 
 
 SHM_PREFIX = "/dev/shm/kvtier-bench-"

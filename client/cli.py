@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import time
 from typing import Any
 
 import grpc
@@ -37,6 +39,22 @@ def health(socket: str | None, timeout: float = 5.0) -> str:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+def wait_serving(socket: str, proc: subprocess.Popen[Any] | None = None,
+                 timeout: float = 30) -> None:
+    """Poll the daemon's health until SERVING; raise if ``proc`` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"kvtierd exited with status {proc.returncode}")
+        try:
+            if health(socket, timeout=1) == "SERVING":
+                return
+        except KVTierError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"kvtierd on {socket} did not become ready in {timeout:.0f} s")
 
 
 def fetch_stats(socket: str | None, timeout: float = DEFAULT_TIMEOUT) -> pb.StatsResponse:

@@ -10,15 +10,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtier.cli import fetch_stats, run_check
+from kvtier.cli import fetch_stats, run_check, wait_serving
 from kvtier.v1 import kvtier_pb2 as pb
 
 #: Small pools keep tests fast and memory-light on a shared 2-core machine.
@@ -62,27 +59,6 @@ class DaemonProc:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
-
-
-def wait_serving(socket_dir: str, proc: subprocess.Popen[str] | None, timeout: float = 20) -> None:
-    """Poll the gRPC health service until SERVING (or the process dies)."""
-    path = os.path.join(socket_dir, "kvtier.sock")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"kvtierd exited with {proc.returncode}")
-        if os.path.exists(path):
-            with grpc.insecure_channel(f"unix:{path}") as ch:
-                try:
-                    resp = health_pb2_grpc.HealthStub(ch).Check(
-                        health_pb2.HealthCheckRequest(service="kvtier.v1.KVTier"), timeout=1
-                    )
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-        time.sleep(0.05)
-    raise TimeoutError("kvtierd did not become ready")
 
 
 def start_daemon(base: str, *extra: str, capacity: str = TEST_CAPACITY,
