@@ -112,3 +112,24 @@ def test_async_client_rides_through_restart(workdir: str) -> None:
 def test_client_constructed_while_daemon_down_raises_unavailable(workdir: str) -> None:
     with pytest.raises(errors.Unavailable, match="cannot connect"):
         kvtier.Client(workdir, namespace="x", block_bytes=4096, model_uid="m")
+
+
+def test_restart_with_bigger_capacity_keeps_everything(workdir: str) -> None:
+    d = start_daemon(workdir, capacity="16MiB")
+    keys = [f"cap{i}".encode() for i in range(100)]
+    blocks = [np.full(65536, i, np.uint8) for i in range(100)]
+    try:
+        with kvtier.Client(d.socket_dir, namespace="cap", block_bytes=65536, model_uid="m") as c:
+            assert c.put(keys, blocks) == 100
+        stop_daemon(d, keep_shm=True)
+        d = start_daemon(workdir, capacity="64MiB", shm_dir=d.shm_dir)
+        s = d.stats()
+        assert s.warm_start and s.recovered_blocks == 100 and list(s.dropped_segments) == []
+        assert s.tiers[0].total_bytes == 64 << 20
+        with kvtier.Client(d.socket_dir, namespace="cap", block_bytes=65536, model_uid="m") as c:
+            got = c.get(keys)
+            assert all(np.array_equal(a, b) for a, b in zip(got, blocks, strict=True))
+            assert c.put([b"more"], [b"x"]) == 1  # and the extra budget is usable
+        assert d.check() == []
+    finally:
+        stop_daemon(d)
