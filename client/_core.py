@@ -130,6 +130,25 @@ def as_bytes_view(block: Any, index: int, block_bytes: int) -> memoryview:
     return view
 
 
+def copy_out(views: Sequence[np.ndarray], out: Sequence[Any] | None) -> list[np.ndarray]:
+    """Copies of leased views: new arrays, or views of the caller's ``out`` buffers."""
+    if out is None:
+        return [v.copy() for v in views]
+    got = []
+    for i, view in enumerate(views):
+        dst = np.frombuffer(out[i], dtype=np.uint8)
+        if dst.nbytes < len(view):
+            raise InvalidArgument(f"out[{i}] holds {dst.nbytes} bytes, its block has {len(view)}")
+        _accel.copy_into(dst, view)  # streaming copy: no read-for-ownership of dst
+        got.append(dst[: len(view)])
+    return got
+
+
+def check_out(keys: Sequence[bytes], out: Sequence[Any] | None) -> None:
+    if out is not None and len(out) != len(keys):
+        raise InvalidArgument(f"keys and out differ in length ({len(keys)} != {len(out)})")
+
+
 class ReservationState:
     """A reservation's keys, statuses and writable buffers (transport-free part)."""
 

@@ -27,6 +27,8 @@ from kvtier._core import (
     Tier,
     as_bytes_view,
     as_keys,
+    check_out,
+    copy_out,
     grpc_options,
     session_lost,
     socket_paths,
@@ -285,9 +287,12 @@ class AsyncClient:
                 r.write(i, views[i])
             return await r.commit()
 
-    async def get(self, keys: Sequence[bytes]) -> list[np.ndarray]:
+    async def get(self, keys: Sequence[bytes], out: Sequence[Any] | None = None
+                  ) -> list[np.ndarray]:
+        """Copies of the longest present prefix (into ``out`` when given), like ``Client.get``."""
+        check_out(keys, out)
         async with await self.acquire(keys) as lease:
-            return [v.copy() for v in lease.views]
+            return copy_out(lease.views, out)
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         resp = await self._call("Delete", pb.DeleteRequest(keys=as_keys(keys)))

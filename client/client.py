@@ -18,7 +18,6 @@ import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
-from kvtier._accel import copy_into
 from kvtier._core import (
     DEFAULT_TIMEOUT,
     SESSION_BOUND,
@@ -30,6 +29,8 @@ from kvtier._core import (
     Tier,
     as_bytes_view,
     as_keys,
+    check_out,
+    copy_out,
     grpc_options,
     session_lost,
     socket_paths,
@@ -335,21 +336,10 @@ class Client:
         blocks are copied into those buffers and the results are views of them;
         otherwise new arrays are allocated.
         """
-        if out is not None and len(out) != len(keys):
-            raise InvalidArgument(f"keys and out differ in length ({len(keys)} != {len(out)})")
+        check_out(keys, out)
         lease = self.acquire(keys)
         try:
-            if out is None:
-                got = [v.copy() for v in lease.views]
-            else:
-                got = []
-                for i, view in enumerate(lease.views):
-                    dst = np.frombuffer(out[i], dtype=np.uint8)
-                    if dst.nbytes < len(view):
-                        raise InvalidArgument(
-                            f"out[{i}] holds {dst.nbytes} bytes, its block has {len(view)}")
-                    copy_into(dst, view)
-                    got.append(dst[: len(view)])
+            got = copy_out(lease.views, out)
         except BaseException:
             lease.release()
             raise
