@@ -38,7 +38,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import numpy as np
@@ -46,7 +46,6 @@ import numpy as np
 from kvtier.errors import (
     CapacityExhausted,
     FailedPrecondition,
-    Internal,
     InvalidArgument,
     NotFound,
     Unauthenticated,
@@ -267,12 +266,12 @@ class Store:
         """Declare (or join) a namespace and start a session in it."""
         ns = self.namespaces.get(name)
         if ns is None:
-            if SegmentLayout.fit(block_bytes, self.capacity) is None:
+            layout = SegmentLayout.fit(block_bytes, self.capacity)
+            if layout is None:
                 raise InvalidArgument(
                     f"block_bytes {block_bytes} does not fit in dram.capacity {self.capacity}"
                 )
-            slot_bytes = SegmentLayout.fit(block_bytes, self.capacity).slot_bytes  # type: ignore[union-attr]
-            ns = Namespace(name, block_bytes, model_uid, slot_bytes)
+            ns = Namespace(name, block_bytes, model_uid, layout.slot_bytes)
             self.namespaces[name] = ns
             log.info("namespace %r declared: block_bytes=%d model_uid=%r", name, block_bytes,
                      model_uid)
@@ -1001,13 +1000,3 @@ class Store:
         if acct["free"] + acct["reserved"] + acct["committed"] != acct["total"] or acct["free"] < 0:
             problems.append(f"DRAM accounting does not add up: {acct}")
         return problems
-
-    def require_consistent(self) -> None:
-        problems = self.check()
-        if problems:
-            raise Internal("store check failed: " + "; ".join(problems[:10]))
-
-
-def iter_blocks(store: Store) -> Iterable[Block]:
-    for ns in store.namespaces.values():
-        yield from ns.index.values()
