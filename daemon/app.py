@@ -33,7 +33,10 @@ from kvtierd.recovery import recover
 from kvtierd.segments import Segment, SegmentLayout
 from kvtierd.service import KVTierService, add_to_server
 from kvtierd.session_channel import SessionChannel
+from kvtierd.spill.shared import SharedTier
+from kvtierd.spill.ssd import SsdTier
 from kvtierd.store import Block, Namespace, Store
+from kvtierd.tiering import SpillPolicy, Tiering
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ class Daemon:
 
     config: Config
     store: Store
+    tiering: Tiering
     metrics: Metrics
     server: grpc.aio.Server
     channel: SessionChannel
@@ -73,6 +77,7 @@ class Daemon:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.tiering.stop()
         await self.store.drain()
         self.store.close_all()
         if self._http is not None:
@@ -178,6 +183,21 @@ async def _expire_forever(store: Store, metrics: Metrics) -> None:
             metrics.expired_leases.inc(leases)
 
 
+def _make_tiering(cfg: Config, store: Store, metrics: Metrics) -> Tiering:
+    sp = cfg.spill
+    ssd = None
+    if sp.ssd_dir:
+        _make_dir(sp.ssd_dir, 0o700)
+        ssd = SsdTier(sp.ssd_dir, capacity=sp.ssd_capacity, file_bytes=sp.ssd_file_size,
+                      direct=sp.ssd_direct_io)
+    shared = SharedTier(sp.shared_dir) if sp.shared_dir else None
+    policy = SpillPolicy(clean_ahead=sp.clean_ahead, queue_depth=sp.queue_depth,
+                         backpressure_timeout=sp.backpressure_timeout,
+                         shared_write=sp.shared_write)
+    return Tiering(store, ssd=ssd, shared=shared, policy=policy, io_threads=sp.io_threads,
+                   observer=metrics)
+
+
 async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = None) -> Daemon:
     """Build and start a daemon for ``cfg``; returns once every socket is bound."""
     t0 = time.monotonic()
@@ -207,7 +227,9 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         report = recover(store, cfg.dram.shm_dir)
         store.recovery_seconds = report.seconds
         store.dropped_segments = report.dropped
-        metrics.watch(store)
+        tiering = _make_tiering(cfg, store, metrics)
+        await tiering.start()
+        metrics.watch(store, tiering)
 
         grpc_path = os.path.join(cfg.server.socket_dir, GRPC_SOCKET_NAME)
         session_path = os.path.join(cfg.server.socket_dir, SESSION_SOCKET_NAME)
@@ -220,7 +242,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
                 ("grpc.max_send_message_length", limit),
             ]
         )
-        service = KVTierService(store, metrics, max_keys=cfg.server.max_keys_per_call,
+        service = KVTierService(tiering, metrics, max_keys=cfg.server.max_keys_per_call,
                                 started=t0)
         add_to_server(service, server)
         health = health_aio.HealthServicer()
@@ -253,7 +275,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         os.close(lock_fd)
         raise
     daemon = Daemon(
-        config=cfg, store=store, metrics=metrics, server=server, channel=channel, health=health,
+        config=cfg, store=store, tiering=tiering, metrics=metrics, server=server, channel=channel, health=health,
         grpc_path=grpc_path, session_path=session_path, metrics_port=metrics_port, _http=http,
         _lock_fd=lock_fd, _tasks=tasks,
     )

@@ -63,6 +63,7 @@ __all__ = [
     "MetricsConfig",
     "ReservationConfig",
     "ServerConfig",
+    "SpillConfig",
     "config_to_dict",
     "format_duration",
     "format_size",
@@ -108,6 +109,21 @@ DEFAULT_RESERVATION_TTL: Final = 60.0
 DEFAULT_METRICS_ADDRESS: Final = "127.0.0.1:9464"
 #: Lifecycle events and errors without per-call noise.
 DEFAULT_LOG_LEVEL: Final = "info"
+#: A size most NVMe spill partitions can give; production sets the real budget.
+DEFAULT_SSD_CAPACITY: Final = 16 * GiB
+#: Few files (one fd each) yet a small budget still gets several of them.
+DEFAULT_SSD_FILE_SIZE: Final = 1 * GiB
+#: Keep the oldest 10% of DRAM spilled ahead of need, so an eviction rarely waits.
+DEFAULT_CLEAN_AHEAD: Final = 0.1
+#: Blocks in flight to the spill tiers: enough to keep an NVMe queue busy, bounded memory.
+DEFAULT_QUEUE_DEPTH: Final = 64
+#: Spill I/O threads: parallel O_DIRECT requests (queue depth) without starving the CPUs.
+DEFAULT_IO_THREADS: Final = 4
+#: A reserve waits this long for demotion to make room before RESOURCE_EXHAUSTED.
+DEFAULT_BACKPRESSURE_TIMEOUT: Final = 10.0
+#: When the shared tier is written: blocks leaving the SSD (or DRAM without one) ...
+SHARED_WRITE_POLICIES: Final = ("demotion", "commit")  # ... or every commit (write-through)
+DIRECT_IO_MODES: Final = ("auto", "true", "false")
 
 #: Below this a single batch of keys with its metadata no longer fits in one message.
 MIN_MAX_MESSAGE_BYTES: Final = 64 * KiB
@@ -243,6 +259,22 @@ class LogConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SpillConfig:
+    """The spill tiers below DRAM (each disabled while its directory is empty)."""
+
+    ssd_dir: str = ""
+    ssd_capacity: int = DEFAULT_SSD_CAPACITY
+    ssd_file_size: int = DEFAULT_SSD_FILE_SIZE
+    ssd_direct_io: str = "auto"
+    shared_dir: str = ""
+    shared_write: str = "demotion"
+    clean_ahead: float = DEFAULT_CLEAN_AHEAD
+    queue_depth: int = DEFAULT_QUEUE_DEPTH
+    io_threads: int = DEFAULT_IO_THREADS
+    backpressure_timeout: float = DEFAULT_BACKPRESSURE_TIMEOUT
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Config:
     """The whole daemon configuration; build it with :func:`load_config`."""
 
@@ -251,6 +283,7 @@ class Config:
     instance: str = DEFAULT_INSTANCE
     leases: LeaseConfig = dataclasses.field(default_factory=LeaseConfig)
     reservations: ReservationConfig = dataclasses.field(default_factory=ReservationConfig)
+    spill: SpillConfig = dataclasses.field(default_factory=SpillConfig)
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
 
@@ -261,6 +294,7 @@ SECTIONS: Final[Mapping[str, type[Any]]] = {
     "dram": DramConfig,
     "leases": LeaseConfig,
     "reservations": ReservationConfig,
+    "spill": SpillConfig,
     "metrics": MetricsConfig,
     "log": LogConfig,
 }
@@ -283,6 +317,9 @@ _TEXT_KEYS: Final = frozenset(
         "server.socket_dir",
         "server.socket_mode",
         "dram.shm_dir",
+        "spill.ssd_dir",
+        "spill.shared_dir",
+        "spill.shared_write",
         "metrics.address",
         "log.level",
     }
@@ -473,6 +510,27 @@ def _parse_log_level(value: object, key: str) -> str:
     if not isinstance(value, str) or value.strip().lower() not in LOG_LEVELS:
         raise _fail(key, "one of " + ", ".join(LOG_LEVELS), value)
     return value.strip().lower()
+
+
+def _parse_choice(choices: Sequence[str]) -> Callable[[object, str], str]:
+    def parse(value: object, key: str) -> str:
+        if not isinstance(value, str) or value.strip().lower() not in choices:
+            raise _fail(key, "one of " + ", ".join(choices), value)
+        return value.strip().lower()
+
+    return parse
+
+
+def _parse_direct_io(value: object, key: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return _parse_choice(DIRECT_IO_MODES)(value, key)
+
+
+def _parse_fraction(value: object, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 0.9:
+        raise _fail(key, "a number in 0..0.9", value)
+    return float(value)
 
 
 def _home(env: Mapping[str, str]) -> str:
@@ -710,6 +768,40 @@ def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
         ),
         mlock=take("dram.mlock", _parse_bool, DEFAULT_MLOCK),
     )
+    def parse_optional_path(value: object, key: str) -> str:
+        if isinstance(value, str) and value.strip() == "":
+            return ""
+        return parse_path(value, key)
+
+    ssd_dir = take("spill.ssd_dir", parse_optional_path, "")
+    shared_dir = take("spill.shared_dir", parse_optional_path, "")
+    for a, b in ((ssd_dir, shared_dir), (ssd_dir, dram.shm_dir), (shared_dir, dram.shm_dir)):
+        if a and b and (a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)):
+            raise ConfigError(f"spill: {a!r} and {b!r} overlap; dram.shm_dir, spill.ssd_dir "
+                              "and spill.shared_dir must be separate directories")
+
+    def parse_file_size(value: object, key: str) -> int:
+        n = _parse_size_in(value, key, 1 * MiB)
+        if n % 4096:
+            raise _fail(key, "a multiple of 4096 bytes", value)
+        return n
+
+    spill = SpillConfig(
+        ssd_dir=ssd_dir,
+        ssd_capacity=take("spill.ssd_capacity", lambda v, k: _parse_size_in(v, k, 1 * MiB),
+                          DEFAULT_SSD_CAPACITY),
+        ssd_file_size=take("spill.ssd_file_size", parse_file_size, DEFAULT_SSD_FILE_SIZE),
+        ssd_direct_io=take("spill.ssd_direct_io", _parse_direct_io, "auto"),
+        shared_dir=shared_dir,
+        shared_write=take("spill.shared_write", _parse_choice(SHARED_WRITE_POLICIES), "demotion"),
+        clean_ahead=take("spill.clean_ahead", _parse_fraction, DEFAULT_CLEAN_AHEAD),
+        queue_depth=take("spill.queue_depth", lambda v, k: _parse_int(v, k, 1, 65536),
+                         DEFAULT_QUEUE_DEPTH),
+        io_threads=take("spill.io_threads", lambda v, k: _parse_int(v, k, 1, 64),
+                        DEFAULT_IO_THREADS),
+        backpressure_timeout=take("spill.backpressure_timeout", _parse_positive_duration,
+                                  DEFAULT_BACKPRESSURE_TIMEOUT),
+    )
     address, host, port = take(
         "metrics.address",
         _parse_metrics_address,
@@ -725,6 +817,7 @@ def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
         reservations=ReservationConfig(
             ttl=take("reservations.ttl", _parse_positive_duration, DEFAULT_RESERVATION_TTL),
         ),
+        spill=spill,
         metrics=MetricsConfig(address=address, host=host, port=port),
         log=LogConfig(level=take("log.level", _parse_log_level, DEFAULT_LOG_LEVEL)),
     )
@@ -756,6 +849,18 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
         },
         "leases": {"ttl": format_duration(cfg.leases.ttl)},
         "reservations": {"ttl": format_duration(cfg.reservations.ttl)},
+        "spill": {
+            "ssd_dir": cfg.spill.ssd_dir,
+            "ssd_capacity": format_size(cfg.spill.ssd_capacity),
+            "ssd_file_size": format_size(cfg.spill.ssd_file_size),
+            "ssd_direct_io": cfg.spill.ssd_direct_io,
+            "shared_dir": cfg.spill.shared_dir,
+            "shared_write": cfg.spill.shared_write,
+            "clean_ahead": cfg.spill.clean_ahead,
+            "queue_depth": cfg.spill.queue_depth,
+            "io_threads": cfg.spill.io_threads,
+            "backpressure_timeout": format_duration(cfg.spill.backpressure_timeout),
+        },
         "metrics": {"address": cfg.metrics.address},
         "log": {"level": cfg.log.level},
     }

@@ -13,15 +13,19 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kvtierd.store import Store
+    from kvtierd.tiering import Tiering
 
 #: RPC latency buckets: from well under the ~0.3 ms floor of a Python unary
 #: call on a Unix socket up to a second (an extent growth that pre-faults).
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+#: Spill I/O buckets: a 4 KiB NVMe read (~100 us) up to a stalled network filesystem.
+IO_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+              2.5, 10.0)
 
 
 class Metrics:
@@ -74,9 +78,80 @@ class Metrics:
             registry=registry,
         )
 
-    def watch(self, store: Store) -> None:
+        self.spill_io_seconds = Histogram(
+            "kvtier_spill_io_duration_seconds", "Latency of one spill I/O (a block read or "
+            "write, or a batch's fdatasync)", ["tier", "op"], buckets=IO_BUCKETS,
+            registry=registry,
+        )
+        self.spill_io_bytes = Counter(
+            "kvtier_spill_io_bytes", "Bytes moved to and from the spill tiers", ["tier", "op"],
+            registry=registry,
+        )
+        self.spill_faults = Counter(
+            "kvtier_spill_faults", "Spill I/O that failed (the daemon kept serving from DRAM)",
+            ["tier", "kind"], registry=registry,
+        )
+
+    def spill_io(self, tier: str, op: str, seconds: float, nbytes: int) -> None:
+        self.spill_io_seconds.labels(tier, op).observe(seconds)
+        if nbytes:
+            self.spill_io_bytes.labels(tier, op).inc(nbytes)
+
+    def spill_fault(self, tier: str, kind: str) -> None:
+        self.spill_faults.labels(tier, kind).inc()
+
+    def watch(self, store: Store, tiering: Tiering | None = None) -> None:
         """Export the store's occupancy, computed at scrape time."""
         self.registry.register(_StoreCollector(store))
+        if tiering is not None:
+            self.registry.register(_TieringCollector(tiering))
+
+
+class _TieringCollector(Collector):
+    def __init__(self, tiering: Tiering) -> None:
+        self._t = tiering
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        t = self._t
+        c = t.counters
+        tier_bytes = GaugeMetricFamily(
+            "kvtier_spill_tier_bytes", "Bytes of a spill tier by state", labels=["tier", "state"])
+        tier_blocks = GaugeMetricFamily("kvtier_spill_tier_blocks", "Blocks held by a spill tier",
+                                        labels=["tier"])
+        sums = CounterMetricFamily("kvtier_spill_checksum_failures",
+                                   "Spilled blocks read back with bad bytes (dropped, never "
+                                   "served)", labels=["tier"])
+        if t.ssd is not None:
+            st = t.ssd.stats()
+            for state in ("total", "free", "reserved", "committed"):
+                tier_bytes.add_metric(["ssd", state], st[state])
+            tier_blocks.add_metric(["ssd"], st["blocks"])
+            sums.add_metric(["ssd"], t.ssd.counters.checksum_failures)
+        if t.shared is not None:
+            sums.add_metric(["shared"], t.shared.counters.checksum_failures)
+        yield tier_bytes
+        yield tier_blocks
+        yield sums
+        dem = CounterMetricFamily("kvtier_demotions", "Blocks copied down a tier",
+                                  labels=["path"])
+        for path, n in list(c.demotions.items()):
+            dem.add_metric([path], n)
+        yield dem
+        pro = CounterMetricFamily("kvtier_promotions", "Blocks brought back into DRAM",
+                                  labels=["tier"])
+        for tier, n in list(c.promotions.items()):
+            pro.add_metric([tier], n)
+        yield pro
+        yield CounterMetricFamily("kvtier_prefetches", "Lower-tier hits a Lookup prefetched",
+                                  value=c.prefetches)
+        yield CounterMetricFamily("kvtier_prefetch_hits", "Acquires that found a prefetched "
+                                  "block in DRAM", value=c.prefetch_hits)
+        yield CounterMetricFamily("kvtier_backpressure_waits", "Reserves that waited for "
+                                  "demotion", value=c.backpressure_waits)
+        yield CounterMetricFamily("kvtier_skipped_publishes", "Write-through publishes skipped "
+                                  "because the queue was full", value=c.skipped_publishes)
+        yield GaugeMetricFamily("kvtier_spill_queue_depth", "Blocks being demoted or published",
+                                value=t.queue_depth())
 
 
 class _StoreCollector(Collector):

@@ -24,7 +24,8 @@ from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.metrics import Metrics
 from kvtierd.segments import MAX_KEY_BYTES
-from kvtierd.store import Session, SlotGrant, Store
+from kvtierd.store import Session, SlotGrant
+from kvtierd.tiering import Tiering
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +126,12 @@ def _slot_refs(grants: Sequence[SlotGrant]) -> list[pb.SlotRef]:
 
 
 class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
-    """``kvtier.v1.KVTier`` over a ``Store``."""
+    """``kvtier.v1.KVTier`` over the tiers (``Tiering`` over the DRAM ``Store``)."""
 
-    def __init__(self, store: Store, metrics: Metrics, *, max_keys: int, started: float) -> None:
-        self.store = store
+    def __init__(self, tiering: Tiering, metrics: Metrics, *, max_keys: int,
+                 started: float) -> None:
+        self.tiering = tiering
+        self.store = tiering.store
         self.metrics = metrics
         self.max_keys = max_keys
         self.started = started
@@ -144,18 +147,19 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.LookupResponse:
         session = self._session(context)
         validate_keys(request.keys, self.max_keys)
-        hits = self.store.lookup(session, request.keys)
+        tiers = await self.tiering.lookup(session, request.keys, prefetch=request.prefetch)
+        hits = len(tiers)
         ns = session.ns.name
         self.metrics.lookups.labels(ns).inc()
         self.metrics.hit_blocks.labels(ns, "lookup").inc(hits)
         self.metrics.missed_blocks.labels(ns, "lookup").inc(len(request.keys) - hits)
-        return pb.LookupResponse(hits=hits, tiers=[pb.TIER_DRAM] * hits)
+        return pb.LookupResponse(hits=hits, tiers=cast(Any, tiers))
 
     @_rpc("Reserve")
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ReserveResponse:
         session = self._session(context)
         validate_keys(request.keys, self.max_keys)
-        result = await self.store.reserve(session, request.keys)
+        result = await self.tiering.reserve(session, request.keys)
         self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.slots))
         return pb.ReserveResponse(
             reservation_id=result.reservation_id,
@@ -168,7 +172,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CommitResponse:
         session = self._session(context)
         checksums = list(request.checksums) if request.checksums else None
-        n = self.store.commit(session, request.reservation_id, list(request.lengths), checksums)
+        n = self.tiering.commit(session, request.reservation_id, list(request.lengths), checksums)
         self.metrics.committed_blocks.labels(session.ns.name).inc(n)
         return pb.CommitResponse(committed=n)
 
@@ -183,7 +187,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.AcquireResponse:
         session = self._session(context)
         validate_keys(request.keys, self.max_keys)
-        result = self.store.acquire(session, request.keys)
+        result, tiers = await self.tiering.acquire(session, request.keys)
         hits = len(result.slots)
         ns = session.ns.name
         self.metrics.hit_blocks.labels(ns, "acquire").inc(hits)
@@ -192,7 +196,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
             lease_id=result.lease_id,
             hits=hits,
             slots=_slot_refs(result.slots),
-            tiers=[pb.TIER_DRAM] * hits,
+            tiers=cast(Any, tiers),
             segments_version=result.segments_version,
         )
 
@@ -206,7 +210,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.DeleteResponse:
         session = self._session(context)
         validate_keys(request.keys, self.max_keys)
-        deleted = self.store.delete(session, request.keys)
+        deleted = await self.tiering.delete(session, request.keys)
         if request.corrupted:
             log.warning("namespace %r: %d blocks failed their checksum at a reader (pid %d); "
                         "deleted", session.ns.name, deleted, session.peer.pid)
@@ -215,15 +219,16 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
 
     @_rpc("Stats")
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.StatsResponse:
-        return build_stats(self.store, self.started)
+        return build_stats(self.tiering, self.started)
 
     @_rpc("Check")
     async def Check(self, request: pb.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CheckResponse:
-        return pb.CheckResponse(problems=self.store.check())
+        return pb.CheckResponse(problems=self.tiering.check())
 
 
-def build_stats(store: Store, started: float) -> pb.StatsResponse:
-    """A ``StatsResponse`` snapshot of the store."""
+def build_stats(tiering: Tiering, started: float) -> pb.StatsResponse:
+    """A ``StatsResponse`` snapshot of the store and the spill tiers."""
+    store = tiering.store
     acct = store.dram_bytes()
     committed_blocks = sum(ns.committed for ns in store.namespaces.values())
     reserved_blocks = sum(ns.reserved for ns in store.namespaces.values())
@@ -234,6 +239,22 @@ def build_stats(store: Store, started: float) -> pb.StatsResponse:
             committed_blocks=committed_blocks, reserved_blocks=reserved_blocks,
         )
     ]
+    ssd = tiering.ssd
+    if ssd is not None:
+        st = ssd.stats()
+        tiers.append(pb.TierStats(
+            tier=pb.TIER_SSD, total_bytes=st["total"], free_bytes=st["free"],
+            reserved_bytes=st["reserved"], committed_bytes=st["committed"],
+            committed_blocks=st["blocks"],
+            note=("" if ssd.direct else f"buffered I/O: {ssd.direct_error}") + f" ({ssd.root})",
+        ))
+    if tiering.shared is not None:
+        sc = tiering.shared.counters
+        tiers.append(pb.TierStats(
+            tier=pb.TIER_SHARED,
+            note=f"{tiering.shared.root}: {sc.writes} published, {sc.reads} read by this daemon",
+        ))
+    c = tiering.counters
     namespaces = [
         pb.NamespaceStats(
             name=ns.name, block_bytes=ns.block_bytes, model_uid=ns.model_uid,
@@ -261,4 +282,17 @@ def build_stats(store: Store, started: float) -> pb.StatsResponse:
         recovered_blocks=sum(ns.recovered for ns in store.namespaces.values()),
         recovery_seconds=store.recovery_seconds,
         dropped_segments=store.dropped_segments,
+        demotions=sum(c.demotions.values()),
+        promotions=sum(c.promotions.values()),
+        prefetches=c.prefetches,
+        prefetch_hits=c.prefetch_hits,
+        spill_queue_depth=tiering.queue_depth(),
+        spill_checksum_failures=(ssd.counters.checksum_failures if ssd else 0) + (
+            tiering.shared.counters.checksum_failures if tiering.shared else 0),
+        spill_faults=dict(c.faults),
+        ssd_direct_io=bool(ssd and ssd.direct),
+        ssd_adopted_blocks=ssd.counters.adopted if ssd else 0,
+        ssd_adopt_seconds=ssd.counters.adopt_seconds if ssd else 0.0,
+        dropped_spill_files=list(ssd.counters.dropped_files) if ssd else [],
+        backpressure_waits=c.backpressure_waits,
     )

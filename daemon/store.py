@@ -25,8 +25,14 @@ grow in extents.  A reserve that finds no free slot evicts the host-wide
 least recently used unleased block of the same namespace, or reclaims a
 whole extent of another namespace whose blocks are all evictable (so the
 budget can move between namespaces), or grows a new extent when the budget
-allows.  Eviction is the one place where DRAM blocks leave: the spill tiers
-turn ``_evict`` into demotion.
+allows.  Eviction is the one place where DRAM blocks leave.
+
+Spill (``spill_enabled``, driven by ``kvtierd.tiering``): every block is
+DIRTY (DRAM is its only copy), CLEAN (a spill tier holds a durable copy) or
+UNSPILLABLE (spilling it failed).  Only non-DIRTY blocks are evicted, and only
+extents without DIRTY blocks are reclaimed; a reserve that could be served by
+evicting DIRTY blocks raises ``NeedDemotion`` instead, and the tiering layer
+waits for the demoter (back-pressure) and retries.
 """
 
 from __future__ import annotations
@@ -62,6 +68,24 @@ EVICTION_SCAN_LIMIT: Final = 4096
 MAX_GROW_ROUNDS: Final = 64
 
 
+class Lower:
+    """What the tiers below DRAM hold of a block (``Block.lower``)."""
+
+    DIRTY: Final = 0  # DRAM is the only copy
+    CLEAN: Final = 1  # a spill tier holds a durable copy: eviction loses nothing
+    UNSPILLABLE: Final = 2  # spilling failed: evicted like a block without spill tiers
+
+
+class NeedDemotion(CapacityExhausted):
+    """A reserve fits only after ``short`` DIRTY blocks of ``ns`` are demoted."""
+
+    def __init__(self, ns: Namespace, short: int) -> None:
+        super().__init__(f"DRAM is full for namespace {ns.name!r}: {short} blocks must be "
+                         "demoted to a spill tier first")
+        self.ns = ns
+        self.short = short
+
+
 class ReserveStatus:
     """Per-key outcome of a reserve (values match the wire enum)."""
 
@@ -89,6 +113,7 @@ class Extent:
     reserved: int = 0  # includes quarantined slots
     committed: int = 0  # includes doomed blocks still pinned
     pinned: int = 0  # slots with pins > 0
+    dirty: int = 0  # committed blocks whose only copy is DRAM (Lower.DIRTY)
     # Slots found RESERVED at recovery: a writer of the previous daemon may
     # still be copying into them, so they are reused only after the
     # reservation TTL (slot -> monotonic deadline).
@@ -116,6 +141,8 @@ class Block:
     generation: int
     pins: int = 0
     doomed: bool = False
+    lower: int = Lower.DIRTY
+    prefetched: bool = False  # promoted by a Lookup prefetch, not yet acquired
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -174,6 +201,9 @@ class Session:
     leases: dict[int, Lease] = dataclasses.field(default_factory=dict)
     reservations: dict[int, Reservation] = dataclasses.field(default_factory=dict)
     closed: bool = False
+    # The tiering layer's own session (promotions, demotion pins): no client,
+    # no token, no TTL on what it holds.
+    system: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -242,6 +272,9 @@ class Store:
         self._on_evict = on_evict
         self.namespaces: dict[str, Namespace] = {}
         self.sessions: dict[int, Session] = {}
+        self._system_sessions: dict[str, Session] = {}
+        #: Set by the tiering layer when a spill tier exists: evict only non-DIRTY blocks.
+        self.spill_enabled = False
         self._by_token: dict[str, Session] = {}
         self.lru: collections.OrderedDict[Block, None] = collections.OrderedDict()
         self.budget_free = capacity
@@ -337,18 +370,33 @@ class Store:
         return hits
 
     # ================================================================ write path
-    async def reserve(self, session: Session, keys: Sequence[bytes]) -> ReserveResult:
-        """Allocate writable slots for the keys not yet present (all or nothing)."""
+    async def reserve(
+        self,
+        session: Session,
+        keys: Sequence[bytes],
+        exists: Callable[[bytes], bool] | None = None,
+    ) -> ReserveResult:
+        """Allocate writable slots for the keys not yet present (all or nothing).
+
+        ``exists``: keys a lower tier holds, reported EXISTS like DRAM blocks.
+        """
         ns = session.ns
         for _round in range(MAX_GROW_ROUNDS):
             try:
-                return self._reserve_now(session, keys, may_grow=True)
+                return self._reserve_now(session, keys, exists, may_grow=True)
             except _NeedExtent as need:
                 if not await self._grow(ns, need.slots):
                     break
-        return self._reserve_now(session, keys, may_grow=False)
+        return self._reserve_now(session, keys, exists, may_grow=False)
 
-    def _reserve_now(self, session: Session, keys: Sequence[bytes], *, may_grow: bool) -> ReserveResult:
+    def _reserve_now(
+        self,
+        session: Session,
+        keys: Sequence[bytes],
+        exists: Callable[[bytes], bool] | None,
+        *,
+        may_grow: bool,
+    ) -> ReserveResult:
         ns = session.ns
         if session.closed:
             raise Unauthenticated("session is closed")
@@ -363,6 +411,8 @@ class Store:
                 statuses.append(ReserveStatus.EXISTS)
             elif key in ns.in_flight:
                 statuses.append(ReserveStatus.IN_FLIGHT)
+            elif exists is not None and exists(key):
+                statuses.append(ReserveStatus.EXISTS)
             else:
                 statuses.append(ReserveStatus.RESERVED)
                 new_keys.append(key)
@@ -416,6 +466,8 @@ class Store:
             give_back()
             raise _NeedExtent(n)
         same_ns: list[Block] = []
+        dirty_ns = 0  # DIRTY blocks of ns seen: evictable once demoted
+        spill = self.spill_enabled
         reclaim: list[Extent] = []
         reclaim_bytes = 0
 
@@ -437,11 +489,15 @@ class Store:
             if scanned >= EVICTION_SCAN_LIMIT or len(same_ns) >= short or (reclaim and funded()):
                 break
             if block.ns is ns:
-                same_ns.append(block)
+                if spill and block.lower == Lower.DIRTY:
+                    dirty_ns += 1
+                else:
+                    same_ns.append(block)
             elif may_grow and id(block.extent) not in considered:
                 considered.add(id(block.extent))
                 ext = block.extent
-                if ext.reserved == 0 and ext.pinned == 0 and not block.ns.grow_lock.locked():
+                if (ext.reserved == 0 and ext.pinned == 0 and not block.ns.grow_lock.locked()
+                        and not (spill and ext.dirty)):
                     reclaim.append(ext)
                     reclaim_bytes += ext.bytes
         if reclaim and funded():
@@ -455,6 +511,8 @@ class Store:
                 taken.append((block.extent, block.extent.free.pop()))
             return taken
         give_back()
+        if dirty_ns and len(same_ns) + dirty_ns >= short:
+            raise NeedDemotion(ns, short - len(same_ns))
         raise CapacityExhausted(
             f"DRAM is full for namespace {ns.name!r}: {n} slots needed, "
             f"{len(taken) + len(same_ns)} obtainable ({ns.leased} leased and "
@@ -516,15 +574,18 @@ class Store:
     def _end_reservation(
         self,
         res: Reservation,
-        commit: tuple[Sequence[int], Sequence[int] | None] | None,
-    ) -> None:
+        commit: tuple[Sequence[int], Sequence[int | None] | None] | None,
+    ) -> list[Block | None]:
+        """Commit (or with None free) every slot; a length of 0 frees that one slot."""
         ns = res.session.ns
+        made: list[Block | None] = []
         for i, (key, (ext, slot, gen)) in enumerate(zip(res.keys, res.places, strict=False)):
             del ns.in_flight[key]
             ext.reserved -= 1
-            if commit is None:
+            if commit is None or commit[0][i] == 0:
                 ext.segment.mark_free(slot)
                 ext.free.append(slot)
+                made.append(None)
                 continue
             lengths, checksums = commit
             checksum = checksums[i] if checksums is not None else None
@@ -534,12 +595,15 @@ class Store:
             )
             block = Block(ns, key, ext, slot, lengths[i], checksum, gen)
             ext.committed += 1
+            ext.dirty += 1
             ns.committed += 1
             ns.index[key] = block
             self.lru[block] = None
+            made.append(block)
         ns.reserved -= len(res.keys)
         del res.session.reservations[res.id]
         del self._reservations[res.id]
+        return made
 
     # ================================================================ read path
     def acquire(self, session: Session, keys: Sequence[bytes]) -> AcquireResult:
@@ -636,8 +700,89 @@ class Store:
         ext = block.extent
         ext.segment.mark_free(block.slot)
         ext.committed -= 1
+        if block.lower == Lower.DIRTY:
+            ext.dirty -= 1
         block.ns.committed -= 1
         ext.free.append(block.slot)
+
+    # ================================================================ tiering hooks
+    def system_session(self, ns: Namespace) -> Session:
+        """The tiering layer's session in ``ns`` (created on first use; never expires)."""
+        session = self._system_sessions.get(ns.name)
+        if session is None or session.ns is not ns:
+            session = Session(next(self._ids), "", ns, Peer(0, 0, 0), self._clock(), system=True)
+            self._system_sessions[ns.name] = session
+        return session
+
+    def reservation_slots(self, session: Session, reservation_id: int) -> list[memoryview]:
+        """Writable views of a reservation's slots (slot_bytes each), in key order."""
+        res = self._own_reservation(session, reservation_id)
+        return [ext.segment.data_view(slot, ext.segment.layout.slot_bytes)
+                for ext, slot, _gen in res.places]
+
+    def settle(
+        self,
+        session: Session,
+        reservation_id: int,
+        outcomes: Sequence[tuple[int, int] | None],
+    ) -> list[Block | None]:
+        """Commit each slot with its (length, checksum), or free it for None."""
+        res = self._own_reservation(session, reservation_id)
+        lengths = [o[0] if o is not None else 0 for o in outcomes]
+        sums: list[int | None] = [o[1] if o is not None else None for o in outcomes]
+        return self._end_reservation(res, commit=(lengths, sums))
+
+    def pin_blocks(self, blocks: Sequence[Block]) -> list[Lease]:
+        """Lease blocks to the tiering layer (one lease per namespace, no TTL)."""
+        by_ns: dict[str, list[Block]] = {}
+        for b in blocks:
+            by_ns.setdefault(b.ns.name, []).append(b)
+        leases = []
+        for group in by_ns.values():
+            session = self.system_session(group[0].ns)
+            lease = Lease(next(self._ids), session, group, float("inf"))
+            for block in group:
+                self._pin(block)
+            session.leases[lease.id] = lease
+            self._leases[lease.id] = lease
+            leases.append(lease)
+        return leases
+
+    def unpin(self, lease: Lease) -> None:
+        """End a lease of ``pin_blocks`` (a doomed block is freed here)."""
+        if lease.id in self._leases:
+            self._end_lease(lease)
+
+    def set_lower(self, block: Block, lower: int) -> None:
+        """Record what the spill tiers hold of a live block."""
+        if block.doomed or block.ns.index.get(block.key) is not block or block.lower == lower:
+            return
+        if block.lower == Lower.DIRTY:
+            block.extent.dirty -= 1
+        elif lower == Lower.DIRTY:
+            block.extent.dirty += 1
+        block.lower = lower
+
+    def demotion_candidates(self, target_bytes: int, limit: int,
+                            ns: Namespace | None = None) -> list[Block]:
+        """DIRTY unleased blocks among the oldest ``target_bytes`` of the LRU (oldest first).
+
+        With ``ns``: the oldest DIRTY blocks of that namespace, up to ``limit``.
+        """
+        out: list[Block] = []
+        seen = 0
+        for scanned, block in enumerate(self.lru):
+            if scanned >= EVICTION_SCAN_LIMIT or len(out) >= limit:
+                break
+            if ns is not None and block.ns is not ns:
+                continue
+            if ns is None:
+                if seen >= target_bytes:
+                    break
+                seen += block.ns.slot_bytes
+            if block.lower == Lower.DIRTY:
+                out.append(block)
+        return out
 
     # ================================================================ extents
     async def _grow(self, ns: Namespace, need: int) -> bool:
@@ -802,6 +947,7 @@ class Store:
             adopted_at.append(last)
             recovered += 1
         ext.committed += recovered
+        ext.dirty += recovered
         ns.committed += recovered
         self.budget_free -= lay.file_bytes
         ns.extents.append(ext)
@@ -857,13 +1003,15 @@ class Store:
         Returns (reserved slots returned per namespace, leases released).
         """
         now = self._clock()
-        stale_res = [r for r in self._reservations.values() if r.expires <= now]
+        stale_res = [r for r in self._reservations.values()
+                     if r.expires <= now and not r.session.system]
         for res in stale_res:
             log.warning("reservation %d of session %d expired; its %d slots are quarantined for "
                         "%.0f s", res.id, res.session.id, len(res.keys), self.reservation_ttl)
             self._expire_reservation(res, now + self.reservation_ttl)
         self._release_quarantine(now)
-        stale_leases = [lease for lease in self._leases.values() if lease.expires <= now]
+        stale_leases = [lease for lease in self._leases.values()
+                        if lease.expires <= now and not lease.session.system]
         for lease in stale_leases:
             log.warning("lease %d of session %d expired after %.0f s", lease.id,
                         lease.session.id, self.lease_ttl)
@@ -934,6 +1082,7 @@ class Store:
                     problems.append(f"{ns.name}: extent {ext.segment.index} free list has duplicates")
                 counts = {"free": 0, "reserved": 0, "committed": 0}
                 pinned_slots = 0
+                dirty = 0
                 for slot in range(ext.n_slots):
                     rec = ext.segment.read_slot(slot)
                     where = f"{ns.name}: extent {ext.segment.index} slot {slot}"
@@ -963,6 +1112,7 @@ class Store:
                         ):
                             problems.append(f"{where}: slot table disagrees with the index")
                     if owner is not None:
+                        dirty += owner.lower == Lower.DIRTY
                         if pins[id(owner)] != owner.pins:
                             problems.append(
                                 f"{where}: pins {owner.pins} != leases {pins[id(owner)]}")
@@ -977,6 +1127,9 @@ class Store:
                                     f"({counts['reserved']}, {counts['committed']})")
                 if sum(counts.values()) != ext.n_slots:
                     problems.append(f"{ns.name}: extent {ext.segment.index} does not balance")
+                if dirty != ext.dirty:
+                    problems.append(f"{ns.name}: extent {ext.segment.index} dirty counter "
+                                    f"{ext.dirty} != DIRTY blocks {dirty}")
                 if pinned_slots != ext.pinned:
                     problems.append(f"{ns.name}: extent {ext.segment.index} pinned counter "
                                     f"{ext.pinned} != leased slots {pinned_slots}")

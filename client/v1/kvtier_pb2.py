@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvtier/v1/kvtier.proto\x12\tkvtier.v1\"E\n\rNamespaceDecl\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x11\n\tmodel_uid\x18\x03 \x01(\t\"J\n\x0bSegmentInfo\x12\x12\n\nsegment_id\x18\x01 \x01(\r\x12\x13\n\x0b\x64\x61ta_offset\x18\x02 \x01(\x04\x12\x12\n\ndata_bytes\x18\x03 \x01(\x04\"3\n\x0bOpenSession\x12$\n\x02ns\x18\x01 \x01(\x0b\x32\x18.kvtier.v1.NamespaceDecl\"\x1f\n\x0bMapSegments\x12\x10\n\x08want_fds\x18\x01 \x03(\r\"g\n\x0eSessionRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.kvtier.v1.OpenSessionH\x00\x12%\n\x03map\x18\x02 \x01(\x0b\x32\x16.kvtier.v1.MapSegmentsH\x00\x42\x06\n\x04kind\"\xa2\x01\n\rSessionOpened\x12\r\n\x05token\x18\x01 \x01(\t\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x18\n\x10segments_version\x18\x03 \x01(\x04\x12(\n\x08segments\x18\x04 \x03(\x0b\x32\x16.kvtier.v1.SegmentInfo\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x05 \x01(\t\x12\x12\n\nboot_epoch\x18\x06 \x01(\x04\"l\n\x0eSegmentsMapped\x12\x18\n\x10segments_version\x18\x01 \x01(\x04\x12(\n\x08segments\x18\x02 \x03(\x0b\x32\x16.kvtier.v1.SegmentInfo\x12\x16\n\x0e\x66\x64_segment_ids\x18\x03 \x03(\r\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x9c\x01\n\x0fSessionResponse\x12*\n\x06opened\x18\x01 \x01(\x0b\x32\x18.kvtier.v1.SessionOpenedH\x00\x12+\n\x06mapped\x18\x02 \x01(\x0b\x32\x19.kvtier.v1.SegmentsMappedH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.kvtier.v1.SessionErrorH\x00\x42\x06\n\x04kind\"e\n\x07SlotRef\x12\x12\n\nsegment_id\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\x12\x14\n\x0chas_checksum\x18\x05 \x01(\x08\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\">\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\x1e\n\x05tiers\x18\x02 \x03(\x0e\x32\x0f.kvtier.v1.Tier\"\x1e\n\x0eReserveRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x92\x01\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12*\n\x08statuses\x18\x02 \x03(\x0e\x32\x18.kvtier.v1.ReserveStatus\x12!\n\x05slots\x18\x03 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\x12\x18\n\x10segments_version\x18\x04 \x01(\x04\"K\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12\x0f\n\x07lengths\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x04\"#\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\"&\n\x0c\x41\x62ortRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\x1e\n\x0e\x41\x63quireRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x8e\x01\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0c\n\x04hits\x18\x02 \x01(\r\x12!\n\x05slots\x18\x03 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\x12\x1e\n\x05tiers\x18\x04 \x03(\x0e\x32\x0f.kvtier.v1.Tier\x12\x18\n\x10segments_version\x18\x05 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\x11\n\x0fReleaseResponse\"0\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\tcorrupted\x18\x02 \x01(\x08\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xb7\x01\n\tTierStats\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x12\n\nfree_bytes\x18\x03 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x04 \x01(\x04\x12\x17\n\x0f\x63ommitted_bytes\x18\x05 \x01(\x04\x12\x18\n\x10\x63ommitted_blocks\x18\x06 \x01(\x04\x12\x17\n\x0freserved_blocks\x18\x07 \x01(\x04\"\x94\x02\n\x0eNamespaceStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x11\n\tmodel_uid\x18\x03 \x01(\t\x12\x12\n\nslot_bytes\x18\x04 \x01(\x04\x12\x10\n\x08segments\x18\x05 \x01(\r\x12\x18\n\x10\x63ommitted_blocks\x18\x06 \x01(\x04\x12\x17\n\x0freserved_blocks\x18\x07 \x01(\x04\x12\x12\n\nfree_slots\x18\x08 \x01(\x04\x12\x15\n\rleased_blocks\x18\t \x01(\x04\x12\x10\n\x08sessions\x18\n \x01(\r\x12\x0c\n\x04hits\x18\x0b \x01(\x04\x12\x0e\n\x06misses\x18\x0c \x01(\x04\x12\x18\n\x10recovered_blocks\x18\r \x01(\x04\"\x94\x03\n\rStatsResponse\x12#\n\x05tiers\x18\x01 \x03(\x0b\x32\x14.kvtier.v1.TierStats\x12-\n\nnamespaces\x18\x02 \x03(\x0b\x32\x19.kvtier.v1.NamespaceStats\x12\x10\n\x08sessions\x18\x03 \x01(\r\x12\x0e\n\x06leases\x18\x04 \x01(\x04\x12\x14\n\x0creservations\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x0f\n\x07mlocked\x18\x07 \x01(\x08\x12\x13\n\x0bmlock_error\x18\x08 \x01(\t\x12\x18\n\x10prefault_seconds\x18\t \x01(\x01\x12\x16\n\x0e\x64\x61\x65mon_version\x18\n \x01(\t\x12\x12\n\nboot_epoch\x18\x0b \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x0c \x01(\x01\x12\x12\n\nwarm_start\x18\r \x01(\x08\x12\x18\n\x10recovered_blocks\x18\x0e \x01(\x04\x12\x18\n\x10recovery_seconds\x18\x0f \x01(\x01\x12\x18\n\x10\x64ropped_segments\x18\x10 \x03(\t\"\x0e\n\x0c\x43heckRequest\"!\n\rCheckResponse\x12\x10\n\x08problems\x18\x01 \x03(\t*J\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\x0c\n\x08TIER_SSD\x10\x02\x12\x0f\n\x0bTIER_SHARED\x10\x03*\x85\x01\n\rReserveStatus\x12\x1e\n\x1aRESERVE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17RESERVE_STATUS_RESERVED\x10\x01\x12\x19\n\x15RESERVE_STATUS_EXISTS\x10\x02\x12\x1c\n\x18RESERVE_STATUS_IN_FLIGHT\x10\x03\x32\xbf\x04\n\x06KVTier\x12=\n\x06Lookup\x12\x18.kvtier.v1.LookupRequest\x1a\x19.kvtier.v1.LookupResponse\x12@\n\x07Reserve\x12\x19.kvtier.v1.ReserveRequest\x1a\x1a.kvtier.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.kvtier.v1.CommitRequest\x1a\x19.kvtier.v1.CommitResponse\x12:\n\x05\x41\x62ort\x12\x17.kvtier.v1.AbortRequest\x1a\x18.kvtier.v1.AbortResponse\x12@\n\x07\x41\x63quire\x12\x19.kvtier.v1.AcquireRequest\x1a\x1a.kvtier.v1.AcquireResponse\x12@\n\x07Release\x12\x19.kvtier.v1.ReleaseRequest\x1a\x1a.kvtier.v1.ReleaseResponse\x12=\n\x06\x44\x65lete\x12\x18.kvtier.v1.DeleteRequest\x1a\x19.kvtier.v1.DeleteResponse\x12:\n\x05Stats\x12\x17.kvtier.v1.StatsRequest\x1a\x18.kvtier.v1.StatsResponse\x12:\n\x05\x43heck\x12\x17.kvtier.v1.CheckRequest\x1a\x18.kvtier.v1.CheckResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvtier/v1/kvtier.proto\x12\tkvtier.v1\"E\n\rNamespaceDecl\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x11\n\tmodel_uid\x18\x03 \x01(\t\"J\n\x0bSegmentInfo\x12\x12\n\nsegment_id\x18\x01 \x01(\r\x12\x13\n\x0b\x64\x61ta_offset\x18\x02 \x01(\x04\x12\x12\n\ndata_bytes\x18\x03 \x01(\x04\"3\n\x0bOpenSession\x12$\n\x02ns\x18\x01 \x01(\x0b\x32\x18.kvtier.v1.NamespaceDecl\"\x1f\n\x0bMapSegments\x12\x10\n\x08want_fds\x18\x01 \x03(\r\"g\n\x0eSessionRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.kvtier.v1.OpenSessionH\x00\x12%\n\x03map\x18\x02 \x01(\x0b\x32\x16.kvtier.v1.MapSegmentsH\x00\x42\x06\n\x04kind\"\xa2\x01\n\rSessionOpened\x12\r\n\x05token\x18\x01 \x01(\t\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x18\n\x10segments_version\x18\x03 \x01(\x04\x12(\n\x08segments\x18\x04 \x03(\x0b\x32\x16.kvtier.v1.SegmentInfo\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x05 \x01(\t\x12\x12\n\nboot_epoch\x18\x06 \x01(\x04\"l\n\x0eSegmentsMapped\x12\x18\n\x10segments_version\x18\x01 \x01(\x04\x12(\n\x08segments\x18\x02 \x03(\x0b\x32\x16.kvtier.v1.SegmentInfo\x12\x16\n\x0e\x66\x64_segment_ids\x18\x03 \x03(\r\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x9c\x01\n\x0fSessionResponse\x12*\n\x06opened\x18\x01 \x01(\x0b\x32\x18.kvtier.v1.SessionOpenedH\x00\x12+\n\x06mapped\x18\x02 \x01(\x0b\x32\x19.kvtier.v1.SegmentsMappedH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.kvtier.v1.SessionErrorH\x00\x42\x06\n\x04kind\"e\n\x07SlotRef\x12\x12\n\nsegment_id\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\x12\x14\n\x0chas_checksum\x18\x05 \x01(\x08\"/\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x10\n\x08prefetch\x18\x02 \x01(\x08\">\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\x1e\n\x05tiers\x18\x02 \x03(\x0e\x32\x0f.kvtier.v1.Tier\"\x1e\n\x0eReserveRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x92\x01\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12*\n\x08statuses\x18\x02 \x03(\x0e\x32\x18.kvtier.v1.ReserveStatus\x12!\n\x05slots\x18\x03 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\x12\x18\n\x10segments_version\x18\x04 \x01(\x04\"K\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12\x0f\n\x07lengths\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x04\"#\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\"&\n\x0c\x41\x62ortRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\x1e\n\x0e\x41\x63quireRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x8e\x01\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0c\n\x04hits\x18\x02 \x01(\r\x12!\n\x05slots\x18\x03 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\x12\x1e\n\x05tiers\x18\x04 \x03(\x0e\x32\x0f.kvtier.v1.Tier\x12\x18\n\x10segments_version\x18\x05 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\x11\n\x0fReleaseResponse\"0\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\tcorrupted\x18\x02 \x01(\x08\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xc5\x01\n\tTierStats\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x12\n\nfree_bytes\x18\x03 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x04 \x01(\x04\x12\x17\n\x0f\x63ommitted_bytes\x18\x05 \x01(\x04\x12\x18\n\x10\x63ommitted_blocks\x18\x06 \x01(\x04\x12\x17\n\x0freserved_blocks\x18\x07 \x01(\x04\x12\x0c\n\x04note\x18\x08 \x01(\t\"\x94\x02\n\x0eNamespaceStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x11\n\tmodel_uid\x18\x03 \x01(\t\x12\x12\n\nslot_bytes\x18\x04 \x01(\x04\x12\x10\n\x08segments\x18\x05 \x01(\r\x12\x18\n\x10\x63ommitted_blocks\x18\x06 \x01(\x04\x12\x17\n\x0freserved_blocks\x18\x07 \x01(\x04\x12\x12\n\nfree_slots\x18\x08 \x01(\x04\x12\x15\n\rleased_blocks\x18\t \x01(\x04\x12\x10\n\x08sessions\x18\n \x01(\r\x12\x0c\n\x04hits\x18\x0b \x01(\x04\x12\x0e\n\x06misses\x18\x0c \x01(\x04\x12\x18\n\x10recovered_blocks\x18\r \x01(\x04\"\x9e\x06\n\rStatsResponse\x12#\n\x05tiers\x18\x01 \x03(\x0b\x32\x14.kvtier.v1.TierStats\x12-\n\nnamespaces\x18\x02 \x03(\x0b\x32\x19.kvtier.v1.NamespaceStats\x12\x10\n\x08sessions\x18\x03 \x01(\r\x12\x0e\n\x06leases\x18\x04 \x01(\x04\x12\x14\n\x0creservations\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x0f\n\x07mlocked\x18\x07 \x01(\x08\x12\x13\n\x0bmlock_error\x18\x08 \x01(\t\x12\x18\n\x10prefault_seconds\x18\t \x01(\x01\x12\x16\n\x0e\x64\x61\x65mon_version\x18\n \x01(\t\x12\x12\n\nboot_epoch\x18\x0b \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x0c \x01(\x01\x12\x12\n\nwarm_start\x18\r \x01(\x08\x12\x18\n\x10recovered_blocks\x18\x0e \x01(\x04\x12\x18\n\x10recovery_seconds\x18\x0f \x01(\x01\x12\x18\n\x10\x64ropped_segments\x18\x10 \x03(\t\x12\x11\n\tdemotions\x18\x11 \x01(\x04\x12\x12\n\npromotions\x18\x12 \x01(\x04\x12\x12\n\nprefetches\x18\x13 \x01(\x04\x12\x15\n\rprefetch_hits\x18\x14 \x01(\x04\x12\x19\n\x11spill_queue_depth\x18\x15 \x01(\r\x12\x1f\n\x17spill_checksum_failures\x18\x16 \x01(\x04\x12?\n\x0cspill_faults\x18\x17 \x03(\x0b\x32).kvtier.v1.StatsResponse.SpillFaultsEntry\x12\x15\n\rssd_direct_io\x18\x18 \x01(\x08\x12\x1a\n\x12ssd_adopted_blocks\x18\x19 \x01(\x04\x12\x19\n\x11ssd_adopt_seconds\x18\x1a \x01(\x01\x12\x1b\n\x13\x64ropped_spill_files\x18\x1b \x03(\t\x12\x1a\n\x12\x62\x61\x63kpressure_waits\x18\x1c \x01(\x04\x1a\x32\n\x10SpillFaultsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x0e\n\x0c\x43heckRequest\"!\n\rCheckResponse\x12\x10\n\x08problems\x18\x01 \x03(\t*J\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\x0c\n\x08TIER_SSD\x10\x02\x12\x0f\n\x0bTIER_SHARED\x10\x03*\x85\x01\n\rReserveStatus\x12\x1e\n\x1aRESERVE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17RESERVE_STATUS_RESERVED\x10\x01\x12\x19\n\x15RESERVE_STATUS_EXISTS\x10\x02\x12\x1c\n\x18RESERVE_STATUS_IN_FLIGHT\x10\x03\x32\xbf\x04\n\x06KVTier\x12=\n\x06Lookup\x12\x18.kvtier.v1.LookupRequest\x1a\x19.kvtier.v1.LookupResponse\x12@\n\x07Reserve\x12\x19.kvtier.v1.ReserveRequest\x1a\x1a.kvtier.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.kvtier.v1.CommitRequest\x1a\x19.kvtier.v1.CommitResponse\x12:\n\x05\x41\x62ort\x12\x17.kvtier.v1.AbortRequest\x1a\x18.kvtier.v1.AbortResponse\x12@\n\x07\x41\x63quire\x12\x19.kvtier.v1.AcquireRequest\x1a\x1a.kvtier.v1.AcquireResponse\x12@\n\x07Release\x12\x19.kvtier.v1.ReleaseRequest\x1a\x1a.kvtier.v1.ReleaseResponse\x12=\n\x06\x44\x65lete\x12\x18.kvtier.v1.DeleteRequest\x1a\x19.kvtier.v1.DeleteResponse\x12:\n\x05Stats\x12\x17.kvtier.v1.StatsRequest\x1a\x18.kvtier.v1.StatsResponse\x12:\n\x05\x43heck\x12\x17.kvtier.v1.CheckRequest\x1a\x18.kvtier.v1.CheckResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.kvtier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=2679
-  _globals['_TIER']._serialized_end=2753
-  _globals['_RESERVESTATUS']._serialized_start=2756
-  _globals['_RESERVESTATUS']._serialized_end=2889
+  _globals['_STATSRESPONSE_SPILLFAULTSENTRY']._loaded_options = None
+  _globals['_STATSRESPONSE_SPILLFAULTSENTRY']._serialized_options = b'8\001'
+  _globals['_TIER']._serialized_start=3105
+  _globals['_TIER']._serialized_end=3179
+  _globals['_RESERVESTATUS']._serialized_start=3182
+  _globals['_RESERVESTATUS']._serialized_end=3315
   _globals['_NAMESPACEDECL']._serialized_start=37
   _globals['_NAMESPACEDECL']._serialized_end=106
   _globals['_SEGMENTINFO']._serialized_start=108
@@ -56,45 +58,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SLOTREF']._serialized_start=856
   _globals['_SLOTREF']._serialized_end=957
   _globals['_LOOKUPREQUEST']._serialized_start=959
-  _globals['_LOOKUPREQUEST']._serialized_end=988
-  _globals['_LOOKUPRESPONSE']._serialized_start=990
-  _globals['_LOOKUPRESPONSE']._serialized_end=1052
-  _globals['_RESERVEREQUEST']._serialized_start=1054
-  _globals['_RESERVEREQUEST']._serialized_end=1084
-  _globals['_RESERVERESPONSE']._serialized_start=1087
-  _globals['_RESERVERESPONSE']._serialized_end=1233
-  _globals['_COMMITREQUEST']._serialized_start=1235
-  _globals['_COMMITREQUEST']._serialized_end=1310
-  _globals['_COMMITRESPONSE']._serialized_start=1312
-  _globals['_COMMITRESPONSE']._serialized_end=1347
-  _globals['_ABORTREQUEST']._serialized_start=1349
-  _globals['_ABORTREQUEST']._serialized_end=1387
-  _globals['_ABORTRESPONSE']._serialized_start=1389
-  _globals['_ABORTRESPONSE']._serialized_end=1421
-  _globals['_ACQUIREREQUEST']._serialized_start=1423
-  _globals['_ACQUIREREQUEST']._serialized_end=1453
-  _globals['_ACQUIRERESPONSE']._serialized_start=1456
-  _globals['_ACQUIRERESPONSE']._serialized_end=1598
-  _globals['_RELEASEREQUEST']._serialized_start=1600
-  _globals['_RELEASEREQUEST']._serialized_end=1634
-  _globals['_RELEASERESPONSE']._serialized_start=1636
-  _globals['_RELEASERESPONSE']._serialized_end=1653
-  _globals['_DELETEREQUEST']._serialized_start=1655
-  _globals['_DELETEREQUEST']._serialized_end=1703
-  _globals['_DELETERESPONSE']._serialized_start=1705
-  _globals['_DELETERESPONSE']._serialized_end=1738
-  _globals['_STATSREQUEST']._serialized_start=1740
-  _globals['_STATSREQUEST']._serialized_end=1754
-  _globals['_TIERSTATS']._serialized_start=1757
-  _globals['_TIERSTATS']._serialized_end=1940
-  _globals['_NAMESPACESTATS']._serialized_start=1943
-  _globals['_NAMESPACESTATS']._serialized_end=2219
-  _globals['_STATSRESPONSE']._serialized_start=2222
-  _globals['_STATSRESPONSE']._serialized_end=2626
-  _globals['_CHECKREQUEST']._serialized_start=2628
-  _globals['_CHECKREQUEST']._serialized_end=2642
-  _globals['_CHECKRESPONSE']._serialized_start=2644
-  _globals['_CHECKRESPONSE']._serialized_end=2677
-  _globals['_KVTIER']._serialized_start=2892
-  _globals['_KVTIER']._serialized_end=3467
+  _globals['_LOOKUPREQUEST']._serialized_end=1006
+  _globals['_LOOKUPRESPONSE']._serialized_start=1008
+  _globals['_LOOKUPRESPONSE']._serialized_end=1070
+  _globals['_RESERVEREQUEST']._serialized_start=1072
+  _globals['_RESERVEREQUEST']._serialized_end=1102
+  _globals['_RESERVERESPONSE']._serialized_start=1105
+  _globals['_RESERVERESPONSE']._serialized_end=1251
+  _globals['_COMMITREQUEST']._serialized_start=1253
+  _globals['_COMMITREQUEST']._serialized_end=1328
+  _globals['_COMMITRESPONSE']._serialized_start=1330
+  _globals['_COMMITRESPONSE']._serialized_end=1365
+  _globals['_ABORTREQUEST']._serialized_start=1367
+  _globals['_ABORTREQUEST']._serialized_end=1405
+  _globals['_ABORTRESPONSE']._serialized_start=1407
+  _globals['_ABORTRESPONSE']._serialized_end=1439
+  _globals['_ACQUIREREQUEST']._serialized_start=1441
+  _globals['_ACQUIREREQUEST']._serialized_end=1471
+  _globals['_ACQUIRERESPONSE']._serialized_start=1474
+  _globals['_ACQUIRERESPONSE']._serialized_end=1616
+  _globals['_RELEASEREQUEST']._serialized_start=1618
+  _globals['_RELEASEREQUEST']._serialized_end=1652
+  _globals['_RELEASERESPONSE']._serialized_start=1654
+  _globals['_RELEASERESPONSE']._serialized_end=1671
+  _globals['_DELETEREQUEST']._serialized_start=1673
+  _globals['_DELETEREQUEST']._serialized_end=1721
+  _globals['_DELETERESPONSE']._serialized_start=1723
+  _globals['_DELETERESPONSE']._serialized_end=1756
+  _globals['_STATSREQUEST']._serialized_start=1758
+  _globals['_STATSREQUEST']._serialized_end=1772
+  _globals['_TIERSTATS']._serialized_start=1775
+  _globals['_TIERSTATS']._serialized_end=1972
+  _globals['_NAMESPACESTATS']._serialized_start=1975
+  _globals['_NAMESPACESTATS']._serialized_end=2251
+  _globals['_STATSRESPONSE']._serialized_start=2254
+  _globals['_STATSRESPONSE']._serialized_end=3052
+  _globals['_STATSRESPONSE_SPILLFAULTSENTRY']._serialized_start=3002
+  _globals['_STATSRESPONSE_SPILLFAULTSENTRY']._serialized_end=3052
+  _globals['_CHECKREQUEST']._serialized_start=3054
+  _globals['_CHECKREQUEST']._serialized_end=3068
+  _globals['_CHECKRESPONSE']._serialized_start=3070
+  _globals['_CHECKRESPONSE']._serialized_end=3103
+  _globals['_KVTIER']._serialized_start=3318
+  _globals['_KVTIER']._serialized_end=3893
 # @@protoc_insertion_point(module_scope)

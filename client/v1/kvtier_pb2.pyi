@@ -128,10 +128,12 @@ class SlotRef(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., has_checksum: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "prefetch")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    prefetch: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., prefetch: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hits", "tiers")
@@ -236,7 +238,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "total_bytes", "free_bytes", "reserved_bytes", "committed_bytes", "committed_blocks", "reserved_blocks")
+    __slots__ = ("tier", "total_bytes", "free_bytes", "reserved_bytes", "committed_bytes", "committed_blocks", "reserved_blocks", "note")
     TIER_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +246,7 @@ class TierStats(_message.Message):
     COMMITTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     total_bytes: int
     free_bytes: int
@@ -251,7 +254,8 @@ class TierStats(_message.Message):
     committed_bytes: int
     committed_blocks: int
     reserved_blocks: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ...) -> None: ...
+    note: str
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("name", "block_bytes", "model_uid", "slot_bytes", "segments", "committed_blocks", "reserved_blocks", "free_slots", "leased_blocks", "sessions", "hits", "misses", "recovered_blocks")
@@ -284,7 +288,14 @@ class NamespaceStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., block_bytes: _Optional[int] = ..., model_uid: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., free_slots: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., recovered_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "sessions", "leases", "reservations", "evictions", "mlocked", "mlock_error", "prefault_seconds", "daemon_version", "boot_epoch", "uptime_seconds", "warm_start", "recovered_blocks", "recovery_seconds", "dropped_segments")
+    __slots__ = ("tiers", "namespaces", "sessions", "leases", "reservations", "evictions", "mlocked", "mlock_error", "prefault_seconds", "daemon_version", "boot_epoch", "uptime_seconds", "warm_start", "recovered_blocks", "recovery_seconds", "dropped_segments", "demotions", "promotions", "prefetches", "prefetch_hits", "spill_queue_depth", "spill_checksum_failures", "spill_faults", "ssd_direct_io", "ssd_adopted_blocks", "ssd_adopt_seconds", "dropped_spill_files", "backpressure_waits")
+    class SpillFaultsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +312,18 @@ class StatsResponse(_message.Message):
     RECOVERED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_HITS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SPILL_CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SPILL_FAULTS_FIELD_NUMBER: _ClassVar[int]
+    SSD_DIRECT_IO_FIELD_NUMBER: _ClassVar[int]
+    SSD_ADOPTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SSD_ADOPT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_SPILL_FILES_FIELD_NUMBER: _ClassVar[int]
+    BACKPRESSURE_WAITS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     sessions: int
@@ -317,7 +340,19 @@ class StatsResponse(_message.Message):
     recovered_blocks: int
     recovery_seconds: float
     dropped_segments: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., mlocked: _Optional[bool] = ..., mlock_error: _Optional[str] = ..., prefault_seconds: _Optional[float] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., warm_start: _Optional[bool] = ..., recovered_blocks: _Optional[int] = ..., recovery_seconds: _Optional[float] = ..., dropped_segments: _Optional[_Iterable[str]] = ...) -> None: ...
+    demotions: int
+    promotions: int
+    prefetches: int
+    prefetch_hits: int
+    spill_queue_depth: int
+    spill_checksum_failures: int
+    spill_faults: _containers.ScalarMap[str, int]
+    ssd_direct_io: bool
+    ssd_adopted_blocks: int
+    ssd_adopt_seconds: float
+    dropped_spill_files: _containers.RepeatedScalarFieldContainer[str]
+    backpressure_waits: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., mlocked: _Optional[bool] = ..., mlock_error: _Optional[str] = ..., prefault_seconds: _Optional[float] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., warm_start: _Optional[bool] = ..., recovered_blocks: _Optional[int] = ..., recovery_seconds: _Optional[float] = ..., dropped_segments: _Optional[_Iterable[str]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., prefetches: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., spill_queue_depth: _Optional[int] = ..., spill_checksum_failures: _Optional[int] = ..., spill_faults: _Optional[_Mapping[str, int]] = ..., ssd_direct_io: _Optional[bool] = ..., ssd_adopted_blocks: _Optional[int] = ..., ssd_adopt_seconds: _Optional[float] = ..., dropped_spill_files: _Optional[_Iterable[str]] = ..., backpressure_waits: _Optional[int] = ...) -> None: ...
 
 class CheckRequest(_message.Message):
     __slots__ = ()

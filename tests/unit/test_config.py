@@ -347,7 +347,7 @@ def test_unknown_section_key_message(tmp_path: Path) -> None:
 def test_unknown_top_level_key_message(tmp_path: Path) -> None:
     message = error_of("drams:\n  capacity: 2GiB\n", tmp_path)
     assert message.endswith(
-        "unknown key 'drams' (known: dram, instance, leases, log, metrics, reservations, server)"
+        "unknown key 'drams' (known: dram, instance, leases, log, metrics, reservations, server, spill)"
     )
 
 
@@ -492,14 +492,14 @@ def test_override_value_may_contain_equals() -> None:
             "drm.capacity=1",
             (
                 "override 'drm.capacity=1': unknown key 'drm.capacity' "
-                "(known: dram, instance, leases, log, metrics, reservations, server)"
+                "(known: dram, instance, leases, log, metrics, reservations, server, spill)"
             ),
         ),
         (
             "dram=1",
             (
                 "override 'dram=1': unknown key 'dram' "
-                "(known: dram, instance, leases, log, metrics, reservations, server)"
+                "(known: dram, instance, leases, log, metrics, reservations, server, spill)"
             ),
         ),
         ("dram.capacity", "override 'dram.capacity': expected 'section.key=value'"),

@@ -1,0 +1,15 @@
+"""The spill tiers below DRAM: mechanism only.
+
+* ``blockio``  -- every syscall the tiers make (the fault-injection seam),
+  and the O_DIRECT probe;
+* ``format``   -- the on-disk formats: SSD spill files (slot table + data)
+  and shared-tier block files (header + data);
+* ``ssd``      -- the local SSD tier: preallocated slot files, its own index,
+  LRU and capacity, re-adoption at start;
+* ``shared``   -- the shared-filesystem tier: content-addressed block files
+  any host's daemon can read, with no coordinator.
+
+Policy -- which block moves when -- is ``kvtierd.tiering``'s.  Every blocking
+call here runs on a worker thread, never on the event loop; the SSD tier's
+index methods are cheap and safe to call from the loop.
+"""

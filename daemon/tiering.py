@@ -1,0 +1,620 @@
+"""Tiering: the policy that moves blocks between DRAM and the spill tiers.
+
+Call graph: service -> ``Tiering`` -> ``Store`` (DRAM index, pins, capacity)
+and the spill mechanisms (``spill.ssd``, ``spill.shared``).  Every byte
+moves on the ``spill`` thread pool, never on the event loop.
+
+**Demotion** (write-back).  When DRAM's free space falls under
+``clean_ahead`` of its capacity, the demoter copies the DIRTY blocks among the
+oldest ``clean_ahead`` bytes of the LRU to the SSD tier (or, without one, the
+shared tier): straight from the shared-memory slot with O_DIRECT, a batch at
+a time, then one ``fdatasync``; only then is each block marked CLEAN, and
+only CLEAN blocks are evicted.  The queue is bounded (``queue_depth`` blocks
+in flight); a reserve that finds only DIRTY victims waits for the demoter
+(back-pressure, up to ``backpressure_timeout``) instead of dropping data or
+buffering without bound.  A block whose spill fails (disk full, EIO) becomes
+UNSPILLABLE and is evicted as without spill tiers: DRAM keeps serving.
+
+**Promotion.**  ``acquire`` of a key that only a lower tier holds reserves a
+DRAM slot for it (system session), reads the block into the slot, verifies
+its checksum and commits it CLEAN, then leases it like any DRAM block.
+``lookup`` reports each hit's tier and, with ``prefetch``, starts those
+promotions in the background.  Concurrent promotions of one key share one read.
+
+**Shared tier writes**: ``shared_write: demotion`` publishes blocks the SSD
+tier evicts (or, without an SSD tier, DRAM demotions); ``commit`` also
+publishes every committed block at once (write-through, best effort: when
+``queue_depth`` publishes are in flight, further ones are skipped and counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Protocol, TypeVar
+
+from kvtier.errors import CapacityExhausted, Corrupted
+from kvtierd.spill.blockio import fault_kind
+from kvtierd.spill.format import model_hash
+from kvtierd.spill.shared import SharedTier
+from kvtierd.spill.ssd import SpillFull, SsdTier
+from kvtierd.store import (
+    AcquireResult,
+    Block,
+    Lease,
+    Lower,
+    Namespace,
+    NeedDemotion,
+    ReserveResult,
+    ReserveStatus,
+    Session,
+    Store,
+)
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+#: Tier numbers (the wire enum ``kvtier.v1.Tier``).
+TIER_DRAM: Final = 1
+TIER_SSD: Final = 2
+TIER_SHARED: Final = 3
+TIER_NAMES: Final = {TIER_DRAM: "dram", TIER_SSD: "ssd", TIER_SHARED: "shared"}
+#: How often the demoter re-checks DRAM pressure when nothing woke it.
+DEMOTER_TICK: Final = 0.25
+#: Bytes one demotion batch may carry before its fdatasync.
+BATCH_BYTES: Final = 64 << 20
+#: Prefetches running at once (each is one promotion of a run of keys).
+MAX_PREFETCHES: Final = 16
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpillPolicy:
+    clean_ahead: float = 0.1
+    queue_depth: int = 64
+    backpressure_timeout: float = 10.0
+    shared_write: str = "demotion"  # or "commit"
+
+
+@dataclasses.dataclass
+class TieringCounters:
+    demotions: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    promotions: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    prefetches: int = 0
+    prefetch_hits: int = 0
+    skipped_publishes: int = 0
+    backpressure_waits: int = 0
+    spill_failures: collections.Counter[str] = dataclasses.field(
+        default_factory=collections.Counter)
+    faults: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+
+class TieringObserver(Protocol):
+    """Metrics hooks (``kvtierd.metrics.Metrics`` implements them)."""
+
+    def spill_io(self, tier: str, op: str, seconds: float, nbytes: int) -> None: ...
+
+    def spill_fault(self, tier: str, kind: str) -> None: ...
+
+
+class _NoObserver:
+    def spill_io(self, tier: str, op: str, seconds: float, nbytes: int) -> None:
+        pass
+
+    def spill_fault(self, tier: str, kind: str) -> None:
+        pass
+
+
+class Tiering:
+    """DRAM (the store) plus optional SSD and shared tiers, and the movement between them."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        ssd: SsdTier | None = None,
+        shared: SharedTier | None = None,
+        policy: SpillPolicy | None = None,
+        io_threads: int = 4,
+        observer: TieringObserver | None = None,
+    ) -> None:
+        self.store = store
+        self.ssd = ssd
+        self.shared = shared
+        self.policy = policy or SpillPolicy()
+        self.observer: TieringObserver = observer or _NoObserver()
+        self.counters = TieringCounters()
+        self.enabled = ssd is not None or shared is not None
+        store.spill_enabled = self.enabled
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, io_threads), thread_name_prefix="kvtier-spill")
+        self._wake = asyncio.Event()
+        self._progress = asyncio.Event()
+        self._urgent: dict[str, tuple[Namespace, int]] = {}
+        self._promoting: dict[tuple[str, bytes], asyncio.Future[bool]] = {}
+        self._demoting: dict[tuple[str, bytes], Block] = {}
+        self._publishing = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._demoter: asyncio.Task[None] | None = None
+        self._prefetch_slots = asyncio.Semaphore(MAX_PREFETCHES)
+        self._mhash: dict[str, int] = {}
+        if ssd is not None and shared is not None and self.policy.shared_write in (
+                "demotion", "commit"):
+            ssd.on_evict = self._publish_evicted
+
+    # ================================================================ lifecycle
+    async def start(self) -> None:
+        """Open the spill tiers (re-adopting the SSD's files) and start the demoter."""
+        loop = asyncio.get_running_loop()
+        if self.ssd is not None:
+            await loop.run_in_executor(self._pool, self.ssd.open)
+            for kind, n in self.ssd.counters.faults.items():
+                self._fault("ssd", kind, n)
+            self._mark_clean_from_ssd()
+        if self.shared is not None:
+            await loop.run_in_executor(self._pool, self.shared.open)
+        if self.enabled:
+            self._demoter = loop.create_task(self._demote_forever(), name="kvtier-demoter")
+
+    async def stop(self) -> None:
+        if self._demoter is not None:
+            self._demoter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._demoter
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        if self.ssd is not None:
+            with contextlib.suppress(OSError):
+                await loop.run_in_executor(self._pool, self.ssd.flush_frees)
+            await loop.run_in_executor(self._pool, self.ssd.close)
+        self._pool.shutdown(wait=True)
+
+    def _mark_clean_from_ssd(self) -> None:
+        """After a restart, DRAM blocks that also have an SSD copy are CLEAN."""
+        assert self.ssd is not None
+        for ns in self.store.namespaces.values():
+            mh = self._model_hash(ns)
+            for block in ns.index.values():
+                e = self.ssd.find(ns.name, block.key, ns.block_bytes, mh)
+                if e is not None and e.length == block.length:
+                    self.store.set_lower(block, Lower.CLEAN)
+
+    def _fault(self, tier: str, kind: str, n: int = 1) -> None:
+        self.counters.faults[f"{tier}/{kind}"] += n
+        for _ in range(n):
+            self.observer.spill_fault(tier, kind)
+
+    def _model_hash(self, ns: Namespace) -> int:
+        h = self._mhash.get(ns.model_uid)
+        if h is None:
+            h = self._mhash[ns.model_uid] = model_hash(ns.model_uid)
+        return h
+
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _signal_progress(self) -> None:
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    # ================================================================ lookup
+    async def lookup(self, session: Session, keys: Sequence[bytes], *,
+                     prefetch: bool = False) -> list[int]:
+        """The tier of each key of the longest prefix present in any tier."""
+        ns = session.ns
+        tiers = await self._locate(ns, keys)
+        lower = [k for k, t in zip(keys, tiers, strict=False) if t != TIER_DRAM]
+        if prefetch and lower:
+            self.counters.prefetches += len(lower)
+            self._spawn(self._prefetch(ns, list(keys[: len(tiers)]), tiers))
+        return tiers
+
+    async def _locate(self, ns: Namespace, keys: Sequence[bytes]) -> list[int]:
+        tiers: list[int] = []
+        mh = self._model_hash(ns)
+        i = 0
+        while i < len(keys):
+            key = keys[i]
+            if key in ns.index:
+                tiers.append(TIER_DRAM)
+            elif self._on_ssd(ns, key, mh):
+                tiers.append(TIER_SSD)
+            elif self.shared is not None:
+                run = await self._run(self.shared.count_prefix, ns.name, list(keys[i:]))
+                if run == 0:
+                    break
+                tiers.extend([TIER_SHARED] * run)
+                i += run
+                continue
+            else:
+                break
+            i += 1
+        return tiers
+
+    def _on_ssd(self, ns: Namespace, key: bytes, mh: int) -> bool:
+        if self.ssd is None:
+            return False
+        demoting = self._demoting.get((ns.name, key))
+        if demoting is not None and demoting.doomed:
+            return False  # deleted while its demotion was in flight
+        return self.ssd.find(ns.name, key, ns.block_bytes, mh) is not None
+
+    async def _prefetch(self, ns: Namespace, keys: list[bytes], tiers: list[int]) -> None:
+        async with self._prefetch_slots:
+            with contextlib.suppress(CapacityExhausted):
+                await self._promote(ns, keys, tiers, prefetch=True)
+
+    # ================================================================ acquire
+    async def acquire(self, session: Session, keys: Sequence[bytes]) -> tuple[AcquireResult,
+                                                                                 list[int]]:
+        """Lease the longest prefix present in any tier, promoting what is below DRAM.
+
+        Returns the lease and the tier each hit was found on.
+        """
+        ns = session.ns
+        tiers: list[int] = [TIER_DRAM] * sum(1 for _ in _prefix(ns, keys))
+        if self.enabled and len(tiers) < len(keys):
+            tiers = await self._locate(ns, keys)
+            if any(t != TIER_DRAM for t in tiers):
+                with contextlib.suppress(CapacityExhausted):
+                    await self._promote(ns, list(keys[: len(tiers)]), tiers, prefetch=False)
+        for block in _prefix(ns, keys[: len(tiers)]):
+            if block.prefetched:
+                block.prefetched = False
+                self.counters.prefetch_hits += 1
+        result = self.store.acquire(session, keys[: len(tiers)])
+        ns.misses += len(keys) - len(tiers)  # store.acquire counted the rest
+        return result, tiers[: len(result.slots)]
+
+    async def _promote(self, ns: Namespace, keys: list[bytes], tiers: list[int], *,
+                       prefetch: bool) -> None:
+        """Bring every non-DRAM key of ``keys`` into DRAM, in order, stopping at a failure."""
+        mine: list[tuple[bytes, int]] = []
+        waits: list[asyncio.Future[bool]] = []
+        loop = asyncio.get_running_loop()
+        for key, tier in zip(keys, tiers, strict=True):
+            if tier == TIER_DRAM or key in ns.index:
+                continue
+            fut = self._promoting.get((ns.name, key))
+            if fut is not None:
+                waits.append(fut)
+                continue
+            fut = loop.create_future()
+            self._promoting[(ns.name, key)] = fut
+            mine.append((key, tier))
+        try:
+            if mine:
+                await self._promote_keys(ns, mine, prefetch)
+        finally:
+            for key, _tier in mine:
+                fut = self._promoting.pop((ns.name, key))
+                if not fut.done():
+                    fut.set_result(key in ns.index)
+        if waits:
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    async def _promote_keys(self, ns: Namespace, items: list[tuple[bytes, int]],
+                            prefetch: bool) -> None:
+        system = self.store.system_session(ns)
+        keys = [k for k, _ in items]
+        res = await self._reserve_with_backpressure(system, keys, None)
+        wanted = [(k, t) for (k, t), st in zip(items, res.statuses, strict=True)
+                  if st == ReserveStatus.RESERVED]
+        if not wanted:
+            return
+        views = self.store.reservation_slots(system, res.reservation_id)
+        mh = self._model_hash(ns)
+        try:
+            outcomes = await asyncio.gather(*(
+                self._run(self._read_block, ns.name, key, tier, view, ns.block_bytes, mh)
+                for (key, tier), view in zip(wanted, views, strict=True)))
+        finally:
+            for v in views:
+                v.release()
+        # Keep the prefix: after the first failure, nothing is committed.
+        settled: list[tuple[int, int] | None] = []
+        failed = False
+        for out in outcomes:
+            failed = failed or out is None
+            settled.append(None if failed else out)
+        blocks = self.store.settle(system, res.reservation_id, settled)
+        for (_key, tier), block in zip(wanted, blocks, strict=True):
+            if block is None:
+                continue
+            self.store.set_lower(block, Lower.CLEAN)
+            block.prefetched = prefetch
+            self.counters.promotions[TIER_NAMES[tier]] += 1
+
+    def _read_block(self, namespace: str, key: bytes, tier: int, dst: memoryview,
+                    block_bytes: int, mh: int) -> tuple[int, int] | None:
+        """Worker thread: read one block into a DRAM slot; (length, checksum) or None."""
+        t0 = time.perf_counter()
+        name = TIER_NAMES[tier]
+        try:
+            if tier == TIER_SSD:
+                assert self.ssd is not None
+                entry = self.ssd.find(namespace, key, block_bytes, mh)
+                if entry is None:
+                    raise KeyError(key)
+                self.ssd.read_into(entry, dst)
+                length, checksum = entry.length, entry.checksum
+            else:
+                assert self.shared is not None
+                length, checksum = self.shared.read_into(namespace, key, dst, block_bytes, mh)
+        except KeyError:
+            return None  # evicted or deleted meanwhile: a miss
+        except (Corrupted, OSError) as exc:
+            self._fault(name, fault_kind(exc))
+            return None
+        self.observer.spill_io(name, "read", time.perf_counter() - t0, length)
+        return length, checksum
+
+    # ================================================================ reserve / commit
+    async def reserve(self, session: Session, keys: Sequence[bytes]) -> ReserveResult:
+        """Reserve DRAM slots; keys a lower tier holds are EXISTS.  Waits for demotion
+        when only DIRTY blocks could make room."""
+        exists = None
+        if self.ssd is not None:
+            ns, mh, ssd = session.ns, self._model_hash(session.ns), self.ssd
+
+            def exists(key: bytes) -> bool:
+                return ssd.find(ns.name, key, ns.block_bytes, mh) is not None
+
+        return await self._reserve_with_backpressure(session, keys, exists)
+
+    async def _reserve_with_backpressure(
+        self, session: Session, keys: Sequence[bytes], exists: Callable[[bytes], bool] | None
+    ) -> ReserveResult:
+        deadline = time.monotonic() + self.policy.backpressure_timeout
+        while True:
+            try:
+                return await self.store.reserve(session, keys, exists)
+            except NeedDemotion as need:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CapacityExhausted(
+                        f"DRAM is full for namespace {need.ns.name!r} and demotion to the "
+                        f"spill tiers did not free {need.short} blocks within "
+                        f"{self.policy.backpressure_timeout:g} s (spill.backpressure_timeout)"
+                    ) from None
+                self.counters.backpressure_waits += 1
+                name = need.ns.name
+                prev = self._urgent.get(name, (need.ns, 0))[1]
+                self._urgent[name] = (need.ns, max(prev, need.short))
+                self._wake.set()
+                progress = self._progress
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(progress.wait(), timeout=min(left, 1.0))
+
+    def commit(self, session: Session, reservation_id: int, lengths: Sequence[int],
+               checksums: Sequence[int] | None) -> int:
+        """``Store.commit``, then wake the demoter and publish when write-through."""
+        res = session.reservations.get(reservation_id)
+        keys = list(res.keys) if res is not None else []
+        n = self.store.commit(session, reservation_id, lengths, checksums)
+        if self.enabled:
+            index = session.ns.index
+            self._committed([index[k] for k in keys if k in index])
+        return n
+
+    def _committed(self, blocks: Sequence[Block]) -> None:
+        if self.shared is not None and self.policy.shared_write == "commit" and blocks:
+            room = self.policy.queue_depth - self._publishing
+            if room < len(blocks):
+                self.counters.skipped_publishes += len(blocks) - max(room, 0)
+                blocks = blocks[: max(room, 0)]
+            if blocks:
+                self._spawn(self._publish(list(blocks)))
+        self._wake.set()
+
+    async def _publish(self, blocks: list[Block]) -> None:
+        assert self.shared is not None
+        leases = self.store.pin_blocks(blocks)
+        self._publishing += len(blocks)
+        try:
+            results = await asyncio.gather(*(self._run(self._publish_one, b) for b in blocks))
+            for block, ok in zip(blocks, results, strict=True):
+                if ok and self.ssd is None:
+                    self.store.set_lower(block, Lower.CLEAN)
+        finally:
+            self._publishing -= len(blocks)
+            for lease in leases:
+                self.store.unpin(lease)
+            self._signal_progress()
+
+    def _publish_one(self, block: Block) -> bool:
+        assert self.shared is not None
+        ns = block.ns
+        view = block.extent.segment.data_view(block.slot, block.length)
+        t0 = time.perf_counter()
+        try:
+            self.shared.publish(ns.name, block.key, view, block.checksum, ns.block_bytes,
+                                self._mhash.get(ns.model_uid) or model_hash(ns.model_uid))
+        except OSError as exc:
+            self._fault("shared", fault_kind(exc))
+            return False
+        finally:
+            view.release()
+        self.observer.spill_io("shared", "write", time.perf_counter() - t0, block.length)
+        return True
+
+    def _publish_evicted(self, entry: Any, data: memoryview) -> None:
+        """SSD eviction hook (worker thread): pass the block on to the shared tier."""
+        assert self.shared is not None
+        t0 = time.perf_counter()
+        try:
+            published = self.shared.publish(entry.namespace, entry.key, data, entry.checksum,
+                                            entry.block_bytes, entry.model_hash)
+        except OSError as exc:
+            self._fault("shared", fault_kind(exc))
+            raise
+        if published:
+            self.counters.demotions["ssd->shared"] += 1
+            self.observer.spill_io("shared", "write", time.perf_counter() - t0, entry.length)
+
+    # ================================================================ delete
+    async def delete(self, session: Session, keys: Sequence[bytes]) -> int:
+        """Delete from every tier; returns how many keys were present in any."""
+        ns = session.ns
+        present = set(k for k in keys if k in ns.index)
+        self.store.delete(session, keys)
+        if self.ssd is not None:
+            mh = self._model_hash(ns)
+            present |= {k for k in keys if self.ssd.find(ns.name, k, ns.block_bytes, mh)}
+            self.ssd.remove(ns.name, keys)
+            with contextlib.suppress(OSError):
+                await self._run(self.ssd.flush_frees)
+        if self.shared is not None:
+            shared = self.shared
+            try:
+                present |= set(await self._run(_present_shared, shared, ns.name, list(keys)))
+                await self._run(shared.delete, ns.name, list(keys))
+            except OSError as exc:
+                self._fault("shared", fault_kind(exc))
+        return len(present)
+
+    # ================================================================ demotion
+    def queue_depth(self) -> int:
+        return len(self._demoting) + self._publishing
+
+    async def _demote_forever(self) -> None:
+        while True:
+            try:
+                batch = self._plan()
+                if batch:
+                    await self._demote(batch)
+                    continue
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=DEMOTER_TICK)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: log it, keep the daemon serving
+                log.exception("demoter iteration failed")
+                await asyncio.sleep(DEMOTER_TICK)
+
+    def _plan(self) -> list[Block]:
+        """Blocks to demote now: urgent reserves first, then the clean-ahead target."""
+        depth = self.policy.queue_depth
+        batch: list[Block] = []
+        seen: set[int] = set()
+
+        def add(blocks: list[Block]) -> None:
+            size = sum(b.ns.slot_bytes for b in batch)
+            for b in blocks:
+                if len(batch) >= depth or size >= BATCH_BYTES:
+                    return
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    batch.append(b)
+                    size += b.ns.slot_bytes
+
+        urgent, self._urgent = self._urgent, {}
+        for ns, short in urgent.values():
+            add(self.store.demotion_candidates(0, short, ns))
+        acct = self.store.dram_bytes()
+        target = int(self.policy.clean_ahead * acct["total"])
+        free = acct["free"]
+        if free < target:
+            add(self.store.demotion_candidates(target - free, depth))
+        return batch
+
+    async def _demote(self, batch: list[Block]) -> None:
+        leases: list[Lease] = self.store.pin_blocks(batch)
+        for b in batch:
+            self._demoting[(b.ns.name, b.key)] = b
+        try:
+            results = await asyncio.gather(*(self._run(self._write_block, b) for b in batch))
+            synced = await self._sync()
+            for block, ok in zip(batch, results, strict=True):
+                target = "ssd" if self.ssd is not None else "shared"
+                if ok and synced:
+                    if block.doomed or block.ns.index.get(block.key) is not block:
+                        self._forget(block)  # deleted meanwhile: never resurrect it
+                        continue
+                    self.store.set_lower(block, Lower.CLEAN)
+                    self.counters.demotions[f"dram->{target}"] += 1
+                else:
+                    if ok:
+                        self._forget(block)
+                    self.store.set_lower(block, Lower.UNSPILLABLE)
+                    self.counters.spill_failures[target] += 1
+        finally:
+            for b in batch:
+                self._demoting.pop((b.ns.name, b.key), None)
+            for lease in leases:
+                self.store.unpin(lease)
+            self._signal_progress()
+
+    def _forget(self, block: Block) -> None:
+        if self.ssd is not None:
+            self.ssd.remove(block.ns.name, [block.key])
+
+    async def _sync(self) -> bool:
+        if self.ssd is None:
+            return True
+        t0 = time.perf_counter()
+        try:
+            await self._run(self.ssd.sync)
+        except OSError as exc:
+            self._fault("ssd", fault_kind(exc))
+            log.warning("SSD tier: fdatasync failed (%s); the batch is not durable", exc)
+            return False
+        self.observer.spill_io("ssd", "sync", time.perf_counter() - t0, 0)
+        return True
+
+    def _write_block(self, block: Block) -> bool:
+        """Worker thread: copy one pinned DRAM block to the SSD (or shared) tier."""
+        ns = block.ns
+        mh = self._mhash.get(ns.model_uid) or model_hash(ns.model_uid)
+        t0 = time.perf_counter()
+        if self.ssd is None:
+            return self._publish_one(block)
+        view = block.extent.segment.data_view(block.slot, ns.slot_bytes)
+        try:
+            self.ssd.write(ns.name, block.key, view, block.length, block.checksum,
+                           ns.block_bytes, mh)
+        except (OSError, SpillFull) as exc:
+            kind = fault_kind(exc) if isinstance(exc, OSError) else "full"
+            self._fault("ssd", kind)
+            log.warning("SSD tier: demotion of %s in %r failed (%s); it stays in DRAM "
+                        "without a spill copy", block.key.hex(), ns.name, exc)
+            return False
+        finally:
+            view.release()
+        self.observer.spill_io("ssd", "write", time.perf_counter() - t0, block.length)
+        return True
+
+    # ================================================================ invariants
+    def check(self) -> list[str]:
+        problems = self.store.check()
+        if self.ssd is not None:
+            problems += self.ssd.check()
+        return problems
+
+
+def _prefix(ns: Namespace, keys: Sequence[bytes]) -> list[Block]:
+    out = []
+    for key in keys:
+        block = ns.index.get(key)
+        if block is None:
+            break
+        out.append(block)
+    return out
+
+
+def _present_shared(shared: SharedTier, namespace: str, keys: list[bytes]) -> list[bytes]:
+    return [k for k in keys if shared.exists(namespace, k)]
