@@ -243,13 +243,13 @@ class AsyncClient:
         m = resp.mapped
         self._maps.update(m.segments_version, m.segments, m.fd_segment_ids, fds)
 
-    async def lookup(self, keys: Sequence[bytes]) -> int:
-        resp = await self._call("Lookup", pb.LookupRequest(keys=as_keys(keys)))
-        return int(resp.hits)
+    async def lookup(self, keys: Sequence[bytes], *, prefetch: bool = False) -> int:
+        req = pb.LookupRequest(keys=as_keys(keys), prefetch=prefetch)
+        return int((await self._call("Lookup", req)).hits)
 
-    async def lookup_tiers(self, keys: Sequence[bytes]) -> list[Tier]:
-        resp = await self._call("Lookup", pb.LookupRequest(keys=as_keys(keys)))
-        return [Tier(t) for t in resp.tiers]
+    async def lookup_tiers(self, keys: Sequence[bytes], *, prefetch: bool = False) -> list[Tier]:
+        req = pb.LookupRequest(keys=as_keys(keys), prefetch=prefetch)
+        return [Tier(t) for t in (await self._call("Lookup", req)).tiers]
 
     async def reserve(self, keys: Sequence[bytes]) -> AsyncReservation:
         keys = as_keys(keys)

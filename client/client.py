@@ -282,13 +282,18 @@ class Client:
             self._maps.update(m.segments_version, m.segments, m.fd_segment_ids, fds)
 
     # ------------------------------------------------------------- API
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """Number of leading ``keys`` present; no side effects."""
-        return int(self._call("Lookup", pb.LookupRequest(keys=as_keys(keys))).hits)
+    def lookup(self, keys: Sequence[bytes], *, prefetch: bool = False) -> int:
+        """Number of leading ``keys`` present in any tier.
 
-    def lookup_tiers(self, keys: Sequence[bytes]) -> list[Tier]:
+        ``prefetch=True`` also starts promoting the hits below DRAM into DRAM
+        in the background, so a following ``acquire``/``get`` finds them there.
+        """
+        req = pb.LookupRequest(keys=as_keys(keys), prefetch=prefetch)
+        return int(self._call("Lookup", req).hits)
+
+    def lookup_tiers(self, keys: Sequence[bytes], *, prefetch: bool = False) -> list[Tier]:
         """The tier of each leading present key (callers can decide whether loading pays)."""
-        resp = self._call("Lookup", pb.LookupRequest(keys=as_keys(keys)))
+        resp = self._call("Lookup", pb.LookupRequest(keys=as_keys(keys), prefetch=prefetch))
         return [Tier(t) for t in resp.tiers]
 
     def reserve(self, keys: Sequence[bytes]) -> Reservation:

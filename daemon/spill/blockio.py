@@ -78,35 +78,38 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(DIRECT_ALIGN, nbytes))
 
 
-def probe_direct_io(directory: str) -> str | None:
+def probe_direct_io(directory: str, io: BlockIO | None = None) -> str | None:
     """None when ``directory``'s filesystem takes aligned O_DIRECT writes and reads,
-    else the reason it does not (e.g. ``"O_DIRECT refused: [Errno 22] Invalid argument"``).
+    else the reason it does not (e.g. ``"O_DIRECT refused at open: [Errno 22] ..."``).
     """
+    io = io or BlockIO()
     path = os.path.join(directory, f".kvtier-direct-probe.{os.getpid()}")
     buf = aligned_buffer(DIRECT_ALIGN)
+    back = aligned_buffer(DIRECT_ALIGN)
     try:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+            fd = io.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT)
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 return f"O_DIRECT refused at open: {exc}"
             raise
         try:
             buf[:8] = b"kvtier\x00\x01"
-            if os.pwritev(fd, [buf], 0) != DIRECT_ALIGN:
-                return "O_DIRECT write was short"
-            back = aligned_buffer(DIRECT_ALIGN)
-            if os.preadv(fd, [back], 0) != DIRECT_ALIGN or back[:8] != buf[:8]:
+            io.pwrite(fd, buf, 0)
+            if io.pread(fd, back, 0) != DIRECT_ALIGN or back[:8] != buf[:8]:
                 return "O_DIRECT read did not return what was written"
         except OSError as exc:
-            return f"O_DIRECT transfer refused: {exc}"
+            if exc.errno == errno.EINVAL:
+                return f"O_DIRECT transfer refused: {exc}"
+            raise
         finally:
-            os.close(fd)
+            io.close(fd)
         return None
     finally:
         buf.close()
+        back.close()
         try:
-            os.unlink(path)
+            io.unlink(path)
         except FileNotFoundError:
             pass
 

@@ -147,7 +147,7 @@ class SsdTier:
         """Create the directory, probe O_DIRECT, re-adopt every spill file (blocking)."""
         t0 = time.perf_counter()
         self.io.makedirs(self.root)
-        reason = probe_direct_io(self.root) if self._direct_mode != "false" else (
+        reason = probe_direct_io(self.root, self.io) if self._direct_mode != "false" else (
             "disabled by config (spill.ssd_direct_io: false)")
         if reason is not None and self._direct_mode == "true":
             raise OSError(errno.EINVAL, f"spill.ssd_dir {self.root}: {reason} "
