@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test install lint typecheck bench proto clean
 
-$(STAMP): pyproject.toml setup.py csrc/native.c scripts/install.sh
+$(STAMP): pyproject.toml setup.py csrc/native.c $(wildcard csrc/third_party/xxhash/*) scripts/install.sh
 	VENV=$(VENV) scripts/install.sh
 	touch $(STAMP)
 

@@ -1,24 +1,32 @@
 """The one seam between kvtier and its native helpers (``kvtier._native``).
 
-Use ``copy_into`` and ``prefault`` from here, never ``_native`` directly: when
+Use ``copy_into``, ``prefault``, ``checksum``, ``gather``, ``scatter``,
+``pwrite_full`` and ``pread_full`` from here, never ``_native`` directly: when
 the extension is not built (a source checkout without ``build_ext``) or the
-environment sets ``KVTIER_FORCE_PY=1``, they run pure numpy fallbacks with the
-same contracts, exceptions and messages.  ``NATIVE`` says which is in use; it
-is fixed at import time.
+environment sets ``KVTIER_FORCE_PY=1``, they run pure Python/numpy fallbacks
+(``checksum``: the xxhash package) with the same contracts, exceptions and
+messages.  ``NATIVE`` says which is in use; it is fixed at import time.
 
-The fallbacks are correct but slower: one thread, and ``prefault``'s
-read-then-write-back is not atomic, so a byte written by another thread or
-process between the read and the write back can be undone.  Only prefault
-memory nobody else writes yet (fresh segments) on the fallback path.
+The fallbacks are correct but slower: one thread, the GIL held while copying,
+and ``prefault``'s read-then-write-back is not atomic, so a byte written by
+another thread or process between the read and the write back can be undone.
+Only prefault memory nobody else writes yet (fresh segments) on the fallback
+path.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import stat
+from collections.abc import Iterable
+from contextlib import ExitStack
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 try:
     from kvtier import _native
@@ -27,7 +35,7 @@ except ImportError:  # not built: the fallbacks below serve
 else:
     _HAVE_NATIVE = True
 
-#: True when copy_into/prefault run the C extension (GIL released, threaded).
+#: True when the functions here run the C extension (GIL released, threaded).
 NATIVE: Final[bool] = _HAVE_NATIVE and os.environ.get("KVTIER_FORCE_PY") != "1"
 
 #: prefault touches one byte every PAGE_SIZE bytes: the smallest page size on
@@ -68,6 +76,101 @@ def prefault(buf: Any, threads: int = 0) -> int:
     if NATIVE:
         return _native.prefault(buf, threads)
     return _py_prefault(buf)
+
+
+def checksum(buf: Any) -> int:
+    """Return the XXH3-64 hash (seed 0) of the bytes of ``buf``, as an int.
+
+    ``buf`` is any C-contiguous buffer; the result equals
+    ``xxhash.xxh3_64_intdigest(bytes(buf))`` (the xxhash package is the
+    fallback).  Native: the GIL is released for buffers of 64 KiB or more.
+    Raises ValueError "buf is not C-contiguous", TypeError when ``buf`` is not
+    a buffer.
+    """
+    if NATIVE:
+        return _native.checksum(buf)
+    with memoryview(buf) as view:
+        _check(view, "buf", writable=False)
+        digest: int = xxhash.xxh3_64_intdigest(view)
+    return digest
+
+
+def gather(dst: Any, pieces: Iterable[Any]) -> int:
+    """Copy the buffers of ``pieces`` back to back into the start of ``dst``.
+
+    Returns the number of bytes copied: the sum of the pieces' sizes in bytes.
+    ``pieces`` is a sequence (any iterable) of C-contiguous buffers, empty ones
+    and any dtype included; ``dst`` a writable C-contiguous buffer at least
+    that large, whose further bytes are left alone.  If a piece overlaps
+    ``dst`` the pieces are copied in order, each as by memmove.  Native: all
+    buffers are acquired first, then the GIL is released once for the whole
+    copy (64 KiB or more), which is split over threads from 4 MiB.  Raises
+    ValueError "dst holds N bytes, pieces have M", "dst is not C-contiguous"
+    or "pieces[i] is not C-contiguous"; TypeError "dst is read-only", or when
+    ``pieces`` is not iterable or ``dst`` or an item is not a buffer.
+    """
+    if NATIVE:
+        return _native.gather(dst, pieces, _COPY_THREADS)
+    return _py_gather_scatter(dst, pieces, gather=True)
+
+
+def scatter(src: Any, pieces: Iterable[Any]) -> int:
+    """Fill the buffers of ``pieces``, in order, from consecutive bytes of ``src``.
+
+    The inverse of ``gather``; returns the number of bytes copied (the sum of
+    the pieces' sizes in bytes).  ``pieces`` is a sequence (any iterable) of
+    writable C-contiguous buffers, empty ones included; ``src`` a C-contiguous
+    buffer at least that large, whose further bytes are ignored.  If buffers
+    overlap, the pieces are filled in order, each as by memmove.  Native: as
+    ``gather``.  Raises ValueError "src has N bytes, pieces need M", "src is
+    not C-contiguous" or "pieces[i] is not C-contiguous"; TypeError
+    "pieces[i] is read-only", or when ``pieces`` is not iterable or ``src`` or
+    an item is not a buffer.
+    """
+    if NATIVE:
+        return _native.scatter(src, pieces, _COPY_THREADS)
+    return _py_gather_scatter(src, pieces, gather=False)
+
+
+def pwrite_full(fd: int, buf: Any, offset: int, threads: int = 0) -> int:
+    """Write all of ``buf`` to file descriptor ``fd`` at file position ``offset``.
+
+    Returns the number of bytes written: all of ``buf`` (any C-contiguous
+    buffer), in bytes.  Short writes continue where they stopped and EINTR is
+    retried; the fd's own file position is neither used nor moved.  Works on
+    O_DIRECT descriptors when the caller aligns the address and size of
+    ``buf`` and ``offset`` (4096 does everywhere); nothing checks that, so
+    normal descriptors take any alignment.  Native: the GIL is released, and
+    writes of 8 MiB or more are split into chunks of at least 2 MiB written by
+    up to ``threads`` threads at once (0: 4), for queue depth.  Raises OSError
+    with the errno of the first failed write (some of ``buf`` may be written
+    by then); ValueError "buf is not C-contiguous", "offset must be >= 0, got
+    N" or "threads must be >= 0, got N"; TypeError when ``buf`` is not a buffer.
+    """
+    if NATIVE:
+        return _native.pwrite_full(fd, buf, offset, threads)
+    return _py_pio(fd, buf, offset, threads, write=True)
+
+
+def pread_full(fd: int, buf: Any, offset: int, threads: int = 0) -> int:
+    """Fill all of ``buf`` from file descriptor ``fd`` at file position ``offset``.
+
+    Returns the number of bytes read, which is less than ``buf``'s size in
+    bytes only when the file ends first; the rest of ``buf`` is then left
+    alone (on an O_DIRECT fd but for the rest of the last 4096-byte block,
+    which the device transfers whole: zeros past the end of a file; the read
+    is clamped at the end of the file, as a direct read past it would
+    zero-fill the buffer).  ``buf`` is a writable C-contiguous buffer.  Short
+    reads continue where they stopped and EINTR is retried; the fd's own file
+    position is neither used nor moved.  O_DIRECT and threads as
+    ``pwrite_full``.  Raises OSError with the errno of the first failed read
+    (``buf`` may be partly filled by then); ValueError "buf is not
+    C-contiguous", "offset must be >= 0, got N" or "threads must be >= 0, got
+    N"; TypeError "buf is read-only" or when ``buf`` is not a buffer.
+    """
+    if NATIVE:
+        return _native.pread_full(fd, buf, offset, threads)
+    return _py_pio(fd, buf, offset, threads, write=False)
 
 
 def _check(view: memoryview, name: str, writable: bool) -> None:
@@ -122,3 +225,104 @@ def _np_touch(view: memoryview) -> int:
 def _bytes(view: memoryview) -> npt.NDArray[np.uint8]:
     """A flat uint8 array over a C-contiguous view (shares its memory)."""
     return np.frombuffer(view, dtype=np.uint8)
+
+
+def _py_gather_scatter(flat: Any, pieces: Iterable[Any], gather: bool) -> int:
+    # Acquire (and check) every buffer in the native order first: flat, then
+    # each piece; ExitStack releases all views acquired so far on any error.
+    with ExitStack() as stack:
+        f = stack.enter_context(memoryview(flat))
+        _check(f, "dst" if gather else "src", writable=gather)
+        views = []
+        for i, piece in enumerate(tuple(pieces)):
+            v = stack.enter_context(memoryview(piece))
+            _check(v, f"pieces[{i}]", writable=not gather)
+            views.append(v)
+        total = sum(v.nbytes for v in views)
+        if f.nbytes < total:
+            if gather:
+                raise ValueError(f"dst holds {f.nbytes} bytes, pieces have {total}")
+            raise ValueError(f"src has {f.nbytes} bytes, pieces need {total}")
+        _np_gather_scatter(f, views, gather)
+    return total
+
+
+def _np_gather_scatter(f: memoryview, views: list[memoryview], gather: bool) -> None:
+    # A separate frame, as _np_copy: the arrays are gone before the views are
+    # released.  np.copyto handles overlap, so each piece moves as by memmove.
+    flat = _bytes(f)
+    off = 0
+    for v in views:
+        n = v.nbytes
+        if n:
+            if gather:
+                np.copyto(flat[off : off + n], _bytes(v))
+            else:
+                np.copyto(_bytes(v), flat[off : off + n])
+        off += n
+
+
+def _py_pio(fd: int, buf: Any, offset: int, threads: int, write: bool) -> int:
+    if threads < 0:
+        raise ValueError(f"threads must be >= 0, got {threads}")
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    with memoryview(buf) as view:
+        _check(view, "buf", writable=not write)
+        return _np_pio(fd, view, offset, write) if view.nbytes else 0
+
+
+def _read_len(fd: int, n: int, offset: int) -> int:
+    """As kvt_read_len in csrc/native.c: the bytes worth asking a regular file for.
+
+    Up to the end of the file, in whole 4096-byte blocks on an O_DIRECT fd: a
+    direct read past the end zero-fills the buffer to the end of the request.
+    """
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return n  # the read itself reports it
+    if not stat.S_ISREG(st.st_mode) or st.st_size - offset >= n:
+        return n
+    avail = max(st.st_size - offset, 0)
+    try:
+        direct = fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0)
+    except OSError:
+        direct = 0
+    if direct:
+        avail = -(-avail // PAGE_SIZE) * PAGE_SIZE
+    return min(avail, n)
+
+
+def _np_pio(fd: int, view: memoryview, offset: int, write: bool) -> int:
+    # os.pwritev/os.preadv retry EINTR themselves (PEP 475).  b is a flat byte
+    # view of any format; it is gone before this frame raises or returns, so
+    # a traceback keeping the frame does not keep buf exported.
+    b = _bytes(view).data
+    n = b.nbytes if write else _read_len(fd, b.nbytes, offset)
+    done = 0
+    short_read = False
+    error: OSError | None = None
+    while done < n:
+        try:
+            if write:
+                got = os.pwritev(fd, [b[done:n]], offset + done)
+            else:
+                got = os.preadv(fd, [b[done:n]], offset + done)
+        except OSError as exc:
+            # O_DIRECT: after a read that stopped short at the end of the file
+            # the position is unaligned, and the next read fails with EINVAL
+            # instead of returning 0.  It is the end of the file all the same.
+            if not (exc.errno == errno.EINVAL and short_read):
+                error = exc
+            break
+        if got == 0:
+            if write:  # a write that writes nothing would spin
+                error = OSError(errno.EIO, os.strerror(errno.EIO))
+            break  # end of file
+        short_read = not write and got < n - done
+        done += got
+    del b
+    if error is not None:
+        raise error
+    return done

@@ -1,9 +1,11 @@
-"""Stub for kvtier._native (csrc/native.c): GIL-free bulk memory helpers.
+"""Stub for kvtier._native (csrc/native.c): GIL-free bulk memory and file helpers.
 
-Use them through kvtier._accel, which falls back to numpy when the extension is
-missing.  Checked by ``python -m mypy.stubtest kvtier._native``.
+Use them through kvtier._accel, which falls back to numpy (checksum: the
+xxhash package, file I/O: os.pwritev/os.preadv) when the extension is missing.
+Checked by ``python -m mypy.stubtest kvtier._native``.
 """
 
+from collections.abc import Iterable
 from typing import Any, TypeAlias
 
 # Any object exporting the buffer protocol (mmap, memoryview, bytearray,
@@ -15,3 +17,18 @@ def copy(dst: _Buffer, src: _Buffer, threads: int = 0) -> int:
 
 def prefault(buf: _Buffer, threads: int = 0) -> int:
     """Fault every page of buf in writable, leaving its content unchanged."""
+
+def checksum(buf: _Buffer) -> int:
+    """Return the XXH3-64 hash (seed 0) of the bytes of buf, as an int."""
+
+def gather(dst: _Buffer, pieces: Iterable[_Buffer], threads: int = 0) -> int:
+    """Copy the buffers of pieces back to back into the start of dst; return the total."""
+
+def scatter(src: _Buffer, pieces: Iterable[_Buffer], threads: int = 0) -> int:
+    """Fill the buffers of pieces, in order, from consecutive bytes of src; return the total."""
+
+def pwrite_full(fd: int, buf: _Buffer, offset: int, threads: int = 0) -> int:
+    """Write all of buf to fd at file position offset; return the number written."""
+
+def pread_full(fd: int, buf: _Buffer, offset: int, threads: int = 0) -> int:
+    """Read into all of buf from fd at offset; return the number read (less only at EOF)."""

@@ -1,17 +1,25 @@
 /*
  * kvtier._native: GIL-free bulk memory helpers for the kvtier client and daemon.
  *
- *   copy(dst, src, threads=0)   copy all of src into the start of dst
- *   prefault(buf, threads=0)    fault every page of buf in writable, content unchanged
+ *   copy(dst, src, threads=0)        copy all of src into the start of dst
+ *   prefault(buf, threads=0)         fault every page of buf in writable, content unchanged
+ *   checksum(buf)                    XXH3-64 (seed 0) of the bytes of buf
+ *   gather(dst, pieces, threads=0)   copy the pieces back to back into dst
+ *   scatter(src, pieces, threads=0)  fill the pieces in order from src
+ *   pwrite_full(fd, buf, offset, threads=0)  write all of buf at offset
+ *   pread_full(fd, buf, offset, threads=0)   fill buf from offset (short at EOF)
  *
- * Both take buffer-protocol objects (mmap, memoryview, bytearray, numpy array).
+ * All take buffer-protocol objects (mmap, memoryview, bytearray, numpy array).
  *
  * Why native code: the KV blocks live in /dev/shm segments and are hundreds of
  * MiB per request.  One core cannot saturate DRAM bandwidth with memcpy, and the
  * first touch of a fresh shared-memory page (fault + zero-fill) runs at only
  * ~1 GB/s per thread, so large jobs are split over a few pthreads.  The GIL is
  * released around every copy and touch, so the daemon's event loop and other
- * client threads keep running meanwhile.
+ * client threads keep running meanwhile.  The spill tiers add checksums, the
+ * gather/scatter of many small pieces in one call, and positional file I/O
+ * that may run on O_DIRECT descriptors, where several requests in flight
+ * (one per thread) are what keeps an NVMe device busy.
  *
  * Layout (house style "C returns codes, the binding raises"): the kvt_* functions
  * are plain C over pointers and lengths; they never touch Python objects and
@@ -22,11 +30,27 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+/* The official single-header xxHash (csrc/third_party/xxhash, BSD-2-Clause),
+ * compiled into this file.  On x86 setup.py also builds xxHash's own runtime
+ * dispatcher (xxh_x86dispatch.c) and defines KVT_XXH_X86_DISPATCH: the header
+ * alone is built for the baseline ISA (SSE2), and XXH3 runs faster with AVX2,
+ * which the dispatcher picks when the CPU has it (setup.py says why not
+ * AVX-512).  The xxhash package, our fallback, dispatches too. */
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+#ifdef KVT_XXH_X86_DISPATCH
+#include "xxh_x86dispatch.h" /* XXH3_64bits is now XXH3_64bits_dispatch */
+#endif
 
 /* Pages are touched every 4096 bytes: the smallest page size on every platform
  * we run on.  With larger (or huge) pages some pages are merely touched twice. */
@@ -46,6 +70,23 @@
 
 /* Hard cap on any request, so a typo cannot spawn thousands of threads. */
 #define KVT_MAX_THREADS 64
+
+/* checksum, gather and scatter keep the GIL below 64 KiB: such a call takes a
+ * few microseconds, less than handing the GIL over and waiting to get it back. */
+#define KVT_NOGIL_MIN ((size_t)64 << 10)
+
+/* File transfers of 8 MiB or more are split into chunks of at least 2 MiB,
+ * each written or read by its own thread, so several requests are in flight
+ * at once (queue depth > 1, which an NVMe device needs to reach its bandwidth,
+ * above all with O_DIRECT, where nothing is cached or read ahead).  threads=0
+ * means 4: the device, not the CPU, is the limit. */
+#define KVT_IO_PARALLEL_MIN ((size_t)8 << 20)
+#define KVT_IO_MIN_PER_THREAD ((size_t)2 << 20)
+#define KVT_IO_AUTO_THREADS 4
+
+/* One pread/pwrite asks for at most 1 GiB: Linux transfers at most
+ * 0x7ffff000 bytes per call anyway, and this keeps every request aligned. */
+#define KVT_IO_MAX_REQUEST ((size_t)1 << 30)
 
 /* ------------------------------------------------------------------------- */
 /* Plain C core                                                               */
@@ -240,6 +281,278 @@ kvt_prefault(char *buf, size_t len, size_t threads)
     return pages;
 }
 
+/* One piece of a gather or scatter: its memory and where it goes in (or comes
+ * from in) the flat buffer. */
+typedef struct {
+    char *ptr;
+    size_t len;
+    size_t off; /* offset in the flat buffer: the sum of the earlier lengths */
+} kvt_piece;
+
+typedef struct {
+    char *flat;
+    const kvt_piece *pieces;
+    size_t npieces;
+    size_t lo, hi; /* this job copies the bytes [lo, hi) of flat */
+    int gather;    /* 1: pieces -> flat; 0: flat -> pieces */
+} kvt_vec_job;
+
+static void *
+kvt_vec_worker(void *arg)
+{
+    kvt_vec_job *job = arg;
+    const kvt_piece *p = job->pieces;
+    size_t i = 0, hi = job->npieces;
+
+    /* The ends of the pieces ascend: binary search for the first piece that
+     * ends after lo, so each of the threads skips the others' pieces fast. */
+    while (i < hi) {
+        size_t mid = i + (hi - i) / 2;
+        if (p[mid].off + p[mid].len <= job->lo)
+            i = mid + 1;
+        else
+            hi = mid;
+    }
+    for (; i < job->npieces && p[i].off < job->hi; i++) {
+        size_t a = p[i].off > job->lo ? p[i].off : job->lo;
+        size_t b = p[i].off + p[i].len < job->hi ? p[i].off + p[i].len : job->hi;
+        char *piece;
+
+        if (b <= a)
+            continue; /* an empty piece (whose pointer may even be NULL) */
+        piece = p[i].ptr + (a - p[i].off);
+        if (job->gather)
+            kvt_memcpy_stream(job->flat + a, piece, b - a);
+        else
+            kvt_memcpy_stream(piece, job->flat + a, b - a);
+    }
+    return NULL;
+}
+
+static int
+kvt_cmp_piece_ptr(const void *a, const void *b)
+{
+    uintptr_t x = (uintptr_t)((const kvt_piece *)a)->ptr;
+    uintptr_t y = (uintptr_t)((const kvt_piece *)b)->ptr;
+    return (x > y) - (x < y);
+}
+
+/* Whether a byte written by the gather/scatter is also read or written by
+ * another part of it: the flat buffer against every piece, and if asked
+ * (a scatter over several threads: its pieces are all written, and threads
+ * do not keep their order) the pieces against each other.  When in doubt (no
+ * memory to sort with) the answer is yes. */
+static int
+kvt_vec_overlaps(const char *flat, const kvt_piece *pieces, size_t npieces,
+                 size_t total, int pieces_too)
+{
+    uintptr_t f = (uintptr_t)flat;
+    kvt_piece *sorted;
+    uintptr_t end = 0;
+    size_t i, n = 0;
+
+    for (i = 0; i < npieces; i++) {
+        uintptr_t s = (uintptr_t)pieces[i].ptr;
+        if (pieces[i].len && s < f + total && f < s + pieces[i].len)
+            return 1;
+    }
+    if (!pieces_too || npieces < 2)
+        return 0;
+    sorted = malloc(npieces * sizeof *sorted);
+    if (sorted == NULL)
+        return 1;
+    for (i = 0; i < npieces; i++) {
+        if (pieces[i].len)
+            sorted[n++] = pieces[i];
+    }
+    qsort(sorted, n, sizeof *sorted, kvt_cmp_piece_ptr);
+    for (i = 0; i < n; i++) {
+        uintptr_t s = (uintptr_t)sorted[i].ptr;
+        if (i > 0 && s < end)
+            break;
+        if (s + sorted[i].len > end)
+            end = s + sorted[i].len;
+    }
+    free(sorted);
+    return i < n;
+}
+
+/* Gather (pieces -> flat) or scatter (flat -> pieces) total bytes, over up to
+ * threads threads (0 = auto).  The threads split the flat buffer, not the
+ * list of pieces, so many small pieces and a few big ones spread alike. */
+static void
+kvt_gather_scatter(char *flat, const kvt_piece *pieces, size_t npieces,
+                   size_t total, size_t threads, int gather)
+{
+    kvt_vec_job jobs[KVT_MAX_THREADS];
+    size_t chunk, off;
+    int n, njobs = 0;
+
+    if (total == 0)
+        return;
+    n = kvt_threads_for(total, threads, KVT_COPY_AUTO_THREADS);
+    /* Overlap (views of one buffer): copy piece after piece as by memmove,
+     * so the result is the one of copying them in order, as documented.
+     * Pieces that only overlap each other are fine on one thread, which
+     * copies them in order (a gather only reads them anyway). */
+    if (kvt_vec_overlaps(flat, pieces, npieces, total, !gather && n > 1)) {
+        for (size_t i = 0; i < npieces; i++) {
+            if (gather)
+                memmove(flat + pieces[i].off, pieces[i].ptr, pieces[i].len);
+            else
+                memmove(pieces[i].ptr, flat + pieces[i].off, pieces[i].len);
+        }
+        return;
+    }
+    chunk = (total + (size_t)n - 1) / (size_t)n;
+    chunk = (chunk + KVT_PAGE - 1) / KVT_PAGE * KVT_PAGE;
+    for (off = 0; off < total; off += chunk) {
+        jobs[njobs].flat = flat;
+        jobs[njobs].pieces = pieces;
+        jobs[njobs].npieces = npieces;
+        jobs[njobs].lo = off;
+        jobs[njobs].hi = total - off < chunk ? total : off + chunk;
+        jobs[njobs].gather = gather;
+        njobs++;
+    }
+    kvt_run_jobs(kvt_vec_worker, jobs, sizeof jobs[0], njobs);
+}
+
+typedef struct {
+    int fd;
+    int write;     /* 1: pwrite buf to the file; 0: pread the file into buf */
+    char *buf;
+    size_t len;
+    off_t offset;
+    size_t done;   /* bytes transferred so far */
+    int *err;      /* shared by the jobs of one call: the first errno, or 0 */
+} kvt_io_job;
+
+static void *
+kvt_io_worker(void *arg)
+{
+    kvt_io_job *job = arg;
+    int short_read = 0;
+
+    while (job->done < job->len) {
+        size_t want = job->len - job->done;
+        ssize_t got;
+        int e, none = 0;
+
+        /* Another chunk failed: the call fails, so stop early. */
+        if (__atomic_load_n(job->err, __ATOMIC_RELAXED) != 0)
+            break;
+        if (want > KVT_IO_MAX_REQUEST)
+            want = KVT_IO_MAX_REQUEST;
+        if (job->write)
+            got = pwrite(job->fd, job->buf + job->done, want,
+                         job->offset + (off_t)job->done);
+        else
+            got = pread(job->fd, job->buf + job->done, want,
+                        job->offset + (off_t)job->done);
+        if (got > 0) {
+            /* A short transfer: go on from where it stopped. */
+            job->done += (size_t)got;
+            short_read = !job->write && (size_t)got < want;
+            continue;
+        }
+        if (got == 0 && !job->write)
+            break; /* end of file */
+        e = got == 0 ? EIO : errno; /* a write that writes nothing would spin */
+        if (e == EINTR)
+            continue;
+        /* O_DIRECT: a read that stopped short at the end of the file leaves
+         * an unaligned position, where the next read fails with EINVAL
+         * instead of returning 0.  It is the end of the file all the same. */
+        if (e == EINVAL && short_read)
+            break;
+        __atomic_compare_exchange_n(job->err, &none, e, 0, __ATOMIC_RELAXED,
+                                    __ATOMIC_RELAXED);
+        break;
+    }
+    return NULL;
+}
+
+/* How many of len bytes at offset a read of the regular file fd should ask
+ * for: those up to the end of the file, rounded up to whole 4096-byte blocks
+ * on an O_DIRECT descriptor (the caller aligns offset).  An O_DIRECT read
+ * past the end of the file zero-fills the buffer to the end of the request
+ * (iomap on ext4 and XFS), which would break "the rest of buf is left alone";
+ * this way only the tail of the last block is written.  Anything else (not a
+ * regular file, fstat failing) keeps len: the read itself will tell. */
+static size_t
+kvt_read_len(int fd, size_t len, off_t offset)
+{
+    struct stat st;
+    size_t avail;
+
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size - offset >= (off_t)len)
+        return len;
+    avail = st.st_size > offset ? (size_t)(st.st_size - offset) : 0;
+#ifdef O_DIRECT
+    {
+        int flags = fcntl(fd, F_GETFL);
+        if (flags != -1 && (flags & O_DIRECT))
+            avail = (avail + KVT_PAGE - 1) / KVT_PAGE * KVT_PAGE;
+    }
+#endif
+    return avail < len ? avail : len;
+}
+
+/* pwrite (writing=1) or pread (writing=0) all len bytes of buf at offset of fd,
+ * transfers of 8 MiB or more in chunks over up to threads threads (0: 4).
+ * Returns 0 and sets *done to the bytes transferred (less than len only for
+ * a read that reached the end of the file: those before the first chunk that
+ * came up short), or returns the errno of the first failure. */
+static int
+kvt_pio(int fd, int writing, char *buf, size_t len, off_t offset, size_t threads,
+        size_t *done)
+{
+    kvt_io_job jobs[KVT_MAX_THREADS];
+    size_t n = threads ? threads : KVT_IO_AUTO_THREADS;
+    size_t chunk, off;
+    int err = 0, njobs = 0;
+
+    if (!writing)
+        len = kvt_read_len(fd, len, offset);
+    if (len < KVT_IO_PARALLEL_MIN)
+        n = 1;
+    if (n > KVT_MAX_THREADS)
+        n = KVT_MAX_THREADS;
+    if (n > len / KVT_IO_MIN_PER_THREAD)
+        n = len / KVT_IO_MIN_PER_THREAD;
+    if (n < 1)
+        n = 1;
+    /* Whole pages per chunk: with O_DIRECT the caller aligns buf, len and
+     * offset to 4096, and then every chunk is aligned too. */
+    chunk = (len + n - 1) / n;
+    chunk = (chunk + KVT_PAGE - 1) / KVT_PAGE * KVT_PAGE;
+    if (chunk == 0)
+        chunk = len; /* len == 0: one empty job, no system call */
+    off = 0;
+    do {
+        jobs[njobs].fd = fd;
+        jobs[njobs].write = writing;
+        jobs[njobs].buf = buf + off;
+        jobs[njobs].len = len - off < chunk ? len - off : chunk;
+        jobs[njobs].offset = offset + (off_t)off;
+        jobs[njobs].done = 0;
+        jobs[njobs].err = &err;
+        njobs++;
+        off += chunk;
+    } while (off < len);
+    kvt_run_jobs(kvt_io_worker, jobs, sizeof jobs[0], njobs);
+    if (err != 0)
+        return err;
+    *done = 0;
+    for (int i = 0; i < njobs; i++) {
+        *done += jobs[i].done;
+        if (jobs[i].done < jobs[i].len)
+            break;
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------------- */
 /* Python bindings                                                            */
 /* ------------------------------------------------------------------------- */
@@ -371,11 +684,288 @@ py_prefault(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
     return PyLong_FromSize_t(pages);
 }
 
+PyDoc_STRVAR(py_checksum_doc,
+"checksum($module, buf)\n"
+"--\n"
+"\n"
+"Return the XXH3-64 hash (seed 0) of the bytes of buf, as an int.\n"
+"\n"
+"buf is any C-contiguous buffer; the result equals\n"
+"xxhash.xxh3_64_intdigest(bytes(buf)).  The GIL is released for buffers of\n"
+"64 KiB or more.\n"
+"\n"
+"Raises ValueError if buf is not C-contiguous; TypeError if it is not a\n"
+"buffer.");
+
+static PyObject *
+py_checksum(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"buf", NULL};
+    PyObject *buf_obj;
+    Py_buffer buf;
+    XXH64_hash_t hash;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:checksum", kwlist, &buf_obj))
+        return NULL;
+    if (kvt_get_buffer(buf_obj, &buf, "buf", 0) < 0)
+        return NULL;
+
+    if ((size_t)buf.len >= KVT_NOGIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        hash = XXH3_64bits(buf.buf, (size_t)buf.len);
+        Py_END_ALLOW_THREADS
+    }
+    else {
+        hash = XXH3_64bits(buf.buf, (size_t)buf.len);
+    }
+
+    PyBuffer_Release(&buf);
+    return PyLong_FromUnsignedLongLong((unsigned long long)hash);
+}
+
+/* gather (gather=1) and scatter (gather=0): flat is dst or src. */
+static PyObject *
+kvt_vec_binding(PyObject *flat_obj, PyObject *pieces_obj, Py_ssize_t threads,
+                int gather)
+{
+    PyObject *seq = NULL, *result = NULL;
+    Py_buffer flat, *views = NULL;
+    kvt_piece *pieces = NULL;
+    Py_ssize_t n, got = 0;
+    size_t total = 0;
+
+    if (kvt_check_threads(threads) < 0)
+        return NULL;
+    if (kvt_get_buffer(flat_obj, &flat, gather ? "dst" : "src", gather) < 0)
+        return NULL;
+    /* A tuple: its items stay put (and alive) whatever exporting does. */
+    seq = PySequence_Tuple(pieces_obj);
+    if (seq == NULL)
+        goto done;
+    n = PyTuple_GET_SIZE(seq);
+    views = PyMem_Calloc(n ? (size_t)n : 1, sizeof *views);
+    pieces = PyMem_Calloc(n ? (size_t)n : 1, sizeof *pieces);
+    if (views == NULL || pieces == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (got = 0; got < n; got++) {
+        char name[40];
+
+        PyOS_snprintf(name, sizeof name, "pieces[%zd]", got);
+        if (kvt_get_buffer(PyTuple_GET_ITEM(seq, got), &views[got], name, !gather) < 0)
+            goto done;
+        pieces[got].ptr = views[got].buf;
+        pieces[got].len = (size_t)views[got].len;
+        pieces[got].off = total;
+        total += (size_t)views[got].len;
+    }
+    if (total > (size_t)flat.len) {
+        if (gather)
+            PyErr_Format(PyExc_ValueError, "dst holds %zd bytes, pieces have %zu",
+                         flat.len, total);
+        else
+            PyErr_Format(PyExc_ValueError, "src has %zd bytes, pieces need %zu",
+                         flat.len, total);
+        goto done;
+    }
+
+    if (total >= KVT_NOGIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        kvt_gather_scatter(flat.buf, pieces, (size_t)n, total, (size_t)threads, gather);
+        Py_END_ALLOW_THREADS
+    }
+    else {
+        kvt_gather_scatter(flat.buf, pieces, (size_t)n, total, (size_t)threads, gather);
+    }
+    result = PyLong_FromSize_t(total);
+
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(pieces);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&flat);
+    return result;
+}
+
+PyDoc_STRVAR(py_gather_doc,
+"gather($module, dst, pieces, threads=0)\n"
+"--\n"
+"\n"
+"Copy the buffers of pieces back to back into the start of dst; return the\n"
+"number of bytes copied (the sum of their sizes).\n"
+"\n"
+"pieces is a sequence (any iterable) of C-contiguous buffers, empty ones\n"
+"included; dst a writable, C-contiguous buffer at least that large; the rest\n"
+"of dst is left alone.  If a piece overlaps dst, the pieces are copied in\n"
+"order, each as by memmove.  Gathers of 4 MiB or more are split over up to\n"
+"threads threads (0: min(4, online cpus); 1: one thread).  All buffers are\n"
+"acquired first; the GIL is then released once for the whole copy (if it\n"
+"moves 64 KiB or more).\n"
+"\n"
+"Raises ValueError if dst is too small, a buffer is not C-contiguous or\n"
+"threads < 0; TypeError if dst is read-only, pieces is not iterable or an\n"
+"item or dst is not a buffer.");
+
+static PyObject *
+py_gather(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"dst", "pieces", "threads", NULL};
+    PyObject *dst_obj, *pieces_obj;
+    Py_ssize_t threads = 0;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|n:gather", kwlist,
+                                     &dst_obj, &pieces_obj, &threads))
+        return NULL;
+    return kvt_vec_binding(dst_obj, pieces_obj, threads, 1);
+}
+
+PyDoc_STRVAR(py_scatter_doc,
+"scatter($module, src, pieces, threads=0)\n"
+"--\n"
+"\n"
+"Fill the buffers of pieces, in order, from consecutive bytes of src; return\n"
+"the number of bytes copied (the sum of their sizes).\n"
+"\n"
+"pieces is a sequence (any iterable) of writable, C-contiguous buffers, empty\n"
+"ones included; src a C-contiguous buffer at least that large, whose further\n"
+"bytes are ignored.  If buffers overlap, the pieces are filled in order,\n"
+"each as by memmove.  Scatters of 4 MiB or more are split over up to threads\n"
+"threads (0: min(4, online cpus); 1: one thread).  All buffers are acquired\n"
+"first; the GIL is then released once for the whole copy (if it moves 64 KiB\n"
+"or more).\n"
+"\n"
+"Raises ValueError if src is too small, a buffer is not C-contiguous or\n"
+"threads < 0; TypeError if a piece is read-only, pieces is not iterable or\n"
+"an item or src is not a buffer.");
+
+static PyObject *
+py_scatter(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"src", "pieces", "threads", NULL};
+    PyObject *src_obj, *pieces_obj;
+    Py_ssize_t threads = 0;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|n:scatter", kwlist,
+                                     &src_obj, &pieces_obj, &threads))
+        return NULL;
+    return kvt_vec_binding(src_obj, pieces_obj, threads, 0);
+}
+
+static int
+kvt_check_offset(Py_ssize_t offset)
+{
+    if (offset < 0) {
+        PyErr_Format(PyExc_ValueError, "offset must be >= 0, got %zd", offset);
+        return -1;
+    }
+    return 0;
+}
+
+/* pwrite_full (writing=1) and pread_full (writing=0). */
+static PyObject *
+kvt_pio_binding(PyObject *args, PyObject *kwargs, int writing)
+{
+    static char *kwlist[] = {"fd", "buf", "offset", "threads", NULL};
+    PyObject *buf_obj;
+    Py_ssize_t offset, threads = 0;
+    Py_buffer buf;
+    size_t done = 0;
+    int fd, err;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs,
+                                     writing ? "iOn|n:pwrite_full" : "iOn|n:pread_full",
+                                     kwlist, &fd, &buf_obj, &offset, &threads))
+        return NULL;
+    if (kvt_check_threads(threads) < 0 || kvt_check_offset(offset) < 0)
+        return NULL;
+    if (kvt_get_buffer(buf_obj, &buf, "buf", !writing) < 0)
+        return NULL;
+
+    Py_BEGIN_ALLOW_THREADS
+    err = kvt_pio(fd, writing, buf.buf, (size_t)buf.len, (off_t)offset, (size_t)threads,
+                  &done);
+    Py_END_ALLOW_THREADS
+
+    PyBuffer_Release(&buf);
+    if (err != 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromSize_t(done);
+}
+
+PyDoc_STRVAR(py_pwrite_full_doc,
+"pwrite_full($module, fd, buf, offset, threads=0)\n"
+"--\n"
+"\n"
+"Write all of buf to file descriptor fd at file position offset; return the\n"
+"number of bytes written (len(buf) in bytes).\n"
+"\n"
+"buf is any C-contiguous buffer.  Short writes continue where they stopped\n"
+"and EINTR is retried; the file position of fd is not used or moved.  Works\n"
+"on O_DIRECT descriptors when the address and size of buf and offset are\n"
+"aligned as the file system requires (4096 does everywhere); nothing is\n"
+"checked here.  Writes of 8 MiB or more are split into chunks of at least\n"
+"2 MiB (whole pages) written by up to threads threads at once (0: 4; 1: one\n"
+"thread), which keeps several requests in flight.  The GIL is released.\n"
+"\n"
+"Raises OSError (with its errno) from the first failed write; then some of\n"
+"buf may have been written.  ValueError if buf is not C-contiguous, offset\n"
+"< 0 or threads < 0; TypeError if buf is not a buffer.");
+
+static PyObject *
+py_pwrite_full(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
+{
+    return kvt_pio_binding(args, kwargs, 1);
+}
+
+PyDoc_STRVAR(py_pread_full_doc,
+"pread_full($module, fd, buf, offset, threads=0)\n"
+"--\n"
+"\n"
+"Read from file descriptor fd at file position offset into all of buf;\n"
+"return the number of bytes read.\n"
+"\n"
+"That is len(buf) (in bytes) unless the file ends first: then it is the\n"
+"bytes up to the end of the file, and the rest of buf is left alone (on an\n"
+"O_DIRECT descriptor but for the rest of the last 4096-byte block, which\n"
+"the device transfers whole: zeros past the end of a file).  buf is a\n"
+"writable, C-contiguous buffer.  Short reads continue where they stopped\n"
+"and EINTR is retried; the file position of fd is not used or moved.  Works\n"
+"on O_DIRECT descriptors when the address and size of buf and offset are\n"
+"aligned as the file system requires (4096 does everywhere); nothing is\n"
+"checked here.  Reads of 8 MiB or more are split into chunks of at least\n"
+"2 MiB (whole pages) read by up to threads threads at once (0: 4; 1: one\n"
+"thread), which keeps several requests in flight.  The GIL is released.\n"
+"\n"
+"Raises OSError (with its errno) from the first failed read; then buf may\n"
+"be partly filled.  ValueError if buf is not C-contiguous, offset < 0 or\n"
+"threads < 0; TypeError if buf is read-only or not a buffer.");
+
+static PyObject *
+py_pread_full(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
+{
+    return kvt_pio_binding(args, kwargs, 0);
+}
+
 static PyMethodDef native_methods[] = {
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_VARARGS | METH_KEYWORDS,
      py_copy_doc},
     {"prefault", (PyCFunction)(void (*)(void))py_prefault,
      METH_VARARGS | METH_KEYWORDS, py_prefault_doc},
+    {"checksum", (PyCFunction)(void (*)(void))py_checksum,
+     METH_VARARGS | METH_KEYWORDS, py_checksum_doc},
+    {"gather", (PyCFunction)(void (*)(void))py_gather, METH_VARARGS | METH_KEYWORDS,
+     py_gather_doc},
+    {"scatter", (PyCFunction)(void (*)(void))py_scatter,
+     METH_VARARGS | METH_KEYWORDS, py_scatter_doc},
+    {"pwrite_full", (PyCFunction)(void (*)(void))py_pwrite_full,
+     METH_VARARGS | METH_KEYWORDS, py_pwrite_full_doc},
+    {"pread_full", (PyCFunction)(void (*)(void))py_pread_full,
+     METH_VARARGS | METH_KEYWORDS, py_pread_full_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -394,8 +984,12 @@ PyDoc_STRVAR(native_doc,
 "GIL-free bulk memory helpers for kvtier (use them through kvtier._accel).\n"
 "\n"
 "copy(dst, src, threads=0) copies a buffer into another; prefault(buf,\n"
-"threads=0) makes every page of a buffer resident and writable.  Both\n"
-"release the GIL and split jobs of 4 MiB or more over a few threads.");
+"threads=0) makes every page of a buffer resident and writable; both\n"
+"release the GIL and split jobs of 4 MiB or more over a few threads.\n"
+"checksum(buf) is XXH3-64 of a buffer; gather(dst, pieces) and\n"
+"scatter(src, pieces) copy many buffers to or from one in a single call;\n"
+"pwrite_full/pread_full(fd, buf, offset) transfer a whole buffer at a file\n"
+"position, O_DIRECT included, large ones from several threads at once.");
 
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,

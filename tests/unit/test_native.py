@@ -1,19 +1,24 @@
-"""kvtier._accel (copy_into, prefault) against both implementations.
+"""kvtier._accel (copy_into, prefault, checksum, gather, scatter, pwrite_full,
+pread_full) against both implementations.
 
 Every test taking the ``accel`` fixture runs twice: on the C extension
-``kvtier._native`` and on the numpy fallback (``KVTIER_FORCE_PY=1``), so both
-keep one contract, one set of exceptions and one set of messages.
+``kvtier._native`` and on the Python fallback (``KVTIER_FORCE_PY=1``: numpy,
+the xxhash package, os.pwritev/os.preadv), so both keep one contract, one set
+of exceptions and one set of messages.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
 import importlib.util
 import mmap
 import os
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import xxhash
 
 import kvtier
 from kvtier import _accel
@@ -316,3 +322,596 @@ def test_streaming_copy_at_odd_alignments_is_byte_exact(
     assert bytes(view[dst_off + size :]) == b"\xee" * 64
     del view
     dst.close()
+
+
+# ------------------------------------------------------------------- checksum
+
+XXH3_EMPTY = 0x2D06800538D394C2  # XXH3-64, seed 0, of b"" (xxHash's test vectors)
+
+
+def test_checksum_known_answer(accel: ModuleType) -> None:
+    assert accel.checksum(b"") == XXH3_EMPTY
+    assert accel.checksum(bytearray()) == XXH3_EMPTY
+
+
+# XXH3's code paths: 0, 1-3, 4-8, 9-16, 17-128, 129-240 and longer inputs,
+# with the edges of each; 70 KiB and 1 MiB+3 are above the GIL threshold.
+@pytest.mark.parametrize(
+    "size", [0, 1, 3, 4, 8, 9, 15, 16, 17, 128, 129, 240, 241, 1024, 70 << 10, MIB + 3]
+)
+def test_checksum_equals_xxhash(accel: ModuleType, size: int) -> None:
+    data = random_bytes(size, seed=size)
+    want = xxhash.xxh3_64_intdigest(data)
+    assert accel.checksum(data) == want
+    assert accel.checksum(bytearray(data)) == want
+    assert accel.checksum(np.frombuffer(data, dtype=np.uint8)) == want
+    m = mmap.mmap(-1, max(size, 1))
+    m[:size] = data
+    assert accel.checksum(memoryview(m)[:size]) == want
+    m.close()
+
+
+def test_checksum_hashes_the_bytes_of_any_dtype_and_shape(accel: ModuleType) -> None:
+    arr = np.arange(3 * 1000, dtype=np.float32).reshape(3, 1000)
+    assert accel.checksum(arr) == xxhash.xxh3_64_intdigest(arr.tobytes())
+    scalar = np.array(1.5)  # zero-dimensional
+    assert accel.checksum(scalar) == xxhash.xxh3_64_intdigest(scalar.tobytes())
+    data = random_bytes(300 << 10)
+    # an unaligned start, above the GIL threshold
+    assert accel.checksum(memoryview(data)[3:]) == xxhash.xxh3_64_intdigest(data[3:])
+
+
+def test_checksum_is_unsigned_64_bit(accel: ModuleType) -> None:
+    values = [accel.checksum(random_bytes(16, seed=i)) for i in range(64)]
+    assert all(0 <= v < 1 << 64 for v in values)
+    assert any(v >= 1 << 63 for v in values)  # the top bit does not make it negative
+
+
+def test_checksum_errors(accel: ModuleType) -> None:
+    with pytest.raises(ValueError, match=r"^buf is not C-contiguous$"):
+        accel.checksum(np.zeros((4, 8), dtype=np.uint8)[:, ::2])
+    with pytest.raises(ValueError, match=r"^buf is not C-contiguous$"):
+        accel.checksum(memoryview(bytes(16))[::2])
+    with pytest.raises(TypeError):
+        accel.checksum(5)
+    with pytest.raises(TypeError):
+        accel.checksum("text is not a buffer")
+
+
+def test_checksum_releases_buffer(accel: ModuleType) -> None:
+    m = make_mmap(128 << 10)
+    assert accel.checksum(m) == xxhash.xxh3_64_intdigest(b"\xaa" * (128 << 10))
+    m.close()
+
+
+def test_checksum_from_many_threads_at_once(accel: ModuleType) -> None:
+    datas = [random_bytes(BIG, seed=i) for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(accel.checksum, datas))
+    assert got == [xxhash.xxh3_64_intdigest(d) for d in datas]
+
+
+# ------------------------------------------------------------ gather, scatter
+
+
+def mixed_pieces(seed: int = 0) -> list[Any]:
+    """Writable pieces of many kinds, dtypes and sizes, empty ones included, random content."""
+    rng = np.random.default_rng(seed)
+    pieces: list[Any] = [
+        bytearray(rng.integers(0, 256, 1, dtype=np.uint8).tobytes()),
+        bytearray(),
+        rng.random((3, 5)).astype(np.float32),
+        np.empty(0, dtype=np.float64),
+        rng.integers(-(2**62), 2**62, 7, dtype=np.int64),
+        rng.integers(0, 2**16, (2, 3, 4), dtype=np.uint16),
+        np.array(2.5),  # zero-dimensional
+        make_mmap(PAGE + 3),
+        memoryview(bytearray(rng.integers(0, 256, 1000, dtype=np.uint8).tobytes()))[17:500],
+    ]
+    for n in rng.integers(0, 300, 200):
+        pieces.append(bytearray(rng.integers(0, 256, int(n), dtype=np.uint8).tobytes()))
+    return pieces
+
+
+def flat_bytes(pieces: list[Any]) -> bytes:
+    return b"".join(bytes(memoryview(p).cast("B")) if memoryview(p).ndim != 1 or
+                    memoryview(p).format != "B" else bytes(p) for p in pieces)
+
+
+def zeros_like(pieces: list[Any]) -> list[Any]:
+    return [np.zeros_like(np.asarray(memoryview(p))) for p in pieces]
+
+
+def test_gather_then_scatter_round_trip_with_many_pieces(accel: ModuleType) -> None:
+    pieces = mixed_pieces()
+    want = b"".join(np.asarray(memoryview(p)).tobytes() for p in pieces)
+    total = len(want)
+    dst = make_bytearray(total + 7)
+    assert accel.gather(dst, pieces) == total
+    assert dst[:total] == want
+    assert dst[total:] == b"\xaa" * 7
+    back = zeros_like(pieces)
+    assert accel.scatter(bytes(dst), back) == total
+    for got, orig in zip(back, pieces, strict=True):
+        assert got.tobytes() == np.asarray(memoryview(orig)).tobytes()
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [0],
+        [],
+        [5 * MIB + 3],  # one piece, threaded
+        [MIB + 1, 0, 3 * MIB + 7, 1, 2 * MIB],  # pieces that straddle the thread chunks
+        [4093] * 2000,  # many small pieces, threaded in total
+    ],
+)
+def test_gather_scatter_sizes_across_the_threaded_path(
+    accel: ModuleType, sizes: list[int]
+) -> None:
+    data = random_bytes(sum(sizes) + 11, seed=len(sizes))
+    offs = np.cumsum([0, *sizes]).tolist()
+    pieces = [data[a:b] for a, b in zip(offs, offs[1:], strict=False)]
+    total = sum(sizes)
+    dst = make_mmap(total + 11)
+    assert accel.gather(dst, pieces) == total
+    assert dst[:total] == data[:total]
+    assert dst[total:] == b"\xaa" * 11
+    back = [bytearray(n) for n in sizes]
+    assert accel.scatter(data, back) == total  # src longer than needed: the rest ignored
+    assert [bytes(b) for b in back] == pieces
+    dst.close()
+
+
+def test_gather_scatter_take_any_iterable(accel: ModuleType) -> None:
+    parts = [b"ab", b"", b"cde"]
+    dst = bytearray(8)
+    assert accel.gather(dst, iter(parts)) == 5
+    assert accel.gather(dst, tuple(parts)) == 5
+    assert dst == b"abcde\x00\x00\x00"
+    outs = (bytearray(2), bytearray(3))
+    assert accel.scatter(b"vwxyz", (o for o in outs)) == 5
+    assert outs == (bytearray(b"vw"), bytearray(b"xyz"))
+
+
+def test_gather_scatter_with_no_pieces(accel: ModuleType) -> None:
+    assert accel.gather(bytearray(), []) == 0
+    assert accel.scatter(b"", []) == 0
+
+
+def sequential_model(buf: bytearray, spans: list[tuple[int, int]], flat_at: int, gather: bool) -> None:
+    """What the documented order means: piece after piece, each read in full, then written."""
+    off = flat_at
+    for start, n in spans:
+        if gather:
+            buf[off : off + n] = bytes(buf[start : start + n])
+        else:
+            buf[start : start + n] = bytes(buf[off : off + n])
+        off += n
+
+
+@pytest.mark.parametrize("gather", [True, False])
+@pytest.mark.parametrize("scale", [1, 64 << 10])  # small, and above the 4 MiB thread threshold
+def test_gather_scatter_overlapping_views_copy_in_order(
+    accel: ModuleType, gather: bool, scale: int
+) -> None:
+    # Pieces and the flat buffer are views of one buffer: pieces overlap the
+    # flat part and (for scatter, where they are written) each other.
+    size = 100 * scale
+    data = random_bytes(size)
+    spans = [(3 * scale, 20 * scale), (10 * scale, 15 * scale), (40 * scale, 30 * scale),
+             (0, 0), (45 * scale, 10 * scale)]
+    flat_at = 12 * scale + 1
+    total = sum(n for _, n in spans)
+    want = bytearray(data)
+    sequential_model(want, spans, flat_at, gather)
+    buf = bytearray(data)
+    mv = memoryview(buf)
+    pieces = [mv[a : a + n] for a, n in spans]
+    flat = mv[flat_at : flat_at + total]
+    if gather:
+        assert accel.gather(flat, pieces) == total
+    else:
+        assert accel.scatter(flat, pieces) == total
+    del pieces, flat
+    mv.release()
+    assert buf == want
+
+
+@pytest.mark.parametrize("size", [100, 3 * MIB])  # one thread; 6 MiB in all: several threads
+def test_scatter_into_pieces_that_overlap_each_other_later_wins(
+    accel: ModuleType, size: int
+) -> None:
+    src = random_bytes(2 * size, seed=size)
+    buf = make_bytearray(size + size // 2)
+    mv = memoryview(buf)
+    pieces = [mv[:size], mv[size // 2 :]]
+    assert accel.scatter(src, pieces) == 2 * size
+    del pieces
+    mv.release()
+    assert buf == src[: size // 2] + src[size:]
+
+
+@needs_native
+def test_native_scatter_into_overlapping_pieces_over_threads() -> None:
+    # Pieces overlap only each other (not src): a later piece's bytes win.
+    from kvtier import _native
+
+    size = 8 * MIB
+    src = random_bytes(2 * size, seed=3)
+    buf = bytearray(size + MIB)
+    mv = memoryview(buf)
+    pieces = [mv[0:size], mv[MIB : MIB + size]]
+    assert _native.scatter(src, pieces, 4) == 2 * size
+    assert buf[:MIB] == src[:MIB]
+    assert buf[MIB:] == src[size:]
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [0, 1, 2, 3, 7, 64, 1000])
+def test_native_gather_scatter_any_thread_count_is_byte_exact(threads: int) -> None:
+    from kvtier import _native
+
+    sizes = [3 * MIB + 5, 1, 0, 6 * MIB + PAGE, 777] + [PAGE + 1] * 300
+    data = random_bytes(sum(sizes), seed=threads)
+    offs = np.cumsum([0, *sizes]).tolist()
+    pieces = [data[a:b] for a, b in zip(offs, offs[1:], strict=False)]
+    dst = make_mmap(len(data) + 1)
+    assert _native.gather(dst, pieces, threads) == len(data)
+    assert dst[: len(data)] == data
+    assert dst[len(data) :] == b"\xaa"
+    back = [make_bytearray(n) for n in sizes]
+    assert _native.scatter(data, back, threads=threads) == len(data)
+    assert b"".join(back) == data
+    dst.close()
+    with pytest.raises(ValueError, match=r"^threads must be >= 0, got -1$"):
+        _native.gather(bytearray(4), [b"ab"], -1)
+    with pytest.raises(ValueError, match=r"^threads must be >= 0, got -3$"):
+        _native.scatter(b"ab", [bytearray(2)], threads=-3)
+
+
+def test_gather_too_small_dst_raises_exact_message(accel: ModuleType) -> None:
+    dst = bytearray(b"x" * 10)
+    with pytest.raises(ValueError, match=r"^dst holds 10 bytes, pieces have 11$"):
+        accel.gather(dst, [bytes(4), np.zeros(1, dtype=np.float32), bytes(3)])
+    assert dst == b"x" * 10
+
+
+def test_scatter_too_small_src_raises_exact_message(accel: ModuleType) -> None:
+    outs = [bytearray(b"x" * 6), np.full(2, 7, dtype=np.int32)]
+    with pytest.raises(ValueError, match=r"^src has 13 bytes, pieces need 14$"):
+        accel.scatter(bytes(13), outs)
+    assert outs[0] == b"x" * 6 and outs[1].tolist() == [7, 7]
+
+
+def test_gather_scatter_non_contiguous_raises(accel: ModuleType) -> None:
+    strided = np.zeros((4, 8), dtype=np.uint8)[:, ::2]
+    with pytest.raises(ValueError, match=r"^dst is not C-contiguous$"):
+        accel.gather(strided, [b"ab"])
+    with pytest.raises(ValueError, match=r"^src is not C-contiguous$"):
+        accel.scatter(memoryview(bytes(16))[::2], [bytearray(2)])
+    with pytest.raises(ValueError, match=r"^pieces\[2\] is not C-contiguous$"):
+        accel.gather(bytearray(64), [b"a", b"", memoryview(bytes(16))[::2], b"b"])
+    with pytest.raises(ValueError, match=r"^pieces\[1\] is not C-contiguous$"):
+        accel.scatter(bytes(64), [bytearray(2), strided])
+    # dst is checked before the pieces, as the native code does
+    with pytest.raises(ValueError, match=r"^dst is not C-contiguous$"):
+        accel.gather(strided, [strided])
+
+
+def test_gather_scatter_read_only_raises(accel: ModuleType) -> None:
+    with pytest.raises(TypeError, match=r"^dst is read-only$"):
+        accel.gather(bytes(16), [b"ab"])
+    frozen = np.zeros(4, dtype=np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(TypeError, match=r"^pieces\[1\] is read-only$"):
+        accel.scatter(bytes(16), [bytearray(2), frozen])
+    with pytest.raises(TypeError, match=r"^pieces\[0\] is read-only$"):
+        accel.scatter(bytes(16), [b"ab"])
+    # gather reads the pieces and scatter reads src: read-only is fine there
+    assert accel.gather(bytearray(4), [frozen]) == 4
+    assert accel.scatter(frozen, [bytearray(4)]) == 4
+
+
+def test_gather_scatter_non_buffers_raise_type_error(accel: ModuleType) -> None:
+    with pytest.raises(TypeError):
+        accel.gather(bytearray(16), 5)  # pieces not iterable
+    with pytest.raises(TypeError):
+        accel.scatter(bytes(16), None)
+    with pytest.raises(TypeError):
+        accel.gather(bytearray(16), [b"ab", 5])
+    with pytest.raises(TypeError):
+        accel.scatter(bytes(16), [bytearray(2), "text"])
+    with pytest.raises(TypeError):
+        accel.gather("not a buffer", [b"ab"])
+
+
+def test_gather_scatter_release_every_buffer_on_success_and_error(accel: ModuleType) -> None:
+    # A leaked export would make mmap.close() raise BufferError.
+    def maps() -> tuple[mmap.mmap, mmap.mmap, mmap.mmap]:
+        return make_mmap(10), make_mmap(10), make_mmap(10)
+
+    flat, a, b = make_mmap(20), make_mmap(10), make_mmap(10)
+    assert accel.gather(flat, [a, b]) == 20
+    assert accel.scatter(flat, [a, b]) == 20
+    for m in (flat, a, b):
+        m.close()
+    failures: list[tuple[str, Callable[[Any, Any, Any], Any]]] = [
+        ("too small", lambda f, x, y: accel.gather(f, [x, y])),
+        ("too small", lambda f, x, y: accel.scatter(f, [x, y])),
+        ("strided piece", lambda f, x, y: accel.gather(f, [x, y, memoryview(bytes(4))[::2]])),
+        ("read-only piece", lambda f, x, y: accel.scatter(f, [x, y, b"z"])),
+        ("non-buffer", lambda f, x, y: accel.gather(f, [x, y, 5])),
+    ]
+    for what, call in failures:
+        flat, a, b = maps()
+        with pytest.raises((ValueError, TypeError)) as raised:
+            call(flat, a, b)
+        for m in (flat, a, b):
+            m.close()  # while the traceback is still alive
+        assert raised.value is not None, what
+
+
+def test_gather_scatter_from_many_threads_at_once(accel: ModuleType) -> None:
+    srcs = [random_bytes(BIG, seed=i) for i in range(4)]
+    halves = [[s[: BIG // 2], s[BIG // 2 :]] for s in srcs]
+    dsts = [bytearray(BIG) for _ in srcs]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(accel.gather, dsts, halves)) == [BIG] * 4
+    assert dsts == srcs
+    outs = [[bytearray(BIG // 2), bytearray(BIG - BIG // 2)] for _ in srcs]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(accel.scatter, srcs, outs)) == [BIG] * 4
+    assert [b"".join(o) for o in outs] == srcs
+
+
+# ---------------------------------------------------- pwrite_full, pread_full
+
+
+def aligned(n: int, fill: int = 0) -> mmap.mmap:
+    """A page-aligned buffer (anonymous mmap), as O_DIRECT needs."""
+    m = mmap.mmap(-1, n)
+    if fill:
+        m[:] = bytes([fill]) * n
+    return m
+
+
+def test_pwrite_pread_round_trip_on_a_normal_file(accel: ModuleType, tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    data = random_bytes(BIG)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.lseek(fd, 5, os.SEEK_SET)
+        # unaligned offset and length: fine on a buffered fd
+        assert accel.pwrite_full(fd, data, 1001) == BIG
+        assert accel.pwrite_full(fd, memoryview(data)[:3], 0) == 3
+        assert accel.pwrite_full(fd, b"", 0) == 0
+        assert os.lseek(fd, 0, os.SEEK_CUR) == 5  # the fd's position neither used nor moved
+        assert path.read_bytes() == data[:3] + bytes(998) + data
+        buf = make_bytearray(BIG)
+        assert accel.pread_full(fd, buf, 1001) == BIG
+        assert buf == data
+        arr = np.zeros(7, dtype=np.float64)
+        assert accel.pread_full(fd, arr, 1001, threads=1) == 56
+        assert arr.tobytes() == data[:56]
+        assert os.lseek(fd, 0, os.SEEK_CUR) == 5
+    finally:
+        os.close(fd)
+
+
+def test_pread_short_at_end_of_file_leaves_the_rest_alone(
+    accel: ModuleType, tmp_path: Path
+) -> None:
+    path = tmp_path / "f"
+    data = random_bytes(10_000)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = make_bytearray(16_384)
+        assert accel.pread_full(fd, buf, 0) == 10_000
+        assert buf[:10_000] == data and buf[10_000:] == b"\xaa" * 6384
+        buf = make_bytearray(100)
+        assert accel.pread_full(fd, buf, 9_950) == 50
+        assert buf[:50] == data[9_950:] and buf[50:] == b"\xaa" * 50
+        assert accel.pread_full(fd, buf, 10_000) == 0
+        assert accel.pread_full(fd, buf, 1 << 40) == 0
+        assert buf[50:] == b"\xaa" * 50
+    finally:
+        os.close(fd)
+
+
+def test_pread_short_at_end_of_file_on_the_threaded_path(
+    accel: ModuleType, tmp_path: Path
+) -> None:
+    # 24 MiB is split into 4 chunks of 6 MiB; the file ends inside the second.
+    path = tmp_path / "f"
+    size = 9 * MIB + 5
+    data = random_bytes(size)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = aligned(24 * MIB, fill=0xAA)
+        assert accel.pread_full(fd, buf, 0) == size
+        assert buf[:size] == data
+        assert buf[size:] == b"\xaa" * (24 * MIB - size)
+        buf.close()
+    finally:
+        os.close(fd)
+
+
+def test_pwrite_pread_bad_fd_raise_oserror_ebadf(accel: ModuleType, tmp_path: Path) -> None:
+    closed = os.open(tmp_path / "gone", os.O_RDWR | os.O_CREAT, 0o600)
+    os.close(closed)
+    for fd in (-1, closed):
+        with pytest.raises(OSError) as raised:
+            accel.pwrite_full(fd, b"abc", 0)
+        assert raised.value.errno == errno.EBADF
+        assert raised.value.strerror == os.strerror(errno.EBADF)
+        with pytest.raises(OSError) as raised:
+            accel.pread_full(fd, bytearray(3), 0)
+        assert raised.value.errno == errno.EBADF
+
+
+def test_pwrite_to_read_only_fd_and_pread_from_write_only_fd_raise_ebadf(
+    accel: ModuleType, tmp_path: Path
+) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 100)
+    m = make_mmap(PAGE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as raised:
+            accel.pwrite_full(fd, m, 0)
+        assert raised.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        with pytest.raises(OSError) as raised:
+            accel.pread_full(fd, m, 0)
+        assert raised.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+    m.close()  # the buffer was released on the error paths
+    assert path.read_bytes() == b"x" * 100
+
+
+def test_pwrite_pread_argument_errors(accel: ModuleType, tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(TypeError, match=r"^buf is read-only$"):
+            accel.pread_full(fd, bytes(8), 0)
+        with pytest.raises(ValueError, match=r"^buf is not C-contiguous$"):
+            accel.pwrite_full(fd, memoryview(bytes(16))[::2], 0)
+        with pytest.raises(ValueError, match=r"^buf is not C-contiguous$"):
+            accel.pread_full(fd, np.zeros((4, 8), dtype=np.uint8)[:, ::2], 0)
+        with pytest.raises(ValueError, match=r"^offset must be >= 0, got -1$"):
+            accel.pwrite_full(fd, b"ab", -1)
+        with pytest.raises(ValueError, match=r"^offset must be >= 0, got -5$"):
+            accel.pread_full(fd, bytearray(2), -5)
+        with pytest.raises(ValueError, match=r"^threads must be >= 0, got -1$"):
+            accel.pwrite_full(fd, b"ab", 0, -1)
+        with pytest.raises(ValueError, match=r"^threads must be >= 0, got -2$"):
+            accel.pread_full(fd, bytearray(2), 0, threads=-2)
+        with pytest.raises(TypeError):
+            accel.pwrite_full(fd, "text", 0)
+        assert os.fstat(fd).st_size == 0
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def direct_dir() -> Iterator[Path]:
+    """A fresh directory on a disk file system (not tmpfs, which refuses O_DIRECT)."""
+    path = Path(tempfile.mkdtemp(prefix="kvt-odirect-", dir="/var/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def open_direct(path: Path, flags: int) -> int:
+    """os.open with O_DIRECT; skips the test only where the file system refuses O_DIRECT."""
+    o_direct = getattr(os, "O_DIRECT", 0)
+    if not o_direct:
+        pytest.skip("no O_DIRECT on this platform")
+    try:
+        return os.open(path, flags | o_direct, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            pytest.skip(f"{path.parent} does not support O_DIRECT")
+        raise
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="O_DIRECT semantics are Linux's")
+@pytest.mark.parametrize("size", [PAGE, 2 * MIB, 24 * MIB])  # 24 MiB: the threaded path
+def test_pwrite_pread_with_o_direct(accel: ModuleType, direct_dir: Path, size: int) -> None:
+    path = direct_dir / "spill"
+    data = random_bytes(size, seed=size)
+    src = aligned(size)
+    src[:] = data
+    fd = open_direct(path, os.O_RDWR | os.O_CREAT)
+    try:
+        try:
+            assert accel.pwrite_full(fd, src, 2 * PAGE) == size
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                pytest.skip(f"{direct_dir} refuses O_DIRECT writes")
+            raise
+        assert accel.pwrite_full(fd, memoryview(src)[:PAGE], 0) == PAGE
+        dst = aligned(size, fill=0xAA)
+        assert accel.pread_full(fd, dst, 2 * PAGE) == size
+        assert dst[:] == data
+        assert accel.pread_full(fd, memoryview(dst)[:PAGE], PAGE) == PAGE
+        assert dst[:PAGE] == bytes(PAGE)  # the hole between the two writes
+        dst.close()
+    finally:
+        os.close(fd)
+    src.close()
+    with path.open("rb") as f:
+        assert f.read() == data[:PAGE] + bytes(PAGE) + data
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="O_DIRECT semantics are Linux's")
+@pytest.mark.parametrize("size", [PAGE + 100, 9 * MIB + 5])
+def test_pread_with_o_direct_short_at_end_of_file(
+    accel: ModuleType, direct_dir: Path, size: int
+) -> None:
+    # A file size that is not a multiple of the block size: the read that
+    # reaches it ends at an unaligned position.  The device transfers whole
+    # blocks, so the tail of the last block past the end of the file may be
+    # written (the file system has zeros there); everything after it is left
+    # alone, which needs the read clamped at the end of the file (a direct
+    # read past it zero-fills the buffer to the end of the request).
+    path = direct_dir / "spill"
+    data = random_bytes(size)
+    path.write_bytes(data)
+    n = 24 * MIB if size > MIB else 3 * PAGE
+    block_end = -(-size // PAGE) * PAGE
+    fd = open_direct(path, os.O_RDONLY)
+    try:
+        buf = aligned(n, fill=0xAA)
+        assert accel.pread_full(fd, buf, 0) == size
+        assert buf[:size] == data
+        assert buf[size:block_end] in (bytes(block_end - size), b"\xaa" * (block_end - size))
+        assert buf[block_end:] == b"\xaa" * (n - block_end)
+        assert accel.pread_full(fd, memoryview(buf)[:PAGE], size // PAGE * PAGE + PAGE) == 0
+        buf.close()
+    finally:
+        os.close(fd)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [0, 1, 2, 3, 7, 64, 1000])
+def test_native_pwrite_pread_any_thread_count(threads: int, tmp_path: Path) -> None:
+    from kvtier import _native
+
+    size = 9 * MIB + PAGE + 5
+    data = random_bytes(size, seed=threads)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert _native.pwrite_full(fd, data, 7, threads) == size
+        buf = make_mmap(size + 1)
+        assert _native.pread_full(fd, buf, 7, threads=threads) == size
+        assert buf[:size] == data
+        assert buf[size:] == b"\xaa"
+        buf.close()
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == bytes(7) + data
+
+
+def test_pwrite_pread_release_the_gil(accel: ModuleType, tmp_path: Path) -> None:
+    # Several threads doing file I/O at once still all complete correctly.
+    datas = [random_bytes(BIG, seed=i) for i in range(4)]
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        offs = [i * BIG for i in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(lambda d, o: accel.pwrite_full(fd, d, o), datas, offs)) == [BIG] * 4
+        bufs = [bytearray(BIG) for _ in datas]
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(lambda b, o: accel.pread_full(fd, b, o), bufs, offs)) == [BIG] * 4
+        assert bufs == datas
+    finally:
+        os.close(fd)
