@@ -77,13 +77,15 @@ class Lower:
 
 
 class NeedDemotion(CapacityExhausted):
-    """A reserve fits only after ``short`` DIRTY blocks of ``ns`` are demoted."""
+    """A reserve in ``ns`` fits only after ``blocks`` (DIRTY) are demoted, or after the
+    demotions in flight finish (``blocks`` empty)."""
 
-    def __init__(self, ns: Namespace, short: int) -> None:
-        super().__init__(f"DRAM is full for namespace {ns.name!r}: {short} blocks must be "
-                         "demoted to a spill tier first")
+    def __init__(self, ns: Namespace, short: int, blocks: list[Block]) -> None:
+        super().__init__(f"DRAM is full for namespace {ns.name!r}: {short} slots wait for "
+                         "blocks to be demoted to a spill tier")
         self.ns = ns
         self.short = short
+        self.blocks = blocks
 
 
 class ReserveStatus:
@@ -466,7 +468,8 @@ class Store:
             give_back()
             raise _NeedExtent(n)
         same_ns: list[Block] = []
-        dirty_ns = 0  # DIRTY blocks of ns seen: evictable once demoted
+        dirty_ns: list[Block] = []  # DIRTY blocks of ns: evictable once demoted
+        dirty_ext: list[Extent] = []  # other namespaces' extents blocked only by DIRTY blocks
         spill = self.spill_enabled
         reclaim: list[Extent] = []
         reclaim_bytes = 0
@@ -490,16 +493,19 @@ class Store:
                 break
             if block.ns is ns:
                 if spill and block.lower == Lower.DIRTY:
-                    dirty_ns += 1
+                    if len(dirty_ns) < short:
+                        dirty_ns.append(block)
                 else:
                     same_ns.append(block)
             elif may_grow and id(block.extent) not in considered:
                 considered.add(id(block.extent))
                 ext = block.extent
-                if (ext.reserved == 0 and ext.pinned == 0 and not block.ns.grow_lock.locked()
-                        and not (spill and ext.dirty)):
-                    reclaim.append(ext)
-                    reclaim_bytes += ext.bytes
+                if ext.reserved == 0 and ext.pinned == 0 and not block.ns.grow_lock.locked():
+                    if spill and ext.dirty:
+                        dirty_ext.append(ext)
+                    else:
+                        reclaim.append(ext)
+                        reclaim_bytes += ext.bytes
         if reclaim and funded():
             give_back()
             for ext in reclaim:
@@ -511,8 +517,18 @@ class Store:
                 taken.append((block.extent, block.extent.free.pop()))
             return taken
         give_back()
-        if dirty_ns and len(same_ns) + dirty_ns >= short:
-            raise NeedDemotion(ns, short - len(same_ns))
+        if spill:
+            # Room comes once DIRTY blocks are demoted: ours, or those holding an extent of
+            # another namespace back from reclaim, or the ones being demoted right now.
+            wanted = dirty_ns[: short - len(same_ns)]
+            if len(same_ns) + len(dirty_ns) < short and dirty_ext:
+                ext = dirty_ext[0]
+                owner = self.namespaces[ext.segment.namespace]
+                wanted += [b for b in owner.index.values()
+                           if b.extent is ext and b.lower == Lower.DIRTY]
+            in_flight = any(s.leases for s in self._system_sessions.values())
+            if wanted or in_flight:
+                raise NeedDemotion(ns, short - len(same_ns), wanted)
         raise CapacityExhausted(
             f"DRAM is full for namespace {ns.name!r}: {n} slots needed, "
             f"{len(taken) + len(same_ns)} obtainable ({ns.leased} leased and "
@@ -763,23 +779,14 @@ class Store:
             block.extent.dirty += 1
         block.lower = lower
 
-    def demotion_candidates(self, target_bytes: int, limit: int,
-                            ns: Namespace | None = None) -> list[Block]:
-        """DIRTY unleased blocks among the oldest ``target_bytes`` of the LRU (oldest first).
-
-        With ``ns``: the oldest DIRTY blocks of that namespace, up to ``limit``.
-        """
+    def demotion_candidates(self, target_bytes: int, limit: int) -> list[Block]:
+        """Up to ``limit`` DIRTY unleased blocks among the oldest ``target_bytes`` of the LRU."""
         out: list[Block] = []
         seen = 0
         for scanned, block in enumerate(self.lru):
-            if scanned >= EVICTION_SCAN_LIMIT or len(out) >= limit:
+            if scanned >= EVICTION_SCAN_LIMIT or len(out) >= limit or seen >= target_bytes:
                 break
-            if ns is not None and block.ns is not ns:
-                continue
-            if ns is None:
-                if seen >= target_bytes:
-                    break
-                seen += block.ns.slot_bytes
+            seen += block.ns.slot_bytes
             if block.lower == Lower.DIRTY:
                 out.append(block)
         return out

@@ -136,7 +136,7 @@ class Tiering:
             max_workers=max(1, io_threads), thread_name_prefix="kvtier-spill")
         self._wake = asyncio.Event()
         self._progress = asyncio.Event()
-        self._urgent: dict[str, tuple[Namespace, int]] = {}
+        self._urgent: list[Block] = []  # DIRTY blocks a waiting reserve needs demoted
         self._promoting: dict[tuple[str, bytes], asyncio.Future[bool]] = {}
         self._demoting: dict[tuple[str, bytes], Block] = {}
         self._publishing = 0
@@ -269,8 +269,16 @@ class Tiering:
         if self.enabled and len(tiers) < len(keys):
             tiers = await self._locate(ns, keys)
             if any(t != TIER_DRAM for t in tiers):
-                with contextlib.suppress(CapacityExhausted):
-                    await self._promote(ns, list(keys[: len(tiers)]), tiers, prefetch=False)
+                # Pin this prefix's DRAM hits meanwhile: the promotions' reserve would
+                # otherwise evict them (the oldest in the LRU) and cut the prefix short.
+                hits = [b for k in keys[: len(tiers)] if (b := ns.index.get(k)) is not None]
+                leases = self.store.pin_blocks(hits)
+                try:
+                    with contextlib.suppress(CapacityExhausted):
+                        await self._promote(ns, list(keys[: len(tiers)]), tiers, prefetch=False)
+                finally:
+                    for lease in leases:
+                        self.store.unpin(lease)
         for block in _prefix(ns, keys[: len(tiers)]):
             if block.prefetched:
                 block.prefetched = False
@@ -391,9 +399,7 @@ class Tiering:
                         f"{self.policy.backpressure_timeout:g} s (spill.backpressure_timeout)"
                     ) from None
                 self.counters.backpressure_waits += 1
-                name = need.ns.name
-                prev = self._urgent.get(name, (need.ns, 0))[1]
-                self._urgent[name] = (need.ns, max(prev, need.short))
+                self._urgent.extend(need.blocks)
                 self._wake.set()
                 progress = self._progress
                 with contextlib.suppress(TimeoutError):
@@ -522,9 +528,9 @@ class Tiering:
                     batch.append(b)
                     size += b.ns.slot_bytes
 
-        urgent, self._urgent = self._urgent, {}
-        for ns, short in urgent.values():
-            add(self.store.demotion_candidates(0, short, ns))
+        urgent, self._urgent = self._urgent, []
+        add([b for b in urgent if b.pins == 0 and b.lower == Lower.DIRTY and not b.doomed
+             and b.ns.index.get(b.key) is b])
         acct = self.store.dram_bytes()
         target = int(self.policy.clean_ahead * acct["total"])
         free = acct["free"]
