@@ -144,6 +144,8 @@ class Tiering:
         self._demoter: asyncio.Task[None] | None = None
         self._prefetch_slots = asyncio.Semaphore(MAX_PREFETCHES)
         self._mhash: dict[str, int] = {}
+        if ssd is not None:
+            ssd.on_fault = lambda kind: self._fault("ssd", kind)
         if ssd is not None and shared is not None and self.policy.shared_write in (
                 "demotion", "commit"):
             ssd.on_evict = self._publish_evicted
@@ -154,8 +156,6 @@ class Tiering:
         loop = asyncio.get_running_loop()
         if self.ssd is not None:
             await loop.run_in_executor(self._pool, self.ssd.open)
-            for kind, n in self.ssd.counters.faults.items():
-                self._fault("ssd", kind, n)
             self._mark_clean_from_ssd()
         if self.shared is not None:
             await loop.run_in_executor(self._pool, self.shared.open)
@@ -163,6 +163,7 @@ class Tiering:
             self._demoter = loop.create_task(self._demote_forever(), name="kvtier-demoter")
 
     async def stop(self) -> None:
+        """Stop moving blocks; in-flight I/O finishes before any file is closed."""
         if self._demoter is not None:
             self._demoter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -170,12 +171,19 @@ class Tiering:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        loop = asyncio.get_running_loop()
+        # Worker threads may still be reading DRAM slots or writing spill files: wait for
+        # them before the spill files (and then the segments) are closed.
+        await asyncio.to_thread(self._pool.shutdown, wait=True)
         if self.ssd is not None:
-            with contextlib.suppress(OSError):
-                await loop.run_in_executor(self._pool, self.ssd.flush_frees)
-            await loop.run_in_executor(self._pool, self.ssd.close)
-        self._pool.shutdown(wait=True)
+            await asyncio.to_thread(self._close_ssd, self.ssd)
+
+    @staticmethod
+    def _close_ssd(ssd: SsdTier) -> None:
+        try:
+            ssd.flush_frees()
+        except OSError as exc:
+            log.warning("SSD tier: could not persist freed slots at stop: %s", exc)
+        ssd.close()
 
     def _mark_clean_from_ssd(self) -> None:
         """After a restart, DRAM blocks that also have an SSD copy are CLEAN."""

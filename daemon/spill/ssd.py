@@ -62,6 +62,7 @@ class SpillFile:
     busy: set[int] = dataclasses.field(default_factory=set)
     committed: int = 0
     needs_sync: bool = False
+    retired: bool = False  # unlinked and closed (set under io_lock): no more table writes
     io_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @property
@@ -98,7 +99,8 @@ class SsdCounters:
     adopted: int = 0
     dropped_entries: int = 0
     dropped_files: list[str] = dataclasses.field(default_factory=list)
-    # Found at re-adoption ("bad_file", "torn_entry"); I/O faults are the caller's to count.
+    # Faults the tier absorbed itself ("bad_file", "torn_entry" at re-adoption, "enospc"
+    # when the filesystem is smaller than the capacity); the caller counts failed calls.
     faults: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     adopt_seconds: float = 0.0
 
@@ -141,6 +143,14 @@ class SsdTier:
         self._pending_frees: set[SpillFile] = set()
         self._removed: set[SsdEntry] = set()  # out of the index, still being read
         self.counters = SsdCounters()
+        #: Called (from any thread) with a fault kind the tier absorbed itself.
+        self.on_fault: Callable[[str], None] | None = None
+
+    def _absorbed(self, kind: str, n: int = 1) -> None:
+        self.counters.faults[kind] += n
+        if self.on_fault is not None:
+            for _ in range(n):
+                self.on_fault(kind)
 
     # ================================================================ start / stop
     def open(self) -> None:
@@ -171,7 +181,7 @@ class SsdTier:
             except (fmt.FormatError, OSError) as exc:
                 log.warning("SSD tier: dropping spill file %s: %s", path, exc)
                 self.counters.dropped_files.append(f"{name}: {exc}")
-                self.counters.faults["bad_file"] += 1
+                self._absorbed("bad_file")
                 self._unlink_quietly(path)
         adopted.sort(key=lambda e: e.seq)
         for entry in adopted:
@@ -256,7 +266,7 @@ class SsdTier:
             f.table[slot * fmt.ENTRY_BYTES : (slot + 1) * fmt.ENTRY_BYTES] = bytes(fmt.ENTRY_BYTES)
         if torn:
             self.counters.dropped_entries += len(torn)
-            self.counters.faults["torn_entry"] += len(torn)
+            self._absorbed("torn_entry", len(torn))
             log.warning("SSD tier: %s: %d slot entries failed their check and were freed",
                         path, len(torn))
             self._pending_frees.add(f)
@@ -382,6 +392,11 @@ class SsdTier:
             self.counters.write_bytes += length
         return e
 
+    def _fdatasync(self, f: SpillFile) -> None:
+        with f.io_lock:
+            if not f.retired:
+                self.io.fdatasync(f.fd)
+
     def sync(self) -> None:
         """Make every write so far durable (fdatasync each file written since)."""
         with self._lock:
@@ -390,7 +405,7 @@ class SsdTier:
                 f.needs_sync = False
         try:
             for f in files:
-                self.io.fdatasync(f.fd)
+                self._fdatasync(f)
         except BaseException:
             with self._lock:
                 for f in files:
@@ -401,13 +416,24 @@ class SsdTier:
         """Persist FREE entries of deleted/evicted blocks (so a restart does not revive them)."""
         with self._lock:
             files, self._pending_frees = list(self._pending_frees), set()
-        for f in files:
-            self._write_table(f)
-            self.io.fdatasync(f.fd)
+        for i, f in enumerate(files):
+            try:
+                with f.io_lock:
+                    if f.retired:
+                        continue
+                self._write_table(f)
+                self._fdatasync(f)
+            except BaseException:
+                with self._lock:  # not persisted: the next flush writes them again
+                    self._pending_frees.update(
+                        x for x in files[i:] if x in self.files.get(x.slot_bytes, ()))
+                raise
 
     def _write_table_page(self, f: SpillFile, page: int) -> None:
         buf = aligned_buffer(fmt.PAGE)
         with f.io_lock:
+            if f.retired:
+                return
             with self._lock:
                 buf[:] = f.table[page * fmt.PAGE : (page + 1) * fmt.PAGE]
             self.io.pwrite(f.fd, buf, fmt.TABLE_OFFSET + page * fmt.PAGE)
@@ -417,6 +443,8 @@ class SsdTier:
         size = f.layout.table_bytes
         buf = aligned_buffer(size)
         with f.io_lock:
+            if f.retired:
+                return
             with self._lock:
                 buf[:size] = f.table[:size]
             self.io.pwrite(f.fd, memoryview(buf)[:size], fmt.TABLE_OFFSET)
@@ -447,6 +475,19 @@ class SsdTier:
             assert layout is not None
             try:
                 f = self._create_file(layout, index)
+            except OSError as exc:
+                with self._lock:
+                    self.file_budget_used -= layout.file_bytes
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.files:
+                        raise
+                    # The filesystem holds less than spill.ssd_capacity: make do with the
+                    # files there are (evict within them) instead of failing every write.
+                    self.capacity = self.file_budget_used
+                self._absorbed(fault_kind(exc))
+                log.warning("SSD tier %s: filesystem full (%s); capacity lowered to the %d "
+                            "bytes of spill files already allocated", self.root, exc,
+                            self.capacity)
+                continue
             except BaseException:
                 with self._lock:
                     self.file_budget_used -= layout.file_bytes
@@ -527,11 +568,13 @@ class SsdTier:
         return False
 
     def _retire_file(self, f: SpillFile) -> None:
-        try:
-            self.io.unlink(f.path)
-        except OSError:
-            pass
-        self.io.close(f.fd)
+        with f.io_lock:  # a table write in flight finishes first; later ones see retired
+            f.retired = True
+            try:
+                self.io.unlink(f.path)
+            except OSError:
+                pass
+            self.io.close(f.fd)
 
     def _create_file(self, layout: fmt.SpillLayout, index: int) -> SpillFile:
         name = f"spill-{layout.slot_bytes}-{index}.kvt"
