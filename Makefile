@@ -1,12 +1,14 @@
 # The two commands: `make run` (the daemon on embedded defaults) and `make test`.
 VENV ?= .venv
+# The torch adapter's tests run against this CPU build (empty: skip torch).
+TORCH ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: run test install lint typecheck bench proto clean
 
 $(STAMP): pyproject.toml setup.py csrc/native.c $(wildcard csrc/third_party/xxhash/*) scripts/install.sh
-	VENV=$(VENV) scripts/install.sh
+	VENV=$(VENV) TORCH=$(TORCH) scripts/install.sh
 	touch $(STAMP)
 
 install: $(STAMP)

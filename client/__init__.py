@@ -17,6 +17,7 @@ from kvtier._core import KeyStatus, Tier
 from kvtier.aio import AsyncClient, AsyncLease, AsyncReservation
 from kvtier.client import Client, Lease, Reservation
 from kvtier.hashing import block_keys
+from kvtier.prefix import PrefixPlan, aplan_prefix, plan_prefix
 
 __all__ = [
     "AsyncClient",
@@ -24,10 +25,13 @@ __all__ = [
     "AsyncReservation",
     "Client",
     "KeyStatus",
+    "PrefixPlan",
     "Lease",
     "Reservation",
     "Tier",
     "__version__",
+    "aplan_prefix",
     "block_keys",
     "errors",
+    "plan_prefix",
 ]

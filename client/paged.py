@@ -1,0 +1,164 @@
+"""Paged KV-cache geometry shared by the framework adapters (``kvtier.jax``, ``kvtier.torch``).
+
+A serving engine keeps its KV cache as per-layer arrays with a page axis
+first.  kvtier stores **one page across all layers** as one block,
+layer-major, so a prefix of ``n`` pages is ``n`` blocks and each block can be
+loaded into any free page of another process's cache::
+
+    block = layer 0 [array 0 page][array 1 page] | layer 1 [...] | ... | layer L-1 [...]
+
+where each "array page" is the C-contiguous ``[page_tokens, heads, head_dim]``
+slice of that layer's array at the page index.  Supported per-layer layouts:
+
+``"kv"``      K and V as two arrays ``[pages, page_tokens, kv_heads, head_dim]``
+              (the layer is a ``(k, v)`` pair; K is stored first).
+``"fused"``   one array ``[pages, page_tokens, 2 * kv_heads, head_dim]`` with K
+              and V interleaved along the head axis, as vLLM's TPU backend
+              (``num_combined_kv_heads``) stores them.
+``"single"``  one array ``[pages, page_tokens, kv_heads, head_dim]`` (K only, or
+              an MLA latent cache, or any one-array-per-layer cache).
+
+The bytes of a page are copied as they are (no dtype conversion, no
+transposition), so a load into a cache of the same layout is bit-exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Final
+
+import numpy as np
+
+LAYOUTS: Final = ("kv", "fused", "single")
+
+
+class GeometryMismatch(ValueError):
+    """A cache does not match a namespace's ``block_bytes`` (the message says what differs)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PagedKVLayout:
+    """The geometry of one paged KV cache."""
+
+    layout: str  # one of LAYOUTS
+    num_layers: int
+    page_tokens: int
+    kv_heads: int  # K (or V) heads; a fused array has 2 * kv_heads along its head axis
+    head_dim: int
+    dtype: str  # numpy dtype name ("bfloat16" via ml_dtypes, "float16", ...)
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        for name in ("num_layers", "page_tokens", "kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def arrays_per_layer(self) -> int:
+        return 2 if self.layout == "kv" else 1
+
+    @property
+    def heads_per_array(self) -> int:
+        return 2 * self.kv_heads if self.layout == "fused" else self.kv_heads
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_of(self.dtype).itemsize
+
+    @property
+    def array_page_shape(self) -> tuple[int, int, int]:
+        """Shape of one page of one array: ``(page_tokens, heads, head_dim)``."""
+        return (self.page_tokens, self.heads_per_array, self.head_dim)
+
+    @property
+    def array_page_bytes(self) -> int:
+        return self.page_tokens * self.heads_per_array * self.head_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: one page of every array of every layer."""
+        return self.num_layers * self.arrays_per_layer * self.array_page_bytes
+
+    def describe(self) -> str:
+        """``block_bytes`` spelled out, for error messages."""
+        return (f"{self.num_layers} layers x {self.arrays_per_layer} arrays x "
+                f"{self.page_tokens} tokens x {self.heads_per_array} heads x {self.head_dim} "
+                f"dims x {self.itemsize} bytes ({self.dtype}) = {self.block_bytes}")
+
+    def offsets(self) -> list[tuple[int, int]]:
+        """(layer, array) -> byte offset inside a block, in storage order."""
+        return [(i * self.array_page_bytes, self.array_page_bytes)
+                for i in range(self.num_layers * self.arrays_per_layer)]
+
+    def check_block_bytes(self, block_bytes: int) -> None:
+        """Raise GeometryMismatch unless a namespace of ``block_bytes`` fits this cache exactly."""
+        if block_bytes != self.block_bytes:
+            raise GeometryMismatch(
+                f"namespace block_bytes is {block_bytes}, but this cache's page is "
+                f"{self.describe()}; declare the namespace with block_bytes="
+                f"{self.block_bytes} (and a model_uid naming this geometry)")
+
+
+def dtype_of(name: str) -> np.dtype[Any]:
+    """A numpy dtype by name, bfloat16 and the float8 types included (via ml_dtypes)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes  # jax's dependency: bfloat16, float8_*
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def layout_of(cache: Sequence[Any]) -> PagedKVLayout:
+    """Infer the layout of a cache given as per-layer arrays or (k, v) pairs.
+
+    Arrays need ``.shape`` and ``.dtype`` (JAX, torch, numpy).  A 4-D array
+    per layer is ``"single"`` unless ``fused=True`` is meant: use
+    :func:`fused_layout_of` for vLLM TPU caches, whose shape alone cannot say.
+    """
+    return _infer(cache, fused=False)
+
+
+def fused_layout_of(cache: Sequence[Any]) -> PagedKVLayout:
+    """Layout of a vLLM-TPU style cache: per layer ``[pages, page_tokens, 2*kv_heads, head_dim]``."""
+    return _infer(cache, fused=True)
+
+
+def _infer(cache: Sequence[Any], *, fused: bool) -> PagedKVLayout:
+    if len(cache) == 0:
+        raise ValueError("the cache has no layers")
+    first = cache[0]
+    pair = isinstance(first, (tuple, list))
+    arrays = list(first) if pair else [first]
+    if pair and len(arrays) != 2:
+        raise ValueError(f"a layer given as a tuple must be (k, v), got {len(arrays)} arrays")
+    shape = tuple(int(d) for d in arrays[0].shape)
+    if len(shape) != 4:
+        raise ValueError(f"layer arrays must be [pages, page_tokens, heads, head_dim], "
+                         f"got shape {shape}")
+    dtype = _dtype_name(arrays[0].dtype)
+    for li, layer in enumerate(cache):
+        items = list(layer) if pair else [layer]
+        if (isinstance(layer, (tuple, list))) != pair or len(items) != len(arrays):
+            raise ValueError(f"layer {li} is not shaped like layer 0 (mixing (k, v) pairs and "
+                             "single arrays)")
+        for a in items:
+            if tuple(int(d) for d in a.shape) != shape or _dtype_name(a.dtype) != dtype:
+                raise ValueError(f"layer {li} has shape {tuple(a.shape)} {_dtype_name(a.dtype)}"
+                                 f", layer 0 has {shape} {dtype}: all layers must match")
+    _, page_tokens, heads, head_dim = shape
+    if pair:
+        return PagedKVLayout("kv", len(cache), page_tokens, heads, head_dim, dtype)
+    if fused:
+        if heads % 2:
+            raise ValueError(f"a fused KV array has 2 * kv_heads heads; got {heads}")
+        return PagedKVLayout("fused", len(cache), page_tokens, heads // 2, head_dim, dtype)
+    return PagedKVLayout("single", len(cache), page_tokens, heads, head_dim, dtype)
+
+
+def _dtype_name(dtype: Any) -> str:
+    """'bfloat16', 'float16', ... for numpy, JAX and torch dtypes alike."""
+    text = str(dtype)
+    return text.removeprefix("torch.")
