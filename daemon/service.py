@@ -246,7 +246,8 @@ def build_stats(tiering: Tiering, started: float) -> pb.StatsResponse:
             tier=pb.TIER_SSD, total_bytes=st["total"], free_bytes=st["free"],
             reserved_bytes=st["reserved"], committed_bytes=st["committed"],
             committed_blocks=st["blocks"],
-            note=("" if ssd.direct else f"buffered I/O: {ssd.direct_error}") + f" ({ssd.root})",
+            note=(f"{ssd.root}: O_DIRECT" if ssd.direct
+                  else f"{ssd.root}: buffered I/O ({ssd.direct_error})"),
         ))
     if tiering.shared is not None:
         sc = tiering.shared.counters
