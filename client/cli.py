@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from typing import Any
 
 import grpc
@@ -77,15 +79,68 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _table(rows: list[list[str]]) -> str:
+def _table(rows: list[list[str]], left: Collection[int] = (0,)) -> str:
+    """Columns two spaces apart: those in ``left`` left-aligned, the rest right-aligned."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False)))
+    lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(r, widths, strict=False))).rstrip()
              for r in rows]
     return "\n".join(lines)
 
 
+TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_SHARED: "shared"}
+
+
+def _tier_note(s: pb.StatsResponse, t: pb.TierStats) -> str:
+    """The daemon's note; for the SSD tier it always says which I/O mode is in use."""
+    note = " ".join(t.note.split())
+    if t.tier == pb.TIER_SSD and not re.search(r"direct|buffered", note, re.IGNORECASE):
+        mode = "O_DIRECT" if s.ssd_direct_io else "buffered I/O"
+        note = f"{mode} {note}".strip()
+    return note
+
+
+def render_tiers(s: pb.StatsResponse) -> str:
+    """One row per tier; the shared tier is unbounded (its filesystem's quota governs it)."""
+    rows = [["tier", "total", "free", "reserved", "committed", "blocks", "note"]]
+    for t in s.tiers:
+        name = TIER_NAMES.get(t.tier, f"tier {t.tier}")
+        if t.tier == pb.TIER_SHARED and not t.total_bytes:
+            sizes = ["-"] * 5
+        else:
+            sizes = [human_bytes(t.total_bytes), human_bytes(t.free_bytes),
+                     human_bytes(t.reserved_bytes), human_bytes(t.committed_bytes),
+                     str(t.committed_blocks)]
+        rows.append([name, *sizes, _tier_note(s, t)])
+    return _table(rows, left=(0, 6))
+
+
+def render_spill(s: pb.StatsResponse) -> str:
+    """The spill counters, as label/value rows (empty when the daemon has no spill tier)."""
+    has_ssd = any(t.tier == pb.TIER_SSD for t in s.tiers)
+    if not any(t.tier in (pb.TIER_SSD, pb.TIER_SHARED) for t in s.tiers):
+        return ""
+    faults = ", ".join(f"{k} {v}" for k, v in sorted(s.spill_faults.items())) or "none"
+    rows = [
+        ["demotions", str(s.demotions)],
+        ["promotions", str(s.promotions)],
+        ["prefetches", f"{s.prefetches} ({s.prefetch_hits} found in DRAM by acquire)"],
+        ["spill queue", f"{s.spill_queue_depth} blocks in flight"],
+        ["backpressure waits", str(s.backpressure_waits)],
+        ["checksum failures", str(s.spill_checksum_failures)],
+        ["faults", faults],
+    ]
+    if has_ssd:
+        rows += [
+            ["ssd direct I/O", "yes" if s.ssd_direct_io else "no (buffered)"],
+            ["ssd adopted", f"{s.ssd_adopted_blocks} blocks in {s.ssd_adopt_seconds:.3f} s"],
+        ]
+    out = ["spill:"] + ["  " + line for line in _table(rows, left=(0, 1)).splitlines()]
+    out += [f"  dropped spill file: {f}" for f in s.dropped_spill_files]
+    return "\n".join(out)
+
+
 def render_stats(s: pb.StatsResponse) -> str:
-    tier_names = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_SHARED: "shared"}
     out = [
         f"kvtierd {s.daemon_version}  epoch {s.boot_epoch}  up {s.uptime_seconds:.0f} s  "
         f"sessions {s.sessions}  leases {s.leases}  reservations {s.reservations}  "
@@ -93,13 +148,11 @@ def render_stats(s: pb.StatsResponse) -> str:
         f"memory locked: {'yes' if s.mlocked else 'NO: ' + s.mlock_error}  "
         f"pre-fault time: {s.prefault_seconds:.2f} s",
         "",
+        render_tiers(s),
     ]
-    rows = [["tier", "total", "free", "reserved", "committed", "blocks"]]
-    for t in s.tiers:
-        rows.append([tier_names.get(t.tier, "?"), human_bytes(t.total_bytes),
-                     human_bytes(t.free_bytes), human_bytes(t.reserved_bytes),
-                     human_bytes(t.committed_bytes), str(t.committed_blocks)])
-    out.append(_table(rows))
+    spill = render_spill(s)
+    if spill:
+        out += ["", spill]
     if s.namespaces:
         out.append("")
         out.append(render_namespaces(s))

@@ -31,6 +31,9 @@ from typing import Any, Final
 import numpy as np
 
 LAYOUTS: Final = ("kv", "fused", "single")
+#: Sizes of the dtypes numpy lacks, so a torch-only install (no ml_dtypes) can size a page.
+_ITEMSIZES: Final = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+                     "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
 
 
 class GeometryMismatch(ValueError):
@@ -65,7 +68,8 @@ class PagedKVLayout:
 
     @property
     def itemsize(self) -> int:
-        return dtype_of(self.dtype).itemsize
+        size = _ITEMSIZES.get(self.dtype)
+        return size if size is not None else dtype_of(self.dtype).itemsize
 
     @property
     def array_page_shape(self) -> tuple[int, int, int]:
@@ -108,7 +112,8 @@ def dtype_of(name: str) -> np.dtype[Any]:
     except TypeError:
         import ml_dtypes  # jax's dependency: bfloat16, float8_*
 
-        return np.dtype(getattr(ml_dtypes, name))
+        dtype: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name))
+        return dtype
 
 
 def layout_of(cache: Sequence[Any]) -> PagedKVLayout:

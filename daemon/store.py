@@ -1031,11 +1031,13 @@ class Store:
     # ================================================================ accounting
     @property
     def lease_count(self) -> int:
-        return len(self._leases)
+        """Leases held by clients (the tiering layer's own pins are not counted)."""
+        return sum(1 for lease in self._leases.values() if not lease.session.system)
 
     @property
     def reservation_count(self) -> int:
-        return len(self._reservations)
+        """Reservations open by clients (promotions in flight are not counted)."""
+        return sum(1 for r in self._reservations.values() if not r.session.system)
 
     def dram_bytes(self) -> dict[str, int]:
         """Tier accounting: total = free + reserved + committed (bytes of slots)."""

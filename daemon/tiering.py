@@ -231,6 +231,7 @@ class Tiering:
         return tiers
 
     async def _locate(self, ns: Namespace, keys: Sequence[bytes]) -> list[int]:
+        """The tier of each key of the longest prefix some tier holds (fastest tier wins)."""
         tiers: list[int] = []
         mh = self._model_hash(ns)
         i = 0
@@ -241,11 +242,16 @@ class Tiering:
             elif self._on_ssd(ns, key, mh):
                 tiers.append(TIER_SSD)
             elif self.shared is not None:
-                run = await self._run(self.shared.count_prefix, ns.name, list(keys[i:]))
-                if run == 0:
-                    break
+                # The run of keys only the shared tier can hold: one stat each, off the loop.
+                j = i + 1
+                while j < len(keys) and keys[j] not in ns.index and not self._on_ssd(
+                        ns, keys[j], mh):
+                    j += 1
+                run = await self._run(self.shared.count_prefix, ns.name, list(keys[i:j]))
                 tiers.extend([TIER_SHARED] * run)
-                i += run
+                if run < j - i:
+                    break
+                i = j
                 continue
             else:
                 break

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import pytest
 
@@ -62,7 +62,9 @@ class DaemonProc:
 
 
 def start_daemon(base: str, *extra: str, capacity: str = TEST_CAPACITY,
-                 extent: str = TEST_EXTENT, shm_dir: str | None = None) -> DaemonProc:
+                 extent: str = TEST_EXTENT, shm_dir: str | None = None,
+                 env: Mapping[str, str] | None = None) -> DaemonProc:
+    """Start kvtierd with a clean environment (no inherited ``KVTIER_*``) plus ``env``."""
     socket_dir = os.path.join(base, "sock")
     shm_dir = shm_dir or f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}"
     log_path = os.path.join(base, f"kvtierd-{uuid.uuid4().hex[:6]}.log")
@@ -76,9 +78,11 @@ def start_daemon(base: str, *extra: str, capacity: str = TEST_CAPACITY,
         "--set", "log.level=debug",
         *extra,
     ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    child_env.update(env or {})
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env, text=True)
+        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=child_env,
+                                text=True)
     d = DaemonProc(proc, socket_dir, shm_dir, log_path, args)
     try:
         wait_serving(socket_dir, proc)

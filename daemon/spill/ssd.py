@@ -134,6 +134,9 @@ class SsdTier:
         self.direct = False
         self.direct_error: str | None = None
         self._lock = threading.Lock()
+        # Signalled when a file is created (writers of that slot size wait for it).
+        self._room = threading.Condition(self._lock)
+        self._creating: set[int] = set()
         self.index: dict[tuple[str, bytes], SsdEntry] = {}
         self.lru: collections.OrderedDict[SsdEntry, None] = collections.OrderedDict()
         self.files: dict[int, list[SpillFile]] = {}
@@ -452,14 +455,26 @@ class SsdTier:
 
     # ---------------------------------------------------------------- allocation
     def _allocate(self, slot_bytes: int) -> tuple[SpillFile, int]:
-        """A slot of ``slot_bytes`` owned by the caller (``busy``): free, new file, or evicted."""
+        """A slot of ``slot_bytes`` owned by the caller (``busy``).
+
+        In order: a free slot; a new file while the budget allows (one creator
+        per slot size at a time -- the others wait for its file rather than
+        each taking budget for one); the budget of an empty file of another
+        size; the least recently used entry of this size; a whole file of
+        another size, emptied.
+        """
         while True:
-            with self._lock:
+            with self._room:
                 found = self._pop_free(slot_bytes)
                 if found is not None:
                     return found
+                if slot_bytes in self._creating:
+                    self._room.wait(timeout=1.0)
+                    continue
                 layout = fmt.SpillLayout.fit(
                     slot_bytes, min(self.file_bytes, self.capacity - self.file_budget_used))
+                if layout is None and self._retire_empty_file(slot_bytes):
+                    continue
                 victim: SsdEntry | None = None
                 if layout is None:
                     try:
@@ -467,6 +482,7 @@ class SsdTier:
                     except _Retry:
                         continue
                 else:
+                    self._creating.add(slot_bytes)
                     self.file_budget_used += layout.file_bytes
                     index = self._next_index
                     self._next_index += 1
@@ -476,7 +492,9 @@ class SsdTier:
             try:
                 f = self._create_file(layout, index)
             except OSError as exc:
-                with self._lock:
+                with self._room:
+                    self._creating.discard(slot_bytes)
+                    self._room.notify_all()
                     self.file_budget_used -= layout.file_bytes
                     if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.files:
                         raise
@@ -489,11 +507,15 @@ class SsdTier:
                             self.capacity)
                 continue
             except BaseException:
-                with self._lock:
+                with self._room:
+                    self._creating.discard(slot_bytes)
+                    self._room.notify_all()
                     self.file_budget_used -= layout.file_bytes
                 raise
-            with self._lock:
+            with self._room:
                 self.files.setdefault(slot_bytes, []).append(f)
+                self._creating.discard(slot_bytes)
+                self._room.notify_all()
 
     def _pop_free(self, slot_bytes: int) -> tuple[SpillFile, int] | None:
         for f in self.files.get(slot_bytes, ()):
@@ -539,8 +561,29 @@ class SsdTier:
                 buf.close()
         return victim.file, victim.slot
 
+    def _retire_empty_file(self, slot_bytes: int) -> bool:
+        """Give back the budget of an empty file of another slot size (lock held)."""
+        for size, fs in self.files.items():
+            if size == slot_bytes:
+                continue
+            for f in fs:
+                if f.committed == 0 and not f.busy:
+                    self._forget_file(f)
+                    return True
+        return False
+
+    def _forget_file(self, f: SpillFile) -> None:
+        """Take a file out of the tier and delete it in the background (lock held)."""
+        self.files[f.slot_bytes].remove(f)
+        if not self.files[f.slot_bytes]:
+            del self.files[f.slot_bytes]
+        self.file_budget_used -= f.layout.file_bytes
+        self._pending_frees.discard(f)
+        threading.Thread(target=self._retire_file, args=(f,), daemon=True).start()
+
     def _reclaim_other_size(self, slot_bytes: int) -> bool:
-        """Budget is held by files of other slot sizes: empty one and delete it (lock held)."""
+        """Budget is held by files of other slot sizes: empty the one holding the least
+        recently used block, evicting its blocks, and delete it (lock held)."""
         for e in self.lru:
             f = e.file
             if f.slot_bytes == slot_bytes or f.busy:
@@ -552,20 +595,10 @@ class SsdTier:
                 del self.index[(x.namespace, x.key)]
                 del self.lru[x]
                 self.counters.evictions += 1
-            self.files[f.slot_bytes].remove(f)
-            self.file_budget_used -= f.layout.file_bytes
-            self._pending_frees.discard(f)
-            threading.Thread(target=self._retire_file, args=(f,), daemon=True).start()
+            f.committed = 0
+            self._forget_file(f)
             return True
-        for fs in self.files.values():
-            for f in fs:
-                if f.slot_bytes != slot_bytes and f.committed == 0 and not f.busy:
-                    fs.remove(f)
-                    self.file_budget_used -= f.layout.file_bytes
-                    self._pending_frees.discard(f)
-                    threading.Thread(target=self._retire_file, args=(f,), daemon=True).start()
-                    return True
-        return False
+        return self._retire_empty_file(slot_bytes)
 
     def _retire_file(self, f: SpillFile) -> None:
         with f.io_lock:  # a table write in flight finishes first; later ones see retired
