@@ -58,9 +58,12 @@ ENV PATH=/opt/kvtier/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     KVTIER_SOCKET_DIR=/run/kvtier \
     KVTIER_DRAM_SHM_DIR=/dev/shm/kvtier \
+    KVTIER_SPILL_SSD_DIR=/var/lib/kvtier/spill \
     KVTIER_METRICS_ADDRESS=0.0.0.0:9464
-# The socket directory is what client containers share with the daemon.
+# The socket directory is what client containers share with the daemon; the SSD
+# tier spills to /var/lib/kvtier/spill: mount the host's NVMe directory there.
 VOLUME /run/kvtier
+VOLUME /var/lib/kvtier
 # Prometheus metrics (informational; publish with -p 9464:9464 if wanted).
 EXPOSE 9464
 USER 10001:10001

@@ -45,7 +45,7 @@ def start(sock_dir: str, shm_dir: str, capacity: int, notify: socket.socket,
         [sys.executable, "-m", "kvtierd", "--set", f"server.socket_dir={sock_dir}",
          "--set", f"dram.shm_dir={shm_dir}", "--set", f"dram.capacity={capacity}",
          "--set", "dram.extent_size=256MiB", "--set", "metrics.address=",
-         "--set", "log.level=warning"],
+         "--set", "log.level=warning", "--set", "spill.ssd_dir="],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     notify.settimeout(600)

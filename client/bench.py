@@ -332,6 +332,7 @@ def own_daemon(workdir: str, capacity: int, extent: int, info: dict[str, Any]) -
         "--set", f"dram.capacity={capacity}",
         "--set", f"dram.extent_size={extent}",
         "--set", "metrics.address=",
+        "--set", "spill.ssd_dir=",  # DRAM only: the figures are about shared memory
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     info.update(own=True, capacity=capacity, extent_size=extent, shm_dir=shm_dir, args=args[1:])

@@ -64,6 +64,7 @@ __all__ = [
     "ReservationConfig",
     "ServerConfig",
     "SpillConfig",
+    "default_spill_dir",
     "config_to_dict",
     "format_duration",
     "format_size",
@@ -109,8 +110,8 @@ DEFAULT_RESERVATION_TTL: Final = 60.0
 DEFAULT_METRICS_ADDRESS: Final = "127.0.0.1:9464"
 #: Lifecycle events and errors without per-call noise.
 DEFAULT_LOG_LEVEL: Final = "info"
-#: A size most NVMe spill partitions can give; production sets the real budget.
-DEFAULT_SSD_CAPACITY: Final = 16 * GiB
+#: A modest share of a laptop's disk (4x the default DRAM pool); production sets the budget.
+DEFAULT_SSD_CAPACITY: Final = 4 * GiB
 #: Few files (one fd each) yet a small budget still gets several of them.
 DEFAULT_SSD_FILE_SIZE: Final = 1 * GiB
 #: Keep the oldest 10% of DRAM spilled ahead of need, so an eviction rarely waits.
@@ -533,6 +534,19 @@ def _parse_fraction(value: object, key: str) -> float:
     return float(value)
 
 
+def default_spill_dir(env: Mapping[str, str], instance: str) -> str:
+    """Where the SSD tier spills unless configured: the service's or the user's state dir.
+
+    ``$STATE_DIRECTORY`` (systemd's ``StateDirectory=``) ``/<instance>/spill``, else
+    ``$XDG_STATE_HOME`` (default ``~/.local/state``) ``/kvtier/<instance>/spill``.
+    """
+    state = env.get("STATE_DIRECTORY", "").split(":")[0]
+    if state:
+        return os.path.join(state, instance, "spill")
+    xdg = env.get("XDG_STATE_HOME", "") or os.path.join(_home(env), ".local", "state")
+    return os.path.join(xdg, "kvtier", instance, "spill")
+
+
 def _home(env: Mapping[str, str]) -> str:
     home = env.get("HOME", "")
     return home if home else pwd.getpwuid(os.getuid()).pw_dir
@@ -773,7 +787,7 @@ def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
             return ""
         return parse_path(value, key)
 
-    ssd_dir = take("spill.ssd_dir", parse_optional_path, "")
+    ssd_dir = take("spill.ssd_dir", parse_optional_path, default_spill_dir(env, instance))
     shared_dir = take("spill.shared_dir", parse_optional_path, "")
     for a, b in ((ssd_dir, shared_dir), (ssd_dir, dram.shm_dir), (shared_dir, dram.shm_dir)):
         if a and b and (a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)):

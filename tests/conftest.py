@@ -76,6 +76,9 @@ def start_daemon(base: str, *extra: str, capacity: str = TEST_CAPACITY,
         "--set", f"dram.extent_size={extent}",
         "--set", "metrics.address=127.0.0.1:0",
         "--set", "log.level=debug",
+        # No SSD tier unless a test asks for one (its later --set wins): by default it
+        # would spill under ~/.local/state, shared by every test.
+        "--set", "spill.ssd_dir=",
         *extra,
     ]
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}

@@ -458,6 +458,7 @@ def _image_env(workdir: str, shm_dir: str) -> dict[str, str]:
     env.update({
         "KVTIER_SOCKET_DIR": os.path.join(workdir, "sock"),
         "KVTIER_DRAM_SHM_DIR": shm_dir,
+        "KVTIER_SPILL_SSD_DIR": os.path.join(workdir, "spill"),
         "KVTIER_METRICS_ADDRESS": "127.0.0.1:0",
         "KVTIER_DRAM_CAPACITY": "32MiB",
         "KVTIER_DRAM_EXTENT_SIZE": "4MiB",

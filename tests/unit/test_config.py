@@ -29,7 +29,9 @@ from kvtierd.config import (
     MetricsConfig,
     ReservationConfig,
     ServerConfig,
+    SpillConfig,
     config_to_dict,
+    default_spill_dir,
     format_duration,
     format_size,
     load_config,
@@ -82,6 +84,7 @@ def expected_defaults(e: Mapping[str, str] = BASE_ENV, instance: str = "default"
         ),
         leases=LeaseConfig(ttl=300.0),
         reservations=ReservationConfig(ttl=60.0),
+        spill=SpillConfig(ssd_dir=default_spill_dir(e, instance)),
         metrics=MetricsConfig(address="127.0.0.1:9464", host="127.0.0.1", port=9464),
         log=LogConfig(level="info"),
     )
@@ -118,6 +121,17 @@ def test_socket_dir_without_xdg_is_per_uid_under_tmp() -> None:
 def test_socket_dir_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVTIER_SOCKET_DIR", "/from/environ")
     assert default_socket_dir() == "/from/environ"
+
+
+def test_spill_dir_defaults_to_the_state_directory() -> None:
+    assert default_spill_dir({"HOME": "/h"}, "a") == "/h/.local/state/kvtier/a/spill"
+    assert default_spill_dir({"HOME": "/h", "XDG_STATE_HOME": "/s"}, "a") == \
+        "/s/kvtier/a/spill"
+    # systemd's StateDirectory= (several are ':'-separated; the first is ours)
+    assert default_spill_dir({"HOME": "/h", "STATE_DIRECTORY": "/var/lib/kvtier:/x"}, "b") \
+        == "/var/lib/kvtier/b/spill"
+    assert load(env={**BASE_ENV, "KVTIER_SPILL_SSD_DIR": ""}).spill.ssd_dir == ""
+    assert load(overrides=["spill.ssd_dir="]).spill.ssd_dir == ""
 
 
 def test_socket_names_and_shm_dir() -> None:
@@ -253,6 +267,17 @@ leases:
   ttl: 5m
 reservations:
   ttl: 10
+spill:
+  ssd_dir: /mnt/nvme/kvt
+  ssd_capacity: 1TiB
+  ssd_file_size: 2GiB
+  ssd_direct_io: true
+  shared_dir: /lustre/kvt
+  shared_write: commit
+  clean_ahead: 0.25
+  queue_depth: 8
+  io_threads: 2
+  backpressure_timeout: 3s
 metrics:
   address: "[::1]:0"
 log:
@@ -266,6 +291,8 @@ log:
         dram=DramConfig("/dev/shm/custom", 64 * 1024**3, 1024**3, 8, False),
         leases=LeaseConfig(300.0),
         reservations=ReservationConfig(10.0),
+        spill=SpillConfig("/mnt/nvme/kvt", 1024**4, 2 * 1024**3, "true", "/lustre/kvt",
+                          "commit", 0.25, 8, 2, 3.0),
         metrics=MetricsConfig("[::1]:0", "::1", 0),
         log=LogConfig("debug"),
     )
