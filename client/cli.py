@@ -177,6 +177,10 @@ def _as_json(s: pb.StatsResponse) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # the demo parses its own options (kvtier demo --help)
+        from kvtier.demo.run import main as demo_main
+
+        return demo_main(argv[1:])
     if "bench" in argv:  # everything after the word goes to the benchmark untouched
         at = argv.index("bench")
         head, rest = argv[:at], argv[at + 1 :]
@@ -198,7 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("health", help="exit 0 when the daemon answers SERVING (for health checks)")
     sub.add_parser("check", help="cross-check the daemon's index and slot tables (exit 1 on problems)")
     sub.add_parser("bench", help="throughput and latency benchmark (kvtier bench --help)")
+    sub.add_parser("demo", help="TTFT demo: a JAX model reuses its prompt's KV through a private "
+                   "kvtierd (kvtier demo --help; needs kvtier[demo])")
     args = p.parse_args(argv)
+    if args.cmd == "demo":  # `kvtier --socket DIR demo`: the demo runs a daemon of its own
+        from kvtier.demo.run import main as demo_main
+
+        return demo_main([])
     try:
         if args.cmd == "health":
             status = health(args.socket)

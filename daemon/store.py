@@ -502,7 +502,11 @@ class Store:
                 ext = block.extent
                 if ext.reserved == 0 and ext.pinned == 0 and not block.ns.grow_lock.locked():
                     if spill and ext.dirty:
+                        # In LRU order this extent goes before anything younger: it is
+                        # reclaimed once its DIRTY blocks are demoted.
                         dirty_ext.append(ext)
+                        if not reclaim:
+                            break
                     else:
                         reclaim.append(ext)
                         reclaim_bytes += ext.bytes
@@ -521,7 +525,7 @@ class Store:
             # Room comes once DIRTY blocks are demoted: ours, or those holding an extent of
             # another namespace back from reclaim, or the ones being demoted right now.
             wanted = dirty_ns[: short - len(same_ns)]
-            if len(same_ns) + len(dirty_ns) < short and dirty_ext:
+            if dirty_ext and (len(same_ns) + len(dirty_ns) < short or not reclaim):
                 ext = dirty_ext[0]
                 owner = self.namespaces[ext.segment.namespace]
                 wanted += [b for b in owner.index.values()

@@ -280,3 +280,26 @@ def test_dram_blocks_with_an_ssd_copy_are_clean_after_restart(shm_dir: str,
             senv.store.close_all()
 
     asyncio.run(go())
+
+
+def test_another_namespace_older_extent_is_demoted_not_our_newer_blocks(
+        shm_dir: str, disk_dir: str) -> None:
+    """LRU order across namespaces: A's old, half-empty extent is demoted and reclaimed
+    for B, rather than B churning through its own newer blocks while A holds DRAM."""
+
+    async def go() -> None:
+        async with tiered(shm_dir, ssd_dir=disk_dir) as env:
+            a, b = env.session("A"), env.session("B")
+            old = keys(5, "a")
+            await env.put(a, old)  # one extent of A, mostly free slots
+            newer = keys(60, "b")
+            for i in range(0, 60, 6):
+                await env.put(b, newer[i : i + 6])
+            await env.settle()
+            assert await env.t.lookup(a, old) == [TIER_SSD] * 5
+            assert not a.ns.extents  # reclaimed for B
+            assert len(b.ns.extents) == 2
+            got, tiers = await env.get(a, old)
+            assert got == [payload(k) for k in old] and tiers == [TIER_SSD] * 5
+
+    asyncio.run(go())
