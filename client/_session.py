@@ -14,7 +14,8 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+import types
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -102,6 +103,10 @@ class SegmentMaps:
 
     def __contains__(self, segment_id: int) -> bool:
         return segment_id in self._maps
+
+    def mappings(self) -> Mapping[int, mmap.mmap]:
+        """segment id -> mmap of every segment mapped now (read-only; for cudaHostRegister)."""
+        return types.MappingProxyType(self._maps)
 
     def missing(self, segment_ids: Iterable[int]) -> list[int]:
         return sorted({s for s in segment_ids if s not in self._maps})

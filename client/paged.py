@@ -25,12 +25,16 @@ transposition), so a load into a cache of the same layout is bit-exact.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import re
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, TypedDict
 
 import numpy as np
 
 LAYOUTS: Final = ("kv", "fused", "single")
+#: The daemon's limit on namespace names (characters of [A-Za-z0-9._/-]).
+_NAME_MAX: Final = 128
 #: Sizes of the dtypes numpy lacks, so a torch-only install (no ml_dtypes) can size a page.
 _ITEMSIZES: Final = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
                      "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
@@ -167,3 +171,36 @@ def _dtype_name(dtype: Any) -> str:
     """'bfloat16', 'float16', ... for numpy, JAX and torch dtypes alike."""
     text = str(dtype)
     return text.removeprefix("torch.")
+
+
+class NamespaceArgs(TypedDict):
+    """Keyword arguments of ``kvtier.Client`` for a cache geometry."""
+
+    namespace: str
+    block_bytes: int
+    model_uid: str
+
+
+def namespace_for(layout: PagedKVLayout, model: str) -> NamespaceArgs:
+    """``Client`` keywords for caches of ``layout`` of model ``model`` (a name with revision).
+
+    The namespace name spells out the geometry, so caches whose pages differ
+    (even with equal ``block_bytes``: "kv" vs "fused") never share blocks::
+
+        kvtier.Client(socket_dir, **kvtier.paged.namespace_for(layout, "qwen3-8b@2025-05"))
+
+    ``model`` is the ``model_uid`` as given; in the name (at most 128
+    characters of ``[A-Za-z0-9._/-]``) other characters become ``-`` and a
+    long model name is shortened to a prefix plus a hash of it.  Two models
+    whose names collide that way are still kept apart: the daemon refuses a
+    namespace declared again with another ``model_uid``.
+    """
+    geometry = (f"{layout.layout}-L{layout.num_layers}-p{layout.page_tokens}"
+                f"-h{layout.kv_heads}-d{layout.head_dim}-{layout.dtype}")
+    name = re.sub(r"[^A-Za-z0-9._/-]", "-", model) or "-"
+    room = _NAME_MAX - len(geometry) - 1
+    if len(name) > room:
+        digest = hashlib.sha256(model.encode()).hexdigest()[:16]
+        name = f"{name[: room - len(digest) - 1]}-{digest}"
+    return NamespaceArgs(namespace=f"{name}/{geometry}", block_bytes=layout.block_bytes,
+                         model_uid=model)

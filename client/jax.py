@@ -1,0 +1,354 @@
+"""Save and load pages of a JAX paged KV cache through kvtierd (``pip install kvtier[jax]``).
+
+One block is one page of every layer (layout: :mod:`kvtier.paged`), so a
+prompt prefix of ``n`` pages is ``n`` keys from ``kvtier.block_keys``::
+
+    import kvtier, kvtier.jax as kj
+
+    cache = [(k, v) for k, v in kv_arrays]   # per layer [pages, page_tokens, kv_heads, head_dim]
+    layout = kj.layout_of(cache)             # kj.fused_layout_of(...) for vLLM-TPU caches
+    with kvtier.Client(**kj.namespace_for(layout, "llama3-8b@rev1")) as client:
+        keys = kvtier.block_keys(token_ids, layout.page_tokens, salt=b"tenant")
+        kj.save(client, cache, page_ids, keys)         # skips keys already stored
+        # ... later, in this or any other process on the host:
+        cache, n = kj.load(client, keys, cache, free_page_ids)
+        # pages free_page_ids[:n] now hold the first n blocks; the old cache
+        # arrays were donated (updated in place) and must not be used again
+
+Copies per page (a page of all layers), by backend and direction:
+
+* ``save`` on CPU: **1** -- the jax buffers are read through zero-copy numpy
+  views (``np.asarray``) and each block is gathered from the layers' page
+  slices straight into its shared-memory slot (``_accel.gather``, GIL
+  released).  On GPU/TPU: the wanted pages are first gathered on the device
+  (``jnp.take``, one device-local copy), then one device->host transfer per
+  layer array moves only those pages (all transfers in flight together), then
+  one host copy into the slot; the runtime may stage the transfer through a
+  pinned buffer (one more host copy).
+* ``load`` on CPU: **1** -- each leased slot is aliased as a jax array with no
+  copy (``jax.device_put(..., may_alias=True)`` of a numpy view of the slot;
+  the tests check the pointers), and a jitted ``dynamic_update_slice`` with
+  the cache donated copies each page from the slot into the cache in place
+  (the tests check that the cost does not grow with the cache).  On GPU/TPU:
+  ``jax.device_put`` of the slot views (one host->device transfer per block;
+  the runtime may stage it through a pinned buffer first), then the same
+  in-place update on the device (one device-local copy).
+
+Pages move as their bits (unsigned ints of the dtype's width, bitcast inside
+the jitted functions at no cost), never as floats: XLA's CPU backend computes
+bfloat16 in float32 and would otherwise turn signalling NaNs into quiet ones
+(and rewrite the whole array on every update).  Every dtype is byte-exact.
+
+The lease is held until every copy out of shared memory has finished
+(``block_until_ready``), so the daemon cannot reuse a slot while it is read.
+
+``jax.dlpack.from_dlpack`` is not used for the aliasing: jax asks numpy for a
+legacy (unversioned) DLPack capsule, which numpy refuses for read-only arrays
+(leased slots are read-only) and which cannot carry bfloat16 or the float8
+types at all.  ``device_put(may_alias=True)`` aliases all of them on CPU when
+the address is 64-byte aligned (slots are page aligned); where it cannot, it
+copies, which is slower but still correct.
+
+A cache sharded over several devices (e.g. tensor parallel, heads split)
+works: ``save`` then takes the device-gather path, ``load`` places each block
+with the sharding of the cache's first array.  The page axis (axis 0) should
+not be sharded.  Compilation: ``load`` compiles one small function per cache
+geometry (and group of up to 8 arrays), ``save`` on accelerators one gather
+per batch-size bucket.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any, TypeVar, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
+from jax import lax
+
+from kvtier import _accel
+from kvtier.client import Client
+from kvtier.paged import (
+    GeometryMismatch,
+    NamespaceArgs,
+    PagedKVLayout,
+    dtype_of,
+    fused_layout_of,
+    layout_of,
+    namespace_for,
+)
+
+#: A layer: one array (layouts "fused", "single") or a (k, v) pair (layout "kv").
+Layer = TypeVar("Layer", jax.Array, tuple[jax.Array, jax.Array])
+
+
+#: Arrays one jitted update takes (bounds its compile time; see _update_group).
+_GROUP = 8
+#: Page batches of the device-side gather (save, accelerators) are padded to
+#: powers of two up to this, then to its multiples, to bound recompilation.
+_CHUNK = 16
+
+
+def save(client: Client, cache: Sequence[Layer], page_ids: Sequence[int] | npt.ArrayLike,
+         keys: Sequence[bytes], *, layout: PagedKVLayout | None = None) -> int:
+    """Store page ``page_ids[i]`` of ``cache`` under ``keys[i]``; returns how many were written.
+
+    Keys already stored (or being written by another client) are skipped;
+    their pages are not read.  One Reserve and one Commit for the whole batch.
+    ``layout`` defaults to ``layout_of(cache)`` (pass ``fused_layout_of(cache)``
+    for a vLLM-TPU cache).  Raises ``GeometryMismatch`` when the cache does
+    not match ``layout`` or the client's ``block_bytes``, ValueError for bad
+    page ids.
+    """
+    lay, arrays = _prepare(client, cache, layout)
+    ids = _page_ids(page_ids, len(keys), int(arrays[0].shape[0]), unique=False)
+    if not ids:
+        return 0
+    with client.reserve(keys) as r:
+        todo = r.reserved
+        if todo:
+            pages = [ids[i] for i in todo]
+            host = _host_views(arrays)
+            if host is not None:  # one CPU device: read the jax buffers in place
+                for i, page in zip(todo, pages, strict=True):
+                    _accel.gather(_slot(r.buffers[i]), [h[page] for h in host])
+            else:  # accelerators: move only the wanted pages, one transfer per array
+                staged = _stage(arrays, pages)
+                for k, i in enumerate(todo):
+                    _accel.gather(_slot(r.buffers[i]), [s[k] for s in staged])
+                del staged
+            del host
+        return r.commit()
+
+
+def load(client: Client, keys: Sequence[bytes], cache: Sequence[Layer],
+         page_ids: Sequence[int] | npt.ArrayLike, *, layout: PagedKVLayout | None = None,
+         donate: bool = True) -> tuple[list[Layer], int]:
+    """Fill ``page_ids[i]`` from the block of ``keys[i]`` for the leading stored keys.
+
+    Returns the new cache (same structure as ``cache``) and the number of
+    pages loaded, ``n``: the blocks of ``keys[:n]`` are stored, ``keys[n]``
+    is not.  Other pages keep their contents.  With ``donate`` (the default)
+    the cache arrays are donated and updated in place, so the arrays of
+    ``cache`` must not be used afterwards (unless ``n == 0``: then ``cache``'s
+    own arrays are returned).  ``donate=False`` leaves them valid at the
+    price of one copy of every array.  Raises as :func:`save`, and ValueError
+    when a page id appears twice.
+    """
+    lay, arrays = _prepare(client, cache, layout)
+    ids = _page_ids(page_ids, len(keys), int(arrays[0].shape[0]), unique=True)
+    if not ids:
+        return list(cache), 0
+    with client.acquire(keys) as lease:
+        n = lease.hits
+        if n == 0:
+            return list(cache), 0
+        blocks = _block_arrays(lease.views, lay, arrays[0].sharding)
+        if not donate:  # update copies instead, so the caller's arrays stay valid
+            arrays = [jnp.array(a, copy=True) for a in arrays]
+        for block, page in zip(blocks, ids, strict=False):  # ids[:n]
+            for first in range(0, len(arrays), _GROUP):
+                group = arrays[first : first + _GROUP]
+                arrays[first : first + _GROUP] = _update(group, block, page, first)
+        for a in arrays:  # every read of the slots is done: the lease may go
+            a.block_until_ready()
+        del blocks
+        lease.release(wait=False)
+    return cast(list[Layer], _rebuild(arrays, lay)), n
+
+
+# ---------------------------------------------------------------- internals
+def _prepare(client: Client, cache: Sequence[Layer],
+             layout: PagedKVLayout | None) -> tuple[PagedKVLayout, list[jax.Array]]:
+    lay = layout if layout is not None else layout_of(cache)
+    arrays = _flatten(cache, lay)
+    lay.check_block_bytes(client.block_bytes)
+    return lay, arrays
+
+
+def _flatten(cache: Sequence[Layer], lay: PagedKVLayout) -> list[jax.Array]:
+    """The cache's arrays in storage order, checked against ``lay``."""
+    if len(cache) != lay.num_layers:
+        raise GeometryMismatch(f"the cache has {len(cache)} layers, the layout "
+                               f"{lay.num_layers}")
+    want_shape = lay.array_page_shape
+    want_dtype = dtype_of(lay.dtype)
+    arrays: list[jax.Array] = []
+    for li, layer in enumerate(cache):
+        items = list(layer) if isinstance(layer, (tuple, list)) else [layer]
+        if len(items) != lay.arrays_per_layer:
+            raise GeometryMismatch(f"layer {li} has {len(items)} arrays, layout "
+                                   f"{lay.layout!r} has {lay.arrays_per_layer}")
+        for a in items:
+            if not isinstance(a, jax.Array):
+                raise TypeError(f"layer {li} holds a {type(a).__name__}, not a jax.Array")
+            shape = tuple(int(d) for d in a.shape)
+            if len(shape) != 4 or shape[1:] != want_shape or a.dtype != want_dtype:
+                raise GeometryMismatch(
+                    f"layer {li} has an array of shape {list(shape)} {a.dtype}; layout "
+                    f"{lay.layout!r} needs [pages, {', '.join(map(str, want_shape))}] "
+                    f"{lay.dtype} ({_differences(shape, str(a.dtype), want_shape, lay.dtype)})")
+            arrays.append(a)
+    pages = int(arrays[0].shape[0])
+    for a in arrays:
+        if int(a.shape[0]) != pages:
+            raise GeometryMismatch(f"arrays differ in page count ({a.shape[0]} != {pages})")
+    return arrays
+
+
+def _differences(shape: tuple[int, ...], dtype: str, want: tuple[int, int, int],
+                 want_dtype: str) -> str:
+    """What differs between an array and the layout, e.g. ``page_tokens 32 != 16``."""
+    if len(shape) != 4:
+        return f"{len(shape)} dimensions, not 4"
+    names = ("page_tokens", "heads", "head_dim")
+    out = [f"{n} {got} != {exp}" for n, got, exp in zip(names, shape[1:], want, strict=True)
+           if got != exp]
+    if dtype != want_dtype:
+        out.append(f"dtype {dtype} != {want_dtype}")
+    return ", ".join(out)
+
+
+def _rebuild(arrays: list[jax.Array],
+             lay: PagedKVLayout) -> list[jax.Array] | list[tuple[jax.Array, jax.Array]]:
+    """``arrays`` (storage order) as the layers of a cache of ``lay``."""
+    if lay.arrays_per_layer == 2:
+        return [(arrays[2 * i], arrays[2 * i + 1]) for i in range(lay.num_layers)]
+    return arrays
+
+
+def _page_ids(page_ids: Sequence[int] | npt.ArrayLike, n_keys: int, pages: int, *,
+              unique: bool) -> list[int]:
+    ids = np.asarray(page_ids)
+    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise ValueError(f"page_ids must be a 1-D sequence of ints, got {ids.dtype} {ids.shape}")
+    if len(ids) != n_keys:
+        raise ValueError(f"keys and page_ids differ in length ({n_keys} != {len(ids)})")
+    out = [operator.index(i) for i in ids.tolist()]
+    bad = [i for i in out if not 0 <= i < pages]
+    if bad:
+        raise ValueError(f"page id {bad[0]} is out of range: the cache has {pages} pages")
+    if unique and len(set(out)) != len(out):
+        dup = next(i for k, i in enumerate(out) if i in out[:k])
+        raise ValueError(f"page id {dup} appears twice: each block needs a page of its own")
+    return out
+
+
+def _bucket(n: int) -> int:
+    """Batch sizes the jitted functions see: powers of two up to _CHUNK, then its multiples."""
+    if n <= _CHUNK:
+        return 1 << (n - 1).bit_length()
+    return -(-n // _CHUNK) * _CHUNK
+
+
+def _slot(buf: np.ndarray | None) -> np.ndarray:
+    assert buf is not None  # reserved indices always have a buffer
+    return buf
+
+
+def _host_views(arrays: Sequence[jax.Array]) -> list[np.ndarray] | None:
+    """Zero-copy uint8 numpy views of arrays on one CPU device, else None.
+
+    The views must not outlive the call: while one exists jax cannot donate
+    the buffer (it silently copies instead).
+    """
+    for a in arrays:
+        devices = a.devices()
+        if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+            return None
+    # np.asarray of a CPU jax array is a read-only view of its buffer (checked by the
+    # tests); uint8 because bfloat16 cannot be exported through the buffer protocol.
+    return [_as_u8(np.asarray(a)) for a in arrays]
+
+
+def _as_u8(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint8)
+
+
+@jax.jit
+def _take(a: jax.Array, ids: jax.Array) -> jax.Array:
+    """Pages ``ids`` of ``a``, as unsigned ints of the same width (bits kept exactly)."""
+    return jnp.take(_as_bits(a), ids, axis=0, mode="clip")
+
+
+def _stage(arrays: Sequence[jax.Array], pages: list[int]) -> list[np.ndarray]:
+    """Only ``pages`` of each array, on the host: a device gather, then one transfer each."""
+    pad = _bucket(len(pages)) - len(pages)
+    ids = jnp.asarray(pages + [pages[-1]] * pad, dtype=jnp.int32)
+    gathered = [_take(a, ids) for a in arrays]
+    return [_as_u8(np.asarray(h)) for h in jax.device_get(gathered)]
+
+
+def _block_arrays(views: Sequence[np.ndarray], lay: PagedKVLayout,
+                  sharding: jax.sharding.Sharding) -> list[jax.Array]:
+    """Each leased block as a ``[arrays, page_tokens, heads, head_dim]`` jax array of its bits.
+
+    The dtype is the unsigned int of the cache dtype's width (see ``_as_bits``).
+
+    On a CPU device these alias the slots (no copy); elsewhere they are
+    transferred.  ``views`` are the lease's read-only uint8 views.
+    """
+    bits = _bits_dtype(dtype_of(lay.dtype))
+    shape = (lay.num_layers * lay.arrays_per_layer, *lay.array_page_shape)
+    typed = []
+    for i, v in enumerate(views):
+        if len(v) != lay.block_bytes:
+            raise GeometryMismatch(f"block {i} holds {len(v)} bytes, a page of this cache is "
+                                   f"{lay.describe()}")
+        typed.append(v.view(bits).reshape(shape))
+    out: list[jax.Array] = jax.device_put(typed, sharding, may_alias=True)
+    return out
+
+
+def _update_group(arrays: Sequence[jax.Array], block: jax.Array, page: int | jax.Array,
+                  first: int | jax.Array) -> list[jax.Array]:
+    """``arrays[g]`` with page ``page`` set to ``block[first + g]``, for each g.
+
+    ``block`` holds the bits of one block: unsigned ints of the width of the
+    cache's dtype (see ``_as_bits``).  One update of one page per array, so
+    XLA emits each as an in-place ``dynamic-update-slice`` of the donated
+    array with the slice of the block fused in: one copy per array page.
+    (A chain of updates of the same array, or a scatter, becomes a loop over
+    the whole array on CPU once the bitcasts are fused around it.)  Groups
+    of at most ``_GROUP`` arrays bound the compile time: one function serves
+    every group of a cache (``first`` is traced), so a layout compiles at
+    most twice, whatever its number of layers or of blocks loaded.
+    """
+    out = []
+    for g, a in enumerate(arrays):
+        src = lax.dynamic_slice_in_dim(block, first + g, 1, axis=0)
+        bits = lax.dynamic_update_slice_in_dim(_as_bits(a), src, page, axis=0)
+        out.append(lax.bitcast_convert_type(bits, a.dtype))
+    return out
+
+
+def _as_bits(a: jax.Array) -> jax.Array:
+    """``a`` reinterpreted as unsigned ints of its width (free: XLA makes it a bitcast).
+
+    Moving the bits rather than the floats keeps every byte: XLA's CPU backend
+    computes bfloat16 (and other narrow floats) in float32 and would quiet a
+    signalling NaN on the way.
+    """
+    return lax.bitcast_convert_type(a, _bits_dtype(a.dtype))
+
+
+def _bits_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    return np.dtype(f"u{dtype.itemsize}")
+
+
+_update = jax.jit(_update_group, donate_argnums=0)
+
+
+__all__ = [
+    "GeometryMismatch",
+    "NamespaceArgs",
+    "PagedKVLayout",
+    "fused_layout_of",
+    "layout_of",
+    "load",
+    "namespace_for",
+    "save",
+]
