@@ -1,11 +1,12 @@
-# The two commands: `make run` (the daemon on embedded defaults) and `make test`.
+# The two commands: `make run` (`kvtier demo`: a daemon on embedded defaults and a JAX
+# model loading its KV cache through it) and `make test`.  `make daemon` runs kvtierd alone.
 VENV ?= .venv
 # The torch adapter's tests run against this CPU build (empty: skip torch).
 TORCH ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install lint typecheck bench proto clean
+.PHONY: run daemon test install lint typecheck bench proto clean
 
 $(STAMP): pyproject.toml setup.py csrc/native.c $(wildcard csrc/third_party/xxhash/*) scripts/install.sh
 	VENV=$(VENV) TORCH=$(TORCH) scripts/install.sh
@@ -14,6 +15,9 @@ $(STAMP): pyproject.toml setup.py csrc/native.c $(wildcard csrc/third_party/xxha
 install: $(STAMP)
 
 run: $(STAMP)
+	$(VENV)/bin/kvtier demo
+
+daemon: $(STAMP)
 	$(VENV)/bin/kvtierd
 
 test: $(STAMP)
