@@ -14,8 +14,8 @@ served to a namespace declared differently), a write sequence (newest wins,
 LRU order after a restart), and an xxh3-64 of the entry itself so a torn
 table write is detected rather than believed.
 
-Commit order: the data is written (O_DIRECT), then the entry's table page,
-then one ``fdatasync`` covers both.  A crash between leaves either the old
+Commit order: the data is written (O_DIRECT); the changed table pages of a
+batch are written after all of its data, then one ``fdatasync`` covers both.  A crash between leaves either the old
 entry (whose checksum no longer matches the new data: dropped at its first
 read, never served) or the new one; nothing is served without its checksum.
 

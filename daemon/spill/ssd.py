@@ -62,6 +62,7 @@ class SpillFile:
     busy: set[int] = dataclasses.field(default_factory=set)
     committed: int = 0
     needs_sync: bool = False
+    dirty_pages: set[int] = dataclasses.field(default_factory=set)  # table pages to write
     retired: bool = False  # unlinked and closed (set under io_lock): no more table writes
     io_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -366,22 +367,19 @@ class SsdTier:
         f, slot = self._allocate(padded)
         try:
             self.io.pwrite(f.fd, src[:padded], f.data_offset(slot))
-            with self._lock:
-                self._seq += 1
-                seq = self._seq
-                e = SsdEntry(namespace, key, f, slot, length, checksum, block_bytes, mhash, seq)
-                f.table[slot * fmt.ENTRY_BYTES : (slot + 1) * fmt.ENTRY_BYTES] = fmt.pack_entry(
-                    fmt.EntryRecord(namespace, key, length, checksum, block_bytes, mhash, seq))
-            self._write_table_page(f, slot // fmt.ENTRIES_PER_PAGE)
         except BaseException:
             with self._lock:
-                f.table[slot * fmt.ENTRY_BYTES : (slot + 1) * fmt.ENTRY_BYTES] = bytes(
-                    fmt.ENTRY_BYTES)
                 f.busy.discard(slot)
                 f.free.append(slot)
-                self._pending_frees.add(f)
             raise
         with self._lock:
+            self._seq += 1
+            seq = self._seq
+            e = SsdEntry(namespace, key, f, slot, length, checksum, block_bytes, mhash, seq)
+            f.table[slot * fmt.ENTRY_BYTES : (slot + 1) * fmt.ENTRY_BYTES] = fmt.pack_entry(
+                fmt.EntryRecord(namespace, key, length, checksum, block_bytes, mhash, seq))
+            # The table page reaches the disk in sync(), once per batch, after the data.
+            f.dirty_pages.add(slot // fmt.ENTRIES_PER_PAGE)
             f.busy.discard(slot)
             f.committed += 1
             f.needs_sync = True
@@ -401,18 +399,27 @@ class SsdTier:
                 self.io.fdatasync(f.fd)
 
     def sync(self) -> None:
-        """Make every write so far durable (fdatasync each file written since)."""
+        """Make every write so far durable: each written file's changed table pages,
+        then one fdatasync per file (data, then entries, then the flush)."""
         with self._lock:
             files = [f for fs in self.files.values() for f in fs if f.needs_sync]
+            pages = {}
             for f in files:
                 f.needs_sync = False
+                pages[f], f.dirty_pages = f.dirty_pages, set()
+        done: set[SpillFile] = set()
         try:
             for f in files:
+                for page in sorted(pages[f]):
+                    self._write_table_page(f, page)
                 self._fdatasync(f)
+                done.add(f)
         except BaseException:
             with self._lock:
                 for f in files:
-                    f.needs_sync = True
+                    if f not in done:
+                        f.needs_sync = True
+                        f.dirty_pages |= pages[f]
             raise
 
     def flush_frees(self) -> None:

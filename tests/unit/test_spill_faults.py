@@ -311,7 +311,11 @@ def test_disk_full_makes_blocks_unspillable_and_dram_keeps_serving(
             t, ssd = env.t, ssd_of(env)
             assert rule.fired > 0
             assert t.counters.faults["ssd/enospc"] == rule.fired
-            assert t.counters.spill_failures["ssd"] == rule.fired
+            if where == "table":  # table pages are written once per batch, in sync():
+                # one failure fails its whole batch
+                assert t.counters.spill_failures["ssd"] >= rule.fired
+            else:
+                assert t.counters.spill_failures["ssd"] == rule.fired
             assert not t.counters.demotions and ssd.stats()["blocks"] == 0
             # DRAM evicted the oldest (UNSPILLABLE) blocks, and only those.
             assert env.senv.evicted and all(b.lower == Lower.UNSPILLABLE
