@@ -306,6 +306,10 @@ class Segment:
                              offset=TABLE_OFFSET)
         return view.copy() if copy else view
 
+    def unlink(self) -> None:
+        """Remove the file (the mapping stays valid until ``close``)."""
+        _unlink_quietly(self.path)
+
     def close(self, *, unlink: bool) -> None:
         """Unmap and close; with ``unlink`` also remove the file (its data is gone)."""
         try:

@@ -847,12 +847,15 @@ class Store:
         self.budget_free += ext.bytes
         log.info("reclaimed extent %d of namespace %r (%d bytes) %s",
                  ext.segment.index, ns, ext.bytes, why)
+        # Unlink now (a tmpfs metadata update): the budget is free again at once, so a
+        # crash before the background unmap must not find the file still counted.
+        ext.segment.unlink()
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            ext.segment.close(unlink=True)
+            ext.segment.close(unlink=False)
             return
-        fut = loop.run_in_executor(None, lambda: ext.segment.close(unlink=True))
+        fut = loop.run_in_executor(None, lambda: ext.segment.close(unlink=False))
         self._retiring.add(fut)
         fut.add_done_callback(self._retiring.discard)
 

@@ -70,6 +70,8 @@ TIER_NAMES: Final = {TIER_DRAM: "dram", TIER_SSD: "ssd", TIER_SHARED: "shared"}
 DEMOTER_TICK: Final = 0.25
 #: Bytes one demotion batch may carry before its fdatasync.
 BATCH_BYTES: Final = 64 << 20
+#: Rounds a delete waits for the demotions/promotions of its keys in flight.
+MAX_DELETE_WAITS: Final = 100
 #: Prefetches running at once (each is one promotion of a run of keys).
 MAX_PREFETCHES: Final = 16
 
@@ -140,6 +142,8 @@ class Tiering:
         self._promoting: dict[tuple[str, bytes], asyncio.Future[bool]] = {}
         self._demoting: dict[tuple[str, bytes], Block] = {}
         self._publishing = 0
+        self._forgotten = False  # SSD entries removed by the demoter, not flushed yet
+        self._deleting: set[tuple[str, bytes]] = set()  # keys a Delete is removing
         self._tasks: set[asyncio.Task[Any]] = set()
         self._demoter: asyncio.Task[None] | None = None
         self._prefetch_slots = asyncio.Semaphore(MAX_PREFETCHES)
@@ -237,6 +241,8 @@ class Tiering:
         i = 0
         while i < len(keys):
             key = keys[i]
+            if (ns.name, key) in self._deleting:
+                break
             if key in ns.index:
                 tiers.append(TIER_DRAM)
             elif self._on_ssd(ns, key, mh):
@@ -245,7 +251,7 @@ class Tiering:
                 # The run of keys only the shared tier can hold: one stat each, off the loop.
                 j = i + 1
                 while j < len(keys) and keys[j] not in ns.index and not self._on_ssd(
-                        ns, keys[j], mh):
+                        ns, keys[j], mh) and (ns.name, keys[j]) not in self._deleting:
                     j += 1
                 run = await self._run(self.shared.count_prefix, ns.name, list(keys[i:j]))
                 tiers.extend([TIER_SHARED] * run)
@@ -390,10 +396,10 @@ class Tiering:
         when only DIRTY blocks could make room."""
         exists = None
         if self.ssd is not None:
-            ns, mh, ssd = session.ns, self._model_hash(session.ns), self.ssd
+            ns, mh = session.ns, self._model_hash(session.ns)
 
             def exists(key: bytes) -> bool:
-                return ssd.find(ns.name, key, ns.block_bytes, mh) is not None
+                return self._on_ssd(ns, key, mh)
 
         return await self._reserve_with_backpressure(session, keys, exists)
 
@@ -487,7 +493,32 @@ class Tiering:
 
     # ================================================================ delete
     async def delete(self, session: Session, keys: Sequence[bytes]) -> int:
-        """Delete from every tier; returns how many keys were present in any."""
+        """Delete from every tier; returns how many keys were present in any.
+
+        Demotions and promotions of these keys in flight finish first: a
+        demotion would otherwise write the block to the SSD after its copy
+        there was removed, and a promotion commit it to DRAM again.
+        """
+        ns = session.ns
+        for _ in range(MAX_DELETE_WAITS):
+            busy = [f for k in keys if (f := self._promoting.get((ns.name, k))) is not None]
+            moving = any((ns.name, k) in self._demoting for k in keys)
+            if not busy and not moving:
+                break
+            progress = self._progress
+            if busy:
+                await asyncio.gather(*busy, return_exceptions=True)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(progress.wait(), timeout=1.0)
+        gone = [(ns.name, k) for k in keys]
+        self._deleting.update(gone)  # until the shared tier's files are gone too
+        try:
+            return await self._delete(session, keys)
+        finally:
+            self._deleting.difference_update(gone)
+
+    async def _delete(self, session: Session, keys: Sequence[bytes]) -> int:
         ns = session.ns
         present = set(k for k in keys if k in ns.index)
         self.store.delete(session, keys)
@@ -572,6 +603,12 @@ class Tiering:
                         self._forget(block)
                     self.store.set_lower(block, Lower.UNSPILLABLE)
                     self.counters.spill_failures[target] += 1
+            if self._forgotten and self.ssd is not None:
+                self._forgotten = False
+                try:
+                    await self._run(self.ssd.flush_frees)
+                except OSError as exc:
+                    self._fault("ssd", fault_kind(exc))
         finally:
             for b in batch:
                 self._demoting.pop((b.ns.name, b.key), None)
@@ -580,8 +617,10 @@ class Tiering:
             self._signal_progress()
 
     def _forget(self, block: Block) -> None:
+        """Undo a block's SSD copy (its FREE entry reaches the disk at the next flush)."""
         if self.ssd is not None:
             self.ssd.remove(block.ns.name, [block.key])
+            self._forgotten = True
 
     async def _sync(self) -> bool:
         if self.ssd is None:

@@ -34,6 +34,7 @@ class Worker:
         self.name = name
         self.err_path = err_path
         self.anomalies: list[str] = []
+        self.notes: list[str] = []  # NOTE lines: tolerated events the test counts
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -73,6 +74,8 @@ class Worker:
                                      f"before {prefix!r}; stderr: {self.stderr()}")
             if line.startswith("ANOMALY"):
                 self.anomalies.append(line)
+            elif line.startswith("NOTE"):
+                self.notes.append(line)
             elif line.startswith(prefix):
                 return line
 

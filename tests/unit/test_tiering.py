@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import threading
 
 from kvtierd.recovery import recover
 from kvtierd.spill.blockio import aligned_buffer
@@ -301,5 +302,87 @@ def test_another_namespace_older_extent_is_demoted_not_our_newer_blocks(
             assert len(b.ns.extents) == 2
             got, tiers = await env.get(a, old)
             assert got == [payload(k) for k in old] and tiers == [TIER_SSD] * 5
+
+    asyncio.run(go())
+
+
+# ================================================================ delete races
+def test_delete_during_its_demotion_stays_deleted_across_a_crash(shm_dir: str,
+                                                                  disk_dir: str) -> None:
+    """A Delete that meets its block half-way to the SSD waits for that write, then removes
+    it from every tier; the slot table on disk says FREE, so a restart does not revive it."""
+
+    async def go() -> None:
+        async with tiered(shm_dir, ssd_dir=disk_dir,
+                          policy=SpillPolicy(queue_depth=1, backpressure_timeout=5.0)) as env:
+            s, ssd = env.session(), env.t.ssd
+            assert ssd is not None
+            write_in, write_go = threading.Event(), threading.Event()
+            write = ssd.write
+
+            def slow_write(*a: object, **kw: object) -> object:
+                write_in.set()
+                write_go.wait(10)
+                return write(*a, **kw)  # type: ignore[arg-type]
+
+            ssd.write = slow_write  # type: ignore[method-assign]
+            for i in range(0, 30, 5):
+                await env.put(s, keys(30)[i : i + 5])  # DRAM full: the demoter takes the tail
+            while not write_in.is_set():
+                await asyncio.sleep(0.01)
+            ((_, k),) = env.t._demoting
+            delete = asyncio.ensure_future(env.t.delete(s, [k]))
+            await asyncio.sleep(0.05)
+            assert not delete.done()  # waits for the write in flight
+            write_go.set()
+            ssd.write = write  # type: ignore[method-assign]
+            assert await delete == 1
+            assert await env.t.lookup(s, [k]) == []
+            assert await env.put(s, [k], tag=b"again") == [ReserveStatus.RESERVED]
+            await env.t.delete(s, [k])
+            fresh = SsdTier(disk_dir, capacity=8 * MiB, file_bytes=2 * MiB)  # as after SIGKILL
+            fresh.open()
+            try:
+                assert ("A", k) not in fresh.index
+            finally:
+                fresh.close()
+
+    asyncio.run(go())
+
+
+def test_delete_racing_a_promotion_is_not_undone(shm_dir: str, disk_dir: str) -> None:
+    """Another session's acquire is reading the block from the SSD when the delete comes:
+    the delete waits for that promotion and then removes the promoted DRAM copy too."""
+
+    async def go() -> None:
+        async with tiered(shm_dir, ssd_dir=disk_dir) as env:
+            writer, reader = env.session(), env.session()
+            ks = keys(60)
+            for i in range(0, 60, 10):
+                await env.put(writer, ks[i : i + 10])
+            await env.settle()
+            k = next(x for x in ks if x not in writer.ns.index)
+            ssd = env.t.ssd
+            assert ssd is not None
+            read_in, read_go = threading.Event(), threading.Event()
+            read = ssd._read_verified
+
+            def slow_read(entry: object, dst: memoryview) -> None:
+                read_in.set()
+                read_go.wait(10)
+                read(entry, dst)  # type: ignore[arg-type]
+
+            ssd._read_verified = slow_read  # type: ignore[method-assign]
+            acquire = asyncio.ensure_future(env.get(reader, [k]))
+            while not read_in.is_set():
+                await asyncio.sleep(0.01)
+            delete = asyncio.ensure_future(env.t.delete(writer, [k]))
+            await asyncio.sleep(0.05)
+            read_go.set()
+            ssd._read_verified = read  # type: ignore[method-assign]
+            got, _ = await acquire
+            assert got == [payload(k)]  # the reader asked first: it gets the block
+            assert await delete == 1
+            assert await env.t.lookup(writer, [k]) == [] and k not in writer.ns.index
 
     asyncio.run(go())
