@@ -64,7 +64,6 @@ per batch-size bucket.
 from __future__ import annotations
 
 import ctypes
-import operator
 from collections.abc import Sequence
 from typing import Any, TypeVar, cast
 
@@ -80,10 +79,12 @@ from kvtier.paged import (
     GeometryMismatch,
     NamespaceArgs,
     PagedKVLayout,
+    differences,
     dtype_of,
     fused_layout_of,
     layout_of,
     namespace_for,
+    valid_page_ids,
 )
 
 #: A layer: one array (layouts "fused", "single") or a (k, v) pair (layout "kv").
@@ -109,7 +110,7 @@ def save(client: Client, cache: Sequence[Layer], page_ids: Sequence[int] | npt.A
     page ids.
     """
     lay, arrays = _prepare(client, cache, layout)
-    ids = _page_ids(page_ids, len(keys), int(arrays[0].shape[0]), unique=False)
+    ids = valid_page_ids(page_ids, len(keys), int(arrays[0].shape[0]), unique=False)
     if not ids:
         return 0
     with client.reserve(keys) as r:
@@ -144,7 +145,7 @@ def load(client: Client, keys: Sequence[bytes], cache: Sequence[Layer],
     when a page id appears twice.
     """
     lay, arrays = _prepare(client, cache, layout)
-    ids = _page_ids(page_ids, len(keys), int(arrays[0].shape[0]), unique=True)
+    ids = valid_page_ids(page_ids, len(keys), int(arrays[0].shape[0]), unique=True)
     if not ids:
         return list(cache), 0
     with client.acquire(keys) as lease:
@@ -199,7 +200,7 @@ def _flatten(cache: Sequence[Layer], lay: PagedKVLayout) -> list[jax.Array]:
                 raise GeometryMismatch(
                     f"layer {li} has an array of shape {list(shape)} {a.dtype}; layout "
                     f"{lay.layout!r} needs [pages, {', '.join(map(str, want_shape))}] "
-                    f"{lay.dtype} ({_differences(shape, str(a.dtype), want_shape, lay.dtype)})")
+                    f"{lay.dtype} ({differences(shape, str(a.dtype), want_shape, lay.dtype)})")
             arrays.append(a)
     pages = int(arrays[0].shape[0])
     for a in arrays:
@@ -208,42 +209,12 @@ def _flatten(cache: Sequence[Layer], lay: PagedKVLayout) -> list[jax.Array]:
     return arrays
 
 
-def _differences(shape: tuple[int, ...], dtype: str, want: tuple[int, int, int],
-                 want_dtype: str) -> str:
-    """What differs between an array and the layout, e.g. ``page_tokens 32 != 16``."""
-    if len(shape) != 4:
-        return f"{len(shape)} dimensions, not 4"
-    names = ("page_tokens", "heads", "head_dim")
-    out = [f"{n} {got} != {exp}" for n, got, exp in zip(names, shape[1:], want, strict=True)
-           if got != exp]
-    if dtype != want_dtype:
-        out.append(f"dtype {dtype} != {want_dtype}")
-    return ", ".join(out)
-
-
 def _rebuild(arrays: list[jax.Array],
              lay: PagedKVLayout) -> list[jax.Array] | list[tuple[jax.Array, jax.Array]]:
     """``arrays`` (storage order) as the layers of a cache of ``lay``."""
     if lay.arrays_per_layer == 2:
         return [(arrays[2 * i], arrays[2 * i + 1]) for i in range(lay.num_layers)]
     return arrays
-
-
-def _page_ids(page_ids: Sequence[int] | npt.ArrayLike, n_keys: int, pages: int, *,
-              unique: bool) -> list[int]:
-    ids = np.asarray(page_ids)
-    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-        raise ValueError(f"page_ids must be a 1-D sequence of ints, got {ids.dtype} {ids.shape}")
-    if len(ids) != n_keys:
-        raise ValueError(f"keys and page_ids differ in length ({n_keys} != {len(ids)})")
-    out = [operator.index(i) for i in ids.tolist()]
-    bad = [i for i in out if not 0 <= i < pages]
-    if bad:
-        raise ValueError(f"page id {bad[0]} is out of range: the cache has {pages} pages")
-    if unique and len(set(out)) != len(out):
-        dup = next(i for k, i in enumerate(out) if i in out[:k])
-        raise ValueError(f"page id {dup} appears twice: each block needs a page of its own")
-    return out
 
 
 def _bucket(n: int) -> int:

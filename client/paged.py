@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import operator
 import re
 from collections.abc import Sequence
 from typing import Any, Final, TypedDict
@@ -204,3 +205,38 @@ def namespace_for(layout: PagedKVLayout, model: str) -> NamespaceArgs:
         name = f"{name[: room - len(digest) - 1]}-{digest}"
     return NamespaceArgs(namespace=f"{name}/{geometry}", block_bytes=layout.block_bytes,
                          model_uid=model)
+
+
+def differences(shape: tuple[int, ...], dtype: str, want: tuple[int, int, int],
+                want_dtype: str) -> str:
+    """What differs between a cache array and a layout, e.g. ``page_tokens 32 != 16``."""
+    if len(shape) != 4:
+        return f"{len(shape)} dimensions, not 4"
+    names = ("page_tokens", "heads", "head_dim")
+    out = [f"{n} {got} != {exp}" for n, got, exp in zip(names, shape[1:], want, strict=True)
+           if got != exp]
+    if dtype != want_dtype:
+        out.append(f"dtype {dtype} != {want_dtype}")
+    return ", ".join(out)
+
+
+def valid_page_ids(ids_in: Any, n_keys: int, pages: int, *, unique: bool) -> list[int]:
+    """Validated page ids (a 1-D sequence of ints, or anything with ``tolist()``).
+
+    Raises ValueError when they are not ints, not one per key, out of
+    ``0..pages-1``, or (with ``unique``) when one appears twice.
+    """
+    raw = ids_in.tolist() if hasattr(ids_in, "tolist") else ids_in
+    ids = np.asarray(raw)
+    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise ValueError(f"page_ids must be a 1-D sequence of ints, got {ids.dtype} {ids.shape}")
+    if len(ids) != n_keys:
+        raise ValueError(f"keys and page_ids differ in length ({n_keys} != {len(ids)})")
+    out = [operator.index(i) for i in ids.tolist()]
+    bad = [i for i in out if not 0 <= i < pages]
+    if bad:
+        raise ValueError(f"page id {bad[0]} is out of range: the cache has {pages} pages")
+    if unique and len(set(out)) != len(out):
+        dup = next(i for k, i in enumerate(out) if i in out[:k])
+        raise ValueError(f"page id {dup} appears twice: each block needs a page of its own")
+    return out

@@ -48,7 +48,6 @@ import bisect
 import ctypes
 import dataclasses
 import mmap
-import operator
 import threading
 import warnings
 import weakref
@@ -65,9 +64,11 @@ from kvtier.paged import (
     GeometryMismatch,
     NamespaceArgs,
     PagedKVLayout,
+    differences,
     fused_layout_of,
     layout_of,
     namespace_for,
+    valid_page_ids,
 )
 
 #: A layer: one tensor (layouts "fused", "single") or a (k, v) pair (layout "kv").
@@ -96,7 +97,7 @@ def save(client: Client, cache: Sequence[Layer], page_ids: Sequence[int] | torch
     ValueError for bad page ids.
     """
     lay, arrays = _prepare(client, cache, layout)
-    ids = _page_ids(page_ids, len(keys), int(arrays[0].shape[0]), unique=False)
+    ids = valid_page_ids(page_ids, len(keys), int(arrays[0].shape[0]), unique=False)
     if not ids:
         return 0
     with client.reserve(keys) as r, torch.inference_mode():
@@ -122,7 +123,7 @@ def load(client: Client, keys: Sequence[bytes], cache: Sequence[Layer],
     id appears twice.
     """
     lay, arrays = _prepare(client, cache, layout)
-    ids = _page_ids(page_ids, len(keys), int(arrays[0].shape[0]), unique=True)
+    ids = valid_page_ids(page_ids, len(keys), int(arrays[0].shape[0]), unique=True)
     if not ids:
         return 0
     with client.acquire(keys) as lease, torch.inference_mode():
@@ -237,7 +238,7 @@ def _flatten(cache: Sequence[Layer], lay: PagedKVLayout) -> list[torch.Tensor]:
                 raise GeometryMismatch(
                     f"layer {li} has a tensor of shape {list(shape)} {name}; layout "
                     f"{lay.layout!r} needs [pages, {', '.join(map(str, want_shape))}] "
-                    f"{lay.dtype} ({_differences(shape, name, want_shape, lay.dtype)})")
+                    f"{lay.dtype} ({differences(shape, name, want_shape, lay.dtype)})")
             arrays.append(a)
     pages = int(arrays[0].shape[0])
     device = arrays[0].device
@@ -247,37 +248,6 @@ def _flatten(cache: Sequence[Layer], lay: PagedKVLayout) -> list[torch.Tensor]:
         if a.device != device:
             raise ValueError(f"the cache spans devices ({a.device} and {device})")
     return arrays
-
-
-def _differences(shape: tuple[int, ...], dtype: str, want: tuple[int, int, int],
-                 want_dtype: str) -> str:
-    """What differs between a tensor and the layout, e.g. ``page_tokens 32 != 16``."""
-    if len(shape) != 4:
-        return f"{len(shape)} dimensions, not 4"
-    names = ("page_tokens", "heads", "head_dim")
-    out = [f"{n} {got} != {exp}" for n, got, exp in zip(names, shape[1:], want, strict=True)
-           if got != exp]
-    if dtype != want_dtype:
-        out.append(f"dtype {dtype} != {want_dtype}")
-    return ", ".join(out)
-
-
-def _page_ids(page_ids: Sequence[int] | torch.Tensor, n_keys: int, pages: int, *,
-              unique: bool) -> list[int]:
-    raw = page_ids.tolist() if isinstance(page_ids, torch.Tensor) else page_ids
-    ids = np.asarray(raw)
-    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-        raise ValueError(f"page_ids must be a 1-D sequence of ints, got {ids.dtype} {ids.shape}")
-    if len(ids) != n_keys:
-        raise ValueError(f"keys and page_ids differ in length ({n_keys} != {len(ids)})")
-    out = [operator.index(i) for i in ids.tolist()]
-    bad = [i for i in out if not 0 <= i < pages]
-    if bad:
-        raise ValueError(f"page id {bad[0]} is out of range: the cache has {pages} pages")
-    if unique and len(set(out)) != len(out):
-        dup = next(i for k, i in enumerate(out) if i in out[:k])
-        raise ValueError(f"page id {dup} appears twice: each block needs a page of its own")
-    return out
 
 
 def _buffer(buf: np.ndarray | None) -> np.ndarray:
