@@ -149,13 +149,14 @@ kvt_threads_for(size_t len, size_t requested, int auto_cap)
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>
 
+/* Copy with non-temporal stores whatever the length (the caller decided). */
 static void
-kvt_memcpy_stream(char *dst, const char *src, size_t len)
+kvt_memcpy_nt(char *dst, const char *src, size_t len)
 {
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
     size_t i, body;
 
-    if (len < KVT_STREAM_MIN) {
+    if (len < 64 + head) {
         memcpy(dst, src, len);
         return;
     }
@@ -178,8 +179,17 @@ kvt_memcpy_stream(char *dst, const char *src, size_t len)
     memcpy(dst + body, src + body, len - body);
 }
 #else
-#define kvt_memcpy_stream memcpy
+#define kvt_memcpy_nt memcpy
 #endif
+
+static void
+kvt_memcpy_stream(char *dst, const char *src, size_t len)
+{
+    if (len < KVT_STREAM_MIN)
+        memcpy(dst, src, len);
+    else
+        kvt_memcpy_nt(dst, src, len);
+}
 
 typedef struct {
     char *dst;
@@ -295,6 +305,8 @@ typedef struct {
     size_t npieces;
     size_t lo, hi; /* this job copies the bytes [lo, hi) of flat */
     int gather;    /* 1: pieces -> flat; 0: flat -> pieces */
+    int stream;    /* non-temporal stores: decided on the whole call's size, since
+                    * a block gathered from many small pages is still a big copy */
 } kvt_vec_job;
 
 static void *
@@ -321,10 +333,13 @@ kvt_vec_worker(void *arg)
         if (b <= a)
             continue; /* an empty piece (whose pointer may even be NULL) */
         piece = p[i].ptr + (a - p[i].off);
-        if (job->gather)
-            kvt_memcpy_stream(job->flat + a, piece, b - a);
+        char *to = job->gather ? job->flat + a : piece;
+        const char *from = job->gather ? piece : job->flat + a;
+
+        if (job->stream)
+            kvt_memcpy_nt(to, from, b - a);
         else
-            kvt_memcpy_stream(piece, job->flat + a, b - a);
+            memcpy(to, from, b - a);
     }
     return NULL;
 }
@@ -413,6 +428,7 @@ kvt_gather_scatter(char *flat, const kvt_piece *pieces, size_t npieces,
         jobs[njobs].lo = off;
         jobs[njobs].hi = total - off < chunk ? total : off + chunk;
         jobs[njobs].gather = gather;
+        jobs[njobs].stream = total >= KVT_STREAM_MIN;
         njobs++;
     }
     kvt_run_jobs(kvt_vec_worker, jobs, sizeof jobs[0], njobs);
