@@ -189,6 +189,9 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--skip-adapter", action="store_true")
+    p.add_argument("--pages", type=int, default=64,
+                   help="pages of 2 MiB per adapter save/load (64 = 1k tokens of a "
+                        "Llama-3-8B-shaped cache, 256 = 4k)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     from kvtier.demo.model import setup_jax
@@ -209,7 +212,7 @@ def main() -> int:
                       f"ratio {r['ratio']:.4f}   (loaded {r['loaded_tokens']} tokens, logits "
                       "match)", flush=True)
         if not args.skip_adapter:
-            results["adapter"] = adapter_throughput(d.socket_dir, args.repeat)
+            results["adapter"] = adapter_throughput(d.socket_dir, args.repeat, args.pages)
             for row in results["adapter"]:
                 extra = f"   {row['vs_memcpy']:.2f}x memcpy" if "vs_memcpy" in row else ""
                 print(f"{row['what']:<22} {row['GBps']:6.2f} GB/s{extra}", flush=True)
