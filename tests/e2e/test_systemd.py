@@ -126,14 +126,18 @@ def spawn(workdir: str, env_extra: dict[str, str], *, wrapper: tuple[str, ...] =
         "--set", f"dram.extent_size={TEST_EXTENT}",
         "--set", "metrics.address=127.0.0.1:0",
         "--set", "log.level=debug",
+        "--set", "spill.ssd_dir=",  # as conftest: no spill under ~/.local/state
     ]
     drop = ("KVTIER_", "NOTIFY_SOCKET", "WATCHDOG_", "LISTEN_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(env_extra)
-    preexec = None if umask is None else (lambda: os.umask(umask) and None)
+    if umask is not None:
+        # Not preexec_fn: Python code between fork and exec can deadlock when the test
+        # process has threads (JAX's, from other test modules); a shell sets it instead.
+        args = ["sh", "-c", f"umask {umask:o} && exec \"$@\"", "sh", *args]
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                text=True, preexec_fn=preexec)
+                                text=True)
     return DaemonProc(proc, socket_dir, shm_dir, log_path, args)
 
 

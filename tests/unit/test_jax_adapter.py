@@ -39,8 +39,9 @@ def shared_daemon() -> Iterator[DaemonProc]:
     d = start_daemon(base, capacity="64MiB", extent="2MiB")
     yield d
     stop_daemon(d)
+    log = d.log()
     shutil.rmtree(base, ignore_errors=True)
-    assert d.proc.returncode == 0, d.log()
+    assert d.proc.returncode == 0, log
 
 
 def make_cache(layout: str, dtype: str, seed: int, pages: int = PAGES) -> list[Any]:

@@ -7,6 +7,7 @@ CPU tensors with a fake cudart.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,7 +41,9 @@ def kvd() -> Iterator[DaemonProc]:
     d = start_daemon(base, capacity="128MiB", extent="1MiB")
     yield d
     stop_daemon(d)
-    assert d.proc.returncode == 0, d.log()
+    log = d.log()
+    shutil.rmtree(base, ignore_errors=True)
+    assert d.proc.returncode == 0, log
 
 
 def make_cache(layout: str, dtype: str, *, seed: int | None = 0, layers: int = LAYERS,
