@@ -175,6 +175,29 @@ def _as_json(s: pb.StatsResponse) -> str:
     return json.dumps(d, indent=2)
 
 
+def check_config(path: str, *, as_json: bool = False) -> int:
+    """``kvtier config --check FILE``: 0 and the effective config, or 2 and the error."""
+    from kvtierd.config import ConfigError, config_to_dict, load_config
+
+    try:
+        cfg = load_config(path)
+    except ConfigError as exc:
+        print(f"kvtier: invalid config: {exc}", file=sys.stderr)
+        return 2
+    effective = config_to_dict(cfg)
+    if as_json:
+        print(json.dumps(effective, indent=2))
+    else:
+        print(f"{path}: OK")
+        for section, body in effective.items():
+            if isinstance(body, dict):
+                for key, value in body.items():
+                    print(f"  {section}.{key} = {value}")
+            else:
+                print(f"  {section} = {body}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # the demo parses its own options (kvtier demo --help)
@@ -202,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("health", help="exit 0 when the daemon answers SERVING (for health checks)")
     sub.add_parser("check", help="cross-check the daemon's index and slot tables (exit 1 on problems)")
     sub.add_parser("bench", help="throughput and latency benchmark (kvtier bench --help)")
+    cfg = sub.add_parser("config", help="validate a kvtierd config without starting a daemon")
+    cfg.add_argument("--check", metavar="FILE", required=True,
+                     help="the YAML file; KVTIER_* variables apply as they would to kvtierd")
+    cfg.add_argument("--json", action="store_true", help="print the effective config as JSON")
     sub.add_parser("demo", help="TTFT demo: a JAX model reuses its prompt's KV through a private "
                    "kvtierd (kvtier demo --help; needs kvtier[demo])")
     args = p.parse_args(argv)
@@ -209,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         from kvtier.demo.run import main as demo_main
 
         return demo_main([])
+    if args.cmd == "config":
+        return check_config(args.check, as_json=args.json)
     try:
         if args.cmd == "health":
             status = health(args.socket)
