@@ -71,6 +71,11 @@ class Env:
             self.t.commit(s, res.reservation_id, lengths, None)
         return list(res.statuses)
 
+    async def put_all(self, s: Session, ks: Sequence[bytes], batch: int = 10) -> None:
+        """``put`` a batch at a time (DRAM holds 30 blocks: more means spilling)."""
+        for i in range(0, len(ks), batch):
+            await self.put(s, ks[i : i + batch])
+
     async def get(self, s: Session, ks: Sequence[bytes]) -> tuple[list[bytes], list[int]]:
         result, tiers = await self.t.acquire(s, ks)
         out = [self.senv.read(g) for g in result.slots]

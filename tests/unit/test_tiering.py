@@ -54,8 +54,7 @@ def test_reserve_of_a_spilled_key_is_exists(shm_dir: str, disk_dir: str) -> None
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
             s = env.session()
             ks = keys(60)
-            for i in range(0, 60, 10):
-                await env.put(s, ks[i : i + 10])
+            await env.put_all(s, ks)
             await env.settle()
             on_ssd = [k for k in ks if k not in s.ns.index]
             assert on_ssd
@@ -69,8 +68,7 @@ def test_without_spill_tiers_eviction_drops(shm_dir: str) -> None:
         async with tiered(shm_dir) as env:
             s = env.session()
             ks = keys(60)
-            for i in range(0, 60, 10):
-                await env.put(s, ks[i : i + 10])
+            await env.put_all(s, ks)
             assert len(await env.t.lookup(s, ks)) == 0  # the oldest are gone
             assert not env.store.spill_enabled
 
@@ -82,8 +80,7 @@ def test_prefetch_promotes_in_the_background(shm_dir: str, disk_dir: str) -> Non
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
             s = env.session()
             ks = keys(60)
-            for i in range(0, 60, 10):
-                await env.put(s, ks[i : i + 10])
+            await env.put_all(s, ks)
             await env.settle()
             first = ks[:5]
             assert all(k not in s.ns.index for k in first)
@@ -106,8 +103,7 @@ def test_delete_removes_every_tier_and_survives_restart(shm_dir: str, disk_dir: 
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
             s = env.session()
             ks = keys(60)
-            for i in range(0, 60, 10):
-                await env.put(s, ks[i : i + 10])
+            await env.put_all(s, ks)
             await env.settle()
             victim = [k for k in ks if k not in s.ns.index][:4]
             assert await env.t.delete(s, victim) == 4
@@ -174,8 +170,7 @@ def test_host_b_hits_what_host_a_demoted(shm_dir: str, disk_dir: str) -> None:
         async with tiered(a_dir, shared_dir=shared) as a, tiered(b_dir, shared_dir=shared) as b:
             sa, sb = a.session(), b.session()
             ks = keys(60)
-            for i in range(0, 60, 10):
-                await a.put(sa, ks[i : i + 10])
+            await a.put_all(sa, ks)
             await a.settle()
             assert a.t.counters.demotions["dram->shared"] >= 30
             spilled = [k for k in ks if k not in sa.ns.index]
@@ -202,8 +197,7 @@ def test_ssd_evictions_pass_blocks_to_the_shared_tier(shm_dir: str, disk_dir: st
                           ssd_capacity=4 * MiB + 2 * 4096 * 4) as env:
             s = env.session()
             ks = keys(150)
-            for i in range(0, 150, 10):
-                await env.put(s, ks[i : i + 10])
+            await env.put_all(s, ks)
             await env.settle()
             assert env.t.counters.demotions["ssd->shared"] > 0
             tiers = await env.t.lookup(s, ks)
@@ -231,8 +225,7 @@ def test_ssd_readoption_keeps_lru_order_and_bytes(shm_dir: str, disk_dir: str) -
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
             s = env.session()
             ks = keys(90)
-            for i in range(0, 90, 10):
-                await env.put(s, ks[i : i + 10])
+            await env.put_all(s, ks)
             await env.settle()
             assert env.t.ssd is not None
             # Persisted order is write order (seq); concurrent writes of one batch may
@@ -262,8 +255,7 @@ def test_dram_blocks_with_an_ssd_copy_are_clean_after_restart(shm_dir: str,
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
             s = env.session()
             ks = keys(40)
-            for i in range(0, 40, 10):
-                await env.put(s, ks[i : i + 10])
+            await env.put_all(s, ks)
             await env.settle()
             clean_before = {b.key for b in s.ns.index.values() if b.lower == Lower.CLEAN}
             assert clean_before
@@ -294,8 +286,7 @@ def test_another_namespace_older_extent_is_demoted_not_our_newer_blocks(
             old = keys(5, "a")
             await env.put(a, old)  # one extent of A, mostly free slots
             newer = keys(60, "b")
-            for i in range(0, 60, 6):
-                await env.put(b, newer[i : i + 6])
+            await env.put_all(b, newer, 6)
             await env.settle()
             assert await env.t.lookup(a, old) == [TIER_SSD] * 5
             assert not a.ns.extents  # reclaimed for B
@@ -358,8 +349,7 @@ def test_delete_racing_a_promotion_is_not_undone(shm_dir: str, disk_dir: str) ->
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
             writer, reader = env.session(), env.session()
             ks = keys(60)
-            for i in range(0, 60, 10):
-                await env.put(writer, ks[i : i + 10])
+            await env.put_all(writer, ks)
             await env.settle()
             k = next(x for x in ks if x not in writer.ns.index)
             ssd = env.t.ssd
