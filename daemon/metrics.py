@@ -9,6 +9,7 @@ reads integers and copies small dicts, which is safe under the GIL.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -157,6 +158,7 @@ class _TieringCollector(Collector):
 class _StoreCollector(Collector):
     def __init__(self, store: Store) -> None:
         self._store = store
+        self._started = time.time()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         store = self._store
@@ -198,6 +200,12 @@ class _StoreCollector(Collector):
         yield recovered
         yield GaugeMetricFamily("kvtier_recovery_seconds", "Time the start spent re-adopting "
                                 "segments", value=store.recovery_seconds)
+        yield GaugeMetricFamily("kvtier_start_time_seconds", "When this daemon process started "
+                                "(Unix time)", value=self._started)
+        yield GaugeMetricFamily(
+            "kvtier_warm_start", "1 when this start re-adopted blocks of a previous run, 0 when "
+            "it started cold (the DRAM cache was lost)",
+            value=1 if any(ns.recovered for ns in list(store.namespaces.values())) else 0)
         yield GaugeMetricFamily("kvtier_active_sessions", "Open sessions", value=len(store.sessions))
         yield GaugeMetricFamily("kvtier_active_leases", "Leases held", value=store.lease_count)
         yield GaugeMetricFamily(
