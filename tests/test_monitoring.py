@@ -1,10 +1,12 @@
-"""deploy/prometheus/alerts.yaml: valid for promtool, each alert unit-tested, every metric real.
+"""deploy/: the alerting rules (promtool-checked, every alert unit-tested) and the Grafana
+dashboard (schema-checked); every metric either uses is one kvtierd exports.
 
 ``promtool`` comes from Debian's prometheus package (.ci/run installs it).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -53,10 +55,16 @@ def _exported_names(daemon: DaemonProc) -> set[str]:
         text = resp.read().decode()
     names = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
              if line and not line.startswith("#")}
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"]}
+    # Families with no sample yet still have a TYPE line in the scrape...
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            names.add(name)  # counters: already "..._total" here
+            names.update(name + s for s in suffixes.get(kind, [""]))
+    # ...and the labelled metrics registered up front are all in Metrics.
     for family in Metrics(CollectorRegistry()).registry.collect():
-        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"]}
-        for suffix in suffixes.get(family.type, [""]):
-            names.add(family.name + suffix)
+        names.update(family.name + s for s in suffixes.get(family.type, [""]))
     return names
 
 
@@ -70,3 +78,32 @@ def test_alerts_use_only_metrics_the_daemon_exports(workdir: str) -> None:
     exprs = [r["expr"] for g in yaml.safe_load(text)["groups"] for r in g["rules"]]
     used = {m for e in exprs for m in re.findall(r"\b(kvtier_[a-z_]+|up)\b", e)}
     assert used and used <= exported, sorted(used - exported)
+
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "kvtier.json"
+
+
+def test_grafana_dashboard_is_well_formed() -> None:
+    """Schema check (Grafana's own validator does not install from the registries here)."""
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] == "kvtier" and isinstance(dash["schemaVersion"], int)
+    assert [v["name"] for v in dash["templating"]["list"]] == ["datasource"]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)) >= 10
+    for p in dash["panels"]:
+        assert p["type"] in ("timeseries", "stat") and p["title"]
+        assert p["datasource"]["uid"] == "${datasource}"
+        assert set(p["gridPos"]) == {"h", "w", "x", "y"} and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+        assert p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"])
+
+
+def test_dashboard_uses_only_metrics_the_daemon_exports(workdir: str) -> None:
+    d = start_daemon(workdir, "--set", f"spill.ssd_dir={workdir}/ssd")
+    try:
+        exported = _exported_names(d) | {"up"}
+    finally:
+        stop_daemon(d)
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\b(kvtier_[a-z_]+|up)\b", e)}
+    assert len(used) >= 15 and used <= exported, sorted(used - exported)
