@@ -10,7 +10,9 @@ reads integers and copies small dicts, which is safe under the GIL.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -29,8 +31,44 @@ IO_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 
               2.5, 10.0)
 
 
+#: How many recent calls of each method the Stats RPC's latency figures cover.
+RPC_WINDOW = 1024
+
+
+@dataclass
+class TierIO:
+    """Bytes and blocks moved through one tier since start (what ``kvtier top`` rates)."""
+
+    read_bytes: int = 0
+    written_bytes: int = 0
+    reads: int = 0
+    writes: int = 0
+
+
+@dataclass
+class RpcWindow:
+    """One method's call counts and its most recent latencies."""
+
+    calls: int = 0
+    errors: int = 0
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RPC_WINDOW))
+
+    def summary(self) -> tuple[float, float, float]:
+        """(p50, p99, max) of the recent latencies, nearest-rank; zeros when none."""
+        if not self.recent:
+            return 0.0, 0.0, 0.0
+        xs = sorted(self.recent)
+        n = len(xs)
+        return xs[(n - 1) // 2], xs[min(n - 1, (99 * n) // 100)], xs[-1]
+
+
 class Metrics:
-    """Every metric kvtierd exports, registered on one registry."""
+    """Every metric kvtierd exports, registered on one registry.
+
+    Beside the Prometheus series it keeps two small in-process tallies for
+    the Stats RPC (and so ``kvtier top``): bytes per tier and direction
+    (``io``) and per-method latency windows (``rpcs``).
+    """
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
@@ -92,11 +130,34 @@ class Metrics:
             "kvtier_spill_faults", "Spill I/O that failed (the daemon kept serving from DRAM)",
             ["tier", "kind"], registry=registry,
         )
+        self.io: dict[str, TierIO] = {}
+        self.rpcs: dict[str, RpcWindow] = {}
+
+    def tier_io(self, tier: str, op: str, nbytes: int, blocks: int = 1) -> None:
+        """Count ``blocks`` blocks of ``nbytes`` in all read from or written to ``tier``."""
+        io = self.io.setdefault(tier, TierIO())
+        if op == "read":
+            io.read_bytes += nbytes
+            io.reads += blocks
+        elif op == "write":
+            io.written_bytes += nbytes
+            io.writes += blocks
+
+    def rpc_done(self, method: str, seconds: float, error_code: str | None) -> None:
+        """Record one finished call: the histogram, the error counter and the window."""
+        self.rpc_seconds.labels(method).observe(seconds)
+        w = self.rpcs.setdefault(method, RpcWindow())
+        w.calls += 1
+        w.recent.append(seconds)
+        if error_code is not None:
+            w.errors += 1
+            self.rpc_errors.labels(method, error_code).inc()
 
     def spill_io(self, tier: str, op: str, seconds: float, nbytes: int) -> None:
         self.spill_io_seconds.labels(tier, op).observe(seconds)
         if nbytes:
             self.spill_io_bytes.labels(tier, op).inc(nbytes)
+            self.tier_io(tier, op, nbytes)
 
     def spill_fault(self, tier: str, kind: str) -> None:
         self.spill_faults.labels(tier, kind).inc()

@@ -97,16 +97,16 @@ def _rpc(method: str) -> Callable[[_Handler[_Req, _Resp]], _Handler[_Req, _Resp]
             try:
                 if isinstance(request, _Malformed):
                     raise InvalidArgument(f"request body is not a {request.type_name}")
-                return await fn(self, request, context)
+                resp = await fn(self, request, context)
+                self.metrics.rpc_done(method, time.perf_counter() - t0, None)
+                return resp
             except KVTierError as exc:
                 err: KVTierError = exc
             except Exception as exc:  # a bug: log it whole, answer INTERNAL, keep serving
                 log.exception("%s failed", method)
                 err = Internal(f"{method}: {type(exc).__name__}: {exc}")
-            finally:
-                self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - t0)
             code = status_of(err)
-            self.metrics.rpc_errors.labels(method, code.name).inc()
+            self.metrics.rpc_done(method, time.perf_counter() - t0, code.name)
             await context.abort(code, str(err))
             raise AssertionError("unreachable: context.abort raises")
 
@@ -174,6 +174,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         checksums = list(request.checksums) if request.checksums else None
         n = self.tiering.commit(session, request.reservation_id, list(request.lengths), checksums)
         self.metrics.committed_blocks.labels(session.ns.name).inc(n)
+        self.metrics.tier_io("dram", "write", sum(request.lengths), n)
         return pb.CommitResponse(committed=n)
 
     @_rpc("Abort")
@@ -192,6 +193,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         ns = session.ns.name
         self.metrics.hit_blocks.labels(ns, "acquire").inc(hits)
         self.metrics.missed_blocks.labels(ns, "acquire").inc(len(request.keys) - hits)
+        self.metrics.tier_io("dram", "read", sum(g.length for g in result.slots), hits)
         return pb.AcquireResponse(
             lease_id=result.lease_id,
             hits=hits,
@@ -219,15 +221,29 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
 
     @_rpc("Stats")
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.StatsResponse:
-        return build_stats(self.tiering, self.started)
+        return build_stats(self.tiering, self.started, self.metrics)
 
     @_rpc("Check")
     async def Check(self, request: pb.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CheckResponse:
         return pb.CheckResponse(problems=self.tiering.check())
 
 
-def build_stats(tiering: Tiering, started: float) -> pb.StatsResponse:
-    """A ``StatsResponse`` snapshot of the store and the spill tiers."""
+_TIER_OF_NAME = {"dram": pb.TIER_DRAM, "ssd": pb.TIER_SSD, "shared": pb.TIER_SHARED}
+
+
+def _rpc_stats(metrics: Metrics) -> list[pb.RpcStats]:
+    out = []
+    for method, w in sorted(metrics.rpcs.items()):
+        p50, p99, worst = w.summary()
+        out.append(pb.RpcStats(method=method, calls=w.calls, errors=w.errors,
+                               window=len(w.recent), p50_seconds=p50, p99_seconds=p99,
+                               max_seconds=worst))
+    return out
+
+
+def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None) -> pb.StatsResponse:
+    """A ``StatsResponse`` snapshot of the store and the spill tiers (and, given the
+    metrics, the bytes moved per tier and the recent RPC latencies)."""
     store = tiering.store
     acct = store.dram_bytes()
     committed_blocks = sum(ns.committed for ns in store.namespaces.values())
@@ -296,4 +312,9 @@ def build_stats(tiering: Tiering, started: float) -> pb.StatsResponse:
         ssd_adopt_seconds=ssd.counters.adopt_seconds if ssd else 0.0,
         dropped_spill_files=list(ssd.counters.dropped_files) if ssd else [],
         backpressure_waits=c.backpressure_waits,
+        io=[pb.TierIO(tier=_TIER_OF_NAME[name], read_bytes=io.read_bytes,
+                      written_bytes=io.written_bytes, reads=io.reads, writes=io.writes)
+            for name, io in sorted(metrics.io.items(), key=lambda kv: _TIER_OF_NAME[kv[0]])]
+        if metrics is not None else [],
+        rpcs=_rpc_stats(metrics) if metrics is not None else [],
     )

@@ -288,7 +288,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., block_bytes: _Optional[int] = ..., model_uid: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., free_slots: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., recovered_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "sessions", "leases", "reservations", "evictions", "mlocked", "mlock_error", "prefault_seconds", "daemon_version", "boot_epoch", "uptime_seconds", "warm_start", "recovered_blocks", "recovery_seconds", "dropped_segments", "demotions", "promotions", "prefetches", "prefetch_hits", "spill_queue_depth", "spill_checksum_failures", "spill_faults", "ssd_direct_io", "ssd_adopted_blocks", "ssd_adopt_seconds", "dropped_spill_files", "backpressure_waits")
+    __slots__ = ("tiers", "namespaces", "sessions", "leases", "reservations", "evictions", "mlocked", "mlock_error", "prefault_seconds", "daemon_version", "boot_epoch", "uptime_seconds", "warm_start", "recovered_blocks", "recovery_seconds", "dropped_segments", "demotions", "promotions", "prefetches", "prefetch_hits", "spill_queue_depth", "spill_checksum_failures", "spill_faults", "ssd_direct_io", "ssd_adopted_blocks", "ssd_adopt_seconds", "dropped_spill_files", "backpressure_waits", "io", "rpcs")
     class SpillFaultsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +324,8 @@ class StatsResponse(_message.Message):
     SSD_ADOPT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_SPILL_FILES_FIELD_NUMBER: _ClassVar[int]
     BACKPRESSURE_WAITS_FIELD_NUMBER: _ClassVar[int]
+    IO_FIELD_NUMBER: _ClassVar[int]
+    RPCS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     sessions: int
@@ -352,7 +354,41 @@ class StatsResponse(_message.Message):
     ssd_adopt_seconds: float
     dropped_spill_files: _containers.RepeatedScalarFieldContainer[str]
     backpressure_waits: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., mlocked: _Optional[bool] = ..., mlock_error: _Optional[str] = ..., prefault_seconds: _Optional[float] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., warm_start: _Optional[bool] = ..., recovered_blocks: _Optional[int] = ..., recovery_seconds: _Optional[float] = ..., dropped_segments: _Optional[_Iterable[str]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., prefetches: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., spill_queue_depth: _Optional[int] = ..., spill_checksum_failures: _Optional[int] = ..., spill_faults: _Optional[_Mapping[str, int]] = ..., ssd_direct_io: _Optional[bool] = ..., ssd_adopted_blocks: _Optional[int] = ..., ssd_adopt_seconds: _Optional[float] = ..., dropped_spill_files: _Optional[_Iterable[str]] = ..., backpressure_waits: _Optional[int] = ...) -> None: ...
+    io: _containers.RepeatedCompositeFieldContainer[TierIO]
+    rpcs: _containers.RepeatedCompositeFieldContainer[RpcStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., mlocked: _Optional[bool] = ..., mlock_error: _Optional[str] = ..., prefault_seconds: _Optional[float] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., warm_start: _Optional[bool] = ..., recovered_blocks: _Optional[int] = ..., recovery_seconds: _Optional[float] = ..., dropped_segments: _Optional[_Iterable[str]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., prefetches: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., spill_queue_depth: _Optional[int] = ..., spill_checksum_failures: _Optional[int] = ..., spill_faults: _Optional[_Mapping[str, int]] = ..., ssd_direct_io: _Optional[bool] = ..., ssd_adopted_blocks: _Optional[int] = ..., ssd_adopt_seconds: _Optional[float] = ..., dropped_spill_files: _Optional[_Iterable[str]] = ..., backpressure_waits: _Optional[int] = ..., io: _Optional[_Iterable[_Union[TierIO, _Mapping]]] = ..., rpcs: _Optional[_Iterable[_Union[RpcStats, _Mapping]]] = ...) -> None: ...
+
+class TierIO(_message.Message):
+    __slots__ = ("tier", "read_bytes", "written_bytes", "reads", "writes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
+    WRITES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    read_bytes: int
+    written_bytes: int
+    reads: int
+    writes: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., read_bytes: _Optional[int] = ..., written_bytes: _Optional[int] = ..., reads: _Optional[int] = ..., writes: _Optional[int] = ...) -> None: ...
+
+class RpcStats(_message.Message):
+    __slots__ = ("method", "calls", "errors", "window", "p50_seconds", "p99_seconds", "max_seconds")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    calls: int
+    errors: int
+    window: int
+    p50_seconds: float
+    p99_seconds: float
+    max_seconds: float
+    def __init__(self, method: _Optional[str] = ..., calls: _Optional[int] = ..., errors: _Optional[int] = ..., window: _Optional[int] = ..., p50_seconds: _Optional[float] = ..., p99_seconds: _Optional[float] = ..., max_seconds: _Optional[float] = ...) -> None: ...
 
 class CheckRequest(_message.Message):
     __slots__ = ()
@@ -363,3 +399,77 @@ class CheckResponse(_message.Message):
     PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     problems: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, problems: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KeyInfo(_message.Message):
+    __slots__ = ("key", "tier", "length", "leased", "spilled")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    tier: Tier
+    length: int
+    leased: bool
+    spilled: bool
+    def __init__(self, key: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., length: _Optional[int] = ..., leased: _Optional[bool] = ..., spilled: _Optional[bool] = ...) -> None: ...
+
+class ListKeysRequest(_message.Message):
+    __slots__ = ("namespace", "page_size", "page_token")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    page_size: int
+    page_token: bytes
+    def __init__(self, namespace: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[bytes] = ...) -> None: ...
+
+class ListKeysResponse(_message.Message):
+    __slots__ = ("keys", "next_page_token")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[KeyInfo]
+    next_page_token: bytes
+    def __init__(self, keys: _Optional[_Iterable[_Union[KeyInfo, _Mapping]]] = ..., next_page_token: _Optional[bytes] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "all", "tiers")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    all: bool
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., all: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evicted", "skipped_leased")
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_LEASED_FIELD_NUMBER: _ClassVar[int]
+    evicted: int
+    skipped_leased: int
+    def __init__(self, evicted: _Optional[int] = ..., skipped_leased: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("wait_ms",)
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    wait_ms: int
+    def __init__(self, wait_ms: _Optional[int] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("total_blocks", "done_blocks", "total_bytes", "done_bytes", "failed_blocks", "done")
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DONE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    total_blocks: int
+    done_blocks: int
+    total_bytes: int
+    done_bytes: int
+    failed_blocks: int
+    done: bool
+    def __init__(self, total_blocks: _Optional[int] = ..., done_blocks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_bytes: _Optional[int] = ..., failed_blocks: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...

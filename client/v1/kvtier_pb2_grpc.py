@@ -79,6 +79,21 @@ class KVTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.CheckRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CheckResponse.FromString,
                 _registered_method=True)
+        self.ListKeys = channel.unary_unary(
+                '/kvtier.v1.KVTier/ListKeys',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.ListKeysRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ListKeysResponse.FromString,
+                _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/kvtier.v1.KVTier/Evict',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.EvictRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.EvictResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvtier.v1.KVTier/Drain',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class KVTierServicer:
@@ -145,6 +160,27 @@ class KVTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListKeys(self, request, context):
+        """Admin: a namespace's blocks in key order, one page at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Evict(self, request, context):
+        """Admin: drop blocks of a namespace from some or all tiers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Admin: copy every DRAM block down to durable storage, reporting progress.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -192,6 +228,21 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.Check,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CheckRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.CheckResponse.SerializeToString,
+            ),
+            'ListKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListKeys,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ListKeysRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.ListKeysResponse.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.EvictRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.EvictResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.DrainRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -437,6 +488,87 @@ class KVTier:
             '/kvtier.v1.KVTier/Check',
             kvtier_dot_v1_dot_kvtier__pb2.CheckRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.CheckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/ListKeys',
+            kvtier_dot_v1_dot_kvtier__pb2.ListKeysRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.ListKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Evict',
+            kvtier_dot_v1_dot_kvtier__pb2.EvictRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.EvictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/Drain',
+            kvtier_dot_v1_dot_kvtier__pb2.DrainRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,6 +16,7 @@ import pytest
 
 import kvtier
 from kvtier import errors
+from kvtier.v1 import kvtier_pb2 as pb
 from tests.conftest import DaemonProc, start_daemon, stop_daemon
 
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
@@ -297,6 +298,23 @@ def test_cli_stats_and_ls(daemon: DaemonProc) -> None:
         assert "cli/ns" in ls.stdout
         chk = subprocess.run([*kv, "check"], capture_output=True, text=True, timeout=60)
         assert chk.returncode == 0 and "consistent" in chk.stdout
+
+
+def test_stats_counts_bytes_per_tier_and_rpc_latency(daemon: DaemonProc) -> None:
+    with kvtier.Client(daemon.socket_dir, namespace="io", block_bytes=4096, model_uid="m") as c:
+        c.put([b"a", b"b"], [b"x" * 1000, b"y" * 3000])
+        c.get([b"a", b"b"])
+        with pytest.raises(errors.InvalidArgument):
+            c.lookup([b""])
+    s = daemon.stats()
+    io = {t.tier: t for t in s.io}
+    assert (io[pb.TIER_DRAM].written_bytes, io[pb.TIER_DRAM].writes) == (4000, 2)
+    assert (io[pb.TIER_DRAM].read_bytes, io[pb.TIER_DRAM].reads) == (4000, 2)
+    rpcs = {r.method: r for r in s.rpcs}
+    assert rpcs["Commit"].calls == 1 and rpcs["Commit"].errors == 0
+    assert rpcs["Lookup"].errors == 1
+    assert 0 < rpcs["Commit"].p50_seconds <= rpcs["Commit"].p99_seconds <= rpcs["Commit"].max_seconds
+    assert rpcs["Commit"].window == 1
 
 
 def test_cli_reports_unreachable_daemon(workdir: str) -> None:
