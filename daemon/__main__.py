@@ -10,6 +10,7 @@ import signal
 import sys
 
 from kvtier.errors import KVTierError
+from kvtierd import logs
 from kvtierd.app import create_daemon
 from kvtierd.config import Config, ConfigError, config_to_dict, load_config
 
@@ -51,10 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(json.dumps(config_to_dict(cfg), indent=2))
         return 0
-    logging.basicConfig(
-        level=cfg.log.level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.setup(cfg.log.level, cfg.log.format, instance=cfg.instance)
     try:
         import uvloop
 

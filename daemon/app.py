@@ -24,10 +24,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from prometheus_client import CollectorRegistry, start_http_server
 
+from kvtier import __version__
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME
 from kvtier.errors import FailedPrecondition
 from kvtierd import systemd
 from kvtierd.config import Config
+from kvtierd.logs import event
 from kvtierd.metrics import Metrics
 from kvtierd.recovery import recover
 from kvtierd.segments import Segment, SegmentLayout
@@ -86,7 +88,7 @@ class Daemon:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.grpc_path)
         os.close(self._lock_fd)
-        log.info("kvtierd stopped")
+        log.info("kvtierd stopped", extra=event("stop"))
 
 
 def _lock_instance(shm_dir: str, instance: str) -> int:
@@ -285,6 +287,9 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         time.monotonic() - t0, grpc_path, session_path,
         f"{cfg.metrics.host}:{metrics_port}" if metrics_port is not None else "off",
         cfg.dram.capacity / 2**20, cfg.dram.shm_dir, boot_epoch,
+        extra=event("ready", seconds=round(time.monotonic() - t0, 6), grpc=grpc_path,
+                    sessions=session_path, metrics_port=metrics_port, epoch=boot_epoch,
+                    dram_bytes=cfg.dram.capacity, version=__version__),
     )
     systemd.notify("READY=1")
     return daemon

@@ -110,6 +110,8 @@ DEFAULT_RESERVATION_TTL: Final = 60.0
 DEFAULT_METRICS_ADDRESS: Final = "127.0.0.1:9464"
 #: Lifecycle events and errors without per-call noise.
 DEFAULT_LOG_LEVEL: Final = "info"
+DEFAULT_LOG_FORMAT: Final = "auto"
+LOG_FORMATS: Final = ("auto", "json", "text")
 #: A modest share of a laptop's disk (4x the default DRAM pool); production sets the budget.
 DEFAULT_SSD_CAPACITY: Final = 4 * GiB
 #: Few files (one fd each) yet a small budget still gets several of them.
@@ -257,6 +259,8 @@ class LogConfig:
     """Logging."""
 
     level: str = DEFAULT_LOG_LEVEL
+    #: ``auto`` (JSON unless stderr is a terminal), ``json`` or ``text``.
+    format: str = DEFAULT_LOG_FORMAT
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -323,6 +327,7 @@ _TEXT_KEYS: Final = frozenset(
         "spill.shared_write",
         "metrics.address",
         "log.level",
+        "log.format",
     }
 )
 
@@ -833,7 +838,10 @@ def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
         ),
         spill=spill,
         metrics=MetricsConfig(address=address, host=host, port=port),
-        log=LogConfig(level=take("log.level", _parse_log_level, DEFAULT_LOG_LEVEL)),
+        log=LogConfig(
+            level=take("log.level", _parse_log_level, DEFAULT_LOG_LEVEL),
+            format=take("log.format", _parse_choice(LOG_FORMATS), DEFAULT_LOG_FORMAT),
+        ),
     )
 
 
@@ -876,5 +884,5 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
             "backpressure_timeout": format_duration(cfg.spill.backpressure_timeout),
         },
         "metrics": {"address": cfg.metrics.address},
-        "log": {"level": cfg.log.level},
+        "log": {"level": cfg.log.level, "format": cfg.log.format},
     }

@@ -17,6 +17,7 @@ import os
 import time
 
 from kvtier.errors import CapacityExhausted, FailedPrecondition
+from kvtierd.logs import event
 from kvtierd.segments import Segment, SegmentInvalid, SlotState
 from kvtierd.store import Store
 
@@ -74,11 +75,15 @@ def recover(store: Store, shm_dir: str) -> RecoveryReport:
     for name, ns in store.namespaces.items():
         log.info("namespace %r: warm, %d blocks recovered in %d extents (block_bytes=%d, "
                  "model_uid=%r)", name, ns.recovered, len(ns.extents), ns.block_bytes,
-                 ns.model_uid)
+                 ns.model_uid, extra=event("namespace_recovered", namespace=name,
+                                           blocks=ns.recovered, extents=len(ns.extents)))
     log.info("recovery: %s start, %d blocks in %d segments in %.3f s%s",
              "warm" if report.warm else "cold", sum(report.blocks.values()), report.segments,
              report.seconds, f"; {len(report.dropped)} segment files dropped" if report.dropped
-             else "")
+             else "",
+             extra=event("start", warm=report.warm, blocks=sum(report.blocks.values()),
+                         segments=report.segments, seconds=round(report.seconds, 6),
+                         dropped_segments=len(report.dropped)))
     return report
 
 
@@ -110,7 +115,8 @@ def _one_layout_per_namespace(
 
 
 def _drop(report: RecoveryReport, path: str, why: str) -> None:
-    log.warning("segment %s %s", os.path.basename(path), why)
+    log.warning("segment %s %s", os.path.basename(path), why,
+                extra=event("segment_dropped", segment=os.path.basename(path), reason=why))
     report.dropped.append(f"{os.path.basename(path)}: {why}")
     try:
         os.unlink(path)

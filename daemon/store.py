@@ -56,6 +56,7 @@ from kvtier.errors import (
     NotFound,
     Unauthenticated,
 )
+from kvtierd.logs import event
 from kvtierd.segments import KEY_OFFSET, MAX_KEY_BYTES, Segment, SegmentLayout, SlotState
 
 log = logging.getLogger(__name__)
@@ -309,7 +310,8 @@ class Store:
             ns = Namespace(name, block_bytes, model_uid, layout.slot_bytes)
             self.namespaces[name] = ns
             log.info("namespace %r declared: block_bytes=%d model_uid=%r", name, block_bytes,
-                     model_uid)
+                     model_uid, extra=event("namespace_declared", namespace=name,
+                                            block_bytes=block_bytes, model_uid=model_uid))
         elif (ns.block_bytes, ns.model_uid) != (block_bytes, model_uid) and not ns.declared:
             # Only recovered data has this layout (e.g. the model was upgraded while the
             # daemon was down): reformat this namespace, never mix or refuse forever.
@@ -862,7 +864,8 @@ class Store:
     def _reformat(self, ns: Namespace, why: str) -> None:
         """Drop a namespace nobody uses yet: every extent retired, its files removed."""
         assert ns.sessions == 0
-        log.warning("namespace %r reformatted: %s", ns.name, why)
+        log.warning("namespace %r reformatted: %s", ns.name, why,
+                    extra=event("namespace_reformatted", namespace=ns.name, reason=why))
         self.dropped_segments.append(f"namespace {ns.name!r} reformatted: {why}")
         for ext in list(ns.extents):
             ext.reserved -= len(ext.quarantine)  # a late writer of a previous run writes

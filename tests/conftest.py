@@ -76,6 +76,7 @@ def start_daemon(base: str, *extra: str, capacity: str = TEST_CAPACITY,
         "--set", f"dram.extent_size={extent}",
         "--set", "metrics.address=127.0.0.1:0",
         "--set", "log.level=debug",
+        "--set", "log.format=text",  # tests read the log; the JSON format has its own tests
         # No SSD tier unless a test asks for one (its later --set wins): by default it
         # would spill under ~/.local/state, shared by every test.
         "--set", "spill.ssd_dir=",
