@@ -28,6 +28,7 @@ _MAX_FDS = 253
 #: Linux MADV_POPULATE_WRITE (5.14+): fill page tables for resident shm pages
 #: writably without touching their content; older kernels refuse it harmlessly.
 _MADV_POPULATE_WRITE = 23
+_MADV_POPULATE_READ = 22
 
 
 class SessionLink:
@@ -99,6 +100,8 @@ class SegmentMaps:
 
     def __init__(self) -> None:
         self.version = 0
+        #: The session may only read: the daemon sent read-only fds, map them PROT_READ.
+        self.read_only = False
         self._maps: dict[int, mmap.mmap] = {}
 
     def __contains__(self, segment_id: int) -> bool:
@@ -124,10 +127,11 @@ class SegmentMaps:
                 seg = info.get(seg_id)
                 if seg is None or seg_id in self._maps:
                     continue
-                mm = mmap.mmap(fd, seg.data_bytes, mmap.MAP_SHARED,
-                               mmap.PROT_READ | mmap.PROT_WRITE, offset=seg.data_offset)
+                prot = mmap.PROT_READ if self.read_only else mmap.PROT_READ | mmap.PROT_WRITE
+                mm = mmap.mmap(fd, seg.data_bytes, mmap.MAP_SHARED, prot,
+                               offset=seg.data_offset)
                 try:
-                    mm.madvise(_MADV_POPULATE_WRITE)
+                    mm.madvise(_MADV_POPULATE_READ if self.read_only else _MADV_POPULATE_WRITE)
                 except OSError:
                     pass  # older kernel: pages fault in on first touch instead
                 self._maps[seg_id] = mm
@@ -165,6 +169,10 @@ def open_request(namespace: str, block_bytes: int, model_uid: str) -> pb.Session
             ns=pb.NamespaceDecl(name=namespace, block_bytes=block_bytes, model_uid=model_uid)
         )
     )
+
+
+def admin_request() -> pb.SessionRequest:
+    return pb.SessionRequest(admin=pb.OpenAdmin())
 
 
 def map_request(want: Sequence[int]) -> pb.SessionRequest:

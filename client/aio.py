@@ -167,6 +167,7 @@ class AsyncClient:
                 link.request, open_request(self.namespace, self.block_bytes, self.model_uid)
             )
             opened = resp.opened
+            maps.read_only = opened.read_only
             maps.update(opened.segments_version, opened.segments,
                         [s.segment_id for s in opened.segments], fds)
         except BaseException:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import subprocess
@@ -14,19 +15,33 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from kvtier._core import DEFAULT_TIMEOUT, grpc_options, socket_paths
-from kvtier.errors import KVTierError, from_rpc_error
+from kvtier._core import DEFAULT_TIMEOUT, SESSION_METADATA, grpc_options, socket_paths
+from kvtier._session import SessionLink, admin_request
+from kvtier.errors import InvalidArgument, KVTierError, from_rpc_error
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
 
 def _admin_call(socket: str | None, method: str, request: Any, timeout: float) -> Any:
-    grpc_path, _ = socket_paths(socket)
-    with grpc.insecure_channel(f"unix:{grpc_path}", options=grpc_options()) as channel:
-        try:
-            return getattr(pb_grpc.KVTierStub(channel), method)(request, timeout=timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+    """One admin call in an admin session.
+
+    The daemon learns who we are from the session channel (``SO_PEERCRED``):
+    ``OpenAdmin`` there gives a token that authorizes the call as far as our
+    uid's rights reach.  The session lasts as long as the call.
+    """
+    grpc_path, session_path = socket_paths(socket)
+    link = SessionLink(session_path, timeout)
+    try:
+        resp, _ = link.request(admin_request())
+        metadata = ((SESSION_METADATA, resp.opened.token),)
+        with grpc.insecure_channel(f"unix:{grpc_path}", options=grpc_options()) as channel:
+            try:
+                return getattr(pb_grpc.KVTierStub(channel), method)(
+                    request, timeout=timeout, metadata=metadata)
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from None
+    finally:
+        link.close()
 
 
 def health(socket: str | None, timeout: float = 5.0) -> str:
@@ -175,6 +190,225 @@ def _as_json(s: pb.StatsResponse) -> str:
     return json.dumps(d, indent=2)
 
 
+# --------------------------------------------------------------------------- admin: keys
+#: Keys per Evict call of ``kvtier evict --keys-from``: within the daemon's default
+#: server.max_keys_per_call (4096) with room to spare; ``--batch`` for other limits.
+EVICT_BATCH = 1024
+#: Deadline of ``kvtier evict --all``: one call covers the whole namespace, and its
+#: shared-tier files are removed one by one on a possibly slow network filesystem.
+EVICT_ALL_TIMEOUT = 600.0
+#: ``kvtier ls --keys`` page size: a screenful when reading, larger when streaming.
+LS_PAGE = 100
+LS_PAGE_ALL = 1000
+#: How long one Drain call of ``kvtier drain`` waits for progress: the plain
+#: progress output prints one line per call, so one line a second.
+DRAIN_POLL_MS = 1000
+
+_TIER_OF_NAME = {name: tier for tier, name in TIER_NAMES.items()}
+
+
+def read_keys(path: str) -> list[bytes]:
+    """Keys for ``kvtier evict --keys-from``: one hex key per line (``-``: stdin).
+
+    Blank lines are skipped; anything else that is not 1..64 bytes of hex is an
+    ``InvalidArgument`` naming the file and line.
+    """
+    name = "<stdin>" if path == "-" else path
+    if path == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    out: list[bytes] = []
+    for n, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text:
+            continue
+        try:
+            key = bytes.fromhex(text)
+        except ValueError:
+            raise InvalidArgument(f"{name}:{n}: not a hex key: {text[:80]!r}") from None
+        if not 1 <= len(key) <= 64:
+            raise InvalidArgument(f"{name}:{n}: a key is 1..64 bytes, this one {len(key)}")
+        out.append(key)
+    return out
+
+
+def list_keys(socket: str | None, namespace: str, page_size: int, page_token: bytes = b"",
+              timeout: float = DEFAULT_TIMEOUT) -> pb.ListKeysResponse:
+    """One ListKeys page."""
+    resp: pb.ListKeysResponse = _admin_call(
+        socket, "ListKeys",
+        pb.ListKeysRequest(namespace=namespace, page_size=page_size, page_token=page_token),
+        timeout)
+    return resp
+
+
+def evict(socket: str | None, namespace: str, keys: list[bytes] | None, tiers: list[str],
+          *, batch: int = EVICT_BATCH, timeout: float = DEFAULT_TIMEOUT) -> tuple[int, int]:
+    """Evict ``keys`` (None: the whole namespace) from ``tiers`` (empty: every tier),
+    ``batch`` keys per call.  Returns (evicted, skipped because leased or moving)."""
+    wire = [_TIER_OF_NAME[t] for t in tiers]
+    if keys is None:
+        resp = _admin_call(socket, "Evict",
+                           pb.EvictRequest(namespace=namespace, all=True, tiers=wire), timeout)
+        return int(resp.evicted), int(resp.skipped_leased)
+    evicted = skipped = 0
+    for i in range(0, len(keys), batch):
+        try:
+            resp = _admin_call(socket, "Evict", pb.EvictRequest(
+                namespace=namespace, keys=keys[i : i + batch], tiers=wire), timeout)
+        except KVTierError as exc:
+            if i:
+                print(f"kvtier: evict stopped after {i} of {len(keys)} keys ({evicted} evicted, "
+                      f"{skipped} skipped)", file=sys.stderr)
+            raise exc from None
+        evicted += resp.evicted
+        skipped += resp.skipped_leased
+    return evicted, skipped
+
+
+def _key_rows(resp: pb.ListKeysResponse) -> list[list[str]]:
+    return [[k.key.hex(), TIER_NAMES.get(k.tier, f"tier {k.tier}"), str(k.length),
+             "yes" if k.leased else "no", "yes" if k.spilled else "no"] for k in resp.keys]
+
+
+def _key_json(resp: pb.ListKeysResponse) -> str:
+    return json.dumps({
+        "keys": [{"key": k.key.hex(), "tier": TIER_NAMES.get(k.tier, str(k.tier)),
+                  "length": k.length, "leased": k.leased, "spilled": k.spilled}
+                 for k in resp.keys],
+        "next_page_token": resp.next_page_token.hex(),
+    })
+
+
+_KEYS_HEADER = ["key", "tier", "length", "leased", "spilled"]
+
+
+def run_ls_keys(socket: str | None, namespace: str, *, page_size: int | None,
+                page_token: bytes, every_page: bool, as_json: bool) -> int:
+    """``kvtier ls --keys``: one page and how to get the next, or (``every_page``) all.
+
+    Text: a table (key hex, tier, length, leased, spilled), the header once.
+    ``--json``: one JSON object per page and line (``keys``, ``next_page_token``).
+    """
+    size = page_size or (LS_PAGE_ALL if every_page else LS_PAGE)
+    token = page_token
+    first = True
+    while True:
+        resp = list_keys(socket, namespace, size, token)
+        if as_json:
+            print(_key_json(resp), flush=True)
+        elif resp.keys or first:
+            rows = [_KEYS_HEADER, *_key_rows(resp)]
+            lines = _table(rows, left=(0, 1, 3, 4)).splitlines()
+            print("\n".join(lines if first else lines[1:]), flush=True)
+        first = False
+        token = resp.next_page_token
+        if not token:
+            return 0
+        if not every_page:
+            if not as_json:
+                print(f"more: kvtier ls --keys --namespace {namespace} --page-size {size} "
+                      f"--page-token {token.hex()}", file=sys.stderr)
+            return 0
+
+
+class _PlainProgress:
+    """One line a second on stderr (no TTY, or no ``rich``)."""
+
+    def __init__(self) -> None:
+        self._last = 0.0
+
+    def update(self, r: pb.DrainResponse) -> None:
+        now = time.monotonic()
+        if now - self._last < 0.95 and not r.done:
+            return
+        self._last = now
+        print(f"drain: {r.done_blocks}/{r.total_blocks} blocks, {human_bytes(r.done_bytes)}/"
+              f"{human_bytes(r.total_bytes)}, {r.failed_blocks} failed"
+              + (", done" if r.done else ""), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class _RichProgress:
+    """A ``rich`` progress bar on the terminal."""
+
+    def __init__(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self._bar = Progress(TextColumn("drain"), BarColumn(), DownloadColumn(binary_units=True),
+                             TextColumn("{task.fields[blocks]}"), TimeElapsedColumn())
+        self._task = self._bar.add_task("drain", total=None, blocks="")
+        self._bar.start()
+
+    def update(self, r: pb.DrainResponse) -> None:
+        self._bar.update(self._task, total=r.total_bytes or None, completed=r.done_bytes,
+                         blocks=f"{r.done_blocks}/{r.total_blocks} blocks, "
+                                f"{r.failed_blocks} failed")
+
+    def close(self) -> None:
+        self._bar.stop()
+
+
+def _progress_display() -> _PlainProgress | _RichProgress:
+    if sys.stdout.isatty():
+        try:
+            return _RichProgress()
+        except ImportError:
+            pass
+    return _PlainProgress()
+
+
+def run_drain(socket: str | None, timeout: float | None) -> int:
+    """``kvtier drain``: start (or join) the daemon's drain and follow it to the end.
+
+    0 when every block got its copy; 1 when some failed (with the daemon's spill
+    faults), when ``timeout`` seconds pass first (the drain goes on in the
+    daemon), or on an error.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    show = _progress_display()
+    try:
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait_ms = DRAIN_POLL_MS if left is None else int(min(DRAIN_POLL_MS, left * 1000))
+            r: pb.DrainResponse = _admin_call(socket, "Drain", pb.DrainRequest(wait_ms=wait_ms),
+                                              wait_ms / 1000 + DEFAULT_TIMEOUT)
+            show.update(r)
+            if r.done or (left is not None and left <= wait_ms / 1000):
+                break
+    finally:
+        show.close()
+    size = f"{r.done_blocks} of {r.total_blocks} blocks ({human_bytes(r.done_bytes)} of " \
+           f"{human_bytes(r.total_bytes)})"
+    if not r.done:
+        print(f"kvtier: the drain is not done after {timeout:g} s: {size} durable below DRAM "
+              "so far; it goes on in the daemon (run kvtier drain again to follow it)",
+              file=sys.stderr)
+        return 1
+    if r.failed_blocks:
+        print(f"drain done: {size} durable below DRAM; {r.failed_blocks} failed")
+        print(f"kvtier: {r.failed_blocks} blocks could not be copied below DRAM (the lower "
+              "tier is full or faulting); they stay in DRAM only", file=sys.stderr)
+        faults: dict[str, int] = {}
+        with contextlib.suppress(KVTierError):
+            faults = dict(fetch_stats(socket).spill_faults)
+        for kind, n in sorted(faults.items()):
+            print(f"  spill fault {kind}: {n}", file=sys.stderr)
+        return 1
+    print(f"drain done: {size} durable below DRAM")
+    return 0
+
+
 def check_config(path: str, *, as_json: bool = False) -> int:
     """``kvtier config --check FILE``: 0 and the effective config, or 2 and the error."""
     from kvtierd.config import ConfigError, config_to_dict, load_config
@@ -204,6 +438,22 @@ def main(argv: list[str] | None = None) -> int:
         from kvtier.demo.run import main as demo_main
 
         return demo_main(argv[1:])
+    # doctor and top parse their own options too; a --socket before the word passes on.
+    for word in ("doctor", "top"):
+        if word in argv:
+            at = argv.index(word)
+            pre = argparse.ArgumentParser(prog="kvtier", add_help=False)
+            pre.add_argument("--socket")
+            known, unknown = pre.parse_known_args(argv[:at])
+            if not unknown:
+                extra = ["--socket", known.socket] if known.socket else []
+                if word == "doctor":
+                    from kvtier.doctor import main as doctor_main
+
+                    return doctor_main(extra + argv[at + 1 :])
+                from kvtier.top import main as top_main
+
+                return top_main(extra + argv[at + 1 :])
     if "bench" in argv:  # everything after the word goes to the benchmark untouched
         at = argv.index("bench")
         head, rest = argv[:at], argv[at + 1 :]
@@ -220,11 +470,42 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("stats", help="tiers, namespaces and counters")
     st.add_argument("--json", action="store_true")
-    ls = sub.add_parser("ls", help="namespaces")
+    ls = sub.add_parser("ls", help="namespaces; with --keys, a namespace's blocks")
     ls.add_argument("--json", action="store_true")
+    ls.add_argument("--keys", action="store_true",
+                    help="list the blocks of --namespace in DRAM and on the SSD tier, in key "
+                    "order, a page at a time (the shared tier is not listed)")
+    ls.add_argument("--namespace", help="with --keys: the namespace")
+    ls.add_argument("--page-size", type=int, metavar="K",
+                    help=f"with --keys: keys per page (default {LS_PAGE}; {LS_PAGE_ALL} "
+                    "with --all)")
+    ls.add_argument("--page-token", metavar="TOKEN",
+                    help="with --keys: continue where the page that printed it ended")
+    ls.add_argument("--all", action="store_true", help="with --keys: every page")
+    ev = sub.add_parser("evict", help="drop a namespace's blocks from some or all tiers")
+    ev.add_argument("--namespace", required=True)
+    ev.add_argument("--tier", action="append", choices=sorted(_TIER_OF_NAME), default=[],
+                    help="only the copies on this tier (repeatable; default: every tier)")
+    which = ev.add_mutually_exclusive_group(required=True)
+    which.add_argument("--keys-from", metavar="FILE",
+                       help="one hex key per line; - reads stdin")
+    which.add_argument("--all", action="store_true",
+                       help="every block DRAM or the SSD tier holds (and their shared copies)")
+    ev.add_argument("--batch", type=int, default=EVICT_BATCH,
+                    help=f"keys per call (default {EVICT_BATCH}; at most the daemon's "
+                    "server.max_keys_per_call)")
+    dr = sub.add_parser("drain", help="copy every DRAM block to durable storage below DRAM "
+                        "(before maintenance), showing progress")
+    dr.add_argument("--timeout", type=float, metavar="S",
+                    help="give up following after S seconds (the drain goes on); default: "
+                    "until it is done")
     sub.add_parser("health", help="exit 0 when the daemon answers SERVING (for health checks)")
     sub.add_parser("check", help="cross-check the daemon's index and slot tables (exit 1 on problems)")
     sub.add_parser("bench", help="throughput and latency benchmark (kvtier bench --help)")
+    sub.add_parser("doctor", help="check this host against the config: shm, memlock, spill "
+                   "disk, sockets, daemon (kvtier doctor --help)")
+    sub.add_parser("top", help="live view of tiers, throughput, namespaces and slow RPCs "
+                   "(kvtier top --help; --once for scripts)")
     cfg = sub.add_parser("config", help="validate a kvtierd config without starting a daemon")
     cfg.add_argument("--check", metavar="FILE", required=True,
                      help="the YAML file; KVTIER_* variables apply as they would to kvtierd")
@@ -232,6 +513,23 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="TTFT demo: a JAX model reuses its prompt's KV through a private "
                    "kvtierd (kvtier demo --help; needs kvtier[demo])")
     args = p.parse_args(argv)
+    page_token = b""
+    if args.cmd == "ls":
+        if not args.keys and (args.namespace is not None or args.page_size is not None
+                              or args.page_token is not None or args.all):
+            p.error("ls: --namespace, --page-size, --page-token and --all go with --keys")
+        if args.keys and not args.namespace:
+            p.error("ls --keys: --namespace is required")
+        if args.page_size is not None and args.page_size < 1:
+            p.error(f"ls --keys: --page-size must be at least 1, got {args.page_size}")
+        try:
+            page_token = bytes.fromhex(args.page_token or "")
+        except ValueError:
+            p.error(f"ls --keys: --page-token is not hex: {args.page_token!r}")
+    if args.cmd == "evict" and args.batch < 1:
+        p.error(f"evict: --batch must be at least 1, got {args.batch}")
+    if args.cmd == "drain" and args.timeout is not None and args.timeout < 0:
+        p.error(f"drain: --timeout must not be negative, got {args.timeout:g}")
     if args.cmd == "demo":  # `kvtier --socket DIR demo`: the demo runs a daemon of its own
         from kvtier.demo.run import main as demo_main
 
@@ -249,6 +547,21 @@ def main(argv: list[str] | None = None) -> int:
                 print(line)
             print("consistent" if not problems else f"{len(problems)} problems")
             return 1 if problems else 0
+        if args.cmd == "ls" and args.keys:
+            return run_ls_keys(args.socket, args.namespace, page_size=args.page_size,
+                               page_token=page_token, every_page=args.all, as_json=args.json)
+        if args.cmd == "evict":
+            keys = None if args.all else read_keys(args.keys_from)
+            if keys == []:
+                print(f"kvtier: no keys in {args.keys_from}", file=sys.stderr)
+                return 1
+            evicted, skipped = evict(args.socket, args.namespace, keys, args.tier,
+                                     batch=args.batch,
+                                     timeout=EVICT_ALL_TIMEOUT if args.all else DEFAULT_TIMEOUT)
+            print(f"evicted {evicted} keys; skipped {skipped} (leased or being moved)")
+            return 0
+        if args.cmd == "drain":
+            return run_drain(args.socket, args.timeout)
         s = fetch_stats(args.socket)
         if args.cmd == "stats":
             print(_as_json(s) if args.json else render_stats(s))
@@ -260,6 +573,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(render_namespaces(s) if s.namespaces else "no namespaces")
     except KVTierError as exc:
         print(f"kvtier: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # kvtier evict --keys-from FILE
+        print(f"kvtier: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -195,6 +195,7 @@ class Client:
         try:
             resp, fds = link.request(open_request(self.namespace, self.block_bytes, self.model_uid))
             opened = resp.opened
+            maps.read_only = opened.read_only
             maps.update(opened.segments_version, opened.segments,
                         [s.segment_id for s in opened.segments], fds)
         except BaseException:

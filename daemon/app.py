@@ -28,6 +28,7 @@ from kvtier import __version__
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME
 from kvtier.errors import FailedPrecondition
 from kvtierd import systemd
+from kvtierd.access import AdminSessions
 from kvtierd.config import Config
 from kvtierd.logs import event
 from kvtierd.metrics import Metrics
@@ -61,6 +62,7 @@ class Daemon:
     grpc_path: str
     session_path: str
     metrics_port: int | None
+    tcp_port: int | None
     _http: Any
     _lock_fd: int
     _tasks: list[asyncio.Task[None]]  # expiry, background mlock, systemd watchdog
@@ -117,7 +119,8 @@ def _next_boot_epoch(shm_dir: str) -> int:
     except (FileNotFoundError, ValueError):
         epoch = 1
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with open(fd, "w") as f:
         f.write(f"{epoch}\n")
     os.replace(tmp, path)
     return epoch
@@ -128,6 +131,30 @@ def _make_dir(path: str, mode: int) -> None:
     os.makedirs(path, mode=mode, exist_ok=True)
     if os.stat(path).st_uid == os.geteuid():
         os.chmod(path, mode)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _add_tcp_listener(server: grpc.aio.Server, cfg: Config) -> int:
+    """Bind ``server.tcp_address`` with TLS (config loading already refused it without).
+
+    With ``tls_client_auth: required`` every client presents a certificate the
+    CA verifies, and an admin call over TCP is authorized by its common name
+    (``cert:NAME`` principals); with ``none`` TCP callers have no identity.
+    """
+    s = cfg.server
+    creds = grpc.ssl_server_credentials(
+        [(_read(s.tls_key), _read(s.tls_cert))],
+        root_certificates=_read(s.tls_client_ca) if s.tls_client_ca else None,
+        require_client_auth=s.tls_client_auth == "required",
+    )
+    port = server.add_secure_port(s.tcp_address, creds)
+    if port == 0:
+        raise FailedPrecondition(f"cannot listen on server.tcp_address {s.tcp_address!r}")
+    return int(port)
 
 
 def _raise_nofile_limit() -> None:
@@ -192,6 +219,7 @@ def _make_tiering(cfg: Config, store: Store, metrics: Metrics) -> Tiering:
         _make_dir(sp.ssd_dir, 0o700)
         ssd = SsdTier(sp.ssd_dir, capacity=sp.ssd_capacity, file_bytes=sp.ssd_file_size,
                       direct=sp.ssd_direct_io)
+        ssd.quota_of = lambda namespace: cfg.access.quotas(namespace)[1]
     shared = SharedTier(sp.shared_dir) if sp.shared_dir else None
     policy = SpillPolicy(clean_ahead=sp.clean_ahead, queue_depth=sp.queue_depth,
                          backpressure_timeout=sp.backpressure_timeout,
@@ -225,6 +253,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
             boot_epoch=boot_epoch,
             on_evict=on_evict,
         )
+        store.dram_quota_of = lambda name: cfg.access.quotas(name)[0]
         # Nothing is served yet, so recovery may block: READY comes after it.
         report = recover(store, cfg.dram.shm_dir)
         store.recovery_seconds = report.seconds
@@ -244,18 +273,22 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
                 ("grpc.max_send_message_length", limit),
             ]
         )
+        admins = AdminSessions()
         service = KVTierService(tiering, metrics, max_keys=cfg.server.max_keys_per_call,
-                                started=t0)
+                                started=t0, policy=cfg.access, admins=admins,
+                                limits=cfg.limits)
         add_to_server(service, server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         server.add_insecure_port(f"unix:{grpc_path}")
+        tcp_port = _add_tcp_listener(server, cfg) if cfg.server.tcp_address else None
         await server.start()
         os.chmod(grpc_path, cfg.server.socket_mode)
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
         await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
-        channel = SessionChannel(store, metrics, session_path, cfg.server.socket_mode)
+        channel = SessionChannel(store, metrics, session_path, cfg.server.socket_mode,
+                                 policy=cfg.access, limits=cfg.limits, admins=admins)
         await channel.start()
 
         http = None
@@ -278,18 +311,23 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         raise
     daemon = Daemon(
         config=cfg, store=store, tiering=tiering, metrics=metrics, server=server, channel=channel, health=health,
-        grpc_path=grpc_path, session_path=session_path, metrics_port=metrics_port, _http=http,
+        grpc_path=grpc_path, session_path=session_path, metrics_port=metrics_port,
+        tcp_port=tcp_port, _http=http,
         _lock_fd=lock_fd, _tasks=tasks,
     )
     log.info(
         "kvtierd ready in %.2f s: grpc %s, sessions %s, metrics %s, DRAM %.1f MiB in %s "
-        "(epoch %d)",
+        "(epoch %d)%s%s",
         time.monotonic() - t0, grpc_path, session_path,
         f"{cfg.metrics.host}:{metrics_port}" if metrics_port is not None else "off",
         cfg.dram.capacity / 2**20, cfg.dram.shm_dir, boot_epoch,
+        f", tcp+tls {cfg.server.tcp_address.rpartition(':')[0]}:{tcp_port} (client "
+        f"certificates {cfg.server.tls_client_auth})" if tcp_port is not None else "",
+        "" if cfg.access.enabled else ", ACCESS CONTROL OFF (access.enabled=false)",
         extra=event("ready", seconds=round(time.monotonic() - t0, 6), grpc=grpc_path,
                     sessions=session_path, metrics_port=metrics_port, epoch=boot_epoch,
-                    dram_bytes=cfg.dram.capacity, version=__version__),
+                    dram_bytes=cfg.dram.capacity, version=__version__, tcp_port=tcp_port,
+                    access_control=cfg.access.enabled),
     )
     systemd.notify("READY=1")
     return daemon

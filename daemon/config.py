@@ -53,12 +53,21 @@ from kvtier._paths import (
     default_shm_dir,
     default_socket_dir,
 )
+from kvtierd.access import (
+    AccessPolicy,
+    NamespaceRule,
+    Principal,
+    PrincipalError,
+    default_principals,
+    parse_principal,
+)
 
 __all__ = [
     "Config",
     "ConfigError",
     "DramConfig",
     "LeaseConfig",
+    "LimitsConfig",
     "LogConfig",
     "MetricsConfig",
     "ReservationConfig",
@@ -110,6 +119,18 @@ DEFAULT_RESERVATION_TTL: Final = 60.0
 DEFAULT_METRICS_ADDRESS: Final = "127.0.0.1:9464"
 #: Lifecycle events and errors without per-call noise.
 DEFAULT_LOG_LEVEL: Final = "info"
+#: A host runs tens of serving processes, each with a few sessions; a runaway loop is refused.
+DEFAULT_MAX_SESSIONS_PER_UID: Final = 256
+#: A 128k-token prompt in 16-token blocks read as 8 concurrent leases fits many times over.
+DEFAULT_MAX_LEASES_PER_SESSION: Final = 1024
+#: Writers hold a reservation for one batch at a time; a few hundred covers pipelining.
+DEFAULT_MAX_RESERVATIONS_PER_SESSION: Final = 256
+#: Under 100 ms a lease ends before a client has made its round trips, let alone copied.
+MIN_TTL: Final = 0.1
+#: Over an hour, a stalled client's leases pin DRAM long after it stopped caring.
+MAX_TTL: Final = 3600.0
+TLS_CLIENT_AUTH: Final = ("none", "required")
+#: JSON for journald/Docker/log shippers, readable text when a person runs it in a terminal.
 DEFAULT_LOG_FORMAT: Final = "auto"
 LOG_FORMATS: Final = ("auto", "json", "text")
 #: A modest share of a laptop's disk (4x the default DRAM pool); production sets the budget.
@@ -194,6 +215,12 @@ class ServerConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_keys_per_call: int = DEFAULT_MAX_KEYS_PER_CALL
     grace: float = DEFAULT_GRACE
+    #: Optional TCP listener for remote administration, "host:port"; "" = none.  TLS only.
+    tcp_address: str = ""
+    tls_cert: str = ""        # PEM server certificate (chain)
+    tls_key: str = ""         # PEM private key of tls_cert
+    tls_client_ca: str = ""   # PEM CA bundle that signs client certificates
+    tls_client_auth: str = "none"  # none (server-only TLS) or required (mutual TLS)
 
     @property
     def grpc_socket(self) -> str:
@@ -280,6 +307,15 @@ class SpillConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    """Per-client limits; each refusal is RESOURCE_EXHAUSTED naming the limit."""
+
+    max_sessions_per_uid: int = DEFAULT_MAX_SESSIONS_PER_UID
+    max_leases_per_session: int = DEFAULT_MAX_LEASES_PER_SESSION
+    max_reservations_per_session: int = DEFAULT_MAX_RESERVATIONS_PER_SESSION
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Config:
     """The whole daemon configuration; build it with :func:`load_config`."""
 
@@ -291,6 +327,8 @@ class Config:
     spill: SpillConfig = dataclasses.field(default_factory=SpillConfig)
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    access: AccessPolicy = dataclasses.field(default_factory=AccessPolicy)
+    limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
 
 
 #: Section name -> its dataclass, in the order the YAML file documents them.
@@ -302,6 +340,8 @@ SECTIONS: Final[Mapping[str, type[Any]]] = {
     "spill": SpillConfig,
     "metrics": MetricsConfig,
     "log": LogConfig,
+    "access": AccessPolicy,
+    "limits": LimitsConfig,
 }
 
 
@@ -328,6 +368,11 @@ _TEXT_KEYS: Final = frozenset(
         "metrics.address",
         "log.level",
         "log.format",
+        "server.tcp_address",
+        "server.tls_cert",
+        "server.tls_key",
+        "server.tls_client_ca",
+        "server.tls_client_auth",
     }
 )
 
@@ -461,6 +506,54 @@ def _parse_positive_duration(value: object, key: str) -> float:
     return seconds
 
 
+def _parse_ttl(value: object, key: str) -> float:
+    seconds = parse_duration(value, key)
+    if not MIN_TTL <= seconds <= MAX_TTL:
+        raise _fail(key, f"a duration from {format_duration(MIN_TTL)} to "
+                    f"{format_duration(MAX_TTL)}", value)
+    return seconds
+
+
+def _parse_principals(value: object, key: str) -> tuple[Principal, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _fail(key, "a list of principals like ['uid:1000', 'group:serving']", value)
+    try:
+        return tuple(parse_principal(v) for v in value)
+    except PrincipalError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+_RULE_KEYS: Final = ("match", "read", "write", "admin", "dram_quota", "ssd_quota")
+
+
+def _parse_rules(value: object, key: str) -> tuple[NamespaceRule, ...]:
+    if not isinstance(value, list):
+        raise _fail(key, "a list of rules like [{match: 'tenant-a/*', read: [...], "
+                    "write: [...]}]", value)
+    rules = []
+    for i, item in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(item, dict):
+            raise _fail(where, "a mapping with match, read, write, admin, dram_quota, "
+                        "ssd_quota", item)
+        unknown = sorted(str(k) for k in item if k not in _RULE_KEYS)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: "
+                              f"{', '.join(_RULE_KEYS)})")
+        match = item.get("match")
+        if not isinstance(match, str) or not match.strip():
+            raise _fail(f"{where}.match", "a namespace name or glob like 'tenant-a/*'", match)
+        rules.append(NamespaceRule(
+            match=match.strip(),
+            read=_parse_principals(item.get("read", []), f"{where}.read"),
+            write=_parse_principals(item.get("write", []), f"{where}.write"),
+            admin=_parse_principals(item.get("admin", []), f"{where}.admin"),
+            dram_quota=parse_size(item.get("dram_quota", 0), f"{where}.dram_quota"),
+            ssd_quota=parse_size(item.get("ssd_quota", 0), f"{where}.ssd_quota"),
+        ))
+    return tuple(rules)
+
+
 def _parse_instance(value: object, key: str) -> str:
     if not isinstance(value, str) or _INSTANCE_RE.fullmatch(value) is None:
         raise _fail(key, "a name of 1-64 characters from [A-Za-z0-9_-]", value)
@@ -510,6 +603,30 @@ def _parse_metrics_address(value: object, key: str) -> tuple[str, str | None, in
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise _fail(key, f"{expected}, with a port in 0..65535", value)
     return address, host, int(port_text)
+
+
+def _parse_tcp_address(value: object, key: str) -> str:
+    address, _, _ = _parse_metrics_address(value, key)
+    return address
+
+
+def _check_tls(server: ServerConfig) -> None:
+    """TCP is TLS only: a listener without a certificate is refused, loopback or not."""
+    if not server.tcp_address:
+        return
+    missing = [k for k in ("tls_cert", "tls_key") if not getattr(server, k)]
+    if missing:
+        raise ConfigError(
+            f"server.tcp_address {server.tcp_address!r} needs TLS: set "
+            f"{' and '.join('server.' + k for k in missing)} (kvtierd never serves TCP in "
+            "plaintext, on loopback or elsewhere)")
+    if server.tls_client_auth != "none" and not server.tls_client_ca:
+        raise ConfigError(f"server.tls_client_auth={server.tls_client_auth} needs "
+                          "server.tls_client_ca, the CA bundle that signs client certificates")
+    for k in ("tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(server, k)
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"server.{k}: cannot read {path!r}")
 
 
 def _parse_log_level(value: object, key: str) -> str:
@@ -743,6 +860,12 @@ def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
             raise ConfigError(f"{exc} (from {where})") from None
 
     parse_path = _path_parser(env)
+
+    def parse_optional_path(value: object, key: str) -> str:
+        if isinstance(value, str) and value.strip() == "":
+            return ""
+        return parse_path(value, key)
+
     instance = take("instance", _parse_instance, DEFAULT_INSTANCE)
     raw.setdefault("server.socket_dir", (default_socket_dir(env), _socket_dir_source(env)))
     raw.setdefault("dram.shm_dir", (default_shm_dir(instance), "default for the instance"))
@@ -761,7 +884,13 @@ def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
             DEFAULT_MAX_KEYS_PER_CALL,
         ),
         grace=take("server.grace", parse_duration, DEFAULT_GRACE),
+        tcp_address=take("server.tcp_address", _parse_tcp_address, ""),
+        tls_cert=take("server.tls_cert", parse_optional_path, ""),
+        tls_key=take("server.tls_key", parse_optional_path, ""),
+        tls_client_ca=take("server.tls_client_ca", parse_optional_path, ""),
+        tls_client_auth=take("server.tls_client_auth", _parse_choice(TLS_CLIENT_AUTH), "none"),
     )
+    _check_tls(server)
     capacity = take(
         "dram.capacity",
         lambda v, k: _parse_size_in(v, k, MIN_DRAM_CAPACITY),
@@ -787,11 +916,6 @@ def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
         ),
         mlock=take("dram.mlock", _parse_bool, DEFAULT_MLOCK),
     )
-    def parse_optional_path(value: object, key: str) -> str:
-        if isinstance(value, str) and value.strip() == "":
-            return ""
-        return parse_path(value, key)
-
     ssd_dir = take("spill.ssd_dir", parse_optional_path, default_spill_dir(env, instance))
     shared_dir = take("spill.shared_dir", parse_optional_path, "")
     for a, b in ((ssd_dir, shared_dir), (ssd_dir, dram.shm_dir), (shared_dir, dram.shm_dir)):
@@ -831,16 +955,32 @@ def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
         server=server,
         dram=dram,
         leases=LeaseConfig(
-            ttl=take("leases.ttl", _parse_positive_duration, DEFAULT_LEASE_TTL),
+            ttl=take("leases.ttl", _parse_ttl, DEFAULT_LEASE_TTL),
         ),
         reservations=ReservationConfig(
-            ttl=take("reservations.ttl", _parse_positive_duration, DEFAULT_RESERVATION_TTL),
+            ttl=take("reservations.ttl", _parse_ttl, DEFAULT_RESERVATION_TTL),
         ),
         spill=spill,
         metrics=MetricsConfig(address=address, host=host, port=port),
         log=LogConfig(
             level=take("log.level", _parse_log_level, DEFAULT_LOG_LEVEL),
             format=take("log.format", _parse_choice(LOG_FORMATS), DEFAULT_LOG_FORMAT),
+        ),
+        access=AccessPolicy(
+            enabled=take("access.enabled", _parse_bool, True),
+            admin=take("access.admin", _parse_principals, default_principals()),
+            default=take("access.default", _parse_principals, default_principals()),
+            namespaces=take("access.namespaces", _parse_rules, ()),
+        ),
+        limits=LimitsConfig(
+            max_sessions_per_uid=take("limits.max_sessions_per_uid",
+                                      lambda v, k: _parse_int(v, k, 1), DEFAULT_MAX_SESSIONS_PER_UID),
+            max_leases_per_session=take("limits.max_leases_per_session",
+                                        lambda v, k: _parse_int(v, k, 1),
+                                        DEFAULT_MAX_LEASES_PER_SESSION),
+            max_reservations_per_session=take("limits.max_reservations_per_session",
+                                              lambda v, k: _parse_int(v, k, 1),
+                                              DEFAULT_MAX_RESERVATIONS_PER_SESSION),
         ),
     )
 
@@ -861,6 +1001,11 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
             "max_message_bytes": format_size(s.max_message_bytes),
             "max_keys_per_call": s.max_keys_per_call,
             "grace": format_duration(s.grace),
+            "tcp_address": s.tcp_address,
+            "tls_cert": s.tls_cert,
+            "tls_key": s.tls_key,
+            "tls_client_ca": s.tls_client_ca,
+            "tls_client_auth": s.tls_client_auth,
         },
         "dram": {
             "shm_dir": d.shm_dir,
@@ -885,4 +1030,16 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
         },
         "metrics": {"address": cfg.metrics.address},
         "log": {"level": cfg.log.level, "format": cfg.log.format},
+        "access": {
+            "enabled": cfg.access.enabled,
+            "admin": [str(p) for p in cfg.access.admin],
+            "default": [str(p) for p in cfg.access.default],
+            "namespaces": [
+                {"match": r.match, "read": [str(p) for p in r.read],
+                 "write": [str(p) for p in r.write], "admin": [str(p) for p in r.admin],
+                 "dram_quota": format_size(r.dram_quota), "ssd_quota": format_size(r.ssd_quota)}
+                for r in cfg.access.namespaces
+            ],
+        },
+        "limits": dataclasses.asdict(cfg.limits),
     }

@@ -40,7 +40,7 @@ class JsonFormatter(logging.Formatter):
         self.instance = instance
 
     def format(self, record: logging.LogRecord) -> str:
-        ts = datetime.datetime.fromtimestamp(record.created, tz=datetime.timezone.utc)
+        ts = datetime.datetime.fromtimestamp(record.created, tz=datetime.UTC)
         out: dict[str, Any] = {
             "ts": ts.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": record.levelname.lower(),

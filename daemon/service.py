@@ -19,9 +19,19 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvtier import __version__
-from kvtier.errors import Internal, InvalidArgument, KVTierError, Unauthenticated, status_of
+from kvtier.errors import (
+    CapacityExhausted,
+    Internal,
+    InvalidArgument,
+    KVTierError,
+    PermissionDenied,
+    Unauthenticated,
+    status_of,
+)
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+from kvtierd.access import AccessPolicy, AdminSessions, Identity, Right
+from kvtierd.config import LimitsConfig
 from kvtierd.metrics import Metrics
 from kvtierd.segments import MAX_KEY_BYTES
 from kvtierd.store import Session, SlotGrant
@@ -31,6 +41,12 @@ log = logging.getLogger(__name__)
 
 #: Metadata entry that carries the session token on every call.
 SESSION_METADATA = "kvtier-session"
+#: The longest a Drain call waits before answering: a minute keeps the call
+#: well inside any client deadline; a longer drain is followed by calling again.
+MAX_DRAIN_WAIT_MS = 60_000
+#: First byte of a ListKeys page token (the rest is the last key of the page):
+#: tokens stay opaque to clients, and their format can change with this byte.
+_PAGE_TOKEN_V1 = b"\x01"
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -129,19 +145,77 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     """``kvtier.v1.KVTier`` over the tiers (``Tiering`` over the DRAM ``Store``)."""
 
     def __init__(self, tiering: Tiering, metrics: Metrics, *, max_keys: int,
-                 started: float) -> None:
+                 started: float, policy: AccessPolicy | None = None,
+                 admins: AdminSessions | None = None, limits: LimitsConfig | None = None) -> None:
         self.tiering = tiering
         self.store = tiering.store
         self.metrics = metrics
         self.max_keys = max_keys
         self.started = started
+        self.policy = policy if policy is not None else AccessPolicy(enabled=False)
+        self.admins = admins if admins is not None else AdminSessions()
+        self.limits = limits if limits is not None else LimitsConfig()
 
-    def _session(self, context: grpc.aio.ServicerContext[Any, Any]) -> Session:
+    # ------------------------------------------------------------- who is calling
+    @staticmethod
+    def _token(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
         for key, value in context.invocation_metadata() or ():
             if key == SESSION_METADATA:
-                token = value.decode() if isinstance(value, bytes) else value
-                return self.store.session_for(token)
-        raise Unauthenticated(f"missing {SESSION_METADATA!r} metadata: open a session first")
+                return value.decode() if isinstance(value, bytes) else str(value)
+        return None
+
+    def _session(self, context: grpc.aio.ServicerContext[Any, Any],
+                 need: Right = Right.READ) -> Session:
+        """The caller's namespace session, which must hold the ``need`` right."""
+        token = self._token(context)
+        if token is None:
+            raise Unauthenticated(f"missing {SESSION_METADATA!r} metadata: open a session first")
+        session = self.store.session_for(token)
+        if not session.rights & need:
+            raise PermissionDenied(
+                f"uid {session.peer.uid} has no {str(need.name).lower()} right on namespace "
+                f"{session.ns.name!r} (its session is read-only)")
+        return session
+
+    def _caller(self, context: grpc.aio.ServicerContext[Any, Any]) -> Identity | Session:
+        """An admin call's caller: an admin session's peer, a TCP client's certificate,
+        or a namespace session (which may only see its own namespace)."""
+        token = self._token(context)
+        if token is not None:
+            admin = self.admins.get(token)
+            if admin is not None:
+                return admin.ident
+            return self.store.session_for(token)
+        names = list((context.auth_context() or {}).get("x509_common_name") or [])
+        if names:
+            return Identity(cert=names[0].decode(errors="replace"))
+        raise Unauthenticated(f"missing {SESSION_METADATA!r} metadata: open an admin session "
+                              "on the session channel (kvtier's CLI does) first")
+
+    def _admin(self, context: grpc.aio.ServicerContext[Any, Any],
+               namespace: str | None = None) -> Identity:
+        """The one admin check: daemon admin, or (given ``namespace``) its admin."""
+        caller = self._caller(context)
+        if isinstance(caller, Session):
+            ident = Identity.of_peer(caller.peer.pid, caller.peer.uid, caller.peer.gid)
+        else:
+            ident = caller
+        if namespace is None:
+            if not self.policy.is_admin(ident):
+                raise PermissionDenied(f"{ident} is not a daemon admin (access.admin)")
+        elif not self.policy.rights(ident, namespace) & Right.ADMIN:
+            raise PermissionDenied(f"{ident} has no admin right on namespace {namespace!r}")
+        return ident
+
+    def _visible(self, context: grpc.aio.ServicerContext[Any, Any]) -> set[str] | None:
+        """Namespaces whose stats the caller may see; None = all of them."""
+        caller = self._caller(context)
+        if isinstance(caller, Session):
+            return {caller.ns.name}
+        if self.policy.is_admin(caller):
+            return None
+        return {n for n in self.store.namespaces
+                if self.policy.rights(caller, n) & Right.ADMIN}
 
     @_rpc("Lookup")
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.LookupResponse:
@@ -157,8 +231,13 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
 
     @_rpc("Reserve")
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ReserveResponse:
-        session = self._session(context)
+        session = self._session(context, Right.WRITE)
         validate_keys(request.keys, self.max_keys)
+        if len(session.reservations) >= self.limits.max_reservations_per_session:
+            raise CapacityExhausted(
+                f"session has {len(session.reservations)} open reservations "
+                f"(limits.max_reservations_per_session is "
+                f"{self.limits.max_reservations_per_session}); commit or abort some first")
         result = await self.tiering.reserve(session, request.keys)
         self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.slots))
         return pb.ReserveResponse(
@@ -170,7 +249,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
 
     @_rpc("Commit")
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CommitResponse:
-        session = self._session(context)
+        session = self._session(context, Right.WRITE)
         checksums = list(request.checksums) if request.checksums else None
         n = self.tiering.commit(session, request.reservation_id, list(request.lengths), checksums)
         self.metrics.committed_blocks.labels(session.ns.name).inc(n)
@@ -179,7 +258,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
 
     @_rpc("Abort")
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.AbortResponse:
-        session = self._session(context)
+        session = self._session(context, Right.WRITE)
         n = self.store.abort(session, request.reservation_id)
         self.metrics.aborted_blocks.labels(session.ns.name, "abort").inc(n)
         return pb.AbortResponse(aborted=n)
@@ -188,6 +267,10 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.AcquireResponse:
         session = self._session(context)
         validate_keys(request.keys, self.max_keys)
+        if len(session.leases) >= self.limits.max_leases_per_session:
+            raise CapacityExhausted(
+                f"session holds {len(session.leases)} leases (limits.max_leases_per_session is "
+                f"{self.limits.max_leases_per_session}); release some first")
         result, tiers = await self.tiering.acquire(session, request.keys)
         hits = len(result.slots)
         ns = session.ns.name
@@ -210,7 +293,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
 
     @_rpc("Delete")
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.DeleteResponse:
-        session = self._session(context)
+        session = self._session(context, Right.WRITE)
         validate_keys(request.keys, self.max_keys)
         deleted = await self.tiering.delete(session, request.keys)
         if request.corrupted:
@@ -221,11 +304,94 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
 
     @_rpc("Stats")
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.StatsResponse:
-        return build_stats(self.tiering, self.started, self.metrics)
+        visible = self._visible(context)
+        stats = build_stats(self.tiering, self.started, self.metrics)
+        if visible is not None:
+            keep = [n for n in stats.namespaces if n.name in visible]
+            del stats.namespaces[:]
+            stats.namespaces.extend(keep)
+        return stats
 
     @_rpc("Check")
     async def Check(self, request: pb.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CheckResponse:
+        self._admin(context)
         return pb.CheckResponse(problems=self.tiering.check())
+
+    # ------------------------------------------------------------- admin: keys and tiers
+    # Each starts with ``self._admin`` (the one admin check), before any other work
+    # but the namespace the check is about.
+
+    @_rpc("ListKeys")
+    async def ListKeys(self, request: pb.ListKeysRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ListKeysResponse:
+        _require_namespace(request.namespace)
+        self._admin(context, request.namespace)
+        if request.page_size == 0:
+            raise InvalidArgument(f"page_size is required (1..{self.max_keys}; 0 is not a "
+                                  "page size)")
+        if request.page_size > self.max_keys:
+            raise InvalidArgument(f"page_size {request.page_size} exceeds max_keys_per_call "
+                                  f"{self.max_keys}")
+        after = _parse_page_token(request.page_token)
+        page, last = await self.tiering.list_keys(request.namespace, request.page_size, after)
+        return pb.ListKeysResponse(
+            keys=[pb.KeyInfo(key=k.key, tier=cast(Any, k.tier), length=k.length,
+                             leased=k.leased, spilled=k.spilled) for k in page],
+            next_page_token=_PAGE_TOKEN_V1 + last if last is not None else b"",
+        )
+
+    @_rpc("Evict")
+    async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.EvictResponse:
+        _require_namespace(request.namespace)
+        self._admin(context, request.namespace)
+        if request.all == bool(request.keys):
+            raise InvalidArgument("set exactly one of keys and all ("
+                                  + ("both are set)" if request.all else "neither is set)"))
+        if not request.all:
+            validate_keys(request.keys, self.max_keys)
+        for i, tier in enumerate(request.tiers):
+            if tier not in _TIER_OF_NAME.values():
+                raise InvalidArgument(f"tiers[{i}] = {tier} is not a tier (TIER_DRAM, TIER_SSD "
+                                      "or TIER_SHARED)")
+        result = await self.tiering.evict(request.namespace,
+                                          None if request.all else list(request.keys),
+                                          list(request.tiers))
+        # DRAM evictions are counted where every DRAM block leaves (the store's
+        # on_evict hook); the copies below DRAM here.
+        for name in ("ssd", "shared"):
+            if result.dropped.get(name):
+                self.metrics.evicted_blocks.labels(request.namespace, name).inc(
+                    result.dropped[name])
+        log.info("evict in namespace %r (tiers: %s): %d keys lost copies %s, %d skipped "
+                 "(leased or moving)", request.namespace,
+                 ",".join(pb.Tier.Name(t) for t in request.tiers) or "all",
+                 result.evicted, result.dropped, result.skipped)
+        return pb.EvictResponse(evicted=result.evicted, skipped_leased=result.skipped)
+
+    @_rpc("Drain")
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.DrainResponse:
+        self._admin(context)
+        if request.wait_ms > MAX_DRAIN_WAIT_MS:
+            raise InvalidArgument(f"wait_ms {request.wait_ms} exceeds {MAX_DRAIN_WAIT_MS} (call "
+                                  "Drain again to wait longer)")
+        p = await self.tiering.drain(request.wait_ms / 1000)
+        return pb.DrainResponse(total_blocks=p.total_blocks, done_blocks=p.done_blocks,
+                                total_bytes=p.total_bytes, done_bytes=p.done_bytes,
+                                failed_blocks=p.failed_blocks, done=p.done)
+
+
+def _require_namespace(name: str) -> None:
+    if not name:
+        raise InvalidArgument("namespace is required")
+
+
+def _parse_page_token(token: bytes) -> bytes | None:
+    """The key a ListKeys page token continues after (None: the first page)."""
+    if not token:
+        return None
+    key = token[len(_PAGE_TOKEN_V1):]
+    if not token.startswith(_PAGE_TOKEN_V1) or not 0 < len(key) <= MAX_KEY_BYTES:
+        raise InvalidArgument("page_token is not a next_page_token of ListKeys")
+    return key
 
 
 _TIER_OF_NAME = {"dram": pb.TIER_DRAM, "ssd": pb.TIER_SSD, "shared": pb.TIER_SHARED}

@@ -3,7 +3,11 @@
 A client connects once, declares its namespace (``OpenSession``), and gets a
 session token plus the namespace's segment file descriptors (``SCM_RIGHTS``);
 later ``MapSegments`` requests fetch fds of extents added since.  The peer's
-pid/uid/gid come from ``SO_PEERCRED``.  The open connection *is* the session's
+pid/uid/gid come from ``SO_PEERCRED``, and this is where access is decided:
+a peer without a read or write right on the namespace is refused before the
+namespace is declared and before any fd moves; a peer that may only read gets
+read-only fds.  ``OpenAdmin`` opens an admin session (a token, no fds) for
+the admin calls.  The open connection *is* the session's
 liveness: when it closes (the client exited, crashed or was SIGKILLed) the
 session's leases are released and its reservations aborted at once.
 
@@ -26,8 +30,17 @@ from typing import Final
 from google.protobuf.message import DecodeError
 
 from kvtier import __version__
-from kvtier.errors import FailedPrecondition, InvalidArgument, KVTierError, status_of
+from kvtier.errors import (
+    CapacityExhausted,
+    FailedPrecondition,
+    InvalidArgument,
+    KVTierError,
+    PermissionDenied,
+    status_of,
+)
 from kvtier.v1 import kvtier_pb2 as pb
+from kvtierd.access import AccessPolicy, AdminSession, AdminSessions, Identity, Right
+from kvtierd.config import LimitsConfig
 from kvtierd.metrics import Metrics
 from kvtierd.segments import UID_BYTES, Segment
 from kvtierd.store import Peer, Session, Store
@@ -66,11 +79,16 @@ def validate_decl(decl: pb.NamespaceDecl) -> None:
 class SessionChannel:
     """Serves the session socket at ``path`` for ``store``."""
 
-    def __init__(self, store: Store, metrics: Metrics, path: str, mode: int) -> None:
+    def __init__(self, store: Store, metrics: Metrics, path: str, mode: int, *,
+                 policy: AccessPolicy | None = None, limits: LimitsConfig | None = None,
+                 admins: AdminSessions | None = None) -> None:
         self.store = store
         self.metrics = metrics
         self.path = path
         self.mode = mode
+        self.policy = policy if policy is not None else AccessPolicy(enabled=False)
+        self.limits = limits if limits is not None else LimitsConfig()
+        self.admins = admins if admins is not None else AdminSessions()
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
@@ -120,13 +138,15 @@ class SessionChannel:
     async def _serve(self, conn: socket.socket) -> None:
         conn.setblocking(False)
         session: Session | None = None
+        admin: AdminSession | None = None
         try:
             pid, uid, gid = struct.unpack(
                 "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             )
             peer = Peer(pid, uid, gid)
+            ident = Identity.of_peer(pid, uid, gid)
             while True:
-                timeout = HANDSHAKE_TIMEOUT if session is None else None
+                timeout = HANDSHAKE_TIMEOUT if session is None and admin is None else None
                 try:
                     frame = await asyncio.wait_for(self._read_frame(conn), timeout)
                 except TimeoutError:
@@ -139,12 +159,15 @@ class SessionChannel:
                     raise InvalidArgument("session channel frame is not a SessionRequest") from None
                 kind = req.WhichOneof("kind")
                 if kind == "open":
-                    if session is not None:
+                    if session is not None or admin is not None:
                         raise FailedPrecondition("this connection already has a session")
                     validate_decl(req.open.ns)
+                    rights = self._rights(ident, req.open.ns.name)
+                    self._check_session_limit(uid)
                     session = self.store.open_session(
                         req.open.ns.name, req.open.ns.block_bytes, req.open.ns.model_uid, peer
                     )
+                    session.rights = int(rights)
                     log.debug("session %d opened by pid %d uid %d in %r", session.id, pid, uid,
                               session.ns.name)
                     await self._send_opened(conn, session)
@@ -152,8 +175,20 @@ class SessionChannel:
                     if session is None:
                         raise FailedPrecondition("MapSegments before OpenSession")
                     await self._send_mapped(conn, session, set(req.map.want_fds))
+                elif kind == "admin":
+                    if session is not None or admin is not None:
+                        raise FailedPrecondition("this connection already has a session")
+                    if not self.policy.administers_any(ident):
+                        raise PermissionDenied(
+                            f"{ident} has no admin right (access.admin, or admin in an "
+                            "access.namespaces rule, of the daemon's config)")
+                    self._check_session_limit(uid)
+                    admin = self.admins.open(ident, pid)
+                    await self._send(conn, pb.SessionResponse(opened=pb.SessionOpened(
+                        token=admin.token, daemon_version=__version__,
+                        boot_epoch=self.store.boot_epoch)), [])
                 else:
-                    raise InvalidArgument("empty SessionRequest (set open or map)")
+                    raise InvalidArgument("empty SessionRequest (set open, map or admin)")
         except _Closed:
             pass
         except KVTierError as exc:
@@ -163,6 +198,8 @@ class SessionChannel:
         except asyncio.CancelledError:
             pass
         finally:
+            if admin is not None:
+                self.admins.close(admin)
             if session is not None:
                 aborted, released = self.store.close_session(session)
                 self.metrics.sessions_closed.inc()
@@ -171,6 +208,25 @@ class SessionChannel:
                     log.info("session %d (pid %d) closed: %d reserved slots returned, %d leases "
                              "released", session.id, session.peer.pid, aborted, released)
             conn.close()
+
+    # ------------------------------------------------------------- access
+    def _rights(self, ident: Identity, namespace: str) -> Right:
+        """The peer's rights on ``namespace``; refused unless it may read or write."""
+        rights = self.policy.rights(ident, namespace)
+        if not rights & (Right.READ | Right.WRITE):
+            raise PermissionDenied(
+                f"{ident} may not use namespace {namespace!r} (no read or write right in the "
+                "daemon's access rules)")
+        return rights
+
+    def _check_session_limit(self, uid: int) -> None:
+        limit = self.limits.max_sessions_per_uid
+        n = sum(1 for s in self.store.sessions.values() if s.peer.uid == uid and not s.system)
+        n += self.admins.count_uid(uid)
+        if n >= limit:
+            raise CapacityExhausted(
+                f"uid {uid} already has {n} sessions open (limits.max_sessions_per_uid is "
+                f"{limit})")
 
     # ------------------------------------------------------------- framing
     async def _read_exact(self, conn: socket.socket, n: int) -> bytes:
@@ -190,15 +246,25 @@ class SessionChannel:
         return await self._read_exact(conn, length)
 
     async def _send_with_fds(self, conn: socket.socket, msg: pb.SessionResponse,
-                             segments: list[Segment]) -> None:
+                             segments: list[Segment], *, read_only: bool = False) -> None:
         """Send ``msg`` with the segments' fds.
 
         The fds are duplicated now, synchronously: a segment retired by
         another namespace's growth while this send waits for socket space
         closes its own fd, and that number could be reused for another
-        namespace's segment before the send completes.
+        namespace's segment before the send completes.  A read-only session
+        gets the files reopened ``O_RDONLY``: it can map them ``PROT_READ``
+        only, so it cannot write a byte of the namespace.
         """
-        fds = [os.dup(s.fd) for s in segments]
+        fds: list[int] = []
+        try:
+            for s in segments:
+                fds.append(os.open(f"/proc/self/fd/{s.fd}", os.O_RDONLY | os.O_CLOEXEC)
+                           if read_only else os.dup(s.fd))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
         try:
             await self._send(conn, msg, fds)
         finally:
@@ -243,9 +309,10 @@ class SessionChannel:
                 segments=[_info(s) for s in segs],
                 daemon_version=__version__,
                 boot_epoch=self.store.boot_epoch,
+                read_only=not session.rights & Right.WRITE,
             )
         )
-        await self._send_with_fds(conn, msg, segs)
+        await self._send_with_fds(conn, msg, segs, read_only=not session.rights & Right.WRITE)
 
     async def _send_mapped(self, conn: socket.socket, session: Session, want: set[int]) -> None:
         ns = session.ns
@@ -259,7 +326,7 @@ class SessionChannel:
                 fd_segment_ids=[s.segment_id for s in send],
             )
         )
-        await self._send_with_fds(conn, msg, send)
+        await self._send_with_fds(conn, msg, send, read_only=not session.rights & Right.WRITE)
 
     async def _send_error(self, conn: socket.socket, exc: KVTierError) -> None:
         msg = pb.SessionResponse(

@@ -207,6 +207,9 @@ class Session:
     # The tiering layer's own session (promotions, demotion pins): no client,
     # no token, no TTL on what it holds.
     system: bool = False
+    # What the peer may do here (kvtierd.access.Right bits), set by the session
+    # channel from the access rules before the client gets the token.
+    rights: int = 7
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -292,6 +295,9 @@ class Store:
         self._retiring: set[asyncio.Future[None]] = set()
         # event counters (read by metrics at scrape time)
         self.evictions = 0
+        #: Namespace name -> its DRAM quota in bytes (0: none); the daemon sets it from
+        #: the access rules.  Consulted only when a reserve finds no free slot.
+        self.dram_quota_of: Callable[[str], int] = lambda name: 0
         self.mlock_errors: list[str] = []
         self.prefault_seconds = 0.0
         self.recovery_seconds = 0.0
@@ -465,6 +471,12 @@ class Store:
             if len(taken) == n:
                 return taken
         short = n - len(taken)
+        # A namespace at its DRAM quota neither grows nor reclaims others' extents: it
+        # evicts its own blocks (access.namespaces[].dram_quota; checked off the fast path).
+        quota = self.dram_quota_of(ns.name)
+        held = sum(ext.bytes for ext in ns.extents)
+        at_quota = bool(quota) and SegmentLayout.fit(ns.block_bytes, quota - held) is None
+        may_grow = may_grow and not at_quota
         # Room in the budget: grow rather than evict.
         if may_grow and SegmentLayout.fit(ns.block_bytes, self.budget_free) is not None:
             give_back()
@@ -535,6 +547,12 @@ class Store:
             in_flight = any(s.leases for s in self._system_sessions.values())
             if wanted or in_flight:
                 raise NeedDemotion(ns, short - len(same_ns), wanted)
+        if at_quota:
+            raise CapacityExhausted(
+                f"namespace {ns.name!r} is at its DRAM quota ({held} of {quota} bytes): {n} "
+                f"slots needed, {len(taken) + len(same_ns)} obtainable by evicting its own "
+                f"blocks ({ns.leased} leased and {ns.reserved} reserved blocks cannot be "
+                "evicted)")
         raise CapacityExhausted(
             f"DRAM is full for namespace {ns.name!r}: {n} slots needed, "
             f"{len(taken) + len(same_ns)} obtainable ({ns.leased} leased and "
@@ -708,6 +726,15 @@ class Store:
                 self._free_block(block)
         return deleted
 
+    def evict_block(self, block: Block) -> bool:
+        """Evict one DRAM block on an admin's request (``kvtier evict``), through the
+        same exit as LRU eviction.  False, changing nothing, when the block is
+        leased or no longer visible."""
+        if block.pins or block.doomed or block.ns.index.get(block.key) is not block:
+            return False
+        self._evict(block)
+        return True
+
     def _evict(self, block: Block) -> None:
         """The one exit of DRAM blocks (the spill tiers turn this into demotion)."""
         assert block.pins == 0 and not block.doomed
@@ -807,7 +834,11 @@ class Store:
         """
         async with ns.grow_lock:
             while ns.free_slots() < need:
-                layout = SegmentLayout.fit(ns.block_bytes, min(self.budget_free, max(
+                room = self.budget_free
+                quota = self.dram_quota_of(ns.name)
+                if quota:  # never grow past the namespace's DRAM quota
+                    room = min(room, quota - sum(ext.bytes for ext in ns.extents))
+                layout = SegmentLayout.fit(ns.block_bytes, min(room, max(
                     self.extent_size, SegmentLayout.one_slot_file_bytes(ns.block_bytes))))
                 if layout is None:
                     break

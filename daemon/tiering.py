@@ -25,6 +25,20 @@ promotions in the background.  Concurrent promotions of one key share one read.
 tier evicts (or, without an SSD tier, DRAM demotions); ``commit`` also
 publishes every committed block at once (write-through, best effort: when
 ``queue_depth`` publishes are in flight, further ones are skipped and counted).
+
+**Admin calls** (``list_keys``, ``evict``, ``drain``; the service's ListKeys,
+Evict, Drain).  Listing and evicting cover DRAM and the SSD tier, whose
+indexes this daemon holds; the shared tier is never enumerated (it is a
+directory tree many hosts write), so ``list_keys`` does not show it and an
+evict of ``all`` removes shared copies only of the keys DRAM or the SSD tier
+know.  An evict skips (and counts) keys that are leased or moving -- the
+``_promoting``/``_demoting`` bookkeeping a delete waits on -- and drops the
+rest tier by tier in one loop step per chunk, so each block's bookkeeping
+changes all at once.  A drain gives every DRAM block without a durable copy
+below DRAM one: it marks them, and the demoter copies them in its ordinary
+batches (the same write-back path, off the loop, bounded by ``queue_depth``
+and ``BATCH_BYTES``); blocks committed after the drain began are not part of
+it.
 """
 
 from __future__ import annotations
@@ -34,16 +48,18 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import heapq
+import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
-from kvtier.errors import CapacityExhausted, Corrupted
+from kvtier.errors import CapacityExhausted, Corrupted, FailedPrecondition, NotFound
 from kvtierd.spill.blockio import fault_kind
 from kvtierd.spill.format import model_hash
 from kvtierd.spill.shared import SharedTier
-from kvtierd.spill.ssd import SpillFull, SsdTier
+from kvtierd.spill.ssd import SpillFull, SsdEntry, SsdTier
 from kvtierd.store import (
     AcquireResult,
     Block,
@@ -74,6 +90,14 @@ BATCH_BYTES: Final = 64 << 20
 MAX_DELETE_WAITS: Final = 100
 #: Prefetches running at once (each is one promotion of a run of keys).
 MAX_PREFETCHES: Final = 16
+#: Keys an Evict handles per event-loop step (bounded work between yields: an
+#: evict of a whole 250k-block namespace must not stall every other call).
+EVICT_CHUNK: Final = 1024
+#: DRAM blocks a drain inspects per event-loop step while it collects its blocks.
+DRAIN_COLLECT_CHUNK: Final = 4096
+#: Entries of a drain's pending list one demoter plan may inspect (bounded work
+#: per plan; settled entries leave the list, so the scan rarely gets this far).
+DRAIN_SCAN_LIMIT: Final = 4096
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,6 +119,79 @@ class TieringCounters:
     spill_failures: collections.Counter[str] = dataclasses.field(
         default_factory=collections.Counter)
     faults: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeyState:
+    """One block of a namespace as ``list_keys`` reports it (the wire ``KeyInfo``)."""
+
+    key: bytes
+    tier: int  # the fastest tier holding it
+    length: int
+    leased: bool  # pinned by a lease, or a move of it is in flight
+    spilled: bool  # a durable copy exists below DRAM (always true below DRAM)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EvictResult:
+    evicted: int  # keys that lost at least one copy
+    skipped: int  # keys left in place: leased, or a move of them in flight
+    dropped: dict[str, int]  # copies dropped per tier name ("dram", "ssd", "shared")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DrainProgress:
+    total_blocks: int
+    done_blocks: int
+    total_bytes: int
+    done_bytes: int
+    failed_blocks: int
+    done: bool
+
+
+@dataclasses.dataclass(eq=False)
+class _Drain:
+    """One drain: the DRAM blocks it still has to see copied (``pending``) and its tallies.
+
+    A pending block settles exactly once (``settle``): done when it is CLEAN or
+    gone from DRAM, failed when its copy failed (UNSPILLABLE).  ``copied``
+    remembers the blocks the drain saw become CLEAN, for the final check that
+    their copies are still there.
+    """
+
+    pending: collections.OrderedDict[Block, None] = dataclasses.field(
+        default_factory=collections.OrderedDict)
+    copied: list[Block] = dataclasses.field(default_factory=list)
+    total_blocks: int = 0
+    total_bytes: int = 0
+    done_blocks: int = 0
+    done_bytes: int = 0
+    failed_blocks: int = 0
+    collecting: bool = True  # still choosing its blocks (totals may grow)
+    finished: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    def add(self, block: Block) -> None:
+        self.pending[block] = None
+        self.total_blocks += 1
+        self.total_bytes += block.length
+
+    def settle(self, block: Block) -> None:
+        if block not in self.pending:
+            return
+        del self.pending[block]
+        if block.doomed or block.ns.index.get(block.key) is not block:
+            self.done_blocks += 1  # gone from DRAM: nothing left to lose
+            self.done_bytes += block.length
+        elif block.lower == Lower.CLEAN:
+            self.done_blocks += 1
+            self.done_bytes += block.length
+            self.copied.append(block)
+        else:
+            self.failed_blocks += 1
+
+    def progress(self) -> DrainProgress:
+        return DrainProgress(self.total_blocks, self.done_blocks, self.total_bytes,
+                             self.done_bytes, self.failed_blocks, self.finished.is_set())
 
 
 class TieringObserver(Protocol):
@@ -143,7 +240,10 @@ class Tiering:
         self._demoting: dict[tuple[str, bytes], Block] = {}
         self._publishing = 0
         self._forgotten = False  # SSD entries removed by the demoter, not flushed yet
-        self._deleting: set[tuple[str, bytes]] = set()  # keys a Delete is removing
+        # Keys a Delete or Evict is removing from the lower tiers (a count per key:
+        # both may be at it at once): lookups and promotions do not see them meanwhile.
+        self._deleting: collections.Counter[tuple[str, bytes]] = collections.Counter()
+        self._drain: _Drain | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._demoter: asyncio.Task[None] | None = None
         self._prefetch_slots = asyncio.Semaphore(MAX_PREFETCHES)
@@ -502,7 +602,7 @@ class Tiering:
         ns = session.ns
         for _ in range(MAX_DELETE_WAITS):
             busy = [f for k in keys if (f := self._promoting.get((ns.name, k))) is not None]
-            moving = any((ns.name, k) in self._demoting for k in keys)
+            moving = any(self._moving(ns.name, k) for k in keys)
             if not busy and not moving:
                 break
             progress = self._progress
@@ -512,30 +612,65 @@ class Tiering:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(progress.wait(), timeout=1.0)
         gone = [(ns.name, k) for k in keys]
-        self._deleting.update(gone)  # until the shared tier's files are gone too
+        self._hide(gone)  # until the shared tier's files are gone too
         try:
             return await self._delete(session, keys)
         finally:
-            self._deleting.difference_update(gone)
+            self._unhide(gone)
 
     async def _delete(self, session: Session, keys: Sequence[bytes]) -> int:
         ns = session.ns
         present = set(k for k in keys if k in ns.index)
         self.store.delete(session, keys)
         if self.ssd is not None:
-            mh = self._model_hash(ns)
-            present |= {k for k in keys if self.ssd.find(ns.name, k, ns.block_bytes, mh)}
+            present |= {k for k in keys if self._ssd_entry(ns.name, ns, k) is not None}
             self.ssd.remove(ns.name, keys)
-            with contextlib.suppress(OSError):
+        present |= await self._drop_lower(ns.name, keys, shared=True)
+        return len(present)
+
+    def _moving(self, namespace: str, key: bytes) -> bool:
+        """A promotion or demotion of this key is in flight (Delete waits for it to
+        finish; Evict leaves the key alone)."""
+        k = (namespace, key)
+        return k in self._promoting or k in self._demoting
+
+    def _hide(self, keys: Iterable[tuple[str, bytes]]) -> None:
+        self._deleting.update(keys)
+
+    def _unhide(self, keys: Iterable[tuple[str, bytes]]) -> None:
+        self._deleting.subtract(keys)
+        for k in keys:
+            if self._deleting[k] <= 0:
+                del self._deleting[k]
+
+    async def _drop_lower(self, namespace: str, keys: Sequence[bytes], *, shared: bool) -> set[bytes]:
+        """The I/O half of removing keys below DRAM (Delete and Evict): persist the SSD
+        entries ``ssd.remove`` freed, then remove the shared tier's files of ``keys``
+        when ``shared``.  Returns the keys that had a shared file."""
+        if self.ssd is not None:
+            with contextlib.suppress(OSError):  # not persisted: the next flush retries
                 await self._run(self.ssd.flush_frees)
-        if self.shared is not None:
-            shared = self.shared
+        present: set[bytes] = set()
+        if shared and self.shared is not None and keys:
+            tier = self.shared
             try:
-                present |= set(await self._run(_present_shared, shared, ns.name, list(keys)))
-                await self._run(shared.delete, ns.name, list(keys))
+                present = set(await self._run(_present_shared, tier, namespace, list(keys)))
+                await self._run(tier.delete, namespace, list(keys))
             except OSError as exc:
                 self._fault("shared", fault_kind(exc))
-        return len(present)
+        return present
+
+    def _ssd_entry(self, namespace: str, ns: Namespace | None, key: bytes) -> SsdEntry | None:
+        """The SSD copy of a key that reads would use (``ns`` None: a namespace nobody
+        declared since the start, whose SSD entries are taken as they are)."""
+        if self.ssd is None:
+            return None
+        demoting = self._demoting.get((namespace, key))
+        if demoting is not None and demoting.doomed:
+            return None  # deleted while its demotion was in flight
+        if ns is None:
+            return self.ssd.index.get((namespace, key))
+        return self.ssd.find(namespace, key, ns.block_bytes, self._model_hash(ns))
 
     # ================================================================ demotion
     def queue_depth(self) -> int:
@@ -558,7 +693,8 @@ class Tiering:
                 await asyncio.sleep(DEMOTER_TICK)
 
     def _plan(self) -> list[Block]:
-        """Blocks to demote now: urgent reserves first, then the clean-ahead target."""
+        """Blocks to demote now: urgent reserves first, then the clean-ahead target, then
+        a running drain's blocks."""
         depth = self.policy.queue_depth
         batch: list[Block] = []
         seen: set[int] = set()
@@ -581,6 +717,7 @@ class Tiering:
         free = acct["free"]
         if free < target:
             add(self.store.demotion_candidates(target - free, depth))
+        add(self._drain_candidates(depth - len(batch)))
         return batch
 
     async def _demote(self, batch: list[Block]) -> None:
@@ -614,6 +751,9 @@ class Tiering:
                 self._demoting.pop((b.ns.name, b.key), None)
             for lease in leases:
                 self.store.unpin(lease)
+            if self._drain is not None:
+                for b in batch:
+                    self._drain.settle(b)
             self._signal_progress()
 
     def _forget(self, block: Block) -> None:
@@ -657,6 +797,260 @@ class Tiering:
         self.observer.spill_io("ssd", "write", time.perf_counter() - t0, block.length)
         return True
 
+    # ================================================================ admin: list
+    def _known_tiers(self) -> set[int]:
+        tiers = {TIER_DRAM}
+        if self.ssd is not None:
+            tiers.add(TIER_SSD)
+        if self.shared is not None:
+            tiers.add(TIER_SHARED)
+        return tiers
+
+    async def _keys_below(self, namespace: str, ns: Namespace | None) -> list[bytes]:
+        """The keys the SSD tier holds for a namespace (off the loop: O(SSD entries))."""
+        if self.ssd is None:
+            return []
+        geometry = (ns.block_bytes, self._model_hash(ns)) if ns is not None else None
+        return await asyncio.to_thread(self.ssd.keys_of, namespace, geometry)
+
+    async def list_keys(self, namespace: str, page_size: int,
+                        after: bytes | None) -> tuple[list[KeyState], bytes | None]:
+        """One page of a namespace's blocks in DRAM and on the SSD tier, in key-byte order.
+
+        ``after``: the last key of the previous page (None: the first page).
+        Returns the page and the key to continue after, or None on the last
+        page.  The shared tier is not enumerated.  A namespace is known when a
+        session declared it since the start, DRAM recovered it, or the SSD tier
+        holds blocks of it; otherwise ``NotFound``.  The page is chosen off the
+        loop (O(blocks of the namespace)); keys that vanish meanwhile are left out.
+        """
+        ns = self.store.namespaces.get(namespace)
+        dram = list(ns.index) if ns is not None else []
+        below = await self._keys_below(namespace, ns)
+        if ns is None and not below:
+            raise NotFound(f"namespace {namespace!r} is not known to this daemon")
+        page = await asyncio.to_thread(_smallest_after, dram, below, after, page_size + 1)
+        more = len(page) > page_size
+        page = page[:page_size]
+        out = [st for key in page if (st := self._key_state(namespace, ns, key)) is not None]
+        return out, (page[-1] if more and page else None)
+
+    def _key_state(self, namespace: str, ns: Namespace | None, key: bytes) -> KeyState | None:
+        if (namespace, key) in self._deleting:
+            return None
+        moving = self._moving(namespace, key)
+        block = ns.index.get(key) if ns is not None else None
+        if block is not None:
+            return KeyState(key, TIER_DRAM, block.length, block.pins > 0 or moving,
+                            block.lower == Lower.CLEAN)
+        entry = self._ssd_entry(namespace, ns, key)
+        if entry is not None:
+            return KeyState(key, TIER_SSD, entry.length, moving, True)
+        return None
+
+    # ================================================================ admin: evict
+    async def evict(self, namespace: str, keys: Sequence[bytes] | None,
+                    tiers: Collection[int]) -> EvictResult:
+        """Drop the copies of ``keys`` (None: every block of the namespace that DRAM or
+        the SSD tier holds) on ``tiers`` (empty: every tier this daemon has).
+
+        A key that is leased (by a client, or pinned by a demotion or a publish)
+        or whose promotion/demotion is in flight is skipped and counted.  For
+        the others, each tier's copy goes in one loop step per chunk of keys:
+        the DRAM block through the store's eviction (the one exit of DRAM
+        blocks), the SSD entry from the SSD index (its FREE entry persisted
+        right after); then the shared tier's files.  A DRAM block that stays
+        but lost its durable copy below becomes DIRTY again, so it is demoted
+        before DRAM evicts it.  Evicting the only copy of a block drops it.
+        """
+        have = self._known_tiers()
+        for tier in tiers:
+            if tier not in have:
+                raise FailedPrecondition(f"this daemon has no {TIER_NAMES[tier]} tier "
+                                         f"({_TIER_SETTING[tier]} is not set)")
+        want = set(tiers) or have
+        ns = self.store.namespaces.get(namespace)
+        below: list[bytes] = []
+        if keys is None or ns is None:
+            below = await self._keys_below(namespace, ns)
+            ns = self.store.namespaces.get(namespace)  # (it may have been declared meanwhile)
+        if ns is None and not below:
+            raise NotFound(f"namespace {namespace!r} is not known to this daemon")
+        todo = list(dict.fromkeys(
+            keys if keys is not None
+            else itertools.chain(ns.index if ns is not None else (), below)))
+        evicted = 0
+        skipped = 0
+        dropped: collections.Counter[str] = collections.Counter()
+        for i in range(0, len(todo), EVICT_CHUNK):
+            ns = self.store.namespaces.get(namespace)
+            e, s = await self._evict_chunk(namespace, ns, todo[i : i + EVICT_CHUNK], want,
+                                           dropped)
+            evicted += e
+            skipped += s
+            await asyncio.sleep(0)
+        return EvictResult(evicted, skipped, dict(dropped))
+
+    async def _evict_chunk(self, namespace: str, ns: Namespace | None, keys: Sequence[bytes],
+                           tiers: set[int], dropped: collections.Counter[str]) -> tuple[int, int]:
+        lost: set[bytes] = set()
+        skipped = 0
+        to_shared: list[bytes] = []
+        hidden: list[tuple[str, bytes]] = []
+        freed = False  # SSD entries removed: their FREE entries are to be persisted
+        # -- in one loop step: each key's DRAM and SSD copies, all or nothing per key
+        for key in keys:
+            block = ns.index.get(key) if ns is not None else None
+            if ((block is not None and block.pins) or self._moving(namespace, key)
+                    or (namespace, key) in self._deleting):
+                skipped += 1
+                continue
+            if TIER_DRAM in tiers and block is not None:
+                if self.store.evict_block(block):
+                    dropped["dram"] += 1
+                    lost.add(key)
+                    block = None
+            if TIER_SSD in tiers and self._ssd_entry(namespace, ns, key) is not None:
+                assert self.ssd is not None
+                self.ssd.remove(namespace, [key])
+                dropped["ssd"] += 1
+                lost.add(key)
+                freed = True
+            if (block is not None and block.lower == Lower.CLEAN
+                    and tiers & {TIER_SSD, TIER_SHARED}
+                    and self._ssd_entry(namespace, ns, key) is None):
+                self.store.set_lower(block, Lower.DIRTY)  # its copy below may be gone now
+            if TIER_SHARED in tiers and self.shared is not None:
+                to_shared.append(key)
+                if block is None and self._ssd_entry(namespace, ns, key) is None:
+                    hidden.append((namespace, key))  # no promotion from there meanwhile
+        # -- then the I/O: persist the SSD frees, remove the shared files
+        if not to_shared and not freed:
+            return len(lost), skipped
+        self._hide(hidden)
+        try:
+            on_shared = await self._drop_lower(namespace, to_shared, shared=True)
+        finally:
+            self._unhide(hidden)
+        if on_shared:
+            dropped["shared"] += len(on_shared)
+            lost |= on_shared
+        return len(lost), skipped
+
+    # ================================================================ admin: drain
+    async def drain(self, wait: float) -> DrainProgress:
+        """Start a drain, or join the one running; answer after ``wait`` seconds or when
+        it is done, with its progress.
+
+        A drain gives every DRAM block without a durable copy below DRAM
+        (DIRTY or UNSPILLABLE, and CLEAN ones whose SSD copy the SSD tier has
+        since evicted when no shared tier could have taken it) a copy on the
+        SSD tier (or, without one, the shared tier).  The demoter makes the
+        copies, in its ordinary batches; blocks stay in DRAM, CLEAN.  A block
+        whose copy fails counts as failed and the drain still finishes; so
+        does a copied block the SSD tier evicted again before the drain ended
+        (the tier is too small for DRAM).  Blocks committed after the drain
+        began are not part of it.
+        """
+        if not self.enabled:
+            raise FailedPrecondition("this daemon has no spill tier to drain DRAM to: set "
+                                     "spill.ssd_dir (or spill.shared_dir)")
+        d = self._drain
+        if d is None or d.finished.is_set():
+            d = self._drain = _Drain()
+            self._spawn(self._run_drain(d))
+        if wait > 0 and not d.finished.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(d.finished.wait(), timeout=wait)
+        return d.progress()
+
+    async def _run_drain(self, d: _Drain) -> None:
+        try:
+            blocks = list(itertools.chain.from_iterable(
+                list(ns.index.values()) for ns in list(self.store.namespaces.values())))
+            mh: dict[str, int] = {}
+            for i in range(0, len(blocks), DRAIN_COLLECT_CHUNK):
+                for b in blocks[i : i + DRAIN_COLLECT_CHUNK]:
+                    if b.doomed or b.ns.index.get(b.key) is not b:
+                        continue
+                    if b.lower == Lower.CLEAN:
+                        if self.ssd is None or self.shared is not None:
+                            continue
+                        h = mh.get(b.ns.name)
+                        if h is None:
+                            h = mh[b.ns.name] = self._model_hash(b.ns)
+                        if self._on_ssd(b.ns, b.key, h):
+                            continue
+                        self.store.set_lower(b, Lower.DIRTY)  # its SSD copy was evicted
+                    d.add(b)
+                self._wake.set()
+                await asyncio.sleep(0)
+            d.collecting = False
+            log.info("drain: %d DRAM blocks (%d bytes) need a copy below DRAM",
+                     d.total_blocks, d.total_bytes)
+            while d.pending:
+                progress = self._progress
+                self._wake.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(progress.wait(), timeout=DEMOTER_TICK)
+            await self._recheck_drain(d)
+            log.info("drain done: %d of %d blocks durable below DRAM, %d failed",
+                     d.done_blocks, d.total_blocks, d.failed_blocks)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug: log it; the blocks not settled count as failed below
+            log.exception("drain failed")
+        finally:
+            # Whatever ended the drain, it ends done with every block settled one way:
+            # done_blocks + failed_blocks == total_blocks.
+            d.failed_blocks += len(d.pending)
+            d.pending.clear()
+            d.copied = []
+            d.collecting = False
+            d.finished.set()
+
+    async def _recheck_drain(self, d: _Drain) -> None:
+        """Count as failed the copied blocks whose SSD copy the SSD tier has evicted
+        again meanwhile (and has not passed on to the shared tier)."""
+        if self.ssd is None:
+            return
+        missing = [b for b in d.copied if not b.doomed and b.ns.index.get(b.key) is b
+                   and self._ssd_entry(b.ns.name, b.ns, b.key) is None]
+        if missing and self.shared is not None:
+            shared = self.shared
+            there = await self._run(lambda: [shared.exists(b.ns.name, b.key) for b in missing])
+            missing = [b for b, ok in zip(missing, there, strict=True) if not ok]
+        for b in missing:
+            if b.doomed or b.ns.index.get(b.key) is not b:
+                continue
+            d.done_blocks -= 1
+            d.done_bytes -= b.length
+            d.failed_blocks += 1
+            self.store.set_lower(b, Lower.DIRTY)
+        if missing:
+            log.warning("drain: the SSD tier evicted %d of the copies it made before the drain "
+                        "ended (spill.ssd_capacity is smaller than what DRAM holds)",
+                        len(missing))
+
+    def _drain_candidates(self, limit: int) -> list[Block]:
+        """Up to ``limit`` blocks of the running drain to copy now; settles the ones that
+        need nothing any more (CLEAN, or gone from DRAM)."""
+        d = self._drain
+        if d is None or d.finished.is_set() or limit <= 0:
+            return []
+        out: list[Block] = []
+        settled: list[Block] = []
+        for scanned, b in enumerate(d.pending):
+            if scanned >= DRAIN_SCAN_LIMIT or len(out) >= limit:
+                break
+            if b.doomed or b.ns.index.get(b.key) is not b or b.lower == Lower.CLEAN:
+                settled.append(b)
+            elif not self._moving(b.ns.name, b.key):
+                out.append(b)
+        for b in settled:
+            d.settle(b)
+        return out
+
     # ================================================================ invariants
     def check(self) -> list[str]:
         problems = self.store.check()
@@ -677,3 +1071,18 @@ def _prefix(ns: Namespace, keys: Sequence[bytes]) -> list[Block]:
 
 def _present_shared(shared: SharedTier, namespace: str, keys: list[bytes]) -> list[bytes]:
     return [k for k in keys if shared.exists(namespace, k)]
+
+
+#: The setting that turns a tier on (for "this daemon has no ... tier" messages).
+_TIER_SETTING: Final = {TIER_DRAM: "dram.capacity", TIER_SSD: "spill.ssd_dir",
+                        TIER_SHARED: "spill.shared_dir"}
+
+
+def _smallest_after(dram: list[bytes], below: list[bytes], after: bytes | None,
+                    n: int) -> list[bytes]:
+    """The ``n`` smallest distinct keys of both lists greater than ``after`` (worker thread)."""
+    pool = set(dram)
+    pool.update(below)
+    if after is None:
+        return heapq.nsmallest(n, pool)
+    return heapq.nsmallest(n, (k for k in pool if k > after))

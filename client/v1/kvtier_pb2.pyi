@@ -61,29 +61,37 @@ class MapSegments(_message.Message):
     want_fds: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, want_fds: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class OpenAdmin(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class SessionRequest(_message.Message):
-    __slots__ = ("open", "map")
+    __slots__ = ("open", "map", "admin")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     MAP_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
     open: OpenSession
     map: MapSegments
-    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., map: _Optional[_Union[MapSegments, _Mapping]] = ...) -> None: ...
+    admin: OpenAdmin
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., map: _Optional[_Union[MapSegments, _Mapping]] = ..., admin: _Optional[_Union[OpenAdmin, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("token", "slot_bytes", "segments_version", "segments", "daemon_version", "boot_epoch")
+    __slots__ = ("token", "slot_bytes", "segments_version", "segments", "daemon_version", "boot_epoch", "read_only")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    READ_ONLY_FIELD_NUMBER: _ClassVar[int]
     token: str
     slot_bytes: int
     segments_version: int
     segments: _containers.RepeatedCompositeFieldContainer[SegmentInfo]
     daemon_version: str
     boot_epoch: int
-    def __init__(self, token: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments_version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ...) -> None: ...
+    read_only: bool
+    def __init__(self, token: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments_version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., read_only: _Optional[bool] = ...) -> None: ...
 
 class SegmentsMapped(_message.Message):
     __slots__ = ("segments_version", "segments", "fd_segment_ids")

@@ -60,7 +60,16 @@ class BlockIO:
         return os.listdir(path)
 
     def makedirs(self, path: str, mode: int = 0o700) -> None:
-        os.makedirs(path, mode=mode, exist_ok=True)
+        """Create ``path`` and any missing parents, every level created with ``mode``
+        (``os.makedirs`` gives only the leaf its mode; parents get 0777 less umask)."""
+        head = os.path.dirname(path)
+        if head and head != path and not os.path.isdir(head):
+            self.makedirs(head, mode)
+        try:
+            os.mkdir(path, mode)
+        except FileExistsError:
+            if not os.path.isdir(path):
+                raise
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)

@@ -111,6 +111,32 @@ class SsdCounters:
 EvictHook = Callable[[SsdEntry, memoryview], None]
 
 
+class _Index(dict[tuple[str, bytes], SsdEntry]):
+    """(namespace, key) -> entry, keeping the slot bytes each namespace holds (for quotas)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes_of: collections.Counter[str] = collections.Counter()
+
+    def __setitem__(self, k: tuple[str, bytes], e: SsdEntry) -> None:
+        old = super().get(k)
+        if old is not None:
+            self.bytes_of[old.namespace] -= old.file.slot_bytes
+        super().__setitem__(k, e)
+        self.bytes_of[e.namespace] += e.file.slot_bytes
+
+    def __delitem__(self, k: tuple[str, bytes]) -> None:
+        e = super().pop(k)
+        self.bytes_of[e.namespace] -= e.file.slot_bytes
+
+    def pop(self, k: tuple[str, bytes], *default: Any) -> Any:  # type: ignore[override]
+        if k in self:
+            e = super().pop(k)
+            self.bytes_of[e.namespace] -= e.file.slot_bytes
+            return e
+        return super().pop(k, *default)
+
+
 class SsdTier:
     """Spill files under ``root`` within ``capacity`` bytes."""
 
@@ -138,8 +164,10 @@ class SsdTier:
         # Signalled when a file is created (writers of that slot size wait for it).
         self._room = threading.Condition(self._lock)
         self._creating: set[int] = set()
-        self.index: dict[tuple[str, bytes], SsdEntry] = {}
+        self.index = _Index()
         self.lru: collections.OrderedDict[SsdEntry, None] = collections.OrderedDict()
+        #: Namespace -> its SSD quota in bytes (0: none); set from the access rules.
+        self.quota_of: Callable[[str], int] = lambda namespace: 0
         self.files: dict[int, list[SpillFile]] = {}
         self.file_budget_used = 0  # bytes of files, existing or being created
         self._next_index = 0
@@ -313,6 +341,14 @@ class SsdTier:
                 self._drop(e)
         return n
 
+    def keys_of(self, namespace: str, geometry: tuple[int, int] | None = None) -> list[bytes]:
+        """The keys held for ``namespace`` (only those written for ``geometry``, a
+        (block_bytes, model hash) pair, when given).  O(entries): run it off the loop."""
+        with self._lock:
+            items = list(self.index.items())
+        return [key for (ns, key), e in items if ns == namespace
+                and (geometry is None or (e.block_bytes, e.model_hash) == geometry)]
+
     def drop_namespace(self, namespace: str, keep: Callable[[SsdEntry], bool]) -> int:
         """Forget every entry of ``namespace`` for which ``keep`` is false."""
         with self._lock:
@@ -364,7 +400,7 @@ class SsdTier:
         padded = fmt.round_up(length)
         if checksum is None:
             checksum = _accel.checksum(src[:length])
-        f, slot = self._allocate(padded)
+        f, slot = self._allocate_within_quota(namespace, key, padded)
         try:
             self.io.pwrite(f.fd, src[:padded], f.data_offset(slot))
         except BaseException:
@@ -523,6 +559,37 @@ class SsdTier:
                 self.files.setdefault(slot_bytes, []).append(f)
                 self._creating.discard(slot_bytes)
                 self._room.notify_all()
+
+    def _allocate_within_quota(self, namespace: str, key: bytes,
+                               slot_bytes: int) -> tuple[SpillFile, int]:
+        """``_allocate``, except that a namespace at its SSD quota reuses the slot of its
+        own least recently used block of this size instead of taking more room."""
+        quota = self.quota_of(namespace)
+        if not quota:
+            return self._allocate(slot_bytes)
+        with self._room:
+            held = self.index.bytes_of[namespace]
+            old = self.index.get((namespace, key))
+            if old is not None:  # a rewrite frees the old copy's bytes
+                held -= old.file.slot_bytes
+            if held + slot_bytes <= quota:
+                victim = None
+            else:
+                victim = next((e for e in self.lru if e.namespace == namespace
+                               and e.file.slot_bytes == slot_bytes and e.readers == 0
+                               and e is not old), None)
+                if victim is None:
+                    raise SpillFull(f"namespace {namespace!r} is at its SSD quota ({held} of "
+                                    f"{quota} bytes) and none of its {slot_bytes}-byte blocks "
+                                    "can be evicted")
+                del self.index[(victim.namespace, victim.key)]
+                del self.lru[victim]
+                victim.file.committed -= 1
+                victim.file.busy.add(victim.slot)
+                self.counters.evictions += 1
+        if victim is None:
+            return self._allocate(slot_bytes)
+        return self._reuse(victim)
 
     def _pop_free(self, slot_bytes: int) -> tuple[SpillFile, int] | None:
         for f in self.files.get(slot_bytes, ()):
@@ -722,6 +789,12 @@ class SsdTier:
                 problems.append(f"SSD file budget {self.file_budget_used} != files {budget}")
             if budget > self.capacity:
                 problems.append(f"SSD files {budget} exceed spill.ssd_capacity {self.capacity}")
+            held: collections.Counter[str] = collections.Counter()
+            for e in self.index.values():
+                held[e.namespace] += e.file.slot_bytes
+            if +held != +self.index.bytes_of:
+                problems.append(f"SSD bytes per namespace {dict(+self.index.bytes_of)} != "
+                                f"{dict(+held)} counted from the index")
             if set(self.lru) != set(self.index.values()):
                 problems.append("SSD LRU does not hold exactly the indexed entries")
             for (ns, key), e in self.index.items():

@@ -949,12 +949,12 @@ def test_frame_that_is_not_a_session_request(d: DaemonProc, body: bytes) -> None
     assert_serving(d)
 
 
-@pytest.mark.parametrize("body", [b"", b"\x08\x01", b"\x1a\x00"], ids=["empty", "unknown-varint",
-                                                                      "unknown-field-3"])
+@pytest.mark.parametrize("body", [b"", b"\x08\x01", b"\x2a\x00"], ids=["empty", "unknown-varint",
+                                                                      "unknown-field-5"])
 def test_empty_session_request(d: DaemonProc, body: bytes) -> None:
     with sc_connect(d) as s:
         sc_send(s, frame(body))
-        expect_session_error(s, INVALID, "empty SessionRequest (set open or map)")
+        expect_session_error(s, INVALID, "empty SessionRequest (set open, map or admin)")
     assert_serving(d)
 
 
@@ -976,7 +976,7 @@ def test_open_with_empty_declaration(d: DaemonProc) -> None:
 
 RANDOM_OUTCOMES = {
     (INVALID, "session channel frame is not a SessionRequest"),
-    (INVALID, "empty SessionRequest (set open or map)"),
+    (INVALID, "empty SessionRequest (set open, map or admin)"),
     (PRECONDITION, "MapSegments before OpenSession"),
 }
 
@@ -1070,7 +1070,7 @@ def test_fds_sent_to_the_daemon_do_not_leak(d: DaemonProc, stub: pb_grpc.KVTierS
                     expect_session_error(s, PRECONDITION, "MapSegments before OpenSession")
                 elif kind == "empty":
                     sc_send(s, frame(b""), own)
-                    expect_session_error(s, INVALID, "empty SessionRequest (set open or map)")
+                    expect_session_error(s, INVALID, "empty SessionRequest (set open, map or admin)")
                 else:
                     sc_send(s, frame(open_body("bad decl")), own)
                     expect_session_error(s, INVALID, "namespace name 'bad decl' must be 1..128 "

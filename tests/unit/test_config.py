@@ -374,7 +374,8 @@ def test_unknown_section_key_message(tmp_path: Path) -> None:
 def test_unknown_top_level_key_message(tmp_path: Path) -> None:
     message = error_of("drams:\n  capacity: 2GiB\n", tmp_path)
     assert message.endswith(
-        "unknown key 'drams' (known: dram, instance, leases, log, metrics, reservations, server, spill)"
+        "unknown key 'drams' (known: access, dram, instance, leases, limits, log, metrics, "
+            "reservations, server, spill)"
     )
 
 
@@ -519,14 +520,16 @@ def test_override_value_may_contain_equals() -> None:
             "drm.capacity=1",
             (
                 "override 'drm.capacity=1': unknown key 'drm.capacity' "
-                "(known: dram, instance, leases, log, metrics, reservations, server, spill)"
+                "(known: access, dram, instance, leases, limits, log, metrics, reservations, server, "
+                "spill)"
             ),
         ),
         (
             "dram=1",
             (
                 "override 'dram=1': unknown key 'dram' "
-                "(known: dram, instance, leases, log, metrics, reservations, server, spill)"
+                "(known: access, dram, instance, leases, limits, log, metrics, reservations, server, "
+                "spill)"
             ),
         ),
         ("dram.capacity", "override 'dram.capacity': expected 'section.key=value'"),
@@ -868,11 +871,12 @@ def test_format_duration(s: float, text: str) -> None:
             "dram:\n  capacity: 16MiB\n  extent_size: 32MiB\n",
             "dram.extent_size: expected a size of at most dram.capacity (16MiB), got '32MiB'",
         ),
-        ("leases:\n  ttl: 0\n", "leases.ttl: expected a duration > 0 like '30s', got 0"),
+        ("leases:\n  ttl: 0\n", "leases.ttl: expected a duration from 100ms to 3600s, got 0"),
         (
             "reservations:\n  ttl: 0s\n",
-            "reservations.ttl: expected a duration > 0 like '30s', got '0s'",
+            "reservations.ttl: expected a duration from 100ms to 3600s, got '0s'",
         ),
+        ("leases:\n  ttl: 2h\n", "leases.ttl: expected a duration from 100ms to 3600s, got '2h'"),
         (
             "log:\n  level: verbose\n",
             "log.level: expected one of debug, info, warning, error, got 'verbose'",
@@ -1044,7 +1048,7 @@ def test_config_to_dict_prints_sizes_and_durations_as_strings() -> None:
     [
         [],
         ["instance=x", "server.grace=250ms", "server.socket_mode=0600", "dram.capacity=1000000000"],
-        ["metrics.address=", "leases.ttl=0.001", "dram.mlock=false", "log.level=error"],
+        ["metrics.address=", "leases.ttl=0.25", "dram.mlock=false", "log.level=error"],
         ["metrics.address=[::1]:0", "reservations.ttl=1.25", "dram.extent_size=128KiB"],
     ],
 )

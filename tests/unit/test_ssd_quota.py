@@ -1,0 +1,66 @@
+"""SSD quotas per namespace (issue 6): a namespace at quota evicts its own blocks only."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtierd.spill.blockio import aligned_buffer
+from kvtierd.spill.ssd import SpillFull, SsdTier
+from tests.unit.spill_harness import disk_dir  # noqa: F401  (fixture)
+
+MiB = 1 << 20
+BLK = 64 << 10
+
+
+def _write(ssd: SsdTier, ns: str, key: bytes, fill: int) -> None:
+    buf = aligned_buffer(BLK)
+    try:
+        buf[:] = bytes([fill]) * BLK
+        with memoryview(buf) as view:
+            ssd.write(ns, key, view, BLK, None, BLK, 0)
+    finally:
+        buf.close()
+
+
+def _keys(ssd: SsdTier, ns: str) -> set[bytes]:
+    return {k for (n, k) in ssd.index if n == ns}
+
+
+def test_namespace_at_ssd_quota_evicts_its_own_oldest_blocks(disk_dir: str) -> None:  # noqa: F811
+    ssd = SsdTier(disk_dir, capacity=8 * MiB, file_bytes=1 * MiB, direct="false")
+    ssd.quota_of = lambda ns: 3 * BLK if ns == "q" else 0
+    ssd.open()
+    try:
+        for i in range(4):
+            _write(ssd, "other", b"o%d" % i, i)
+        for i in range(10):
+            _write(ssd, "q", b"q%d" % i, i)
+        ssd.sync()
+        assert _keys(ssd, "q") == {b"q7", b"q8", b"q9"}  # the newest three
+        assert _keys(ssd, "other") == {b"o0", b"o1", b"o2", b"o3"}  # older, yet untouched
+        assert ssd.index.bytes_of["q"] == 3 * BLK
+        _write(ssd, "q", b"q9", 99)  # a rewrite of a held key needs no eviction
+        assert _keys(ssd, "q") == {b"q7", b"q8", b"q9"}
+        assert ssd.check() == []
+    finally:
+        ssd.close()
+
+
+def test_quota_with_every_block_being_read_refuses_the_write(disk_dir: str) -> None:  # noqa: F811
+    ssd = SsdTier(disk_dir, capacity=8 * MiB, file_bytes=1 * MiB, direct="false")
+    ssd.quota_of = lambda ns: 2 * BLK
+    ssd.open()
+    try:
+        _write(ssd, "q", b"a", 1)
+        _write(ssd, "q", b"b", 2)
+        for e in list(ssd.index.values()):
+            e.readers += 1  # as if a promotion were reading each
+        with pytest.raises(SpillFull, match=r"namespace 'q' is at its SSD quota \(131072 of "
+                                             r"131072 bytes\) and none of its 65536-byte"):
+            _write(ssd, "q", b"c", 3)
+        for e in list(ssd.index.values()):
+            e.readers -= 1
+        assert _keys(ssd, "q") == {b"a", b"b"}
+        assert ssd.check() == []
+    finally:
+        ssd.close()
