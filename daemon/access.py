@@ -23,6 +23,8 @@ import grp
 import os
 import pwd
 import secrets
+import socket
+import struct
 from collections.abc import Iterable, Sequence
 from typing import Final
 
@@ -71,14 +73,32 @@ class Identity:
     cert: str = ""
 
     @classmethod
-    def of_peer(cls, pid: int, uid: int, gid: int, proc: str = "/proc") -> Identity:
-        """A local peer: its primary gid plus the supplementary groups its process has now."""
-        return cls(uid=uid, gids=frozenset({gid, *supplementary_groups(pid, proc)}))
+    def of_peer(cls, pid: int, uid: int, gid: int, proc: str = "/proc",
+                groups: Sequence[int] | None = None) -> Identity:
+        """A local peer: its primary gid plus its supplementary groups (``groups`` from
+        ``SO_PEERGROUPS`` when given, else its process's, read from ``/proc``)."""
+        extra = groups if groups is not None else supplementary_groups(pid, proc)
+        return cls(uid=uid, gids=frozenset({gid, *extra}))
 
     def __str__(self) -> str:
         if self.cert:
             return f"certificate {self.cert!r}"
         return f"uid {self.uid}"
+
+
+#: Linux SO_PEERGROUPS (4.13+): the peer's supplementary groups as they were at
+#: connect, valid across pid namespaces (a client container's pid may read as 0).
+SO_PEERGROUPS: Final = getattr(socket, "SO_PEERGROUPS", 59)
+
+
+def peer_groups(conn: socket.socket) -> list[int] | None:
+    """The connected peer's supplementary groups, or None where the kernel cannot say
+    (an old kernel, or more than the 256 groups Python's getsockopt buffer holds)."""
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)
+    except OSError:
+        return None
+    return list(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
 
 
 def supplementary_groups(pid: int, proc: str = "/proc") -> list[int]:

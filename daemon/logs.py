@@ -21,6 +21,9 @@ import datetime
 import json
 import logging
 import sys
+import threading
+import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 #: The record attribute the ``event()`` helper sets (kept apart from logging's own).
@@ -85,3 +88,36 @@ def setup(level: str, fmt: str, *, instance: str = "", stream: TextIO | None = N
     # grpc and asyncio are chatty at debug; their warnings still come through.
     for noisy in ("grpc", "asyncio"):
         logging.getLogger(noisy).setLevel(max(logging.INFO, root.level))
+
+
+class Throttle:
+    """At most one log line per ``interval`` seconds for each kind of repeated event.
+
+    ``throttle(key)`` returns None while lines of that kind are being held
+    back, else how many were held back since the last one (to say "+N more").
+    A failing disk fails every block; its log says so once per interval, and
+    the metrics count every block.  Thread-safe (spill I/O runs on workers).
+    """
+
+    def __init__(self, interval: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def __call__(self, key: str) -> int | None:
+        now = self._clock()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.interval:
+                self._held[key] = self._held.get(key, 0) + 1
+                return None
+            self._last[key] = now
+            return self._held.pop(key, 0)
+
+
+def more(n: int) -> str:
+    """The suffix for a throttled line: how many like it were held back."""
+    return f" (+{n} more like it held back)" if n else ""

@@ -39,7 +39,14 @@ from kvtier.errors import (
     status_of,
 )
 from kvtier.v1 import kvtier_pb2 as pb
-from kvtierd.access import AccessPolicy, AdminSession, AdminSessions, Identity, Right
+from kvtierd.access import (
+    AccessPolicy,
+    AdminSession,
+    AdminSessions,
+    Identity,
+    Right,
+    peer_groups,
+)
 from kvtierd.config import LimitsConfig
 from kvtierd.metrics import Metrics
 from kvtierd.segments import UID_BYTES, Segment
@@ -144,7 +151,7 @@ class SessionChannel:
                 "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             )
             peer = Peer(pid, uid, gid)
-            ident = Identity.of_peer(pid, uid, gid)
+            ident = Identity.of_peer(pid, uid, gid, groups=peer_groups(conn))
             while True:
                 timeout = HANDSHAKE_TIMEOUT if session is None and admin is None else None
                 try:

@@ -1053,16 +1053,23 @@ class Store:
         now = self._clock()
         stale_res = [r for r in self._reservations.values()
                      if r.expires <= now and not r.session.system]
+        if stale_res:  # one line per sweep, however many expired (an expiry storm)
+            log.warning("%d reservations expired (ids %s%s); their %d slots are quarantined "
+                        "for %.0f s", len(stale_res), ", ".join(str(r.id) for r in stale_res[:5]),
+                        ", ..." if len(stale_res) > 5 else "",
+                        sum(len(r.keys) for r in stale_res), self.reservation_ttl,
+                        extra=event("reservations_expired", count=len(stale_res)))
         for res in stale_res:
-            log.warning("reservation %d of session %d expired; its %d slots are quarantined for "
-                        "%.0f s", res.id, res.session.id, len(res.keys), self.reservation_ttl)
             self._expire_reservation(res, now + self.reservation_ttl)
         self._release_quarantine(now)
         stale_leases = [lease for lease in self._leases.values()
                         if lease.expires <= now and not lease.session.system]
+        if stale_leases:
+            log.warning("%d leases expired after %.0f s (ids %s%s)", len(stale_leases),
+                        self.lease_ttl, ", ".join(str(x.id) for x in stale_leases[:5]),
+                        ", ..." if len(stale_leases) > 5 else "",
+                        extra=event("leases_expired", count=len(stale_leases)))
         for lease in stale_leases:
-            log.warning("lease %d of session %d expired after %.0f s", lease.id,
-                        lease.session.id, self.lease_ttl)
             self._end_lease(lease)
         aborted: collections.Counter[str] = collections.Counter()
         for res in stale_res:

@@ -56,6 +56,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
 from kvtier.errors import CapacityExhausted, Corrupted, FailedPrecondition, NotFound
+from kvtierd.logs import Throttle, event, more
 from kvtierd.spill.blockio import fault_kind
 from kvtierd.spill.format import model_hash
 from kvtierd.spill.shared import SharedTier
@@ -74,6 +75,8 @@ from kvtierd.store import (
 )
 
 log = logging.getLogger(__name__)
+#: Spill faults repeat per block while a disk is failing: one line per kind per 10 s.
+_throttle = Throttle()
 
 _T = TypeVar("_T")
 
@@ -769,8 +772,13 @@ class Tiering:
         try:
             await self._run(self.ssd.sync)
         except OSError as exc:
-            self._fault("ssd", fault_kind(exc))
-            log.warning("SSD tier: fdatasync failed (%s); the batch is not durable", exc)
+            kind = fault_kind(exc)
+            self._fault("ssd", kind)
+            held = _throttle(f"ssd/sync/{kind}")
+            if held is not None:
+                log.warning("SSD tier: fdatasync failed (%s); the batch is not durable%s", exc,
+                            more(held), extra=event("spill_fault", tier="ssd", op="sync",
+                                                    kind=kind, held_back=held))
             return False
         self.observer.spill_io("ssd", "sync", time.perf_counter() - t0, 0)
         return True
@@ -789,8 +797,12 @@ class Tiering:
         except (OSError, SpillFull) as exc:
             kind = fault_kind(exc) if isinstance(exc, OSError) else "full"
             self._fault("ssd", kind)
-            log.warning("SSD tier: demotion of %s in %r failed (%s); it stays in DRAM "
-                        "without a spill copy", block.key.hex(), ns.name, exc)
+            held = _throttle(f"ssd/write/{kind}")
+            if held is not None:
+                log.warning("SSD tier: demotion of %s in %r failed (%s); it stays in DRAM "
+                            "without a spill copy%s", block.key.hex(), ns.name, exc, more(held),
+                            extra=event("spill_fault", tier="ssd", op="write", kind=kind,
+                                        namespace=ns.name, held_back=held))
             return False
         finally:
             view.release()

@@ -32,10 +32,12 @@ from typing import Any
 
 from kvtier import _accel
 from kvtier.errors import Corrupted
+from kvtierd.logs import Throttle, event, more
 from kvtierd.spill import format as fmt
 from kvtierd.spill.blockio import BlockIO
 
 log = logging.getLogger(__name__)
+_throttle = Throttle()
 
 
 @dataclasses.dataclass
@@ -157,7 +159,11 @@ class SharedTier:
                 raise Corrupted(f"shared block file {path} failed its checksum")
         except Corrupted as exc:
             self.counters.checksum_failures += 1
-            log.warning("shared tier: %s; removing it", exc)
+            held = _throttle("shared/read/checksum")
+            if held is not None:
+                log.warning("shared tier: %s; removing it%s", exc, more(held),
+                            extra=event("spill_fault", tier="shared", op="read",
+                                        kind="checksum", held_back=held))
             self._unlink_quietly(path)
             raise
         finally:

@@ -37,10 +37,12 @@ import xxhash
 
 from kvtier import _accel
 from kvtier.errors import Corrupted
+from kvtierd.logs import Throttle, event, more
 from kvtierd.spill import format as fmt
 from kvtierd.spill.blockio import BlockIO, aligned_buffer, fault_kind, probe_direct_io
 
 log = logging.getLogger(__name__)
+_throttle = Throttle()
 
 _FILE_RE: Final = re.compile(r"spill-([0-9]+)-([0-9]+)\.kvt")
 #: LRU entries one allocation may inspect for a victim (bounded work per write).
@@ -629,8 +631,12 @@ class SsdTier:
                 self._read_verified(victim, memoryview(buf))
                 self.on_evict(victim, memoryview(buf)[: victim.length])
             except Exception as exc:  # the victim is dropped either way; never crash
-                log.warning("SSD tier: evicted block %s of %r not passed on: %s",
-                            victim.key.hex(), victim.namespace, exc)
+                held = _throttle("ssd/evict_pass_on")
+                if held is not None:
+                    log.warning("SSD tier: evicted block %s of %r not passed on: %s%s",
+                                victim.key.hex(), victim.namespace, exc, more(held),
+                                extra=event("spill_fault", tier="shared", op="write",
+                                            kind="pass_on", held_back=held))
             finally:
                 buf.close()
         return victim.file, victim.slot
@@ -724,8 +730,12 @@ class SsdTier:
             self._read_verified(entry, dst)
         except (Corrupted, OSError) as exc:
             kind = fault_kind(exc)
-            log.warning("SSD tier: block %s of %r unreadable (%s: %s); dropped",
-                        entry.key.hex(), entry.namespace, kind, exc)
+            held = _throttle(f"ssd/read/{kind}")
+            if held is not None:
+                log.warning("SSD tier: block %s of %r unreadable (%s: %s); dropped%s",
+                            entry.key.hex(), entry.namespace, kind, exc, more(held),
+                            extra=event("spill_fault", tier="ssd", op="read", kind=kind,
+                                        namespace=entry.namespace, held_back=held))
             raise
         finally:
             with self._lock:

@@ -1,8 +1,9 @@
 """Runs one client operation as another user, for the access-control tests.
 
-Usage: access_worker.py SOCKET_DIR UID JSON-ACTION.  Everything is imported
-as the caller (root) first, then the process drops to UID/GID UID (no
-supplementary groups) before it connects, so SO_PEERCRED reports UID.
+Usage: access_worker.py SOCKET_DIR UID[:G1,G2...] JSON-ACTION.  Everything is
+imported as the caller (root) first, then the process drops to UID/GID UID
+with supplementary groups G1,G2... (none by default) before it connects, so
+SO_PEERCRED reports UID.
 Prints one JSON object: the action's result, or {"error": "Class: message"}.
 """
 
@@ -80,9 +81,11 @@ def act(sock: str, a: dict) -> object:
 
 
 def main() -> None:
-    sock, uid, action = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-    if uid != os.getuid():
-        os.setgroups([])
+    sock, who, action = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    uid_text, _, groups = who.partition(":")
+    uid = int(uid_text)
+    if uid != os.getuid() or groups:
+        os.setgroups([int(g) for g in groups.split(",") if g])
         os.setgid(uid)
         os.setuid(uid)
     try:

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a c
                                 "another uid")
 
 
-def as_uid(d: DaemonProc, uid: int, **action: object) -> dict[str, object]:
+def as_uid(d: DaemonProc, uid: int | str, **action: object) -> dict[str, object]:
     out = subprocess.run([sys.executable, WORKER, d.socket_dir, str(uid), json.dumps(action)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -176,10 +176,17 @@ access:
     - match: "g/*"
       read: ["gid:65534"]
       write: ["gid:65534"]
+    - match: "s/*"
+      read: ["gid:4242"]
+      write: ["gid:4242"]
 """
     d = start(workdir, rules=rules)
     try:
         assert as_uid(d, B, op="open", ns="g/x") == {"ok": "opened"}  # primary gid 65534
+        # Only a supplementary group: the daemon learns it from SO_PEERGROUPS.
+        assert as_uid(d, "4000:4242", op="open", ns="s/x") == {"ok": "opened"}
+        assert str(as_uid(d, 4000, op="open", ns="s/x")["error"]).startswith(
+            "PermissionDenied: uid 4000 may not use")
         r = as_uid(d, 0, op="open", ns="g/x")  # root: uid 0, gid 0, not in the rule
         assert str(r["error"]).startswith("PermissionDenied: uid 0 may not use")
     finally:

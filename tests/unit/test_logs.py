@@ -90,3 +90,15 @@ def test_log_format_config_key() -> None:
     assert load_config(None, overrides=["log.format=JSON"]).log.format == "json"
     with pytest.raises(ConfigError, match="log.format"):
         load_config(None, overrides=["log.format=xml"])
+
+
+def test_throttle_holds_back_repeats_and_counts_them() -> None:
+    now = [100.0]
+    throttle = logs.Throttle(interval=10.0, clock=lambda: now[0])
+    assert throttle("eio") == 0  # the first line goes out
+    assert [throttle("eio") for _ in range(5)] == [None] * 5  # held back
+    assert throttle("enospc") == 0  # another kind has its own budget
+    now[0] += 10.0
+    assert throttle("eio") == 5  # the next line says how many were held back
+    assert throttle("eio") is None
+    assert logs.more(5) == " (+5 more like it held back)" and logs.more(0) == ""

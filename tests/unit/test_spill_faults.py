@@ -31,6 +31,8 @@ from typing import Any
 import pytest
 
 from kvtier.errors import CapacityExhausted
+from kvtierd import tiering as tiering_mod
+from kvtierd.logs import Throttle
 from kvtierd.spill import format as fmt
 from kvtierd.spill.blockio import BlockIO
 from kvtierd.spill.ssd import SsdEntry, SsdTier
@@ -290,8 +292,10 @@ def spilled(env: Env, s: Session, ks: Sequence[bytes]) -> list[bytes]:
 # ================================================================ 1. disk full on writes
 @pytest.mark.parametrize("where", ["data", "table", "fallocate"])
 def test_disk_full_makes_blocks_unspillable_and_dram_keeps_serving(
-        shm_dir: str, disk_dir: str, where: str) -> None:
+        shm_dir: str, disk_dir: str, where: str, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """ENOSPC on every spill write: nothing spills, DRAM evicts as without spill tiers."""
+    monkeypatch.setattr(tiering_mod, "_throttle", Throttle())  # fresh: no earlier test's lines
     io = FaultyIO()
     if where == "data":
         rule = io.fail("pwrite", errno.ENOSPC, path=SPILL_FILE,
@@ -317,6 +321,10 @@ def test_disk_full_makes_blocks_unspillable_and_dram_keeps_serving(
             else:
                 assert t.counters.spill_failures["ssd"] == rule.fired
             assert not t.counters.demotions and ssd.stats()["blocks"] == 0
+            # Every failure is counted; the log says so once, not once per block.
+            failed = [r for r in caplog.records if r.name == "kvtierd.tiering"
+                      and ("demotion of" in r.getMessage() or "fdatasync" in r.getMessage())]
+            assert len(failed) == 1 < rule.fired
             # DRAM evicted the oldest (UNSPILLABLE) blocks, and only those.
             assert env.senv.evicted and all(b.lower == Lower.UNSPILLABLE
                                             for b in env.senv.evicted)
