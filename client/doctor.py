@@ -267,11 +267,9 @@ def selected(sysfs_choice: str | None) -> str | None:
 
 def size(n: float) -> str:
     """Bytes for people: "16.0 MiB"."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    from kvtier.cli import human_bytes
+
+    return human_bytes(n)
 
 
 def _limit(n: int) -> str:

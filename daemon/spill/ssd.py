@@ -584,11 +584,7 @@ class SsdTier:
                     raise SpillFull(f"namespace {namespace!r} is at its SSD quota ({held} of "
                                     f"{quota} bytes) and none of its {slot_bytes}-byte blocks "
                                     "can be evicted")
-                del self.index[(victim.namespace, victim.key)]
-                del self.lru[victim]
-                victim.file.committed -= 1
-                victim.file.busy.add(victim.slot)
-                self.counters.evictions += 1
+                self._evict_for_reuse(victim)
         if victim is None:
             return self._allocate(slot_bytes)
         return self._reuse(victim)
@@ -617,12 +613,16 @@ class SsdTier:
                 raise _Retry
             raise SpillFull(f"SSD tier is full: no evictable {slot_bytes}-byte slot "
                             "(all are being read or written)")
+        self._evict_for_reuse(e)
+        return e
+
+    def _evict_for_reuse(self, e: SsdEntry) -> None:
+        """Take ``e`` out of the index; its slot becomes the caller's (busy) (lock held)."""
         del self.index[(e.namespace, e.key)]
         del self.lru[e]
         e.file.committed -= 1
         e.file.busy.add(e.slot)
         self.counters.evictions += 1
-        return e
 
     def _reuse(self, victim: SsdEntry) -> tuple[SpillFile, int]:
         if self.on_evict is not None:
