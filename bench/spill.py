@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import mmap
@@ -401,6 +402,105 @@ def bench_throughput(root: str, sizes: list[int], data: int, reps: int,
     finally:
         pool.shutdown()
     return out
+
+
+def bench_paired(root: str, sizes: list[int], rounds: int, file_bytes: int) -> dict[str, Any]:
+    """Tier and dd interleaved one batch at a time, so both see the same disk.
+
+    The VM disk's speed drifts up to 2x within seconds, which swamps whole-GiB
+    figures taken a few seconds apart.  Here each round moves one demoter
+    batch (min(64 blocks, 64 MiB)) three ways back to back, in an order that
+    rotates every round: the tier (4 threads, full tier: every write evicts
+    and reuses a slot, then one sync), ``dd oflag=direct conv=notrunc`` of the
+    same bytes, and ``dd oflag=direct conv=notrunc,fdatasync`` (the same
+    durability as the tier's batch: data on stable storage before it
+    returns); then reads: the tier's ``read_into`` + verify vs ``dd
+    iflag=direct`` of the same number of blocks.  Ratios are of the summed
+    bytes/seconds over all rounds; dd's own timing excludes its process start.
+    """
+    out: dict[str, Any] = {"sizes": {}, "rounds": rounds}
+    pool = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="bench-io")
+    try:
+        for size in sizes:
+            out["sizes"][str(size)] = _paired_size(root, size, rounds, file_bytes, pool)
+    finally:
+        pool.shutdown()
+    return out
+
+
+def _paired_size(root: str, size: int, rounds: int, file_bytes: int,
+                 pool: concurrent.futures.ThreadPoolExecutor) -> dict[str, Any]:
+    per = max(1, min(BATCH_BLOCKS, BATCH_BYTES // size))
+    n = per * rounds
+    nfiles = -(-fmt.SpillLayout(size, n).file_bytes // file_bytes)
+    fb = fmt.SpillLayout(size, -(-n // nfiles)).file_bytes
+    src = ShmSlots(size, per, fill=True)
+    dst = ShmSlots(size, per, fill=False)
+    f = os.path.join(root, "paired-dd.bin")
+    bs = dd_bs(size)
+    tdir = os.path.join(root, f"paired-{size}")
+    tier = new_tier(tdir, nfiles * fb, fb)
+    secs = dict.fromkeys(("tier_overwrite", "dd", "dd_fdatasync", "tier_read", "dd_read"), 0.0)
+    log(f"paired {human(size)}: {rounds} rounds of {per} blocks")
+
+    def step(what: str, r: int) -> float:
+        keys = [f"r{r}-{i:05d}".encode() for i in range(per)]
+        where = [f"bs={bs}", f"count={per}"]
+        if what == "tier_overwrite":
+            return tier_write(tier, keys, src, size, pool)
+        if what == "tier_read":
+            return tier_read(tier, keys, dst, size, pool)
+        if what == "dd_read":
+            return float(dd([f"if={f}", "of=/dev/null", *where, f"skip={r * per}",
+                             "iflag=direct"])["seconds"])
+        conv = "conv=notrunc,fdatasync" if what == "dd_fdatasync" else "conv=notrunc"
+        return float(dd(["if=/dev/zero", f"of={f}", *where, f"seek={r * per}",
+                         "oflag=direct", conv])["seconds"])
+
+    try:
+        dd(["if=/dev/zero", f"of={f}", f"bs={bs}", f"count={n}", "oflag=direct"])
+        fill = [f"fill-{i:07d}".encode() for i in range(n)]
+        for start in range(0, n, per):  # fill the tier: the rounds then overwrite
+            tier_write(tier, fill[start:start + per], src, size, pool)
+        writes = ["tier_overwrite", "dd", "dd_fdatasync"]
+        for r in range(rounds):
+            for what in writes[r % 3:] + writes[: r % 3]:
+                secs[what] += step(what, r)
+            for what in (["tier_read", "dd_read"] if r % 2 else ["dd_read", "tier_read"]):
+                secs[what] += step(what, r)
+        assert tier.check() == []
+    finally:
+        tier.close()
+        shutil.rmtree(tdir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f)
+        src.close()
+        dst.close()
+    nbytes = n * size
+    gibps = {k: nbytes / v / GiB for k, v in secs.items()}
+    log(f"  {human(size)}: tier overwrite {gibps['tier_overwrite']:.2f} dd {gibps['dd']:.2f} "
+        f"dd+fdatasync {gibps['dd_fdatasync']:.2f}; tier read {gibps['tier_read']:.2f} dd "
+        f"{gibps['dd_read']:.2f} GiB/s")
+    return {"block_bytes": size, "blocks_per_round": per, "bytes_per_side": nbytes,
+            "seconds": secs, "gibps": gibps,
+            "ratio": {"overwrite_vs_dd": gibps["tier_overwrite"] / gibps["dd"],
+                      "overwrite_vs_dd_fdatasync": gibps["tier_overwrite"] / gibps["dd_fdatasync"],
+                      "read_vs_dd": gibps["tier_read"] / gibps["dd_read"]}}
+
+
+def print_paired(res: dict[str, Any]) -> None:
+    print(f"\n== 1b. Paired: tier and dd interleaved one batch at a time ({res['rounds']} "
+          f"rounds, {IO_THREADS} threads; ratios of summed throughput) ==")
+    print("   overwrite: full tier, one sync per batch; dd: oflag=direct conv=notrunc; "
+          "dd+fdatasync: the same with conv=fdatasync per batch (equal durability)")
+    print(f"{'block':>8} {'tier ow':>8} {'dd':>6} {'dd+sync':>8} {'x dd':>6} {'x dd+sync':>9} "
+          f"{'tier rd':>8} {'dd rd':>6} {'x dd':>6}")
+    for s in res["sizes"].values():
+        g, r = s["gibps"], s["ratio"]
+        print(f"{human(s['block_bytes']):>8} {g['tier_overwrite']:>8.2f} {g['dd']:>6.2f} "
+              f"{g['dd_fdatasync']:>8.2f} {r['overwrite_vs_dd']:>5.2f}x "
+              f"{r['overwrite_vs_dd_fdatasync']:>8.2f}x {g['tier_read']:>8.2f} "
+              f"{g['dd_read']:>6.2f} {r['read_vs_dd']:>5.2f}x")
 
 
 def print_throughput(res: dict[str, Any]) -> None:
@@ -823,6 +923,14 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
             x1, x4 = rr[f"tier1_{op}"], rr[f"tier{IO_THREADS}_{op}"]
             rows.append((f"SSD tier {what}, 2 MiB, vs dd O_DIRECT", ">= 0.8x",
                          f"{x4:.2f}x ({IO_THREADS} thr; 1 thr {x1:.2f}x)", x4 >= 0.8))
+    paired = result.get("paired")
+    if paired and str(2 * MiB) in paired["sizes"]:
+        r = paired["sizes"][str(2 * MiB)]["ratio"]
+        rows.append(("SSD tier write (full tier), 2 MiB, paired vs dd O_DIRECT", ">= 0.8x",
+                     f"{r['overwrite_vs_dd']:.2f}x (vs dd+fdatasync "
+                     f"{r['overwrite_vs_dd_fdatasync']:.2f}x)", r["overwrite_vs_dd"] >= 0.8))
+        rows.append(("SSD tier read, 2 MiB, paired vs dd O_DIRECT", ">= 0.8x",
+                     f"{r['read_vs_dd']:.2f}x", r["read_vs_dd"] >= 0.8))
     promo = result.get("promotion")
     if promo:
         st = promo["stats"]["promote_acquire"]
@@ -863,7 +971,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passes", type=int, default=4, help="random read passes of the workload")
     p.add_argument("--adopt", default="10000,100000", help="block counts for re-adoption")
     p.add_argument("--adopt-block", default="16KiB")
-    p.add_argument("--sections", default="throughput,promotion,workload,adoption")
+    p.add_argument("--sections", default="throughput,paired,promotion,workload,adoption")
+    p.add_argument("--rounds", type=int, default=24, help="rounds of the paired section")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     p.add_argument("--json", metavar="FILE", help="default bench/results/spill-<UTC>.json")
     args = p.parse_args(argv)
@@ -899,6 +1008,9 @@ def main(argv: list[str] | None = None) -> int:
             if "throughput" in sections:
                 result["throughput"] = bench_throughput(root, sizes, data, reps,
                                                         DEFAULT_FILE_BYTES)
+            if "paired" in sections:
+                result["paired"] = bench_paired(root, sizes, 4 if args.quick else args.rounds,
+                                                DEFAULT_FILE_BYTES)
             if "promotion" in sections:
                 log("promotion latency ...")
                 result["promotion"] = asyncio.run(bench_promotion(
@@ -926,6 +1038,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load after:  {result['uptime_after']}")
     if "throughput" in result:
         print_throughput(result["throughput"])
+    if "paired" in result:
+        print_paired(result["paired"])
     if "promotion" in result:
         print_promotion(result["promotion"])
     if result.get("workload"):
