@@ -94,9 +94,11 @@ def grpc_options() -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        # A restarted daemon is back within ~100 ms: retry the socket quickly.
+        # A restarted daemon is back within ~100 ms: retry the socket quickly.  (Not
+        # grpc.min_reconnect_backoff_ms: gRPC core also takes it as the minimum *connect
+        # timeout*, so a busy daemon that answers a new connection after 100 ms would
+        # fail the call at once, whatever its own deadline.)
         ("grpc.initial_reconnect_backoff_ms", 50),
-        ("grpc.min_reconnect_backoff_ms", 50),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 

@@ -254,6 +254,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
             on_evict=on_evict,
         )
         store.dram_quota_of = lambda name: cfg.access.quotas(name)[0]
+        store.on_forget = metrics.forget_namespace
         # Nothing is served yet, so recovery may block: READY comes after it.
         report = recover(store, cfg.dram.shm_dir)
         store.recovery_seconds = report.seconds

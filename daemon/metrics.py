@@ -153,6 +153,16 @@ class Metrics:
             w.errors += 1
             self.rpc_errors.labels(method, error_code).inc()
 
+    def forget_namespace(self, name: str) -> None:
+        """Drop every series labelled with namespace ``name`` (the store forgot it)."""
+        for metric in (self.lookups, self.hit_blocks, self.missed_blocks, self.reserved_blocks,
+                       self.committed_blocks, self.aborted_blocks, self.evicted_blocks,
+                       self.checksum_failures):
+            # prometheus_client has remove(*labels) but no way to list a metric's
+            # children; its _metrics dict (labels -> child) is that list.
+            for labels in [k for k in list(metric._metrics) if k[0] == name]:
+                metric.remove(*labels)
+
     def spill_io(self, tier: str, op: str, seconds: float, nbytes: int) -> None:
         self.spill_io_seconds.labels(tier, op).observe(seconds)
         if nbytes:

@@ -54,9 +54,16 @@ from kvtierd.store import Peer, Session, Store
 
 log = logging.getLogger(__name__)
 
-#: Largest frame either side sends: the segment list of a 16 TiB namespace in
-#: 64 MiB extents is ~4 MiB; requests are tiny.  Anything above is hostile.
+#: Largest frame the daemon sends: the segment list of a 16 TiB namespace in
+#: 64 MiB extents is ~4 MiB.
 MAX_FRAME: Final = 8 << 20
+#: Largest request before a session is open: OpenSession and OpenAdmin are a few
+#: hundred bytes.  Anything longer is refused from its length prefix, so a
+#: connection that has proven nothing cannot make the daemon buffer megabytes.
+MAX_OPEN_FRAME: Final = 64 << 10
+#: Largest request in a session: a MapSegments naming every extent of a 16 TiB
+#: namespace (262144 ids of <= 4 bytes) fits.
+MAX_REQUEST_FRAME: Final = 2 << 20
 #: Linux SCM_MAX_FD: most fds one sendmsg may carry; longer lists are split.
 MAX_FDS_PER_MSG: Final = 253
 #: A connection must declare its namespace this soon or it is dropped (a
@@ -146,6 +153,11 @@ class SessionChannel:
         conn.setblocking(False)
         session: Session | None = None
         admin: AdminSession | None = None
+        # Segment ids whose fds this connection was sent: never sent twice, so a peer
+        # that asks again and again without reading cannot park an unbounded number of
+        # our fds in its receive queue (the kernel counts fds in flight against our
+        # RLIMIT_NOFILE, and past it no other client could be sent any).
+        sent: set[int] = set()
         try:
             pid, uid, gid = struct.unpack(
                 "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -153,9 +165,11 @@ class SessionChannel:
             peer = Peer(pid, uid, gid)
             ident = Identity.of_peer(pid, uid, gid, groups=peer_groups(conn))
             while True:
-                timeout = HANDSHAKE_TIMEOUT if session is None and admin is None else None
+                opened = session is not None or admin is not None
+                timeout = None if opened else HANDSHAKE_TIMEOUT
+                limit = MAX_REQUEST_FRAME if opened else MAX_OPEN_FRAME
                 try:
-                    frame = await asyncio.wait_for(self._read_frame(conn), timeout)
+                    frame = await asyncio.wait_for(self._read_frame(conn, limit), timeout)
                 except TimeoutError:
                     raise InvalidArgument(
                         f"no OpenSession within {HANDSHAKE_TIMEOUT:.0f} s of connecting"
@@ -177,11 +191,11 @@ class SessionChannel:
                     session.rights = int(rights)
                     log.debug("session %d opened by pid %d uid %d in %r", session.id, pid, uid,
                               session.ns.name)
-                    await self._send_opened(conn, session)
+                    sent = await self._send_opened(conn, session)
                 elif kind == "map":
                     if session is None:
                         raise FailedPrecondition("MapSegments before OpenSession")
-                    await self._send_mapped(conn, session, set(req.map.want_fds))
+                    sent |= await self._send_mapped(conn, session, set(req.map.want_fds) - sent)
                 elif kind == "admin":
                     if session is not None or admin is not None:
                         raise FailedPrecondition("this connection already has a session")
@@ -246,10 +260,12 @@ class SessionChannel:
             buf += chunk
         return bytes(buf)
 
-    async def _read_frame(self, conn: socket.socket) -> bytes:
+    async def _read_frame(self, conn: socket.socket, limit: int) -> bytes:
         (length,) = _LEN.unpack(await self._read_exact(conn, _LEN.size))
-        if length > MAX_FRAME:
-            raise InvalidArgument(f"frame of {length} bytes exceeds {MAX_FRAME}")
+        if length > limit:
+            raise InvalidArgument(f"frame of {length} bytes exceeds {limit}"
+                                  + (" before a session is open" if limit == MAX_OPEN_FRAME
+                                     else ""))
         return await self._read_exact(conn, length)
 
     async def _send_with_fds(self, conn: socket.socket, msg: pb.SessionResponse,
@@ -305,7 +321,7 @@ class SessionChannel:
                 piece = piece[sent:]
                 anc = []  # the fds went with the first bytes
 
-    async def _send_opened(self, conn: socket.socket, session: Session) -> None:
+    async def _send_opened(self, conn: socket.socket, session: Session) -> set[int]:
         ns = session.ns
         segs = self.store.segments(ns)
         msg = pb.SessionResponse(
@@ -320,8 +336,12 @@ class SessionChannel:
             )
         )
         await self._send_with_fds(conn, msg, segs, read_only=not session.rights & Right.WRITE)
+        return {seg.segment_id for seg in segs}
 
-    async def _send_mapped(self, conn: socket.socket, session: Session, want: set[int]) -> None:
+    async def _send_mapped(self, conn: socket.socket, session: Session,
+                           want: set[int]) -> set[int]:
+        """Answer a MapSegments with fds of the wanted segments (those not sent before on
+        this connection); returns the ids whose fds went."""
         ns = session.ns
         segs = self.store.segments(ns)
         # Only this namespace's segments can ever be sent (DESIGN invariant 5).
@@ -334,6 +354,7 @@ class SessionChannel:
             )
         )
         await self._send_with_fds(conn, msg, send, read_only=not session.rights & Right.WRITE)
+        return {seg.segment_id for seg in send}
 
     async def _send_error(self, conn: socket.socket, exc: KVTierError) -> None:
         msg = pb.SessionResponse(

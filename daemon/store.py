@@ -298,6 +298,8 @@ class Store:
         #: Namespace name -> its DRAM quota in bytes (0: none); the daemon sets it from
         #: the access rules.  Consulted only when a reserve finds no free slot.
         self.dram_quota_of: Callable[[str], int] = lambda name: 0
+        #: Called with the name of a namespace the store forgot (metrics drop its series).
+        self.on_forget: Callable[[str], None] = lambda name: None
         self.mlock_errors: list[str] = []
         self.prefault_seconds = 0.0
         self.recovery_seconds = 0.0
@@ -366,7 +368,22 @@ class Store:
         del self.sessions[session.id]
         del self._by_token[session.token]
         session.ns.sessions -= 1
+        self._forget_if_unused(session.ns)
         return (n_res, n_lease)
+
+    def _forget_if_unused(self, ns: Namespace) -> None:
+        """Drop a namespace that holds nothing and that nobody uses (no sessions, extents,
+        blocks or reservations): thousands of declared-and-abandoned namespaces must not
+        grow the index, Stats or /metrics without bound.  Declaring it again starts fresh."""
+        if (ns.sessions or ns.extents or ns.committed or ns.reserved or ns.in_flight
+                or self.namespaces.get(ns.name) is not ns):
+            return
+        system = self._system_sessions.get(ns.name)
+        if system is not None and (system.leases or system.reservations):
+            return
+        self._system_sessions.pop(ns.name, None)
+        del self.namespaces[ns.name]
+        self.on_forget(ns.name)
 
     # ================================================================ lookup
     def lookup(self, session: Session, keys: Sequence[bytes]) -> int:
@@ -528,6 +545,8 @@ class Store:
             give_back()
             for ext in reclaim:
                 self._retire_extent(ext)
+            for owner in {id(e): self.namespaces[e.segment.namespace] for e in reclaim}.values():
+                self._forget_if_unused(owner)
             raise _NeedExtent(n)
         if len(same_ns) >= short:
             for block in same_ns[:short]:

@@ -37,13 +37,13 @@ from kvtier import errors
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.segments import read_header, segment_file_name
+from kvtierd.session_channel import MAX_OPEN_FRAME, MAX_REQUEST_FRAME
 from tests.conftest import DaemonProc, start_daemon, stop_daemon
 
 #: The module daemon runs with a small per-call key limit so "too many keys" is cheap.
 MAX_KEYS = 8
 #: The daemon's defaults that messages quote.
 MAX_MESSAGE_BYTES = 4 << 20
-MAX_FRAME = 8 << 20
 HANDSHAKE_TIMEOUT = 10.0
 #: DRAM pool: room for every namespace this module declares (4 MiB extents each).
 CAPACITY = 64 << 20
@@ -919,18 +919,25 @@ def test_multibyte_model_uid_is_refused_or_recorded_exactly(d: DaemonProc, uid: 
 
 
 # ====================================================================== session channel framing
-def test_length_prefix_over_8_mib_closes_the_connection(d: DaemonProc) -> None:
-    for length in (MAX_FRAME + 1, 0xFFFFFFFF):
+def test_length_prefix_over_the_limit_closes_the_connection(d: DaemonProc) -> None:
+    for length in (MAX_OPEN_FRAME + 1, MAX_REQUEST_FRAME + 1, 0xFFFFFFFF):
         with sc_connect(d) as s:
             sc_send(s, _LEN.pack(length) + b"\x00" * 64)
-            elapsed = expect_session_error(s, INVALID, f"frame of {length} bytes exceeds {MAX_FRAME}")
+            elapsed = expect_session_error(
+                s, INVALID, f"frame of {length} bytes exceeds {MAX_OPEN_FRAME} before a "
+                "session is open")
             assert elapsed < 5
+    s, _token = sc_open(d)  # in a session the limit is MAX_REQUEST_FRAME
+    with s:
+        length = MAX_REQUEST_FRAME + 1
+        sc_send(s, _LEN.pack(length) + b"\x00" * 64)
+        expect_session_error(s, INVALID, f"frame of {length} bytes exceeds {MAX_REQUEST_FRAME}")
     assert_serving(d)
 
 
-def test_frame_of_exactly_8_mib_is_read_and_refused(d: DaemonProc) -> None:
+def test_frame_of_exactly_the_limit_is_read_and_refused(d: DaemonProc) -> None:
     with sc_connect(d) as s:
-        sc_send(s, frame(b"\x00" * MAX_FRAME))  # field number 0: not a SessionRequest
+        sc_send(s, frame(b"\x00" * MAX_OPEN_FRAME))  # field number 0: not a SessionRequest
         expect_session_error(s, INVALID, "session channel frame is not a SessionRequest")
     assert_serving(d)
 

@@ -135,6 +135,22 @@ def test_sessions_of_one_namespace_share_it(env: StoreEnv) -> None:
     assert env.store.namespaces["A"].slot_bytes == BLOCK
 
 
+def test_a_namespace_holding_nothing_is_forgotten_with_its_last_session(env: StoreEnv) -> None:
+    forgotten: list[str] = []
+    env.store.on_forget = forgotten.append
+    a1, a2 = session(env), session(env)
+    env.store.close_session(a1)
+    assert "A" in env.store.namespaces  # a2 still uses it
+    env.store.close_session(a2)
+    assert "A" not in env.store.namespaces and forgotten == ["A"]
+    b = session(env, block_bytes=4096)  # declared afresh: any layout
+    assert b.ns.block_bytes == 4096
+    put(env, b, keys(1))
+    env.store.close_session(b)
+    assert "A" in env.store.namespaces  # it holds a block: kept for the next session
+    assert forgotten == ["A"] and env.store.check() == []
+
+
 def test_redeclaring_a_namespace_with_another_block_size_is_failed_precondition(
     env: StoreEnv,
 ) -> None:
