@@ -176,7 +176,12 @@ def assert_serving(d: DaemonProc, *, settled: bool = True, log_clean: bool = Tru
 
 
 def daemon_fds(d: DaemonProc) -> list[str]:
-    base = f"/proc/{d.proc.pid}/fd"
+    return fd_targets(d.proc.pid)
+
+
+def fd_targets(pid: int) -> list[str]:
+    """What each open fd of process ``pid`` points at."""
+    base = f"/proc/{pid}/fd"
     out = []
     for name in os.listdir(base):
         try:
@@ -210,16 +215,23 @@ def sc_send(s: socket.socket, data: bytes, fds: Sequence[int] = ()) -> None:
         pass
 
 
-def _recv(s: socket.socket, n: int) -> bytes:
-    """One recvmsg; fds that come with it are closed (this test maps nothing)."""
+def recv_fds(s: socket.socket, n: int) -> tuple[bytes, int]:
+    """One recvmsg: its bytes and how many fds came with them (closed at once)."""
     data, anc, _flags, _ = s.recvmsg(n, socket.CMSG_SPACE(253 * 4))
+    count = 0
     for level, kind, payload in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             arr = array.array("i")
             arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
             for fd in arr:
                 os.close(fd)
-    return data
+            count += len(arr)
+    return data, count
+
+
+def _recv(s: socket.socket, n: int) -> bytes:
+    """One recvmsg; fds that come with it are closed (this test maps nothing)."""
+    return recv_fds(s, n)[0]
 
 
 def sc_read_frame(s: socket.socket) -> pb.SessionResponse:

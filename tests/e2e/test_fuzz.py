@@ -40,7 +40,6 @@ run their own daemons: resource attacks this one could not survive unchanged
 
 from __future__ import annotations
 
-import array
 import collections
 import dataclasses
 import os
@@ -69,7 +68,16 @@ from kvtierd.segments import SegmentLayout
 from kvtierd.service import KVTierService
 from kvtierd.session_channel import MAX_OPEN_FRAME, MAX_REQUEST_FRAME
 from tests.conftest import DaemonProc, start_daemon, stop_daemon
-from tests.e2e.test_bad_input import SESSION_SOCKET, frame, md, sc_connect, sc_send
+from tests.e2e.test_bad_input import (
+    SESSION_SOCKET,
+    fd_targets,
+    frame,
+    md,
+    recv_fds,
+    sc_connect,
+    sc_send,
+    wait_for,
+)
 
 MiB = 1 << 20
 CAPACITY = 32 * MiB
@@ -153,17 +161,6 @@ def anon_kib(pid: int) -> int:
     raise AssertionError("no RssAnon in /proc/pid/status")
 
 
-def fd_targets(pid: int) -> list[str]:
-    base = f"/proc/{pid}/fd"
-    out = []
-    for name in os.listdir(base):
-        try:
-            out.append(os.readlink(os.path.join(base, name)))
-        except FileNotFoundError:
-            pass  # closed while we looked
-    return out
-
-
 def split_fds(d: DaemonProc) -> tuple[list[str], list[str]]:
     """(segment file fds, every other fd) of the daemon."""
     seg: list[str] = []
@@ -183,14 +180,6 @@ class Probe:
     anon_kib: int
     log_at: int = 0
     peak_kib: int = 0
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def fd_kinds(targets: list[str]) -> collections.Counter[str]:
@@ -327,20 +316,6 @@ def p(probe: Probe) -> Iterator[Probe]:
 
 
 # ====================================================================== session channel I/O
-def recv_fds(s: socket.socket, n: int) -> tuple[bytes, int]:
-    """One recvmsg: its bytes and how many fds came with them (closed at once)."""
-    data, anc, _flags, _ = s.recvmsg(n, socket.CMSG_SPACE(253 * 4))
-    count = 0
-    for level, kind, payload in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds = array.array("i")
-            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-            for fd in fds:
-                os.close(fd)
-            count += len(fds)
-    return data, count
-
-
 def read_to_eof(s: socket.socket, timeout: float = 10.0) -> tuple[list[pb.SessionResponse], int]:
     """Every response until the daemon closes the connection, and the fds that came."""
     deadline = time.monotonic() + timeout
