@@ -725,6 +725,34 @@ def check_version(ctx: Context) -> Finding:
     return Finding(Status.OK, text)
 
 
+def check_access(ctx: Context) -> Finding:
+    """Access rules against the socket mode: who can reach the sockets, and who may do what."""
+    acc, mode = ctx.cfg.access, ctx.cfg.server.socket_mode
+    others = bool(mode & 0o006)
+    if not acc.enabled:
+        return Finding(Status.FAIL if others else Status.WARN,
+                       "access control is off (access.enabled: false): everyone who can reach "
+                       f"the sockets (mode {mode:04o}) may read, write and administer every "
+                       "namespace", "set access.enabled: true and name who may use each "
+                       "namespace under access.namespaces (docs/security.md)")
+    wide = [str(r.match) for r in acc.namespaces
+            if any(p.kind == "any" for p in (*r.read, *r.write, *r.admin))]
+    if any(p.kind == "any" for p in acc.default):
+        wide.append("access.default")
+    text = (f"{len(acc.namespaces)} namespace rules; admins "
+            f"{', '.join(str(p) for p in acc.admin) or 'nobody'}; default "
+            f"{', '.join(str(p) for p in acc.default) or 'nobody'}")
+    if any(p.kind == "any" for p in acc.admin):
+        return Finding(Status.FAIL, f"{text}: access.admin has \"*\", so every local user "
+                       "administers every namespace", "name the admins in access.admin")
+    if wide and others:
+        return Finding(Status.WARN, f"{text}: \"*\" in {', '.join(wide)} and sockets mode "
+                       f"{mode:04o}: every local user may use those namespaces",
+                       "name users or groups instead of \"*\", or keep server.socket_mode "
+                       "at 0660")
+    return Finding(Status.OK, text)
+
+
 @dataclasses.dataclass(frozen=True)
 class Check:
     name: str
@@ -745,6 +773,8 @@ CHECKS: Final[tuple[Check, ...]] = (
     Check("shared", check_shared, "spill.shared_dir: exists, writable, not a local filesystem"),
     Check("sockets", check_sockets, "socket directory: path length, owner and mode, the "
           "sockets' modes and whether this user may connect"),
+    Check("access", check_access, "access rules against the socket mode: access control on, "
+          "no \"*\" admins, no \"*\" namespaces on world-accessible sockets"),
     Check("daemon", check_daemon, "a kvtierd answers health and Stats (WARN when not running)"),
     Check("version", check_version, "client and daemon versions: major/minor FAIL, patch WARN"),
 )

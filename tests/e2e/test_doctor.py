@@ -259,7 +259,8 @@ def _check_healthy(daemon: DaemonProc, disk_dir: str, workdir: str, mlock: bool)
     assert statuses == {
         "config": "OK", "shm": "OK", "memlock": "OK" if mlock else "SKIP", "hugepages": "OK",
         "numa": "OK" if glob.glob("/sys/devices/system/node/node[0-9]*") else "SKIP",
-        "ssd": "OK", "shared": "SKIP", "sockets": "OK", "daemon": "OK", "version": "OK",
+        "ssd": "OK", "shared": "SKIP", "sockets": "OK", "access": "OK", "daemon": "OK",
+        "version": "OK",
     }, doc
     assert rc == 0 and doc["status"] == "OK"
     assert checks["daemon"]["message"].startswith(

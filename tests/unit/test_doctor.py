@@ -549,7 +549,7 @@ def test_main_exit_status_follows_the_worst_check(tmp_path: Path, shm: Path,
     assert doctor.main(["--config", str(cfg)], host=h) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"OK    config     {cfg}"
-    assert "doctor: 7 OK, 0 WARN, 0 FAIL, 3 SKIP: exit 0" in out
+    assert "doctor: 8 OK, 0 WARN, 0 FAIL, 3 SKIP: exit 0" in out
 
     h = dataclasses.replace(h, health=not_running)
     assert doctor.main(["--config", str(cfg), "--json"], host=h) == 1
@@ -607,3 +607,20 @@ def test_help_lists_every_check_and_the_exit_status(capsys: pytest.CaptureFixtur
     for c in doctor.CHECKS:
         assert f"  {c.name} " in out
     assert "exit status: 0 every check OK" in out and "2 a check failed" in out
+
+
+def test_access_check_against_the_socket_mode() -> None:
+    f = doctor.check_access(ctx(config(), host()))
+    assert f.status is Status.OK and "0 namespace rules" in f.message
+    off = doctor.check_access(ctx(config(**{"access.enabled": "false"}), host()))
+    assert off.status is Status.WARN and "access control is off" in off.message
+    assert "access.enabled: true" in off.fix
+    open_off = config(**{"access.enabled": "false", "server.socket_mode": "0666"})
+    assert doctor.check_access(ctx(open_off, host())).status is Status.FAIL
+    star_admin = config(**{"access.admin": '["*"]'})
+    f = doctor.check_access(ctx(star_admin, host()))
+    assert f.status is Status.FAIL and "every local user administers" in f.message
+    star_ns = {"access.namespaces": '[{match: "pub/*", read: ["*"]}]'}
+    assert doctor.check_access(ctx(config(**star_ns), host())).status is Status.OK  # 0660
+    f = doctor.check_access(ctx(config(**star_ns, **{"server.socket_mode": "0666"}), host()))
+    assert f.status is Status.WARN and "pub/*" in f.message
