@@ -264,6 +264,12 @@ class Tiering:
         if self.ssd is not None:
             await loop.run_in_executor(self._pool, self.ssd.open)
             self._mark_clean_from_ssd()
+            if self.shared is None:  # with a shared tier, evictions publish there instead
+
+                def evicted(namespace: str, key: bytes) -> None:  # on an I/O thread
+                    loop.call_soon_threadsafe(self._ssd_evicted, namespace, key)
+
+                self.ssd.on_evicted = evicted
         if self.shared is not None:
             await loop.run_in_executor(self._pool, self.shared.open)
         if self.enabled:
@@ -291,6 +297,17 @@ class Tiering:
         except OSError as exc:
             log.warning("SSD tier: could not persist freed slots at stop: %s", exc)
         ssd.close()
+
+    def _ssd_evicted(self, namespace: str, key: bytes) -> None:
+        """The SSD tier evicted its copy of (namespace, key) to make room (its LRU, or the
+        namespace's SSD quota).  A DRAM block that counted on it (CLEAN) now has no copy
+        below: it becomes UNSPILLABLE, evictable like a block without spill tiers, and is
+        not demoted again -- re-spilling it would evict another copy in turn, for ever,
+        whenever the SSD (or the quota) is smaller than what DRAM wants to keep clean."""
+        ns = self.store.namespaces.get(namespace)
+        block = ns.index.get(key) if ns is not None else None
+        if block is not None and block.lower == Lower.CLEAN:
+            self.store.set_lower(block, Lower.UNSPILLABLE)
 
     def _mark_clean_from_ssd(self) -> None:
         """After a restart, DRAM blocks that also have an SSD copy are CLEAN."""

@@ -167,9 +167,15 @@ class SsdTier:
         self._room = threading.Condition(self._lock)
         self._creating: set[int] = set()
         self.index = _Index()
+        #: Bytes of slots each quota-limited namespace is writing right now.
+        self._writing: collections.Counter[str] = collections.Counter()
         self.lru: collections.OrderedDict[SsdEntry, None] = collections.OrderedDict()
         #: Namespace -> its SSD quota in bytes (0: none); set from the access rules.
         self.quota_of: Callable[[str], int] = lambda namespace: 0
+        #: Called (lock held, any thread: keep it short) with (namespace, key) of every
+        #: entry the tier evicts to make room, so a DRAM copy that counted on it as its
+        #: durable copy can be spilled again.
+        self.on_evicted: Callable[[str, bytes], None] | None = None
         self.files: dict[int, list[SpillFile]] = {}
         self.file_budget_used = 0  # bytes of files, existing or being created
         self._next_index = 0
@@ -409,8 +415,10 @@ class SsdTier:
             with self._lock:
                 f.busy.discard(slot)
                 f.free.append(slot)
+                self._written(namespace, padded)
             raise
         with self._lock:
+            self._written(namespace, padded)
             self._seq += 1
             seq = self._seq
             e = SsdEntry(namespace, key, f, slot, length, checksum, block_bytes, mhash, seq)
@@ -570,12 +578,14 @@ class SsdTier:
         if not quota:
             return self._allocate(slot_bytes)
         with self._room:
-            held = self.index.bytes_of[namespace]
+            # Slots being written count too: concurrent writers must not all see room.
+            held = self.index.bytes_of[namespace] + self._writing[namespace]
             old = self.index.get((namespace, key))
             if old is not None:  # a rewrite frees the old copy's bytes
                 held -= old.file.slot_bytes
             if held + slot_bytes <= quota:
                 victim = None
+                self._writing[namespace] += slot_bytes
             else:
                 victim = next((e for e in self.lru if e.namespace == namespace
                                and e.file.slot_bytes == slot_bytes and e.readers == 0
@@ -585,9 +595,20 @@ class SsdTier:
                                     f"{quota} bytes) and none of its {slot_bytes}-byte blocks "
                                     "can be evicted")
                 self._evict_for_reuse(victim)
+                self._writing[namespace] += slot_bytes
         if victim is None:
-            return self._allocate(slot_bytes)
+            try:
+                return self._allocate(slot_bytes)
+            except BaseException:
+                with self._lock:
+                    self._writing[namespace] -= slot_bytes
+                raise
         return self._reuse(victim)
+
+    def _written(self, namespace: str, slot_bytes: int) -> None:
+        """A quota-counted slot is no longer being written (lock held)."""
+        if self._writing.get(namespace):
+            self._writing[namespace] -= slot_bytes
 
     def _pop_free(self, slot_bytes: int) -> tuple[SpillFile, int] | None:
         for f in self.files.get(slot_bytes, ()):
@@ -623,6 +644,8 @@ class SsdTier:
         e.file.committed -= 1
         e.file.busy.add(e.slot)
         self.counters.evictions += 1
+        if self.on_evicted is not None:
+            self.on_evicted(e.namespace, e.key)
 
     def _reuse(self, victim: SsdEntry) -> tuple[SpillFile, int]:
         if self.on_evict is not None:
@@ -675,6 +698,8 @@ class SsdTier:
                 del self.index[(x.namespace, x.key)]
                 del self.lru[x]
                 self.counters.evictions += 1
+                if self.on_evicted is not None:
+                    self.on_evicted(x.namespace, x.key)
             f.committed = 0
             self._forget_file(f)
             return True

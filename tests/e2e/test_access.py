@@ -11,6 +11,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -309,6 +310,53 @@ def test_namespace_at_dram_quota_evicts_its_own_blocks_never_others(workdir: str
         with kvtier.Client(d.socket_dir, namespace="other/x", block_bytes=blk,
                            model_uid="m") as other:
             assert other.lookup(other_keys) == 24  # never starved by q/a
+        assert d.check() == []
+    finally:
+        stop_daemon(d)
+
+
+def test_namespace_at_ssd_quota_spills_within_it_and_never_evicts_others(workdir: str) -> None:
+    from kvtier.cli import _admin_call
+    from kvtier.v1 import kvtier_pb2 as pb
+
+    rules = """
+access:
+  namespaces:
+    - match: "q/*"
+      read: ["uid:0"]
+      write: ["uid:0"]
+      ssd_quota: 8MiB
+"""
+    ssd = os.path.join(workdir, "ssd")
+    d = start(workdir, "--set", f"spill.ssd_dir={ssd}", "--set", "spill.ssd_direct_io=false",
+              rules=rules)
+    blk = 1 << 20
+    try:
+        def put_all(ns: str, n: int) -> list[bytes]:
+            ks = [b"%s-%d" % (ns.encode(), i) for i in range(n)]
+            with kvtier.Client(d.socket_dir, namespace=ns, block_bytes=blk, model_uid="m") as c:
+                for i, k in enumerate(ks):
+                    c.put([k], [bytes([i % 251]) * blk])
+            return ks
+
+        other = put_all("other/x", 16)
+        put_all("q/a", 48)  # 64 MiB through 32 MiB of DRAM: both spill
+        for _ in range(100):
+            if d.stats().spill_queue_depth == 0:
+                break
+            time.sleep(0.1)
+
+        def on_ssd(ns: str) -> int:
+            """How many of the namespace's blocks have a copy on the SSD tier."""
+            resp = _admin_call(d.socket_dir, "ListKeys",
+                               pb.ListKeysRequest(namespace=ns, page_size=1000), 10)
+            return sum(1 for k in resp.keys if k.spilled or k.tier == pb.TIER_SSD)
+
+        assert 0 < on_ssd("q/a") <= 8  # within its 8 MiB of SSD (it evicted its own)
+        assert on_ssd("other/x") == 16  # pushed out of DRAM by q/a, kept on SSD
+        with kvtier.Client(d.socket_dir, namespace="other/x", block_bytes=blk,
+                           model_uid="m") as c:
+            assert c.lookup(other) == 16  # all of it, in DRAM or on SSD
         assert d.check() == []
     finally:
         stop_daemon(d)

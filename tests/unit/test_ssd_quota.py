@@ -64,3 +64,26 @@ def test_quota_with_every_block_being_read_refuses_the_write(disk_dir: str) -> N
         assert ssd.check() == []
     finally:
         ssd.close()
+
+
+def test_every_eviction_is_reported_and_concurrent_writers_stay_within_quota(
+        disk_dir: str) -> None:  # noqa: F811
+    import concurrent.futures
+
+    ssd = SsdTier(disk_dir, capacity=8 * MiB, file_bytes=1 * MiB, direct="false")
+    ssd.quota_of = lambda ns: 4 * BLK if ns == "q" else 0
+    evicted: list[tuple[str, bytes]] = []
+    ssd.on_evicted = lambda ns, key: evicted.append((ns, key))
+    ssd.open()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # as the demoter's I/O threads
+            list(pool.map(lambda i: _write(ssd, "q", b"q%d" % i, i), range(40)))
+        ssd.sync()
+        assert ssd.index.bytes_of["q"] <= 4 * BLK
+        assert len(_keys(ssd, "q")) <= 4
+        # Every block that is gone was reported evicted, once.
+        assert sorted(evicted) == sorted({("q", b"q%d" % i) for i in range(40)}
+                                         - {("q", k) for k in _keys(ssd, "q")})
+        assert ssd.check() == []
+    finally:
+        ssd.close()
