@@ -58,7 +58,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -343,21 +342,7 @@ class _PairWorker(kb._Worker):
 def _worker_main(conn: multiprocessing.connection.Connection) -> None:
     """Entry point of the spawned client process: run tasks from ``conn`` until None or EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
-    w = _PairWorker()
-    try:
-        while True:
-            try:
-                task = conn.recv()
-            except (EOFError, OSError):
-                break
-            if task is None:
-                break
-            try:
-                conn.send(("ok", w.run(task)))
-            except BaseException:
-                conn.send(("err", traceback.format_exc()))
-    finally:
-        w.close()
+    kb.serve_tasks(conn, _PairWorker())
 
 
 class Worker:
@@ -417,7 +402,6 @@ def measure_latency_pair(sockets: dict[str, str], block: int, run: str, samples:
 
     t: dict[str, dict[str, list[float]]] = {n: {c: [] for c in LATENCY_CALLS} for n in CONFIGS}
     keys = [f"{run}-l-{i}".encode() for i in range(kb.LOOKUP_KEYS)]
-    one = keys[:1]
     req = health_pb2.HealthCheckRequest(service="")
     with contextlib.ExitStack() as stack:
         health, clients = {}, {}
@@ -431,41 +415,16 @@ def measure_latency_pair(sockets: dict[str, str], block: int, run: str, samples:
             c.put(keys, [b"\x01"] * len(keys))
             if c.lookup(keys) != len(keys):
                 raise RuntimeError(f"{name}: latency keys are not all present")
-        pc = time.perf_counter
         for i in range(warmup + samples):
             for name in abba(i, first):
-                h, c = health[name], clients[name]
-                t0 = pc()
-                h.Check(req, timeout=10)
-                t1 = pc()
-                hits = c.lookup(keys)
-                t2 = pc()
-                lease = c.acquire(one)
-                t3 = pc()
-                leased = lease.hits
-                lease.release()
-                t4 = pc()
-                fresh = [f"{run}-r-{i}".encode()]
-                r = c.reserve(fresh)
-                t5 = pc()
-                r.commit()
-                t6 = pc()
-                c.delete(fresh)
-                t7 = pc()
-                if hits != len(keys) or leased != 1:
-                    raise RuntimeError(f"{name}: latency keys went missing during the run")
-                if i < warmup:
-                    continue
-                tn = t[name]
-                tn["empty"].append(t1 - t0)
-                tn["lookup"].append(t2 - t1)
-                tn["acquire_release"].append(t4 - t2)
-                tn["acquire"].append(t3 - t2)
-                tn["release"].append(t4 - t3)
-                tn["reserve_commit"].append(t6 - t4)
-                tn["reserve"].append(t5 - t4)
-                tn["commit"].append(t6 - t5)
-                tn["delete"].append(t7 - t6)
+                try:
+                    sample = kb.latency_sample(health[name], req, clients[name], keys,
+                                               f"{run}-r-{i}".encode())
+                except RuntimeError as exc:
+                    raise RuntimeError(f"{name}: {exc}") from None
+                if i >= warmup:
+                    for call, dt in sample.items():
+                        t[name][call].append(dt)
         for c in clients.values():
             c.delete(keys)
     for n in CONFIGS:

@@ -632,7 +632,12 @@ def _worker_main(conn: multiprocessing.connection.Connection, wid: int, socket_d
                  redis_path: str | None, barriers: dict[int, Any]) -> None:
     """Entry point of a spawned client process: run tasks from ``conn`` until None or EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
-    w = _Worker(wid, socket_dir, redis_path, barriers)
+    serve_tasks(conn, _Worker(wid, socket_dir, redis_path, barriers))
+
+
+def serve_tasks(conn: multiprocessing.connection.Connection, w: Any) -> None:
+    """Run tasks from ``conn`` on ``w`` (``w.run(task)``) until None or EOF, answering
+    ``("ok", result)`` or ``("err", traceback)``; then ``w.close()``."""
     try:
         while True:
             try:
@@ -769,6 +774,35 @@ def memcpy_summary(before: dict[str, Any], after: dict[str, Any] | None) -> dict
     return out
 
 
+def latency_sample(health: Any, req: Any, c: Any, keys: Sequence[bytes],
+                   fresh: bytes) -> dict[str, float]:
+    """One round of the latency calls on one daemon: an empty health Check, a lookup of
+    ``keys``, acquire + release of the first, reserve + commit + delete of ``fresh``.
+    Seconds per call (and per pair of calls), by name."""
+    pc = time.perf_counter
+    t0 = pc()
+    health.Check(req, timeout=10)
+    t1 = pc()
+    hits = c.lookup(keys)
+    t2 = pc()
+    lease = c.acquire(keys[:1])
+    t3 = pc()
+    leased = lease.hits
+    lease.release()
+    t4 = pc()
+    r = c.reserve([fresh])
+    t5 = pc()
+    r.commit()
+    t6 = pc()
+    c.delete([fresh])
+    t7 = pc()
+    if hits != len(keys) or leased != 1:
+        raise RuntimeError("latency keys went missing during the run")
+    return {"empty": t1 - t0, "lookup": t2 - t1, "acquire_release": t4 - t2,
+            "acquire": t3 - t2, "release": t4 - t3, "reserve_commit": t6 - t4,
+            "reserve": t5 - t4, "commit": t6 - t5, "delete": t7 - t6}
+
+
 def measure_latency(socket_dir: str, block: int, run: str, samples: int,
                     warmup: int) -> tuple[dict[str, Any], list[Row]]:
     """Interleaved rounds of: empty call, lookup(64), acquire+release(1), reserve+commit(1), delete(1)."""
@@ -791,35 +825,11 @@ def measure_latency(socket_dir: str, block: int, run: str, samples: int,
         c.put(keys, [b"\x01"] * len(keys))
         if c.lookup(keys) != len(keys):
             raise RuntimeError("latency keys are not all present")
-        one = keys[:1]
-        pc = time.perf_counter
         for i in range(warmup + samples):
-            t0 = pc()
-            health.Check(req, timeout=10)
-            t1 = pc()
-            hits = c.lookup(keys)
-            t2 = pc()
-            lease = c.acquire(one)
-            t3 = pc()
-            leased = lease.hits
-            lease.release()
-            t4 = pc()
-            fresh = [f"{run}-r-{i}".encode()]
-            r = c.reserve(fresh)
-            t5 = pc()
-            r.commit()
-            t6 = pc()
-            c.delete(fresh)
-            t7 = pc()
-            if hits != len(keys) or leased != 1:
-                raise RuntimeError("latency keys went missing during the run")
-            if i < warmup:
-                continue
-            for name, dt in (("empty", t1 - t0), ("lookup", t2 - t1), ("acquire_release", t4 - t2),
-                             ("acquire", t3 - t2), ("release", t4 - t3),
-                             ("reserve_commit", t6 - t4), ("reserve", t5 - t4),
-                             ("commit", t6 - t5), ("delete", t7 - t6)):
-                t[name].append(dt)
+            sample = latency_sample(health, req, c, keys, f"{run}-r-{i}".encode())
+            if i >= warmup:
+                for name, dt in sample.items():
+                    t[name].append(dt)
         c.delete(keys)
     floor = summarize(t["empty"])
     labels = {
