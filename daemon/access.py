@@ -227,17 +227,12 @@ class AccessPolicy:
         return (rule.dram_quota, rule.ssd_quota) if rule is not None else (0, 0)
 
 
-def describe(principals: Sequence[Principal]) -> str:
-    return "[" + ", ".join(str(p) for p in principals) + "]" if principals else "[] (nobody)"
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class AdminSession:
     """An admin session: who opened it (no namespace, no fds)."""
 
     token: str
     ident: Identity
-    pid: int
 
 
 class AdminSessions:
@@ -246,8 +241,8 @@ class AdminSessions:
     def __init__(self) -> None:
         self._by_token: dict[str, AdminSession] = {}
 
-    def open(self, ident: Identity, pid: int) -> AdminSession:
-        session = AdminSession(secrets.token_hex(16), ident, pid)
+    def open(self, ident: Identity) -> AdminSession:
+        session = AdminSession(secrets.token_hex(16), ident)
         self._by_token[session.token] = session
         return session
 
@@ -256,9 +251,6 @@ class AdminSessions:
 
     def get(self, token: str) -> AdminSession | None:
         return self._by_token.get(token)
-
-    def __len__(self) -> int:
-        return len(self._by_token)
 
     def count_uid(self, uid: int) -> int:
         return sum(1 for s in self._by_token.values() if s.ident.uid == uid)

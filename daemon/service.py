@@ -197,7 +197,10 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         """The one admin check: daemon admin, or (given ``namespace``) its admin."""
         caller = self._caller(context)
         if isinstance(caller, Session):
-            ident = Identity.of_peer(caller.peer.pid, caller.peer.uid, caller.peer.gid)
+            # As the session channel saw it at open: no /proc read per call, and the
+            # groups stay right for a client in another pid namespace.
+            ident = caller.ident or Identity(uid=caller.peer.uid,
+                                             gids=frozenset({caller.peer.gid}))
         else:
             ident = caller
         if namespace is None:

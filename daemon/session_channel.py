@@ -189,6 +189,7 @@ class SessionChannel:
                         req.open.ns.name, req.open.ns.block_bytes, req.open.ns.model_uid, peer
                     )
                     session.rights = int(rights)
+                    session.ident = ident
                     log.debug("session %d opened by pid %d uid %d in %r", session.id, pid, uid,
                               session.ns.name)
                     sent = await self._send_opened(conn, session)
@@ -204,7 +205,7 @@ class SessionChannel:
                             f"{ident} has no admin right (access.admin, or admin in an "
                             "access.namespaces rule, of the daemon's config)")
                     self._check_session_limit(uid)
-                    admin = self.admins.open(ident, pid)
+                    admin = self.admins.open(ident)
                     await self._send(conn, pb.SessionResponse(opened=pb.SessionOpened(
                         token=admin.token, daemon_version=__version__,
                         boot_epoch=self.store.boot_epoch)), [])

@@ -56,6 +56,7 @@ from kvtier.errors import (
     NotFound,
     Unauthenticated,
 )
+from kvtierd.access import Identity
 from kvtierd.logs import event
 from kvtierd.segments import KEY_OFFSET, MAX_KEY_BYTES, Segment, SegmentLayout, SlotState
 
@@ -173,6 +174,10 @@ class Namespace:
     declared: bool = False
     grow_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
+    def extent_bytes(self) -> int:
+        """DRAM this namespace holds: the bytes of its extents (what a quota caps)."""
+        return sum(ext.bytes for ext in self.extents)
+
     def free_slots(self) -> int:
         return sum(len(e.free) for e in self.extents)
 
@@ -207,9 +212,11 @@ class Session:
     # The tiering layer's own session (promotions, demotion pins): no client,
     # no token, no TTL on what it holds.
     system: bool = False
-    # What the peer may do here (kvtierd.access.Right bits), set by the session
-    # channel from the access rules before the client gets the token.
+    # What the peer may do here (kvtierd.access.Right bits) and who it is (uid and
+    # groups as the kernel told the session channel), set before the client gets
+    # the token; admin calls made with this session's token are judged by ``ident``.
     rights: int = 7
+    ident: Identity | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -491,7 +498,7 @@ class Store:
         # A namespace at its DRAM quota neither grows nor reclaims others' extents: it
         # evicts its own blocks (access.namespaces[].dram_quota; checked off the fast path).
         quota = self.dram_quota_of(ns.name)
-        held = sum(ext.bytes for ext in ns.extents)
+        held = ns.extent_bytes() if quota else 0
         at_quota = bool(quota) and SegmentLayout.fit(ns.block_bytes, quota - held) is None
         may_grow = may_grow and not at_quota
         # Room in the budget: grow rather than evict.
@@ -545,8 +552,8 @@ class Store:
             give_back()
             for ext in reclaim:
                 self._retire_extent(ext)
-            for owner in {id(e): self.namespaces[e.segment.namespace] for e in reclaim}.values():
-                self._forget_if_unused(owner)
+            for name in {e.segment.namespace for e in reclaim}:
+                self._forget_if_unused(self.namespaces[name])
             raise _NeedExtent(n)
         if len(same_ns) >= short:
             for block in same_ns[:short]:
@@ -856,7 +863,7 @@ class Store:
                 room = self.budget_free
                 quota = self.dram_quota_of(ns.name)
                 if quota:  # never grow past the namespace's DRAM quota
-                    room = min(room, quota - sum(ext.bytes for ext in ns.extents))
+                    room = min(room, quota - ns.extent_bytes())
                 layout = SegmentLayout.fit(ns.block_bytes, min(room, max(
                     self.extent_size, SegmentLayout.one_slot_file_bytes(ns.block_bytes))))
                 if layout is None:

@@ -859,10 +859,10 @@ class Tiering:
         if ns is None and not below:
             raise NotFound(f"namespace {namespace!r} is not known to this daemon")
         page = await asyncio.to_thread(_smallest_after, dram, below, after, page_size + 1)
-        more = len(page) > page_size
+        has_more = len(page) > page_size  # (not ``more``: that is the log helper)
         page = page[:page_size]
         out = [st for key in page if (st := self._key_state(namespace, ns, key)) is not None]
-        return out, (page[-1] if more and page else None)
+        return out, (page[-1] if has_more and page else None)
 
     def _key_state(self, namespace: str, ns: Namespace | None, key: bytes) -> KeyState | None:
         if (namespace, key) in self._deleting:

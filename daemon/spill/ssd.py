@@ -174,7 +174,7 @@ class SsdTier:
         self.quota_of: Callable[[str], int] = lambda namespace: 0
         #: Called (lock held, any thread: keep it short) with (namespace, key) of every
         #: entry the tier evicts to make room, so a DRAM copy that counted on it as its
-        #: durable copy can be spilled again.
+        #: durable copy learns it has none now.
         self.on_evicted: Callable[[str, bytes], None] | None = None
         self.files: dict[int, list[SpillFile]] = {}
         self.file_budget_used = 0  # bytes of files, existing or being created
