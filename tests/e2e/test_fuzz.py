@@ -19,8 +19,8 @@ process.  Every case has an oracle, not just "the daemon did not die":
   ``Model`` predicts the status code of every call made with a valid token
   (the session's reservations, leases and committed keys are modelled), and
   checks each successful response; without a valid token a namespace call
-  must be UNAUTHENTICATED.  No call may ever answer UNKNOWN or INTERNAL, and
-  UNIMPLEMENTED only for methods the daemon does not implement.
+  must be UNAUTHENTICATED.  No call may ever answer UNKNOWN, INTERNAL or
+  UNIMPLEMENTED (every method of the proto has a handler).
 
 Besides: hundreds of half-open connections (health must still answer
 promptly), 4000 connects in a tight loop (the second 2000 may not grow the
@@ -113,8 +113,6 @@ CALLER_ERRORS = {Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.UNAUTHENTICATED,
                  Code.PERMISSION_DENIED, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED,
                  Code.OUT_OF_RANGE}
 METHODS = [m.name for m in pb.DESCRIPTOR.services_by_name["KVTier"].methods]
-#: Methods the daemon implements today; the others must answer UNIMPLEMENTED.
-IMPLEMENTED = {m for m in METHODS if m in KVTierService.__dict__}
 #: Calls that act in the caller's namespace session.
 NS_METHODS = ["Lookup", "Reserve", "Commit", "Abort", "Acquire", "Release", "Delete"]
 REQUEST = {m.name: getattr(pb, m.input_type.name)
@@ -218,21 +216,15 @@ _RECORD_START = re.compile(r"^\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d[,.]\d+ ", re.M)
 
 
 def bad_log_records(text: str) -> list[str]:
-    """Records with a traceback or at ERROR/CRITICAL, except those of methods the daemon
-    does not implement (grpc logs each such call's NotImplementedError)."""
+    """Records with a traceback or at ERROR/CRITICAL."""
     starts = [m.start() for m in _RECORD_START.finditer(text)] or [0]
     records = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
     bad = []
     for rec in records:
         head = rec.split("\n", 1)[0]
-        if not ("Traceback" in rec or " ERROR " in head or " CRITICAL " in head
+        if ("Traceback" in rec or " ERROR " in head or " CRITICAL " in head
                 or "exception was never retrieved" in rec):
-            continue
-        unimplemented = [m for m in METHODS if m not in IMPLEMENTED
-                         and f"/kvtier.v1.KVTier/{m}]" in head]
-        if unimplemented and "NotImplementedError" in rec:
-            continue
-        bad.append(rec[:2000])
+            bad.append(rec[:2000])
     return bad
 
 
@@ -1089,9 +1081,6 @@ class Fuzzer:
         self.calls[(method, code.name)] += 1
         label = f"{method} with a {token_kind} token, body {body[:64]!r}...: {code.name} {details!r}"
         assert code not in NEVER, label
-        if method not in IMPLEMENTED:
-            assert code in (Code.UNIMPLEMENTED, Code.RESOURCE_EXHAUSTED), label
-            return
         assert code != Code.UNIMPLEMENTED, label
         assert code == Code.OK or code in CALLER_ERRORS, label
         try:
@@ -1293,7 +1282,7 @@ def test_grpc_model_catches_a_wrong_answer(p: Probe, channel: grpc.Channel) -> N
         m.apply("Reserve", pb.ReserveRequest(keys=[b"b"]), pb.ReserveResponse(
             reservation_id=9, statuses=[pb.RESERVE_STATUS_RESERVED],
             slots=[pb.SlotRef(length=4096)]))  # b is in flight: IN_FLIGHT, not RESERVED
-    # Tracebacks in the log are found (and only those of unimplemented methods forgiven).
+    # Tracebacks in the log are found.
     log = ("2026-01-01 00:00:00,000 ERROR kvtierd.service: Lookup failed\nTraceback (most "
            "recent call last):\n  boom\n2026-01-01 00:00:01,000 INFO x: fine\n")
     assert len(bad_log_records(log)) == 1
@@ -1309,8 +1298,7 @@ def test_oversized_messages_are_resource_exhausted(p: Probe, channel: grpc.Chann
             code, details, _ = raw_call(channel, method, os.urandom(size), meta)
             assert code == Code.RESOURCE_EXHAUSTED, (method, size, code, details)
             code, details, _ = raw_call(channel, method, b"\xff" * MAX_MESSAGE_BYTES, md(rs.token))
-            assert code in ((Code.INVALID_ARGUMENT,) if method in IMPLEMENTED
-                            else (Code.UNIMPLEMENTED,)), (method, code, details)
+            assert code == Code.INVALID_ARGUMENT, (method, code, details)
         # A well-formed request that is too big: thousands of 64-byte keys.
         many = pb.LookupRequest(keys=_many(20000, 64, 9)).SerializeToString()
         assert len(many) > MAX_MESSAGE_BYTES
@@ -1426,3 +1414,8 @@ def _hoard_fds_then_open_a_session(d: DaemonProc) -> None:
     finally:
         hoarder.close()
     assert kvtier.cli.health(d.socket_dir) == "SERVING"
+
+
+def test_every_method_of_the_proto_has_a_handler() -> None:
+    """A method added to the proto without a handler would answer UNIMPLEMENTED."""
+    assert [m for m in METHODS if m not in KVTierService.__dict__] == []
