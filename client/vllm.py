@@ -1,0 +1,924 @@
+"""vLLM KV connector: a vLLM engine saves and loads its prefix KV through kvtierd.
+
+``pip install kvtier[vllm]``, start ``kvtierd``, then::
+
+    vllm serve MODEL --kv-transfer-config \\
+        '{"kv_connector":"KVTierConnector","kv_connector_module_path":"kvtier.vllm","kv_role":"kv_both"}'
+
+(once kvtier is installed, ``"kv_connector":"KVTierConnector"`` alone works too: kvtier
+registers it through vLLM's ``vllm.general_plugins`` entry point, :mod:`kvtier._vllm_plugin`).
+
+What it does, per request:
+
+* **Scheduler** (``get_num_new_matched_tokens``): the prompt's full-block keys are
+  ``kvtier.block_keys`` over its token ids with a salt (the connector's ``salt``, the
+  request's ``cache_salt`` and LoRA adapter), so hits survive engine restarts and hold
+  across processes and hosts.  One ``Lookup`` per request (per tensor-parallel rank,
+  concurrently), with ``prefetch`` so blocks below DRAM are promoted before the load.  It
+  claims the leading blocks every rank holds, beyond what vLLM's own prefix cache has,
+  never the block holding the last prompt token.  Requests with multimodal inputs or
+  prompt embeddings are never matched nor saved (their KV is not a function of the token
+  ids alone).
+* **Worker** (``start_load_kv``): one ``Acquire`` per loading request; each leased block
+  is copied whole into its vLLM block of every layer (``kvtier.torch.load``: one copy per
+  byte on CPU, one DMA from page-locked slots on CUDA).  ``wait_for_save``: every block of
+  the step that became full is gathered from all layers into reserved slots and committed
+  in one ``Reserve`` + ``Commit`` for the whole step (blocks already stored are skipped).
+* **Failure is a recompute**: kvtierd down (at start or later), restarted, a block evicted
+  between lookup and load, a checksum failure, a full cache: the request is served all the
+  same.  Blocks that did not load are reported through ``get_block_ids_with_load_errors``
+  and vLLM recomputes them (the connector sets vLLM's ``kv_load_failure_policy`` to
+  ``recompute`` unless ``load_failure_policy: "fail"`` is configured).  Every RPC has a
+  deadline (``timeout``); each kind of failure is counted and logged at most once a minute.
+
+A kvtier block is one vLLM block of every layer (the pages of all layers of one block,
+layer-major), copied byte for byte: the block interior stays the attention backend's own
+(vLLM's CPU backend keeps K transposed inside a block), which is why the namespace names
+the device type, the attention backend and vLLM's minor version besides the model and the
+geometry.  Each tensor-parallel rank stores its own shard in its own namespace.
+
+``kv_connector_extra_config`` keys (all optional): see :class:`ConnectorConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier import errors
+from kvtier import torch as kt
+from kvtier._core import Tier
+from kvtier.client import Client
+from kvtier.hashing import block_keys
+from kvtier.paged import NamespaceArgs, PagedKVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# A name under "vllm." so the engine's log handlers (and format) apply.
+logger = init_logger("vllm.kvtier")
+
+LOAD_MODES: Final = ("sync", "off")
+FAILURE_POLICIES: Final = ("recompute", "fail")
+#: Keys of the model's config.json that do not change its KV.
+_VOLATILE_CONFIG: Final = frozenset({"transformers_version", "_name_or_path", "_commit_hash"})
+_SALT_DOMAIN: Final = "kvtier.vllm.v1"
+#: Counters the connector keeps (vLLM stats and Prometheus ``vllm:kvtier_<name>``).
+COUNTERS: Final = (
+    "lookups",           # scheduler: Lookup calls
+    "hit_tokens",        # scheduler: prompt tokens claimed from kvtier
+    "refused_requests",  # scheduler: requests never matched (multimodal, prompt embeds)
+    "loaded_blocks",     # worker: blocks copied from kvtier into the paged cache
+    "load_seconds",      # worker: time in loads (Acquire, copies, Release)
+    "failed_blocks",     # worker: blocks claimed but not loaded (reported to vLLM)
+    "saved_blocks",      # worker: blocks committed to kvtier
+    "skipped_blocks",    # worker: blocks to save that kvtier already had
+    "save_seconds",      # worker: time in saves (Reserve, copies, Commit)
+    "failures_unavailable",  # kvtierd unreachable or past the deadline
+    "failures_evicted",      # claimed blocks gone by the time of the load
+    "failures_corrupted",    # blocks that failed their checksum (never served)
+    "failures_capacity",     # saves refused for lack of room
+    "failures_other",        # anything else (logged with its message)
+)
+
+
+class Unsupported(RuntimeError):
+    """This engine's configuration cannot use the connector (it then stays off, logged)."""
+
+
+# ---------------------------------------------------------------- configuration
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config`` of the connector; unknown keys are refused."""
+
+    #: kvtierd's socket directory (default: ``$KVTIER_SOCKET_DIR``, else
+    #: ``$XDG_RUNTIME_DIR/kvtier``, else ``/tmp/kvtier-$UID``, as every kvtier client).
+    socket_dir: str | None = None
+    #: First component of the namespace names (engines with different prefixes never share).
+    namespace_prefix: str = "vllm"
+    #: Hashed into every key: engines with different salts never share blocks (tenants).
+    salt: str = ""
+    #: ``sync``: load before the forward pass that needs the blocks; ``off``: save only.
+    load_mode: str = "sync"
+    #: Store the blocks this engine computes.
+    save: bool = True
+    #: The model's identity in namespaces (default: the model path or name and its
+    #: revision, with a digest of its config; set it to share across paths, e.g. "llama3-8b@rev2").
+    model_id: str | None = None
+    #: Deadline of each kvtierd call, seconds.
+    timeout: float = 2.0
+    #: xxh3-64 over every saved block, verified on every load.
+    checksum: bool = True
+    #: Lookups start promoting SSD/shared-tier hits into DRAM.
+    prefetch: bool = True
+    #: What vLLM does with blocks that failed to load: ``recompute`` them, or ``fail`` the request.
+    load_failure_policy: str = "recompute"
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(extra) - set(names))
+        if unknown:
+            raise ValueError(f"kvtier.vllm: unknown kv_connector_extra_config key(s) "
+                             f"{', '.join(map(repr, unknown))}; known keys: {', '.join(names)}")
+        out: dict[str, Any] = {}
+        for name, value in extra.items():
+            default = getattr(cls, name)
+            if name in ("socket_dir", "model_id"):
+                if value is not None and (not isinstance(value, str) or not value):
+                    raise ValueError(f"kvtier.vllm: {name} must be a non-empty string, "
+                                     f"got {value!r}")
+            elif isinstance(default, bool):
+                value = _as_bool(name, value)
+            elif isinstance(default, float):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                        not 0 < value <= 600:
+                    raise ValueError(f"kvtier.vllm: {name} must be seconds in (0, 600], "
+                                     f"got {value!r}")
+                value = float(value)
+            elif not isinstance(value, str):
+                raise ValueError(f"kvtier.vllm: {name} must be a string, got {value!r}")
+            out[name] = value
+        cfg = cls(**out)
+        if cfg.load_mode not in LOAD_MODES:
+            raise ValueError(f"kvtier.vllm: load_mode must be one of {', '.join(LOAD_MODES)}, "
+                             f"got {cfg.load_mode!r}")
+        if cfg.load_failure_policy not in FAILURE_POLICIES:
+            raise ValueError(f"kvtier.vllm: load_failure_policy must be one of "
+                             f"{', '.join(FAILURE_POLICIES)}, got {cfg.load_failure_policy!r}")
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,32}", cfg.namespace_prefix):
+            raise ValueError(f"kvtier.vllm: namespace_prefix must be 1..32 characters of "
+                             f"[A-Za-z0-9._-], got {cfg.namespace_prefix!r}")
+        return cfg
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise ValueError(f"kvtier.vllm: {name} must be true or false, got {value!r}")
+
+
+# ---------------------------------------------------------------- keys, salts, namespaces
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheGeometry:
+    """What one vLLM block of every layer is, from the engine's KV cache spec."""
+
+    num_layers: int
+    block_tokens: int
+    kv_heads: int
+    head_size: int
+    dtype: str
+    page_bytes: int  # one block of one layer
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.page_bytes
+
+    def describe(self) -> str:
+        return (f"L{self.num_layers}-p{self.block_tokens}-h{self.kv_heads}-d{self.head_size}"
+                f"-{self.dtype}")
+
+
+def geometry_of(kv_cache_config: KVCacheConfig) -> CacheGeometry:
+    """The geometry of an engine's KV cache; Unsupported for hybrid or non-attention caches."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise Unsupported(f"the KV cache has {len(groups)} groups (a hybrid model); kvtier "
+                          "supports one full-attention group")
+    spec = groups[0].kv_cache_spec
+    missing = [a for a in ("block_size", "num_kv_heads", "head_size", "dtype", "page_size_bytes")
+               if not hasattr(spec, a)]
+    if missing:
+        raise Unsupported(f"the KV cache spec {type(spec).__name__} has no {', '.join(missing)}")
+    return CacheGeometry(num_layers=len(groups[0].layer_names), block_tokens=int(spec.block_size),
+                         kv_heads=int(spec.num_kv_heads), head_size=int(spec.head_size),
+                         dtype=str(spec.dtype).removeprefix("torch."),
+                         page_bytes=int(spec.page_size_bytes))
+
+
+def model_fingerprint(vllm_config: VllmConfig, model_id: str | None) -> tuple[str, str]:
+    """(identity, digest): the model's name and a digest of everything that shapes its KV bytes.
+
+    The digest covers the model's config (architecture, rope, ...), dtype, KV cache dtype,
+    quantization, the device type, the attention backend and vLLM's major.minor version (the
+    block interior is the backend's, and may change between vLLM releases).
+    """
+    from vllm.platforms import current_platform
+
+    mc = vllm_config.model_config
+    identity = model_id or f"{mc.model}@{mc.revision or 'default'}"
+    try:
+        hf = {k: v for k, v in mc.hf_config.to_dict().items() if k not in _VOLATILE_CONFIG}
+    except Exception:  # noqa: BLE001 (a config that cannot be listed is still a config)
+        hf = {"repr": repr(mc.hf_config)}
+    attention = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    parts = {
+        "identity": identity,
+        "config": hf,
+        "dtype": str(mc.dtype),
+        "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "quantization": str(mc.quantization),
+        "device": str(current_platform.device_type),
+        "attention_backend": str(attention or "auto"),
+        "vllm": ".".join(vllm.__version__.split(".")[:2]),
+    }
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return identity, hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def namespace_args(prefix: str, identity: str, digest: str, geometry: CacheGeometry,
+                   tp_rank: int, tp_size: int) -> NamespaceArgs:
+    """``kvtier.Client`` keywords of tensor-parallel rank ``tp_rank``'s namespace."""
+    base = identity.rsplit("@", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+    short = re.sub(r"[^A-Za-z0-9._-]", "-", base)[:40] or "model"
+    name = f"{prefix}/{short}-{digest}/tp{tp_rank}of{tp_size}/{geometry.describe()}"
+    uid = f"{identity[:200]}#{digest}"
+    return NamespaceArgs(namespace=name[:128], block_bytes=geometry.block_bytes, model_uid=uid)
+
+
+def request_salt(salt: str, cache_salt: str | None, lora: Any) -> bytes:
+    """The key salt of a request: the connector's salt, the request's ``cache_salt``, its LoRA."""
+    adapter = None
+    if lora is not None:
+        adapter = [str(getattr(lora, "lora_name", "")), int(getattr(lora, "lora_int_id", 0)),
+                   str(getattr(lora, "lora_path", ""))]
+    return json.dumps([_SALT_DOMAIN, salt, cache_salt or "", adapter]).encode()
+
+
+def refusal(request: Request) -> str | None:
+    """Why a request's KV must not be matched or saved by token ids (None: it may be)."""
+    if request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings"
+    if getattr(request, "mm_features", None):
+        return "multimodal inputs"
+    return None
+
+
+def claimable_blocks(hits_per_rank: Sequence[int], prompt_tokens: int, block_tokens: int) -> int:
+    """Leading blocks to claim: held by every rank, not covering the last prompt token."""
+    if not hits_per_rank:
+        return 0
+    usable = max(0, prompt_tokens - 1) // block_tokens
+    return max(0, min(min(hits_per_rank), usable))
+
+
+# ---------------------------------------------------------------- counters and logs
+class _Counters:
+    """Thread-safe counters; ``take()`` returns and resets them (one stats interval)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, float] = {}
+
+    def add(self, name: str, value: float = 1) -> None:
+        if value:
+            with self._lock:
+                self._data[name] = self._data.get(name, 0) + value
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            data, self._data = self._data, {}
+        return data
+
+
+class _Throttle:
+    """Logs each kind of event at most once per ``interval`` s, saying how many it held back."""
+
+    def __init__(self, interval: float = 60.0) -> None:
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warn(self, kind: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self._interval:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            held = self._held.pop(kind, 0)
+        suffix = f" ({held} more like it in the last {self._interval:.0f} s)" if held else ""
+        logger.warning("kvtier: " + message + suffix, *args)
+
+
+def _failure_kind(exc: BaseException) -> str:
+    if isinstance(exc, errors.Corrupted):
+        return "corrupted"
+    if isinstance(exc, errors.CapacityExhausted):
+        return "capacity"
+    if isinstance(exc, (errors.Unavailable, errors.SessionLost, OSError)):
+        return "unavailable"
+    return "other"
+
+
+class _Link:
+    """A kvtier client for one namespace, (re)connected lazily with backoff.
+
+    ``client()`` is None while kvtierd cannot be reached; it tries again after 0.5 s,
+    doubling up to 30 s.  Once connected, the client rides through daemon restarts itself.
+    """
+
+    def __init__(self, cfg: ConnectorConfig, args: NamespaceArgs, counters: _Counters,
+                 throttle: _Throttle) -> None:
+        self._cfg, self.args = cfg, args
+        self._counters, self._throttle = counters, throttle
+        self._lock = threading.Lock()
+        self._client: Client | None = None
+        self._retry_at = 0.0
+        self._delay = 0.5
+
+    def client(self) -> Client | None:
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            now = time.monotonic()
+            if now < self._retry_at:
+                return None
+            try:
+                self._client = Client(self._cfg.socket_dir, **self.args, timeout=self._cfg.timeout,
+                                      checksum=self._cfg.checksum)
+            except (errors.KVTierError, OSError) as exc:
+                self._retry_at = now + self._delay
+                self._delay = min(2 * self._delay, 30.0)
+                self._counters.add(f"failures_{_failure_kind(exc)}")
+                self._throttle.warn("connect", "cannot open namespace %s (%s: %s); is kvtierd "
+                                    "running? Serving without it, retrying", self.args["namespace"],
+                                    type(exc).__name__, exc)
+                return None
+            self._delay = 0.5
+            logger.info("kvtier: namespace %s (block %d bytes) at %s", self.args["namespace"],
+                        self.args["block_bytes"], self._client.grpc_path)
+            return self._client
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+# ---------------------------------------------------------------- stats surfaced by vLLM
+@dataclasses.dataclass
+class KVTierConnectorStats(KVConnectorStats):
+    """Counters of one interval (sums across workers and the scheduler)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for k in COUNTERS:
+            v = self.data.get(k, 0)
+            if v:
+                out[k] = round(v, 4) if k.endswith("_seconds") else int(v)
+        return out
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvtier_<counter>_total`` for each of :data:`COUNTERS`, per engine."""
+
+    def __init__(self, vllm_config: VllmConfig,
+                 metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(name=f"vllm:kvtier_{name}",
+                                    documentation=f"kvtier connector: {name.replace('_', ' ')}",
+                                    labelnames=labelnames)
+            for name in COUNTERS
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in (transfer_stats_data or {}).items():
+            counter = self._counters.get(name)
+            if counter is not None and value:
+                counter.labels(*labels).inc(value)
+
+
+# ---------------------------------------------------------------- scheduler -> worker
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Blocks of one request to load: ``keys[i]`` into vLLM block ``block_ids[i]``."""
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    """One step's work: loads per request, and one batch of blocks to save."""
+
+    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+    save_keys: list[bytes] = dataclasses.field(default_factory=list)
+    save_block_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Request:
+    """The scheduler's view of one request."""
+
+    request: Request
+    salt: bytes
+    refused: str | None
+    prompt_keys: list[bytes]
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    stored: int = 0  # leading blocks kvtier holds (found or saved)
+    hits: int | None = None  # claimable blocks found by the last lookup (None: not looked up)
+    tiers: list[Tier] = dataclasses.field(default_factory=list)
+    local_tokens: int = 0  # tokens vLLM's own prefix cache had at the lookup
+
+    def keys_upto(self, blocks: int, block_tokens: int) -> list[bytes]:
+        if blocks <= len(self.prompt_keys):
+            return self.prompt_keys[:blocks]
+        tokens = self.request.all_token_ids[: blocks * block_tokens]
+        return block_keys(list(tokens), block_tokens, self.salt)
+
+
+class _Scheduler:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                 cfg: ConnectorConfig, counters: _Counters, throttle: _Throttle) -> None:
+        self._cfg, self._counters, self._throttle = cfg, counters, throttle
+        geometry = geometry_of(kv_cache_config)
+        self._block = geometry.block_tokens
+        identity, digest = model_fingerprint(vllm_config, cfg.model_id)
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        self._links = [_Link(cfg, namespace_args(cfg.namespace_prefix, identity, digest,
+                                                 geometry, r, tp), counters, throttle)
+                       for r in range(tp)]
+        self._pool = ThreadPoolExecutor(tp, thread_name_prefix="kvtier-lookup") if tp > 1 else None
+        self._reqs: dict[str, _Request] = {}
+        self._loads: list[LoadSpec] = []
+
+    def _state(self, request: Request) -> _Request:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            why = refusal(request)
+            salt = request_salt(self._cfg.salt, getattr(request, "cache_salt", None),
+                                getattr(request, "lora_request", None))
+            keys = [] if why else block_keys(list(request.prompt_token_ids or ()), self._block,
+                                             salt)
+            st = self._reqs[request.request_id] = _Request(request, salt, why, keys)
+            if why:
+                self._counters.add("refused_requests")
+                logger.debug("kvtier: request %s not cached by kvtier: %s", request.request_id,
+                             why)
+        return st
+
+    def _lookup_one(self, link: _Link, keys: list[bytes]) -> list[Tier]:
+        client = link.client()
+        if client is None:
+            return []
+        try:
+            return client.lookup_tiers(keys, prefetch=self._cfg.prefetch)
+        except errors.KVTierError as exc:
+            kind = _failure_kind(exc)
+            self._counters.add(f"failures_{kind}")
+            self._throttle.warn(f"lookup-{kind}", "lookup in %s failed (%s: %s); the prompt is "
+                                "computed", link.args["namespace"], type(exc).__name__, exc)
+            return []
+
+    def matched(self, request: Request, num_computed_tokens: int) -> int:
+        st = self._state(request)
+        if st.refused or self._cfg.load_mode == "off":
+            return 0
+        prompt = len(request.prompt_token_ids or ())
+        usable = max(0, prompt - 1) // self._block
+        if usable * self._block <= num_computed_tokens:
+            return 0  # vLLM already has every block kvtier could give
+        if st.hits is None:
+            keys = st.prompt_keys[:usable]
+            self._counters.add("lookups")
+            if self._pool is None:
+                per_rank = [self._lookup_one(self._links[0], keys)]
+            else:
+                per_rank = list(self._pool.map(lambda link: self._lookup_one(link, keys),
+                                               self._links))
+            st.hits = claimable_blocks([len(t) for t in per_rank], prompt, self._block)
+            st.tiers = per_rank[0][: st.hits]
+            st.stored = max(st.stored, st.hits)
+        st.local_tokens = num_computed_tokens
+        return max(0, st.hits * self._block - num_computed_tokens)
+
+    def hit_sources(self, request: Request, tokens: int) -> dict[CacheHitSource, int]:
+        st = self._reqs.get(request.request_id)
+        if not tokens or st is None:
+            return {}
+        first = st.local_tokens // self._block
+        out: dict[CacheHitSource, int] = {}
+        for i in range(first, first + math.ceil(tokens / self._block)):
+            tier = st.tiers[i] if i < len(st.tiers) else Tier.DRAM
+            src = CacheHitSource.HOST if tier == Tier.DRAM else CacheHitSource.DISK
+            n = min(self._block, tokens - (i - first) * self._block)
+            out[src] = out.get(src, 0) + n
+        return out
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        hits, st.hits = st.hits, None  # a later scheduling attempt looks up afresh
+        if num_external <= 0 or not hits:
+            return
+        ids = list(blocks.get_block_ids()[0])
+        start = st.local_tokens // self._block
+        stop = min(start + math.ceil(num_external / self._block), hits, len(ids))
+        if stop > start:
+            self._loads.append(LoadSpec(request.request_id, st.prompt_keys[start:stop],
+                                        ids[start:stop]))
+            self._counters.add("hit_tokens", num_external)
+
+    def build_meta(self, out: SchedulerOutput) -> KVTierMetadata:
+        meta = KVTierMetadata(loads=self._loads)
+        self._loads = []
+        if not self._cfg.save:
+            return meta
+        for new in out.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+                self._add_saves(meta, st, new.num_computed_tokens
+                                + out.num_scheduled_tokens.get(new.req_id, 0))
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                st.block_ids = list(new_ids[0])
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            self._add_saves(meta, st, cached.num_computed_tokens[i]
+                            + out.num_scheduled_tokens.get(req_id, 0))
+        return meta
+
+    def _add_saves(self, meta: KVTierMetadata, st: _Request, tokens_after_step: int) -> None:
+        if st.refused:
+            return
+        # Tokens whose KV exists after this step: scheduled draft tokens are not among
+        # all_token_ids, so they never are.
+        tokens = min(tokens_after_step, len(st.request.all_token_ids))
+        full = min(tokens // self._block, len(st.block_ids))
+        if full <= st.stored:
+            return
+        keys = st.keys_upto(full, self._block)
+        meta.save_keys.extend(keys[st.stored: full])
+        meta.save_block_ids.extend(st.block_ids[st.stored: full])
+        st.stored = full
+
+    def connector_output(self, output: KVConnectorOutput) -> None:
+        bad = getattr(output, "invalid_block_ids", None)
+        if not bad:
+            return
+        for st in self._reqs.values():  # blocks that failed to load are recomputed: save them
+            for i, b in enumerate(st.block_ids[: st.stored]):
+                if b in bad:
+                    st.stored = i
+                    break
+
+    def finished(self, request: Request) -> None:
+        self._reqs.pop(request.request_id, None)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        for link in self._links:
+            link.close()
+
+
+# ---------------------------------------------------------------- worker
+def page_views(tensors: Sequence[torch.Tensor], num_blocks: int
+               ) -> tuple[list[Any], PagedKVLayout]:
+    """Each layer's KV as arrays of whole blocks, ``[num_blocks, 1, 1, block elements]``.
+
+    A layer tensor is ``[num_blocks, ...]`` (one array: vLLM's CPU backend, FlashInfer) or
+    ``[2, num_blocks, ...]`` (K and V arrays: FlashAttention); either must be contiguous, so
+    the view aliases it (no copy).  A block's bytes are copied whole, never token slices.
+    """
+    if not tensors:
+        raise Unsupported("the engine registered no KV cache tensors")
+    cache: list[Any] = []
+    pair = None
+    for t in tensors:
+        if t.ndim >= 2 and t.shape[0] == 2 and t.shape[1] % num_blocks == 0 and \
+                t.shape[0] % num_blocks != 0:
+            is_pair = True
+        elif t.shape[0] % num_blocks == 0:
+            is_pair = False
+        else:
+            raise Unsupported(f"a KV cache tensor of shape {list(t.shape)} has no axis of "
+                              f"{num_blocks} blocks where kvtier looks for it")
+        if pair is not None and is_pair != pair:
+            raise Unsupported("KV cache tensors of different layouts across layers")
+        pair = is_pair
+        try:
+            if is_pair:
+                cache.append((t[0].view(num_blocks, 1, 1, -1), t[1].view(num_blocks, 1, 1, -1)))
+            else:
+                cache.append(t.view(num_blocks, 1, 1, -1))
+        except RuntimeError as exc:
+            raise Unsupported(f"a KV cache tensor of shape {list(t.shape)} and strides "
+                              f"{list(t.stride())} is not contiguous per block: {exc}") from None
+    first = cache[0][0] if pair else cache[0]
+    layout = PagedKVLayout("kv" if pair else "single", len(cache), 1, 1, int(first.shape[-1]),
+                           str(first.dtype).removeprefix("torch."))
+    return cache, layout
+
+
+class _Worker:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                 cfg: ConnectorConfig, counters: _Counters, throttle: _Throttle) -> None:
+        self._vllm_config, self._kv_cache_config = vllm_config, kv_cache_config
+        self._cfg, self._counters, self._throttle = cfg, counters, throttle
+        self._link: _Link | None = None
+        self._cache: list[Any] = []
+        self._layout: PagedKVLayout | None = None
+        self._load_errors: set[int] = set()
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        geometry = geometry_of(self._kv_cache_config)
+        order = self._kv_cache_config.kv_cache_groups[0].layer_names
+        missing = [n for n in order if n not in kv_caches]
+        if missing:
+            raise Unsupported(f"layers {missing[:3]} have no KV cache tensor")
+        cache, layout = page_views([kv_caches[n] for n in order],
+                                   int(self._kv_cache_config.num_blocks))
+        if layout.block_bytes != geometry.block_bytes:
+            raise Unsupported(f"a block of the KV cache tensors is {layout.block_bytes} bytes, "
+                              f"the KV cache spec says {geometry.block_bytes}")
+        identity, digest = model_fingerprint(self._vllm_config, self._cfg.model_id)
+        tp = int(self._vllm_config.parallel_config.tensor_parallel_size)
+        rank = int(get_tensor_model_parallel_rank()) if tp > 1 else 0
+        self._cache, self._layout = cache, layout
+        self._link = _Link(self._cfg, namespace_args(self._cfg.namespace_prefix, identity, digest,
+                                                     geometry, rank, tp),
+                           self._counters, self._throttle)
+        self._link.client()  # connect now; says so in the log if kvtierd is not there
+
+    def _failed(self, what: str, exc: BaseException, namespace: str) -> None:
+        kind = _failure_kind(exc)
+        self._counters.add(f"failures_{kind}")
+        self._throttle.warn(f"{what}-{kind}", "%s in %s failed (%s: %s); %s", what, namespace,
+                            type(exc).__name__, exc,
+                            "the blocks are recomputed" if what == "load" else "not stored")
+
+    def load(self, meta: KVTierMetadata) -> None:
+        if not meta.loads or self._link is None:
+            return
+        t0 = time.perf_counter()
+        client = self._link.client()
+        for spec in meta.loads:
+            n = 0
+            if client is not None:
+                n = self._load_one(client, spec)
+            elif not self._load_errors:
+                self._counters.add("failures_unavailable")
+            if n < len(spec.keys):
+                self._load_errors.update(spec.block_ids[n:])
+                self._counters.add("failed_blocks", len(spec.keys) - n)
+            self._counters.add("loaded_blocks", n)
+        self._counters.add("load_seconds", time.perf_counter() - t0)
+
+    def _load_one(self, client: Client, spec: LoadSpec) -> int:
+        ns = self._link.args["namespace"] if self._link else "?"
+        for attempt in range(2):
+            try:
+                n = kt.load(client, spec.keys, self._cache, spec.block_ids, layout=self._layout)
+            except errors.Corrupted as exc:
+                # The client dropped the bad block (it becomes a miss, counted by the daemon);
+                # the blocks before it are still good: load those once more.
+                self._failed("load", exc, ns)
+                if attempt == 0 and exc.key in spec.keys:
+                    continue
+                return 0
+            except (errors.KVTierError, OSError) as exc:
+                self._failed("load", exc, ns)
+                return 0
+            if n < len(spec.keys):
+                self._counters.add("failures_evicted")
+                self._throttle.warn("load-evicted", "%d of %d blocks of request %s were gone "
+                                    "from %s at load time; they are recomputed",
+                                    len(spec.keys) - n, len(spec.keys), spec.req_id, ns)
+            return n
+        return 0
+
+    def load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def save(self, meta: KVTierMetadata) -> None:
+        if not meta.save_keys or self._link is None:
+            return
+        t0 = time.perf_counter()
+        keys: list[bytes] = []
+        ids: list[int] = []
+        seen: set[bytes] = set()
+        for k, b in zip(meta.save_keys, meta.save_block_ids, strict=True):
+            if k not in seen:  # two requests of one step with the same prefix
+                seen.add(k)
+                keys.append(k)
+                ids.append(b)
+        client = self._link.client()
+        if client is None:
+            return
+        try:
+            written = kt.save(client, self._cache, ids, keys, layout=self._layout)
+        except (errors.KVTierError, OSError) as exc:
+            self._failed("save", exc, self._link.args["namespace"])
+            return
+        finally:
+            self._counters.add("save_seconds", time.perf_counter() - t0)
+        self._counters.add("saved_blocks", written)
+        self._counters.add("skipped_blocks", len(keys) - written)
+
+    def close(self) -> None:
+        if self._link is not None:
+            self._link.close()
+
+
+# ---------------------------------------------------------------- the connector
+class KVTierConnector(KVConnectorBase_V1):
+    """vLLM's KV connector for kvtierd (``kv_connector: "KVTierConnector"``)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        if self._cfg.load_failure_policy == "recompute":
+            # vLLM fails a request whose blocks did not load unless told otherwise; for a
+            # cache a failed load is a miss.
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        self._counters = _Counters()
+        self._throttle = _Throttle()
+        self._scheduler: _Scheduler | None = None
+        self._worker: _Worker | None = None
+        try:
+            if role == KVConnectorRole.SCHEDULER:
+                self._scheduler = _Scheduler(vllm_config, kv_cache_config, self._cfg,
+                                             self._counters, self._throttle)
+            else:
+                self._worker = _Worker(vllm_config, kv_cache_config, self._cfg, self._counters,
+                                       self._throttle)
+        except Unsupported as exc:
+            logger.error("kvtier: the connector is off for this engine: %s", exc)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss, never a wrong answer
+
+    # ------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._worker is None:
+            return
+        try:
+            self._worker.register(kv_caches)
+        except Unsupported as exc:
+            logger.error("kvtier: the connector is off for this engine: %s", exc)
+            self._worker = None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KVTierMetadata)
+            self._worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # every layer is saved at once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KVTierMetadata)
+            self._worker.save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self._counters.take()
+        return KVTierConnectorStats(data=data) if data else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    # ------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._scheduler is None:
+            return 0, False
+        return self._scheduler.matched(request, num_computed_tokens), False
+
+    def get_external_cache_hit_sources(self, request: Request,
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        if self._scheduler is None:
+            return {}
+        return self._scheduler.hit_sources(request, num_external_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        if self._scheduler is not None:
+            self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._scheduler is None:
+            return KVTierMetadata()
+        return self._scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None:
+            self._scheduler.connector_output(connector_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.finished(request)
+        return False, None  # saves are done by the end of each step: free the blocks now
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KVTierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+__all__ = [
+    "COUNTERS",
+    "CacheGeometry",
+    "ConnectorConfig",
+    "KVTierConnector",
+    "KVTierConnectorStats",
+    "KVTierMetadata",
+    "LoadSpec",
+    "Unsupported",
+    "claimable_blocks",
+    "geometry_of",
+    "model_fingerprint",
+    "namespace_args",
+    "page_views",
+    "refusal",
+    "request_salt",
+]

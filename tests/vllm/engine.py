@@ -1,0 +1,74 @@
+"""One vLLM engine process for the connector tests: ``python engine.py SPEC.json``.
+
+The spec names the model, the connector (``null``: none; ``"example"``: vLLM's in-tree
+ExampleConnector; a dict: KVTierConnector with that ``kv_connector_extra_config``) and a
+list of phases, each a list of prompts.  Before every phase but the first the process
+prints ``READY`` and waits for a line on stdin, so a test can act (kill the daemon,
+corrupt a block) between phases without starting another engine.  After each phase it
+prints one ``RESULT {json}`` line: per prompt the generated token ids, vLLM's
+``num_cached_tokens`` and the wall time, plus the connector's counters so far.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+
+
+def _kv_transfer(connector: Any) -> dict[str, Any] | None:
+    if connector is None:
+        return None
+    if connector == "example":
+        return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": os.environ["EXAMPLE_DIR"]}}
+    out = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": connector}
+    if os.environ.get("KVTIER_TEST_BY_NAME") != "1":
+        out["kv_connector_module_path"] = "kvtier.vllm"
+    return out
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:kvtier_"):
+            out[m.name.removeprefix("vllm:kvtier_")] = float(getattr(m, "value", 0))
+    return out
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=spec["model"], enforce_eager=True, max_model_len=spec.get("max_model_len", 4096),
+              dtype=spec.get("dtype", "float32"), enable_prefix_caching=spec.get("prefix_caching", True),
+              kv_transfer_config=_kv_transfer(spec.get("connector")), disable_log_stats=False,
+              seed=0)
+    for i, phase in enumerate(spec["phases"]):
+        if i:
+            print("READY", flush=True)
+            if not sys.stdin.readline():
+                return
+        results = []
+        for p in phase:
+            prompt: dict[str, Any] = {"prompt_token_ids": p["tokens"]}
+            if p.get("cache_salt"):
+                prompt["cache_salt"] = p["cache_salt"]
+            sp = SamplingParams(temperature=0, max_tokens=p.get("max_tokens", 8), ignore_eos=True)
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], sp, use_tqdm=False)[0]
+            results.append({"tokens": list(out.outputs[0].token_ids),
+                            "cached": out.num_cached_tokens,
+                            "seconds": time.perf_counter() - t0})
+        print("RESULT " + json.dumps({"prompts": results, "counters": _counters(llm)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
