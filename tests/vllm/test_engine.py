@@ -277,7 +277,8 @@ def test_a_fresh_engine_loads_what_another_saved_across_a_daemon_sigkill(
 
 def test_an_engine_started_without_kvtierd_serves_and_connects_when_it_comes(
         lab: Lab, reference: dict[str, list[int]]) -> None:
-    assert lab.daemon is not None and not lab.daemon.alive()  # the previous test killed it
+    if lab.daemon is not None and lab.daemon.alive():
+        lab.kill_daemon()
     d = lab.engine("d", [[{"tokens": P}], [{"tokens": P}]])
     try:
         out = d.result()
@@ -295,14 +296,17 @@ def test_an_engine_started_without_kvtierd_serves_and_connects_when_it_comes(
 
 
 def test_another_model_gets_no_blocks(lab: Lab) -> None:
-    assert lab.daemon is not None and lab.daemon.alive()
+    if lab.daemon is None or not lab.daemon.alive():
+        lab.start_daemon()
+    assert lab.daemon is not None
+    before = {ns.name for ns in lab.daemon.stats().namespaces}
     e = lab.engine("other", [[{"tokens": P}]], model=lab.other_model)
     out = e.result()
     e.close()
     assert out["prompts"][0]["cached"] == 0
-    assert _count(out, "saved_blocks") == len(P) // BLOCK  # its own namespace
-    names = [ns.name for ns in lab.daemon.stats().namespaces if ns.name.startswith("vllm/")]
-    assert len(names) == 2 and len(set(n.split("/")[1] for n in names)) == 2, names
+    assert _count(out, "saved_blocks") == len(P) // BLOCK
+    new = [ns for ns in lab.daemon.stats().namespaces if ns.name not in before]
+    assert len(new) == 1 and new[0].committed_blocks == len(P) // BLOCK  # a namespace of its own
     assert lab.daemon.check() == []
 
 
@@ -357,8 +361,8 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 def test_openai_server_reports_prompt_tokens_cached_by_another_server(lab: Lab) -> None:
-    assert lab.daemon is not None
-    lab.kill_daemon()  # start from an empty cache: the first server must save, not load
+    if lab.daemon is not None and lab.daemon.alive():
+        lab.kill_daemon()  # start from an empty cache: the first server must save, not load
     shutil.rmtree(lab.shm_dir, ignore_errors=True)
     lab.shm_dir = ""
     lab.start_daemon()

@@ -1,0 +1,303 @@
+"""kvtier.vllm without an engine: config, keys and salts, namespaces, geometry, block views,
+and the scheduler's bookkeeping (tensor-parallel claim rule included) against a real kvtierd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM connector tests need kvtier[vllm] (make install)")
+
+import torch  # noqa: E402
+
+import kvtier  # noqa: E402
+import kvtier.torch as kt  # noqa: E402
+from kvtier.hashing import block_keys  # noqa: E402
+from kvtier.vllm import (  # noqa: E402
+    CacheGeometry,
+    ConnectorConfig,
+    KVTierConnectorStats,
+    KVTierMetadata,
+    Unsupported,
+    _Counters,
+    _Scheduler,
+    _Throttle,
+    claimable_blocks,
+    geometry_of,
+    model_fingerprint,
+    namespace_args,
+    page_views,
+    refusal,
+    request_salt,
+)
+from tests.conftest import DaemonProc  # noqa: E402
+
+BLOCK = 16
+
+
+# ---------------------------------------------------------------- config
+def test_config_defaults_work_with_no_extra_config() -> None:
+    cfg = ConnectorConfig.from_extra({})
+    assert cfg == ConnectorConfig()
+    assert (cfg.namespace_prefix, cfg.load_mode, cfg.save, cfg.checksum) == ("vllm", "sync",
+                                                                             True, True)
+    assert cfg.load_failure_policy == "recompute" and 0 < cfg.timeout <= 5
+
+
+def test_config_takes_every_key_and_refuses_unknown_or_bad_ones() -> None:
+    cfg = ConnectorConfig.from_extra({"socket_dir": "/run/kvtier", "namespace_prefix": "prod",
+                                      "salt": "tenant", "load_mode": "off", "save": "false",
+                                      "model_id": "llama@r2", "timeout": 1, "checksum": False,
+                                      "prefetch": False, "load_failure_policy": "fail"})
+    assert cfg.socket_dir == "/run/kvtier" and cfg.save is False and cfg.timeout == 1.0
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) 'sokcet_dir'"
+                       r".*known keys: socket_dir"):
+        ConnectorConfig.from_extra({"sokcet_dir": "/x"})
+    for bad, match in [({"load_mode": "async"}, "load_mode must be one of sync, off"),
+                       ({"timeout": 0}, "timeout must be seconds"),
+                       ({"timeout": True}, "timeout must be seconds"),
+                       ({"save": "maybe"}, "save must be true or false"),
+                       ({"salt": 3}, "salt must be a string"),
+                       ({"socket_dir": ""}, "socket_dir must be a non-empty string"),
+                       ({"namespace_prefix": "a/b"}, "namespace_prefix must be"),
+                       ({"load_failure_policy": "ignore"}, "load_failure_policy must be")]:
+        with pytest.raises(ValueError, match=match):
+            ConnectorConfig.from_extra(bad)
+
+
+# ---------------------------------------------------------------- keys and salts
+def test_salt_separates_tenants_cache_salts_and_lora_adapters_and_is_stable() -> None:
+    lora = SimpleNamespace(lora_name="sql", lora_int_id=1, lora_path="/adapters/sql")
+    salts = [request_salt("", None, None), request_salt("a", None, None),
+             request_salt("", "user-7", None), request_salt("", None, lora),
+             request_salt("", None, SimpleNamespace(lora_name="sql", lora_int_id=2,
+                                                    lora_path="/adapters/sql"))]
+    assert len(set(salts)) == len(salts)
+    assert request_salt("", None, None) == request_salt("", "", None)  # no cache_salt == empty
+    assert request_salt("a", "b", lora) == request_salt("a", "b", lora)  # no process state
+    # Length-prefixed (JSON), so parts cannot run into each other.
+    assert request_salt("ab", "c", None) != request_salt("a", "bc", None)
+    tokens = list(range(3, 3 + 4 * BLOCK))
+    keys = {tuple(block_keys(tokens, BLOCK, s)) for s in salts}
+    assert len(keys) == len(salts)
+    # Known answer: keys must never change between releases (hits across upgrades and hosts).
+    assert block_keys(tokens, BLOCK, request_salt("", None, None))[0].hex() == \
+        block_keys(tokens, BLOCK, b'["kvtier.vllm.v1", "", "", null]')[0].hex()
+
+
+def test_multimodal_requests_and_prompt_embeddings_are_never_matched() -> None:
+    plain = SimpleNamespace(prompt_token_ids=[1, 2], prompt_embeds=None, mm_features=[])
+    assert refusal(plain) is None  # type: ignore[arg-type]
+    mm = SimpleNamespace(prompt_token_ids=[1, 2], prompt_embeds=None, mm_features=[object()])
+    assert refusal(mm) == "multimodal inputs"  # type: ignore[arg-type]
+    embeds = SimpleNamespace(prompt_token_ids=None, prompt_embeds=torch.zeros(2, 4),
+                             mm_features=[])
+    assert refusal(embeds) == "prompt embeddings"  # type: ignore[arg-type]
+
+
+def test_claim_is_what_every_rank_holds_and_never_the_last_token() -> None:
+    assert claimable_blocks([5], 5 * BLOCK + 1, BLOCK) == 5
+    assert claimable_blocks([5], 5 * BLOCK, BLOCK) == 4  # the last token is always computed
+    assert claimable_blocks([5, 3], 10 * BLOCK, BLOCK) == 3  # rank 1 lost two blocks
+    assert claimable_blocks([5, 0], 10 * BLOCK, BLOCK) == 0
+    assert claimable_blocks([], 10 * BLOCK, BLOCK) == 0
+    assert claimable_blocks([3], 0, BLOCK) == 0
+
+
+# ---------------------------------------------------------------- namespaces and geometry
+GEOM = CacheGeometry(num_layers=2, block_tokens=BLOCK, kv_heads=2, head_size=32,
+                     dtype="float32", page_bytes=2 * BLOCK * 2 * 32 * 4)
+
+
+def _vllm_config(**model: Any) -> Any:
+    hf = {"hidden_size": 128, "num_hidden_layers": 2, "transformers_version": "5.0"}
+    hf.update(model.pop("hf", {}))
+    mc = SimpleNamespace(model="/models/llama-tiny", revision=None, dtype="float32",
+                         quantization=None, hf_config=SimpleNamespace(to_dict=lambda: dict(hf)))
+    for k, v in model.items():
+        setattr(mc, k, v)
+    return SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto"),
+                           attention_config=SimpleNamespace(backend=None),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1))
+
+
+def test_fingerprint_covers_what_shapes_the_kv_and_ignores_what_does_not() -> None:
+    identity, digest = model_fingerprint(_vllm_config(), None)
+    assert identity == "/models/llama-tiny@default" and len(digest) == 16
+    assert model_fingerprint(_vllm_config(), None) == (identity, digest)
+    same = {model_fingerprint(_vllm_config(hf={"transformers_version": "9.9"}), None)[1]}
+    assert same == {digest}
+    others = {model_fingerprint(c, None)[1] for c in (
+        _vllm_config(hf={"rope_theta": 1e6}), _vllm_config(dtype="bfloat16"),
+        _vllm_config(revision="r2"), _vllm_config(quantization="fp8"))}
+    assert digest not in others and len(others) == 4
+    assert model_fingerprint(_vllm_config(), "llama@r1")[0] == "llama@r1"
+
+
+def test_each_rank_has_its_own_valid_namespace_with_the_same_block_bytes() -> None:
+    args = [namespace_args("vllm", "/models/llama-tiny@default", "0123456789abcdef", GEOM, r, 2)
+            for r in range(2)]
+    assert args[0]["namespace"] == "vllm/llama-tiny-0123456789abcdef/tp0of2/L2-p16-h2-d32-float32"
+    assert args[1]["namespace"].split("/")[2] == "tp1of2"
+    assert {a["block_bytes"] for a in args} == {GEOM.block_bytes}
+    long = namespace_args("p", "org/" + "x" * 300 + "@rev", "f" * 16, GEOM, 0, 1)
+    assert len(long["namespace"]) <= 128 and len(long["model_uid"].encode()) <= 256
+
+
+def test_geometry_comes_from_the_one_attention_group() -> None:
+    spec = SimpleNamespace(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.bfloat16,
+                           page_size_bytes=2 * 128 * 2 * 32 * 2)
+    group = SimpleNamespace(layer_names=["l0", "l1", "l2"], kv_cache_spec=spec)
+    g = geometry_of(SimpleNamespace(kv_cache_groups=[group]))  # type: ignore[arg-type]
+    assert (g.num_layers, g.block_tokens, g.dtype, g.block_bytes) == (3, 128, "bfloat16",
+                                                                      3 * spec.page_size_bytes)
+    with pytest.raises(Unsupported, match="2 groups"):
+        geometry_of(SimpleNamespace(kv_cache_groups=[group, group]))  # type: ignore[arg-type]
+    mamba = SimpleNamespace(layer_names=["m"], kv_cache_spec=SimpleNamespace(
+        block_size=1, page_size_bytes=4))
+    with pytest.raises(Unsupported, match="has no num_kv_heads, head_size, dtype"):
+        geometry_of(SimpleNamespace(kv_cache_groups=[mamba]))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- whole-block views
+def _filled(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "flash_attn"])
+def test_blocks_round_trip_byte_exact_for_both_tensor_layouts(daemon: DaemonProc,
+                                                              kind: str) -> None:
+    nb, heads, dim = 6, 2, 8
+    # vLLM's CPU backend: [blocks, kv_heads, block, 2*head]; FlashAttention: [2, blocks, block,
+    # kv_heads, head].
+    shape = (nb, heads, BLOCK, 2 * dim) if kind == "cpu" else (2, nb, BLOCK, heads, dim)
+    src = [_filled(shape, seed) for seed in range(3)]
+    dst = [torch.zeros(shape) for _ in range(3)]
+    cache_src, layout = page_views(src, nb)
+    cache_dst, _ = page_views(dst, nb)
+    assert layout.layout == ("single" if kind == "cpu" else "kv")
+    assert layout.block_bytes == 3 * 2 * heads * BLOCK * dim * 4
+    keys = [b"k%d" % i for i in range(3)]
+    with kvtier.Client(daemon.socket_dir, namespace=f"views-{kind}",
+                       block_bytes=layout.block_bytes, model_uid="m", checksum=True) as c:
+        assert kt.save(c, cache_src, [4, 1, 2], keys, layout=layout) == 3
+        assert kt.load(c, keys, cache_dst, [0, 5, 3], layout=layout) == 3
+    axis = 0 if kind == "cpu" else 1
+    for s, d in zip(src, dst, strict=True):
+        for a, b in ((4, 0), (1, 5), (2, 3)):
+            assert torch.equal(s.select(axis, a), d.select(axis, b))
+        untouched = [i for i in range(nb) if i not in (0, 5, 3)]
+        assert all(not d.select(axis, i).any() for i in untouched)
+
+
+def test_tensors_that_are_not_whole_blocks_are_refused() -> None:
+    with pytest.raises(Unsupported, match="no axis of 7 blocks"):
+        page_views([torch.zeros(6, 2, 16, 8)], 7)
+    strided = torch.zeros(6, 16, 2, 8).transpose(1, 2)  # blocks are not contiguous
+    with pytest.raises(Unsupported, match="not contiguous per block"):
+        page_views([strided], 6)
+    with pytest.raises(Unsupported, match="different layouts"):
+        page_views([torch.zeros(6, 2, 16, 8), torch.zeros(2, 6, 16, 2, 4)], 6)
+
+
+# ---------------------------------------------------------------- scheduler bookkeeping
+@dataclasses.dataclass
+class FakeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    cache_salt: str | None = None
+    lora_request: Any = None
+    mm_features: list[Any] = dataclasses.field(default_factory=list)
+    prompt_embeds: Any = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids
+
+
+def _scheduler(daemon: DaemonProc, tp: int) -> tuple[_Scheduler, _Counters]:
+    spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                           page_size_bytes=GEOM.page_bytes)
+    kv = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["a", "b"],
+                                                          kv_cache_spec=spec)])
+    vc = _vllm_config()
+    vc.parallel_config.tensor_parallel_size = tp
+    counters = _Counters()
+    cfg = ConnectorConfig.from_extra({"socket_dir": daemon.socket_dir})
+    return _Scheduler(vc, kv, cfg, counters, _Throttle()), counters  # type: ignore[arg-type]
+
+
+def _store(daemon: DaemonProc, sched: _Scheduler, rank: int, keys: list[bytes]) -> None:
+    with kvtier.Client(daemon.socket_dir, **sched._links[rank].args) as c:
+        c.put(keys, [b"x"] * len(keys))
+
+
+def test_tensor_parallel_claims_only_blocks_every_rank_holds(daemon: DaemonProc) -> None:
+    sched, counters = _scheduler(daemon, tp=2)
+    tokens = list(range(3, 3 + 8 * BLOCK + 5))
+    keys = block_keys(tokens, BLOCK, request_salt("", None, None))
+    _store(daemon, sched, 0, keys)        # rank 0 has all 8 blocks
+    _store(daemon, sched, 1, keys[:5])    # rank 1 only 5
+    req = FakeRequest("r1", tokens)
+    assert sched.matched(req, 0) == 5 * BLOCK  # type: ignore[arg-type]
+    assert sched.matched(req, 2 * BLOCK) == 3 * BLOCK  # beyond vLLM's own 2 blocks
+    assert counters.take()["lookups"] == 1  # one lookup per request (per rank, concurrently)
+    assert sched.matched(req, 5 * BLOCK) == 0  # type: ignore[arg-type]
+    other_salt = FakeRequest("r2", tokens, cache_salt="tenant-b")
+    assert sched.matched(other_salt, 0) == 0  # type: ignore[arg-type]
+    sched.close()
+
+
+def test_scheduler_plans_loads_and_saves_each_full_block_once(daemon: DaemonProc) -> None:
+    sched, counters = _scheduler(daemon, tp=1)
+    tokens = list(range(3, 3 + 6 * BLOCK + 3))
+    keys = block_keys(tokens, BLOCK, request_salt("", None, None))
+    _store(daemon, sched, 0, keys[:2])
+    req = FakeRequest("r", tokens)
+    assert sched.matched(req, 0) == 2 * BLOCK  # type: ignore[arg-type]
+    blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13, 14, 15, 16],))
+    sched.after_alloc(req, blocks, 2 * BLOCK)  # type: ignore[arg-type]
+
+    def step(new: list[Any], cached: Any, scheduled: dict[str, int]) -> KVTierMetadata:
+        out = SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                              num_scheduled_tokens=scheduled)
+        return sched.build_meta(out)  # type: ignore[arg-type]
+
+    no_cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                num_computed_tokens=[])
+    # Chunked prefill: the first step computes 2 blocks and 10 tokens after the 2 loaded ones.
+    new = SimpleNamespace(req_id="r", block_ids=([10, 11, 12, 13, 14, 15, 16],),
+                          num_computed_tokens=2 * BLOCK)
+    meta = step([new], no_cached, {"r": 2 * BLOCK + 10})
+    assert [(s.keys, s.block_ids) for s in meta.loads] == [(keys[:2], [10, 11])]
+    assert (meta.save_keys, meta.save_block_ids) == (keys[2:4], [12, 13])  # only full blocks
+    cached = SimpleNamespace(req_ids=["r"], new_block_ids=[None], resumed_req_ids=set(),
+                             num_computed_tokens=[4 * BLOCK + 10])
+    meta = step([], cached, {"r": len(tokens) - 4 * BLOCK - 10})
+    assert meta.loads == []
+    assert (meta.save_keys, meta.save_block_ids) == (keys[4:6], [14, 15])
+    meta = step([], cached, {"r": 1})  # a decode step completes no new block
+    assert meta.save_keys == []
+    # A failed load makes the scheduler save those blocks again once they are recomputed.
+    sched.connector_output(SimpleNamespace(invalid_block_ids={11}))  # type: ignore[arg-type]
+    cached.num_computed_tokens = [BLOCK]
+    meta = step([], cached, {"r": len(tokens) - BLOCK})
+    assert meta.save_keys == keys[1:6]
+    assert counters.take()["hit_tokens"] == 2 * BLOCK
+    sched.finished(req)  # type: ignore[arg-type]
+    assert step([], cached, {"r": 1}).save_keys == []  # forgotten
+    sched.close()
+
+
+def test_stats_aggregate_across_workers_and_reduce_for_the_log() -> None:
+    a = KVTierConnectorStats(data={"loaded_blocks": 3, "load_seconds": 0.012345})
+    b = KVTierConnectorStats(data={"loaded_blocks": 2, "failures_corrupted": 1})
+    total = a.aggregate(b)
+    assert total.reduce() == {"loaded_blocks": 5, "load_seconds": 0.0123,
+                              "failures_corrupted": 1}
+    assert not total.is_empty() and KVTierConnectorStats(data={}).is_empty()
