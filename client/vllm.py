@@ -326,7 +326,7 @@ class _Throttle:
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
-    def warn(self, kind: str, message: str, *args: Any) -> None:
+    def warn(self, kind: str, message: str, *args: Any, exc_info: bool = False) -> None:
         now = time.monotonic()
         with self._lock:
             last = self._last.get(kind)
@@ -336,7 +336,7 @@ class _Throttle:
             self._last[kind] = now
             held = self._held.pop(kind, 0)
         suffix = f" ({held} more like it in the last {self._interval:.0f} s)" if held else ""
-        logger.warning("kvtier: " + message + suffix, *args)
+        logger.warning("kvtier: " + message + suffix, *args, exc_info=exc_info)
 
 
 def _failure_kind(exc: BaseException) -> str:
@@ -518,7 +518,7 @@ class _Scheduler:
             return []
         try:
             return client.lookup_tiers(keys, prefetch=self._cfg.prefetch)
-        except errors.KVTierError as exc:
+        except Exception as exc:  # noqa: BLE001 (a cache lookup never takes the engine down)
             kind = _failure_kind(exc)
             self._counters.add(f"failures_{kind}")
             self._throttle.warn(f"lookup-{kind}", "lookup in %s failed (%s: %s); the prompt is "
@@ -710,19 +710,18 @@ class _Worker:
         self._counters.add(f"failures_{kind}")
         self._throttle.warn(f"{what}-{kind}", "%s in %s failed (%s: %s); %s", what, namespace,
                             type(exc).__name__, exc,
-                            "the blocks are recomputed" if what == "load" else "not stored")
+                            "the blocks are recomputed" if what == "load" else "not stored",
+                            exc_info=kind == "other")  # "other" may be a bug: keep its trace
 
     def load(self, meta: KVTierMetadata) -> None:
         if not meta.loads or self._link is None:
             return
         t0 = time.perf_counter()
         client = self._link.client()
+        if client is None:
+            self._counters.add("failures_unavailable")
         for spec in meta.loads:
-            n = 0
-            if client is not None:
-                n = self._load_one(client, spec)
-            elif not self._load_errors:
-                self._counters.add("failures_unavailable")
+            n = self._load_one(client, spec) if client is not None else 0
             if n < len(spec.keys):
                 self._load_errors.update(spec.block_ids[n:])
                 self._counters.add("failed_blocks", len(spec.keys) - n)
@@ -741,7 +740,7 @@ class _Worker:
                 if attempt == 0 and exc.key in spec.keys:
                     continue
                 return 0
-            except (errors.KVTierError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 (a failed load is a recompute, not an outage)
                 self._failed("load", exc, ns)
                 return 0
             if n < len(spec.keys):
@@ -773,7 +772,7 @@ class _Worker:
             return
         try:
             written = kt.save(client, self._cache, ids, keys, layout=self._layout)
-        except (errors.KVTierError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 (a failed save is a later miss, not an outage)
             self._failed("save", exc, self._link.args["namespace"])
             return
         finally:

@@ -22,10 +22,12 @@ from kvtier.vllm import (  # noqa: E402
     ConnectorConfig,
     KVTierConnectorStats,
     KVTierMetadata,
+    LoadSpec,
     Unsupported,
     _Counters,
     _Scheduler,
     _Throttle,
+    _Worker,
     claimable_blocks,
     geometry_of,
     model_fingerprint,
@@ -301,3 +303,87 @@ def test_stats_aggregate_across_workers_and_reduce_for_the_log() -> None:
     assert total.reduce() == {"loaded_blocks": 5, "load_seconds": 0.0123,
                               "failures_corrupted": 1}
     assert not total.is_empty() and KVTierConnectorStats(data={}).is_empty()
+
+
+# ---------------------------------------------------------------- worker failures
+NB, LAYERS = 8, 2
+CPU_SHAPE = (NB, 2, BLOCK, 64)  # vLLM's CPU backend: [blocks, kv_heads, block, 2*head]
+
+
+def _worker(socket_dir: str, tensors: list[torch.Tensor]) -> tuple[_Worker, _Counters]:
+    spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                           page_size_bytes=tensors[0][0].numel() * 4)
+    kv = SimpleNamespace(num_blocks=NB, kv_cache_groups=[SimpleNamespace(
+        layer_names=[f"l{i}" for i in range(len(tensors))], kv_cache_spec=spec)])
+    counters = _Counters()
+    w = _Worker(_vllm_config(), kv, ConnectorConfig.from_extra({"socket_dir": socket_dir}),
+                counters, _Throttle())  # type: ignore[arg-type]
+    w.register({f"l{i}": t for i, t in enumerate(tensors)})
+    return w, counters
+
+
+def _save(w: _Worker, keys: list[bytes], ids: list[int]) -> None:
+    w.save(KVTierMetadata(save_keys=keys, save_block_ids=ids))
+
+
+def test_blocks_gone_between_lookup_and_load_are_reported_for_recompute(
+        daemon: DaemonProc) -> None:
+    src = [_filled(CPU_SHAPE, i) for i in range(LAYERS)]
+    w, counters = _worker(daemon.socket_dir, src)
+    keys = [b"key%d" % i for i in range(4)]
+    _save(w, keys, [0, 1, 2, 3])
+    assert counters.take()["saved_blocks"] == 4
+    _save(w, keys, [0, 1, 2, 3])  # stored already: skipped, not written twice
+    assert counters.take()["skipped_blocks"] == 4
+    assert w._link is not None
+    client = w._link.client()
+    assert client is not None and client.delete(keys[2:]) == 2  # evicted meanwhile
+    dst = [torch.zeros(CPU_SHAPE) for _ in range(LAYERS)]
+    w2, counters2 = _worker(daemon.socket_dir, dst)
+    w2.load(KVTierMetadata(loads=[LoadSpec("r", keys, [7, 6, 5, 4])]))
+    assert w2.load_errors() == {5, 4} and w2.load_errors() == set()  # reported once
+    got = counters2.take()
+    assert (got["loaded_blocks"], got["failed_blocks"], got["failures_evicted"]) == (2, 2, 1)
+    assert torch.equal(dst[1][7], src[1][0]) and torch.equal(dst[0][6], src[0][1])
+    assert not dst[0][5].any()
+    w.close()
+    w2.close()
+
+
+def test_a_full_cache_and_an_unexpected_error_are_counted_never_raised(
+        daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    w, counters = _worker(daemon.socket_dir, [_filled(CPU_SHAPE, i) for i in range(LAYERS)])
+    assert w._link is not None
+    args = w._link.args
+    slots = (32 << 20) // args["block_bytes"]
+    # Another client fills DRAM and holds a lease on every block: nothing can be evicted.
+    with kvtier.Client(daemon.socket_dir, **args) as hog:
+        filler = [b"fill%d" % i for i in range(slots + 4)]
+        for i in range(0, len(filler), 64):
+            hog.put(filler[i: i + 64], [b"x"] * len(filler[i: i + 64]))
+        first = next(i for i, k in enumerate(filler) if hog.lookup([k]))  # the LRU went first
+        with hog.acquire(filler[first:]) as lease:
+            assert first > 0 and lease.hits == len(filler) - first
+            _save(w, [b"new0", b"new1"], [0, 1])
+            assert counters.take().get("failures_capacity") == 1
+
+    def boom(*a: Any, **k: Any) -> int:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(kt, "load", boom)
+    w.load(KVTierMetadata(loads=[LoadSpec("r", [filler[-1]], [3])]))
+    assert w.load_errors() == {3}
+    assert counters.take()["failures_other"] == 1
+    w.close()
+    assert daemon.check() == []
+
+
+def test_without_kvtierd_every_claimed_block_is_a_recompute(tmp_path: Any) -> None:
+    w, counters = _worker(str(tmp_path / "no-daemon"), [torch.zeros(CPU_SHAPE)
+                                                        for _ in range(LAYERS)])
+    w.load(KVTierMetadata(loads=[LoadSpec("r", [b"a", b"b"], [1, 2])]))
+    _save(w, [b"c"], [3])  # and a save is dropped, quietly
+    assert w.load_errors() == {1, 2}
+    got = counters.take()
+    assert got["failures_unavailable"] >= 1 and got["failed_blocks"] == 2
+    assert "saved_blocks" not in got
