@@ -108,6 +108,16 @@ class Metrics:
         self.sessions_closed = Counter(
             "kvtier_sessions_closed", "Sessions ended (client closed or died)", registry=registry
         )
+        self.lease_seconds = Histogram(
+            "kvtier_lease_hold_seconds", "Acquire to Release of a lease (how long a reader "
+            "took to copy its blocks out)", ["namespace"], buckets=RPC_BUCKETS,
+            registry=registry,
+        )
+        self.reservation_seconds = Histogram(
+            "kvtier_reservation_hold_seconds", "Reserve to Commit or Abort of a reservation "
+            "(how long a writer took to copy its blocks in)", ["namespace", "outcome"],
+            buckets=RPC_BUCKETS, registry=registry,
+        )
         self.rpc_seconds = Histogram(
             "kvtier_rpc_duration_seconds", "Server-side RPC latency", ["method"],
             buckets=RPC_BUCKETS, registry=registry,
@@ -157,7 +167,7 @@ class Metrics:
         """Drop every series labelled with namespace ``name`` (the store forgot it)."""
         for metric in (self.lookups, self.hit_blocks, self.missed_blocks, self.reserved_blocks,
                        self.committed_blocks, self.aborted_blocks, self.evicted_blocks,
-                       self.checksum_failures):
+                       self.checksum_failures, self.lease_seconds, self.reservation_seconds):
             # prometheus_client has remove(*labels) but no way to list a metric's
             # children; its _metrics dict (labels -> child) is that list.
             for labels in [k for k in list(metric._metrics) if k[0] == name]:

@@ -254,16 +254,24 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CommitResponse:
         session = self._session(context, Right.WRITE)
         checksums = list(request.checksums) if request.checksums else None
+        res = session.reservations.get(request.reservation_id)
         n = self.tiering.commit(session, request.reservation_id, list(request.lengths), checksums)
         self.metrics.committed_blocks.labels(session.ns.name).inc(n)
+        if res is not None:
+            self.metrics.reservation_seconds.labels(session.ns.name, "commit").observe(
+                self.store.held_seconds(res.started))
         self.metrics.tier_io("dram", "write", sum(request.lengths), n)
         return pb.CommitResponse(committed=n)
 
     @_rpc("Abort")
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.AbortResponse:
         session = self._session(context, Right.WRITE)
+        res = session.reservations.get(request.reservation_id)
         n = self.store.abort(session, request.reservation_id)
         self.metrics.aborted_blocks.labels(session.ns.name, "abort").inc(n)
+        if res is not None:
+            self.metrics.reservation_seconds.labels(session.ns.name, "abort").observe(
+                self.store.held_seconds(res.started))
         return pb.AbortResponse(aborted=n)
 
     @_rpc("Acquire")
@@ -291,7 +299,11 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     @_rpc("Release")
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ReleaseResponse:
         session = self._session(context)
+        lease = session.leases.get(request.lease_id)
         self.store.release(session, request.lease_id)
+        if lease is not None:
+            self.metrics.lease_seconds.labels(session.ns.name).observe(
+                self.store.held_seconds(lease.started))
         return pb.ReleaseResponse()
 
     @_rpc("Delete")

@@ -189,6 +189,7 @@ class Reservation:
     keys: list[bytes]
     places: list[tuple[Extent, int, int]]  # (extent, slot, generation) per key
     expires: float
+    started: float = 0.0  # the store's clock at Reserve (the metrics' hold time)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -197,6 +198,7 @@ class Lease:
     session: Session
     blocks: list[Block]
     expires: float
+    started: float = 0.0  # the store's clock at Acquire (the metrics' hold time)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -455,7 +457,8 @@ class Store:
         places = self._take_slots(ns, len(new_keys), may_grow=may_grow)
         # From here on nothing can fail: apply.
         rid = next(self._ids)
-        res = Reservation(rid, session, new_keys, [], self._clock() + self.reservation_ttl)
+        now = self._clock()
+        res = Reservation(rid, session, new_keys, [], now + self.reservation_ttl, started=now)
         grants: list[SlotGrant] = []
         for key, (ext, slot) in zip(new_keys, places, strict=False):
             gen = ext.generations[slot] + 1
@@ -585,6 +588,10 @@ class Store:
             f"{ns.reserved} reserved blocks in this namespace cannot be evicted)"
         )
 
+    def held_seconds(self, started: float) -> float:
+        """Seconds since ``started`` (a lease's or reservation's), on the store's clock."""
+        return self._clock() - started
+
     def commit(
         self,
         session: Session,
@@ -690,7 +697,8 @@ class Store:
         if not blocks:
             return AcquireResult(0, [], ns.segments_version)
         lid = next(self._ids)
-        lease = Lease(lid, session, blocks, self._clock() + self.lease_ttl)
+        now = self._clock()
+        lease = Lease(lid, session, blocks, now + self.lease_ttl, started=now)
         for block in blocks:
             self._pin(block)
             block.extent.segment.touch(block.slot, next(self._access_seq))

@@ -224,6 +224,10 @@ def test_metrics_endpoint_reports_occupancy_and_events(daemon: DaemonProc) -> No
         c.put([b"a", b"b"], [b"1", b"2"])
         c.lookup([b"a", b"b", b"c"])
         c.get([b"a"])
+        with c.acquire([b"a", b"b"]):
+            pass  # released (and waited for) on exit
+        with c.reserve([b"z"]):
+            pass  # aborted on exit
         port = daemon.metrics_port()
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     samples = {}
@@ -242,6 +246,11 @@ def test_metrics_endpoint_reports_occupancy_and_events(daemon: DaemonProc) -> No
     assert parts == total
     assert samples['kvtier_rpc_duration_seconds_count{method="Reserve"}'] >= 1
     assert samples["kvtier_active_sessions"] >= 0
+    # How long readers hold leases and writers reservations (a connector's load and save time).
+    assert samples['kvtier_lease_hold_seconds_count{namespace="met"}'] >= 1
+    assert samples['kvtier_reservation_hold_seconds_count{namespace="met",outcome="commit"}'] == 1
+    assert samples['kvtier_reservation_hold_seconds_count{namespace="met",outcome="abort"}'] == 1
+    assert 0 < samples['kvtier_lease_hold_seconds_sum{namespace="met"}'] < 10
 
 
 def test_second_daemon_on_same_instance_refuses_to_start(daemon: DaemonProc, workdir: str) -> None:
