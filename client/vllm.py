@@ -50,7 +50,7 @@ import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
@@ -133,6 +133,8 @@ class ConnectorConfig:
     load_mode: str = "sync"
     #: Store the blocks this engine computes.
     save: bool = True
+    #: Copy saves in the background, off the step that computed them (CPU caches).
+    async_save: bool = True
     #: The model's identity in namespaces (default: the model path or name and its
     #: revision, with a digest of its config; set it to share across paths, e.g. "llama3-8b@rev2").
     model_id: str | None = None
@@ -682,6 +684,8 @@ class _Worker:
         self._cache: list[Any] = []
         self._layout: PagedKVLayout | None = None
         self._load_errors: set[int] = set()
+        self._saver: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -700,6 +704,8 @@ class _Worker:
         tp = int(self._vllm_config.parallel_config.tensor_parallel_size)
         rank = int(get_tensor_model_parallel_rank()) if tp > 1 else 0
         self._cache, self._layout = cache, layout
+        if self._cfg.async_save and all(t.device.type == "cpu" for t in kv_caches.values()):
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
         self._link = _Link(self._cfg, namespace_args(self._cfg.namespace_prefix, identity, digest,
                                                      geometry, rank, tp),
                            self._counters, self._throttle)
@@ -756,9 +762,16 @@ class _Worker:
         return out
 
     def save(self, meta: KVTierMetadata) -> None:
+        """Store the step's new full blocks: in the background for a CPU cache.
+
+        A background save overlaps the step's output (the first token of a prefill)
+        instead of delaying it.  Its source blocks stay valid until :meth:`settle`,
+        which the connector calls at the start of the next step, before anything can
+        free and overwrite them.  CUDA caches are saved at once (their copies are DMAs
+        ordered on the engine's stream).
+        """
         if not meta.save_keys or self._link is None:
             return
-        t0 = time.perf_counter()
         keys: list[bytes] = []
         ids: list[int] = []
         seen: set[bytes] = set()
@@ -767,6 +780,15 @@ class _Worker:
                 seen.add(k)
                 keys.append(k)
                 ids.append(b)
+        if self._saver is None:
+            self._save_now(keys, ids)
+            return
+        self.settle()  # at most one save in flight (wait_for_save runs once a step)
+        self._pending = self._saver.submit(self._save_now, keys, ids)
+
+    def _save_now(self, keys: list[bytes], ids: list[int]) -> None:
+        assert self._link is not None
+        t0 = time.perf_counter()
         client = self._link.client()
         if client is None:
             return
@@ -780,7 +802,16 @@ class _Worker:
         self._counters.add("saved_blocks", written)
         self._counters.add("skipped_blocks", len(keys) - written)
 
+    def settle(self) -> None:
+        """Wait for the save in flight (its copies read the paged cache)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()  # _save_now never raises
+
     def close(self) -> None:
+        self.settle()
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)
         if self._link is not None:
             self._link.close()
 
@@ -826,6 +857,12 @@ class KVTierConnector(KVConnectorBase_V1):
         except Unsupported as exc:
             logger.error("kvtier: the connector is off for this engine: %s", exc)
             self._worker = None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # The first thing of every step, before blocks freed since the last one (finished or
+        # preempted requests) can be written again: the last step's save must be done.
+        if self._worker is not None:
+            self._worker.settle()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():

@@ -50,7 +50,7 @@ def main() -> None:
     llm = LLM(model=spec["model"], enforce_eager=True, max_model_len=spec.get("max_model_len", 4096),
               dtype=spec.get("dtype", "float32"), enable_prefix_caching=spec.get("prefix_caching", True),
               kv_transfer_config=_kv_transfer(spec.get("connector")), disable_log_stats=False,
-              seed=0)
+              tensor_parallel_size=spec.get("tp", 1), seed=0)
     for i, phase in enumerate(spec["phases"]):
         if i:
             print("READY", flush=True)
@@ -67,6 +67,10 @@ def main() -> None:
             results.append({"tokens": list(out.outputs[0].token_ids),
                             "cached": out.num_cached_tokens,
                             "seconds": time.perf_counter() - t0})
+        # A prompt shorter than a block: nothing to look up or save, but its step waits for
+        # the previous step's background save, whose counters then come with its stats.
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
         print("RESULT " + json.dumps({"prompts": results, "counters": _counters(llm)}), flush=True)
 
 

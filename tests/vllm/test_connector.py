@@ -20,6 +20,7 @@ from kvtier.hashing import block_keys  # noqa: E402
 from kvtier.vllm import (  # noqa: E402
     CacheGeometry,
     ConnectorConfig,
+    KVTierConnector,
     KVTierConnectorStats,
     KVTierMetadata,
     LoadSpec,
@@ -324,6 +325,7 @@ def _worker(socket_dir: str, tensors: list[torch.Tensor]) -> tuple[_Worker, _Cou
 
 def _save(w: _Worker, keys: list[bytes], ids: list[int]) -> None:
     w.save(KVTierMetadata(save_keys=keys, save_block_ids=ids))
+    w.settle()  # CPU caches save in the background; the next step waits like this
 
 
 def test_blocks_gone_between_lookup_and_load_are_reported_for_recompute(
@@ -387,3 +389,29 @@ def test_without_kvtierd_every_claimed_block_is_a_recompute(tmp_path: Any) -> No
     got = counters.take()
     assert got["failures_unavailable"] >= 1 and got["failed_blocks"] == 2
     assert "saved_blocks" not in got
+
+
+def test_a_background_save_is_done_before_the_next_step_can_overwrite_its_blocks(
+        daemon: DaemonProc) -> None:
+    src = [_filled(CPU_SHAPE, i) for i in range(LAYERS)]
+    w, counters = _worker(daemon.socket_dir, src)
+    assert w._saver is not None  # CPU caches save off the step
+    w.save(KVTierMetadata(save_keys=[b"bg0", b"bg1"], save_block_ids=[2, 3]))
+    assert w._pending is not None  # wait_for_save returned with the copy (maybe) still running
+    # The connector's handle_preemptions is the first call of every step: it settles, and only
+    # then may the engine reuse blocks 2 and 3.
+    KVTierConnector.handle_preemptions(SimpleNamespace(_worker=w), KVTierMetadata())  # type: ignore[arg-type]
+    assert w._pending is None
+    for t in src:
+        t[2].zero_()
+        t[3].zero_()
+    dst = [torch.zeros(CPU_SHAPE) for _ in range(LAYERS)]
+    w2, _ = _worker(daemon.socket_dir, dst)
+    w2.load(KVTierMetadata(loads=[LoadSpec("r", [b"bg0", b"bg1"], [0, 1])]))
+    assert w2.load_errors() == set()
+    for i in range(LAYERS):
+        assert torch.equal(dst[i][0], _filled(CPU_SHAPE, i)[2])
+        assert torch.equal(dst[i][1], _filled(CPU_SHAPE, i)[3])
+    assert counters.take()["saved_blocks"] == 2
+    w.close()
+    w2.close()
