@@ -536,7 +536,9 @@ class _Scheduler:
         if usable * self._block <= num_computed_tokens:
             return 0  # vLLM already has every block kvtier could give
         if st.hits is None:
-            keys = st.prompt_keys[:usable]
+            # Every full block, the one holding the last token too: it is never claimed, but
+            # if kvtier has it the step that recomputes it need not offer it again.
+            keys = st.prompt_keys
             self._counters.add("lookups")
             if self._pool is None:
                 per_rank = [self._lookup_one(self._links[0], keys)]
@@ -545,7 +547,7 @@ class _Scheduler:
                                                self._links))
             st.hits = claimable_blocks([len(t) for t in per_rank], prompt, self._block)
             st.tiers = per_rank[0][: st.hits]
-            st.stored = max(st.stored, st.hits)
+            st.stored = max(st.stored, min(len(t) for t in per_rank))
         st.local_tokens = num_computed_tokens
         return max(0, st.hits * self._block - num_computed_tokens)
 

@@ -251,6 +251,8 @@ def test_tensor_parallel_claims_only_blocks_every_rank_holds(daemon: DaemonProc)
     assert sched.matched(req, 2 * BLOCK) == 3 * BLOCK  # beyond vLLM's own 2 blocks
     assert counters.take()["lookups"] == 1  # one lookup per request (per rank, concurrently)
     assert sched.matched(req, 5 * BLOCK) == 0  # type: ignore[arg-type]
+    st = sched._reqs["r1"]
+    assert st.stored == 5  # what every rank holds need not be saved again
     other_salt = FakeRequest("r2", tokens, cache_salt="tenant-b")
     assert sched.matched(other_salt, 0) == 0  # type: ignore[arg-type]
     sched.close()
@@ -415,3 +417,24 @@ def test_a_background_save_is_done_before_the_next_step_can_overwrite_its_blocks
     assert counters.take()["saved_blocks"] == 2
     w.close()
     w2.close()
+
+
+def test_the_last_tokens_block_is_recomputed_but_not_offered_again(daemon: DaemonProc) -> None:
+    sched, counters = _scheduler(daemon, tp=1)
+    tokens = list(range(3, 3 + 3 * BLOCK))  # exactly 3 blocks: the 3rd holds the last token
+    keys = block_keys(tokens, BLOCK, request_salt("", None, None))
+    _store(daemon, sched, 0, keys)
+    req = FakeRequest("r", tokens)
+    assert sched.matched(req, 0) == 2 * BLOCK  # type: ignore[arg-type]
+    sched.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([4, 5, 6],)),  # type: ignore[arg-type]
+                      2 * BLOCK)
+    new = SimpleNamespace(req_id="r", block_ids=([4, 5, 6],), num_computed_tokens=2 * BLOCK)
+    no_cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                num_computed_tokens=[])
+    out = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=no_cached,
+                          num_scheduled_tokens={"r": BLOCK})
+    meta = sched.build_meta(out)  # type: ignore[arg-type]
+    assert [s.block_ids for s in meta.loads] == [[4, 5]]
+    assert meta.save_keys == []  # kvtier has block 3: no Reserve for it
+    assert counters.take()["lookups"] == 1
+    sched.close()
