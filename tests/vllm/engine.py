@@ -18,6 +18,10 @@ import time
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# vLLM-CPU reserves one more core when any KV connector is configured; on a 2-core host that
+# leaves none reserved and the model runs on 2 threads instead of 1.  Pin the reservation so
+# engines with and without a connector compute in the same order (identical greedy output).
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
 

@@ -324,6 +324,7 @@ def _serve(lab: Lab, name: str) -> tuple[subprocess.Popen[str], int, str]:
           "kv_connector_extra_config": {"socket_dir": lab.socket_dir}}
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", lab.model,
