@@ -49,7 +49,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final
 
@@ -90,6 +90,8 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvtier")
 
 LOAD_MODES: Final = ("sync", "off")
+#: Background saves queued at most before wait_for_save waits for them.
+_MAX_PENDING_SAVES: Final = 8
 FAILURE_POLICIES: Final = ("recompute", "fail")
 #: Keys of the model's config.json that do not change its KV.
 _VOLATILE_CONFIG: Final = frozenset({"transformers_version", "_name_or_path", "_commit_hash"})
@@ -133,8 +135,9 @@ class ConnectorConfig:
     load_mode: str = "sync"
     #: Store the blocks this engine computes.
     save: bool = True
-    #: Copy saves in the background, off the step that computed them (CPU caches).
-    async_save: bool = True
+    #: Copy saves in the background, off the step that computed them (CPU caches).  Off by
+    #: default: a save still in flight when the engine stops is lost.
+    async_save: bool = False
     #: The model's identity in namespaces (default: the model path or name and its
     #: revision, with a digest of its config; set it to share across paths, e.g. "llama3-8b@rev2").
     model_id: str | None = None
@@ -461,6 +464,8 @@ class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     save_keys: list[bytes] = dataclasses.field(default_factory=list)
     save_block_ids: list[int] = dataclasses.field(default_factory=list)
+    #: Every vLLM block handed to a request in this step (the only ones it may write).
+    new_block_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -582,6 +587,11 @@ class _Scheduler:
     def build_meta(self, out: SchedulerOutput) -> KVTierMetadata:
         meta = KVTierMetadata(loads=self._loads)
         self._loads = []
+        for new in out.scheduled_new_reqs:
+            meta.new_block_ids.extend(new.block_ids[0] if new.block_ids else ())
+        for new_ids in out.scheduled_cached_reqs.new_block_ids:
+            if new_ids is not None:
+                meta.new_block_ids.extend(new_ids[0])
         if not self._cfg.save:
             return meta
         for new in out.scheduled_new_reqs:
@@ -687,7 +697,8 @@ class _Worker:
         self._layout: PagedKVLayout | None = None
         self._load_errors: set[int] = set()
         self._saver: ThreadPoolExecutor | None = None
-        self._pending: Future[None] | None = None
+        #: Background saves in submission order, with the vLLM blocks each one reads.
+        self._pending: list[tuple[Future[None], frozenset[int]]] = []
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -785,8 +796,9 @@ class _Worker:
         if self._saver is None:
             self._save_now(keys, ids)
             return
-        self.settle()  # at most one save in flight (wait_for_save runs once a step)
-        self._pending = self._saver.submit(self._save_now, keys, ids)
+        if len(self._pending) >= _MAX_PENDING_SAVES:
+            self.settle()
+        self._pending.append((self._saver.submit(self._save_now, keys, ids), frozenset(ids)))
 
     def _save_now(self, keys: list[bytes], ids: list[int]) -> None:
         assert self._link is not None
@@ -804,11 +816,18 @@ class _Worker:
         self._counters.add("saved_blocks", written)
         self._counters.add("skipped_blocks", len(keys) - written)
 
-    def settle(self) -> None:
-        """Wait for the save in flight (its copies read the paged cache)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()  # _save_now never raises
+    def settle(self, reused: Collection[int] | None = None) -> None:
+        """Wait for the background saves that read a block of ``reused`` (None: all).
+
+        Saves run in order, so waiting for one waits for every earlier one too.
+        """
+        last = -1
+        for i, (_, blocks) in enumerate(self._pending):
+            if reused is None or not blocks.isdisjoint(reused):
+                last = i
+        for fut, _ in self._pending[: last + 1]:
+            fut.result()  # _save_now never raises
+        self._pending = [(f, b) for f, b in self._pending[last + 1:] if not f.done()]
 
     def close(self) -> None:
         self.settle()
@@ -861,10 +880,13 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker = None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # The first thing of every step, before blocks freed since the last one (finished or
-        # preempted requests) can be written again: the last step's save must be done.
+        # The first call of every step, before anything is written: a block freed since a
+        # background save began (finished or preempted request) and handed out again in this
+        # step must not be rewritten while that save copies it.  Blocks a running request
+        # holds are never rewritten, so saves of those keep running.
         if self._worker is not None:
-            self._worker.settle()
+            meta = kv_connector_metadata
+            self._worker.settle(meta.new_block_ids if isinstance(meta, KVTierMetadata) else None)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():

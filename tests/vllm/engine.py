@@ -71,8 +71,9 @@ def main() -> None:
             results.append({"tokens": list(out.outputs[0].token_ids),
                             "cached": out.num_cached_tokens,
                             "seconds": time.perf_counter() - t0})
-        # A prompt shorter than a block: nothing to look up or save, but its step waits for
-        # the previous step's background save, whose counters then come with its stats.
+        # Saves run in the background: give the last one time to finish, then run a prompt
+        # shorter than a block (nothing to look up or save) so its step reports the counters.
+        time.sleep(0.5)
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
                      use_tqdm=False)
         print("RESULT " + json.dumps({"prompts": results, "counters": _counters(llm)}), flush=True)

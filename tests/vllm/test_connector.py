@@ -279,12 +279,13 @@ def test_scheduler_plans_loads_and_saves_each_full_block_once(daemon: DaemonProc
     new = SimpleNamespace(req_id="r", block_ids=([10, 11, 12, 13, 14, 15, 16],),
                           num_computed_tokens=2 * BLOCK)
     meta = step([new], no_cached, {"r": 2 * BLOCK + 10})
+    assert meta.new_block_ids == [10, 11, 12, 13, 14, 15, 16]  # what this step may write
     assert [(s.keys, s.block_ids) for s in meta.loads] == [(keys[:2], [10, 11])]
     assert (meta.save_keys, meta.save_block_ids) == (keys[2:4], [12, 13])  # only full blocks
     cached = SimpleNamespace(req_ids=["r"], new_block_ids=[None], resumed_req_ids=set(),
                              num_computed_tokens=[4 * BLOCK + 10])
     meta = step([], cached, {"r": len(tokens) - 4 * BLOCK - 10})
-    assert meta.loads == []
+    assert meta.loads == [] and meta.new_block_ids == []
     assert (meta.save_keys, meta.save_block_ids) == (keys[4:6], [14, 15])
     meta = step([], cached, {"r": 1})  # a decode step completes no new block
     assert meta.save_keys == []
@@ -313,13 +314,15 @@ NB, LAYERS = 8, 2
 CPU_SHAPE = (NB, 2, BLOCK, 64)  # vLLM's CPU backend: [blocks, kv_heads, block, 2*head]
 
 
-def _worker(socket_dir: str, tensors: list[torch.Tensor]) -> tuple[_Worker, _Counters]:
+def _worker(socket_dir: str, tensors: list[torch.Tensor],
+            async_save: bool = False) -> tuple[_Worker, _Counters]:
     spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32,
                            page_size_bytes=tensors[0][0].numel() * 4)
     kv = SimpleNamespace(num_blocks=NB, kv_cache_groups=[SimpleNamespace(
         layer_names=[f"l{i}" for i in range(len(tensors))], kv_cache_spec=spec)])
     counters = _Counters()
-    w = _Worker(_vllm_config(), kv, ConnectorConfig.from_extra({"socket_dir": socket_dir}),
+    cfg = ConnectorConfig.from_extra({"socket_dir": socket_dir, "async_save": async_save})
+    w = _Worker(_vllm_config(), kv, cfg,
                 counters, _Throttle())  # type: ignore[arg-type]
     w.register({f"l{i}": t for i, t in enumerate(tensors)})
     return w, counters
@@ -396,14 +399,16 @@ def test_without_kvtierd_every_claimed_block_is_a_recompute(tmp_path: Any) -> No
 def test_a_background_save_is_done_before_the_next_step_can_overwrite_its_blocks(
         daemon: DaemonProc) -> None:
     src = [_filled(CPU_SHAPE, i) for i in range(LAYERS)]
-    w, counters = _worker(daemon.socket_dir, src)
+    w, counters = _worker(daemon.socket_dir, src, async_save=True)
     assert w._saver is not None  # CPU caches save off the step
     w.save(KVTierMetadata(save_keys=[b"bg0", b"bg1"], save_block_ids=[2, 3]))
-    assert w._pending is not None  # wait_for_save returned with the copy (maybe) still running
-    # The connector's handle_preemptions is the first call of every step: it settles, and only
-    # then may the engine reuse blocks 2 and 3.
-    KVTierConnector.handle_preemptions(SimpleNamespace(_worker=w), KVTierMetadata())  # type: ignore[arg-type]
-    assert w._pending is None
+    assert len(w._pending) == 1  # wait_for_save returned with the copy (maybe) still running
+    connector = SimpleNamespace(_worker=w)
+    # The connector's handle_preemptions is the first call of every step.  A step that hands
+    # out other blocks need not wait; one that hands out block 3 again waits for the save.
+    KVTierConnector.handle_preemptions(connector, KVTierMetadata(new_block_ids=[5, 6]))  # type: ignore[arg-type]
+    KVTierConnector.handle_preemptions(connector, KVTierMetadata(new_block_ids=[9, 3]))  # type: ignore[arg-type]
+    assert w._pending == []
     for t in src:
         t[2].zero_()
         t[3].zero_()
