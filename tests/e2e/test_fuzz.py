@@ -771,6 +771,12 @@ def test_leak_check_sees_a_connection_left_open(probe: Probe) -> None:
     settle_fds(probe)
     s = sc_connect(probe.d)
     try:
+        # connect() returns once the kernel queues the connection; the daemon's accept
+        # (and so its fd) may come later on a busy machine, so wait for it first.
+        deadline = time.monotonic() + 15.0
+        while fd_kinds(split_fds(probe.d)[1]) == probe.fds:
+            assert time.monotonic() < deadline, "the daemon never accepted the connection"
+            time.sleep(0.02)
         with pytest.raises(AssertionError, match="extra"):
             settle_fds(probe, timeout=0.5)
     finally:
