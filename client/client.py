@@ -258,16 +258,25 @@ class Client:
     def _send_release(self, lease_id: int) -> None:
         """Release without waiting for the answer; the previous one is reaped first."""
         self._reap_release()
-        self._pending_release = self._stub.Release.future(
+        fut = self._stub.Release.future(
             pb.ReleaseRequest(lease_id=lease_id), timeout=self.timeout, metadata=self._metadata)
+        with self._lock:  # a load thread and the caller's may both release
+            earlier, self._pending_release = self._pending_release, fut
+        if earlier is not None:
+            self._wait_release(earlier)
 
     def _reap_release(self) -> None:
-        fut, self._pending_release = self._pending_release, None
+        with self._lock:
+            fut, self._pending_release = self._pending_release, None
         if fut is not None:
-            try:
-                fut.result()
-            except grpc.RpcError:
-                pass  # the lease had already ended (expired, session lost): nothing to undo
+            self._wait_release(fut)
+
+    @staticmethod
+    def _wait_release(fut: Any) -> None:
+        try:
+            fut.result()
+        except grpc.RpcError:
+            pass  # the lease had already ended (expired, session lost): nothing to undo
 
     def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
         with self._lock:

@@ -89,7 +89,7 @@ if TYPE_CHECKING:
 # A name under "vllm." so the engine's log handlers (and format) apply.
 logger = init_logger("vllm.kvtier")
 
-LOAD_MODES: Final = ("sync", "off")
+LOAD_MODES: Final = ("sync", "async", "off")
 #: Background saves queued at most before wait_for_save waits for them.
 _MAX_PENDING_SAVES: Final = 8
 FAILURE_POLICIES: Final = ("recompute", "fail")
@@ -99,6 +99,7 @@ _SALT_DOMAIN: Final = "kvtier.vllm.v1"
 #: Counters the connector keeps (vLLM stats and Prometheus ``vllm:kvtier_<name>``).
 COUNTERS: Final = (
     "lookups",           # scheduler: Lookup calls
+    "lookup_seconds",    # scheduler: time in Lookup calls (the engine's scheduling loop waits)
     "hit_tokens",        # scheduler: prompt tokens claimed from kvtier
     "refused_requests",  # scheduler: requests never matched (multimodal, prompt embeds)
     "loaded_blocks",     # worker: blocks copied from kvtier into the paged cache
@@ -131,7 +132,9 @@ class ConnectorConfig:
     namespace_prefix: str = "vllm"
     #: Hashed into every key: engines with different salts never share blocks (tenants).
     salt: str = ""
-    #: ``sync``: load before the forward pass that needs the blocks; ``off``: save only.
+    #: ``sync``: load in the step that computes the request's tail, before its forward pass;
+    #: ``async``: load in a background thread while other requests' steps run (the request
+    #: waits in ``WAITING_FOR_REMOTE_KVS``); ``off``: save only.
     load_mode: str = "sync"
     #: Store the blocks this engine computes.
     save: bool = True
@@ -503,6 +506,8 @@ class _Scheduler:
         self._pool = ThreadPoolExecutor(tp, thread_name_prefix="kvtier-lookup") if tp > 1 else None
         self._reqs: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []
+        for link in self._links:
+            link.client()  # connect now, not in the first request's lookup
 
     def _state(self, request: Request) -> _Request:
         st = self._reqs.get(request.request_id)
@@ -545,16 +550,22 @@ class _Scheduler:
             # if kvtier has it the step that recomputes it need not offer it again.
             keys = st.prompt_keys
             self._counters.add("lookups")
+            t0 = time.perf_counter()
             if self._pool is None:
                 per_rank = [self._lookup_one(self._links[0], keys)]
             else:
                 per_rank = list(self._pool.map(lambda link: self._lookup_one(link, keys),
                                                self._links))
+            self._counters.add("lookup_seconds", time.perf_counter() - t0)
             st.hits = claimable_blocks([len(t) for t in per_rank], prompt, self._block)
             st.tiers = per_rank[0][: st.hits]
             st.stored = max(st.stored, min(len(t) for t in per_rank))
         st.local_tokens = num_computed_tokens
         return max(0, st.hits * self._block - num_computed_tokens)
+
+    @property
+    def load_async(self) -> bool:
+        return self._cfg.load_mode == "async"
 
     def hit_sources(self, request: Request, tokens: int) -> dict[CacheHitSource, int]:
         st = self._reqs.get(request.request_id)
@@ -699,6 +710,10 @@ class _Worker:
         self._saver: ThreadPoolExecutor | None = None
         #: Background saves in submission order, with the vLLM blocks each one reads.
         self._pending: list[tuple[Future[None], frozenset[int]]] = []
+        self._loader: ThreadPoolExecutor | None = None
+        #: Background loads (load_mode "async"): request id -> blocks that did not load.
+        self._loading: dict[str, Future[list[int]]] = {}
+        self._loaded_async = False
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -719,6 +734,8 @@ class _Worker:
         self._cache, self._layout = cache, layout
         if self._cfg.async_save and all(t.device.type == "cpu" for t in kv_caches.values()):
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
+        if self._cfg.load_mode == "async":
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._link = _Link(self._cfg, namespace_args(self._cfg.namespace_prefix, identity, digest,
                                                      geometry, rank, tp),
                            self._counters, self._throttle)
@@ -733,19 +750,43 @@ class _Worker:
                             exc_info=kind == "other")  # "other" may be a bug: keep its trace
 
     def load(self, meta: KVTierMetadata) -> None:
-        if not meta.loads or self._link is None:
+        """Copy the step's hits into their blocks: now, or in the background (async)."""
+        if not meta.loads:
             return
+        if self._loader is None:
+            for spec in meta.loads:
+                self._load_errors.update(self._load_spec(spec))
+            return
+        if not self._loaded_async:
+            self._loaded_async = True
+            logger.info("kvtier: loading in the background (load_mode async); requests wait "
+                        "for their blocks in WAITING_FOR_REMOTE_KVS")
+        for spec in meta.loads:
+            self._loading[spec.req_id] = self._loader.submit(self._load_spec, spec)
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose background load ended; their failed blocks join :meth:`load_errors`.
+
+        vLLM asks for load errors right after this, in the same step, as it requires.
+        """
+        done = {r for r, fut in self._loading.items() if fut.done()}
+        for req_id in done:
+            self._load_errors.update(self._loading.pop(req_id).result())
+        return done
+
+    def _load_spec(self, spec: LoadSpec) -> list[int]:
+        """Load one request's hits; returns the vLLM blocks that did not load."""
         t0 = time.perf_counter()
-        client = self._link.client()
+        client = self._link.client() if self._link is not None else None
         if client is None:
             self._counters.add("failures_unavailable")
-        for spec in meta.loads:
-            n = self._load_one(client, spec) if client is not None else 0
-            if n < len(spec.keys):
-                self._load_errors.update(spec.block_ids[n:])
-                self._counters.add("failed_blocks", len(spec.keys) - n)
-            self._counters.add("loaded_blocks", n)
+            n = 0
+        else:
+            n = self._load_one(client, spec)
+        self._counters.add("loaded_blocks", n)
+        self._counters.add("failed_blocks", len(spec.keys) - n)
         self._counters.add("load_seconds", time.perf_counter() - t0)
+        return list(spec.block_ids[n:])
 
     def _load_one(self, client: Client, spec: LoadSpec) -> int:
         ns = self._link.args["namespace"] if self._link else "?"
@@ -833,6 +874,8 @@ class _Worker:
         self.settle()
         if self._saver is not None:
             self._saver.shutdown(wait=True)
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
         if self._link is not None:
             self._link.close()
 
@@ -895,7 +938,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        return  # sync loads complete in start_load_kv; async ones before get_finished says so
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
@@ -906,6 +949,11 @@ class KVTierConnector(KVConnectorBase_V1):
             meta = self._get_connector_metadata()
             assert isinstance(meta, KVTierMetadata)
             self._worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return None, self._worker.finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
@@ -925,7 +973,8 @@ class KVTierConnector(KVConnectorBase_V1):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._scheduler is None:
             return 0, False
-        return self._scheduler.matched(request, num_computed_tokens), False
+        n = self._scheduler.matched(request, num_computed_tokens)
+        return n, n > 0 and self._scheduler.load_async
 
     def get_external_cache_hit_sources(self, request: Request,
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -951,7 +1000,10 @@ class KVTierConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:
             self._scheduler.finished(request)
-        return False, None  # saves are done by the end of each step: free the blocks now
+        # Saves are done by the end of each step: free the blocks now.  (A request aborted
+        # while its background load runs keeps them until the worker reports the load
+        # done: vLLM itself holds the blocks of requests in WAITING_FOR_REMOTE_KVS.)
+        return False, None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

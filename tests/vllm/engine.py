@@ -2,7 +2,7 @@
 
 The spec names the model, the connector (``null``: none; ``"example"``: vLLM's in-tree
 ExampleConnector; a dict: KVTierConnector with that ``kv_connector_extra_config``) and a
-list of phases, each a list of prompts.  Before every phase but the first the process
+list of phases, each a list of prompts (``{"batch": [...]}``: prompts generated together).  Before every phase but the first the process
 prints ``READY`` and waits for a line on stdin, so a test can act (kill the daemon,
 corrupt a block) between phases without starting another engine.  After each phase it
 prints one ``RESULT {json}`` line: per prompt the generated token ids, vLLM's
@@ -61,16 +61,22 @@ def main() -> None:
             if not sys.stdin.readline():
                 return
         results = []
-        for p in phase:
-            prompt: dict[str, Any] = {"prompt_token_ids": p["tokens"]}
-            if p.get("cache_salt"):
-                prompt["cache_salt"] = p["cache_salt"]
-            sp = SamplingParams(temperature=0, max_tokens=p.get("max_tokens", 8), ignore_eos=True)
+        for item in phase:
+            # {"batch": [p, ...]}: those prompts in one generate() call, scheduled together.
+            batch = item.get("batch", [item])
+            prompts: list[Any] = []
+            for p in batch:
+                prompt: dict[str, Any] = {"prompt_token_ids": p["tokens"]}
+                if p.get("cache_salt"):
+                    prompt["cache_salt"] = p["cache_salt"]
+                prompts.append(prompt)
+            sps = [SamplingParams(temperature=0, max_tokens=p.get("max_tokens", 8),
+                                  ignore_eos=True) for p in batch]
             t0 = time.perf_counter()
-            out = llm.generate([prompt], sp, use_tqdm=False)[0]
-            results.append({"tokens": list(out.outputs[0].token_ids),
-                            "cached": out.num_cached_tokens,
-                            "seconds": time.perf_counter() - t0})
+            outs = llm.generate(prompts, sps, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            results.extend({"tokens": list(out.outputs[0].token_ids),
+                            "cached": out.num_cached_tokens, "seconds": seconds} for out in outs)
         # Saves run in the background: give the last one time to finish, then run a prompt
         # shorter than a block (nothing to look up or save) so its step reports the counters.
         time.sleep(0.5)

@@ -310,6 +310,41 @@ def test_another_model_gets_no_blocks(lab: Lab) -> None:
     assert lab.daemon.check() == []
 
 
+def test_async_loads_give_the_same_tokens_and_report_failed_blocks(
+        lab: Lab, reference: dict[str, list[int]]) -> None:
+    """load_mode "async": hits load in the background while the request waits for them
+    (vLLM's WAITING_FOR_REMOTE_KVS); two requests scheduled together both load, and a block
+    that fails its checksum is recomputed through the same load-error path."""
+    if lab.daemon is None or not lab.daemon.alive():
+        lab.start_daemon()
+    seed = lab.engine("async-seed", [[{"tokens": P}]])  # P's blocks are in kvtier
+    seed.result()
+    seed.close()
+    e = lab.engine("async", [[{"batch": [{"tokens": P}, {"tokens": Q}]}], [{"tokens": P}]],
+                   connector={"socket_dir": lab.socket_dir, "load_mode": "async"})
+    try:
+        out = e.result()
+        p, q = out["prompts"]
+        assert p["cached"] == FULL and p["tokens"] == reference["P"]
+        assert q["cached"] == SHARED and q["tokens"] == reference["Q"]
+        assert _count(out, "loaded_blocks") == FULL // BLOCK + SHARED // BLOCK
+        assert _count(out, "failed_blocks") == 0
+        keys = block_keys(P, BLOCK, request_salt("", None, None))
+        lab.scribble(keys[5])
+        before = out
+        e.next()
+        out = e.result()
+        assert out["prompts"][0]["tokens"] == reference["P"]
+        assert _count(out, "failures_corrupted") - _count(before, "failures_corrupted") == 1
+        assert _count(out, "loaded_blocks") - _count(before, "loaded_blocks") == 5
+        assert _count(out, "failed_blocks") == FULL // BLOCK - 5
+        assert lab.daemon is not None and lab.daemon.check() == []
+    finally:
+        e.close()
+    assert "Traceback" not in e.log()
+    assert "loading in the background" in e.log()  # the async path ran, not the sync one
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
