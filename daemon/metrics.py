@@ -102,6 +102,10 @@ class Metrics:
             "kvtier_checksum_failures", "Blocks whose bytes failed their checksum (never served)",
             ["namespace", "tier"], registry=registry,
         )
+        self.refused_blocks = Counter(
+            "kvtier_refused_blocks", "Blocks of Reserve calls refused for lack of room or a "
+            "limit (the writer's save is dropped)", ["namespace"], registry=registry,
+        )
         self.expired_leases = Counter(
             "kvtier_expired_leases", "Leases ended by their TTL", registry=registry
         )

@@ -236,12 +236,16 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ReserveResponse:
         session = self._session(context, Right.WRITE)
         validate_keys(request.keys, self.max_keys)
-        if len(session.reservations) >= self.limits.max_reservations_per_session:
-            raise CapacityExhausted(
-                f"session has {len(session.reservations)} open reservations "
-                f"(limits.max_reservations_per_session is "
-                f"{self.limits.max_reservations_per_session}); commit or abort some first")
-        result = await self.tiering.reserve(session, request.keys)
+        try:
+            if len(session.reservations) >= self.limits.max_reservations_per_session:
+                raise CapacityExhausted(
+                    f"session has {len(session.reservations)} open reservations "
+                    f"(limits.max_reservations_per_session is "
+                    f"{self.limits.max_reservations_per_session}); commit or abort some first")
+            result = await self.tiering.reserve(session, request.keys)
+        except CapacityExhausted:
+            self.metrics.refused_blocks.labels(session.ns.name).inc(len(request.keys))
+            raise
         self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.slots))
         return pb.ReserveResponse(
             reservation_id=result.reservation_id,

@@ -228,6 +228,10 @@ def test_metrics_endpoint_reports_occupancy_and_events(daemon: DaemonProc) -> No
             pass  # released (and waited for) on exit
         with c.reserve([b"z"]):
             pass  # aborted on exit
+    with kvtier.Client(daemon.socket_dir, namespace="met-big", block_bytes=8 << 20,
+                       model_uid="m") as big:
+        with pytest.raises(errors.CapacityExhausted):
+            big.reserve([b"%d" % i for i in range(5)])  # 40 MiB of a 32 MiB pool: refused
         port = daemon.metrics_port()
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     samples = {}
@@ -238,6 +242,7 @@ def test_metrics_endpoint_reports_occupancy_and_events(daemon: DaemonProc) -> No
     assert samples['kvtier_committed_blocks_total{namespace="met"}'] == 2
     assert samples['kvtier_hit_blocks_total{namespace="met",op="lookup"}'] == 2
     assert samples['kvtier_missed_blocks_total{namespace="met",op="lookup"}'] == 1
+    assert samples['kvtier_refused_blocks_total{namespace="met-big"}'] == 5  # a dropped save
     assert samples['kvtier_namespace_blocks{namespace="met",state="committed",tier="dram"}'] == 2
     total = samples['kvtier_tier_bytes{state="total",tier="dram"}']
     assert total == 32 << 20
