@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from kvtier._paths import explain_unreachable
 from kvtier.errors import FailedPrecondition, Unavailable, from_status
 from kvtier.v1 import kvtier_pb2 as pb
 
@@ -43,7 +44,7 @@ class SessionLink:
             sock.connect(path)
         except OSError as exc:
             sock.close()
-            raise Unavailable(f"cannot connect to kvtierd session socket {path}: {exc}") from exc
+            raise Unavailable(explain_unreachable(path, exc)) from exc
         self._sock = sock
 
     def close(self) -> None:

@@ -16,8 +16,9 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from kvtier._core import DEFAULT_TIMEOUT, SESSION_METADATA, grpc_options, socket_paths
+from kvtier._paths import explain_unreachable
 from kvtier._session import SessionLink, admin_request
-from kvtier.errors import InvalidArgument, KVTierError, from_rpc_error
+from kvtier.errors import InvalidArgument, KVTierError, Unavailable, from_rpc_error
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -54,6 +55,8 @@ def health(socket: str | None, timeout: float = 5.0) -> str:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="kvtier.v1.KVTier"), timeout=timeout)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise Unavailable(explain_unreachable(grpc_path)) from None
             raise from_rpc_error(exc) from None
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 

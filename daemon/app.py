@@ -126,11 +126,47 @@ def _next_boot_epoch(shm_dir: str) -> int:
     return epoch
 
 
-def _make_dir(path: str, mode: int) -> None:
-    """Create ``path``; set its mode when it is ours (a volume root owned by root is not)."""
+def _make_dir(path: str, mode: int) -> list[str]:
+    """Create ``path``; set its mode when it is ours (a volume root owned by root is not).
+
+    Returns the directories this call created, deepest first (a failed start removes them).
+    """
+    created: list[str] = []
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        created.append(p)
+        p = os.path.dirname(p)
     os.makedirs(path, mode=mode, exist_ok=True)
     if os.stat(path).st_uid == os.geteuid():
         os.chmod(path, mode)
+    return created
+
+
+def _remove_created(dirs: list[str]) -> None:
+    """Undo ``_make_dir`` after a failed start: what it created held only this start's files."""
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            if d == dirs[0]:
+                for name in os.listdir(d):
+                    os.unlink(os.path.join(d, name))
+            os.rmdir(d)
+
+
+def _start_metrics(cfg: Config, registry: CollectorRegistry) -> tuple[Any, int]:
+    try:
+        http, _thread = start_http_server(cfg.metrics.port, addr=cfg.metrics.host,
+                                          registry=registry)
+    except OSError as exc:
+        raise FailedPrecondition(
+            f"cannot listen on metrics.address {cfg.metrics.address!r}: "
+            f"{exc.strerror or exc} (choose another port, or set metrics.address to '' "
+            f"to turn the endpoint off)") from None
+    return http, int(http.server_port)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _read(path: str) -> bytes:
@@ -151,9 +187,13 @@ def _add_tcp_listener(server: grpc.aio.Server, cfg: Config) -> int:
         root_certificates=_read(s.tls_client_ca) if s.tls_client_ca else None,
         require_client_auth=s.tls_client_auth == "required",
     )
-    port = server.add_secure_port(s.tcp_address, creds)
+    try:
+        port = server.add_secure_port(s.tcp_address, creds)
+    except RuntimeError:  # grpcio >= 1.60 raises instead of returning 0
+        port = 0
     if port == 0:
-        raise FailedPrecondition(f"cannot listen on server.tcp_address {s.tcp_address!r}")
+        raise FailedPrecondition(f"cannot listen on server.tcp_address {s.tcp_address!r} "
+                                 "(in use, or not an address of this host)")
     return int(port)
 
 
@@ -229,12 +269,19 @@ def _make_tiering(cfg: Config, store: Store, metrics: Metrics) -> Tiering:
 
 
 async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = None) -> Daemon:
-    """Build and start a daemon for ``cfg``; returns once every socket is bound."""
+    """Build and start a daemon for ``cfg``; returns once every socket is bound.
+
+    A start that fails undoes what it did: no socket, directory or listener is left behind
+    (the segments of a previous run stay: they are the cache a later start re-adopts).
+    """
     t0 = time.monotonic()
-    _make_dir(cfg.server.socket_dir, 0o755)
-    _make_dir(cfg.dram.shm_dir, 0o700)
-    lock_fd = _lock_instance(cfg.dram.shm_dir, cfg.instance)
-    try:
+    async with contextlib.AsyncExitStack() as undo:
+        created = _make_dir(cfg.server.socket_dir, 0o755)
+        undo.callback(_remove_created, created)
+        created = _make_dir(cfg.dram.shm_dir, 0o700)
+        undo.callback(_remove_created, created)
+        lock_fd = _lock_instance(cfg.dram.shm_dir, cfg.instance)
+        undo.callback(os.close, lock_fd)
         _raise_nofile_limit()
         boot_epoch = _next_boot_epoch(cfg.dram.shm_dir)
 
@@ -257,10 +304,12 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         store.on_forget = metrics.forget_namespace
         # Nothing is served yet, so recovery may block: READY comes after it.
         report = recover(store, cfg.dram.shm_dir)
+        undo.callback(store.close_all)
         store.recovery_seconds = report.seconds
         store.dropped_segments = report.dropped
         tiering = _make_tiering(cfg, store, metrics)
         await tiering.start()
+        undo.push_async_callback(tiering.stop)
         metrics.watch(store, tiering)
 
         grpc_path = os.path.join(cfg.server.socket_dir, GRPC_SOCKET_NAME)
@@ -272,6 +321,8 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
+                # A second daemon must not share a TCP port with the first one silently.
+                ("grpc.so_reuseport", 0),
             ]
         )
         admins = AdminSessions()
@@ -282,22 +333,26 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         server.add_insecure_port(f"unix:{grpc_path}")
+        undo.callback(_unlink, grpc_path)
         tcp_port = _add_tcp_listener(server, cfg) if cfg.server.tcp_address else None
         await server.start()
+        undo.push_async_callback(server.stop, 0)
         os.chmod(grpc_path, cfg.server.socket_mode)
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
         await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
         channel = SessionChannel(store, metrics, session_path, cfg.server.socket_mode,
                                  policy=cfg.access, limits=cfg.limits, admins=admins)
+        undo.callback(_unlink, session_path)
         await channel.start()
+        undo.push_async_callback(channel.stop)
 
         http = None
         metrics_port: int | None = None
         if cfg.metrics.host is not None:
-            http, _thread = start_http_server(cfg.metrics.port, addr=cfg.metrics.host,
-                                              registry=registry)
-            metrics_port = http.server_port
+            http, metrics_port = _start_metrics(cfg, registry)
+            undo.callback(http.server_close)
+            undo.callback(http.shutdown)
 
         loop = asyncio.get_running_loop()
         tasks = [
@@ -307,9 +362,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         interval = systemd.watchdog_interval()
         if interval is not None:
             tasks.append(loop.create_task(_watchdog_forever(interval)))
-    except BaseException:
-        os.close(lock_fd)
-        raise
+        undo.pop_all()  # started: from here on Daemon.stop() releases everything
     daemon = Daemon(
         config=cfg, store=store, tiering=tiering, metrics=metrics, server=server, channel=channel, health=health,
         grpc_path=grpc_path, session_path=session_path, metrics_port=metrics_port,

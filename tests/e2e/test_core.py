@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -267,6 +268,37 @@ def test_second_daemon_on_same_instance_refuses_to_start(daemon: DaemonProc, wor
     assert proc.returncode == 1
     assert f"another kvtierd (pid {daemon.proc.pid}) is running instance 'default'" in proc.stderr
     assert daemon.alive()
+
+
+def _taken_port() -> tuple[socket.socket, int]:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, int(s.getsockname()[1])
+
+
+def test_a_taken_metrics_port_is_one_line_naming_the_key_and_leaves_nothing(
+        workdir: str) -> None:
+    """A second instance on a host whose metrics port is taken: one line that names
+    metrics.address, exit status 1, and no socket or directory left behind."""
+    holder, port = _taken_port()
+    sock_dir, shm_dir = f"{workdir}/second/sock", f"/dev/shm/kvtier-test-second-{os.getpid()}"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvtierd", "--set", "instance=second",
+             "--set", f"server.socket_dir={sock_dir}", "--set", f"dram.shm_dir={shm_dir}",
+             "--set", f"metrics.address=127.0.0.1:{port}", "--set", "dram.mlock=false"],
+            capture_output=True, text=True, timeout=60)
+    finally:
+        holder.close()
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("kvtierd: ")]
+    assert errors == [f"kvtierd: cannot listen on metrics.address '127.0.0.1:{port}': Address "
+                      "already in use (choose another port, or set metrics.address to '' to "
+                      "turn the endpoint off)"], proc.stderr
+    assert not os.path.exists(f"{workdir}/second")  # the socket dir and its parent it made
+    assert not os.path.exists(shm_dir)
 
 
 def test_sigkilled_daemon_does_not_block_its_successor(workdir: str) -> None:

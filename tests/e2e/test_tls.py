@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -154,3 +155,26 @@ def test_server_only_tls_gives_tcp_callers_no_identity(workdir: str,
                 assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         stop_daemon(d)
+
+
+def test_a_taken_tcp_port_is_one_line_naming_the_key(workdir: str, pki: dict[str, str]) -> None:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "kvtierd", "--set", f"server.socket_dir={workdir}/t/s",
+             "--set", f"dram.shm_dir=/dev/shm/kvtier-test-tcp-{os.getpid()}",
+             "--set", "metrics.address=", "--set", f"server.tcp_address=127.0.0.1:{port}",
+             "--set", f"server.tls_cert={pki['server.pem']}",
+             "--set", f"server.tls_key={pki['server.key']}"],
+            capture_output=True, text=True, timeout=60)
+    finally:
+        holder.close()
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert [ln for ln in out.stderr.splitlines() if ln.startswith("kvtierd: ")] == [
+        f"kvtierd: cannot listen on server.tcp_address '127.0.0.1:{port}' (in use, or not an "
+        "address of this host)"], out.stderr
+    assert not os.path.exists(f"{workdir}/t")
+    assert not os.path.exists(f"/dev/shm/kvtier-test-tcp-{os.getpid()}")
