@@ -152,9 +152,9 @@ def _remove_created(dirs: list[str]) -> None:
             os.rmdir(d)
 
 
-def _start_metrics(cfg: Config, registry: CollectorRegistry) -> tuple[Any, int]:
+def _start_metrics(cfg: Config, host: str, registry: CollectorRegistry) -> tuple[Any, int]:
     try:
-        http, _thread = start_http_server(cfg.metrics.port, addr=cfg.metrics.host,
+        http, _thread = start_http_server(cfg.metrics.port, addr=host,
                                           registry=registry)
     except OSError as exc:
         raise FailedPrecondition(
@@ -350,7 +350,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         http = None
         metrics_port: int | None = None
         if cfg.metrics.host is not None:
-            http, metrics_port = _start_metrics(cfg, registry)
+            http, metrics_port = _start_metrics(cfg, cfg.metrics.host, registry)
             undo.callback(http.server_close)
             undo.callback(http.shutdown)
 
