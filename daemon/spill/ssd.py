@@ -14,7 +14,8 @@ entry being read has ``readers > 0`` and is neither evicted nor reused until
 the read ends.
 
 Files (format in ``spill.format``): ``spill-<slot_bytes>-<index>.kvt``, one
-set per slot size, created on demand (``fallocate``) up to the budget and
+set per slot size, created on demand (``fallocate``) up to the budget -- the first small,
+each next twice the last, up to ``spill.ssd_file_size`` -- and
 re-adopted at start from their slot tables -- one sequential read per file,
 no data is read (every read verifies the data's checksum instead).
 """
@@ -47,6 +48,10 @@ _throttle = Throttle()
 _FILE_RE: Final = re.compile(r"spill-([0-9]+)-([0-9]+)\.kvt")
 #: LRU entries one allocation may inspect for a victim (bounded work per write).
 EVICTION_SCAN_LIMIT: Final = 4096
+#: A slot size's first spill file is this big (or 8 slots); each next one doubles, up to
+#: ``spill.ssd_file_size``: a few MiB of spill never allocate gigabytes.
+FIRST_FILE_BYTES: Final = 64 << 20
+FIRST_FILE_SLOTS: Final = 8
 
 
 class SpillFull(Exception):
@@ -525,7 +530,8 @@ class SsdTier:
                     self._room.wait(timeout=1.0)
                     continue
                 layout = fmt.SpillLayout.fit(
-                    slot_bytes, min(self.file_bytes, self.capacity - self.file_budget_used))
+                    slot_bytes, min(self._next_file_bytes(slot_bytes),
+                                    self.capacity - self.file_budget_used))
                 if layout is None and self._retire_empty_file(slot_bytes):
                     continue
                 victim: SsdEntry | None = None
@@ -704,6 +710,12 @@ class SsdTier:
             self._forget_file(f)
             return True
         return self._retire_empty_file(slot_bytes)
+
+    def _next_file_bytes(self, slot_bytes: int) -> int:
+        """The size of the next file for ``slot_bytes`` (sizes double, from small)."""
+        n = len(self.files.get(slot_bytes, ()))
+        first = max(FIRST_FILE_BYTES, FIRST_FILE_SLOTS * slot_bytes)
+        return min(self.file_bytes, first << min(n, 32))
 
     def _retire_file(self, f: SpillFile) -> None:
         with f.io_lock:  # a table write in flight finishes first; later ones see retired

@@ -87,3 +87,34 @@ def test_every_eviction_is_reported_and_concurrent_writers_stay_within_quota(
         assert ssd.check() == []
     finally:
         ssd.close()
+
+
+def test_spill_files_start_small_and_double_up_to_the_file_size(disk_dir: str) -> None:  # noqa: F811
+    """A megabyte of spill never allocates gigabytes: the first file of a slot size is
+    64 MiB (or 8 slots), each next one twice the last, capped at spill.ssd_file_size."""
+    import os
+
+    from kvtierd.spill.ssd import FIRST_FILE_BYTES
+
+    ssd = SsdTier(disk_dir, capacity=1 << 30, file_bytes=256 * MiB, direct="false")
+    ssd.open()
+    try:
+        _write(ssd, "a", b"k0", 1)
+        sizes = sorted(os.path.getsize(os.path.join(disk_dir, f)) for f in os.listdir(disk_dir))
+        assert len(sizes) == 1 and sizes[0] <= FIRST_FILE_BYTES, sizes
+        first_slots = ssd.files[BLK][0].layout.n_slots
+        for i in range(1, first_slots + 1):  # one more than the first file holds
+            _write(ssd, "a", b"k%d" % i, i % 256)
+        layouts = [f.layout for f in ssd.files[BLK]]
+        assert len(layouts) == 2 and layouts[1].n_slots > layouts[0].n_slots
+        assert FIRST_FILE_BYTES < layouts[1].file_bytes <= 2 * FIRST_FILE_BYTES
+        assert ssd.file_budget_used == sum(x.file_bytes for x in layouts)
+        ssd.sync()
+        fresh = SsdTier(disk_dir, capacity=1 << 30, file_bytes=256 * MiB, direct="false")
+        fresh.open()  # files of different sizes are re-adopted, every block with them
+        try:
+            assert {k for (_, k) in fresh.index} == {b"k%d" % i for i in range(first_slots + 1)}
+        finally:
+            fresh.close()
+    finally:
+        ssd.close()
