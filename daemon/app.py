@@ -30,7 +30,7 @@ from kvtier.errors import FailedPrecondition
 from kvtierd import systemd
 from kvtierd.access import AdminSessions
 from kvtierd.config import Config
-from kvtierd.logs import event
+from kvtierd.logs import Throttle, event, more
 from kvtierd.metrics import Metrics
 from kvtierd.recovery import recover
 from kvtierd.segments import Segment, SegmentLayout
@@ -42,6 +42,7 @@ from kvtierd.store import Block, Namespace, Store
 from kvtierd.tiering import SpillPolicy, Tiering
 
 log = logging.getLogger(__name__)
+_throttle = Throttle(60.0)
 
 #: How often leases and reservations are checked against their TTL.
 EXPIRY_INTERVAL = 1.0
@@ -245,7 +246,14 @@ async def _watchdog_forever(interval: float) -> None:
 async def _expire_forever(store: Store, metrics: Metrics) -> None:
     while True:
         await asyncio.sleep(EXPIRY_INTERVAL)
-        aborted, leases = store.expire()
+        try:
+            aborted, leases = store.expire()
+        except Exception:  # a bug: count and log it; expiry must keep running
+            metrics.background_error("expiry")
+            held = _throttle("expiry")
+            if held is not None:
+                log.exception("lease/reservation expiry failed; it keeps running%s", more(held))
+            continue
         for ns_name, n in aborted.items():
             metrics.aborted_blocks.labels(ns_name, "expired").inc(n)
         if leases:

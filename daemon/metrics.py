@@ -3,12 +3,15 @@
 Takes an injected ``CollectorRegistry`` (tests assert with
 ``registry.get_sample_value``).  Occupancy is not tracked as gauges that could
 drift: the collector reads the store's counters when Prometheus scrapes.
-The HTTP endpoint runs in prometheus_client's own thread; the collector only
-reads integers and copies small dicts, which is safe under the GIL.
+The HTTP endpoint runs in prometheus_client's own thread, but the store and the
+tiers belong to the event loop: the scrape-time collectors run on the loop
+(``_OnLoop``), so a scrape never walks a dict the loop is changing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -30,6 +34,9 @@ RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 IO_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
               2.5, 10.0)
 
+
+#: How long a scrape waits for the event loop to compute the occupancy figures.
+SCRAPE_TIMEOUT = 10.0
 
 #: How many recent calls of each method the Stats RPC's latency figures cover.
 RPC_WINDOW = 1024
@@ -144,6 +151,10 @@ class Metrics:
             "kvtier_spill_faults", "Spill I/O that failed (the daemon kept serving from DRAM)",
             ["tier", "kind"], registry=registry,
         )
+        self.background_errors = Counter(
+            "kvtier_background_errors", "Unexpected exceptions in background work (expiry, "
+            "demotion, prefetch); the work keeps running", ["task"], registry=registry,
+        )
         self.io: dict[str, TierIO] = {}
         self.rpcs: dict[str, RpcWindow] = {}
 
@@ -186,11 +197,53 @@ class Metrics:
     def spill_fault(self, tier: str, kind: str) -> None:
         self.spill_faults.labels(tier, kind).inc()
 
+    def background_error(self, task: str) -> None:
+        self.background_errors.labels(task).inc()
+
     def watch(self, store: Store, tiering: Tiering | None = None) -> None:
-        """Export the store's occupancy, computed at scrape time."""
-        self.registry.register(_StoreCollector(store))
+        """Export the store's occupancy, computed at scrape time on the running loop."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None  # a test without a loop: collect in the scraping thread
+        self.registry.register(_OnLoop(_StoreCollector(store), loop))
         if tiering is not None:
-            self.registry.register(_TieringCollector(tiering))
+            self.registry.register(_OnLoop(_TieringCollector(tiering), loop))
+
+
+class _OnLoop(Collector):
+    """Runs ``inner.collect()`` on ``loop``, the only thread that changes what it reads."""
+
+    def __init__(self, inner: Collector, loop: asyncio.AbstractEventLoop | None) -> None:
+        self._inner, self._loop = inner, loop
+
+    def collect(self) -> list[Metric]:
+        loop = self._loop
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if loop is None or here is loop:
+            return list(self._inner.collect())
+        fut: concurrent.futures.Future[list[Metric]] = concurrent.futures.Future()
+
+        def run() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(list(self._inner.collect()))
+                except BaseException as exc:  # noqa: BLE001 (handed to the scraping thread)
+                    fut.set_exception(exc)
+
+        try:
+            loop.call_soon_threadsafe(run)
+        except RuntimeError:
+            return []  # the loop is closed: the daemon has stopped
+        try:
+            return fut.result(timeout=SCRAPE_TIMEOUT)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"the event loop did not answer a scrape in {SCRAPE_TIMEOUT} s "
+                               "(kvtierd is stuck)") from None
 
 
 class _TieringCollector(Collector):
@@ -234,6 +287,9 @@ class _TieringCollector(Collector):
                                   "block in DRAM", value=c.prefetch_hits)
         yield CounterMetricFamily("kvtier_backpressure_waits", "Reserves that waited for "
                                   "demotion", value=c.backpressure_waits)
+        yield CounterMetricFamily("kvtier_skipped_prefetches", "Lookups that did not prefetch "
+                                  "because too many prefetches were queued",
+                                  value=c.skipped_prefetches)
         yield CounterMetricFamily("kvtier_skipped_publishes", "Write-through publishes skipped "
                                   "because the queue was full", value=c.skipped_publishes)
         yield GaugeMetricFamily("kvtier_spill_queue_depth", "Blocks being demoted or published",

@@ -93,6 +93,8 @@ BATCH_BYTES: Final = 64 << 20
 MAX_DELETE_WAITS: Final = 100
 #: Prefetches running at once (each is one promotion of a run of keys).
 MAX_PREFETCHES: Final = 16
+#: Prefetches waiting for one of those at most; a Lookup beyond it does not prefetch.
+MAX_QUEUED_PREFETCHES: Final = 256
 #: Keys an Evict handles per event-loop step (bounded work between yields: an
 #: evict of a whole 250k-block namespace must not stall every other call).
 EVICT_CHUNK: Final = 1024
@@ -117,6 +119,7 @@ class TieringCounters:
     promotions: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     prefetches: int = 0
     prefetch_hits: int = 0
+    skipped_prefetches: int = 0
     skipped_publishes: int = 0
     backpressure_waits: int = 0
     spill_failures: collections.Counter[str] = dataclasses.field(
@@ -204,12 +207,17 @@ class TieringObserver(Protocol):
 
     def spill_fault(self, tier: str, kind: str) -> None: ...
 
+    def background_error(self, task: str) -> None: ...
+
 
 class _NoObserver:
     def spill_io(self, tier: str, op: str, seconds: float, nbytes: int) -> None:
         pass
 
     def spill_fault(self, tier: str, kind: str) -> None:
+        pass
+
+    def background_error(self, task: str) -> None:
         pass
 
 
@@ -250,6 +258,7 @@ class Tiering:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._demoter: asyncio.Task[None] | None = None
         self._prefetch_slots = asyncio.Semaphore(MAX_PREFETCHES)
+        self._queued_prefetches = 0
         self._mhash: dict[str, int] = {}
         if ssd is not None:
             ssd.on_fault = lambda kind: self._fault("ssd", kind)
@@ -350,8 +359,12 @@ class Tiering:
         tiers = await self._locate(ns, keys)
         lower = [k for k, t in zip(keys, tiers, strict=False) if t != TIER_DRAM]
         if prefetch and lower:
-            self.counters.prefetches += len(lower)
-            self._spawn(self._prefetch(ns, list(keys[: len(tiers)]), tiers))
+            if self._queued_prefetches >= MAX_QUEUED_PREFETCHES:
+                self.counters.skipped_prefetches += 1  # the Acquire will promote them
+            else:
+                self.counters.prefetches += len(lower)
+                self._queued_prefetches += 1
+                self._spawn(self._prefetch(ns, list(keys[: len(tiers)]), tiers))
         return tiers
 
     async def _locate(self, ns: Namespace, keys: Sequence[bytes]) -> list[int]:
@@ -393,9 +406,21 @@ class Tiering:
         return self.ssd.find(ns.name, key, ns.block_bytes, mh) is not None
 
     async def _prefetch(self, ns: Namespace, keys: list[bytes], tiers: list[int]) -> None:
-        async with self._prefetch_slots:
-            with contextlib.suppress(CapacityExhausted):
-                await self._promote(ns, keys, tiers, prefetch=True)
+        try:
+            async with self._prefetch_slots:
+                with contextlib.suppress(CapacityExhausted):
+                    await self._promote(ns, keys, tiers, prefetch=True)
+        except Exception:  # noqa: BLE001 (a bug: count it, the Acquire promotes anyway)
+            self.background_error("prefetch")
+        finally:
+            self._queued_prefetches -= 1
+
+    def background_error(self, task: str) -> None:
+        """An unexpected exception in background work: logged (throttled) and counted."""
+        self.observer.background_error(task)
+        held = _throttle(f"background-{task}")
+        if held is not None:
+            log.exception("%s failed; it keeps running%s", task, more(held))
 
     # ================================================================ acquire
     async def acquire(self, session: Session, keys: Sequence[bytes]) -> tuple[AcquireResult,
@@ -708,8 +733,8 @@ class Tiering:
                     await asyncio.wait_for(self._wake.wait(), timeout=DEMOTER_TICK)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a bug: log it, keep the daemon serving
-                log.exception("demoter iteration failed")
+            except Exception:  # a bug: log and count it, keep the daemon serving
+                self.background_error("demotion")
                 await asyncio.sleep(DEMOTER_TICK)
 
     def _plan(self) -> list[Block]:

@@ -1,0 +1,115 @@
+"""Background work never dies silently: expiry, demotion and prefetch count and log their
+unexpected errors and keep running; prefetch is bounded; scrapes read the store on its loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvtierd import app, tiering
+from kvtierd.metrics import Metrics, _OnLoop
+from kvtierd.tiering import TIER_SSD
+
+from .spill_harness import disk_dir, keys, tiered  # noqa: F401  (fixture)
+
+
+class _Probe(Collector):
+    """Records which thread collected."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        self.threads.append(threading.get_ident())
+        yield GaugeMetricFamily("probe", "which thread collected", value=1)
+
+
+def test_a_scrape_from_another_thread_collects_on_the_event_loop() -> None:
+    probe = _Probe()
+
+    async def go() -> tuple[int, list[Any]]:
+        collector = _OnLoop(probe, asyncio.get_running_loop())
+        got = await asyncio.to_thread(collector.collect)  # the HTTP thread's view
+        return threading.get_ident(), got
+
+    loop_thread, got = asyncio.run(go())
+    assert [m.name for m in got] == ["probe"]
+    assert probe.threads == [loop_thread]
+
+
+def test_a_scrape_after_the_loop_closed_returns_nothing() -> None:
+    loop = asyncio.new_event_loop()
+    loop.close()
+    assert _OnLoop(_Probe(), loop).collect() == []
+
+
+def test_expiry_counts_an_unexpected_error_and_keeps_expiring(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    class Store:
+        def expire(self) -> tuple[dict[str, int], int]:
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyError("a bug")
+            return {"ns": 1}, 2
+
+    monkeypatch.setattr(app, "EXPIRY_INTERVAL", 0.01)
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+
+    async def go() -> None:
+        task = asyncio.get_running_loop().create_task(
+            app._expire_forever(Store(), metrics))  # type: ignore[arg-type]
+        while len(calls) < 4:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())
+    assert registry.get_sample_value("kvtier_background_errors_total", {"task": "expiry"}) == 1
+    assert registry.get_sample_value("kvtier_expired_leases_total") >= 6  # before and after
+
+
+def test_prefetches_are_bounded_and_a_failing_one_is_counted(
+        shm_dir: str, disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    errors: list[str] = []
+
+    async def go() -> None:
+        async with tiered(shm_dir, ssd_dir=disk_dir) as env:
+            env.t.observer.background_error = errors.append  # type: ignore[method-assign]
+            s = env.session()
+            ks = keys(60)
+            await env.put_all(s, ks)
+            await env.settle()
+            first = ks[:3]
+            assert all(k not in s.ns.index for k in first)
+            # A full queue: the lookup answers but does not add a prefetch.
+            env.t._queued_prefetches = tiering.MAX_QUEUED_PREFETCHES
+            assert await env.t.lookup(s, first, prefetch=True) == [TIER_SSD] * 3
+            assert env.t.counters.skipped_prefetches == 1 and not env.t._tasks
+            env.t._queued_prefetches = 0
+
+            async def broken(*a: Any, **k: Any) -> None:
+                raise RuntimeError("a bug in promotion")
+
+            monkeypatch.setattr(env.t, "_promote", broken)
+            assert await env.t.lookup(s, first, prefetch=True) == [TIER_SSD] * 3
+            while env.t._tasks:
+                await asyncio.sleep(0.01)
+            assert errors == ["prefetch"] and env.t._queued_prefetches == 0
+            monkeypatch.undo()
+            assert await env.t.lookup(s, first, prefetch=True) == [TIER_SSD] * 3  # still works
+            while env.t._tasks:
+                await asyncio.sleep(0.01)
+            assert all(k in s.ns.index for k in first)
+
+    asyncio.run(go())
