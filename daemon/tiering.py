@@ -51,6 +51,7 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Final, Protocol, TypeVar
@@ -221,6 +222,15 @@ class _NoObserver:
         pass
 
 
+def _count_down(counter: collections.Counter[tuple[str, bytes]],
+                keys: Iterable[tuple[str, bytes]]) -> None:
+    """Take one of each of ``keys`` from ``counter``, dropping the ones that reach 0."""
+    for k in keys:
+        counter[k] -= 1
+        if counter[k] <= 0:
+            del counter[k]
+
+
 class Tiering:
     """DRAM (the store) plus optional SSD and shared tiers, and the movement between them."""
 
@@ -254,6 +264,13 @@ class Tiering:
         # Keys a Delete or Evict is removing from the lower tiers (a count per key:
         # both may be at it at once): lookups and promotions do not see them meanwhile.
         self._deleting: collections.Counter[tuple[str, bytes]] = collections.Counter()
+        # Keys being written to the shared tier: by a write-through publish (event loop) or
+        # an SSD eviction's hand-off (an I/O thread; under the lock, with _deleting's
+        # updates, so a hand-off either sees a Delete's hide or is seen by that Delete).
+        self._publishing_keys: collections.Counter[tuple[str, bytes]] = collections.Counter()
+        self._handing: collections.Counter[tuple[str, bytes]] = collections.Counter()
+        self._handoff_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: _Drain | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._demoter: asyncio.Task[None] | None = None
@@ -269,7 +286,7 @@ class Tiering:
     # ================================================================ lifecycle
     async def start(self) -> None:
         """Open the spill tiers (re-adopting the SSD's files) and start the demoter."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         if self.ssd is not None:
             await loop.run_in_executor(self._pool, self.ssd.open)
             self._mark_clean_from_ssd()
@@ -588,6 +605,7 @@ class Tiering:
                 self.counters.skipped_publishes += len(blocks) - max(room, 0)
                 blocks = blocks[: max(room, 0)]
             if blocks:
+                self._publishing_keys.update((b.ns.name, b.key) for b in blocks)
                 self._spawn(self._publish(list(blocks)))
         self._wake.set()
 
@@ -602,6 +620,7 @@ class Tiering:
                     self.store.set_lower(block, Lower.CLEAN)
         finally:
             self._publishing -= len(blocks)
+            _count_down(self._publishing_keys, [(b.ns.name, b.key) for b in blocks])
             for lease in leases:
                 self.store.unpin(lease)
             self._signal_progress()
@@ -623,8 +642,17 @@ class Tiering:
         return True
 
     def _publish_evicted(self, entry: Any, data: memoryview) -> None:
-        """SSD eviction hook (worker thread): pass the block on to the shared tier."""
+        """SSD eviction hook (worker thread): pass the block on to the shared tier.
+
+        A key a Delete is removing is not handed on; a Delete that starts meanwhile waits
+        for the hand-off (``_moving``) and then removes what it wrote.
+        """
         assert self.shared is not None
+        k = (entry.namespace, entry.key)
+        with self._handoff_lock:
+            if k in self._deleting:
+                return
+            self._handing[k] += 1
         t0 = time.perf_counter()
         try:
             published = self.shared.publish(entry.namespace, entry.key, data, entry.checksum,
@@ -632,6 +660,12 @@ class Tiering:
         except OSError as exc:
             self._fault("shared", fault_kind(exc))
             raise
+        finally:
+            with self._handoff_lock:
+                _count_down(self._handing, [k])
+            if self._loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                    self._loop.call_soon_threadsafe(self._signal_progress)
         if published:
             self.counters.demotions["ssd->shared"] += 1
             self.observer.spill_io("shared", "write", time.perf_counter() - t0, entry.length)
@@ -640,14 +674,25 @@ class Tiering:
     async def delete(self, session: Session, keys: Sequence[bytes]) -> int:
         """Delete from every tier; returns how many keys were present in any.
 
-        Demotions and promotions of these keys in flight finish first: a
-        demotion would otherwise write the block to the SSD after its copy
-        there was removed, and a promotion commit it to DRAM again.
+        The keys are hidden first (lookups miss them, no new promotion, publish or
+        hand-off starts), then demotions, promotions, publishes and SSD->shared hand-offs
+        of them in flight finish: one would otherwise write the block to a tier after
+        its copy there was removed, or commit it to DRAM again.
         """
         ns = session.ns
+        gone = [(ns.name, k) for k in keys]
+        self._hide(gone)  # until the shared tier's files are gone too
+        try:
+            await self._wait_unmoving(ns.name, keys)
+            return await self._delete(session, keys)
+        finally:
+            self._unhide(gone)
+
+    async def _wait_unmoving(self, namespace: str, keys: Sequence[bytes]) -> None:
         for _ in range(MAX_DELETE_WAITS):
-            busy = [f for k in keys if (f := self._promoting.get((ns.name, k))) is not None]
-            moving = any(self._moving(ns.name, k) for k in keys)
+            busy = [f for k in keys if (f := self._promoting.get((namespace, k))) is not None]
+            moving = any(self._moving(namespace, k) or (namespace, k) in self._publishing_keys
+                         or (namespace, k) in self._handing for k in keys)
             if not busy and not moving:
                 break
             progress = self._progress
@@ -656,12 +701,6 @@ class Tiering:
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(progress.wait(), timeout=1.0)
-        gone = [(ns.name, k) for k in keys]
-        self._hide(gone)  # until the shared tier's files are gone too
-        try:
-            return await self._delete(session, keys)
-        finally:
-            self._unhide(gone)
 
     async def _delete(self, session: Session, keys: Sequence[bytes]) -> int:
         ns = session.ns
@@ -680,13 +719,12 @@ class Tiering:
         return k in self._promoting or k in self._demoting
 
     def _hide(self, keys: Iterable[tuple[str, bytes]]) -> None:
-        self._deleting.update(keys)
+        with self._handoff_lock:
+            self._deleting.update(keys)
 
     def _unhide(self, keys: Iterable[tuple[str, bytes]]) -> None:
-        self._deleting.subtract(keys)
-        for k in keys:
-            if self._deleting[k] <= 0:
-                del self._deleting[k]
+        with self._handoff_lock:
+            _count_down(self._deleting, keys)
 
     async def _drop_lower(self, namespace: str, keys: Sequence[bytes], *, shared: bool) -> set[bytes]:
         """The I/O half of removing keys below DRAM (Delete and Evict): persist the SSD
