@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from kvtier import _accel
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME, default_socket_dir
@@ -193,7 +192,7 @@ class ReservationState:
             if checksum:
                 buf = self.buffers[i]
                 assert buf is not None
-                sums.append(xxhash.xxh3_64_intdigest(buf[:n].data))
+                sums.append(_accel.checksum(buf[:n]))
         return pb.CommitRequest(reservation_id=self.reservation_id, lengths=lengths, checksums=sums)
 
     def release_views(self) -> None:
@@ -212,7 +211,7 @@ class LeaseState:
         self.views = [maps.view(ref, ref.length, writable=False) for ref in resp.slots]
         if verify:
             for i, (ref, view) in enumerate(zip(resp.slots, self.views, strict=False)):
-                if ref.has_checksum and xxhash.xxh3_64_intdigest(view.data) != ref.checksum:
+                if ref.has_checksum and _accel.checksum(view) != ref.checksum:
                     raise Corrupted(f"block {self.keys[i].hex()} failed its checksum",
                                     key=self.keys[i])
         self.done = self.lease_id == 0

@@ -48,6 +48,15 @@ from kvtier.errors import (
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
+#: Copies and checksums of at least this many bytes run in a worker thread: the event
+#: loop stays free for the caller's other work (smaller ones cost less than the hop).
+OFFLOAD_BYTES = 256 << 10
+
+
+def _write_all(r: ReservationState, views: Sequence[memoryview]) -> None:
+    for i in r.reserved:
+        r.write(i, views[i])
+
 
 class AsyncReservation(ReservationState):
     """Like ``kvtier.Reservation``; ``await commit()``, ``async with`` aborts on exit."""
@@ -59,7 +68,10 @@ class AsyncReservation(ReservationState):
     async def commit(self) -> int:
         if self.done:
             return 0
-        req = self.commit_request(self._client.checksum)
+        if self._client.checksum and self._nbytes() >= OFFLOAD_BYTES:
+            req = await asyncio.to_thread(self.commit_request, True)  # hashing off the loop
+        else:
+            req = self.commit_request(self._client.checksum)
         try:
             resp = await self._client._bound_call("Commit", req, self.session_gen, "reservation")
         except SessionLost:
@@ -69,6 +81,9 @@ class AsyncReservation(ReservationState):
         self.done = True
         self.release_views()
         return int(resp.committed)
+
+    def _nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers if b is not None)
 
     async def abort(self) -> None:
         if self.done:
@@ -149,6 +164,7 @@ class AsyncClient:
         self._session_gen = 0
         self._backoff = Backoff(maximum=reconnect_max)
         self._session_lock: asyncio.Lock | None = None
+        self._maps_lock: asyncio.Lock | None = None
 
     async def open(self) -> AsyncClient:
         """Open the session (idempotent)."""
@@ -162,14 +178,18 @@ class AsyncClient:
     async def _open_session(self) -> None:
         link = await asyncio.to_thread(SessionLink, self.session_path, self.timeout)
         maps = SegmentMaps()
-        try:
-            resp, fds = await asyncio.to_thread(
-                link.request, open_request(self.namespace, self.block_bytes, self.model_uid)
-            )
+
+        def open_and_map() -> pb.SessionOpened:  # mmap + populate: off the event loop
+            resp, fds = link.request(open_request(self.namespace, self.block_bytes,
+                                                  self.model_uid))
             opened = resp.opened
             maps.read_only = opened.read_only
             maps.update(opened.segments_version, opened.segments,
                         [s.segment_id for s in opened.segments], fds)
+            return opened
+
+        try:
+            opened = await asyncio.to_thread(open_and_map)
         except BaseException:
             link.close()
             maps.close()
@@ -237,12 +257,23 @@ class AsyncClient:
         missing = self._maps.missing(s.segment_id for s in slots)
         if version == self._maps.version and not missing:
             return
-        link = self._link
-        if link is None:
-            raise Unavailable("the session ended while the call was in flight")
-        resp, fds = await asyncio.to_thread(link.request, map_request(missing))
-        m = resp.mapped
-        self._maps.update(m.segments_version, m.segments, m.fd_segment_ids, fds)
+        if self._maps_lock is None:
+            self._maps_lock = asyncio.Lock()
+        async with self._maps_lock:  # one mapping update at a time
+            missing = self._maps.missing(s.segment_id for s in slots)
+            if version == self._maps.version and not missing:
+                return
+            link = self._link
+            if link is None:
+                raise Unavailable("the session ended while the call was in flight")
+            maps = self._maps
+
+            def map_missing() -> None:  # mmap + populate: off the event loop
+                resp, fds = link.request(map_request(missing))
+                m = resp.mapped
+                maps.update(m.segments_version, m.segments, m.fd_segment_ids, fds)
+
+            await asyncio.to_thread(map_missing)
 
     async def lookup(self, keys: Sequence[bytes], *, prefetch: bool = False) -> int:
         req = pb.LookupRequest(keys=as_keys(keys), prefetch=prefetch)
@@ -269,6 +300,8 @@ class AsyncClient:
         resp = await self._call("Acquire", pb.AcquireRequest(keys=keys))
         try:
             await self._sync_maps(resp.segments_version, resp.slots)
+            if self.checksum and sum(r.length for r in resp.slots) >= OFFLOAD_BYTES:
+                return await asyncio.to_thread(AsyncLease, self, keys, resp)  # verification
             return AsyncLease(self, keys, resp)
         except BaseException as exc:
             if resp.lease_id:
@@ -284,8 +317,10 @@ class AsyncClient:
             raise InvalidArgument(f"keys and blocks differ in length ({len(keys)} != {len(blocks)})")
         views = [as_bytes_view(b, i, self.block_bytes) for i, b in enumerate(blocks)]
         async with await self.reserve(keys) as r:
-            for i in r.reserved:
-                r.write(i, views[i])
+            if sum(views[i].nbytes for i in r.reserved) >= OFFLOAD_BYTES:
+                await asyncio.to_thread(_write_all, r, views)  # the copies: off the loop
+            else:
+                _write_all(r, views)
             return await r.commit()
 
     async def get(self, keys: Sequence[bytes], out: Sequence[Any] | None = None
@@ -293,6 +328,8 @@ class AsyncClient:
         """Copies of the longest present prefix (into ``out`` when given), like ``Client.get``."""
         check_out(keys, out)
         async with await self.acquire(keys) as lease:
+            if sum(v.nbytes for v in lease.views) >= OFFLOAD_BYTES:
+                return await asyncio.to_thread(copy_out, lease.views, out)
             return copy_out(lease.views, out)
 
     async def delete(self, keys: Sequence[bytes]) -> int:

@@ -9,8 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from typing import Any
 
 import numpy as np
 import pytest
@@ -177,6 +179,41 @@ def test_async_client_round_trip(daemon: DaemonProc) -> None:
             assert (await c.stats())["sessions"] >= 1
 
     asyncio.run(go())
+    assert daemon.check() == []
+
+
+def test_async_client_copies_hashes_and_maps_off_its_event_loop(
+        daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Big blocks: every copy and checksum, and every segment mapping, runs on a worker
+    thread, never on the caller's event loop; small ones stay inline (cheaper)."""
+    from kvtier import _accel, _session
+
+    seen: dict[str, set[int]] = {"copy": set(), "sum": set(), "map": set()}
+
+    def spy(kind: str, fn: Any) -> Any:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            seen[kind].add(threading.get_ident())
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(_accel, "copy_into", spy("copy", _accel.copy_into))
+    monkeypatch.setattr(_accel, "checksum", spy("sum", _accel.checksum))
+    monkeypatch.setattr(_session.SegmentMaps, "update",
+                        spy("map", _session.SegmentMaps.update))
+    big = 1 << 20
+
+    async def go() -> int:
+        async with kvtier.AsyncClient(daemon.socket_dir, namespace="aio-big", block_bytes=big,
+                                      model_uid="m", checksum=True) as c:
+            blocks = [np.full(big, i, np.uint8) for i in range(2)]
+            assert await c.put([b"a", b"b"], blocks) == 2
+            got = await c.get([b"a", b"b"])
+            assert all(np.array_equal(x, y) for x, y in zip(got, blocks, strict=True))
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(go())
+    for kind, threads in seen.items():
+        assert threads and loop_thread not in threads, (kind, threads, loop_thread)
     assert daemon.check() == []
 
 
