@@ -261,11 +261,34 @@ def _staged(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def native_copies(cache: Sequence[Layer], layout: PagedKVLayout | None = None) -> bool:
+    """Whether :func:`save` and :func:`load` copy this CPU cache natively (gather/scatter,
+    GIL released, one copy per byte); False: one torch copy per array page (slower)."""
+    lay = layout if layout is not None else layout_of(cache)
+    return _host_u8(_flatten(cache, lay)) is not None
+
+
 def _host_u8(arrays: Sequence[torch.Tensor]) -> list[np.ndarray] | None:
-    """``[pages, page_bytes]`` uint8 numpy views of contiguous CPU tensors (None if one is not)."""
-    if not all(a.is_contiguous() for a in arrays):
-        return None
-    return [a.detach().view(torch.uint8).numpy().reshape(int(a.shape[0]), -1) for a in arrays]
+    """``[pages, page_bytes]`` uint8 numpy views of CPU tensors whose every page is
+    contiguous (None if one's is not).
+
+    The pages themselves may lie any stride apart: vLLM views one backing buffer per
+    layer with other layers' pages in between, so a layer tensor is not contiguous
+    while each of its pages is.  The views alias the tensors (no copy).
+    """
+    out: list[np.ndarray] = []
+    for a in arrays:
+        if a.device.type != "cpu" or a.ndim < 1 or int(a.shape[0]) == 0:
+            return None
+        if not a[0].is_contiguous() or (a.ndim > 1 and a.stride(-1) != 1):
+            return None
+        u8 = a.detach().view(torch.uint8).numpy()
+        pages, page_bytes = int(u8.shape[0]), int(u8[0].size)
+        if pages > 1 and u8.strides[0] < page_bytes:
+            return None  # pages overlap: not a paged cache
+        out.append(np.lib.stride_tricks.as_strided(u8, shape=(pages, page_bytes),
+                                                   strides=(u8.strides[0], 1)))
+    return out
 
 
 def _block_shape(lay: PagedKVLayout) -> tuple[int, int, int, int]:
@@ -533,6 +556,7 @@ __all__ = [
     "layout_of",
     "load",
     "namespace_for",
+    "native_copies",
     "pin",
     "save",
     "slot_tensor",

@@ -110,7 +110,7 @@ def test_async_client_rides_through_restart(workdir: str) -> None:
 
 
 def test_client_constructed_while_daemon_down_raises_unavailable(workdir: str) -> None:
-    with pytest.raises(errors.Unavailable, match="cannot connect"):
+    with pytest.raises(errors.Unavailable, match="kvtierd is not running, or not here"):
         kvtier.Client(workdir, namespace="x", block_bytes=4096, model_uid="m")
 
 

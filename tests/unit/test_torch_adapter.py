@@ -400,3 +400,28 @@ def test_import_kvtier_does_not_import_torch_and_bf16_needs_no_ml_dtypes() -> No
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 0, out.stderr
+
+
+def test_pages_any_stride_apart_take_the_native_copy(kvd: DaemonProc) -> None:
+    """vLLM views one buffer per block-major layout: a layer's pages lie other layers'
+    pages apart.  Each page is contiguous, so save and load take the native gather and
+    scatter (no per-page torch copies), byte-exact; a page that is not contiguous falls
+    back to torch copies."""
+    page = TOKENS * HEADS * DIM
+    raw = torch.randn(PAGES * LAYERS * page)
+    # Block-major: block b holds layer 0's page, then layer 1's.
+    src = [torch.as_strided(raw, (PAGES, TOKENS, HEADS, DIM), (LAYERS * page, HEADS * DIM, DIM, 1),
+                            layer * page) for layer in range(LAYERS)]
+    assert not src[0].is_contiguous() and kt._host_u8(src) is not None
+    assert kt._host_u8([src[0].transpose(1, 2)]) is None  # pages themselves strided
+    lay = kt.layout_of(src)
+    keys = keys_of(3)
+    with client_for(kvd, lay) as c:
+        assert kt.save(c, src, [1, 4, 7], keys) == 3
+        raw2 = torch.zeros_like(raw)
+        dst = [torch.as_strided(raw2, src[0].shape, src[0].stride(), layer * page)
+               for layer in range(LAYERS)]
+        assert kt.load(c, keys, dst, [0, 2, 5]) == 3
+        for s_page, d_page in ((1, 0), (4, 2), (7, 5)):
+            assert page_bytes(dst, d_page) == page_bytes(src, s_page)
+        assert not any(bool(d[1].any()) for d in dst)  # the other pages untouched
