@@ -228,6 +228,21 @@ def _count(out: dict[str, Any], name: str) -> float:
     return float(out["counters"].get(name, 0))
 
 
+def _corrupt_and_rerun(lab: Lab, engine: Engine, before: dict[str, Any],
+                       reference: dict[str, list[int]], bad: int) -> dict[str, Any]:
+    """Scribble over P's block ``bad`` in kvtierd, run the engine's next phase (P again):
+    the blocks before it load, it and the rest are recomputed (counted), same tokens."""
+    lab.scribble(block_keys(P, BLOCK, request_salt("", None, None))[bad])
+    engine.next()
+    out = engine.result()
+    assert out["prompts"][0]["tokens"] == reference["P"]
+    assert _count(out, "failures_corrupted") - _count(before, "failures_corrupted") == 1
+    assert _count(out, "loaded_blocks") - _count(before, "loaded_blocks") == bad
+    assert _count(out, "failed_blocks") == FULL // BLOCK - bad
+    assert lab.daemon is not None and lab.daemon.check() == []
+    return out
+
+
 def test_a_fresh_engine_loads_what_another_saved_across_a_daemon_sigkill(
         lab: Lab, reference: dict[str, list[int]]) -> None:
     lab.start_daemon()
@@ -259,16 +274,7 @@ def test_a_fresh_engine_loads_what_another_saved_across_a_daemon_sigkill(
 
         # Phase 1: a block scribbled over in DRAM fails its checksum: the blocks before it load,
         # it and the rest are recomputed, the output is the same, and it is counted.
-        keys = block_keys(P, BLOCK, request_salt("", None, None))
-        lab.scribble(keys[3])
-        before = out
-        b.next()
-        out = b.result()
-        assert out["prompts"][0]["tokens"] == reference["P"]
-        assert _count(out, "failures_corrupted") - _count(before, "failures_corrupted") == 1
-        assert _count(out, "loaded_blocks") - _count(before, "loaded_blocks") == 3
-        assert _count(out, "failed_blocks") == FULL // BLOCK - 3
-        assert lab.daemon is not None and lab.daemon.check() == []
+        out = _corrupt_and_rerun(lab, b, out, reference, bad=3)
 
         # Phase 2: kvtierd is SIGKILLed and restarted under the running engine: it reconnects
         # and loads everything again (the recomputed blocks were saved again).
@@ -353,16 +359,7 @@ def test_async_loads_give_the_same_tokens_and_report_failed_blocks(
         assert q["cached"] == q_blocks * BLOCK and q["tokens"] == reference["Q"]
         assert _count(out, "loaded_blocks") == FULL // BLOCK + q_blocks
         assert _count(out, "failed_blocks") == 0
-        keys = block_keys(P, BLOCK, request_salt("", None, None))
-        lab.scribble(keys[5])
-        before = out
-        e.next()
-        out = e.result()
-        assert out["prompts"][0]["tokens"] == reference["P"]
-        assert _count(out, "failures_corrupted") - _count(before, "failures_corrupted") == 1
-        assert _count(out, "loaded_blocks") - _count(before, "loaded_blocks") == 5
-        assert _count(out, "failed_blocks") == FULL // BLOCK - 5
-        assert lab.daemon is not None and lab.daemon.check() == []
+        _corrupt_and_rerun(lab, e, out, reference, bad=5)
     finally:
         e.close()
     assert "Traceback" not in e.log()
