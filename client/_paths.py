@@ -46,6 +46,8 @@ def explain_unreachable(path: str, cause: BaseException | None = None) -> str:
     where = (f"the socket directory {os.path.dirname(path)!r} comes from --socket or "
              "socket_dir, else $KVTIER_SOCKET_DIR, $XDG_RUNTIME_DIR/kvtier, /tmp/kvtier-$UID; "
              "a container needs it mounted")
+    if not os.path.exists(path):
+        return f"kvtierd is not running, or not here: {path} does not exist ({where})"
     if cause is None:  # e.g. gRPC said UNAVAILABLE: ask the socket itself why
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(1.0)
@@ -56,8 +58,6 @@ def explain_unreachable(path: str, cause: BaseException | None = None) -> str:
         finally:
             probe.close()
     code = getattr(cause, "errno", None)
-    if not os.path.exists(path):
-        return f"kvtierd is not running, or not here: {path} does not exist ({where})"
     if code == errno.ECONNREFUSED:
         return (f"kvtierd is not running: {path} exists but nothing listens on it (a daemon "
                 "that stopped or was killed leaves its socket); start kvtierd")

@@ -256,8 +256,7 @@ class Client:
             raise session_lost(what) from None
 
     def _send_release(self, lease_id: int) -> None:
-        """Release without waiting for the answer; the previous one is reaped first."""
-        self._reap_release()
+        """Release without waiting for the answer; the previous one is reaped then."""
         fut = self._stub.Release.future(
             pb.ReleaseRequest(lease_id=lease_id), timeout=self.timeout, metadata=self._metadata)
         with self._lock:  # a load thread and the caller's may both release

@@ -272,9 +272,10 @@ def _host_u8(arrays: Sequence[torch.Tensor]) -> list[np.ndarray] | None:
     """``[pages, page_bytes]`` uint8 numpy views of CPU tensors whose every page is
     contiguous (None if one's is not).
 
-    The pages themselves may lie any stride apart: vLLM views one backing buffer per
-    layer with other layers' pages in between, so a layer tensor is not contiguous
-    while each of its pages is.  The views alias the tensors (no copy).
+    The pages themselves may lie any stride apart: in a block-major layout (vLLM's
+    one backing buffer, ``VLLM_KV_CACHE_LAYOUT``) other layers' pages sit between two
+    of a layer's, so the layer tensor is not contiguous while each of its pages is.
+    The views alias the tensors (no copy).
     """
     out: list[np.ndarray] = []
     for a in arrays:

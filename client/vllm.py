@@ -734,11 +734,12 @@ class _Worker:
         tp = int(self._vllm_config.parallel_config.tensor_parallel_size)
         rank = int(get_tensor_model_parallel_rank()) if tp > 1 else 0
         self._cache, self._layout = cache, layout
-        if all(t.device.type == "cpu" for t in kv_caches.values()):
+        on_cpu = all(t.device.type == "cpu" for t in kv_caches.values())
+        if on_cpu:
             logger.info("kvtier: CPU KV cache of %d blocks, %s", self._kv_cache_config.num_blocks,
                         "native block copies" if kt.native_copies(cache, layout) else
                         "per-page torch copies (a page is not contiguous)")
-        if self._cfg.async_save and all(t.device.type == "cpu" for t in kv_caches.values()):
+        if self._cfg.async_save and on_cpu:
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
         if self._cfg.load_mode == "async":
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")

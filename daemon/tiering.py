@@ -691,8 +691,7 @@ class Tiering:
     async def _wait_unmoving(self, namespace: str, keys: Sequence[bytes]) -> None:
         for _ in range(MAX_DELETE_WAITS):
             busy = [f for k in keys if (f := self._promoting.get((namespace, k))) is not None]
-            moving = any(self._moving(namespace, k) or (namespace, k) in self._publishing_keys
-                         or (namespace, k) in self._handing for k in keys)
+            moving = any(self._moving(namespace, k) for k in keys)
             if not busy and not moving:
                 break
             progress = self._progress
@@ -713,10 +712,11 @@ class Tiering:
         return len(present)
 
     def _moving(self, namespace: str, key: bytes) -> bool:
-        """A promotion or demotion of this key is in flight (Delete waits for it to
-        finish; Evict leaves the key alone)."""
+        """A promotion, demotion, publish or SSD->shared hand-off of this key is in flight
+        (Delete waits for it to finish; Evict leaves the key alone)."""
         k = (namespace, key)
-        return k in self._promoting or k in self._demoting
+        return (k in self._promoting or k in self._demoting or k in self._publishing_keys
+                or k in self._handing)
 
     def _hide(self, keys: Iterable[tuple[str, bytes]]) -> None:
         with self._handoff_lock:
