@@ -38,4 +38,4 @@ proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
 
 clean:
-	rm -rf build *.egg-info client/_native*.so
+	rm -rf build *.egg-info client/kvtier/_native*.so

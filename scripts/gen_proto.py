@@ -1,4 +1,4 @@
-"""Regenerate the protobuf/gRPC Python code in client/v1 from proto/.
+"""Regenerate the protobuf/gRPC Python code in client/kvtier/v1 from proto/.
 
 Usage: python scripts/gen_proto.py [--check]
 
@@ -18,7 +18,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PROTO = PROTO_ROOT / "kvtier" / "v1" / "kvtier.proto"
-OUT_DIR = ROOT / "client" / "v1"
+OUT_DIR = ROOT / "client" / "kvtier" / "v1"
 GENERATED = ("kvtier_pb2.py", "kvtier_pb2.pyi", "kvtier_pb2_grpc.py")
 
 
@@ -39,7 +39,7 @@ def generate(dest: pathlib.Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", action="store_true", help="fail if client/v1 is stale")
+    parser.add_argument("--check", action="store_true", help="fail if client/kvtier/v1 is stale")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         generate(pathlib.Path(tmp))
@@ -54,7 +54,7 @@ def main() -> int:
             else:
                 target.write_text(new)
         if stale:
-            print(f"stale generated code in client/v1: {', '.join(stale)}; "
+            print(f"stale generated code in client/kvtier/v1: {', '.join(stale)}; "
                   "run: python scripts/gen_proto.py", file=sys.stderr)
             return 1
     return 0

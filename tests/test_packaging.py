@@ -443,11 +443,11 @@ def copy_build_context(dest: Path) -> list[str]:
 def test_build_context_has_sources_and_nothing_built() -> None:
     patterns = dockerignore_patterns()
     for needed in ("pyproject.toml", "setup.py", "README.md", "scripts/install.sh",
-                   "csrc/native.c", "client/__init__.py", "daemon/__main__.py",
-                   "client/v1/kvtier_pb2.py"):
+                   "csrc/native.c", "client/kvtier/__init__.py", "daemon/kvtierd/__main__.py",
+                   "client/kvtier/v1/kvtier_pb2.py"):
         assert not ignored(needed, patterns), f".dockerignore drops {needed}"
-    for junk in (".venv/bin/python", ".git/HEAD", "client/_native.cpython-311-x86_64-linux-gnu.so",
-                 "kvtier.egg-info/PKG-INFO", "build/lib/x.py", "daemon/__pycache__/app.pyc",
+    for junk in (".venv/bin/python", ".git/HEAD", "client/kvtier/_native.cpython-311-x86_64-linux-gnu.so",
+                 "kvtier.egg-info/PKG-INFO", "build/lib/x.py", "daemon/kvtierd/__pycache__/app.pyc",
                  "tests/conftest.py"):
         assert ignored(junk, patterns), f".dockerignore lets {junk} into the image build"
 

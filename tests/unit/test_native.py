@@ -288,7 +288,7 @@ def test_prefault_releases_buffer(accel: ModuleType) -> None:
 def test_native_stub_matches_module(tmp_path: Path) -> None:
     pytest.importorskip("mypy.stubtest", reason="mypy is not installed (pip install -e .[dev])")
     # Both the runtime import and mypy's stub lookup must find the package
-    # under the name kvtier, whatever directory (client/) it lives in.
+    # under the name kvtier, whatever directory it is installed from.
     (tmp_path / "kvtier").symlink_to(Path(next(iter(kvtier.__path__))).resolve())
     path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "MYPYPATH": str(tmp_path)}
