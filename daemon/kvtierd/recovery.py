@@ -1,25 +1,52 @@
 """Warm start: re-attach the segments a previous daemon left in the shm directory.
 
-Every ``*.seg`` file is attached and validated (``Segment.attach``); a file
-that fails validation is removed ("reformatted") with the reason logged,
-never half-used.  Valid extents are adopted by the store most recently used
-first, so when ``dram.capacity`` shrank the coldest extents are the ones
-dropped.  Data pages are not touched here (the daemon never reads payload);
-they are locked in the background after the daemon is ready.
+What a previous run left is untrusted input, like a network request: a crash
+can leave any state, a bug any value, and the data files were writable by
+clients.  So every ``*.meta`` file is attached and validated
+(``Segment.attach``: header, geometry, sizes); a segment that fails is
+removed ("reformatted") with the reason logged, never half-used, and so is a
+data file without metadata (format 1 kept both in one ``.seg`` file: such
+files from an older kvtierd are a cold start).  Then every slot of every
+valid segment is checked here (``scan_slots``) — state, key length, length,
+flags, generation, access sequence, commit epoch, the entry checksum, and
+whether a client cut its data off — before the store may adopt it; a slot
+that fails is freed and counted with its reason (``RecoveryReport.dropped_slots``).
+Valid extents are adopted most recently used first, so when ``dram.capacity``
+shrank the coldest extents are the ones dropped.  The store's ``check()``
+runs after the last one.  Data pages are not touched here (the daemon never
+reads payload); they are locked in the background after the daemon is ready.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import logging
 import os
 import time
 
+import numpy as np
+import xxhash
+
 from kvtier.errors import CapacityExhausted, FailedPrecondition
 from kvtierd.logs import event
-from kvtierd.segments import Segment, SegmentInvalid, SlotState
-from kvtierd.store import Store
+from kvtierd.segments import (
+    DATA_SUFFIX,
+    ENTRY_SUM_AT,
+    FLAG_HAS_CHECKSUM,
+    KEY_OFFSET,
+    MAX_ACCESS_SEQ,
+    MAX_GENERATION,
+    MAX_KEY_BYTES,
+    META_SUFFIX,
+    SLOT_ENTRY_BYTES,
+    Segment,
+    SegmentInvalid,
+    SlotState,
+    entry_seed,
+)
+from kvtierd.store import AdoptedSlots, Store
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +59,87 @@ class RecoveryReport:
     segments: int = 0
     blocks: dict[str, int] = dataclasses.field(default_factory=dict)
     dropped: list[str] = dataclasses.field(default_factory=list)
+    #: Slots of adopted segments that failed validation, by reason.
+    dropped_slots: collections.Counter[str] = dataclasses.field(
+        default_factory=collections.Counter)
+    #: What ``Store.check()`` reported after adoption (empty when all adds up).
+    problems: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def warm(self) -> bool:
         return bool(self.blocks)
 
 
-def _usage(seg: Segment) -> tuple[int, int]:
-    """(committed blocks, most recent access) of a segment, read from its slot table."""
-    table = seg.scan(copy=False)
-    committed = table["last_access"][table["state"] == SlotState.COMMITTED]
-    usage = (int(committed.size), int(committed.max()) if committed.size else 0)
-    del table, committed  # release the view of the mapping
-    return usage
+def scan_slots(seg: Segment, *, boot_epoch: int) -> tuple[AdoptedSlots, collections.Counter[str]]:
+    """Validate every slot of an attached segment; what the store may adopt, and what not.
+
+    COMMITTED slots whose every field is in bounds and whose entry checksum
+    verifies become blocks; RESERVED slots are quarantined (a writer of the
+    previous daemon may still be copying); everything else is freed, in the
+    table too.  Generations out of range are reset.  Reasons for dropped
+    COMMITTED slots (and for state bytes that are no state) are counted.
+    """
+    lay = seg.layout
+    n = lay.n_slots
+    table = seg.scan()
+    state, klen, flags = table["state"], table["key_len"], table["flags"]
+    length, csum, gen = table["length"], table["checksum"], table["generation"]
+    last, epoch = table["last_access"], table["epoch"]
+    slot_end = (np.arange(n, dtype=np.uint64) + 1) * np.uint64(lay.slot_bytes)
+    dropped: collections.Counter[str] = collections.Counter()
+    ok = state == SlotState.COMMITTED
+    checks = (
+        ("key length out of range", (klen < 1) | (klen > MAX_KEY_BYTES)),
+        ("length out of range", (length < 1) | (length > lay.block_bytes)),
+        ("unknown flags", (flags & ~np.uint8(FLAG_HAS_CHECKSUM)) != 0),
+        ("checksum without its flag", ((flags & FLAG_HAS_CHECKSUM) == 0) & (csum != 0)),
+        ("generation out of range", gen >= MAX_GENERATION),
+        ("access sequence out of range", last >= MAX_ACCESS_SEQ),
+        ("commit epoch from the future", epoch > boot_epoch),
+        ("data cut off by a client", slot_end > np.uint64(seg.intact_bytes)),
+    )
+    for reason, bad in checks:
+        hit = ok & bad
+        if hit.any():
+            dropped[reason] += int(hit.sum())
+            ok &= ~bad
+    raw = seg.raw_table()
+    sums = table["entry_sum"].tolist()
+    created = seg.created_unix_ns
+    digest = xxhash.xxh3_64_intdigest
+    for slot in np.flatnonzero(ok).tolist():
+        at = slot * SLOT_ENTRY_BYTES
+        if digest(raw[at + 1 : at + ENTRY_SUM_AT], entry_seed(created, slot)) != sums[slot]:
+            ok[slot] = False
+            dropped["entry checksum mismatch"] += 1
+    bad_state = state > SlotState.DOOMED
+    if bad_state.any():
+        dropped["invalid state byte"] += int(bad_state.sum())
+    reserved = state == SlotState.RESERVED
+    to_free = ~ok & ~reserved
+    for slot in np.flatnonzero(to_free & (state != SlotState.FREE)).tolist():
+        seg.mark_free(slot)
+    gens = np.where(gen >= MAX_GENERATION, 0, gen)
+    for slot in np.flatnonzero(gen >= MAX_GENERATION).tolist():
+        if not ok[slot]:
+            seg.mark_free(slot)  # and forget the generation: a reserve packs it again
+    good = np.flatnonzero(ok).tolist()
+    klen_l, len_l, csum_l = klen.tolist(), length.tolist(), csum.tolist()
+    has_sum = (flags & FLAG_HAS_CHECKSUM).astype(bool).tolist()
+    blocks = [
+        (slot, raw[slot * SLOT_ENTRY_BYTES + KEY_OFFSET
+                   : slot * SLOT_ENTRY_BYTES + KEY_OFFSET + klen_l[slot]],
+         len_l[slot], csum_l[slot] if has_sum[slot] else None)
+        for slot in good
+    ]
+    adopted = AdoptedSlots(
+        blocks=blocks,
+        last_access=last[ok].tolist(),
+        reserved=np.flatnonzero(reserved).tolist(),
+        free=np.flatnonzero(to_free).tolist(),
+        generations=gens.tolist(),
+    )
+    return adopted, dropped
 
 
 def recover(store: Store, shm_dir: str) -> RecoveryReport:
@@ -52,39 +147,75 @@ def recover(store: Store, shm_dir: str) -> RecoveryReport:
     t0 = time.monotonic()
     report = RecoveryReport()
     attached: list[tuple[tuple[int, int], Segment]] = []
-    for path in sorted(glob.glob(os.path.join(shm_dir, "*.seg"))):
+    metas = sorted(glob.glob(os.path.join(shm_dir, "*" + META_SUFFIX)))
+    for path in metas:
         try:
             seg = Segment.attach(path, segment_id=store.new_segment_id())
         except (SegmentInvalid, OSError) as exc:
             _drop(report, path, f"reformatted: {exc}")
+            _remove(path[: -len(META_SUFFIX)] + DATA_SUFFIX)
             continue
+        if seg.size_fault is not None:
+            log.warning("segment %s: %s; its size is restored, slots past byte %d are dropped",
+                        os.path.basename(seg.path), seg.size_fault, seg.intact_bytes,
+                        extra=event("segment_size_fault", segment=os.path.basename(seg.path),
+                                    reason=seg.size_fault))
         attached.append((_usage(seg), seg))
+    with_meta = {p[: -len(META_SUFFIX)] + DATA_SUFFIX for p in metas}
+    for path in sorted(glob.glob(os.path.join(shm_dir, "*" + DATA_SUFFIX))):
+        if path not in with_meta:
+            _drop(report, path, "reformatted: no metadata file beside it (lost, or a format 1 "
+                  "segment of an older kvtierd)")
     attached = _one_layout_per_namespace(attached, report)
     attached.sort(key=lambda item: -item[0][1])  # most recently used first
     for _, seg in attached:
         try:
-            n = store.adopt_extent(seg)
+            store.check_adoptable(seg)
         except (CapacityExhausted, FailedPrecondition) as exc:
             seg.close(unlink=True)
             _drop(report, seg.path, f"dropped: {exc}")
             continue
+        slots, dropped = scan_slots(seg, boot_epoch=store.boot_epoch)
+        if dropped:
+            report.dropped_slots.update(dropped)
+            log.warning("segment %s (namespace %r): dropped slots: %s", os.path.basename(seg.path),
+                        seg.namespace, ", ".join(f"{n} {why}" for why, n in dropped.items()),
+                        extra=event("slots_dropped", segment=os.path.basename(seg.path),
+                                    namespace=seg.namespace, reasons=dict(dropped)))
+        n = store.adopt_extent(seg, slots)
         report.segments += 1
         report.blocks[seg.namespace] = report.blocks.get(seg.namespace, 0) + n
     store.finish_recovery()
+    report.problems = store.check()
+    for problem in report.problems:
+        log.error("after recovery: %s", problem, extra=event("check_failed", problem=problem))
     report.seconds = time.monotonic() - t0
     for name, ns in store.namespaces.items():
         log.info("namespace %r: warm, %d blocks recovered in %d extents (block_bytes=%d, "
                  "model_uid=%r)", name, ns.recovered, len(ns.extents), ns.block_bytes,
                  ns.model_uid, extra=event("namespace_recovered", namespace=name,
                                            blocks=ns.recovered, extents=len(ns.extents)))
-    log.info("recovery: %s start, %d blocks in %d segments in %.3f s%s",
+    log.info("recovery: %s start, %d blocks in %d segments in %.3f s%s%s",
              "warm" if report.warm else "cold", sum(report.blocks.values()), report.segments,
              report.seconds, f"; {len(report.dropped)} segment files dropped" if report.dropped
              else "",
+             f"; {sum(report.dropped_slots.values())} slots dropped" if report.dropped_slots
+             else "",
              extra=event("start", warm=report.warm, blocks=sum(report.blocks.values()),
                          segments=report.segments, seconds=round(report.seconds, 6),
-                         dropped_segments=len(report.dropped)))
+                         dropped_segments=len(report.dropped),
+                         dropped_slots=sum(report.dropped_slots.values())))
     return report
+
+
+def _usage(seg: Segment) -> tuple[int, int]:
+    """(committed blocks, most recent access) of a segment, read from its slot table."""
+    table = seg.scan(copy=False)
+    committed = table["last_access"][table["state"] == SlotState.COMMITTED]
+    committed = committed[committed < MAX_ACCESS_SEQ]
+    usage = (int(committed.size), int(committed.max()) if committed.size else 0)
+    del table, committed  # release the view of the mapping
+    return usage
 
 
 def _one_layout_per_namespace(
@@ -118,9 +249,11 @@ def _drop(report: RecoveryReport, path: str, why: str) -> None:
     log.warning("segment %s %s", os.path.basename(path), why,
                 extra=event("segment_dropped", segment=os.path.basename(path), reason=why))
     report.dropped.append(f"{os.path.basename(path)}: {why}")
+    _remove(path)
+
+
+def _remove(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-

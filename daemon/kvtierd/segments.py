@@ -1,29 +1,44 @@
-"""DRAM segments: self-describing shared-memory files of fixed-size slots.
+"""DRAM segments: a namespace's extent as two shared-memory files.
 
 Mechanism only: this module knows the on-segment format and how to create,
 map, pre-fault and lock a segment; it knows nothing of keys' meaning, LRU or
 sessions (that is ``store``) nor of gRPC (that is ``service``).
 
-On-segment format, version 1 (all integers little-endian)::
+Format version 2: each extent is a pair of files in the daemon's shm directory::
 
-    offset 0            header (HEADER_BYTES = one page)
-    offset TABLE_OFFSET slot table: n_slots entries of SLOT_ENTRY_BYTES
-    offset data_offset  data area (page aligned): slot i at i * slot_bytes
+    <digest>.<index>.meta   daemon only: header page, then the slot table
+                            (n_slots entries of SLOT_ENTRY_BYTES)
+    <digest>.<index>.seg    the data, and nothing else: slot i at i * slot_bytes
+
+Only the ``.seg`` file's descriptor is ever sent to a client (read-only to
+readers), so what a client can reach is payload: the metadata the daemon
+relies on after a crash lives where no client fd or mapping reaches
+(issue 13; format 1 kept both in one file, and a writer could forge it).
+A client can still truncate, extend or punch holes in its data file; the
+daemon touches data only through native calls that turn the resulting SIGBUS
+into an error (``kvtier._accel.install_fault_guard``) and through syscalls,
+checks the file's size at adoption and audits it while running
+(``audit_data_file``).
 
 Header: magic, format version, namespace name, block_bytes, slot_bytes,
 model_uid, segment index within the namespace, boot epoch of the daemon that
-formatted it, n_slots, table/data offsets, and an xxh64 of everything before
-it.  Slot entry: state, key, committed length, optional checksum, last-access
-sequence, generation (bumped at every reserve, so a reused slot is never
-mistaken for its previous content) and the boot epoch of its commit.
+formatted it, n_slots, table offset, creation time, and an xxh64 of
+everything before it.  Slot entry: state, key, committed length, optional
+checksum, last-access sequence, generation (bumped at every reserve, so a
+reused slot is never mistaken for its previous content), the boot epoch of its
+commit, and an entry checksum over all of that but the state byte and the
+last access (seeded with the segment's creation time and the slot number, so
+a row copied to another slot or segment does not verify).
 
 Commit ordering (what makes a kill at any instant safe): the client writes
-the payload; the daemon writes key/length/checksum/generation; the state byte
-flips to COMMITTED *last*.  Freeing flips the state byte *first*.
+the payload; the daemon writes key/length/checksum/generation and the entry
+checksum; the state byte flips to COMMITTED *last*.  Freeing flips the state
+byte *first*, then clears the entry checksum.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -32,6 +47,7 @@ import hashlib
 import logging
 import mmap
 import os
+import stat
 import struct
 import time
 from typing import Final
@@ -45,7 +61,10 @@ log = logging.getLogger(__name__)
 
 PAGE: Final = mmap.PAGESIZE
 MAGIC: Final = b"KVTSEG\x00\x01"
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
+#: The daemon-only file (header + slot table) and the data file clients map.
+META_SUFFIX: Final = ".meta"
+DATA_SUFFIX: Final = ".seg"
 #: One page: the header never shares a page with the slot table or data.
 HEADER_BYTES: Final = 4096
 TABLE_OFFSET: Final = HEADER_BYTES
@@ -59,31 +78,55 @@ UID_BYTES: Final = 256
 # data_offset, boot_epoch, created_unix_ns, name_len, name, uid_len, uid
 _HEADER = struct.Struct(f"<8sIIIQQQQQQH{NAME_BYTES}sH{UID_BYTES}s")
 _HEADER_SUM = struct.Struct("<Q")
-# state, key_len, flags, pad, pad32, length, checksum, last_access, generation, epoch, key
-_SLOT = struct.Struct(f"<BBBBIQQQQQ{MAX_KEY_BYTES}s")
+# state, key_len, flags, pad, pad32, length, checksum, generation, epoch, key, entry_sum,
+# last_access.  The entry checksum covers the bytes [1, ENTRY_SUM_AT): everything but the
+# state byte (written last at commit, first at free) and the last access (rewritten at
+# every read, and only an LRU hint).
+_SLOT = struct.Struct(f"<BBBBIQQQQ{MAX_KEY_BYTES}sQQ")
 assert _SLOT.size <= SLOT_ENTRY_BYTES
+#: Byte offsets of the key, the entry checksum and the last access inside a slot entry.
+KEY_OFFSET: Final = 40
+ENTRY_SUM_AT: Final = 104
+_LAST_ACCESS_AT: Final = 112
+_SUM = struct.Struct("<Q")
+#: Largest generation and access sequence a slot may carry (adoption drops or
+#: resets bigger ones): at a million reserves a second, 2**48 lasts nine years.
+MAX_GENERATION: Final = 1 << 48
+MAX_ACCESS_SEQ: Final = 1 << 48
+_MASK64: Final = (1 << 64) - 1
 assert _HEADER.size + _HEADER_SUM.size <= HEADER_BYTES
 
 FLAG_HAS_CHECKSUM: Final = 1
-#: Byte offset of the key inside a slot entry.
-KEY_OFFSET: Final = 48
 
 #: The slot entry as a numpy record, for scanning whole tables at attach time.
 SLOT_DTYPE: Final = np.dtype(
     {
         "names": ["state", "key_len", "flags", "length", "checksum", "last_access",
-                  "generation", "epoch", "key"],
-        "formats": ["u1", "u1", "u1", "<u8", "<u8", "<u8", "<u8", "<u8", f"S{MAX_KEY_BYTES}"],
-        "offsets": [0, 1, 2, 8, 16, 24, 32, 40, KEY_OFFSET],
+                  "generation", "epoch", "key", "entry_sum"],
+        "formats": ["u1", "u1", "u1", "<u8", "<u8", "<u8", "<u8", "<u8", f"S{MAX_KEY_BYTES}",
+                    "<u8"],
+        "offsets": [0, 1, 2, 8, 16, _LAST_ACCESS_AT, 24, 32, KEY_OFFSET, ENTRY_SUM_AT],
         "itemsize": SLOT_ENTRY_BYTES,
     }
 )
 
 
+
+
+def entry_seed(created_unix_ns: int, slot: int) -> int:
+    """The entry checksum's seed: binds a row to its segment and its slot."""
+    return (created_unix_ns ^ (slot * 0x9E3779B97F4A7C15)) & _MASK64
+
+
+def entry_sum(entry: bytes, seed: int) -> int:
+    """Checksum of one slot entry: every field but the state byte and the last access."""
+    return xxhash.xxh3_64_intdigest(entry[1:ENTRY_SUM_AT], seed)
+
+
 class SegmentInvalid(ValueError):
     """A segment file that must not be used; the message says why."""
-#: Byte offset of last_access inside a slot entry (after 4 bytes, pad32, length, checksum).
-_LAST_ACCESS_AT: Final = 24
+
+
 
 
 class SlotState(enum.IntEnum):
@@ -115,26 +158,41 @@ class SegmentLayout:
     block_bytes: int
     slot_bytes: int
     n_slots: int
-    data_offset: int
+
+    @property
+    def meta_bytes(self) -> int:
+        """Size of the daemon-only metadata file: header page and slot table."""
+        return round_up(TABLE_OFFSET + self.n_slots * SLOT_ENTRY_BYTES, PAGE)
+
+    @property
+    def data_bytes(self) -> int:
+        """Size of the data file clients map."""
+        return self.n_slots * self.slot_bytes
+
+    @property
+    def data_offset(self) -> int:
+        """Where the data starts in the file clients map: always 0 (format 2)."""
+        return 0
 
     @property
     def file_bytes(self) -> int:
-        return self.data_offset + self.n_slots * self.slot_bytes
+        """Shared memory the extent takes: both files."""
+        return self.meta_bytes + self.data_bytes
 
     @staticmethod
     def one_slot_file_bytes(block_bytes: int) -> int:
-        """Bytes of a segment file holding exactly one slot of ``block_bytes``."""
+        """Bytes of a segment (both files) holding exactly one slot of ``block_bytes``."""
         return round_up(TABLE_OFFSET + SLOT_ENTRY_BYTES, PAGE) + round_up(block_bytes, PAGE)
 
     @classmethod
     def fit(cls, block_bytes: int, budget_bytes: int) -> SegmentLayout | None:
-        """The largest layout whose file fits in ``budget_bytes`` (None if not one slot)."""
+        """The largest layout whose files fit in ``budget_bytes`` (None if not one slot)."""
         slot_bytes = round_up(block_bytes, PAGE)
         n = max(0, (budget_bytes - HEADER_BYTES) // (slot_bytes + SLOT_ENTRY_BYTES))
         while n > 0:
-            data_offset = round_up(TABLE_OFFSET + n * SLOT_ENTRY_BYTES, PAGE)
-            if data_offset + n * slot_bytes <= budget_bytes:
-                return cls(block_bytes, slot_bytes, n, data_offset)
+            layout = cls(block_bytes, slot_bytes, n)
+            if layout.file_bytes <= budget_bytes:
+                return layout
             n -= 1
         return None
 
@@ -143,10 +201,15 @@ def round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def segment_file_name(namespace: str, index: int) -> str:
-    """File name for a namespace's extent; the header holds the real name."""
+def segment_file_name(namespace: str, index: int, suffix: str = DATA_SUFFIX) -> str:
+    """File name of a namespace's extent (data by default); the header holds the real name."""
     digest = hashlib.sha256(namespace.encode()).hexdigest()[:16]
-    return f"{digest}.{index:06d}.seg"
+    return f"{digest}.{index:06d}{suffix}"
+
+
+def data_path_of(meta_path: str) -> str:
+    """The data file that belongs to a metadata file."""
+    return meta_path[: -len(META_SUFFIX)] + DATA_SUFFIX
 
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -168,10 +231,13 @@ def _mlock(mm: mmap.mmap) -> str | None:
 
 
 class Segment:
-    """One extent of a namespace: an open, mapped, formatted segment file.
+    """One extent of a namespace: its open, mapped metadata and data files.
 
     Created and closed off the event loop (file I/O and page faults); the
-    slot-table writers below are small in-memory stores, safe on the loop.
+    slot-table writers below are small in-memory stores into the daemon-only
+    metadata mapping, safe on the loop.  ``fd``/``mm``/``path`` are the data
+    file (the only one whose descriptor leaves the daemon); ``meta_fd``/
+    ``meta``/``meta_path`` the metadata file.
     """
 
     def __init__(
@@ -181,10 +247,14 @@ class Segment:
         path: str,
         fd: int,
         mm: mmap.mmap,
+        meta_path: str,
+        meta_fd: int,
+        meta: mmap.mmap,
         namespace: str,
         model_uid: str,
         index: int,
         layout: SegmentLayout,
+        created_unix_ns: int,
         mlock_error: str | None,
         prefault_seconds: float,
     ) -> None:
@@ -192,14 +262,23 @@ class Segment:
         self.path = path
         self.fd = fd
         self.mm = mm
+        self.meta_path = meta_path
+        self.meta_fd = meta_fd
+        self.meta = meta
         self.namespace = namespace
         self.model_uid = model_uid
         self.index = index
         self.layout = layout
+        self.created_unix_ns = created_unix_ns
         self.mlock_error = mlock_error
         self.prefault_seconds = prefault_seconds
         #: True when attached from a previous run (its pages are locked after READY).
         self.adopted = False
+        #: Data bytes found intact at attach: the file's size if a client cut it short
+        #: (slots past it lost their bytes), else ``layout.data_bytes``.
+        self.intact_bytes = layout.data_bytes
+        #: What attach found wrong with the data file's size, if anything.
+        self.size_fault: str | None = None
 
     # ----------------------------------------------------------- lifecycle
     @classmethod
@@ -216,34 +295,29 @@ class Segment:
         mlock: bool,
         prefault_threads: int = 0,
     ) -> Segment:
-        """Create, size, pre-fault (in parallel) and format a new segment file."""
+        """Create, size, pre-fault (in parallel) and format a new segment's two files."""
+        meta_path = os.path.join(directory, segment_file_name(namespace, index, META_SUFFIX))
         path = os.path.join(directory, segment_file_name(namespace, index))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         t0 = time.perf_counter()
-        try:
-            # Allocate now: a tmpfs smaller than the pool gives ENOSPC here
-            # instead of SIGBUS when the pages are first touched.
-            os.posix_fallocate(fd, 0, layout.file_bytes)
-            mm = mmap.mmap(fd, layout.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(path)
-            raise
-        _accel.prefault(mm, prefault_threads)
+        with contextlib.ExitStack() as undo:
+            # The data file first: a metadata file is what recovery looks for, so one
+            # that exists always has its data file beside it.
+            fd = _create_file(path, layout.data_bytes, undo)
+            meta_fd = _create_file(meta_path, layout.meta_bytes, undo)
+            mm = _map(fd, layout.data_bytes, undo)
+            meta = _map(meta_fd, layout.meta_bytes, undo)
+            _accel.prefault(mm, prefault_threads)
+            _accel.prefault(meta, 1)
+            undo.pop_all()
         prefault_seconds = time.perf_counter() - t0
-        mlock_error = _mlock(mm) if mlock else "mlock disabled by config (dram.mlock: false)"
+        created = time.time_ns()
         seg = cls(
-            segment_id=segment_id,
-            path=path,
-            fd=fd,
-            mm=mm,
-            namespace=namespace,
-            model_uid=model_uid,
-            index=index,
-            layout=layout,
-            mlock_error=mlock_error,
+            segment_id=segment_id, path=path, fd=fd, mm=mm, meta_path=meta_path,
+            meta_fd=meta_fd, meta=meta, namespace=namespace, model_uid=model_uid, index=index,
+            layout=layout, created_unix_ns=created, mlock_error=None,
             prefault_seconds=prefault_seconds,
         )
+        seg.mlock_error = seg._mlock() if mlock else "mlock disabled by config (dram.mlock: false)"
         seg._write_header(boot_epoch)
         mib = layout.file_bytes / 2**20
         log.info(
@@ -251,74 +325,129 @@ class Segment:
             "%.3f s (%.2f GB/s)%s",
             os.path.basename(path), namespace, index, layout.n_slots, layout.slot_bytes, mib,
             prefault_seconds, layout.file_bytes / max(prefault_seconds, 1e-9) / 1e9,
-            "" if mlock_error is None else f"; not locked: {mlock_error}",
+            "" if seg.mlock_error is None else f"; not locked: {seg.mlock_error}",
         )
         return seg
 
     @classmethod
-    def attach(cls, path: str, *, segment_id: int) -> Segment:
-        """Open and validate an existing segment file without touching its data pages.
+    def attach(cls, meta_path: str, *, segment_id: int) -> Segment:
+        """Open and validate a previous run's segment without touching its data pages.
 
-        Raises ``SegmentInvalid`` (never half-uses a file): bad magic,
-        version or header checksum, a geometry that does not add up, a file
-        size that differs from the header's (truncated or extended), or a
-        file name that does not match its header.
+        Raises ``SegmentInvalid`` (never half-uses a segment): bad magic,
+        version or header checksum, a geometry that does not add up, a
+        metadata file whose size differs from the header's, a file name that
+        does not match its header, or no data file.  A data file whose size
+        is wrong (a client truncated or extended it) is set back to its size;
+        ``intact_bytes`` says how much of it survived and ``size_fault`` what
+        was wrong.
         """
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
+        with contextlib.ExitStack() as undo:
+            meta_fd = os.open(meta_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            undo.callback(os.close, meta_fd)
+            size = os.fstat(meta_fd).st_size
             if size < HEADER_BYTES:
                 raise SegmentInvalid(f"truncated: {size} bytes, shorter than its header")
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            meta = _map(meta_fd, size, undo)
             try:
-                try:
-                    head = read_header(mm)
-                except ValueError as exc:
-                    raise SegmentInvalid(str(exc)) from None
-                layout = _validated_layout(head, size)
-                name = str(head["namespace"])
-                index = int(head["index"])  # type: ignore[call-overload]
-                if os.path.basename(path) != segment_file_name(name, index):
-                    raise SegmentInvalid(
-                        f"file name does not match its header (namespace {name!r}, extent {index})"
-                    )
-            except BaseException:
-                mm.close()
-                raise
-        except BaseException:
-            os.close(fd)
-            raise
+                head = read_header(meta)
+            except ValueError as exc:
+                raise SegmentInvalid(str(exc)) from None
+            layout = _validated_layout(head, size)
+            name = str(head["namespace"])
+            index = int(head["index"])  # type: ignore[call-overload]
+            if os.path.basename(meta_path) != segment_file_name(name, index, META_SUFFIX):
+                raise SegmentInvalid(
+                    f"file name does not match its header (namespace {name!r}, extent {index})"
+                )
+            path = data_path_of(meta_path)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError as exc:
+                raise SegmentInvalid(f"its data file cannot be opened: {exc.strerror}") from None
+            undo.callback(os.close, fd)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SegmentInvalid("its data file is not a regular file")
+            intact, fault = st.st_size, None
+            if st.st_size != layout.data_bytes:
+                fault = (f"data file is {st.st_size} bytes, its metadata describes "
+                         f"{layout.data_bytes} (truncated or extended by a client)")
+                os.ftruncate(fd, layout.data_bytes)
+                intact = min(st.st_size, layout.data_bytes)
+            mm = _map(fd, layout.data_bytes, undo)
+            undo.pop_all()
         seg = cls(
-            segment_id=segment_id, path=path, fd=fd, mm=mm, namespace=name,
-            model_uid=str(head["model_uid"]), index=index, layout=layout,
+            segment_id=segment_id, path=path, fd=fd, mm=mm, meta_path=meta_path,
+            meta_fd=meta_fd, meta=meta, namespace=name, model_uid=str(head["model_uid"]),
+            index=index, layout=layout,
+            created_unix_ns=int(head["created_unix_ns"]),  # type: ignore[call-overload]
             mlock_error=None, prefault_seconds=0.0,
         )
         seg.adopted = True
+        seg.intact_bytes, seg.size_fault = intact, fault
         return seg
 
     def lock_and_populate(self, *, mlock: bool) -> None:
         """mlock an attached segment (faults its pages in without changing them)."""
-        self.mlock_error = _mlock(self.mm) if mlock else "mlock disabled by config (dram.mlock: false)"
+        self.mlock_error = self._mlock() if mlock else "mlock disabled by config (dram.mlock: false)"
+
+    def _mlock(self) -> str | None:
+        # mlock of a mapping a client cut short fails (ENOMEM) instead of faulting.
+        return _mlock(self.meta) or _mlock(self.mm)
+
+    def audit_data_file(self) -> tuple[str, int] | None:
+        """Set the data file back to its size if a client changed it (a worker thread).
+
+        Returns None when the file is as the daemon made it, else (what was
+        wrong, intact bytes): a file cut short lost the data of the slots past
+        its new end (those bytes read as zeros now); an extended one is cut back
+        (a client must not grow the host's shared memory); holes punched into
+        it are allocated again, so a later write into them cannot fail for a
+        full tmpfs.
+        """
+        want = self.layout.data_bytes
+        st = os.fstat(self.fd)
+        if st.st_size == want and st.st_blocks * 512 >= want:
+            return None
+        if st.st_size != want:
+            kind = "shrunk" if st.st_size < want else "grown"
+            os.ftruncate(self.fd, want)
+        else:
+            kind = "holes"
+        try:
+            os.posix_fallocate(self.fd, 0, want)
+        except OSError as exc:
+            log.warning("segment %s: cannot allocate its data file again: %s",
+                        os.path.basename(self.path), exc)
+        return kind, min(st.st_size, want)
 
     def scan(self, *, copy: bool = True) -> np.ndarray:
         """The whole slot table as a structured array (a snapshot, or a live view)."""
-        view = np.frombuffer(self.mm, dtype=SLOT_DTYPE, count=self.layout.n_slots,
+        view = np.frombuffer(self.meta, dtype=SLOT_DTYPE, count=self.layout.n_slots,
                              offset=TABLE_OFFSET)
         return view.copy() if copy else view
 
+    def raw_table(self) -> bytes:
+        """The slot table's bytes (recovery checks entry checksums on them)."""
+        return bytes(self.meta[TABLE_OFFSET : TABLE_OFFSET + self.layout.n_slots
+                               * SLOT_ENTRY_BYTES])
+
     def unlink(self) -> None:
-        """Remove the file (the mapping stays valid until ``close``)."""
+        """Remove both files (the mappings stay valid until ``close``)."""
+        _unlink_quietly(self.meta_path)
         _unlink_quietly(self.path)
 
     def close(self, *, unlink: bool) -> None:
-        """Unmap and close; with ``unlink`` also remove the file (its data is gone)."""
-        try:
-            self.mm.close()
-        except BufferError:  # a view is still exported; the GC unmaps it later
-            pass
+        """Unmap and close; with ``unlink`` also remove the files (their data is gone)."""
+        for mm in (self.mm, self.meta):
+            try:
+                mm.close()
+            except BufferError:  # a view is still exported; the GC unmaps it later
+                pass
         os.close(self.fd)
+        os.close(self.meta_fd)
         if unlink:
-            _unlink_quietly(self.path)
+            self.unlink()
 
     # ----------------------------------------------------------- header
     def _write_header(self, boot_epoch: int) -> None:
@@ -330,11 +459,11 @@ class Segment:
         lay = self.layout
         head = _HEADER.pack(
             MAGIC, FORMAT_VERSION, lay.n_slots, self.index, lay.block_bytes, lay.slot_bytes,
-            TABLE_OFFSET, lay.data_offset, boot_epoch, time.time_ns(),
+            TABLE_OFFSET, lay.data_offset, boot_epoch, self.created_unix_ns,
             len(name), name, len(uid), uid,
         )
-        self.mm[: _HEADER.size] = head
-        self.mm[_HEADER.size : _HEADER.size + _HEADER_SUM.size] = _HEADER_SUM.pack(
+        self.meta[: _HEADER.size] = head
+        self.meta[_HEADER.size : _HEADER.size + _HEADER_SUM.size] = _HEADER_SUM.pack(
             xxhash.xxh64_intdigest(head)
         )
 
@@ -346,7 +475,8 @@ class Segment:
 
     def mark_reserved(self, slot: int, generation: int) -> None:
         off = self._entry_offset(slot)
-        _SLOT.pack_into(self.mm, off, SlotState.RESERVED, 0, 0, 0, 0, 0, 0, 0, generation, 0, b"")
+        _SLOT.pack_into(self.meta, off, SlotState.RESERVED, 0, 0, 0, 0, 0, 0, generation, 0, b"",
+                        0, 0)
 
     def mark_committed(
         self,
@@ -359,30 +489,35 @@ class Segment:
         generation: int,
         epoch: int,
     ) -> None:
-        """Persist a commit: every field first, the state byte last."""
+        """Persist a commit: every field and the entry checksum first, the state byte last."""
         off = self._entry_offset(slot)
         flags = FLAG_HAS_CHECKSUM if checksum is not None else 0
         packed = _SLOT.pack(
-            SlotState.RESERVED, len(key), flags, 0, 0, length, checksum or 0, last_access,
-            generation, epoch, key,
+            SlotState.RESERVED, len(key), flags, 0, 0, length, checksum or 0, generation, epoch,
+            key, 0, last_access,
         )
-        self.mm[off + 1 : off + _SLOT.size] = packed[1:]
-        self.mm[off] = SlotState.COMMITTED
+        total = entry_sum(packed, entry_seed(self.created_unix_ns, slot))
+        self.meta[off + 1 : off + ENTRY_SUM_AT] = packed[1:ENTRY_SUM_AT]
+        _SUM.pack_into(self.meta, off + ENTRY_SUM_AT, total)
+        _SUM.pack_into(self.meta, off + _LAST_ACCESS_AT, last_access)
+        self.meta[off] = SlotState.COMMITTED
 
     def mark_doomed(self, slot: int) -> None:
         """A deleted block still being read: a restart must not bring it back."""
-        self.mm[self._entry_offset(slot)] = SlotState.DOOMED
+        self.meta[self._entry_offset(slot)] = SlotState.DOOMED
 
     def mark_free(self, slot: int) -> None:
-        """Invalidate first: the state byte flips before anything else changes."""
-        self.mm[self._entry_offset(slot)] = SlotState.FREE
+        """Invalidate first: the state byte flips, then the entry checksum is cleared."""
+        off = self._entry_offset(slot)
+        self.meta[off] = SlotState.FREE
+        _SUM.pack_into(self.meta, off + ENTRY_SUM_AT, 0)
 
     def touch(self, slot: int, last_access: int) -> None:
-        struct.pack_into("<Q", self.mm, self._entry_offset(slot) + _LAST_ACCESS_AT, last_access)
+        _SUM.pack_into(self.meta, self._entry_offset(slot) + _LAST_ACCESS_AT, last_access)
 
     def read_slot(self, slot: int) -> SlotRecord:
-        st, klen, flags, _, _, length, csum, last, gen, epoch, key = _SLOT.unpack_from(
-            self.mm, self._entry_offset(slot)
+        st, klen, flags, _, _, length, csum, gen, epoch, key, _, last = _SLOT.unpack_from(
+            self.meta, self._entry_offset(slot)
         )
         return SlotRecord(
             state=SlotState(st),
@@ -396,12 +531,17 @@ class Segment:
 
     # ----------------------------------------------------------- data
     def slot_offset(self, slot: int) -> int:
-        """Offset of a slot within the data area (what clients address)."""
+        """Offset of a slot within the data file (what clients address)."""
         return slot * self.layout.slot_bytes
 
     def data_view(self, slot: int, length: int) -> memoryview:
-        """The daemon's own view of a slot's bytes (tests and tiers, never the hot path)."""
-        start = self.layout.data_offset + self.slot_offset(slot)
+        """The daemon's own view of a slot's bytes (tiers and tests, never the hot path).
+
+        Client-writable memory: touch it only through ``kvtier._accel`` calls
+        (which raise OSError EFAULT when a client removed the pages) or
+        syscalls, never with plain Python or numpy reads.
+        """
+        start = self.slot_offset(slot)
         return memoryview(self.mm)[start : start + length]
 
 
@@ -417,32 +557,51 @@ def read_header(mm: mmap.mmap | bytes) -> dict[str, object]:
      nlen, name, ulen, uid) = _HEADER.unpack(head)
     if version != FORMAT_VERSION:
         raise ValueError(f"format version {version}, expected {FORMAT_VERSION}")
+    if nlen > NAME_BYTES or ulen > UID_BYTES:
+        raise ValueError(f"name length {nlen} or model_uid length {ulen} out of range")
+    try:
+        namespace, model_uid = name[:nlen].decode(), uid[:ulen].decode()
+    except UnicodeDecodeError:
+        raise ValueError("namespace or model_uid is not UTF-8") from None
     return {
         "n_slots": n_slots, "index": index, "block_bytes": block_bytes, "slot_bytes": slot_bytes,
         "table_offset": table_off, "data_offset": data_off, "boot_epoch": epoch,
-        "created_unix_ns": created, "namespace": name[:nlen].decode(),
-        "model_uid": uid[:ulen].decode(),
+        "created_unix_ns": created, "namespace": namespace, "model_uid": model_uid,
     }
 
 
-def _validated_layout(head: dict[str, object], file_size: int) -> SegmentLayout:
+def _validated_layout(head: dict[str, object], meta_size: int) -> SegmentLayout:
     """The layout a header describes, if its numbers are mutually consistent."""
     n, block, slot, table, data = (int(head[k]) for k in (  # type: ignore[call-overload]
         "n_slots", "block_bytes", "slot_bytes", "table_offset", "data_offset"))
     if n < 1 or block < 1:
         raise SegmentInvalid(f"header has n_slots={n} block_bytes={block}")
-    if slot != round_up(block, PAGE) or table != TABLE_OFFSET:
+    if slot != round_up(block, PAGE) or table != TABLE_OFFSET or data != 0:
         raise SegmentInvalid(f"header geometry is inconsistent (slot_bytes={slot}, "
-                             f"block_bytes={block}, table_offset={table})")
-    if data != round_up(TABLE_OFFSET + n * SLOT_ENTRY_BYTES, PAGE):
-        raise SegmentInvalid(f"header data_offset {data} does not follow from {n} slots")
-    layout = SegmentLayout(block, slot, n, data)
-    if file_size != layout.file_bytes:
+                             f"block_bytes={block}, table_offset={table}, data_offset={data})")
+    layout = SegmentLayout(block, slot, n)
+    if meta_size != layout.meta_bytes:
         raise SegmentInvalid(
-            f"file is {file_size} bytes but its header describes {layout.file_bytes} "
+            f"metadata file is {meta_size} bytes but its header describes {layout.meta_bytes} "
             "(truncated or extended)"
         )
     return layout
+
+
+def _create_file(path: str, size: int, undo: contextlib.ExitStack) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    undo.callback(os.close, fd)
+    undo.callback(_unlink_quietly, path)
+    # Allocate now: a tmpfs smaller than the pool gives ENOSPC here instead of
+    # SIGBUS when the pages are first touched.
+    os.posix_fallocate(fd, 0, size)
+    return fd
+
+
+def _map(fd: int, size: int, undo: contextlib.ExitStack) -> mmap.mmap:
+    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    undo.callback(mm.close)
+    return mm
 
 
 def _unlink_quietly(path: str) -> None:

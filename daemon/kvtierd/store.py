@@ -58,7 +58,7 @@ from kvtier.errors import (
 )
 from kvtierd.access import Identity
 from kvtierd.logs import event
-from kvtierd.segments import KEY_OFFSET, MAX_KEY_BYTES, Segment, SegmentLayout, SlotState
+from kvtierd.segments import Segment, SegmentLayout, SlotState
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +244,22 @@ class AcquireResult:
     lease_id: int
     slots: list[SlotGrant]
     segments_version: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdoptedSlots:
+    """A previous run's slot table as ``recovery.scan_slots`` validated it."""
+
+    #: (slot, key, length, checksum or None) of each block to adopt
+    blocks: list[tuple[int, bytes, int, int | None]]
+    #: the persisted last access of each of ``blocks`` (LRU order)
+    last_access: list[int]
+    #: RESERVED slots: quarantined for the reservation TTL, then freed
+    reserved: list[int]
+    #: free slots
+    free: list[int]
+    #: every slot's generation (in range)
+    generations: list[int]
 
 
 class _NeedExtent(Exception):
@@ -943,15 +959,12 @@ class Store:
     def new_segment_id(self) -> int:
         return next(self._segment_ids)
 
-    def adopt_extent(self, segment: Segment) -> int:
-        """Take over a segment of a previous run; returns the blocks recovered.
+    def check_adoptable(self, segment: Segment) -> None:
+        """Raise unless a previous run's segment can be adopted now (the store is unchanged).
 
-        COMMITTED slots with a sane key and length become visible blocks;
-        RESERVED slots are quarantined for the reservation TTL (a writer of
-        the previous daemon may still be copying) and then freed; anything
-        else is freed.  Raises ``CapacityExhausted`` when the budget cannot
-        hold the extent and ``FailedPrecondition`` when its layout conflicts
-        with the namespace's other extents; the store is unchanged then.
+        ``CapacityExhausted`` when the budget cannot hold the extent,
+        ``FailedPrecondition`` when its layout conflicts with the namespace's
+        other extents or its extent number is taken.
         """
         lay = segment.layout
         if lay.file_bytes > self.budget_free:
@@ -967,53 +980,44 @@ class Store:
             )
         if ns is not None and any(e.segment.index == segment.index for e in ns.extents):
             raise FailedPrecondition(f"extent {segment.index} of {segment.namespace!r} twice")
+
+    def adopt_extent(self, segment: Segment, slots: AdoptedSlots) -> int:
+        """Take over a segment of a previous run, as ``recovery`` validated it.
+
+        ``slots`` holds what may become visible blocks (every field checked),
+        the RESERVED slots (quarantined for the reservation TTL: a writer of
+        the previous daemon may still be copying, then freed) and the free
+        ones.  Returns the blocks recovered.  Raises like ``check_adoptable``;
+        the store is unchanged then.
+        """
+        self.check_adoptable(segment)
+        lay = segment.layout
+        ns = self.namespaces.get(segment.namespace)
         if ns is None:
             ns = Namespace(segment.namespace, lay.block_bytes, segment.model_uid, lay.slot_bytes)
             self.namespaces[ns.name] = ns
-        table = segment.scan()
-        n = lay.n_slots
-        state = table["state"]
-        key_len = table["key_len"]
-        length = table["length"]
-        valid = ((state == SlotState.COMMITTED) & (key_len >= 1) & (key_len <= MAX_KEY_BYTES)
-                 & (length >= 1) & (length <= lay.block_bytes))
-        ext = Extent(segment, [], table["generation"].tolist())
-        # Plain Python lists: per-element numpy access would dominate a 250k-block start.
-        # Raw key bytes (numpy's "S" type would strip trailing NULs, which keys may have).
-        raw_keys = np.ascontiguousarray(
-            table.view(np.uint8).reshape(n, -1)[:, KEY_OFFSET : KEY_OFFSET + MAX_KEY_BYTES]
-        ).tobytes()
-        klen, lens, gens = key_len.tolist(), length.tolist(), ext.generations
-        lasts, sums = table["last_access"].tolist(), table["checksum"].tolist()
-        has_sum = (table["flags"] & 1).astype(bool).tolist()
-        state_l = state.tolist()
+        ext = Extent(segment, [], list(slots.generations))
+        gens = ext.generations
         deadline = self._clock() + self.reservation_ttl
         recovered = 0
         index, adopted, adopted_at = ns.index, self._adopted, self._adopted_at
-        reserved_mask = state == SlotState.RESERVED
-        for slot in np.flatnonzero(reserved_mask).tolist():
+        for slot in slots.reserved:
             ext.quarantine[slot] = deadline
         ext.reserved += len(ext.quarantine)
         ns.reserved += len(ext.quarantine)
-        rest = np.flatnonzero(~valid & ~reserved_mask).tolist()
-        for slot in rest:
-            if state_l[slot] != SlotState.FREE:
-                segment.mark_free(slot)
-        ext.free = rest[::-1]  # pop() hands out the lowest slot first
-        for slot in np.flatnonzero(valid).tolist():
-            at = slot * MAX_KEY_BYTES
-            key = raw_keys[at : at + klen[slot]]
-            last = lasts[slot]
+        ext.free = sorted(slots.free, reverse=True)  # pop() hands out the lowest slot first
+        for (slot, key, length, checksum), last in zip(slots.blocks, slots.last_access,
+                                                        strict=True):
             old = index.get(key)
             if old is not None:  # the same key twice (never written so; be safe)
                 log.warning("namespace %r: key %s committed twice; keeping the newer copy",
                             ns.name, key.hex())
-                if old.extent.segment.read_slot(old.slot).last_access >= last:
+                at_old = adopted.index(old)  # rare: a linear search is fine
+                if adopted_at[at_old] >= last:
                     segment.mark_free(slot)
                     ext.free.append(slot)
                     continue
                 del index[key]
-                at_old = adopted.index(old)  # rare: a linear search is fine
                 del adopted[at_old], adopted_at[at_old]
                 if old.extent is ext:  # not counted yet: just free its slot
                     segment.mark_free(old.slot)
@@ -1022,8 +1026,7 @@ class Store:
                 else:
                     self._free_block(old)
                     ns.recovered -= 1
-            block = Block(ns, key, ext, slot, lens[slot], sums[slot] if has_sum[slot] else None,
-                          gens[slot])
+            block = Block(ns, key, ext, slot, length, checksum, gens[slot])
             index[key] = block
             adopted.append(block)
             adopted_at.append(last)

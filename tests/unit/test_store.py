@@ -20,7 +20,7 @@ from kvtier.errors import (
     NotFound,
     Unauthenticated,
 )
-from kvtierd.segments import SLOT_ENTRY_BYTES, TABLE_OFFSET, SegmentLayout, SlotState
+from kvtierd.segments import KEY_OFFSET, SLOT_ENTRY_BYTES, TABLE_OFFSET, SegmentLayout, SlotState
 from kvtierd.store import Extent, Namespace, ReserveStatus, Session, Store
 
 from .conftest import BOOT_EPOCH, PEER, StoreEnv, run, segment_factory
@@ -110,7 +110,7 @@ def snapshot(store: Store) -> dict[str, Any]:
             "counts": (ns.reserved, ns.committed, ns.leased, ns.sessions, ns.segments_version),
             "extents": [(id(e), sorted(e.free), list(e.generations), e.reserved, e.committed,
                          e.pinned) for e in ns.extents],
-            "tables": [bytes(e.segment.mm[TABLE_OFFSET : TABLE_OFFSET
+            "tables": [bytes(e.segment.meta[TABLE_OFFSET : TABLE_OFFSET
                                           + e.n_slots * SLOT_ENTRY_BYTES]) for e in ns.extents],
         }
     return {
@@ -888,50 +888,50 @@ def corruption(fn: Callable[[StoreEnv, Session], None]) -> Callable[[StoreEnv, S
 @corruption
 def committed_slot_flipped_to_free(env: StoreEnv, s: Session) -> None:
     ext, slot = slot_of(env, s, keys(2)[1])
-    ext.segment.mm[_state_at(ext, slot)] = SlotState.FREE
+    ext.segment.meta[_state_at(ext, slot)] = SlotState.FREE
 
 
 @corruption
 def committed_slot_flipped_to_reserved(env: StoreEnv, s: Session) -> None:
     ext, slot = slot_of(env, s, keys(3)[2])
-    ext.segment.mm[_state_at(ext, slot)] = SlotState.RESERVED
+    ext.segment.meta[_state_at(ext, slot)] = SlotState.RESERVED
 
 
 @corruption
 def free_slot_flipped_to_committed(env: StoreEnv, s: Session) -> None:
     ext = s.ns.extents[0]
-    ext.segment.mm[_state_at(ext, _first_free(ext))] = SlotState.COMMITTED
+    ext.segment.meta[_state_at(ext, _first_free(ext))] = SlotState.COMMITTED
 
 
 @corruption
 def free_slot_flipped_to_reserved(env: StoreEnv, s: Session) -> None:
     ext = s.ns.extents[0]
-    ext.segment.mm[_state_at(ext, _first_free(ext))] = SlotState.RESERVED
+    ext.segment.meta[_state_at(ext, _first_free(ext))] = SlotState.RESERVED
 
 
 @corruption
 def reserved_slot_flipped_to_free(env: StoreEnv, s: Session) -> None:
     (res,) = s.reservations.values()
     ext, slot, _ = res.places[0]
-    ext.segment.mm[_state_at(ext, slot)] = SlotState.FREE
+    ext.segment.meta[_state_at(ext, slot)] = SlotState.FREE
 
 
 @corruption
 def slot_table_key_changed(env: StoreEnv, s: Session) -> None:
     ext, slot = slot_of(env, s, keys(2)[1])
-    ext.segment.mm[_state_at(ext, slot) + 48] ^= 0xFF  # first key byte
+    ext.segment.meta[_state_at(ext, slot) + KEY_OFFSET] ^= 0xFF  # first key byte
 
 
 @corruption
 def slot_table_length_changed(env: StoreEnv, s: Session) -> None:
     ext, slot = slot_of(env, s, keys(2)[1])
-    ext.segment.mm[_state_at(ext, slot) + 8] ^= 0x01
+    ext.segment.meta[_state_at(ext, slot) + 8] ^= 0x01
 
 
 @corruption
 def slot_table_generation_changed(env: StoreEnv, s: Session) -> None:
     ext, slot = slot_of(env, s, keys(2)[1])
-    ext.segment.mm[_state_at(ext, slot) + 32] ^= 0x01
+    ext.segment.meta[_state_at(ext, slot) + 24] ^= 0x01  # generation
 
 
 @corruption
@@ -939,7 +939,7 @@ def slot_table_checksum_changed(env: StoreEnv, s: Session) -> None:
     # a warm restart rebuilds blocks from the slot table: a wrong checksum there
     # turns a good block into a "Corrupted" miss (or hides real corruption)
     ext, slot = slot_of(env, s, keys(2)[1])
-    ext.segment.mm[_state_at(ext, slot) + 2] ^= 0x01  # flags: has-checksum
+    ext.segment.meta[_state_at(ext, slot) + 2] ^= 0x01  # flags: has-checksum
 
 
 @corruption
