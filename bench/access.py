@@ -63,11 +63,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvtier import bench as kb
-from kvtier.cli import fetch_stats, wait_serving
+from kvtier._admin import fetch_stats, wait_serving
+from kvtier._fmt import table
 from kvtier.errors import KVTierError, PermissionDenied
+from kvtier.units import GiB, format_bytes
 from kvtierd.config import config_to_dict, load_config
 
-KiB, MiB, GiB = kb.KiB, kb.MiB, kb.GiB
 CONFIGS = ("on", "off")
 DEFAULT_SIZES = "2MiB,64KiB"
 DEFAULT_ROUNDS = 6
@@ -167,8 +168,8 @@ def own_daemon(name: str, workdir: str, capacity: int, extent: int, sizes: list[
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     info.update(capacity=capacity, extent_size=extent, shm_dir=shm_dir, socket_dir=socket_dir,
                 args=args[1:])
-    kb._progress(f"starting kvtierd {name.upper()} (capacity {kb.fmt_size(capacity)}, "
-                 f"extents {kb.fmt_size(extent)}, shm {shm_dir})")
+    kb._progress(f"starting kvtierd {name.upper()} (capacity {format_bytes(capacity, exact=True)}, "
+                 f"extents {format_bytes(extent, exact=True)}, shm {shm_dir})")
     proc = None
     try:
         with open(log_path, "wb") as log:
@@ -506,7 +507,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 j = 0
                 for block in sizes:
                     for op in ("put", "get"):
-                        key = f"{op} {kb.fmt_size(block)}"
+                        key = f"{op} {format_bytes(block, exact=True)}"
                         meter.start()
                         out = worker.call({**common, "op": op, "block": block,
                                            "seconds": 2 * args.seconds, "first": rnd + j})
@@ -569,12 +570,12 @@ def summarize(res: dict[str, Any]) -> list[dict[str, Any]]:
 
     for block in res["config"]["sizes"]:
         for op in ("put", "get"):
-            key = f"{op} {kb.fmt_size(block)}"
+            key = f"{op} {format_bytes(block, exact=True)}"
             on = [rd["throughput"][key]["on"]["bytes_per_s"] for rd in rounds]
             off = [rd["throughput"][key]["off"]["bytes_per_s"] for rd in rounds]
             cpu = [rd["throughput"][key]["foreign_cpu"] for rd in rounds
                    if rd["throughput"][key]["foreign_cpu"] is not None]
-            short = f"{op} {kb.fmt_size(block).replace('i', '').replace(' ', '')}"
+            short = f"{op} {format_bytes(block, exact=True).replace('i', '')}"
             figs = [rd["throughput"][key] for rd in rounds]
             pooled = {n: sum(f[n]["bytes"] for f in figs) / sum(f[n]["timed_s"] for f in figs)
                       for n in CONFIGS}
@@ -602,8 +603,8 @@ def render(res: dict[str, Any]) -> str:
         f"grpcio {m['grpcio']}, native copy {'on' if m['native_copy'] else 'OFF'}",
         f"{c['rounds']} rounds (fresh daemons each), ON/OFF alternating ABBA batch by batch and "
         f"sample by sample; batch {c['batch']} keys, 1 client, {c['seconds']} s per throughput "
-        f"figure, {c['latency_samples']} latency samples; capacity {kb.fmt_size(c['capacity'])}, extents "
-        f"{kb.fmt_size(c['extent_size'])}; run took {res['duration_s']:.0f} s",
+        f"figure, {c['latency_samples']} latency samples; capacity {format_bytes(c['capacity'], exact=True)}, extents "
+        f"{format_bytes(c['extent_size'], exact=True)}; run took {res['duration_s']:.0f} s",
         f"loadavg at start {la0[0]:.2f} {la0[1]:.2f} {la0[2]:.2f}, at end "
         f"{la1[0]:.2f} {la1[1]:.2f} {la1[2]:.2f}",
         ("A/A CONTROL (--aa): 'ON' is a second daemon with access.enabled=false" if c["aa_control"]
@@ -628,13 +629,13 @@ def render(res: dict[str, Any]) -> str:
             "-" if x["ratio_pooled"] is None else f"{x['ratio_pooled']:.3f}",
             kb._fmt_pct(x["other_cpu_median"]), x["goal"] if x["judged"] else "-",
             ("PASS" if x["met"] else "FAIL") if x["judged"] else "info"])
-    out.append(kb._table(rows))
+    out.append(table(rows))
     out += ["", "== ON/OFF ratio per round =="]
     rows = [["round", "1st start", "load1", *(x["short"] for x in res["metrics"])]]
     for i, rd in enumerate(res["rounds"]):
         rows.append([str(i + 1), rd["started_first"].upper(), f"{rd['loadavg'][0]:.2f}",
                      *(f"{x['ratios'][i]:.3f}" for x in res["metrics"])])
-    out.append(kb._table(rows))
+    out.append(table(rows))
     ev = {n: sum(rd["daemons"][n].get("evictions", 0) for rd in res["rounds"]) for n in CONFIGS}
     ml = {n: all(rd["daemons"][n].get("mlocked") for rd in res["rounds"]) for n in CONFIGS}
     out += ["", f"fresh daemons every round; evictions over all rounds ON {ev['on']}, OFF "
@@ -670,18 +671,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     q = args.quick
     try:
-        args.size_list = [kb.parse_size(s) for s in args.sizes.split(",") if s.strip()]
-        args.extent_bytes = kb.parse_size(args.extent_size or ("32MiB" if q else "256MiB"))
+        args.size_list = [kb.positive_size(s) for s in args.sizes.split(",") if s.strip()]
+        args.extent_bytes = kb.positive_size(args.extent_size or ("32MiB" if q else "256MiB"))
         # Live slots per namespace: the get keys, a put batch (or its pre-growth), the
         # latency section's lookup keys and the one key it reserves.
         need = kb.capacity_for(args.size_list, 2 * args.batch + kb.LOOKUP_KEYS + 1,
                                args.extent_bytes)
-        args.capacity_bytes = (kb.parse_size(args.capacity) if args.capacity
-                               else need if q else kb.parse_size(DEFAULT_CAPACITY))
+        args.capacity_bytes = (kb.positive_size(args.capacity) if args.capacity
+                               else need if q else kb.positive_size(DEFAULT_CAPACITY))
     except ValueError as exc:
         p.error(str(exc))
     if args.capacity_bytes < need:
-        p.error(f"--capacity must be at least {kb.fmt_size(need)} for these sizes")
+        p.error(f"--capacity must be at least {format_bytes(need, exact=True)} for these sizes")
     if not args.size_list or args.batch < 1:
         p.error("--sizes needs at least one size and --batch must be >= 1")
     args.rounds = args.rounds if args.rounds is not None else 2 if q else DEFAULT_ROUNDS

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import _accel
+from kvtier.units import GiB, KiB, MiB, format_bytes
 from kvtierd.config import parse_size
 from kvtierd.segments import Segment, SegmentLayout
 from kvtierd.spill import format as fmt
@@ -62,9 +63,6 @@ from kvtierd.spill.ssd import SsdTier
 from kvtierd.store import Namespace, Peer, ReserveStatus, Store
 from kvtierd.tiering import TIER_DRAM, TIER_SSD, SpillPolicy, Tiering
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
 NS = "bench/spill"
 MODEL = "bench-model"
 MHASH = fmt.model_hash(MODEL)
@@ -77,13 +75,6 @@ DEFAULT_FILE_BYTES = 1 * GiB  # spill.ssd_file_size default
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def human(n: int) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -302,7 +293,7 @@ def bench_throughput(root: str, sizes: list[int], data: int, reps: int,
             rows["raw_read"] = []
             files_b: list[int] = []
             nbytes = n * size
-            log(f"throughput {human(size)}: {n} blocks ({nbytes / GiB:.2f} GiB) per point, "
+            log(f"throughput {format_bytes(size, exact=True)}: {n} blocks ({nbytes / GiB:.2f} GiB) per point, "
                 f"{reps} reps, tier A files {nfiles} x {fb / MiB:.0f} MiB")
 
             def timed(key: str, fn: Callable[..., float], *a: Any,
@@ -441,7 +432,7 @@ def _paired_size(root: str, size: int, rounds: int, file_bytes: int,
     tdir = os.path.join(root, f"paired-{size}")
     tier = new_tier(tdir, nfiles * fb, fb)
     secs = dict.fromkeys(("tier_overwrite", "dd", "dd_fdatasync", "tier_read", "dd_read"), 0.0)
-    log(f"paired {human(size)}: {rounds} rounds of {per} blocks")
+    log(f"paired {format_bytes(size, exact=True)}: {rounds} rounds of {per} blocks")
 
     def step(what: str, r: int) -> float:
         keys = [f"r{r}-{i:05d}".encode() for i in range(per)]
@@ -478,7 +469,7 @@ def _paired_size(root: str, size: int, rounds: int, file_bytes: int,
         dst.close()
     nbytes = n * size
     gibps = {k: nbytes / v / GiB for k, v in secs.items()}
-    log(f"  {human(size)}: tier overwrite {gibps['tier_overwrite']:.2f} dd {gibps['dd']:.2f} "
+    log(f"  {format_bytes(size, exact=True)}: tier overwrite {gibps['tier_overwrite']:.2f} dd {gibps['dd']:.2f} "
         f"dd+fdatasync {gibps['dd_fdatasync']:.2f}; tier read {gibps['tier_read']:.2f} dd "
         f"{gibps['dd_read']:.2f} GiB/s")
     return {"block_bytes": size, "blocks_per_round": per, "bytes_per_side": nbytes,
@@ -497,7 +488,7 @@ def print_paired(res: dict[str, Any]) -> None:
           f"{'tier rd':>8} {'dd rd':>6} {'x dd':>6}")
     for s in res["sizes"].values():
         g, r = s["gibps"], s["ratio"]
-        print(f"{human(s['block_bytes']):>8} {g['tier_overwrite']:>8.2f} {g['dd']:>6.2f} "
+        print(f"{format_bytes(s['block_bytes'], exact=True):>8} {g['tier_overwrite']:>8.2f} {g['dd']:>6.2f} "
               f"{g['dd_fdatasync']:>8.2f} {r['overwrite_vs_dd']:>5.2f}x "
               f"{r['overwrite_vs_dd_fdatasync']:>8.2f}x {g['tier_read']:>8.2f} "
               f"{g['dd_read']:>6.2f} {r['read_vs_dd']:>5.2f}x")
@@ -537,7 +528,7 @@ def print_throughput(res: dict[str, Any]) -> None:
                           f"{median(rr[f'{w}_{op}_vs_raw']):.2f}")
             else:
                 bare, vs_raw = f"{'-':>5} {'-':>5}", "-"
-            print(f"{human(s['block_bytes']):>8} {op:>9} {med[f'dd_{op}']:>6.2f} {bare} "
+            print(f"{format_bytes(s['block_bytes'], exact=True):>8} {op:>9} {med[f'dd_{op}']:>6.2f} {bare} "
                   f"{med[f'tier1_{op}']:>9.2f} {ratio(f'tier1_{op}'):>17} "
                   f"{med[f'{w}_{op}']:>9.2f} {ratio(f'{w}_{op}'):>17} {vs_raw:>13} "
                   f"{cpu[0]:>8.3f}/{cpu[1]:<8.3f} {median(other) * 100:>8.0f}%")
@@ -672,7 +663,7 @@ async def bench_promotion(root: str, shm_dir: str, rounds: int, warmup: int,
 def print_promotion(res: dict[str, Any]) -> None:
     st = res["stats"]
     base = st["raw_pread"]
-    print(f"\n== 2. Promotion of one {human(res['block_bytes'])} block, in-process "
+    print(f"\n== 2. Promotion of one {format_bytes(res['block_bytes'], exact=True)} block, in-process "
           f"Tiering.acquire (no gRPC), {res['rounds']} rounds, the 4 measurements of a round "
           "in random order ==")
     print(f"{'what':<46} {'p50 ms':>8} {'p99 ms':>8} {'p50 x pread':>12} {'p99 x pread':>12}")
@@ -810,7 +801,7 @@ def workload_label(r: dict[str, Any]) -> str:
 def print_workload(rows: list[dict[str, Any]]) -> None:
     r0 = rows[0]
     print(f"\n== 3. Working set {r0['keys'] // r0['dram_slots']}x DRAM: "
-          f"{r0['keys']} x {human(r0['block_bytes'])} through {r0['dram_slots']} DRAM slots "
+          f"{r0['keys']} x {format_bytes(r0['block_bytes'], exact=True)} through {r0['dram_slots']} DRAM slots "
           f"({r0['dram_slots'] * r0['block_bytes'] // MiB} MiB), {r0['passes']} random passes "
           f"of acquire + copy out + release ==")
     print(f"{'tiers':<21} {'fill GiB/s':>10} {'hit ratio':>9} {'DRAM':>6} {'SSD':>6} {'miss':>6} "
@@ -833,7 +824,7 @@ def print_workload(rows: list[dict[str, Any]]) -> None:
     if ssd and dram and dram["misses"]:
         extra = (ssd["read_seconds"] - dram["read_seconds"]) / dram["misses"]
         print(f"   Break-even: the SSD tier finishes the passes sooner whenever recomputing a "
-              f"{human(ssd['block_bytes'])} block costs more than {extra * 1e3:.2f} ms "
+              f"{format_bytes(ssd['block_bytes'], exact=True)} block costs more than {extra * 1e3:.2f} ms "
               f"(= extra read time with SSD / misses without)")
     print("   (DRAM only: a miss is re-put = reserve + 2 MiB copy + commit; the recompute "
           "itself, a prefill on the GPU, is not modeled)")
@@ -863,7 +854,7 @@ def bench_adoption(root: str, counts: list[int], block: int, file_bytes: int) ->
             tier.open()
             assert tier.counters.adopted == written, (tier.counters.adopted, written)
             keys = [f"r{i:08d}".encode() for i in range(written, target)]
-            log(f"re-adoption: writing {len(keys)} x {human(block)} (to {target} blocks) ...")
+            log(f"re-adoption: writing {len(keys)} x {format_bytes(block, exact=True)} (to {target} blocks) ...")
             t0 = time.perf_counter()
             tier_write(tier, keys, src, block, pool)
             write_s = time.perf_counter() - t0
@@ -905,7 +896,7 @@ def print_adoption(res: dict[str, Any]) -> None:
     print(f"{'blocks':>8} {'block':>7} {'files':>5} {'tables MiB':>10} {'cold open s':>11} "
           f"{'warm open s':>11} {'drop_caches':>11} {'fill blocks/s':>13}")
     for r in res["rows"]:
-        print(f"{r['blocks']:>8} {human(r['block_bytes']):>7} {r['files']:>5} "
+        print(f"{r['blocks']:>8} {format_bytes(r['block_bytes'], exact=True):>7} {r['files']:>5} "
               f"{r['table_bytes'] / MiB:>10.1f} {r['cold_open_seconds']:>11.3f} "
               f"{r['warm_open_seconds']:>11.3f} {r['drop_caches'][:11]:>11} "
               f"{r['write_blocks_per_s']:>13.0f}")

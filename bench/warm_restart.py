@@ -29,7 +29,7 @@ import uuid
 import numpy as np
 
 import kvtier
-from kvtier.cli import fetch_stats
+from kvtier._admin import fetch_stats
 from kvtierd.config import parse_size
 
 BATCH_BYTES = 256 << 20  # bytes per put batch while filling

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 
 import pytest
 
-from kvtier.cli import fetch_stats, run_check, wait_serving
+from kvtier._admin import fetch_stats, run_check, wait_serving
 from kvtier.v1 import kvtier_pb2 as pb
 
 #: Small pools keep tests fast and memory-light on a shared 2-core machine.

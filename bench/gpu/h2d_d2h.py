@@ -83,9 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{torch.version.cuda}).  Run it on a machine with an NVIDIA GPU and a CUDA "
             "build of torch, or pass --dry-run to check everything but the GPU.")
         return 2
-    from kvtier.bench import parse_size
+    from kvtier.bench import positive_size
 
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    sizes = [positive_size(s) for s in args.sizes.split(",") if s.strip()]
     bench = Bench(args, sizes)
     started = time.monotonic()
     try:

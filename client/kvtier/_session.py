@@ -1,8 +1,9 @@
 """Client side of the session channel and the segment mappings (the data plane).
 
-``SessionLink`` speaks the session-channel protocol over a blocking Unix
-socket (it is used rarely: once at open, and when the namespace's extents
-change); ``SegmentMaps`` holds the mmaps of the namespace's segments and
+``SessionLink`` speaks the session-channel protocol (framing in
+``kvtier._wire``, shared with the daemon) over a blocking Unix socket (it is
+used rarely: once at open, and when the namespace's extents change);
+``SegmentMaps`` holds the mmaps of the namespace's segments and
 turns slot references into numpy views over shared memory.
 """
 
@@ -12,7 +13,6 @@ import array
 import mmap
 import os
 import socket
-import struct
 import threading
 import types
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,12 +20,10 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from kvtier._paths import explain_unreachable
+from kvtier._wire import FRAME_LEN, MAX_FDS_PER_MSG
 from kvtier.errors import FailedPrecondition, Unavailable, from_status
 from kvtier.v1 import kvtier_pb2 as pb
 
-_LEN = struct.Struct(">I")
-#: Room for the most fds one message can carry (Linux SCM_MAX_FD).
-_MAX_FDS = 253
 #: Linux MADV_POPULATE_WRITE (5.14+): fill page tables for resident shm pages
 #: writably without touching their content; older kernels refuse it harmlessly.
 _MADV_POPULATE_WRITE = 23
@@ -55,7 +53,7 @@ class SessionLink:
         with self._lock:
             body = req.SerializeToString()
             try:
-                self._sock.sendall(_LEN.pack(len(body)) + body)
+                self._sock.sendall(FRAME_LEN.pack(len(body)) + body)
                 data, fds = self._recv_frame()
             except OSError as exc:
                 raise Unavailable(f"session channel to {self.path} failed: {exc}") from exc
@@ -69,11 +67,11 @@ class SessionLink:
     def _recv_frame(self) -> tuple[bytes, list[int]]:
         buf = bytearray()
         fds: list[int] = []
-        need = _LEN.size
+        need = FRAME_LEN.size
         have_len = False
         while len(buf) < need:
             data, ancdata, flags, _ = self._sock.recvmsg(
-                max(need - len(buf), 4096), socket.CMSG_SPACE(_MAX_FDS * 4)
+                max(need - len(buf), 4096), socket.CMSG_SPACE(MAX_FDS_PER_MSG * 4)
             )
             for level, kind, payload in ancdata:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -89,11 +87,11 @@ class SessionLink:
                     os.close(fd)
                 raise Unavailable("kvtierd closed the session channel")
             buf += data
-            if not have_len and len(buf) >= _LEN.size:
-                (length,) = _LEN.unpack_from(buf)
-                need = _LEN.size + length
+            if not have_len and len(buf) >= FRAME_LEN.size:
+                (length,) = FRAME_LEN.unpack_from(buf)
+                need = FRAME_LEN.size + length
                 have_len = True
-        return bytes(buf[_LEN.size :]), fds
+        return bytes(buf[FRAME_LEN.size :]), fds
 
 
 class SegmentMaps:

@@ -45,7 +45,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import platform
-import re
 import shutil
 import signal
 import subprocess
@@ -61,11 +60,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier import __version__, _accel
-from kvtier.cli import wait_serving
-
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from kvtier._admin import fetch_stats, wait_serving
+from kvtier._fmt import table
+from kvtier.units import GiB, KiB, MiB, format_bytes, parse_size
 
 DEFAULT_SIZES = "64KiB,512KiB,2MiB,8MiB"
 DEFAULT_BATCH = 32
@@ -87,29 +84,19 @@ MODEL_UID = "kvtier-bench"
 TASK_TIMEOUT = 600.0
 BARRIER_TIMEOUT = 120.0
 
-_SIZE_RE = re.compile(r"\s*([0-9]+)\s*(B|KiB|MiB|GiB|K|M|G)?\s*", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": KiB, "kib": KiB, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB}
-
 Row = dict[str, Any]
 
 
 # =====================================================================  helpers
-def parse_size(text: str) -> int:
-    """``"64KiB"``, ``"2MiB"``, ``"2M"`` or a byte count; binary units."""
-    m = _SIZE_RE.fullmatch(text)
-    if not m:
-        raise ValueError(f"bad size {text!r} (expected e.g. 64KiB, 2MiB)")
-    n = int(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+def positive_size(text: str) -> int:
+    """A size from the command line (:func:`kvtier.units.parse_size`: ``64K`` is 64 KiB), > 0."""
+    try:
+        n = parse_size(text)
+    except ValueError as exc:
+        raise ValueError(f"bad size: {exc}") from None
     if n <= 0:
         raise ValueError(f"size must be positive, got {text!r}")
     return n
-
-
-def fmt_size(n: int) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -186,14 +173,6 @@ def _fmt_pct(x: float | None) -> str:
 
 def _fmt_ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.3f}"
-
-
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-        for r in rows
-    )
 
 
 class CpuMeter:
@@ -336,7 +315,7 @@ def own_daemon(workdir: str, capacity: int, extent: int, info: dict[str, Any]) -
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     info.update(own=True, capacity=capacity, extent_size=extent, shm_dir=shm_dir, args=args[1:])
-    _progress(f"starting kvtierd (capacity {fmt_size(capacity)}, extents {fmt_size(extent)}, "
+    _progress(f"starting kvtierd (capacity {format_bytes(capacity, exact=True)}, extents {format_bytes(extent, exact=True)}, "
               f"shm {shm_dir})")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -902,17 +881,17 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--capacity", default=None,
                    help="DRAM capacity of the daemon started here (default: computed)")
     p.add_argument("--extent-size", default=None,
-                   help=f"extent size of the daemon started here (default {fmt_size(BENCH_EXTENT)})")
+                   help=f"extent size of the daemon started here (default {format_bytes(BENCH_EXTENT, exact=True)})")
     p.add_argument("--quick", action="store_true",
                    help="tiny run for tests: one size, short budgets, few samples")
     p.add_argument("--json", metavar="FILE", help="write every raw number to FILE")
     args = p.parse_args(argv)
     try:
         sizes_text = args.sizes or ("64KiB" if args.quick else DEFAULT_SIZES)
-        args.size_list = [parse_size(s) for s in sizes_text.split(",") if s.strip()]
+        args.size_list = [positive_size(s) for s in sizes_text.split(",") if s.strip()]
         args.client_list = sorted({int(c) for c in args.clients.split(",") if c.strip()})
-        args.capacity_bytes = parse_size(args.capacity) if args.capacity else None
-        args.extent_bytes = (parse_size(args.extent_size) if args.extent_size
+        args.capacity_bytes = positive_size(args.capacity) if args.capacity else None
+        args.extent_bytes = (positive_size(args.extent_size) if args.extent_size
                              else QUICK_EXTENT if args.quick else BENCH_EXTENT)
     except ValueError as exc:
         p.error(str(exc))
@@ -1010,7 +989,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
         backends = ["kvtier"] + (["redis"] if redis_path else [])
         for block in sizes:
-            _progress(f"{fmt_size(block)}: memcpy baselines")
+            _progress(f"{format_bytes(block, exact=True)}: memcpy baselines")
             mc_budget, mc_reps = (0.05, 3) if quick else (0.4, 5)
             meter.start()
             before = measure_memcpy(block, args.batch, mc_budget, mc_reps)
@@ -1033,7 +1012,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                         else:
                             task = {**common, "clients": n,
                                     "iters": max(common["min_iters"], math.ceil(n1 / n))}
-                        _progress(f"{fmt_size(block)}: {backend} {op}, {n} client(s)")
+                        _progress(f"{format_bytes(block, exact=True)}: {backend} {op}, {n} client(s)")
                         meter.start()
                         per = workers.call([task] * n)
                         row = _aggregate(backend, op, block, args.batch, per, mc["bytes_per_s"])
@@ -1043,12 +1022,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                         elif n1 is None:
                             n1 = max(1, row["iters"])
                         res["throughput"].append(row)
-                        _progress(f"{fmt_size(block)}: {backend} {op}, {n} client(s): "
+                        _progress(f"{format_bytes(block, exact=True)}: {backend} {op}, {n} client(s): "
                                   f"{row['bytes_per_s'] / GiB:.2f} GiB/s "
                                   f"({_fmt_x(row['x_memcpy'])} memcpy)")
                     if op == "get":
                         workers.call([{**common, "kind": "drop_get"}])
-            _progress(f"{fmt_size(block)}: memcpy baseline again")
+            _progress(f"{format_bytes(block, exact=True)}: memcpy baseline again")
             mc = memcpy_summary(before, measure_memcpy(block, args.batch, mc_budget, mc_reps,
                                                        one_block=False))
             res["memcpy"].append(mc)
@@ -1057,8 +1036,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     row["x_memcpy"] = ratio(row["bytes_per_s"], mc["bytes_per_s"])
 
         with contextlib.suppress(Exception):
-            from kvtier.cli import fetch_stats
-
             s = fetch_stats(socket_dir, timeout=10)
             res["daemon"].update(evictions=s.evictions, mlocked=s.mlocked,
                                  mlock_error=s.mlock_error, prefault_seconds=s.prefault_seconds,
@@ -1118,10 +1095,10 @@ def render(res: dict[str, Any]) -> str:
     out += ["", "== Baseline: copy throughput (GiB/s) of one batch, 32 distinct resident blocks =="]
     rows = [["block", "memcpy 1 thread", "best", "copy_into", "1 block reused", "other CPU"]]
     for mc in res["memcpy"]:
-        rows.append([fmt_size(mc["block_bytes"]), _fmt_rate(mc["bytes_per_s"]),
+        rows.append([format_bytes(mc["block_bytes"], exact=True), _fmt_rate(mc["bytes_per_s"]),
                      _fmt_rate(mc["best_bytes_per_s"]), _fmt_rate(mc["copy_into_bytes_per_s"]),
                      _fmt_rate(mc["one_block_bytes_per_s"]), _fmt_pct(mc.get("foreign_cpu"))])
-    out.append(_table(rows))
+    out.append(table(rows))
 
     out += ["", "== Throughput (GiB/s; x memcpy = vs 1-thread memcpy above; x Redis = kvtier/Redis;",
             "   other CPU = share of all CPUs busy with work outside this benchmark meanwhile) =="]
@@ -1136,13 +1113,13 @@ def render(res: dict[str, Any]) -> str:
                 if kv is None:
                     continue
                 ph = list(kv["phase_ms_per_batch"].values())
-                rows.append([op, fmt_size(block), str(n), _fmt_rate(kv["bytes_per_s"]),
+                rows.append([op, format_bytes(block, exact=True), str(n), _fmt_rate(kv["bytes_per_s"]),
                              _fmt_x(kv["x_memcpy"]),
                              _fmt_rate(rd_row["bytes_per_s"]) if rd_row else "-",
                              _fmt_x(rd_row["x_memcpy"]) if rd_row else "-",
                              _fmt_x(kv.get("x_redis")),
                              "+".join(f"{x:.2f}" for x in ph), _fmt_pct(kv.get("foreign_cpu"))])
-    out.append(_table(rows))
+    out.append(table(rows))
 
     fl = res["floor"]
     out += ["", f"== Latency (ms, {fl['n']} samples each, interleaved; x floor = vs the empty call; "
@@ -1151,7 +1128,7 @@ def render(res: dict[str, Any]) -> str:
     for r in res["latency"]:
         rows.append([r["label"], str(r["rpcs"]), _fmt_ms(r["p50_s"]), _fmt_ms(r["p99_s"]),
                      _fmt_x(r["p50_x_floor"]), _fmt_x(r["p99_x_floor"])])
-    out.append(_table(rows))
+    out.append(table(rows))
 
     out += ["", "== Targets =="]
     rows = [["target", "goal", "measured", "met"]]
@@ -1160,7 +1137,7 @@ def render(res: dict[str, Any]) -> str:
         rows.append([t["name"], t["goal"], _fmt_x(v),
                      ("not measured" if v is None else "not judged") if t["met"] is None
                      else "yes" if t["met"] else "NO"])
-    out.append(_table(rows))
+    out.append(table(rows))
     d = res["daemon"]
     if "evictions" in d:
         out += ["", f"daemon: evictions {d['evictions']}, mlocked {d['mlocked']}, "
@@ -1206,4 +1183,4 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-__all__ = ["main", "percentile", "ratio", "render", "run_bench", "summarize", "parse_size"]
+__all__ = ["main", "percentile", "positive_size", "ratio", "render", "run_bench", "summarize"]

@@ -1,4 +1,11 @@
-"""``kvtier``: admin and tools (stats, ls, bench)."""
+"""``kvtier``: the admin commands and the front door of the tools.
+
+Commands: stats, ls, evict, drain, health, check, config.  Tools: bench,
+doctor, top, demo -- modules of their own that this one dispatches to.  What
+they share with the commands here (admin calls, tier names, tables, byte
+sizes) lives in ``kvtier._admin``, ``kvtier._fmt`` and ``kvtier.units``, so
+imports run one way: cli -> tools -> shared helpers, never back into cli.
+"""
 
 from __future__ import annotations
 
@@ -6,107 +13,18 @@ import argparse
 import contextlib
 import json
 import re
-import subprocess
 import sys
 import time
-from collections.abc import Collection
 from typing import Any
 
-import grpc
 from google.protobuf.json_format import MessageToDict
 
-from kvtier._core import DEFAULT_TIMEOUT, SESSION_METADATA, grpc_options, socket_paths
-from kvtier._paths import explain_unreachable
-from kvtier._session import SessionLink, admin_request
-from kvtier.errors import InvalidArgument, KVTierError, Unavailable, from_rpc_error
+from kvtier._admin import TIER_NAMES, admin_call, fetch_stats, health, run_check
+from kvtier._core import DEFAULT_TIMEOUT
+from kvtier._fmt import table
+from kvtier.errors import InvalidArgument, KVTierError
+from kvtier.units import format_bytes
 from kvtier.v1 import kvtier_pb2 as pb
-from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
-
-
-def _admin_call(socket: str | None, method: str, request: Any, timeout: float) -> Any:
-    """One admin call in an admin session.
-
-    The daemon learns who we are from the session channel (``SO_PEERCRED``):
-    ``OpenAdmin`` there gives a token that authorizes the call as far as our
-    uid's rights reach.  The session lasts as long as the call.
-    """
-    grpc_path, session_path = socket_paths(socket)
-    link = SessionLink(session_path, timeout)
-    try:
-        resp, _ = link.request(admin_request())
-        metadata = ((SESSION_METADATA, resp.opened.token),)
-        with grpc.insecure_channel(f"unix:{grpc_path}", options=grpc_options()) as channel:
-            try:
-                return getattr(pb_grpc.KVTierStub(channel), method)(
-                    request, timeout=timeout, metadata=metadata)
-            except grpc.RpcError as exc:
-                raise from_rpc_error(exc) from None
-    finally:
-        link.close()
-
-
-def health(socket: str | None, timeout: float = 5.0) -> str:
-    """The gRPC health status of the KVTier service ("SERVING" when all is well)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    grpc_path, _ = socket_paths(socket)
-    with grpc.insecure_channel(f"unix:{grpc_path}", options=grpc_options()) as channel:
-        try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="kvtier.v1.KVTier"), timeout=timeout)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                raise Unavailable(explain_unreachable(grpc_path)) from None
-            raise from_rpc_error(exc) from None
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
-
-
-def wait_serving(socket: str, proc: subprocess.Popen[Any] | None = None,
-                 timeout: float = 30) -> None:
-    """Poll the daemon's health until SERVING; raise if ``proc`` exits or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"kvtierd exited with status {proc.returncode}")
-        try:
-            if health(socket, timeout=1) == "SERVING":
-                return
-        except KVTierError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"kvtierd on {socket} did not become ready in {timeout:.0f} s")
-
-
-def fetch_stats(socket: str | None, timeout: float = DEFAULT_TIMEOUT) -> pb.StatsResponse:
-    """One Stats call (needs no session)."""
-    resp: pb.StatsResponse = _admin_call(socket, "Stats", pb.StatsRequest(), timeout)
-    return resp
-
-
-def run_check(socket: str | None, timeout: float = DEFAULT_TIMEOUT) -> list[str]:
-    """The daemon's consistency check: the problems it found (empty when consistent)."""
-    resp: pb.CheckResponse = _admin_call(socket, "Check", pb.CheckRequest(), timeout)
-    return list(resp.problems)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _table(rows: list[list[str]], left: Collection[int] = (0,)) -> str:
-    """Columns two spaces apart: those in ``left`` left-aligned, the rest right-aligned."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w)
-                       for i, (c, w) in enumerate(zip(r, widths, strict=False))).rstrip()
-             for r in rows]
-    return "\n".join(lines)
-
-
-TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_SHARED: "shared"}
 
 
 def _tier_note(s: pb.StatsResponse, t: pb.TierStats) -> str:
@@ -126,11 +44,11 @@ def render_tiers(s: pb.StatsResponse) -> str:
         if t.tier == pb.TIER_SHARED and not t.total_bytes:
             sizes = ["-"] * 5
         else:
-            sizes = [human_bytes(t.total_bytes), human_bytes(t.free_bytes),
-                     human_bytes(t.reserved_bytes), human_bytes(t.committed_bytes),
+            sizes = [format_bytes(t.total_bytes), format_bytes(t.free_bytes),
+                     format_bytes(t.reserved_bytes), format_bytes(t.committed_bytes),
                      str(t.committed_blocks)]
         rows.append([name, *sizes, _tier_note(s, t)])
-    return _table(rows, left=(0, 6))
+    return table(rows, left=(0, 6))
 
 
 def render_spill(s: pb.StatsResponse) -> str:
@@ -153,7 +71,7 @@ def render_spill(s: pb.StatsResponse) -> str:
             ["ssd direct I/O", "yes" if s.ssd_direct_io else "no (buffered)"],
             ["ssd adopted", f"{s.ssd_adopted_blocks} blocks in {s.ssd_adopt_seconds:.3f} s"],
         ]
-    out = ["spill:"] + ["  " + line for line in _table(rows, left=(0, 1)).splitlines()]
+    out = ["spill:"] + ["  " + line for line in table(rows, left=(0, 1)).splitlines()]
     out += [f"  dropped spill file: {f}" for f in s.dropped_spill_files]
     return "\n".join(out)
 
@@ -182,9 +100,9 @@ def render_namespaces(s: pb.StatsResponse) -> str:
     for ns in s.namespaces:
         asked = ns.hits + ns.misses
         ratio = f"{ns.hits / asked:.1%}" if asked else "-"
-        rows.append([ns.name, human_bytes(ns.block_bytes), str(ns.committed_blocks),
+        rows.append([ns.name, format_bytes(ns.block_bytes), str(ns.committed_blocks),
                      str(ns.leased_blocks), str(ns.free_slots), str(ns.sessions), ratio])
-    return _table(rows)
+    return table(rows)
 
 
 def _as_json(s: pb.StatsResponse) -> str:
@@ -240,7 +158,7 @@ def read_keys(path: str) -> list[bytes]:
 def list_keys(socket: str | None, namespace: str, page_size: int, page_token: bytes = b"",
               timeout: float = DEFAULT_TIMEOUT) -> pb.ListKeysResponse:
     """One ListKeys page."""
-    resp: pb.ListKeysResponse = _admin_call(
+    resp: pb.ListKeysResponse = admin_call(
         socket, "ListKeys",
         pb.ListKeysRequest(namespace=namespace, page_size=page_size, page_token=page_token),
         timeout)
@@ -253,13 +171,13 @@ def evict(socket: str | None, namespace: str, keys: list[bytes] | None, tiers: l
     ``batch`` keys per call.  Returns (evicted, skipped because leased or moving)."""
     wire = [_TIER_OF_NAME[t] for t in tiers]
     if keys is None:
-        resp = _admin_call(socket, "Evict",
+        resp = admin_call(socket, "Evict",
                            pb.EvictRequest(namespace=namespace, all=True, tiers=wire), timeout)
         return int(resp.evicted), int(resp.skipped_leased)
     evicted = skipped = 0
     for i in range(0, len(keys), batch):
         try:
-            resp = _admin_call(socket, "Evict", pb.EvictRequest(
+            resp = admin_call(socket, "Evict", pb.EvictRequest(
                 namespace=namespace, keys=keys[i : i + batch], tiers=wire), timeout)
         except KVTierError as exc:
             if i:
@@ -304,7 +222,7 @@ def run_ls_keys(socket: str | None, namespace: str, *, page_size: int | None,
             print(_key_json(resp), flush=True)
         elif resp.keys or first:
             rows = [_KEYS_HEADER, *_key_rows(resp)]
-            lines = _table(rows, left=(0, 1, 3, 4)).splitlines()
+            lines = table(rows, left=(0, 1, 3, 4)).splitlines()
             print("\n".join(lines if first else lines[1:]), flush=True)
         first = False
         token = resp.next_page_token
@@ -328,8 +246,8 @@ class _PlainProgress:
         if now - self._last < 0.95 and not r.done:
             return
         self._last = now
-        print(f"drain: {r.done_blocks}/{r.total_blocks} blocks, {human_bytes(r.done_bytes)}/"
-              f"{human_bytes(r.total_bytes)}, {r.failed_blocks} failed"
+        print(f"drain: {r.done_blocks}/{r.total_blocks} blocks, {format_bytes(r.done_bytes)}/"
+              f"{format_bytes(r.total_bytes)}, {r.failed_blocks} failed"
               + (", done" if r.done else ""), file=sys.stderr, flush=True)
 
     def close(self) -> None:
@@ -384,15 +302,15 @@ def run_drain(socket: str | None, timeout: float | None) -> int:
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             wait_ms = DRAIN_POLL_MS if left is None else int(min(DRAIN_POLL_MS, left * 1000))
-            r: pb.DrainResponse = _admin_call(socket, "Drain", pb.DrainRequest(wait_ms=wait_ms),
+            r: pb.DrainResponse = admin_call(socket, "Drain", pb.DrainRequest(wait_ms=wait_ms),
                                               wait_ms / 1000 + DEFAULT_TIMEOUT)
             show.update(r)
             if r.done or (left is not None and left <= wait_ms / 1000):
                 break
     finally:
         show.close()
-    size = f"{r.done_blocks} of {r.total_blocks} blocks ({human_bytes(r.done_bytes)} of " \
-           f"{human_bytes(r.total_bytes)})"
+    size = f"{r.done_blocks} of {r.total_blocks} blocks ({format_bytes(r.done_bytes)} of " \
+           f"{format_bytes(r.total_bytes)})"
     if not r.done:
         print(f"kvtier: the drain is not done after {timeout:g} s: {size} durable below DRAM "
               "so far; it goes on in the daemon (run kvtier drain again to follow it)",
@@ -414,8 +332,14 @@ def run_drain(socket: str | None, timeout: float | None) -> int:
 
 def check_config(path: str, *, as_json: bool = False) -> int:
     """``kvtier config --check FILE``: 0 and the effective config, or 2 and the error."""
-    from kvtierd.config import ConfigError, config_to_dict, load_config
-
+    # The daemon's own loader, so the check is exactly what kvtierd will do; imported
+    # here, not at the top, so a client-only install runs every other command.
+    try:
+        from kvtierd.config import ConfigError, config_to_dict, load_config
+    except ImportError as exc:
+        print(f"kvtier: config --check needs the daemon package (kvtierd): {exc}",
+              file=sys.stderr)
+        return 2
     try:
         cfg = load_config(path)
     except ConfigError as exc:

@@ -35,15 +35,18 @@ import stat
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any, Final
+from typing import IO, TYPE_CHECKING, Any, Final
 
 from kvtier import __version__
+from kvtier._admin import fetch_stats, health
 from kvtier._core import socket_paths
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME
 from kvtier.errors import KVTierError, Unavailable
+from kvtier.units import format_bytes
 from kvtier.v1 import kvtier_pb2 as pb
-from kvtierd.config import Config, ConfigError, load_config
-from kvtierd.spill.blockio import probe_direct_io
+
+if TYPE_CHECKING:  # doctor checks a host against the daemon's config: see _load_config
+    from kvtierd.config import Config
 
 #: A daemon that is up answers health in milliseconds; 2 s tolerates a loaded host.
 DAEMON_TIMEOUT: Final = 2.0
@@ -125,15 +128,18 @@ def _read(path: str) -> str | None:
 
 
 def _health(socket: str, timeout: float) -> str:
-    from kvtier.cli import health  # here, not at the top: kvtier.cli imports this module
-
     return health(socket, timeout=timeout)
 
 
 def _fetch_stats(socket: str, timeout: float) -> pb.StatsResponse:
-    from kvtier.cli import fetch_stats
-
     return fetch_stats(socket, timeout=timeout)
+
+
+def _probe_direct_io(directory: str) -> str | None:
+    """The daemon's own O_DIRECT probe (what its SSD tier will find at start)."""
+    from kvtierd.spill.blockio import probe_direct_io  # see _load_config
+
+    return probe_direct_io(directory)
 
 
 def parse_cap_ipc_lock(status_text: str) -> bool:
@@ -171,7 +177,7 @@ class Host:
     cap_ipc_lock: bool = False
     uid: int = dataclasses.field(default_factory=os.geteuid)
     statvfs: Callable[[str], os.statvfs_result] = os.statvfs
-    probe_direct_io: Callable[[str], str | None] = probe_direct_io
+    probe_direct_io: Callable[[str], str | None] = _probe_direct_io
     health: Callable[[str, float], str] = _health
     fetch_stats: Callable[[str, float], pb.StatsResponse] = _fetch_stats
     client_version: str = __version__
@@ -265,15 +271,8 @@ def selected(sysfs_choice: str | None) -> str | None:
     return m.group(1) if m else sysfs_choice.strip() or None
 
 
-def size(n: float) -> str:
-    """Bytes for people: "16.0 MiB"."""
-    from kvtier.cli import human_bytes
-
-    return human_bytes(n)
-
-
 def _limit(n: int) -> str:
-    return "unlimited" if n == resource.RLIM_INFINITY else size(n)
+    return "unlimited" if n == resource.RLIM_INFINITY else format_bytes(n)
 
 
 def existing_ancestor(path: str) -> str:
@@ -407,8 +406,8 @@ def check_shm(ctx: Context) -> Finding:
         free = mem.get("HugePages_Free", 0) * huge_page
     held = allocated_bytes(d.shm_dir) if place.exists else 0
     head = (f"{d.shm_dir}{'' if place.exists else ' (not created yet)'} {place.where}: "
-            f"{size(total)} total, {size(free)} free")
-    cap = f"dram.capacity {size(d.capacity)}"
+            f"{format_bytes(total)} total, {format_bytes(free)} free")
+    cap = f"dram.capacity {format_bytes(d.capacity)}"
     grow = (f"grow the tmpfs (`mount -o remount,size=<capacity plus slack> "
             f"{place.mount.mount_point if place.mount else '<mount point>'}`, Docker --shm-size, "
             "Kubernetes emptyDir sizeLimit) or lower dram.capacity")
@@ -418,21 +417,21 @@ def check_shm(ctx: Context) -> Finding:
                        "under /dev/shm")
     problems = []
     if place.fstype == "hugetlbfs" and d.extent_size % huge_page:
-        problems.append(Finding(Status.FAIL, f"dram.extent_size {size(d.extent_size)} is not a "
-                                f"multiple of the huge page size {size(huge_page)}",
+        problems.append(Finding(Status.FAIL, f"dram.extent_size {format_bytes(d.extent_size)} is not a "
+                                f"multiple of the huge page size {format_bytes(huge_page)}",
                                 "set dram.extent_size to a multiple of the huge page size"))
     if total < d.capacity:
         return _combine(f"{head} < {cap}", [Finding(Status.FAIL, "a full pool cannot fit "
                                                     "(pre-faulting would fail)", grow), *problems])
     need = max(0, d.capacity - (held or 0))
-    held_text = "" if not held else f" ({size(held)} already held by kvtier segments)"
+    held_text = "" if not held else f" ({format_bytes(held)} already held by kvtier segments)"
     if held is None:
         held_text = " (cannot read the directory to count existing segments)"
     if free < need:
         problems.append(Finding(
-            Status.WARN, f"free {size(free)} < {size(need)} still to allocate for {cap}{held_text}",
+            Status.WARN, f"free {format_bytes(free)} < {format_bytes(need)} still to allocate for {cap}{held_text}",
             f"free space on {place.mount.mount_point if place.mount else 'the tmpfs'} "
-            f"(other files use {size(total - free)}), {grow}"))
+            f"(other files use {format_bytes(total - free)}), {grow}"))
         return _combine(head, problems)
     return _combine(f"{head} >= {cap}{held_text}", problems)
 
@@ -444,7 +443,7 @@ def check_memlock(ctx: Context) -> Finding:
         return Finding(Status.SKIP, "dram.mlock is false: segments are not locked (they may swap)")
     soft, hard = ctx.host.memlock
     limits = f"RLIMIT_MEMLOCK {_limit(soft)} (hard {_limit(hard)})"
-    cap = f"dram.capacity {size(d.capacity)}"
+    cap = f"dram.capacity {format_bytes(d.capacity)}"
     if soft == resource.RLIM_INFINITY or soft >= d.capacity:
         return Finding(Status.OK, f"{limits} >= {cap}")
     if ctx.host.cap_ipc_lock:
@@ -469,15 +468,15 @@ def check_hugepages(ctx: Context) -> Finding:
     page = mem.get("Hugepagesize", 0)
     n_total, n_free = mem.get("HugePages_Total", 0), mem.get("HugePages_Free", 0)
     reserved = mem.get("Hugetlb", n_total * page)
-    parts.append(f"explicit {n_total} x {size(page)} ({n_free} free)")
+    parts.append(f"explicit {n_total} x {format_bytes(page)} ({n_free} free)")
     base = ", ".join(parts)
     on_hugetlbfs = shm_mount is not None and shm_mount.fstype == "hugetlbfs"
     ram = mem.get("MemTotal", 0)
     if reserved and not on_hugetlbfs and ram and ram - reserved < ctx.cfg.dram.capacity:
         return Finding(
-            Status.WARN, f"{base}: {size(reserved)} of RAM is reserved as explicit huge pages; "
-            f"the other {size(ram - reserved)} is less than dram.capacity "
-            f"{size(ctx.cfg.dram.capacity)}",
+            Status.WARN, f"{base}: {format_bytes(reserved)} of RAM is reserved as explicit huge pages; "
+            f"the other {format_bytes(ram - reserved)} is less than dram.capacity "
+            f"{format_bytes(ctx.cfg.dram.capacity)}",
             "lower vm.nr_hugepages (`sysctl vm.nr_hugepages=N`) or dram.capacity")
     # Huge pages for tmpfs segments are optional (fewer TLB misses for clients' mappings):
     # they come from the mount's huge= option or shmem_enabled=force, never required.
@@ -489,7 +488,7 @@ def check_numa(ctx: Context) -> Finding:
     nodes = ctx.host.numa_nodes
     if not nodes:
         return Finding(Status.SKIP, "no NUMA information (/sys/devices/system/node missing)")
-    layout = ", ".join(f"node{n} {size(b) if b is not None else '?'}"
+    layout = ", ".join(f"node{n} {format_bytes(b) if b is not None else '?'}"
                        for n, b in sorted(nodes.items()))
     if len(nodes) == 1:
         return Finding(Status.OK, f"1 node ({layout})")
@@ -523,17 +522,17 @@ def check_ssd(ctx: Context) -> Finding:
                                 f"`install -d -o <daemon user> -m 0700 {sp.ssd_dir}`"))
     # Space.  Spill files are fallocated up to the budget as blocks arrive.
     held = allocated_bytes(sp.ssd_dir) if place.exists else 0
-    budget = f"spill.ssd_capacity {size(sp.ssd_capacity)}"
+    budget = f"spill.ssd_capacity {format_bytes(sp.ssd_capacity)}"
     if place.total == 0:
         problems.append(Finding(Status.OK, f"{place.fstype} reports no size"))
     elif place.total < sp.ssd_capacity:
-        problems.append(Finding(Status.FAIL, f"{size(place.total)} total < {budget}",
+        problems.append(Finding(Status.FAIL, f"{format_bytes(place.total)} total < {budget}",
                                 "lower spill.ssd_capacity or use a bigger filesystem"))
     else:
         need = max(0, sp.ssd_capacity - (held or 0))
-        text = f"{size(place.free)} free"
+        text = f"{format_bytes(place.free)} free"
         if held:
-            text += f" + {size(held)} of spill files"
+            text += f" + {format_bytes(held)} of spill files"
         if place.free < need:
             problems.append(Finding(Status.WARN, f"{text} < {budget}",
                                     "free space there or lower spill.ssd_capacity"))
@@ -592,7 +591,7 @@ def check_shared(ctx: Context) -> Finding:
         problems.append(Finding(Status.FAIL, f"not writable by uid {ctx.host.uid}",
                                 "give the daemon's user (or a shared group) write access"))
     if place.total:
-        problems.append(Finding(Status.OK, f"{size(place.free)} free of {size(place.total)}"))
+        problems.append(Finding(Status.OK, f"{format_bytes(place.free)} free of {format_bytes(place.total)}"))
     if place.fstype in LOCAL_FS:
         problems.append(Finding(Status.WARN, f"{place.fstype} is local to this host: other "
                                 "hosts do not see it", "mount the shared filesystem (Lustre, "
@@ -692,9 +691,9 @@ def check_daemon(ctx: Context) -> Finding:
                                 f"{MEMLOCK_FIX}; then restart kvtierd"))
     dram = next((t for t in s.tiers if t.tier == pb.TIER_DRAM), None)
     if dram is not None and dram.total_bytes and dram.total_bytes != ctx.cfg.dram.capacity:
-        problems.append(Finding(Status.WARN, f"it runs with a {size(dram.total_bytes)} DRAM "
+        problems.append(Finding(Status.WARN, f"it runs with a {format_bytes(dram.total_bytes)} DRAM "
                                 f"tier, this config says dram.capacity "
-                                f"{size(ctx.cfg.dram.capacity)}",
+                                f"{format_bytes(ctx.cfg.dram.capacity)}",
                                 "restart kvtierd to apply the config (a warm restart), or "
                                 "point doctor at the daemon's config"))
     return _combine(head, problems)
@@ -893,16 +892,39 @@ def _emit(results: Sequence[Result], as_json: bool, out: IO[str]) -> int:
     return code
 
 
+class _NoConfig(Exception):
+    """The configuration could not be loaded (its message says why)."""
+
+
+def _load_config(path: str | None, overrides: Sequence[str]) -> Config:
+    """The config exactly as kvtierd loads it, by kvtierd's own loader.
+
+    Doctor is the one client tool that needs the daemon package: it checks this
+    host against a daemon's configuration.  kvtierd is imported here, not at the
+    top, so a serving container with the client alone imports ``kvtier`` (and
+    every other command) without it, and this command says what is missing.
+    """
+    try:
+        from kvtierd.config import ConfigError, load_config
+    except ImportError as exc:
+        raise _NoConfig(f"checking a host needs the daemon package (kvtierd), which is "
+                        f"not importable here: {exc}") from None
+    try:
+        return load_config(path, overrides=overrides)
+    except ConfigError as exc:
+        raise _NoConfig(f"invalid config: {exc}") from None
+
+
 def main(argv: list[str] | None = None, *, host: Host | None = None) -> int:
     """``kvtier doctor``: returns the exit status (0 OK, 1 warnings, 2 failures)."""
     args = _parse_args(argv)
     try:
-        cfg = load_config(args.config, overrides=args.set)
-    except ConfigError as exc:
-        bad = Result("config", Status.FAIL, f"invalid config: {exc}",
+        cfg = _load_config(args.config, args.set)
+    except _NoConfig as exc:
+        bad = Result("config", Status.FAIL, str(exc),
                      "fix the key named; `kvtier config --check FILE` validates a file")
         if not args.json:
-            print(f"kvtier doctor: invalid config: {exc}", file=sys.stderr)
+            print(f"kvtier doctor: {exc}", file=sys.stderr)
             return 2
         return _emit([bad], True, sys.stdout)
     socket_dir = (os.path.dirname(socket_paths(args.socket)[0]) if args.socket

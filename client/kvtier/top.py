@@ -36,8 +36,10 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import NamedTuple, TextIO
 
-from kvtier.cli import TIER_NAMES, _table, fetch_stats, human_bytes
+from kvtier._admin import TIER_NAMES, fetch_stats
+from kvtier._fmt import table
 from kvtier.errors import KVTierError
+from kvtier.units import format_bytes
 from kvtier.v1 import kvtier_pb2 as pb
 
 #: How many RPC methods the slowest-RPC table shows.
@@ -79,7 +81,7 @@ def _duration(seconds: float) -> str:
 
 
 def _rate(n: float) -> str:
-    return f"{human_bytes(n)}/s"
+    return f"{format_bytes(n)}/s"
 
 
 def _ratio(hits: int, misses: int) -> str:
@@ -93,14 +95,14 @@ def _fit(name: str, width: int) -> str:
 
 
 def _fitted_table(rows: list[list[str]], width: int, left: tuple[int, ...] = (0,)) -> list[str]:
-    """``_table`` lines, column 0 (a name) shortened so the lines fit ``width``."""
-    lines = _table(rows, left).splitlines()
+    """``table`` lines, column 0 (a name) shortened so the lines fit ``width``."""
+    lines = table(rows, left).splitlines()
     excess = max(len(line) for line in lines) - width
     if excess > 0:
         longest = max(len(r[0]) for r in rows[1:]) if len(rows) > 1 else 0
         keep = max(longest - excess, 4)
         rows = [rows[0]] + [[_fit(r[0], keep), *r[1:]] for r in rows[1:]]
-        lines = _table(rows, left).splitlines()
+        lines = table(rows, left).splitlines()
     return [line[:width] for line in lines]
 
 
@@ -163,7 +165,7 @@ def render(prev: Sample | None, cur: Sample, width: int = 80, height: int | None
             blocks = str(t.committed_blocks) if t is not None and t.committed_blocks else "-"
         else:
             in_use = t.total_bytes - t.free_bytes
-            used, total = human_bytes(in_use), human_bytes(t.total_bytes)
+            used, total = format_bytes(in_use), format_bytes(t.total_bytes)
             pct, blocks = f"{in_use / t.total_bytes:.1%}", str(t.committed_blocks)
         now_io, before_io = io_now.get(tier, pb.TierIO()), io_before.get(tier, pb.TierIO())
         trows.append([name, used, total, pct, blocks,

@@ -19,7 +19,8 @@ written: ``KVTIER_SERVER_SOCKET_MODE=0660`` is the string ``"0660"`` (YAML 1.1
 would make it the integer 432) and ``KVTIER_METRICS_ADDRESS=`` is ``""``.
 
 Sizes are ``"64MiB"``-style strings with binary units B/KiB/MiB/GiB/TiB
-(KB/MB/GB/TB are decimal) or plain integers of bytes; durations are
+(``K``/``M``/``G``/``T`` mean the same; KB/MB/GB/TB are decimal; the one
+parser is :mod:`kvtier.units`) or plain integers of bytes; durations are
 ``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"`` or a number of seconds.  Booleans
 are only ``true``/``false`` (YAML 1.1's ``yes``/``on``/... are text here, so
 they are rejected rather than silently read as booleans).
@@ -47,12 +48,14 @@ from typing import Any, Final, TypeVar
 
 import yaml
 
+from kvtier import units
 from kvtier._paths import (
     GRPC_SOCKET_NAME,
     SESSION_SOCKET_NAME,
     default_shm_dir,
     default_socket_dir,
 )
+from kvtier.units import GiB, KiB, MiB
 from kvtierd.access import (
     AccessPolicy,
     NamespaceRule,
@@ -84,10 +87,6 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-KiB: Final = 1024
-MiB: Final = 1024 * KiB
-GiB: Final = 1024 * MiB
-TiB: Final = 1024 * GiB
 
 # ---------------------------------------------------------------------------
 # Defaults and limits.  Each value says why it is what it is.
@@ -165,24 +164,11 @@ EXTENT_ALIGNMENT: Final = mmap.PAGESIZE
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
 
 _INSTANCE_RE: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_SIZE_RE: Final = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)")
 _DURATION_RE: Final = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)")
 _MODE_RE: Final = re.compile(r"(?:0o|0)?([0-7]{1,4})")
 _HOST_RE: Final = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?")
 _ENV_REF_RE: Final = re.compile(r"\$(?:\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 
-_SIZE_UNITS: Final[Mapping[str, int]] = {
-    "": 1,
-    "B": 1,
-    "KiB": KiB,
-    "MiB": MiB,
-    "GiB": GiB,
-    "TiB": TiB,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-}
 _DURATION_UNITS: Final[Mapping[str, Fraction]] = {
     "": Fraction(1),
     "ms": Fraction(1, 1000),
@@ -190,8 +176,6 @@ _DURATION_UNITS: Final[Mapping[str, Fraction]] = {
     "m": Fraction(60),
     "h": Fraction(3600),
 }
-_SIZE_EXAMPLE: Final = "a size like '64GiB'"
-_SIZE_UNITS_HINT: Final = "units: B, KiB, MiB, GiB, TiB; KB, MB, GB, TB are decimal"
 _DURATION_EXAMPLE: Final = "a duration like '30s'"
 _DURATION_UNITS_HINT: Final = "units: ms, s, m, h; a bare number is seconds"
 
@@ -412,28 +396,14 @@ def _fail(key: str, expected: str, value: object, hint: str = "") -> ConfigError
 
 
 def parse_size(value: object, key: str) -> int:
-    """Parse a size in bytes: an int, or a string like ``"64MiB"``, ``"1.5GiB"``, ``"4096"``.
-
-    Binary units B/KiB/MiB/GiB/TiB; KB/MB/GB/TB are powers of ten. The
-    result must be a whole, non-negative number of bytes. Raises ConfigError
-    naming ``key`` otherwise.
+    """Parse a size in bytes with :func:`kvtier.units.parse_size` (an int, or a
+    string like ``"64MiB"``, ``"1.5GiB"``, ``"64K"``, ``"4096"``; ``K``/``KiB``
+    binary, ``KB`` decimal).  Raises ConfigError naming ``key`` otherwise.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise _fail(key, _SIZE_EXAMPLE, value)
-    if isinstance(value, int):
-        if value < 0:
-            raise _fail(key, _SIZE_EXAMPLE, value)
-        return value
-    match = _SIZE_RE.fullmatch(value.strip())
-    if match is None:
-        raise _fail(key, _SIZE_EXAMPLE, value)
-    number, unit = match.groups()
-    if unit not in _SIZE_UNITS:
-        raise _fail(key, _SIZE_EXAMPLE, value, _SIZE_UNITS_HINT)
-    exact = Fraction(number) * _SIZE_UNITS[unit]
-    if exact.denominator != 1:
-        raise _fail(key, "a whole number of bytes", value)
-    return int(exact)
+    try:
+        return units.parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
 
 
 def parse_duration(value: object, key: str) -> float:
@@ -458,11 +428,8 @@ def parse_duration(value: object, key: str) -> float:
 
 
 def format_size(n: int) -> str:
-    """Format bytes as the largest binary unit that divides them exactly (``parse_size`` inverts it)."""
-    for name, unit in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= unit and n % unit == 0:
-            return f"{n // unit}{name}"
-    return f"{n}B"
+    """``n`` bytes in the largest binary unit that divides it (``parse_size`` inverts it)."""
+    return units.format_bytes(n, exact=True)
 
 
 def format_duration(seconds: float) -> str:

@@ -19,6 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvtier import __version__
+from kvtier._wire import SESSION_METADATA
 from kvtier.errors import (
     CapacityExhausted,
     Internal,
@@ -39,8 +40,6 @@ from kvtierd.tiering import Tiering
 
 log = logging.getLogger(__name__)
 
-#: Metadata entry that carries the session token on every call.
-SESSION_METADATA = "kvtier-session"
 #: The longest a Drain call waits before answering: a minute keeps the call
 #: well inside any client deadline; a longer drain is followed by calling again.
 MAX_DRAIN_WAIT_MS = 60_000

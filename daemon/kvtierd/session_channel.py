@@ -12,7 +12,8 @@ liveness: when it closes (the client exited, crashed or was SIGKILLed) the
 session's leases are released and its reservations aborted at once.
 
 Frames are a 4-byte big-endian length and a ``kvtier.v1.SessionRequest`` /
-``SessionResponse``.  Anything malformed gets a ``SessionError`` frame and the
+``SessionResponse`` (the format and the fd limit live in ``kvtier._wire``,
+shared with the client).  Anything malformed gets a ``SessionError`` frame and the
 connection is closed; the daemon keeps serving.
 """
 
@@ -30,6 +31,7 @@ from typing import Final
 from google.protobuf.message import DecodeError
 
 from kvtier import __version__
+from kvtier._wire import FRAME_LEN, MAX_FDS_PER_MSG
 from kvtier.errors import (
     CapacityExhausted,
     FailedPrecondition,
@@ -64,13 +66,12 @@ MAX_OPEN_FRAME: Final = 64 << 10
 #: Largest request in a session: a MapSegments naming every extent of a 16 TiB
 #: namespace (262144 ids of <= 4 bytes) fits.
 MAX_REQUEST_FRAME: Final = 2 << 20
-#: Linux SCM_MAX_FD: most fds one sendmsg may carry; longer lists are split.
-MAX_FDS_PER_MSG: Final = 253
 #: A connection must declare its namespace this soon or it is dropped (a
 #: half-open connection that never speaks must not hold resources forever).
 HANDSHAKE_TIMEOUT: Final = 10.0
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9._/-]{1,128}")
-_LEN: Final = struct.Struct(">I")
+#: The frame format is shared with the client (kvtier._wire): a 4-byte length prefix.
+_LEN: Final = FRAME_LEN
 
 
 class _Closed(Exception):

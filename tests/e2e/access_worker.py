@@ -16,8 +16,8 @@ import sys
 
 import kvtier
 from kvtier import errors
+from kvtier._admin import fetch_stats, run_check
 from kvtier._session import SessionLink, map_request, open_request
-from kvtier.cli import fetch_stats, run_check
 
 
 def act(sock: str, a: dict) -> object:

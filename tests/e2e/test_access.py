@@ -316,7 +316,7 @@ def test_namespace_at_dram_quota_evicts_its_own_blocks_never_others(workdir: str
 
 
 def test_namespace_at_ssd_quota_spills_within_it_and_never_evicts_others(workdir: str) -> None:
-    from kvtier.cli import _admin_call
+    from kvtier._admin import admin_call
     from kvtier.v1 import kvtier_pb2 as pb
 
     rules = """
@@ -348,7 +348,7 @@ access:
 
         def on_ssd(ns: str) -> int:
             """How many of the namespace's blocks have a copy on the SSD tier."""
-            resp = _admin_call(d.socket_dir, "ListKeys",
+            resp = admin_call(d.socket_dir, "ListKeys",
                                pb.ListKeysRequest(namespace=ns, page_size=1000), 10)
             return sum(1 for k in resp.keys if k.spilled or k.tier == pb.TIER_SSD)
 

@@ -3,7 +3,7 @@
 
 The CLI runs in this process (``kvtier.cli.main``; its output captured, so not
 a TTY) except where a test wants a separate process; the RPCs' error
-messages are checked through ``_admin_call``, the CLI's own path.  Pools as in
+messages are checked through ``kvtier._admin.admin_call``, the CLI's own path.  Pools as in
 ``test_spill``: 8 MiB of DRAM holds 63 blocks of 128 KiB, the SSD tier lives
 under /var/tmp.  Every test ends with the daemon's ``check()`` empty.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.cli import _admin_call
+from kvtier._admin import admin_call
 from kvtier.cli import main as kvtier_main
 from kvtier.errors import FailedPrecondition, InvalidArgument, KVTierError, NotFound
 from kvtier.v1 import kvtier_pb2 as pb
@@ -58,7 +58,7 @@ def kv(d: DaemonProc, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[i
 
 
 def rpc(d: DaemonProc, method: str, request: Any) -> Any:
-    return _admin_call(d.socket_dir, method, request, 30)
+    return admin_call(d.socket_dir, method, request, 30)
 
 
 def error_of(d: DaemonProc, method: str, request: Any) -> KVTierError:

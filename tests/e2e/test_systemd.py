@@ -28,7 +28,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvtier
-from kvtier.cli import fetch_stats
+from kvtier._admin import fetch_stats
 from tests.conftest import TEST_CAPACITY, TEST_EXTENT, DaemonProc, stop_daemon, wait_serving
 
 #: WATCHDOG_USEC the tests use: pings every 0.1 s.

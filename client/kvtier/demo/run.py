@@ -94,7 +94,7 @@ class Daemon:
         return out
 
     def start(self) -> None:
-        from kvtier.cli import wait_serving
+        from kvtier._admin import wait_serving
 
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
         with open(self.log_path, "ab") as log:
@@ -127,7 +127,7 @@ class Daemon:
             self.proc.wait(10)
 
     def stats(self) -> Any:
-        from kvtier.cli import fetch_stats
+        from kvtier._admin import fetch_stats
 
         return fetch_stats(self.socket_dir, timeout=10)
 
