@@ -1,18 +1,21 @@
 """Tiering: the policy that moves blocks between DRAM and the spill tiers.
 
 Call graph: service -> ``Tiering`` -> ``Store`` (DRAM index, pins, capacity)
-and the spill mechanisms (``spill.ssd``, ``spill.shared``).  Every byte
-moves on the ``spill`` thread pool, never on the event loop.
+and the tiers below DRAM: ``self.lower``, an ordered list of ``spill.tier.Tier``
+(SSD, then shared; a cluster tier would come last), which the policy walks
+without asking which tiers it has.  Every byte moves on the ``spill`` thread
+pool, never on the event loop.
 
 **Demotion** (write-back).  When DRAM's free space falls under
 ``clean_ahead`` of its capacity, the demoter copies the DIRTY blocks among the
-oldest ``clean_ahead`` bytes of the LRU to the SSD tier (or, without one, the
-shared tier): straight from the shared-memory slot with O_DIRECT, a batch at
-a time, then one ``fdatasync``; only then is each block marked CLEAN, and
-only CLEAN blocks are evicted.  The queue is bounded (``queue_depth`` blocks
-in flight); a reserve that finds only DIRTY victims waits for the demoter
-(back-pressure, up to ``backpressure_timeout``) instead of dropping data or
-buffering without bound.  A block whose spill fails (disk full, EIO) becomes
+oldest ``clean_ahead`` bytes of the LRU to the first tier below DRAM (the SSD
+tier, or without one the shared tier): straight from the shared-memory slot
+with O_DIRECT, a batch at a time, then one ``fdatasync``; only then is each
+block marked CLEAN, and only CLEAN blocks are evicted.  A tier that evicts
+(``Tier.local``) hands what it evicts to the next tier.  The queue is bounded
+(``queue_depth`` blocks in flight); a reserve that finds only DIRTY victims
+waits for the demoter (back-pressure, up to ``backpressure_timeout``) instead
+of dropping data or buffering without bound.  A block whose spill fails (disk full, EIO) becomes
 UNSPILLABLE and is evicted as without spill tiers: DRAM keeps serving.
 
 **Promotion.**  ``acquire`` of a key that only a lower tier holds reserves a
@@ -23,15 +26,24 @@ promotions in the background.  Concurrent promotions of one key share one read.
 
 **Shared tier writes**: ``shared_write: demotion`` publishes blocks the SSD
 tier evicts (or, without an SSD tier, DRAM demotions); ``commit`` also
-publishes every committed block at once (write-through, best effort: when
-``queue_depth`` publishes are in flight, further ones are skipped and counted).
+publishes every committed block at once (write-through to every ``cross_host``
+tier, best effort: when ``queue_depth`` publishes are in flight, further ones
+are skipped and counted).
+
+**A DRAM slot whose memory faults** (a writer truncated its namespace's data
+file or punched holes in it: copies and checksums of the slot raise
+``OSError(EFAULT)``, ``spill.blockio.memory_fault``) is the writer's loss,
+never a fault of a spill tier: a demotion or publish of it drops the block
+from DRAM (as a delete does; its copies below stay), a promotion into it
+fails (the slot is returned, the key is a miss, the copy below stays); each
+is counted in ``counters.slot_faults`` and the observer's ``slot_fault``.
 
 **Admin calls** (``list_keys``, ``evict``, ``drain``; the service's ListKeys,
-Evict, Drain).  Listing and evicting cover DRAM and the SSD tier, whose
-indexes this daemon holds; the shared tier is never enumerated (it is a
-directory tree many hosts write), so ``list_keys`` does not show it and an
-evict of ``all`` removes shared copies only of the keys DRAM or the SSD tier
-know.  An evict skips (and counts) keys that are leased or moving -- the
+Evict, Drain).  Listing and evicting cover DRAM and the local tiers (SSD),
+whose indexes this daemon holds; remote tiers (shared) are never enumerated
+(a directory tree many hosts write), so ``list_keys`` does not show them and
+an evict of ``all`` removes their copies only of the keys DRAM or a local
+tier know.  An evict skips (and counts) keys that are leased or moving -- the
 ``_promoting``/``_demoting`` bookkeeping a delete waits on -- and drops the
 rest tier by tier in one loop step per chunk, so each block's bookkeeping
 changes all at once.  A drain gives every DRAM block without a durable copy
@@ -48,20 +60,25 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import enum
 import heapq
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
 from kvtier.errors import CapacityExhausted, Corrupted, FailedPrecondition, NotFound
 from kvtierd.logs import Throttle, event, more
-from kvtierd.spill.blockio import fault_kind
+from kvtierd.spill.blockio import fault_kind, memory_fault
 from kvtierd.spill.format import model_hash
 from kvtierd.spill.shared import SharedTier
-from kvtierd.spill.ssd import SpillFull, SsdEntry, SsdTier
+from kvtierd.spill.ssd import SpillFull, SsdTier
+from kvtierd.spill.tier import TIER_DRAM as TIER_DRAM
+from kvtierd.spill.tier import TIER_SHARED as TIER_SHARED
+from kvtierd.spill.tier import TIER_SSD as TIER_SSD
+from kvtierd.spill.tier import BlockCopy, Geometry, HandOff, SharedAdapter, SsdAdapter, Tier
 from kvtierd.store import (
     AcquireResult,
     Block,
@@ -81,10 +98,7 @@ _throttle = Throttle()
 
 _T = TypeVar("_T")
 
-#: Tier numbers (the wire enum ``kvtier.v1.Tier``).
-TIER_DRAM: Final = 1
-TIER_SSD: Final = 2
-TIER_SHARED: Final = 3
+#: Tier numbers are the wire enum ``kvtier.v1.Tier`` (``spill.tier``).
 TIER_NAMES: Final = {TIER_DRAM: "dram", TIER_SSD: "ssd", TIER_SHARED: "shared"}
 #: How often the demoter re-checks DRAM pressure when nothing woke it.
 DEMOTER_TICK: Final = 0.25
@@ -126,6 +140,16 @@ class TieringCounters:
     spill_failures: collections.Counter[str] = dataclasses.field(
         default_factory=collections.Counter)
     faults: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # DRAM slots found faulted (EFAULT) while a demotion, publish or promotion copied
+    # them, per namespace: a writer cut its data file; the daemon's devices are fine.
+    slot_faults: collections.Counter[str] = dataclasses.field(
+        default_factory=collections.Counter)
+
+
+class _Copy(enum.Enum):
+    """A copy's outcome besides done/failed: the DRAM slot's memory faulted."""
+
+    SLOT_FAULT = "slot_fault"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -211,6 +235,14 @@ class TieringObserver(Protocol):
     def background_error(self, task: str) -> None: ...
 
 
+class SlotFaultObserver(Protocol):
+    """The metrics hook for DRAM slots found faulted (``TieringObserver`` may add it;
+    ``Tiering`` calls it when its observer has it): one call per slot, with its
+    namespace."""
+
+    def slot_fault(self, namespace: str) -> None: ...
+
+
 class _NoObserver:
     def spill_io(self, tier: str, op: str, seconds: float, nbytes: int) -> None:
         pass
@@ -232,7 +264,7 @@ def _count_down(counter: collections.Counter[tuple[str, bytes]],
 
 
 class Tiering:
-    """DRAM (the store) plus optional SSD and shared tiers, and the movement between them."""
+    """DRAM (the store) plus the tiers below it (``lower``), and the movement between them."""
 
     def __init__(
         self,
@@ -240,17 +272,38 @@ class Tiering:
         *,
         ssd: SsdTier | None = None,
         shared: SharedTier | None = None,
+        below: Sequence[Tier] = (),
         policy: SpillPolicy | None = None,
         io_threads: int = 4,
         observer: TieringObserver | None = None,
     ) -> None:
+        """``ssd``, ``shared``: the mechanisms (kept as attributes for stats and
+        metrics); ``below``: more tiers under them, slowest last (a cluster tier)."""
         self.store = store
         self.ssd = ssd
         self.shared = shared
+        #: The tiers below DRAM, fastest first: demotion writes into the first, each
+        #: evicting tier hands its evictions to the next, promotion reads from the
+        #: fastest tier holding a key.
+        self.lower: list[Tier] = [
+            *([SsdAdapter(ssd)] if ssd is not None else []),
+            *([SharedAdapter(shared)] if shared is not None else []),
+            *below,
+        ]
+        self._by_id = {t.tier: t for t in self.lower}
+        self._local = [t for t in self.lower if t.local]  # their indexes: loop-safe lookups
+        self._remote = [t for t in self.lower if not t.local]  # every lookup is I/O
         self.policy = policy or SpillPolicy()
+        #: Where ``shared_write: commit`` publishes every committed block.
+        self._write_through = ([t for t in self.lower if t.cross_host]
+                               if self.policy.shared_write == "commit" else [])
+        #: The last tier evicts without handing on: a CLEAN block's copy may vanish.
+        self._lossy = bool(self.lower) and self.lower[-1].local
         self.observer: TieringObserver = observer or _NoObserver()
+        self._slot_fault_hook: Callable[[str], None] | None = getattr(
+            self.observer, "slot_fault", None)
         self.counters = TieringCounters()
-        self.enabled = ssd is not None or shared is not None
+        self.enabled = bool(self.lower)
         store.spill_enabled = self.enabled
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, io_threads), thread_name_prefix="kvtier-spill")
@@ -260,13 +313,14 @@ class Tiering:
         self._promoting: dict[tuple[str, bytes], asyncio.Future[bool]] = {}
         self._demoting: dict[tuple[str, bytes], Block] = {}
         self._publishing = 0
-        self._forgotten = False  # SSD entries removed by the demoter, not flushed yet
+        self._forgotten = False  # copies the demoter removed below, not flushed yet
         # Keys a Delete or Evict is removing from the lower tiers (a count per key:
         # both may be at it at once): lookups and promotions do not see them meanwhile.
         self._deleting: collections.Counter[tuple[str, bytes]] = collections.Counter()
-        # Keys being written to the shared tier: by a write-through publish (event loop) or
-        # an SSD eviction's hand-off (an I/O thread; under the lock, with _deleting's
-        # updates, so a hand-off either sees a Delete's hide or is seen by that Delete).
+        # Keys being written to a lower tier outside demotion: by a write-through publish
+        # (event loop) or a tier's eviction hand-off to the next (an I/O thread; under the
+        # lock, with _deleting's updates, so a hand-off either sees a Delete's hide or is
+        # seen by that Delete).
         self._publishing_keys: collections.Counter[tuple[str, bytes]] = collections.Counter()
         self._handing: collections.Counter[tuple[str, bytes]] = collections.Counter()
         self._handoff_lock = threading.Lock()
@@ -277,27 +331,31 @@ class Tiering:
         self._prefetch_slots = asyncio.Semaphore(MAX_PREFETCHES)
         self._queued_prefetches = 0
         self._mhash: dict[str, int] = {}
-        if ssd is not None:
-            ssd.on_fault = lambda kind: self._fault("ssd", kind)
-        if ssd is not None and shared is not None and self.policy.shared_write in (
-                "demotion", "commit"):
-            ssd.on_evict = self._publish_evicted
+        for i, tier in enumerate(self.lower):
+            self._connect(tier, self.lower[i + 1] if i + 1 < len(self.lower) else None)
+
+    def _connect(self, tier: Tier, nxt: Tier | None) -> None:
+        """A tier's callbacks: its absorbed faults are counted; what it evicts goes to
+        the next tier, or, from the last one, leaves the DRAM blocks that counted on it
+        without a copy below."""
+        hand_off: HandOff | None = None
+        if nxt is not None and self.policy.shared_write in ("demotion", "commit"):
+            target = nxt
+
+            def pass_on(entry: BlockCopy, data: memoryview) -> None:  # an I/O thread
+                self._hand_off(tier, target, entry, data)
+
+            hand_off = pass_on
+        tier.connect(on_fault=lambda kind: self._fault(tier.name, kind), hand_off=hand_off,
+                     on_lost=self._lost_below if nxt is None else None)
 
     # ================================================================ lifecycle
     async def start(self) -> None:
-        """Open the spill tiers (re-adopting the SSD's files) and start the demoter."""
+        """Open the tiers below DRAM (re-adopting the SSD's files) and start the demoter."""
         loop = self._loop = asyncio.get_running_loop()
-        if self.ssd is not None:
-            await loop.run_in_executor(self._pool, self.ssd.open)
-            self._mark_clean_from_ssd()
-            if self.shared is None:  # with a shared tier, evictions publish there instead
-
-                def evicted(namespace: str, key: bytes) -> None:  # on an I/O thread
-                    loop.call_soon_threadsafe(self._ssd_evicted, namespace, key)
-
-                self.ssd.on_evicted = evicted
-        if self.shared is not None:
-            await loop.run_in_executor(self._pool, self.shared.open)
+        for tier in self.lower:
+            await loop.run_in_executor(self._pool, tier.open)
+        self._mark_clean_below()
         if self.enabled:
             self._demoter = loop.create_task(self._demote_forever(), name="kvtier-demoter")
 
@@ -313,36 +371,36 @@ class Tiering:
         # Worker threads may still be reading DRAM slots or writing spill files: wait for
         # them before the spill files (and then the segments) are closed.
         await asyncio.to_thread(self._pool.shutdown, wait=True)
-        if self.ssd is not None:
-            await asyncio.to_thread(self._close_ssd, self.ssd)
+        for tier in self.lower:
+            await asyncio.to_thread(tier.close)
 
-    @staticmethod
-    def _close_ssd(ssd: SsdTier) -> None:
-        try:
-            ssd.flush_frees()
-        except OSError as exc:
-            log.warning("SSD tier: could not persist freed slots at stop: %s", exc)
-        ssd.close()
+    def _lost_below(self, namespace: str, key: bytes) -> None:
+        """The last tier evicted a copy (any thread, its lock held: just schedule)."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody to tell
+                self._loop.call_soon_threadsafe(self._evicted_below, namespace, key)
 
-    def _ssd_evicted(self, namespace: str, key: bytes) -> None:
-        """The SSD tier evicted its copy of (namespace, key) to make room (its LRU, or the
-        namespace's SSD quota).  A DRAM block that counted on it (CLEAN) now has no copy
-        below: it becomes UNSPILLABLE, evictable like a block without spill tiers, and is
-        not demoted again -- re-spilling it would evict another copy in turn, for ever,
-        whenever the SSD (or the quota) is smaller than what DRAM wants to keep clean."""
+    def _evicted_below(self, namespace: str, key: bytes) -> None:
+        """The last tier below DRAM evicted its copy of (namespace, key) to make room (its
+        LRU, or the namespace's SSD quota).  A DRAM block that counted on it (CLEAN) now
+        has no copy below: it becomes UNSPILLABLE, evictable like a block without spill
+        tiers, and is not demoted again -- re-spilling it would evict another copy in
+        turn, for ever, whenever the tier (or the quota) is smaller than what DRAM wants
+        to keep clean."""
         ns = self.store.namespaces.get(namespace)
         block = ns.index.get(key) if ns is not None else None
         if block is not None and block.lower == Lower.CLEAN:
             self.store.set_lower(block, Lower.UNSPILLABLE)
 
-    def _mark_clean_from_ssd(self) -> None:
-        """After a restart, DRAM blocks that also have an SSD copy are CLEAN."""
-        assert self.ssd is not None
+    def _mark_clean_below(self) -> None:
+        """After a restart, DRAM blocks that also have a copy a local tier knows are CLEAN."""
+        if not self._local:
+            return
         for ns in self.store.namespaces.values():
-            mh = self._model_hash(ns)
+            geometry = self._geometry(ns)
             for block in ns.index.values():
-                e = self.ssd.find(ns.name, block.key, ns.block_bytes, mh)
-                if e is not None and e.length == block.length:
+                copy = self._local_copy(ns.name, block.key, geometry)
+                if copy is not None and copy[1] == block.length:
                     self.store.set_lower(block, Lower.CLEAN)
 
     def _fault(self, tier: str, kind: str, n: int = 1) -> None:
@@ -355,6 +413,31 @@ class Tiering:
         if h is None:
             h = self._mhash[ns.model_uid] = model_hash(ns.model_uid)
         return h
+
+    def _geometry(self, ns: Namespace) -> Geometry:
+        return Geometry(ns.block_bytes, self._model_hash(ns))
+
+    def _geometry_of(self, ns: Namespace | None) -> Geometry | None:
+        """None for a namespace nobody declared since the start: copies taken as they are."""
+        return None if ns is None else self._geometry(ns)
+
+    def _copy_in(self, tier: Tier, namespace: str, key: bytes,
+                 geometry: Geometry | None) -> int | None:
+        """The length of ``tier``'s copy of a key that reads would use, if its index in
+        this process knows one (loop-safe; None for a tier that is not local)."""
+        demoting = self._demoting.get((namespace, key))
+        if demoting is not None and demoting.doomed:
+            return None  # deleted while its demotion was in flight
+        return tier.held(namespace, key, geometry)
+
+    def _local_copy(self, namespace: str, key: bytes,
+                    geometry: Geometry | None) -> tuple[Tier, int] | None:
+        """The fastest local tier's copy of a key: (tier, length), or None (loop-safe)."""
+        for tier in self._local:
+            length = self._copy_in(tier, namespace, key, geometry)
+            if length is not None:
+                return tier, length
+        return None
 
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -387,7 +470,7 @@ class Tiering:
     async def _locate(self, ns: Namespace, keys: Sequence[bytes]) -> list[int]:
         """The tier of each key of the longest prefix some tier holds (fastest tier wins)."""
         tiers: list[int] = []
-        mh = self._model_hash(ns)
+        geometry = self._geometry(ns)
         i = 0
         while i < len(keys):
             key = keys[i]
@@ -395,32 +478,27 @@ class Tiering:
                 break
             if key in ns.index:
                 tiers.append(TIER_DRAM)
-            elif self._on_ssd(ns, key, mh):
-                tiers.append(TIER_SSD)
-            elif self.shared is not None:
-                # The run of keys only the shared tier can hold: one stat each, off the loop.
-                j = i + 1
-                while j < len(keys) and keys[j] not in ns.index and not self._on_ssd(
-                        ns, keys[j], mh) and (ns.name, keys[j]) not in self._deleting:
-                    j += 1
-                run = await self._run(self.shared.count_prefix, ns.name, list(keys[i:j]))
-                tiers.extend([TIER_SHARED] * run)
-                if run < j - i:
-                    break
-                i = j
+                i += 1
                 continue
-            else:
+            local = self._local_copy(ns.name, key, geometry)
+            if local is not None:
+                tiers.append(local[0].tier)
+                i += 1
+                continue
+            if not self._remote:
                 break
-            i += 1
+            # The run of keys only a remote tier can hold: asked off the loop, in one go.
+            j = i + 1
+            while (j < len(keys) and keys[j] not in ns.index
+                   and self._local_copy(ns.name, keys[j], geometry) is None
+                   and (ns.name, keys[j]) not in self._deleting):
+                j += 1
+            found = await self._run(_locate_remote, self._remote, ns.name, list(keys[i:j]))
+            tiers.extend(found)
+            if len(found) < j - i:
+                break
+            i = j
         return tiers
-
-    def _on_ssd(self, ns: Namespace, key: bytes, mh: int) -> bool:
-        if self.ssd is None:
-            return False
-        demoting = self._demoting.get((ns.name, key))
-        if demoting is not None and demoting.doomed:
-            return False  # deleted while its demotion was in flight
-        return self.ssd.find(ns.name, key, ns.block_bytes, mh) is not None
 
     async def _prefetch(self, ns: Namespace, keys: list[bytes], tiers: list[int]) -> None:
         try:
@@ -506,10 +584,10 @@ class Tiering:
         if not wanted:
             return
         views = self.store.reservation_slots(system, res.reservation_id)
-        mh = self._model_hash(ns)
+        geometry = self._geometry(ns)
         try:
             outcomes = await asyncio.gather(*(
-                self._run(self._read_block, ns.name, key, tier, view, ns.block_bytes, mh)
+                self._run(self._read_block, ns.name, key, self._by_id[tier], view, geometry)
                 for (key, tier), view in zip(wanted, views, strict=True)))
         finally:
             for v in views:
@@ -517,7 +595,10 @@ class Tiering:
         # Keep the prefix: after the first failure, nothing is committed.
         settled: list[tuple[int, int] | None] = []
         failed = False
-        for out in outcomes:
+        for (key, _tier), out in zip(wanted, outcomes, strict=True):
+            if out is _Copy.SLOT_FAULT:
+                self._slot_fault(ns.name, key, "promotion")
+                out = None
             failed = failed or out is None
             settled.append(None if failed else out)
         blocks = self.store.settle(system, res.reservation_id, settled)
@@ -526,30 +607,23 @@ class Tiering:
                 continue
             self.store.set_lower(block, Lower.CLEAN)
             block.prefetched = prefetch
-            self.counters.promotions[TIER_NAMES[tier]] += 1
+            self.counters.promotions[self._by_id[tier].name] += 1
 
-    def _read_block(self, namespace: str, key: bytes, tier: int, dst: memoryview,
-                    block_bytes: int, mh: int) -> tuple[int, int] | None:
-        """Worker thread: read one block into a DRAM slot; (length, checksum) or None."""
+    def _read_block(self, namespace: str, key: bytes, tier: Tier, dst: memoryview,
+                    geometry: Geometry) -> tuple[int, int] | None | _Copy:
+        """Worker thread: read one block into a DRAM slot; (length, checksum), None
+        (a miss), or SLOT_FAULT (the slot's memory faulted: the copy below stays)."""
         t0 = time.perf_counter()
-        name = TIER_NAMES[tier]
         try:
-            if tier == TIER_SSD:
-                assert self.ssd is not None
-                entry = self.ssd.find(namespace, key, block_bytes, mh)
-                if entry is None:
-                    raise KeyError(key)
-                self.ssd.read_into(entry, dst)
-                length, checksum = entry.length, entry.checksum
-            else:
-                assert self.shared is not None
-                length, checksum = self.shared.read_into(namespace, key, dst, block_bytes, mh)
+            length, checksum = tier.read_into(namespace, key, dst, geometry)
         except KeyError:
             return None  # evicted or deleted meanwhile: a miss
         except (Corrupted, OSError) as exc:
-            self._fault(name, fault_kind(exc))
+            if memory_fault(exc):
+                return _Copy.SLOT_FAULT  # the writer's loss, not the tier's fault
+            self._fault(tier.name, fault_kind(exc))
             return None
-        self.observer.spill_io(name, "read", time.perf_counter() - t0, length)
+        self.observer.spill_io(tier.name, "read", time.perf_counter() - t0, length)
         return length, checksum
 
     # ================================================================ reserve / commit
@@ -557,11 +631,11 @@ class Tiering:
         """Reserve DRAM slots; keys a lower tier holds are EXISTS.  Waits for demotion
         when only DIRTY blocks could make room."""
         exists = None
-        if self.ssd is not None:
-            ns, mh = session.ns, self._model_hash(session.ns)
+        if self._local:
+            ns, geometry = session.ns, self._geometry(session.ns)
 
             def exists(key: bytes) -> bool:
-                return self._on_ssd(ns, key, mh)
+                return self._local_copy(ns.name, key, geometry) is not None
 
         return await self._reserve_with_backpressure(session, keys, exists)
 
@@ -599,7 +673,7 @@ class Tiering:
         return n
 
     def _committed(self, blocks: Sequence[Block]) -> None:
-        if self.shared is not None and self.policy.shared_write == "commit" and blocks:
+        if self._write_through and blocks:
             room = self.policy.queue_depth - self._publishing
             if room < len(blocks):
                 self.counters.skipped_publishes += len(blocks) - max(room, 0)
@@ -610,13 +684,16 @@ class Tiering:
         self._wake.set()
 
     async def _publish(self, blocks: list[Block]) -> None:
-        assert self.shared is not None
         leases = self.store.pin_blocks(blocks)
         self._publishing += len(blocks)
         try:
-            results = await asyncio.gather(*(self._run(self._publish_one, b) for b in blocks))
-            for block, ok in zip(blocks, results, strict=True):
-                if ok and self.ssd is None:
+            jobs = [(b, t) for b in blocks for t in self._write_through]
+            results = await asyncio.gather(*(
+                self._run(self._copy_down, b, t, "publish") for b, t in jobs))
+            for (block, tier), res in zip(jobs, results, strict=True):
+                if res is _Copy.SLOT_FAULT:
+                    self._lose(block, "publish")
+                elif res and tier is self.lower[0]:  # where demotion would have put it
                     self.store.set_lower(block, Lower.CLEAN)
         finally:
             self._publishing -= len(blocks)
@@ -625,29 +702,12 @@ class Tiering:
                 self.store.unpin(lease)
             self._signal_progress()
 
-    def _publish_one(self, block: Block) -> bool:
-        assert self.shared is not None
-        ns = block.ns
-        view = block.extent.segment.data_view(block.slot, block.length)
-        t0 = time.perf_counter()
-        try:
-            self.shared.publish(ns.name, block.key, view, block.checksum, ns.block_bytes,
-                                self._mhash.get(ns.model_uid) or model_hash(ns.model_uid))
-        except OSError as exc:
-            self._fault("shared", fault_kind(exc))
-            return False
-        finally:
-            view.release()
-        self.observer.spill_io("shared", "write", time.perf_counter() - t0, block.length)
-        return True
-
-    def _publish_evicted(self, entry: Any, data: memoryview) -> None:
-        """SSD eviction hook (worker thread): pass the block on to the shared tier.
+    def _hand_off(self, tier: Tier, nxt: Tier, entry: BlockCopy, data: memoryview) -> None:
+        """Eviction hook of ``tier`` (worker thread): pass the block on to ``nxt``.
 
         A key a Delete is removing is not handed on; a Delete that starts meanwhile waits
         for the hand-off (``_moving``) and then removes what it wrote.
         """
-        assert self.shared is not None
         k = (entry.namespace, entry.key)
         with self._handoff_lock:
             if k in self._deleting:
@@ -655,10 +715,10 @@ class Tiering:
             self._handing[k] += 1
         t0 = time.perf_counter()
         try:
-            published = self.shared.publish(entry.namespace, entry.key, data, entry.checksum,
-                                            entry.block_bytes, entry.model_hash)
-        except OSError as exc:
-            self._fault("shared", fault_kind(exc))
+            stored = nxt.write(entry.namespace, entry.key, data, entry.length, entry.checksum,
+                               Geometry(entry.block_bytes, entry.model_hash))
+        except (OSError, SpillFull) as exc:
+            self._fault(nxt.name, fault_kind(exc) if isinstance(exc, OSError) else "full")
             raise
         finally:
             with self._handoff_lock:
@@ -666,9 +726,9 @@ class Tiering:
             if self._loop is not None:
                 with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
                     self._loop.call_soon_threadsafe(self._signal_progress)
-        if published:
-            self.counters.demotions["ssd->shared"] += 1
-            self.observer.spill_io("shared", "write", time.perf_counter() - t0, entry.length)
+        if stored:
+            self.counters.demotions[f"{tier.name}->{nxt.name}"] += 1
+            self.observer.spill_io(nxt.name, "write", time.perf_counter() - t0, entry.length)
 
     # ================================================================ delete
     async def delete(self, session: Session, keys: Sequence[bytes]) -> int:
@@ -705,10 +765,14 @@ class Tiering:
         ns = session.ns
         present = set(k for k in keys if k in ns.index)
         self.store.delete(session, keys)
-        if self.ssd is not None:
-            present |= {k for k in keys if self._ssd_entry(ns.name, ns, k) is not None}
-            self.ssd.remove(ns.name, keys)
-        present |= await self._drop_lower(ns.name, keys, shared=True)
+        geometry = self._geometry(ns)
+        for tier in self._local:
+            present |= {k for k in keys
+                        if self._copy_in(tier, ns.name, k, geometry) is not None}
+            tier.remove(ns.name, keys)
+        found = await self._drop_lower(ns.name, {t: keys for t in self._remote})
+        for there in found.values():
+            present |= there
         return len(present)
 
     def _moving(self, namespace: str, key: bytes) -> bool:
@@ -726,34 +790,23 @@ class Tiering:
         with self._handoff_lock:
             _count_down(self._deleting, keys)
 
-    async def _drop_lower(self, namespace: str, keys: Sequence[bytes], *, shared: bool) -> set[bytes]:
-        """The I/O half of removing keys below DRAM (Delete and Evict): persist the SSD
-        entries ``ssd.remove`` freed, then remove the shared tier's files of ``keys``
-        when ``shared``.  Returns the keys that had a shared file."""
-        if self.ssd is not None:
+    async def _drop_lower(self, namespace: str,
+                          drops: Mapping[Tier, Sequence[bytes]]) -> dict[str, set[bytes]]:
+        """The I/O half of removing keys below DRAM (Delete and Evict): persist what the
+        local tiers' ``remove`` took out, then remove each remote tier's copies of its
+        keys in ``drops``.  Returns, per tier name, the keys that had a copy there."""
+        for tier in self._local:
             with contextlib.suppress(OSError):  # not persisted: the next flush retries
-                await self._run(self.ssd.flush_frees)
-        present: set[bytes] = set()
-        if shared and self.shared is not None and keys:
-            tier = self.shared
+                await self._run(tier.flush)
+        found: dict[str, set[bytes]] = {}
+        for tier, keys in drops.items():
+            if not keys:
+                continue
             try:
-                present = set(await self._run(_present_shared, tier, namespace, list(keys)))
-                await self._run(tier.delete, namespace, list(keys))
+                found[tier.name] = await self._run(tier.delete, namespace, list(keys))
             except OSError as exc:
-                self._fault("shared", fault_kind(exc))
-        return present
-
-    def _ssd_entry(self, namespace: str, ns: Namespace | None, key: bytes) -> SsdEntry | None:
-        """The SSD copy of a key that reads would use (``ns`` None: a namespace nobody
-        declared since the start, whose SSD entries are taken as they are)."""
-        if self.ssd is None:
-            return None
-        demoting = self._demoting.get((namespace, key))
-        if demoting is not None and demoting.doomed:
-            return None  # deleted while its demotion was in flight
-        if ns is None:
-            return self.ssd.index.get((namespace, key))
-        return self.ssd.find(namespace, key, ns.block_bytes, self._model_hash(ns))
+                self._fault(tier.name, fault_kind(exc))
+        return found
 
     # ================================================================ demotion
     def queue_depth(self) -> int:
@@ -804,31 +857,35 @@ class Tiering:
         return batch
 
     async def _demote(self, batch: list[Block]) -> None:
+        target = self.lower[0]
         leases: list[Lease] = self.store.pin_blocks(batch)
         for b in batch:
             self._demoting[(b.ns.name, b.key)] = b
         try:
-            results = await asyncio.gather(*(self._run(self._write_block, b) for b in batch))
-            synced = await self._sync()
-            for block, ok in zip(batch, results, strict=True):
-                target = "ssd" if self.ssd is not None else "shared"
-                if ok and synced:
+            results = await asyncio.gather(*(
+                self._run(self._copy_down, b, target, "demotion") for b in batch))
+            synced = await self._sync(target)
+            for block, res in zip(batch, results, strict=True):
+                if res is _Copy.SLOT_FAULT:
+                    self._lose(block, "demotion")
+                    continue
+                if res and synced:
                     if block.doomed or block.ns.index.get(block.key) is not block:
                         self._forget(block)  # deleted meanwhile: never resurrect it
                         continue
                     self.store.set_lower(block, Lower.CLEAN)
-                    self.counters.demotions[f"dram->{target}"] += 1
+                    self.counters.demotions[f"dram->{target.name}"] += 1
                 else:
-                    if ok:
+                    if res:
                         self._forget(block)
                     self.store.set_lower(block, Lower.UNSPILLABLE)
-                    self.counters.spill_failures[target] += 1
-            if self._forgotten and self.ssd is not None:
+                    self.counters.spill_failures[target.name] += 1
+            if self._forgotten:
                 self._forgotten = False
                 try:
-                    await self._run(self.ssd.flush_frees)
+                    await self._run(target.flush)
                 except OSError as exc:
-                    self._fault("ssd", fault_kind(exc))
+                    self._fault(target.name, fault_kind(exc))
         finally:
             for b in batch:
                 self._demoting.pop((b.ns.name, b.key), None)
@@ -840,80 +897,118 @@ class Tiering:
             self._signal_progress()
 
     def _forget(self, block: Block) -> None:
-        """Undo a block's SSD copy (its FREE entry reaches the disk at the next flush)."""
-        if self.ssd is not None:
-            self.ssd.remove(block.ns.name, [block.key])
+        """Undo a block's copy in the demotion target (a local tier's removal reaches
+        the disk at the next flush; a remote copy stays for the Delete that waits on
+        this demotion to remove)."""
+        if self.lower[0].remove(block.ns.name, [block.key]):
             self._forgotten = True
 
-    async def _sync(self) -> bool:
-        if self.ssd is None:
+    async def _sync(self, target: Tier) -> bool:
+        if target.durable_writes:
             return True
         t0 = time.perf_counter()
         try:
-            await self._run(self.ssd.sync)
+            await self._run(target.sync)
         except OSError as exc:
             kind = fault_kind(exc)
-            self._fault("ssd", kind)
-            held = _throttle(f"ssd/sync/{kind}")
+            self._fault(target.name, kind)
+            held = _throttle(f"{target.name}/sync/{kind}")
             if held is not None:
-                log.warning("SSD tier: fdatasync failed (%s); the batch is not durable%s", exc,
-                            more(held), extra=event("spill_fault", tier="ssd", op="sync",
-                                                    kind=kind, held_back=held))
+                log.warning("%s tier: fdatasync failed (%s); the batch is not durable%s",
+                            target.name, exc, more(held),
+                            extra=event("spill_fault", tier=target.name, op="sync",
+                                        kind=kind, held_back=held))
             return False
-        self.observer.spill_io("ssd", "sync", time.perf_counter() - t0, 0)
+        self.observer.spill_io(target.name, "sync", time.perf_counter() - t0, 0)
         return True
 
-    def _write_block(self, block: Block) -> bool:
-        """Worker thread: copy one pinned DRAM block to the SSD (or shared) tier."""
+    def _copy_down(self, block: Block, tier: Tier, op: str) -> bool | _Copy:
+        """Worker thread: copy one pinned DRAM block into ``tier`` (``op``: "demotion" or
+        "publish"); True when the tier holds it now, False when the copy failed (counted
+        as the tier's fault), SLOT_FAULT when the slot's memory faulted."""
         ns = block.ns
-        mh = self._mhash.get(ns.model_uid) or model_hash(ns.model_uid)
+        geometry = Geometry(ns.block_bytes,
+                            self._mhash.get(ns.model_uid) or model_hash(ns.model_uid))
         t0 = time.perf_counter()
-        if self.ssd is None:
-            return self._publish_one(block)
         view = block.extent.segment.data_view(block.slot, ns.slot_bytes)
         try:
-            self.ssd.write(ns.name, block.key, view, block.length, block.checksum,
-                           ns.block_bytes, mh)
+            tier.write(ns.name, block.key, view, block.length, block.checksum, geometry)
         except (OSError, SpillFull) as exc:
+            if memory_fault(exc):
+                return _Copy.SLOT_FAULT  # the writer's loss, not the tier's fault
             kind = fault_kind(exc) if isinstance(exc, OSError) else "full"
-            self._fault("ssd", kind)
-            held = _throttle(f"ssd/write/{kind}")
+            self._fault(tier.name, kind)
+            held = _throttle(f"{tier.name}/write/{kind}")
             if held is not None:
-                log.warning("SSD tier: demotion of %s in %r failed (%s); it stays in DRAM "
-                            "without a spill copy%s", block.key.hex(), ns.name, exc, more(held),
-                            extra=event("spill_fault", tier="ssd", op="write", kind=kind,
+                log.warning("%s tier: %s of %s in %r failed (%s); it stays in DRAM without "
+                            "a copy there%s", tier.name, op, block.key.hex(), ns.name, exc,
+                            more(held),
+                            extra=event("spill_fault", tier=tier.name, op="write", kind=kind,
                                         namespace=ns.name, held_back=held))
             return False
         finally:
             view.release()
-        self.observer.spill_io("ssd", "write", time.perf_counter() - t0, block.length)
+        self.observer.spill_io(tier.name, "write", time.perf_counter() - t0, block.length)
         return True
+
+    def _lose(self, block: Block, op: str) -> None:
+        """A DRAM block whose slot faulted while ``op`` copied it: its bytes are gone (a
+        writer truncated its namespace's data file or punched holes in it).  It leaves
+        DRAM as by a delete -- a pinned or leased block is hidden now and freed at its
+        last release, and the segment marks it doomed so a restart does not revive it
+        -- while copies below DRAM stay (they hold the real bytes).  Counted once per
+        block; a block gone meanwhile is left alone.
+
+        (A store method would say it better: ``Store.drop_block(block)``, the
+        per-block core of a delete that needs no session.)"""
+        ns = block.ns
+        if block.doomed or ns.index.get(block.key) is not block:
+            return
+        self.store.delete(self.store.system_session(ns), [block.key])
+        self._slot_fault(ns.name, block.key, op)
+
+    def _slot_fault(self, namespace: str, key: bytes, op: str) -> None:
+        """Count (and log, throttled) a DRAM slot found faulted by ``op`` (event loop)."""
+        self.counters.slot_faults[namespace] += 1
+        if self._slot_fault_hook is not None:
+            self._slot_fault_hook(namespace)
+        held = _throttle(f"slot/{op}")
+        if held is not None:
+            then = ("the promotion failed, the copy below DRAM stays" if op == "promotion"
+                    else "the block is dropped from DRAM, copies below it stay")
+            log.warning("namespace %r: the DRAM slot of block %s faulted during its %s (a "
+                        "writer truncated or punched holes in the namespace's data file); "
+                        "%s%s", namespace, key.hex(), op, then, more(held),
+                        extra=event("slot_fault", namespace=namespace, op=op,
+                                    held_back=held))
 
     # ================================================================ admin: list
     def _known_tiers(self) -> set[int]:
-        tiers = {TIER_DRAM}
-        if self.ssd is not None:
-            tiers.add(TIER_SSD)
-        if self.shared is not None:
-            tiers.add(TIER_SHARED)
-        return tiers
+        return {TIER_DRAM, *(t.tier for t in self.lower)}
 
     async def _keys_below(self, namespace: str, ns: Namespace | None) -> list[bytes]:
-        """The keys the SSD tier holds for a namespace (off the loop: O(SSD entries))."""
-        if self.ssd is None:
+        """The keys the local tiers hold for a namespace (off the loop: O(their entries))."""
+        if not self._local:
             return []
-        geometry = (ns.block_bytes, self._model_hash(ns)) if ns is not None else None
-        return await asyncio.to_thread(self.ssd.keys_of, namespace, geometry)
+        geometry = self._geometry_of(ns)
+        tiers = self._local
+
+        def collect() -> list[bytes]:
+            return list(itertools.chain.from_iterable(
+                t.keys_of(namespace, geometry) for t in tiers))
+
+        return await asyncio.to_thread(collect)
 
     async def list_keys(self, namespace: str, page_size: int,
                         after: bytes | None) -> tuple[list[KeyState], bytes | None]:
-        """One page of a namespace's blocks in DRAM and on the SSD tier, in key-byte order.
+        """One page of a namespace's blocks in DRAM and the local tiers (SSD), in
+        key-byte order.
 
         ``after``: the last key of the previous page (None: the first page).
         Returns the page and the key to continue after, or None on the last
-        page.  The shared tier is not enumerated.  A namespace is known when a
-        session declared it since the start, DRAM recovered it, or the SSD tier
-        holds blocks of it; otherwise ``NotFound``.  The page is chosen off the
+        page.  Remote tiers (shared) are not enumerated.  A namespace is known
+        when a session declared it since the start, DRAM recovered it, or a
+        local tier holds blocks of it; otherwise ``NotFound``.  The page is chosen off the
         loop (O(blocks of the namespace)); keys that vanish meanwhile are left out.
         """
         ns = self.store.namespaces.get(namespace)
@@ -935,23 +1030,23 @@ class Tiering:
         if block is not None:
             return KeyState(key, TIER_DRAM, block.length, block.pins > 0 or moving,
                             block.lower == Lower.CLEAN)
-        entry = self._ssd_entry(namespace, ns, key)
-        if entry is not None:
-            return KeyState(key, TIER_SSD, entry.length, moving, True)
+        local = self._local_copy(namespace, key, self._geometry_of(ns))
+        if local is not None:
+            return KeyState(key, local[0].tier, local[1], moving, True)
         return None
 
     # ================================================================ admin: evict
     async def evict(self, namespace: str, keys: Sequence[bytes] | None,
                     tiers: Collection[int]) -> EvictResult:
         """Drop the copies of ``keys`` (None: every block of the namespace that DRAM or
-        the SSD tier holds) on ``tiers`` (empty: every tier this daemon has).
+        a local tier holds) on ``tiers`` (empty: every tier this daemon has).
 
         A key that is leased (by a client, or pinned by a demotion or a publish)
         or whose promotion/demotion is in flight is skipped and counted.  For
         the others, each tier's copy goes in one loop step per chunk of keys:
         the DRAM block through the store's eviction (the one exit of DRAM
-        blocks), the SSD entry from the SSD index (its FREE entry persisted
-        right after); then the shared tier's files.  A DRAM block that stays
+        blocks), a local tier's (SSD) entry from its index (persisted right
+        after); then the remote tiers' (shared) copies.  A DRAM block that stays
         but lost its durable copy below becomes DIRTY again, so it is demoted
         before DRAM evicts it.  Evicting the only copy of a block drops it.
         """
@@ -987,10 +1082,13 @@ class Tiering:
                            tiers: set[int], dropped: collections.Counter[str]) -> tuple[int, int]:
         lost: set[bytes] = set()
         skipped = 0
-        to_shared: list[bytes] = []
+        remote: dict[Tier, list[bytes]] = {t: [] for t in self._remote if t.tier in tiers}
+        local = [t for t in self._local if t.tier in tiers]
+        below = bool(tiers & {t.tier for t in self.lower})
         hidden: list[tuple[str, bytes]] = []
-        freed = False  # SSD entries removed: their FREE entries are to be persisted
-        # -- in one loop step: each key's DRAM and SSD copies, all or nothing per key
+        freed = False  # local copies removed: their removal is to be persisted
+        geometry = self._geometry_of(ns)
+        # -- in one loop step: each key's DRAM and local copies, all or nothing per key
         for key in keys:
             block = ns.index.get(key) if ns is not None else None
             if ((block is not None and block.pins) or self._moving(namespace, key)
@@ -1002,31 +1100,32 @@ class Tiering:
                     dropped["dram"] += 1
                     lost.add(key)
                     block = None
-            if TIER_SSD in tiers and self._ssd_entry(namespace, ns, key) is not None:
-                assert self.ssd is not None
-                self.ssd.remove(namespace, [key])
-                dropped["ssd"] += 1
-                lost.add(key)
-                freed = True
-            if (block is not None and block.lower == Lower.CLEAN
-                    and tiers & {TIER_SSD, TIER_SHARED}
-                    and self._ssd_entry(namespace, ns, key) is None):
+            for tier in local:
+                if self._copy_in(tier, namespace, key, geometry) is not None:
+                    tier.remove(namespace, [key])
+                    dropped[tier.name] += 1
+                    lost.add(key)
+                    freed = True
+            if (block is not None and block.lower == Lower.CLEAN and below
+                    and self._local_copy(namespace, key, geometry) is None):
                 self.store.set_lower(block, Lower.DIRTY)  # its copy below may be gone now
-            if TIER_SHARED in tiers and self.shared is not None:
-                to_shared.append(key)
-                if block is None and self._ssd_entry(namespace, ns, key) is None:
+            if remote:
+                for todo in remote.values():
+                    todo.append(key)
+                if block is None and self._local_copy(namespace, key, geometry) is None:
                     hidden.append((namespace, key))  # no promotion from there meanwhile
-        # -- then the I/O: persist the SSD frees, remove the shared files
-        if not to_shared and not freed:
+        # -- then the I/O: persist the local removals, remove the remote copies
+        if not any(remote.values()) and not freed:
             return len(lost), skipped
         self._hide(hidden)
         try:
-            on_shared = await self._drop_lower(namespace, to_shared, shared=True)
+            found = await self._drop_lower(namespace, remote)
         finally:
             self._unhide(hidden)
-        if on_shared:
-            dropped["shared"] += len(on_shared)
-            lost |= on_shared
+        for name, there in found.items():
+            if there:
+                dropped[name] += len(there)
+                lost |= there
         return len(lost), skipped
 
     # ================================================================ admin: drain
@@ -1036,8 +1135,8 @@ class Tiering:
 
         A drain gives every DRAM block without a durable copy below DRAM
         (DIRTY or UNSPILLABLE, and CLEAN ones whose SSD copy the SSD tier has
-        since evicted when no shared tier could have taken it) a copy on the
-        SSD tier (or, without one, the shared tier).  The demoter makes the
+        since evicted when no shared tier could have taken it) a copy in the
+        first tier below DRAM (the SSD tier, or without one the shared tier).  The demoter makes the
         copies, in its ordinary batches; blocks stay in DRAM, CLEAN.  A block
         whose copy fails counts as failed and the drain still finishes; so
         does a copied block the SSD tier evicted again before the drain ended
@@ -1060,20 +1159,16 @@ class Tiering:
         try:
             blocks = list(itertools.chain.from_iterable(
                 list(ns.index.values()) for ns in list(self.store.namespaces.values())))
-            mh: dict[str, int] = {}
             for i in range(0, len(blocks), DRAIN_COLLECT_CHUNK):
                 for b in blocks[i : i + DRAIN_COLLECT_CHUNK]:
                     if b.doomed or b.ns.index.get(b.key) is not b:
                         continue
                     if b.lower == Lower.CLEAN:
-                        if self.ssd is None or self.shared is not None:
+                        if not self._lossy:
+                            continue  # copies below are never evicted without a hand-off
+                        if self._local_copy(b.ns.name, b.key, self._geometry(b.ns)) is not None:
                             continue
-                        h = mh.get(b.ns.name)
-                        if h is None:
-                            h = mh[b.ns.name] = self._model_hash(b.ns)
-                        if self._on_ssd(b.ns, b.key, h):
-                            continue
-                        self.store.set_lower(b, Lower.DIRTY)  # its SSD copy was evicted
+                        self.store.set_lower(b, Lower.DIRTY)  # its copy was evicted
                     d.add(b)
                 self._wake.set()
                 await asyncio.sleep(0)
@@ -1102,15 +1197,16 @@ class Tiering:
             d.finished.set()
 
     async def _recheck_drain(self, d: _Drain) -> None:
-        """Count as failed the copied blocks whose SSD copy the SSD tier has evicted
-        again meanwhile (and has not passed on to the shared tier)."""
-        if self.ssd is None:
+        """Count as failed the copied blocks whose copy the demotion target (a local tier,
+        which evicts) has evicted again meanwhile (and has not passed on below)."""
+        if not self.lower or not self.lower[0].local:
             return
         missing = [b for b in d.copied if not b.doomed and b.ns.index.get(b.key) is b
-                   and self._ssd_entry(b.ns.name, b.ns, b.key) is None]
-        if missing and self.shared is not None:
-            shared = self.shared
-            there = await self._run(lambda: [shared.exists(b.ns.name, b.key) for b in missing])
+                   and self._local_copy(b.ns.name, b.key, self._geometry(b.ns)) is None]
+        if missing and self._remote:
+            remote = self._remote
+            there = await self._run(lambda: [any(t.contains(b.ns.name, b.key) for t in remote)
+                                             for b in missing])
             missing = [b for b, ok in zip(missing, there, strict=True) if not ok]
         for b in missing:
             if b.doomed or b.ns.index.get(b.key) is not b:
@@ -1146,8 +1242,8 @@ class Tiering:
     # ================================================================ invariants
     def check(self) -> list[str]:
         problems = self.store.check()
-        if self.ssd is not None:
-            problems += self.ssd.check()
+        for tier in self.lower:
+            problems += tier.check()
         return problems
 
 
@@ -1161,8 +1257,16 @@ def _prefix(ns: Namespace, keys: Sequence[bytes]) -> list[Block]:
     return out
 
 
-def _present_shared(shared: SharedTier, namespace: str, keys: list[bytes]) -> list[bytes]:
-    return [k for k in keys if shared.exists(namespace, k)]
+def _locate_remote(tiers: Sequence[Tier], namespace: str, keys: list[bytes]) -> list[int]:
+    """Worker thread: the tier of each key of the longest prefix ``tiers`` hold (the
+    first of them holding it)."""
+    out: list[int] = []
+    for key in keys:
+        tier = next((t for t in tiers if t.contains(namespace, key)), None)
+        if tier is None:
+            break
+        out.append(tier.tier)
+    return out
 
 
 #: The setting that turns a tier on (for "this daemon has no ... tier" messages).

@@ -123,6 +123,19 @@ def probe_direct_io(directory: str, io: BlockIO | None = None) -> str | None:
             pass
 
 
+def memory_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` says the memory a call read or wrote faulted, not the file.
+
+    A DRAM slot lives in a file its namespace's writers hold read-write fds of:
+    truncated or hole-punched, its pages are gone.  ``pread``/``pwrite`` then
+    fail with EFAULT, and ``kvtier._accel``'s guarded copies and checksums raise
+    ``OSError(EFAULT)`` instead of dying of SIGBUS.  The spill tiers' own buffers
+    never fault, so on their calls EFAULT always means the slot: the writer's
+    loss, never a fault of the tier's device.
+    """
+    return isinstance(exc, OSError) and exc.errno == errno.EFAULT
+
+
 def fault_kind(exc: BaseException) -> str:
     """A short label for a failed spill I/O (the metrics label ``kind``)."""
     if isinstance(exc, Corrupted):

@@ -92,7 +92,11 @@ class SharedTier:
         block_bytes: int,
         mhash: int,
     ) -> bool:
-        """Publish ``data`` under the key; False when a file for it already exists."""
+        """Publish ``data`` under the key; False when a file for it already exists.
+
+        Raises OSError with no file left behind (EFAULT: ``data``'s memory
+        faulted, e.g. a DRAM slot a client cut away).
+        """
         path = self.path(namespace, key)
         if self.io.exists(path):
             return False
@@ -129,7 +133,8 @@ class SharedTier:
 
         Raises KeyError when there is no file (or it belongs to a namespace
         declared with another geometry), ``Corrupted`` when it fails its
-        header or checksum (the file is then removed), OSError on I/O errors.
+        header or checksum (the file is then removed), OSError on I/O errors
+        (EFAULT: ``dst``'s memory faulted; the file stays, it is not at fault).
         """
         path = self.path(namespace, key)
         try:

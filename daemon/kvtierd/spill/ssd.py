@@ -40,7 +40,13 @@ from kvtier import _accel
 from kvtier.errors import Corrupted
 from kvtierd.logs import Throttle, event, more
 from kvtierd.spill import format as fmt
-from kvtierd.spill.blockio import BlockIO, aligned_buffer, fault_kind, probe_direct_io
+from kvtierd.spill.blockio import (
+    BlockIO,
+    aligned_buffer,
+    fault_kind,
+    memory_fault,
+    probe_direct_io,
+)
 
 log = logging.getLogger(__name__)
 _throttle = Throttle()
@@ -113,8 +119,9 @@ class SsdCounters:
     adopt_seconds: float = 0.0
 
 
-#: Called on a worker thread with an evicted entry and its verified bytes,
-#: before its slot is reused (the shared tier's "write on demotion").
+#: Called on a worker thread with an evicted entry and its verified bytes (page-aligned,
+#: round_up(length) of them, the data first), before its slot is reused (the next
+#: tier's "write on demotion"; ``spill.tier.HandOff``).
 EvictHook = Callable[[SsdEntry, memoryview], None]
 
 
@@ -408,7 +415,8 @@ class SsdTier:
 
         ``src`` must cover ``round_up(length, 4096)`` bytes of page-aligned memory
         (a DRAM slot).  ``checksum`` is the xxh3-64 of the data if already known.
-        Raises SpillFull or OSError; the tier is unchanged then.
+        Raises SpillFull or OSError (EFAULT: ``src`` faulted); the tier is
+        unchanged then.
         """
         padded = fmt.round_up(length)
         if checksum is None:
@@ -658,7 +666,7 @@ class SsdTier:
             buf = aligned_buffer(fmt.round_up(victim.length))
             try:
                 self._read_verified(victim, memoryview(buf))
-                self.on_evict(victim, memoryview(buf)[: victim.length])
+                self.on_evict(victim, memoryview(buf))
             except Exception as exc:  # the victim is dropped either way; never crash
                 held = _throttle("ssd/evict_pass_on")
                 if held is not None:
@@ -755,17 +763,23 @@ class SsdTier:
 
         A block that fails its checksum or cannot be read is dropped from the
         tier and counted; the error (``Corrupted`` or ``OSError``) is raised.
-        ``KeyError`` when the entry was evicted or deleted meanwhile.
+        An ``OSError`` EFAULT (``blockio.memory_fault``: ``dst``'s memory
+        faulted -- a client cut its DRAM slot away) is raised with the entry
+        kept and nothing counted.  ``KeyError`` when the entry was evicted or
+        deleted meanwhile.
         """
         with self._lock:
             if self.index.get((entry.namespace, entry.key)) is not entry:
                 raise KeyError("the SSD copy was evicted or deleted")
             entry.readers += 1
             self.lru.move_to_end(entry)
-        kind: str | None = None
+        kind: str | None = None  # None: read and verified; "": dst faulted, the copy stays
         try:
             self._read_verified(entry, dst)
         except (Corrupted, OSError) as exc:
+            if memory_fault(exc):
+                kind = ""  # the DRAM slot's memory is gone, not this copy
+                raise
             kind = fault_kind(exc)
             held = _throttle(f"ssd/read/{kind}")
             if held is not None:
@@ -780,7 +794,7 @@ class SsdTier:
                 if kind is None:
                     self.counters.reads += 1
                     self.counters.read_bytes += entry.length
-                else:
+                elif kind:
                     if kind == "checksum":
                         self.counters.checksum_failures += 1
                     if self.index.get((entry.namespace, entry.key)) is entry:

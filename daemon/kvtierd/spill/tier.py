@@ -1,0 +1,339 @@
+"""One small Protocol for every tier below DRAM, and the SSD and shared tiers behind it.
+
+``kvtierd.tiering`` holds the tiers below DRAM as an ordered list (fastest
+first: SSD, then shared) and moves blocks along it: demotion writes into the
+first, an evicting tier hands its evictions to the next, promotion reads from
+the fastest tier that holds a key.  It never asks *which* tier it has, only
+what a tier is like (``local``, ``cross_host``, ``durable_writes``).  A new
+tier -- the cluster tier on Mooncake Store (DESIGN.md section 7) -- is a third
+implementation of :class:`Tier` appended to that list; the policy's loops do
+not change.
+
+The mechanisms (``spill.ssd.SsdTier``, ``spill.shared.SharedTier``) keep their
+own richer APIs for their tests, metrics and ``kvtier doctor``;
+:class:`SsdAdapter` and :class:`SharedAdapter` are the thin layers that give
+them this one shape.
+
+Memory faults.  Every call that takes a DRAM slot (``read_into``'s ``dst``,
+``write``'s ``src``) may get memory a client has cut away (it truncated or
+punched holes in its namespace's data file).  The copies and checksums then
+raise ``OSError(errno.EFAULT)`` (``blockio.memory_fault``): a tier leaves its
+own state as if the call had not happened -- no copy dropped, nothing counted
+as its fault -- and raises it unchanged.  Whose loss that is, is the policy's
+to say.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Final, NamedTuple, Protocol
+
+from kvtierd.spill.shared import SharedTier
+from kvtierd.spill.ssd import SsdTier
+
+log = logging.getLogger(__name__)
+
+#: Tier numbers (the wire enum ``kvtier.v1.Tier``).
+TIER_DRAM: Final = 1
+TIER_SSD: Final = 2
+TIER_SHARED: Final = 3
+
+
+class Geometry(NamedTuple):
+    """What a block was written for: its namespace's block size and model (hash).
+
+    A copy written for another geometry (the namespace was re-declared with a
+    new layout or model) is not that namespace's block: tiers never serve it.
+    """
+
+    block_bytes: int
+    model_hash: int
+
+
+class BlockCopy(Protocol):
+    """The copy a tier evicts and hands on (``spill.ssd.SsdEntry`` is one)."""
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def key(self) -> bytes: ...
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def checksum(self) -> int: ...
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    @property
+    def model_hash(self) -> int: ...
+
+
+#: Called on a worker thread with a copy the tier evicts and its verified bytes
+#: (page-aligned memory of at least round_up(length) bytes, the data first), before
+#: the tier reuses its room: the next tier's chance to keep the block.
+HandOff = Callable[[BlockCopy, memoryview], None]
+
+
+class Tier(Protocol):
+    """A tier below DRAM, as the tiering policy sees it.
+
+    Blocking methods run on the tiering's worker threads; the ones marked
+    loop-safe are O(keys) in-memory work.  ``write`` and ``read_into`` raise
+    ``OSError`` on I/O errors (EFAULT: the DRAM slot's memory, not the tier's,
+    see the module docstring) and leave the tier consistent.
+
+    The SSD tier and the shared tier implement it (through the adapters
+    below); a cluster tier (Mooncake Store: a master plus a transfer engine,
+    so hosts read each other's blocks) is meant to be a third implementation:
+    ``local`` False (its index is the master's), ``cross_host`` True,
+    ``contains`` a batched master query, appended after the shared tier, with
+    no change to the policy's loops.
+    """
+
+    @property
+    def tier(self) -> int:
+        """The wire enum value (``kvtier.v1.Tier``) this tier reports hits as."""
+        ...
+
+    @property
+    def name(self) -> str:
+        """Its name in metrics labels, logs and ``EvictResult.dropped`` ("ssd", "shared")."""
+        ...
+
+    @property
+    def local(self) -> bool:
+        """Its index lives in this process: ``held`` answers on the event loop,
+        ``keys_of`` enumerates it, ``remove`` takes keys out at once, and it evicts
+        its own least recently used copies to stay within its capacity (handing
+        them to ``hand_off``, reporting them to ``on_lost``).  Not local: every
+        question is I/O (``contains``), it is never enumerated, nothing here
+        bounds it."""
+        ...
+
+    @property
+    def cross_host(self) -> bool:
+        """Other hosts' daemons read it: ``shared_write: commit`` publishes here."""
+        ...
+
+    @property
+    def durable_writes(self) -> bool:
+        """Each ``write`` is durable when it returns (``sync`` has nothing to do)."""
+        ...
+
+    def open(self) -> None:
+        """Blocking: create or re-adopt what the tier keeps on disk."""
+        ...
+
+    def close(self) -> None:
+        """Blocking: persist what can be (errors logged, not raised) and let go of files."""
+        ...
+
+    def connect(self, *, on_fault: Callable[[str], None], hand_off: HandOff | None,
+                on_lost: Callable[[str, bytes], None] | None) -> None:
+        """Set the tier's callbacks (called from any thread; keep them short).
+
+        ``on_fault(kind)``: a fault the tier absorbed itself (a damaged file at
+        re-adoption, a filesystem smaller than its capacity).  ``hand_off``:
+        see :data:`HandOff`.  ``on_lost(namespace, key)``: a copy it evicted.
+        Tiers that never evict ignore the last two.
+        """
+        ...
+
+    def held(self, namespace: str, key: bytes, geometry: Geometry | None) -> int | None:
+        """Loop-safe: the length of the copy of ``key`` that a read would use, if this
+        process's index knows one (written for ``geometry``; None: any); else None.
+        A tier that is not ``local`` always answers None (it cannot tell without I/O)."""
+        ...
+
+    def contains(self, namespace: str, key: bytes) -> bool:
+        """Blocking: whether the tier holds a copy of ``key`` (a stat for a file tier)."""
+        ...
+
+    def read_into(self, namespace: str, key: bytes, dst: memoryview,
+                  geometry: Geometry) -> tuple[int, int]:
+        """Blocking: read the block into ``dst`` (page aligned, a whole slot) and verify
+        it; returns (length, checksum).
+
+        ``KeyError``: no copy (evicted or deleted meanwhile, or of another
+        geometry).  ``kvtier.errors.Corrupted``: the copy failed its checks and
+        the tier dropped it.  ``OSError``: the read failed (the tier dropped
+        its copy), or EFAULT: ``dst`` faulted (the copy stays).
+        """
+        ...
+
+    def write(self, namespace: str, key: bytes, src: memoryview, length: int,
+              checksum: int | None, geometry: Geometry) -> bool:
+        """Blocking: store ``src[:length]`` (``src``: page aligned, covering
+        round_up(length) bytes) under ``key``; ``checksum``: its xxh3-64 if known.
+
+        Visible at once, durable when ``sync`` returns (or at once with
+        ``durable_writes``).  False when the tier already held a copy and kept
+        it.  Raises ``OSError`` (EFAULT: ``src`` faulted) or
+        ``spill.ssd.SpillFull``; the tier is unchanged then.
+        """
+        ...
+
+    def sync(self) -> None:
+        """Blocking: make every write so far durable (OSError: none of them is known to be)."""
+        ...
+
+    def remove(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """Loop-safe: take ``keys`` out of this process's index (reads miss them at
+        once; ``flush`` persists it).  A tier that is not ``local`` does nothing (0)."""
+        ...
+
+    def flush(self) -> None:
+        """Blocking: persist what ``remove`` took out (OSError: the next flush retries)."""
+        ...
+
+    def delete(self, namespace: str, keys: Sequence[bytes]) -> set[bytes]:
+        """Blocking: remove the copies of ``keys`` that only I/O reaches; returns the
+        keys that had one.  A ``local`` tier's copies go through ``remove`` instead,
+        so it does nothing here (a copy written since then stays: it is newer)."""
+        ...
+
+    def keys_of(self, namespace: str, geometry: Geometry | None) -> list[bytes]:
+        """Blocking, O(copies): the keys held for ``namespace`` (written for
+        ``geometry``; None: any).  A tier that is not ``local`` answers [] (never
+        enumerated: it is a directory tree many hosts write)."""
+        ...
+
+    def check(self) -> list[str]:
+        """Cross-check the tier's own bookkeeping; the problems found (none: [])."""
+        ...
+
+
+class SsdAdapter:
+    """:class:`Tier` over a :class:`~kvtierd.spill.ssd.SsdTier`."""
+
+    tier = TIER_SSD
+    name = "ssd"
+    local = True
+    cross_host = False
+    durable_writes = False
+
+    def __init__(self, ssd: SsdTier) -> None:
+        self.ssd = ssd
+
+    def open(self) -> None:
+        self.ssd.open()
+
+    def close(self) -> None:
+        try:
+            self.ssd.flush_frees()
+        except OSError as exc:
+            log.warning("SSD tier: could not persist freed slots at stop: %s", exc)
+        self.ssd.close()
+
+    def connect(self, *, on_fault: Callable[[str], None], hand_off: HandOff | None,
+                on_lost: Callable[[str, bytes], None] | None) -> None:
+        self.ssd.on_fault = on_fault
+        self.ssd.on_evict = hand_off
+        self.ssd.on_evicted = on_lost
+
+    def held(self, namespace: str, key: bytes, geometry: Geometry | None) -> int | None:
+        if geometry is None:
+            e = self.ssd.index.get((namespace, key))
+        else:
+            e = self.ssd.find(namespace, key, geometry.block_bytes, geometry.model_hash)
+        return None if e is None else e.length
+
+    def contains(self, namespace: str, key: bytes) -> bool:
+        return self.ssd.index.get((namespace, key)) is not None
+
+    def read_into(self, namespace: str, key: bytes, dst: memoryview,
+                  geometry: Geometry) -> tuple[int, int]:
+        entry = self.ssd.find(namespace, key, geometry.block_bytes, geometry.model_hash)
+        if entry is None:
+            raise KeyError(key)
+        self.ssd.read_into(entry, dst)
+        return entry.length, entry.checksum
+
+    def write(self, namespace: str, key: bytes, src: memoryview, length: int,
+              checksum: int | None, geometry: Geometry) -> bool:
+        self.ssd.write(namespace, key, src, length, checksum, geometry.block_bytes,
+                       geometry.model_hash)
+        return True
+
+    def sync(self) -> None:
+        self.ssd.sync()
+
+    def remove(self, namespace: str, keys: Sequence[bytes]) -> int:
+        return self.ssd.remove(namespace, keys)
+
+    def flush(self) -> None:
+        self.ssd.flush_frees()
+
+    def delete(self, namespace: str, keys: Sequence[bytes]) -> set[bytes]:
+        return set()
+
+    def keys_of(self, namespace: str, geometry: Geometry | None) -> list[bytes]:
+        return self.ssd.keys_of(namespace, geometry)
+
+    def check(self) -> list[str]:
+        return self.ssd.check()
+
+
+class SharedAdapter:
+    """:class:`Tier` over a :class:`~kvtierd.spill.shared.SharedTier`."""
+
+    tier = TIER_SHARED
+    name = "shared"
+    local = False
+    cross_host = True
+    durable_writes = True  # published by fsync + rename
+
+    def __init__(self, shared: SharedTier) -> None:
+        self.shared = shared
+
+    def open(self) -> None:
+        self.shared.open()
+
+    def close(self) -> None:
+        pass  # no file stays open between calls
+
+    def connect(self, *, on_fault: Callable[[str], None], hand_off: HandOff | None,
+                on_lost: Callable[[str, bytes], None] | None) -> None:
+        pass  # it absorbs no faults and never evicts
+
+    def held(self, namespace: str, key: bytes, geometry: Geometry | None) -> int | None:
+        return None
+
+    def contains(self, namespace: str, key: bytes) -> bool:
+        return self.shared.exists(namespace, key)
+
+    def read_into(self, namespace: str, key: bytes, dst: memoryview,
+                  geometry: Geometry) -> tuple[int, int]:
+        return self.shared.read_into(namespace, key, dst, geometry.block_bytes,
+                                     geometry.model_hash)
+
+    def write(self, namespace: str, key: bytes, src: memoryview, length: int,
+              checksum: int | None, geometry: Geometry) -> bool:
+        with src[:length] as data:
+            return self.shared.publish(namespace, key, data, checksum, geometry.block_bytes,
+                                       geometry.model_hash)
+
+    def sync(self) -> None:
+        pass
+
+    def remove(self, namespace: str, keys: Sequence[bytes]) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass
+
+    def delete(self, namespace: str, keys: Sequence[bytes]) -> set[bytes]:
+        present = {k for k in keys if self.shared.exists(namespace, k)}
+        self.shared.delete(namespace, list(keys))
+        return present
+
+    def keys_of(self, namespace: str, geometry: Geometry | None) -> list[bytes]:
+        return []
+
+    def check(self) -> list[str]:
+        return []
