@@ -119,10 +119,14 @@ def scan_slots(seg: Segment, *, boot_epoch: int) -> tuple[AdoptedSlots, collecti
     to_free = ~ok & ~reserved
     for slot in np.flatnonzero(to_free & (state != SlotState.FREE)).tolist():
         seg.mark_free(slot)
-    gens = np.where(gen >= MAX_GENERATION, 0, gen)
-    for slot in np.flatnonzero(gen >= MAX_GENERATION).tolist():
-        if not ok[slot]:
-            seg.mark_free(slot)  # and forget the generation: a reserve packs it again
+    # A slot that is not adopted starts its generations again when they ran (or were
+    # forged) into the upper half: reserves count up from there, and a block committed
+    # at 2**48 would be dropped at the next start.  Adopted blocks keep theirs (at least
+    # 2**47 reserves of headroom).
+    restart_gen = ~ok & (gen >= MAX_GENERATION // 2)
+    gens = np.where(restart_gen, 0, gen)
+    for slot in np.flatnonzero(restart_gen & reserved).tolist():
+        seg.mark_reserved(slot, 0)  # still quarantined: its writer may still be copying
     good = np.flatnonzero(ok).tolist()
     klen_l, len_l, csum_l = klen.tolist(), length.tolist(), csum.tolist()
     has_sum = (flags & FLAG_HAS_CHECKSUM).astype(bool).tolist()

@@ -410,10 +410,6 @@ def test_a_metadata_file_without_its_data_file_is_removed_and_reported(shm_dir: 
 
 
 # ======================================================================== known bugs
-@pytest.mark.xfail(strict=True, reason=(
-    "recovery.scan_slots frees (mark_free) a RESERVED slot whose generation is out of range "
-    "but still hands it to the store as reserved (quarantined): the table says FREE, the "
-    "store counts it reserved, check() reports 4 problems"))
 def test_a_reserved_slot_with_an_out_of_range_generation_leaves_the_store_consistent(
     shm_dir: str,
 ) -> None:
@@ -427,11 +423,6 @@ def test_a_reserved_slot_with_an_out_of_range_generation_leaves_the_store_consis
     store.close_all()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the last access is not covered by the entry checksum and adoption accepts any value "
-    "below 2**48: the store's access sequence continues from the forged value, so blocks "
-    "committed or read afterwards carry last_access >= 2**48 and the next restart drops them "
-    "('access sequence out of range')"))
 def test_an_adopted_but_forged_access_sequence_does_not_cost_blocks_at_the_next_restart(
     shm_dir: str,
 ) -> None:
@@ -450,10 +441,6 @@ def test_an_adopted_but_forged_access_sequence_does_not_cost_blocks_at_the_next_
     again.close_all()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a FREE slot's generation is not covered by any checksum and adoption keeps any value "
-    "below 2**48: the next reserve of that slot packs 2**48, and the block committed there "
-    "is dropped at the next restart ('generation out of range')"))
 def test_a_forged_generation_of_a_free_slot_does_not_cost_blocks_at_the_next_restart(
     shm_dir: str,
 ) -> None:
