@@ -129,7 +129,10 @@ class Lab:
         return out.stdout
 
     def segment_files(self) -> list[str]:
-        return sorted(f for f in os.listdir(self.shm_dir) if f.endswith(".seg"))
+        """Every extent file in the shm directory: both halves of each extent (format 2 keeps
+        an extent as ``<digest>.<index>.meta`` + ``<digest>.<index>.seg``), so a half left
+        behind shows up too."""
+        return sorted(f for f in os.listdir(self.shm_dir) if f.endswith((".meta", ".seg")))
 
     def close(self) -> None:
         for w in self.workers:

@@ -104,9 +104,14 @@ SSD_FILE_SIZE = 2 * MiB
 REBOOT_EVERY = 4
 #: Keys per acquire in the audit (well under DRAM, so promotion always finds room).
 AUDIT_CHUNK = 8
-#: Why recovery drops a segment file the daemon was creating when it was killed.
+#: Why recovery drops the files of an extent the daemon was creating or unlinking when it
+#: was killed.  Creation makes the data file first, then the metadata file, then writes the
+#: header: a kill in between leaves a data file alone, or a metadata file that is empty or
+#: all zeros.  Unlinking removes the metadata file first: a kill in between leaves the data
+#: file alone.
 HALF_CREATED_SEGMENT = re.compile(
-    r"\.seg: reformatted: (bad magic b'(\\x00){8}'|truncated: [0-9]+ bytes, shorter than its header)")
+    r"\.meta: reformatted: (bad magic b'(\\x00){8}'|truncated: [0-9]+ bytes, shorter than its "
+    r"header)|\.seg: reformatted: no metadata file beside it")
 #: Why recovery drops a segment when the killed daemon had retired an extent (its blocks
 #: evicted, its budget reused) but not unlinked the file yet: the files exceed the budget.
 OVER_BUDGET_SEGMENT = re.compile(
@@ -322,10 +327,11 @@ def audit(lab: Lab, d: DaemonProc, where: str, disk: DiskState, reboot: bool) ->
                         f"{disk.duplicates})")
     if list(s0.dropped_spill_files):
         problems.append(f"spill files dropped at start: {list(s0.dropped_spill_files)}")
-    # The namespaces trade extents all the time here, so kills land mid-trade: a file being
-    # created has no header yet, a retired one may not be unlinked yet (then the files
-    # exceed dram.capacity and recovery drops the least recently used).  Either held
-    # nothing that is lost -- the journal audit below proves it; other reasons are problems.
+    # The namespaces trade extents all the time here, so kills land mid-trade: an extent
+    # being created has no metadata file or no header yet, one being unlinked may have lost
+    # its metadata file only, a retired one may not be unlinked yet (then the files exceed
+    # dram.capacity and recovery drops the least recently used).  None held anything that
+    # is lost -- the journal audit below proves it; other reasons are problems.
     unformatted = [r for r in s0.dropped_segments if HALF_CREATED_SEGMENT.search(r)]
     over_budget = [r for r in s0.dropped_segments if OVER_BUDGET_SEGMENT.search(r)]
     counts.half_created_segments = len(unformatted)

@@ -62,7 +62,19 @@ def namespaces(d: DaemonProc) -> dict[str, pb.NamespaceStats]:
 
 
 def seg_path(lab: Lab, ns: str, index: int = 0) -> str:
+    """An extent's data file (the one clients map)."""
     return os.path.join(lab.shm_dir, seg.segment_file_name(ns, index))
+
+
+def meta_path(lab: Lab, ns: str, index: int = 0) -> str:
+    """An extent's daemon-only metadata file: header page and slot table."""
+    return os.path.join(lab.shm_dir, seg.segment_file_name(ns, index, seg.META_SUFFIX))
+
+
+def extent_files(lab: Lab, ns: str, index: int = 0) -> list[str]:
+    """Both files of an extent, by name, as ``Lab.segment_files`` lists them."""
+    return sorted(os.path.basename(p)
+                  for p in (meta_path(lab, ns, index), seg_path(lab, ns, index)))
 
 
 def verify_in_new_process(lab: Lab, ns: str, bb: int, keys: list[bytes],
@@ -76,7 +88,8 @@ def verify_in_new_process(lab: Lab, ns: str, bb: int, keys: list[bytes],
 
 
 def rewrite_header(path: str, **fields: object) -> None:
-    """Re-pack a segment header with some fields changed and a *valid* header checksum."""
+    """Re-pack the header in a segment's .meta file with some fields changed and a *valid*
+    header checksum."""
     names = ("magic", "version", "n_slots", "index", "block_bytes", "slot_bytes",
              "table_offset", "data_offset", "boot_epoch", "created", "name_len", "name",
              "uid_len", "uid")
@@ -121,7 +134,7 @@ def test_sigterm_then_start_is_warm_and_fast(lab: Lab) -> None:
 def _shm_digest(lab: Lab) -> dict[str, str]:
     out = {}
     for name in sorted(os.listdir(lab.shm_dir)):
-        if name.endswith(".seg") or name == "epoch":
+        if name.endswith((".meta", ".seg")) or name == "epoch":
             with open(os.path.join(lab.shm_dir, name), "rb") as f:
                 out[name] = hashlib.sha256(f.read()).hexdigest()
     return out
@@ -223,46 +236,66 @@ def test_client_and_daemon_killed_mid_write_leave_nothing_visible(lab: Lab) -> N
 # --------------------------------------------------------------------------- damaged segments
 
 
-def _flip_header_byte(path: str) -> None:
-    with open(path, "r+b") as f:
+#: A damage takes the extent's (metadata path, data path).
+Damage = Callable[[str, str], None]
+
+
+def _flip_header_byte(meta: str, data: str) -> None:
+    with open(meta, "r+b") as f:
         f.seek(100)  # inside the namespace-name field, covered by the header checksum
         b = f.read(1)
         f.seek(100)
         f.write(bytes([b[0] ^ 0x5A]))
 
 
-def _write_at(offset: int, data: bytes) -> Callable[[str], None]:
-    def damage(path: str) -> None:
-        with open(path, "r+b") as f:
+def _write_at(offset: int, data: bytes) -> Damage:
+    def damage(meta: str, _data: str) -> None:
+        with open(meta, "r+b") as f:
             f.seek(offset)
             f.write(data)
     return damage
 
 
-def _resize(delta: int | None = None, to: int | None = None) -> Callable[[str], None]:
-    def damage(path: str) -> None:
+def _resize(delta: int | None = None, to: int | None = None, *, data: bool = False) -> Damage:
+    """Truncate or extend the metadata file (or with ``data`` the data file)."""
+    def damage(meta_file: str, data_file: str) -> None:
+        path = data_file if data else meta_file
         os.truncate(path, to if to is not None else os.path.getsize(path) + (delta or 0))
     return damage
 
 
-def _rename_to_index(index: int) -> Callable[[str], None]:
-    def damage(path: str) -> None:
-        os.rename(path, os.path.join(os.path.dirname(path), seg.segment_file_name(A, index)))
+def _rename_to_index(index: int) -> Damage:
+    def damage(meta: str, data: str) -> None:
+        d = os.path.dirname(meta)
+        os.rename(meta, os.path.join(d, seg.segment_file_name(A, index, seg.META_SUFFIX)))
+        os.rename(data, os.path.join(d, seg.segment_file_name(A, index)))
     return damage
 
 
-DAMAGES = {
-    # name: (damage, reason expected in dropped_segments; None: the file is just gone)
+def _unlink(*, meta: bool, data: bool) -> Damage:
+    def damage(meta_file: str, data_file: str) -> None:
+        for path, yes in ((meta_file, meta), (data_file, data)):
+            if yes:
+                os.unlink(path)
+    return damage
+
+
+DAMAGES: dict[str, tuple[Damage, str | None]] = {
+    # name: (damage, reason expected in dropped_segments; None: the files are just gone)
     "flipped-header-byte": (_flip_header_byte, "header checksum mismatch"),
     "bad-magic": (_write_at(0, b"NOTASEG!"), "bad magic"),
-    "future-version": (lambda p: rewrite_header(p, version=2), "format version 2, expected 1"),
-    "inconsistent-geometry": (lambda p: rewrite_header(p, block_bytes=A_BB + 1),
+    "future-version": (lambda m, d: rewrite_header(m, version=3), "format version 3, expected 2"),
+    "format-1-version": (lambda m, d: rewrite_header(m, version=1),
+                         "format version 1, expected 2"),
+    "inconsistent-geometry": (lambda m, d: rewrite_header(m, block_bytes=A_BB + 1),
                               "geometry is inconsistent"),
-    "truncated": (_resize(delta=-seg.PAGE), "truncated or extended"),
-    "truncated-into-header": (_resize(to=100), "truncated: 100 bytes"),
-    "extended": (_resize(delta=seg.PAGE), "truncated or extended"),
+    "meta-truncated": (_resize(delta=-seg.PAGE), "truncated or extended"),
+    "meta-truncated-into-header": (_resize(to=100), "truncated: 100 bytes"),
+    "meta-extended": (_resize(delta=seg.PAGE), "truncated or extended"),
     "renamed": (_rename_to_index(7), "file name does not match its header"),
-    "deleted-while-stopped": (os.unlink, None),
+    "deleted-while-stopped": (_unlink(meta=True, data=True), None),
+    "meta-deleted": (_unlink(meta=True, data=False), "no metadata file beside it"),
+    "data-deleted": (_unlink(meta=False, data=True), "its data file cannot be opened"),
 }
 
 
@@ -275,23 +308,24 @@ def test_damaged_segment_is_reformatted_and_only_its_namespace_goes_cold(
     put(d, B, B_BB, kb)
     stop_daemon(d, keep_shm=True)
     damage_fn, reason = DAMAGES[damage]
-    path = seg_path(lab, A)
-    damage_fn(path)
-    b_file = os.path.basename(seg_path(lab, B))
-    bad_name = [n for n in lab.segment_files() if n != b_file]  # the damaged file, if any
+    damage_fn(meta_path(lab, A), seg_path(lab, A))
+    b_files = extent_files(lab, B)
+    bad_names = [n for n in lab.segment_files() if n not in b_files]  # what is left of A's
 
     d = lab.start()
     s = d.stats()
     dropped = list(s.dropped_segments)
     if reason is None:
-        assert dropped == []
+        assert dropped == [] and bad_names == []
     else:
-        assert len(dropped) == 1 and len(bad_name) == 1, dropped
-        assert dropped[0].startswith(f"{bad_name[0]}: reformatted: "), dropped
+        assert len(dropped) == 1, dropped
+        assert any(dropped[0].startswith(f"{n}: reformatted: ") for n in bad_names), (
+            dropped, bad_names)
         assert reason in dropped[0], dropped
         assert reason in d.log()  # logged too, with the file name
-    # The damaged file is gone, never half-used; the other namespace is untouched and warm.
-    assert lab.segment_files() == [b_file]
+    # The damaged files are gone (both halves), never half-used; the other namespace is
+    # untouched and warm.
+    assert lab.segment_files() == b_files
     assert s.warm_start and s.recovered_blocks == 20
     assert {n.name: n.recovered_blocks for n in s.namespaces} == {B: 20}
     assert d.check() == []
@@ -309,12 +343,13 @@ def test_one_bad_extent_drops_only_that_extent(lab: Lab) -> None:
     put(d, A, A_BB, ka)
     assert namespaces(d)[A].segments == 3
     stop_daemon(d, keep_shm=True)
-    _resize(delta=-seg.PAGE)(seg_path(lab, A, 1))
+    _resize(delta=-seg.PAGE)(meta_path(lab, A, 1), seg_path(lab, A, 1))
 
     d = lab.start(extent="1MiB")
     s = d.stats()
     assert len(s.dropped_segments) == 1
-    assert s.dropped_segments[0].startswith(os.path.basename(seg_path(lab, A, 1)))
+    assert s.dropped_segments[0].startswith(os.path.basename(meta_path(lab, A, 1)))
+    assert not set(extent_files(lab, A, 1)) & set(lab.segment_files())
     survivors = present(d, A, A_BB, ka)
     assert len(survivors) == 40 - 15 == s.recovered_blocks
     assert_exact(d, A, A_BB, survivors)
@@ -325,13 +360,47 @@ def test_one_bad_extent_drops_only_that_extent(lab: Lab) -> None:
     assert d.check() == []
 
 
-def test_segment_deleted_behind_a_running_daemon(lab: Lab) -> None:
+@pytest.mark.parametrize("change", ["cut-into-the-last-slot", "extended"])
+def test_a_data_file_a_client_resized_keeps_its_extent_and_every_intact_block(
+        lab: Lab, change: str) -> None:
+    """The data file is the one clients can reach: a wrong size is set back at start, and
+    only the slots whose bytes a cut removed are dropped (with the reason logged)."""
+    d = lab.start(extent="1MiB")  # 15 slots of 64 KiB per extent
+    ka = keys_of(A, 30)
+    put(d, A, A_BB, ka)
+    assert namespaces(d)[A].segments == 2
+    stop_daemon(d, keep_shm=True)
+    data = seg_path(lab, A, 1)
+    size = os.path.getsize(data)
+    os.truncate(data, size - seg.PAGE if change == "cut-into-the-last-slot" else size + (64 << 20))
+
+    d = lab.start(extent="1MiB")
+    s = d.stats()
+    assert list(s.dropped_segments) == []
+    assert os.path.getsize(data) == size
+    assert "truncated or extended by a client" in d.log()
+    survivors = present(d, A, A_BB, ka)
+    if change == "extended":
+        assert survivors == ka
+    else:
+        assert len(survivors) == 29 and ka[-1] not in survivors  # the last slot of extent 1
+        assert "1 data cut off by a client" in d.log()
+    assert s.recovered_blocks == len(survivors)
+    assert_exact(d, A, A_BB, survivors)
+    assert d.check() == []
+    put(d, A, A_BB, [k for k in ka if k not in survivors])  # the freed slot takes it again
+    assert_exact(d, A, A_BB, ka)
+    assert d.check() == []
+
+
+@pytest.mark.parametrize("removed", ["both", "data", "meta"])
+def test_segment_deleted_behind_a_running_daemon(lab: Lab, removed: str) -> None:
     d = lab.start()
     ka, kb = keys_of(A, 10), keys_of(B, 10)
     put(d, A, A_BB, ka)
     put(d, B, B_BB, kb)
-    os.unlink(seg_path(lab, A))
-    # The daemon keeps serving from its mapping (new clients get its open fd).
+    _unlink(meta=removed != "data", data=removed != "meta")(meta_path(lab, A), seg_path(lab, A))
+    # The daemon keeps serving from its mappings (new clients get its open data fd).
     verify_in_new_process(lab, A, A_BB, ka)
     put(d, A, A_BB, keys_of(A, 3, "late"))
     assert_exact(d, A, A_BB, ka + keys_of(A, 3, "late"))
@@ -340,7 +409,12 @@ def test_segment_deleted_behind_a_running_daemon(lab: Lab) -> None:
 
     d = lab.start()
     s = d.stats()
-    assert list(s.dropped_segments) == []
+    dropped = list(s.dropped_segments)
+    if removed == "both":
+        assert dropped == []
+    else:  # the half left behind is removed, with why
+        assert len(dropped) == 1 and "reformatted" in dropped[0], dropped
+    assert lab.segment_files() == extent_files(lab, B)
     assert {n.name: n.recovered_blocks for n in s.namespaces} == {B: 10}
     assert_exact(d, B, B_BB, kb)
     assert present(d, A, A_BB, ka + keys_of(A, 3, "late")) == []
@@ -364,7 +438,7 @@ def test_namespace_left_by_another_model_uid_is_reformatted_for_the_new_model(la
     put(d, A, A_BB, ka)
     put(d, B, B_BB, kb)
     stop_daemon(d, keep_shm=True)
-    rewrite_header(seg_path(lab, A), model_uid="old")  # valid header, only the uid differs
+    rewrite_header(meta_path(lab, A), model_uid="old")  # valid header, only the uid differs
 
     d = lab.start()
     s = d.stats()
@@ -389,7 +463,7 @@ def test_segment_of_another_model_uid_is_adopted_under_that_uid(lab: Lab) -> Non
     ka = keys_of(A, 6)
     put(d, A, A_BB, ka)
     stop_daemon(d, keep_shm=True)
-    rewrite_header(seg_path(lab, A), model_uid="old")
+    rewrite_header(meta_path(lab, A), model_uid="old")
 
     d = lab.start()
     ns = namespaces(d)[A]
@@ -413,7 +487,7 @@ def test_extents_with_conflicting_model_uids_are_never_mixed(lab: Lab, foreign: 
     assert namespaces(d)[A].segments == 2
     stop_daemon(d, keep_shm=True)
     bad = 0 if foreign == "older-extent" else 1
-    rewrite_header(seg_path(lab, A, bad), model_uid="intruder")
+    rewrite_header(meta_path(lab, A, bad), model_uid="intruder")
 
     d = lab.start(extent="1MiB")
     s = d.stats()

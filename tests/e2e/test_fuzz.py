@@ -29,7 +29,7 @@ daemon), and requests over ``server.max_message_bytes``.
 After every test ``assert_no_leaks`` checks the daemon: alive and SERVING,
 ``check()`` clean, no session, lease or reservation left, DRAM free bytes
 back to the total (every case deletes what it committed), file descriptors
-back to the baseline exactly (segment fds aside: two per extent the daemon
+back to the baseline exactly (segment fds aside: four per extent the daemon
 reports), anonymous memory within ``MEM_SLACK_KIB`` of the baseline, and
 nothing in its log escaped its error handling.
 
@@ -160,11 +160,11 @@ def anon_kib(pid: int) -> int:
 
 
 def split_fds(d: DaemonProc) -> tuple[list[str], list[str]]:
-    """(segment file fds, every other fd) of the daemon."""
+    """(segment file fds, every other fd) of the daemon: an extent's metadata and data files."""
     seg: list[str] = []
     other: list[str] = []
     for t in fd_targets(d.proc.pid):
-        is_seg = t.startswith(d.shm_dir + "/") and re.search(r"\.seg( \(deleted\))?$", t)
+        is_seg = t.startswith(d.shm_dir + "/") and re.search(r"\.(meta|seg)( \(deleted\))?$", t)
         (seg if is_seg else other).append(t)
     return seg, other
 
@@ -249,9 +249,11 @@ def assert_no_leaks(p: Probe, *, sessions: int = 0) -> None:
     assert (t.free_bytes, t.committed_bytes, t.reserved_bytes) == (CAPACITY, 0, 0), t
     settle_fds(p)
     seg, _ = split_fds(d)
-    # Two per extent: the segment's own fd and the one CPython's mmap keeps (a dup).
+    # Four per extent: for each of its two files (.meta, .seg) the daemon's own fd and the
+    # one CPython's mmap keeps (a dup).
     extents = sum(n.segments for n in s.namespaces)
-    assert len(seg) == 2 * extents, f"{len(seg)} segment fds for {extents} extents: {seg}"
+    assert len(seg) == 4 * extents, f"{len(seg)} segment fds for {extents} extents: {seg}"
+    assert sum(bool(re.search(r"\.meta( \(deleted\))?$", t)) for t in seg) == 2 * extents, seg
     kib = anon_kib(d.proc.pid)
     p.peak_kib = max(p.peak_kib, kib)
     assert kib <= p.anon_kib + MEM_SLACK_KIB, (

@@ -152,8 +152,10 @@ def test_shm_counts_existing_segments_against_free_space(shm: Path) -> None:
     f = doctor.check_shm(ctx(cfg, h))
     assert f.status is Status.WARN
     assert "free 5.0 MiB < 8.0 MiB still to allocate" in f.message
-    # 4 MiB already held by the daemon's segments: 4 MiB more fits in 5 MiB free.
-    (shm / "ns.0.seg").write_bytes(os.urandom(4 * MiB))
+    # 4 MiB already held by the daemon's segments (an extent is a metadata file and a data
+    # file; both count): 4 MiB more fits in 5 MiB free.
+    (shm / "0123456789abcdef.000000.meta").write_bytes(os.urandom(1 * MiB))
+    (shm / "0123456789abcdef.000000.seg").write_bytes(os.urandom(3 * MiB))
     f = doctor.check_shm(ctx(cfg, h))
     assert f.status is Status.OK, f
     assert ">= dram.capacity 8.0 MiB" in f.message and "already held by kvtier segments" in f.message
