@@ -9,6 +9,9 @@
  *   pwrite_full(fd, buf, offset, threads=0)  write all of buf at offset
  *   pread_full(fd, buf, offset, threads=0)   fill buf from offset (short at EOF)
  *
+ *   install_fault_guard()            turn a SIGBUS in the calls above into OSError
+ *   fault_guard_installed()          whether install_fault_guard() has run
+ *
  * All take buffer-protocol objects (mmap, memoryview, bytearray, numpy array).
  *
  * Why native code: the KV blocks live in /dev/shm segments and are hundreds of
@@ -23,9 +26,11 @@
  *
  * Layout (house style "C returns codes, the binding raises"): the kvt_* functions
  * are plain C over pointers and lengths; they never touch Python objects and
- * cannot fail (a thread that cannot be started just means the calling thread
- * does that share itself).  The py_* bindings parse and validate arguments,
- * raise with exact messages, and release every buffer on every path.
+ * return 0 or an errno (a thread that cannot be started just means the calling
+ * thread does that share itself).  The memory helpers fail only with EFAULT,
+ * when the fault guard caught a SIGBUS in a buffer (see "Fault guard").  The
+ * py_* bindings parse and validate arguments, raise with exact messages, and
+ * release every buffer on every path.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,6 +38,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -87,6 +94,202 @@
 /* One pread/pwrite asks for at most 1 GiB: Linux transfers at most
  * 0x7ffff000 bytes per call anyway, and this keeps every request aligned. */
 #define KVT_IO_MAX_REQUEST ((size_t)1 << 30)
+
+/* A job of a guarded call looks every 1 MiB whether another job of it has
+ * faulted, and stops if so: the call fails anyway, and a job can take
+ * milliseconds.  1 MiB keeps the check (one load) far below the copy's cost. */
+#define KVT_STEP ((size_t)1 << 20)
+
+/* ------------------------------------------------------------------------- */
+/* Fault guard                                                                */
+/* ------------------------------------------------------------------------- */
+
+/*
+ * A client with a writable fd of a shared-memory file kvtierd has mapped can
+ * truncate it at any instant.  The daemon's next load or store in the
+ * vanished pages raises SIGBUS, which kills the process; so does a page the
+ * file system cannot supply (holes punched in the file read back as zeros,
+ * until tmpfs is full).
+ * System calls on such memory fail with EFAULT instead, so only the CPU's own
+ * accesses need this: every worker below that reads or writes a caller's
+ * buffer (copy, prefault, checksum, gather, scatter) does its work "armed".
+ * It calls sigsetjmp, points its thread's kvt_guard.armed at that jump buffer,
+ * works, and disarms.  The SIGBUS handler (installed once, by
+ * install_fault_guard) jumps back into an armed thread, which records the
+ * fault in the call's kvt_fault and returns; the call returns EFAULT, and the
+ * binding raises OSError.  A SIGBUS in a thread that is not armed (numpy
+ * reading the same mapping, say) goes on to the handler there was before, or
+ * kills the process exactly as if we had not been there.
+ *
+ * Only SIGBUS: a SIGSEGV in here is a bug of ours and must crash.
+ *
+ * Arming costs a sigsetjmp(env, 0) (register stores, no system call) and two
+ * thread-local stores per job: about 10 ns, lost in the noise of a 4 KiB
+ * checksum (~280 ns a call from Python) or a 64 KiB copy (~2 us).  Without
+ * the handler the workers do not arm (one load instead): nothing could jump.
+ *
+ * Why SA_NODEFER: sigsetjmp(env, 0) does not save the signal mask, so
+ * siglongjmp does not restore it.  The handler runs with SA_NODEFER and an
+ * empty sa_mask, so the kernel blocks nothing while it runs, and jumping out
+ * of it leaves the mask as it was.  Without SA_NODEFER, SIGBUS would stay
+ * blocked after the jump, and the next one (a fault cannot be postponed)
+ * would kill the process outright.  Saving the mask instead (sigsetjmp(env, 1))
+ * would cost a sigprocmask system call per job and per call.
+ *
+ * What jumping out of a fault leaves behind: the copy stopped part way (the
+ * destination is partly written), and nothing else: the workers hold no lock
+ * and allocate nothing while armed.
+ */
+
+/* initial-exec: the handler must read kvt_guard with a plain load.  The
+ * default TLS model of a shared object reaches it through __tls_get_addr,
+ * which allocates a thread's block (malloc) at its first access: not
+ * async-signal-safe, and any thread, one that never ran our code included,
+ * may take a SIGBUS.  Initial-exec TLS lives in the static TLS block, out of
+ * the surplus glibc keeps for dlopened objects; we take 16 bytes of it. */
+#if defined(__GNUC__)
+#define KVT_TLS_IE __attribute__((tls_model("initial-exec")))
+#else
+#define KVT_TLS_IE
+#endif
+
+typedef struct {
+    sigjmp_buf *armed; /* where the handler jumps; NULL outside guarded work */
+    void *addr;        /* the address of the fault it caught last (si_addr) */
+} kvt_guard_state;
+
+static _Thread_local kvt_guard_state kvt_guard KVT_TLS_IE;
+
+/* SIGBUS's action before ours: written once, before ours is installed, and
+ * only read afterwards (by the handler). */
+static struct sigaction kvt_guard_prev;
+static int kvt_guard_on; /* 1 once installed; read and written atomically */
+static pthread_mutex_t kvt_guard_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Shared by the jobs of one call: whether one faulted, and where. */
+typedef struct {
+    int hit;        /* set by the first job that faults; read atomically */
+    uintptr_t addr; /* that fault's address; read after the jobs are joined */
+} kvt_fault;
+
+static void
+kvt_on_sigbus(int sig, siginfo_t *info, void *context)
+{
+    sigjmp_buf *env = kvt_guard.armed;
+
+    /* si_code > 0: the kernel sent it for a fault here.  A SIGBUS sent with
+     * kill() or raise() is not a fault, wherever it lands. */
+    if (env != NULL && info->si_code > 0) {
+        kvt_guard.armed = NULL;
+        kvt_guard.addr = info->si_addr;
+        siglongjmp(*env, 1);
+    }
+    if (kvt_guard_prev.sa_flags & SA_SIGINFO) {
+        kvt_guard_prev.sa_sigaction(sig, info, context);
+    }
+    else if (kvt_guard_prev.sa_handler != SIG_DFL && kvt_guard_prev.sa_handler != SIG_IGN) {
+        kvt_guard_prev.sa_handler(sig);
+    }
+    else {
+        /* The default action (or SIG_IGN, which the kernel does not honour for
+         * a fault): put it back and return.  The faulting instruction runs
+         * again, faults again, and the process dies of SIGBUS as it would have
+         * without us, core dump included.  A sent signal does not come back by
+         * itself, so send it again; SA_NODEFER lets it in at once. */
+        struct sigaction dfl;
+
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigemptyset(&dfl.sa_mask);
+        sigaction(sig, &dfl, NULL);
+        if (info->si_code <= 0)
+            raise(sig);
+    }
+}
+
+/* Install kvt_on_sigbus for SIGBUS unless done already.  Returns 1 if this
+ * call installed it, 0 if an earlier one had, or -errno. */
+static int
+kvt_guard_install(void)
+{
+    struct sigaction act;
+    int ret = 0;
+
+    pthread_mutex_lock(&kvt_guard_lock);
+    if (!__atomic_load_n(&kvt_guard_on, __ATOMIC_ACQUIRE)) {
+        memset(&act, 0, sizeof act);
+        act.sa_sigaction = kvt_on_sigbus;
+        act.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+        sigemptyset(&act.sa_mask);
+        /* Read the old action first, then install: the handler may run on
+         * another thread the moment it is installed, and must find it. */
+        if (sigaction(SIGBUS, NULL, &kvt_guard_prev) != 0 ||
+            sigaction(SIGBUS, &act, NULL) != 0) {
+            ret = -errno;
+        }
+        else {
+            __atomic_store_n(&kvt_guard_on, 1, __ATOMIC_RELEASE);
+            ret = 1;
+        }
+    }
+    pthread_mutex_unlock(&kvt_guard_lock);
+    return ret;
+}
+
+/* Arm this thread with env, which the caller has just sigsetjmp'ed; the
+ * signal fence keeps the compiler from moving the store after (or dropping
+ * it before) the guarded accesses, which it may otherwise: nothing in plain
+ * C reads it. */
+static inline void
+kvt_arm(sigjmp_buf *env)
+{
+    kvt_guard.armed = env;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+}
+
+static inline void
+kvt_disarm(void)
+{
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    kvt_guard.armed = NULL;
+}
+
+/* After the handler jumped back into this thread: record the fault in the
+ * call's fault (the first one wins), which also tells the other jobs to stop. */
+static void
+kvt_fault_record(kvt_fault *fault)
+{
+    if (__atomic_exchange_n(&fault->hit, 1, __ATOMIC_RELAXED) == 0)
+        fault->addr = (uintptr_t)kvt_guard.addr;
+}
+
+static inline int
+kvt_fault_seen(const kvt_fault *fault)
+{
+    return __atomic_load_n(&fault->hit, __ATOMIC_RELAXED);
+}
+
+/* Run work(arg) armed: if it faults, record that in fault and return early.
+ * work must leave nothing to undo when it is cut short (no lock, no malloc).
+ * A function of its own, so no local of a caller is live across the jump. */
+static void
+kvt_guarded(void (*work)(void *), void *arg, kvt_fault *fault)
+{
+    sigjmp_buf env;
+
+    /* No handler, nothing can jump back here: skip the sigsetjmp. */
+    if (!__atomic_load_n(&kvt_guard_on, __ATOMIC_RELAXED)) {
+        work(arg);
+        return;
+    }
+    if (sigsetjmp(env, 0) != 0) {
+        kvt_fault_record(fault);
+        return;
+    }
+    kvt_arm(&env);
+    work(arg);
+    kvt_disarm();
+}
 
 /* ------------------------------------------------------------------------- */
 /* Plain C core                                                               */
@@ -182,77 +385,107 @@ kvt_memcpy_nt(char *dst, const char *src, size_t len)
 #define kvt_memcpy_nt memcpy
 #endif
 
+/* Copy len bytes (non-temporal stores if stream) in steps of KVT_STEP,
+ * stopping early once another job of the call has faulted. */
 static void
-kvt_memcpy_stream(char *dst, const char *src, size_t len)
+kvt_copy_steps(char *dst, const char *src, size_t len, int stream,
+               const kvt_fault *fault)
 {
-    if (len < KVT_STREAM_MIN)
-        memcpy(dst, src, len);
-    else
-        kvt_memcpy_nt(dst, src, len);
+    for (size_t off = 0; off < len && !kvt_fault_seen(fault); off += KVT_STEP) {
+        size_t n = len - off < KVT_STEP ? len - off : KVT_STEP;
+
+        if (stream)
+            kvt_memcpy_nt(dst + off, src + off, n);
+        else
+            memcpy(dst + off, src + off, n);
+    }
 }
 
 typedef struct {
     char *dst;
     const char *src;
     size_t len;
+    int move;         /* the buffers overlap: one memmove of all */
+    kvt_fault *fault; /* shared by the jobs of the call */
 } kvt_copy_job;
+
+static void
+kvt_copy_work(void *arg)
+{
+    kvt_copy_job *job = arg;
+
+    if (job->move)
+        memmove(job->dst, job->src, job->len);
+    else
+        kvt_copy_steps(job->dst, job->src, job->len, job->len >= KVT_STREAM_MIN,
+                       job->fault);
+}
 
 static void *
 kvt_copy_worker(void *arg)
 {
     kvt_copy_job *job = arg;
-    kvt_memcpy_stream(job->dst, job->src, job->len);
+
+    kvt_guarded(kvt_copy_work, job, job->fault);
     return NULL;
 }
 
-/* Copy len bytes from src to dst over up to threads threads (0 = auto). */
-static void
-kvt_copy(char *dst, const char *src, size_t len, size_t threads)
+/* Copy len bytes from src to dst over up to threads threads (0 = auto).
+ * Returns 0, or EFAULT if the fault guard caught a SIGBUS at *fault_addr
+ * (dst is then partly written). */
+static int
+kvt_copy(char *dst, const char *src, size_t len, size_t threads, uintptr_t *fault_addr)
 {
     kvt_copy_job jobs[KVT_MAX_THREADS];
+    kvt_fault fault = {0, 0};
     uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
+    /* Overlapping ranges (two views of one buffer): chunks copied in parallel
+     * would read bytes another chunk already overwrote, so use one memmove. */
+    int move = d < s + len && s < d + len;
     size_t chunk, off;
     int n, njobs = 0;
 
     if (len == 0)
-        return;
-    /* Overlapping ranges (two views of one buffer): chunks copied in parallel
-     * would read bytes another chunk already overwrote, so use one memmove. */
-    if (d < s + len && s < d + len) {
-        memmove(dst, src, len);
-        return;
-    }
-    n = kvt_threads_for(len, threads, KVT_COPY_AUTO_THREADS);
-    if (n == 1) {
-        kvt_memcpy_stream(dst, src, len);
-        return;
-    }
-    /* Chunks are whole pages, so no two threads write the same page. */
-    chunk = (len + (size_t)n - 1) / (size_t)n;
+        return 0;
+    n = move ? 1 : kvt_threads_for(len, threads, KVT_COPY_AUTO_THREADS);
+    /* Chunks are whole pages, so no two threads write the same page.  (One
+     * job skips the division: small copies are the common case.) */
+    chunk = n == 1 ? len : (len + (size_t)n - 1) / (size_t)n;
     chunk = (chunk + KVT_PAGE - 1) / KVT_PAGE * KVT_PAGE;
     for (off = 0; off < len; off += chunk) {
         jobs[njobs].dst = dst + off;
         jobs[njobs].src = src + off;
         jobs[njobs].len = len - off < chunk ? len - off : chunk;
+        jobs[njobs].move = move;
+        jobs[njobs].fault = &fault;
         njobs++;
     }
     kvt_run_jobs(kvt_copy_worker, jobs, sizeof jobs[0], njobs);
+    if (fault.hit) {
+        *fault_addr = fault.addr;
+        return EFAULT;
+    }
+    return 0;
 }
 
 typedef struct {
-    uintptr_t base;  /* start of the first page the buffer overlaps */
-    uintptr_t start; /* start of the buffer itself (base <= start) */
-    size_t first;    /* pages [first, last) relative to base */
+    uintptr_t base;   /* start of the first page the buffer overlaps */
+    uintptr_t start;  /* start of the buffer itself (base <= start) */
+    size_t first;     /* pages [first, last) relative to base */
     size_t last;
+    kvt_fault *fault; /* shared by the jobs of the call */
 } kvt_touch_job;
 
-static void *
-kvt_touch_worker(void *arg)
+static void
+kvt_touch_work(void *arg)
 {
     kvt_touch_job *job = arg;
 
     for (size_t i = job->first; i < job->last; i++) {
         uintptr_t p = job->base + i * KVT_PAGE;
+
+        if ((i - job->first) % (KVT_STEP / KVT_PAGE) == 0 && kvt_fault_seen(job->fault))
+            break; /* another job faulted */
         if (p < job->start)
             p = job->start;
         /* An atomic add of 0 is a write fault (so the page is mapped writable,
@@ -261,34 +494,51 @@ kvt_touch_worker(void *arg)
          * a write back could undo their write. */
         __atomic_fetch_add((unsigned char *)p, 0, __ATOMIC_RELAXED);
     }
+}
+
+static void *
+kvt_touch_worker(void *arg)
+{
+    kvt_touch_job *job = arg;
+
+    kvt_guarded(kvt_touch_work, job, job->fault);
     return NULL;
 }
 
 /* Touch every page that [buf, buf+len) overlaps, over up to threads threads
- * (0 = auto); returns the number of pages touched. */
-static size_t
-kvt_prefault(char *buf, size_t len, size_t threads)
+ * (0 = auto), and set *pages to their number.  Returns 0, or EFAULT if the
+ * fault guard caught a SIGBUS at *fault_addr. */
+static int
+kvt_prefault(char *buf, size_t len, size_t threads, size_t *pages,
+             uintptr_t *fault_addr)
 {
     kvt_touch_job jobs[KVT_MAX_THREADS];
+    kvt_fault fault = {0, 0};
     uintptr_t start = (uintptr_t)buf;
     uintptr_t base = start & ~(uintptr_t)(KVT_PAGE - 1);
-    size_t pages, per, first;
+    size_t per, first;
     int n, njobs = 0;
 
+    *pages = 0;
     if (len == 0)
         return 0;
-    pages = (start + len - base + KVT_PAGE - 1) / KVT_PAGE;
+    *pages = (start + len - base + KVT_PAGE - 1) / KVT_PAGE;
     n = kvt_threads_for(len, threads, KVT_PREFAULT_AUTO_THREADS);
-    per = (pages + (size_t)n - 1) / (size_t)n;
-    for (first = 0; first < pages; first += per) {
+    per = (*pages + (size_t)n - 1) / (size_t)n;
+    for (first = 0; first < *pages; first += per) {
         jobs[njobs].base = base;
         jobs[njobs].start = start;
         jobs[njobs].first = first;
-        jobs[njobs].last = pages - first < per ? pages : first + per;
+        jobs[njobs].last = *pages - first < per ? *pages : first + per;
+        jobs[njobs].fault = &fault;
         njobs++;
     }
     kvt_run_jobs(kvt_touch_worker, jobs, sizeof jobs[0], njobs);
-    return pages;
+    if (fault.hit) {
+        *fault_addr = fault.addr;
+        return EFAULT;
+    }
+    return 0;
 }
 
 /* One piece of a gather or scatter: its memory and where it goes in (or comes
@@ -307,14 +557,26 @@ typedef struct {
     int gather;    /* 1: pieces -> flat; 0: flat -> pieces */
     int stream;    /* non-temporal stores: decided on the whole call's size, since
                     * a block gathered from many small pages is still a big copy */
+    int move;      /* buffers overlap: memmove piece after piece, all of them */
+    kvt_fault *fault; /* shared by the jobs of the call */
 } kvt_vec_job;
 
-static void *
-kvt_vec_worker(void *arg)
+static void
+kvt_vec_work(void *arg)
 {
     kvt_vec_job *job = arg;
     const kvt_piece *p = job->pieces;
     size_t i = 0, hi = job->npieces;
+
+    if (job->move) {
+        for (i = 0; i < job->npieces; i++) {
+            if (job->gather)
+                memmove(job->flat + p[i].off, p[i].ptr, p[i].len);
+            else
+                memmove(p[i].ptr, job->flat + p[i].off, p[i].len);
+        }
+        return;
+    }
 
     /* The ends of the pieces ascend: binary search for the first piece that
      * ends after lo, so each of the threads skips the others' pieces fast. */
@@ -336,11 +598,17 @@ kvt_vec_worker(void *arg)
         char *to = job->gather ? job->flat + a : piece;
         const char *from = job->gather ? piece : job->flat + a;
 
-        if (job->stream)
-            kvt_memcpy_nt(to, from, b - a);
-        else
-            memcpy(to, from, b - a);
+        /* Stops early, within a piece too, once another job has faulted. */
+        kvt_copy_steps(to, from, b - a, job->stream, job->fault);
     }
+}
+
+static void *
+kvt_vec_worker(void *arg)
+{
+    kvt_vec_job *job = arg;
+
+    kvt_guarded(kvt_vec_work, job, job->fault);
     return NULL;
 }
 
@@ -394,31 +662,28 @@ kvt_vec_overlaps(const char *flat, const kvt_piece *pieces, size_t npieces,
 
 /* Gather (pieces -> flat) or scatter (flat -> pieces) total bytes, over up to
  * threads threads (0 = auto).  The threads split the flat buffer, not the
- * list of pieces, so many small pieces and a few big ones spread alike. */
-static void
+ * list of pieces, so many small pieces and a few big ones spread alike.
+ * Returns 0, or EFAULT if the fault guard caught a SIGBUS at *fault_addr
+ * (the destination is then partly written). */
+static int
 kvt_gather_scatter(char *flat, const kvt_piece *pieces, size_t npieces,
-                   size_t total, size_t threads, int gather)
+                   size_t total, size_t threads, int gather, uintptr_t *fault_addr)
 {
     kvt_vec_job jobs[KVT_MAX_THREADS];
+    kvt_fault fault = {0, 0};
     size_t chunk, off;
-    int n, njobs = 0;
+    int n, move, njobs = 0;
 
     if (total == 0)
-        return;
+        return 0;
     n = kvt_threads_for(total, threads, KVT_COPY_AUTO_THREADS);
     /* Overlap (views of one buffer): copy piece after piece as by memmove,
      * so the result is the one of copying them in order, as documented.
      * Pieces that only overlap each other are fine on one thread, which
      * copies them in order (a gather only reads them anyway). */
-    if (kvt_vec_overlaps(flat, pieces, npieces, total, !gather && n > 1)) {
-        for (size_t i = 0; i < npieces; i++) {
-            if (gather)
-                memmove(flat + pieces[i].off, pieces[i].ptr, pieces[i].len);
-            else
-                memmove(pieces[i].ptr, flat + pieces[i].off, pieces[i].len);
-        }
-        return;
-    }
+    move = kvt_vec_overlaps(flat, pieces, npieces, total, !gather && n > 1);
+    if (move)
+        n = 1;
     chunk = (total + (size_t)n - 1) / (size_t)n;
     chunk = (chunk + KVT_PAGE - 1) / KVT_PAGE * KVT_PAGE;
     for (off = 0; off < total; off += chunk) {
@@ -429,9 +694,47 @@ kvt_gather_scatter(char *flat, const kvt_piece *pieces, size_t npieces,
         jobs[njobs].hi = total - off < chunk ? total : off + chunk;
         jobs[njobs].gather = gather;
         jobs[njobs].stream = total >= KVT_STREAM_MIN;
+        jobs[njobs].move = move;
+        jobs[njobs].fault = &fault;
         njobs++;
     }
     kvt_run_jobs(kvt_vec_worker, jobs, sizeof jobs[0], njobs);
+    if (fault.hit) {
+        *fault_addr = fault.addr;
+        return EFAULT;
+    }
+    return 0;
+}
+
+typedef struct {
+    const void *buf;
+    size_t len;
+    XXH64_hash_t hash;
+} kvt_hash_job;
+
+static void
+kvt_hash_work(void *arg)
+{
+    kvt_hash_job *job = arg;
+
+    job->hash = XXH3_64bits(job->buf, job->len);
+}
+
+/* Set *hash to the XXH3-64 (seed 0) of len bytes at buf.  Returns 0, or
+ * EFAULT if the fault guard caught a SIGBUS at *fault_addr. */
+static int
+kvt_checksum(const void *buf, size_t len, XXH64_hash_t *hash, uintptr_t *fault_addr)
+{
+    kvt_hash_job job = {buf, len, 0};
+    kvt_fault fault = {0, 0};
+
+    kvt_guarded(kvt_hash_work, &job, &fault);
+    if (fault.hit) {
+        *fault_addr = fault.addr;
+        return EFAULT;
+    }
+    *hash = job.hash;
+    return 0;
 }
 
 typedef struct {
@@ -608,6 +911,58 @@ kvt_check_threads(Py_ssize_t threads)
     return 0;
 }
 
+/* The offset of addr in view, or -1 if it is not in it. */
+static Py_ssize_t
+kvt_offset_in(uintptr_t addr, const Py_buffer *view)
+{
+    uintptr_t start = (uintptr_t)view->buf;
+
+    if (addr >= start && addr - start < (uintptr_t)view->len)
+        return (Py_ssize_t)(addr - start);
+    return -1;
+}
+
+/* Raise OSError(EFAULT) for a SIGBUS the guard caught at byte off of the
+ * buffer called name (or, if name is NULL, at addr, in none of the call's
+ * buffers as far as we can tell); returns NULL.  The message starts with
+ * "memory fault (SIGBUS)", which kvtier._accel.is_memory_fault relies on. */
+static PyObject *
+kvt_raise_fault(const char *name, Py_ssize_t off, uintptr_t addr)
+{
+    static const char why[] = "the file mapped there was truncated, or its file "
+                              "system could not supply the page";
+    PyObject *msg, *args;
+
+    if (name != NULL)
+        msg = PyUnicode_FromFormat("memory fault (SIGBUS) at byte %zd of %s: %s",
+                                   off, name, why);
+    else
+        msg = PyUnicode_FromFormat("memory fault (SIGBUS) at address %p: %s",
+                                   (void *)addr, why);
+    if (msg == NULL)
+        return NULL;
+    args = Py_BuildValue("(iN)", EFAULT, msg);
+    if (args != NULL) {
+        PyErr_SetObject(PyExc_OSError, args);
+        Py_DECREF(args);
+    }
+    return NULL;
+}
+
+/* kvt_raise_fault for a fault in one of two buffers (b may be NULL). */
+static PyObject *
+kvt_raise_fault2(uintptr_t addr, const char *name_a, const Py_buffer *a,
+                 const char *name_b, const Py_buffer *b)
+{
+    Py_ssize_t off = kvt_offset_in(addr, a);
+
+    if (off >= 0)
+        return kvt_raise_fault(name_a, off, addr);
+    if (b != NULL && (off = kvt_offset_in(addr, b)) >= 0)
+        return kvt_raise_fault(name_b, off, addr);
+    return kvt_raise_fault(NULL, -1, addr);
+}
+
 PyDoc_STRVAR(py_copy_doc,
 "copy($module, dst, src, threads=0)\n"
 "--\n"
@@ -620,6 +975,11 @@ PyDoc_STRVAR(py_copy_doc,
 "split over up to threads threads (0: min(4, online cpus); 1: one thread).\n"
 "The GIL is released during the copy.\n"
 "\n"
+"With the fault guard installed (install_fault_guard), a SIGBUS while\n"
+"touching a buffer (the file mapped there truncated, say) raises OSError\n"
+"with errno EFAULT, \"memory fault (SIGBUS) at byte N of dst: ...\" (or\n"
+"src), and dst is left partly written; without the guard the process dies.\n"
+"\n"
 "Raises ValueError if dst is too small, a buffer is not C-contiguous or\n"
 "threads < 0; TypeError if dst is read-only or an argument is not a buffer.");
 
@@ -627,9 +987,11 @@ static PyObject *
 py_copy(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"dst", "src", "threads", NULL};
-    PyObject *dst_obj, *src_obj;
+    PyObject *dst_obj, *src_obj, *result;
     Py_ssize_t threads = 0;
     Py_buffer dst, src;
+    uintptr_t fault_addr = 0;
+    int err;
 
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|n:copy", kwlist,
                                      &dst_obj, &src_obj, &threads))
@@ -651,13 +1013,16 @@ py_copy(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
     }
 
     Py_BEGIN_ALLOW_THREADS
-    kvt_copy(dst.buf, src.buf, (size_t)src.len, (size_t)threads);
+    err = kvt_copy(dst.buf, src.buf, (size_t)src.len, (size_t)threads, &fault_addr);
     Py_END_ALLOW_THREADS
 
-    Py_ssize_t copied = src.len;
+    if (err != 0)
+        result = kvt_raise_fault2(fault_addr, "dst", &dst, "src", &src);
+    else
+        result = PyLong_FromSsize_t(src.len);
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
-    return PyLong_FromSsize_t(copied);
+    return result;
 }
 
 PyDoc_STRVAR(py_prefault_doc,
@@ -672,6 +1037,11 @@ PyDoc_STRVAR(py_prefault_doc,
 "split over up to threads threads (0: min(8, online cpus); 1: one thread).\n"
 "The GIL is released while touching.\n"
 "\n"
+"With the fault guard installed (install_fault_guard), a SIGBUS while\n"
+"touching buf (the file mapped there truncated, say) raises OSError with\n"
+"errno EFAULT, \"memory fault (SIGBUS) at byte N of buf: ...\"; without\n"
+"the guard the process dies.\n"
+"\n"
 "Raises ValueError if buf is not C-contiguous or threads < 0; TypeError if\n"
 "buf is read-only or not a buffer.");
 
@@ -679,10 +1049,12 @@ static PyObject *
 py_prefault(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"buf", "threads", NULL};
-    PyObject *buf_obj;
+    PyObject *buf_obj, *result;
     Py_ssize_t threads = 0;
     Py_buffer buf;
     size_t pages;
+    uintptr_t fault_addr = 0;
+    int err;
 
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|n:prefault", kwlist,
                                      &buf_obj, &threads))
@@ -693,11 +1065,15 @@ py_prefault(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
         return NULL;
 
     Py_BEGIN_ALLOW_THREADS
-    pages = kvt_prefault(buf.buf, (size_t)buf.len, (size_t)threads);
+    err = kvt_prefault(buf.buf, (size_t)buf.len, (size_t)threads, &pages, &fault_addr);
     Py_END_ALLOW_THREADS
 
+    if (err != 0)
+        result = kvt_raise_fault2(fault_addr, "buf", &buf, NULL, NULL);
+    else
+        result = PyLong_FromSize_t(pages);
     PyBuffer_Release(&buf);
-    return PyLong_FromSize_t(pages);
+    return result;
 }
 
 PyDoc_STRVAR(py_checksum_doc,
@@ -710,6 +1086,11 @@ PyDoc_STRVAR(py_checksum_doc,
 "xxhash.xxh3_64_intdigest(bytes(buf)).  The GIL is released for buffers of\n"
 "64 KiB or more.\n"
 "\n"
+"With the fault guard installed (install_fault_guard), a SIGBUS while\n"
+"touching buf (the file mapped there truncated, say) raises OSError with\n"
+"errno EFAULT, \"memory fault (SIGBUS) at byte N of buf: ...\"; without\n"
+"the guard the process dies.\n"
+"\n"
 "Raises ValueError if buf is not C-contiguous; TypeError if it is not a\n"
 "buffer.");
 
@@ -717,9 +1098,11 @@ static PyObject *
 py_checksum(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"buf", NULL};
-    PyObject *buf_obj;
+    PyObject *buf_obj, *result;
     Py_buffer buf;
-    XXH64_hash_t hash;
+    XXH64_hash_t hash = 0;
+    uintptr_t fault_addr = 0;
+    int err;
 
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:checksum", kwlist, &buf_obj))
         return NULL;
@@ -728,15 +1111,40 @@ py_checksum(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
 
     if ((size_t)buf.len >= KVT_NOGIL_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        hash = XXH3_64bits(buf.buf, (size_t)buf.len);
+        err = kvt_checksum(buf.buf, (size_t)buf.len, &hash, &fault_addr);
         Py_END_ALLOW_THREADS
     }
     else {
-        hash = XXH3_64bits(buf.buf, (size_t)buf.len);
+        err = kvt_checksum(buf.buf, (size_t)buf.len, &hash, &fault_addr);
     }
 
+    if (err != 0)
+        result = kvt_raise_fault2(fault_addr, "buf", &buf, NULL, NULL);
+    else
+        result = PyLong_FromUnsignedLongLong((unsigned long long)hash);
     PyBuffer_Release(&buf);
-    return PyLong_FromUnsignedLongLong((unsigned long long)hash);
+    return result;
+}
+
+/* kvt_raise_fault for a gather or scatter: the fault is in flat (called
+ * flat_name) or in one of the n views of the pieces. */
+static PyObject *
+kvt_raise_vec_fault(uintptr_t addr, const Py_buffer *flat, const char *flat_name,
+                    const Py_buffer *views, Py_ssize_t n)
+{
+    Py_ssize_t off = kvt_offset_in(addr, flat);
+
+    if (off >= 0)
+        return kvt_raise_fault(flat_name, off, addr);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((off = kvt_offset_in(addr, &views[i])) >= 0) {
+            char name[40];
+
+            PyOS_snprintf(name, sizeof name, "pieces[%zd]", i);
+            return kvt_raise_fault(name, off, addr);
+        }
+    }
+    return kvt_raise_fault(NULL, -1, addr);
 }
 
 /* gather (gather=1) and scatter (gather=0): flat is dst or src. */
@@ -749,6 +1157,8 @@ kvt_vec_binding(PyObject *flat_obj, PyObject *pieces_obj, Py_ssize_t threads,
     kvt_piece *pieces = NULL;
     Py_ssize_t n, got = 0;
     size_t total = 0;
+    uintptr_t fault_addr = 0;
+    int err;
 
     if (kvt_check_threads(threads) < 0)
         return NULL;
@@ -788,13 +1198,18 @@ kvt_vec_binding(PyObject *flat_obj, PyObject *pieces_obj, Py_ssize_t threads,
 
     if (total >= KVT_NOGIL_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        kvt_gather_scatter(flat.buf, pieces, (size_t)n, total, (size_t)threads, gather);
+        err = kvt_gather_scatter(flat.buf, pieces, (size_t)n, total, (size_t)threads,
+                                 gather, &fault_addr);
         Py_END_ALLOW_THREADS
     }
     else {
-        kvt_gather_scatter(flat.buf, pieces, (size_t)n, total, (size_t)threads, gather);
+        err = kvt_gather_scatter(flat.buf, pieces, (size_t)n, total, (size_t)threads,
+                                 gather, &fault_addr);
     }
-    result = PyLong_FromSize_t(total);
+    if (err != 0)
+        kvt_raise_vec_fault(fault_addr, &flat, gather ? "dst" : "src", views, n);
+    else
+        result = PyLong_FromSize_t(total);
 
 done:
     for (Py_ssize_t i = 0; i < got; i++)
@@ -820,6 +1235,12 @@ PyDoc_STRVAR(py_gather_doc,
 "threads threads (0: min(4, online cpus); 1: one thread).  All buffers are\n"
 "acquired first; the GIL is then released once for the whole copy (if it\n"
 "moves 64 KiB or more).\n"
+"\n"
+"With the fault guard installed (install_fault_guard), a SIGBUS while\n"
+"touching a buffer (the file mapped there truncated, say) raises OSError\n"
+"with errno EFAULT, \"memory fault (SIGBUS) at byte N of dst: ...\" (or\n"
+"pieces[i]), and dst is left partly written; without the guard the\n"
+"process dies.\n"
 "\n"
 "Raises ValueError if dst is too small, a buffer is not C-contiguous or\n"
 "threads < 0; TypeError if dst is read-only, pieces is not iterable or an\n"
@@ -852,6 +1273,12 @@ PyDoc_STRVAR(py_scatter_doc,
 "threads (0: min(4, online cpus); 1: one thread).  All buffers are acquired\n"
 "first; the GIL is then released once for the whole copy (if it moves 64 KiB\n"
 "or more).\n"
+"\n"
+"With the fault guard installed (install_fault_guard), a SIGBUS while\n"
+"touching a buffer (the file mapped there truncated, say) raises OSError\n"
+"with errno EFAULT, \"memory fault (SIGBUS) at byte N of src: ...\" (or\n"
+"pieces[i]), and the pieces are left partly written; without the guard\n"
+"the process dies.\n"
 "\n"
 "Raises ValueError if src is too small, a buffer is not C-contiguous or\n"
 "threads < 0; TypeError if a piece is read-only, pieces is not iterable or\n"
@@ -967,6 +1394,48 @@ py_pread_full(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
     return kvt_pio_binding(args, kwargs, 0);
 }
 
+PyDoc_STRVAR(py_install_fault_guard_doc,
+"install_fault_guard($module, /)\n"
+"--\n"
+"\n"
+"Turn a SIGBUS in copy, prefault, checksum, gather and scatter into OSError.\n"
+"\n"
+"Installs a SIGBUS handler for the whole process (once: later calls do\n"
+"nothing) and returns True if this call installed it, False if an earlier\n"
+"one had.  Then a SIGBUS raised while one of those calls touches a buffer\n"
+"(a mapped file truncated under it, say) makes that call raise OSError\n"
+"with errno EFAULT and a message starting \"memory fault (SIGBUS)\"; the\n"
+"process lives on.  A SIGBUS anywhere else goes on to the handler there\n"
+"was before (faulthandler's, say), or kills the process as without the\n"
+"guard.  Install it after faulthandler.enable(): a handler installed later\n"
+"sees SIGBUS first.  SIGSEGV is left alone.\n"
+"\n"
+"Raises OSError if sigaction fails.");
+
+static PyObject *
+py_install_fault_guard(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
+{
+    int ret = kvt_guard_install();
+
+    if (ret < 0) {
+        errno = -ret;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyBool_FromLong(ret);
+}
+
+PyDoc_STRVAR(py_fault_guard_installed_doc,
+"fault_guard_installed($module, /)\n"
+"--\n"
+"\n"
+"Return True if install_fault_guard() has installed the guard.");
+
+static PyObject *
+py_fault_guard_installed(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
+{
+    return PyBool_FromLong(__atomic_load_n(&kvt_guard_on, __ATOMIC_ACQUIRE));
+}
+
 static PyMethodDef native_methods[] = {
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_VARARGS | METH_KEYWORDS,
      py_copy_doc},
@@ -982,10 +1451,16 @@ static PyMethodDef native_methods[] = {
      METH_VARARGS | METH_KEYWORDS, py_pwrite_full_doc},
     {"pread_full", (PyCFunction)(void (*)(void))py_pread_full,
      METH_VARARGS | METH_KEYWORDS, py_pread_full_doc},
+    {"install_fault_guard", py_install_fault_guard, METH_NOARGS,
+     py_install_fault_guard_doc},
+    {"fault_guard_installed", py_fault_guard_installed, METH_NOARGS,
+     py_fault_guard_installed_doc},
     {NULL, NULL, 0, NULL},
 };
 
-/* The module has no state, so it is safe in subinterpreters and without a GIL. */
+/* The module has no per-interpreter state (the fault guard is per process and
+ * per thread, not per interpreter), so it is safe in subinterpreters and
+ * without a GIL. */
 static PyModuleDef_Slot native_slots[] = {
 #ifdef Py_mod_multiple_interpreters
     {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
@@ -1005,7 +1480,9 @@ PyDoc_STRVAR(native_doc,
 "checksum(buf) is XXH3-64 of a buffer; gather(dst, pieces) and\n"
 "scatter(src, pieces) copy many buffers to or from one in a single call;\n"
 "pwrite_full/pread_full(fd, buf, offset) transfer a whole buffer at a file\n"
-"position, O_DIRECT included, large ones from several threads at once.");
+"position, O_DIRECT included, large ones from several threads at once.\n"
+"install_fault_guard() makes a SIGBUS in the memory helpers (a mapped file\n"
+"truncated under them) raise OSError(EFAULT) instead of killing the process.");
 
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,

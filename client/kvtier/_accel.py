@@ -12,6 +12,14 @@ and ``prefault``'s read-then-write-back is not atomic, so a byte written by
 another thread or process between the read and the write back can be undone.
 Only prefault memory nobody else writes yet (fresh segments) on the fallback
 path.
+
+A process that maps files other processes can truncate (kvtierd maps the
+shared-memory files it hands out to clients) calls ``install_fault_guard()``
+once: then a SIGBUS while ``copy_into``, ``prefault``, ``checksum``,
+``gather`` or ``scatter`` touches a buffer (the file mapped there shrank)
+raises ``OSError(EFAULT)`` instead of killing the process, and
+``is_memory_fault`` recognises it.  Only the native path can guard: on the
+fallback, numpy touching such a buffer still dies of SIGBUS.
 """
 
 from __future__ import annotations
@@ -43,10 +51,48 @@ NATIVE: Final[bool] = _HAVE_NATIVE and os.environ.get("KVTIER_FORCE_PY") != "1"
 PAGE_SIZE: Final = 4096
 
 
+#: The start of the message (``strerror``) of the OSError(EFAULT) a guarded
+#: call raises for a SIGBUS: "memory fault (SIGBUS) at byte N of dst: ...".
+MEMORY_FAULT: Final = "memory fault (SIGBUS)"
+
 #: Threads for one large copy.  On a machine with two CPUs or fewer a second
 #: thread mostly waits for a CPU another process holds (measured: 7.8 GiB/s
 #: with 2 threads vs 15.3 GiB/s with 1 under load), so use one; else auto.
 _COPY_THREADS: Final = 1 if len(os.sched_getaffinity(0)) <= 2 else 0
+
+
+def install_fault_guard() -> bool:
+    """Make a SIGBUS in the memory helpers here raise OSError(EFAULT), not kill us.
+
+    Installs (once per process; later calls do nothing) a SIGBUS handler, after
+    which ``copy_into``, ``prefault``, ``checksum``, ``gather`` and
+    ``scatter`` raise OSError with errno EFAULT and a message starting with
+    ``MEMORY_FAULT`` when a buffer they touch faults (a mapped file truncated
+    under it, or its file system out of space); the process lives on.  A
+    SIGBUS anywhere else goes on to the handler there was before
+    (faulthandler's, say) or kills the process as without the guard; SIGSEGV
+    is left alone.  Call it after ``faulthandler.enable()``: a handler
+    installed later sees SIGBUS first.
+
+    Returns True when the guard is in place (installed by this call or an
+    earlier one).  On the pure-Python fallback it is a no-op returning False:
+    numpy's copies cannot be guarded, so a fault there still kills the process.
+    """
+    if NATIVE:
+        _native.install_fault_guard()
+        return True
+    return False
+
+
+def is_memory_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` says a buffer's memory was gone (its mapped file truncated).
+
+    True for the OSError(EFAULT) a guarded call raises for a SIGBUS (its
+    message starts with ``MEMORY_FAULT``) and for the OSError(EFAULT) "Bad
+    address" that ``pwrite_full``/``pread_full`` (system calls, which fail
+    rather than fault) raise for the same cause, guard or not.
+    """
+    return isinstance(exc, OSError) and exc.errno == errno.EFAULT
 
 
 def copy_into(dst: Any, src: Any) -> int:
@@ -58,6 +104,10 @@ def copy_into(dst: Any, src: Any) -> int:
     copied as by memmove.  Raises ValueError "dst holds N bytes, src has M" or
     "dst/src is not C-contiguous", TypeError "dst is read-only" or when an
     argument is not a buffer.
+
+    With the fault guard installed (``install_fault_guard``), a buffer whose
+    memory is gone raises OSError(EFAULT) "memory fault (SIGBUS) at byte N of
+    dst: ..." (or src); ``dst`` may be partly written by then.
     """
     if NATIVE:
         return _native.copy(dst, src, _COPY_THREADS)
@@ -72,6 +122,10 @@ def prefault(buf: Any, threads: int = 0) -> int:
     ValueError "buf is not C-contiguous", TypeError "buf is read-only" or when
     ``buf`` is not a buffer.  ``threads``: native workers (0 = auto); the
     fallback always uses one.
+
+    With the fault guard installed (``install_fault_guard``), a buffer whose
+    memory is gone raises OSError(EFAULT) "memory fault (SIGBUS) at byte N of
+    buf: ...".
     """
     if NATIVE:
         return _native.prefault(buf, threads)
@@ -86,6 +140,10 @@ def checksum(buf: Any) -> int:
     fallback).  Native: the GIL is released for buffers of 64 KiB or more.
     Raises ValueError "buf is not C-contiguous", TypeError when ``buf`` is not
     a buffer.
+
+    With the fault guard installed (``install_fault_guard``), a buffer whose
+    memory is gone raises OSError(EFAULT) "memory fault (SIGBUS) at byte N of
+    buf: ...".
     """
     if NATIVE:
         return _native.checksum(buf)
@@ -108,6 +166,11 @@ def gather(dst: Any, pieces: Iterable[Any]) -> int:
     ValueError "dst holds N bytes, pieces have M", "dst is not C-contiguous"
     or "pieces[i] is not C-contiguous"; TypeError "dst is read-only", or when
     ``pieces`` is not iterable or ``dst`` or an item is not a buffer.
+
+    With the fault guard installed (``install_fault_guard``), a buffer whose
+    memory is gone raises OSError(EFAULT) "memory fault (SIGBUS) at byte N of
+    dst: ..." (or pieces[i]); ``dst`` may be partly written
+    by then.
     """
     if NATIVE:
         return _native.gather(dst, pieces, _COPY_THREADS)
@@ -126,6 +189,11 @@ def scatter(src: Any, pieces: Iterable[Any]) -> int:
     not C-contiguous" or "pieces[i] is not C-contiguous"; TypeError
     "pieces[i] is read-only", or when ``pieces`` is not iterable or ``src`` or
     an item is not a buffer.
+
+    With the fault guard installed (``install_fault_guard``), a buffer whose
+    memory is gone raises OSError(EFAULT) "memory fault (SIGBUS) at byte N of
+    src: ..." (or pieces[i]); the pieces may be partly
+    written by then.
     """
     if NATIVE:
         return _native.scatter(src, pieces, _COPY_THREADS)
@@ -146,6 +214,8 @@ def pwrite_full(fd: int, buf: Any, offset: int, threads: int = 0) -> int:
     with the errno of the first failed write (some of ``buf`` may be written
     by then); ValueError "buf is not C-contiguous", "offset must be >= 0, got
     N" or "threads must be >= 0, got N"; TypeError when ``buf`` is not a buffer.
+    A ``buf`` whose memory is gone (its mapped file truncated) fails the write
+    with OSError(EFAULT), guard or not: system calls fail, they do not fault.
     """
     if NATIVE:
         return _native.pwrite_full(fd, buf, offset, threads)
@@ -166,7 +236,8 @@ def pread_full(fd: int, buf: Any, offset: int, threads: int = 0) -> int:
     ``pwrite_full``.  Raises OSError with the errno of the first failed read
     (``buf`` may be partly filled by then); ValueError "buf is not
     C-contiguous", "offset must be >= 0, got N" or "threads must be >= 0, got
-    N"; TypeError "buf is read-only" or when ``buf`` is not a buffer.
+    N"; TypeError "buf is read-only" or when ``buf`` is not a buffer.  A
+    ``buf`` whose memory is gone fails with OSError(EFAULT), as ``pwrite_full``.
     """
     if NATIVE:
         return _native.pread_full(fd, buf, offset, threads)

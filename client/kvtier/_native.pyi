@@ -2,6 +2,8 @@
 
 Use them through kvtier._accel, which falls back to numpy (checksum: the
 xxhash package, file I/O: os.pwritev/os.preadv) when the extension is missing.
+With install_fault_guard() done, the memory helpers raise OSError(EFAULT) for a
+SIGBUS in a buffer (a mapped file truncated under it) instead of dying.
 Checked by ``python -m mypy.stubtest kvtier._native``.
 """
 
@@ -32,3 +34,12 @@ def pwrite_full(fd: int, buf: _Buffer, offset: int, threads: int = 0) -> int:
 
 def pread_full(fd: int, buf: _Buffer, offset: int, threads: int = 0) -> int:
     """Read into all of buf from fd at offset; return the number read (less only at EOF)."""
+
+def install_fault_guard() -> bool:
+    """Make a SIGBUS in copy/prefault/checksum/gather/scatter raise OSError(EFAULT).
+
+    Installs the process's SIGBUS handler once; True if this call installed it.
+    """
+
+def fault_guard_installed() -> bool:
+    """Return True if install_fault_guard() has installed the guard."""
