@@ -3,9 +3,10 @@
 Writers hold read-write fds of their namespace's data file: they can cut it
 short under the daemon.  Here a second fd really truncates the segment's data
 file while the daemon has it mapped, and a demotion, a write-through publish
-or a promotion then copies that slot: ``pread``/``pwrite`` fail with EFAULT
-(and, once ``kvtier._accel.install_fault_guard`` exists, so do the native
-checksums and copies instead of raising SIGBUS).  The properties: nothing is
+or a promotion then copies that slot: ``pread``/``pwrite`` fail with EFAULT,
+and so do the native checksums and copies once the fault guard is installed
+(``_accel.install_fault_guard()``, as kvtierd does at start; without it they
+die of SIGBUS).  The properties: nothing is
 counted as a spill tier's fault, the block is dropped from DRAM (demotion,
 publish) or the promotion is a miss with the copy below kept, the slot fault
 is counted, no exception escapes a worker thread, and ``check()`` stays clean.
@@ -40,10 +41,6 @@ __all__ = ["disk_dir"]  # a fixture
 
 #: No background demotion: the tests demote with a drain, at the moment they choose.
 QUIET = SpillPolicy(clean_ahead=0.0, backpressure_timeout=5.0)
-GUARDED = pytest.mark.skipif(
-    not hasattr(_accel, "install_fault_guard"),
-    reason="kvtier._accel.install_fault_guard has not landed: a checksum of a faulted "
-           "slot still dies of SIGBUS")
 
 
 # ================================================================ helpers
@@ -196,13 +193,12 @@ def test_demotion_of_a_truncated_slot_to_the_shared_tier_drops_the_block(
     isolated(lambda: _demote_faulted(shm_dir, disk_dir, checksums=True, to_shared=True))
 
 
-@GUARDED
 def test_demotion_that_checksums_a_truncated_slot_drops_the_block(
         shm_dir: str, disk_dir: str) -> None:  # noqa: F811
     """No client checksum: the SSD tier checksums the slot itself, and that faults."""
 
     def body() -> None:
-        _accel.install_fault_guard()  # type: ignore[attr-defined]
+        _accel.install_fault_guard()  # as kvtierd does at start
         _demote_faulted(shm_dir, disk_dir, checksums=False, to_shared=False)
 
     isolated(body)
@@ -238,11 +234,10 @@ def test_write_through_publish_of_a_truncated_slot_drops_the_block(
     isolated(lambda: _publish_faulted(shm_dir, disk_dir, checksums=True))
 
 
-@GUARDED
 def test_write_through_publish_that_checksums_a_truncated_slot_drops_the_block(
         shm_dir: str, disk_dir: str) -> None:  # noqa: F811
     def body() -> None:
-        _accel.install_fault_guard()  # type: ignore[attr-defined]
+        _accel.install_fault_guard()  # as kvtierd does at start
         _publish_faulted(shm_dir, disk_dir, checksums=False)
 
     isolated(body)
