@@ -36,7 +36,7 @@ import kvtier
 from kvtier import errors
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
-from kvtierd.segments import read_header, segment_file_name
+from kvtierd.segments import META_SUFFIX, read_header, segment_file_name
 from kvtierd.session_channel import MAX_OPEN_FRAME, MAX_REQUEST_FRAME
 from tests.conftest import DaemonProc, start_daemon, stop_daemon
 
@@ -922,7 +922,8 @@ def test_multibyte_model_uid_is_refused_or_recorded_exactly(d: DaemonProc, uid: 
         with c:
             k = uniq("uid")
             assert c.put([k], [b"v"]) == 1  # creates extent 0 of the namespace
-            with open(os.path.join(d.shm_dir, segment_file_name(ns, 0)), "rb") as f:
+            # the header is in the extent's daemon-only metadata file
+            with open(os.path.join(d.shm_dir, segment_file_name(ns, 0, META_SUFFIX)), "rb") as f:
                 header = read_header(f.read(8192))
             assert header["namespace"] == ns
             assert header["model_uid"] == uid
