@@ -1,32 +1,71 @@
-"""What the sync and async clients share: arguments, reservations, leases.
+"""The one client core under ``kvtier.Client`` and ``kvtier.AsyncClient``.
 
-Transport-free: the clients do the RPCs; this module builds requests from
-user arguments and turns responses into objects over shared memory.
+Everything but the transport lives here, once: argument validation, request
+building, response decoding, segment mappings and the views over them,
+checksums, error mapping, session loss and reconnect pacing.  Each operation
+(``lookup``, ``reserve``, ``commit``, ``acquire``, ``put``, ``get``...) is
+written once, as a generator of *steps* that says what to do and receives
+the results:
+
+* :class:`Call` -- one RPC in the current session (the transport opens or
+  reopens the session first and maps a failure with ``ClientCore._failed``);
+* :class:`SyncMaps` -- map the segments a response's slots live in;
+* :class:`Work` -- copies and checksums of ``nbytes`` of shared memory;
+* :class:`SendRelease` -- end a lease without waiting for the answer.
+
+``Client`` runs the steps with :func:`run_steps` on blocking gRPC (Work
+inline, SendRelease as a gRPC future); ``AsyncClient`` with
+:func:`arun_steps` on ``grpc.aio`` (Work of :data:`OFFLOAD_BYTES` or more on
+a worker thread, SendRelease awaited).  That, opening the session and the
+mapping locks are all each transport keeps of its own.  (psycopg 3 generates
+its sync connection from the async one with a script; steps give the same
+one core without generated code.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import enum
+import functools
 import os
+import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
+from typing import Any, Generic, TypeAlias, TypeVar
 
+import grpc
 import numpy as np
+from google.protobuf.json_format import MessageToDict
 
 from kvtier import _accel
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME, default_socket_dir
-from kvtier._session import SegmentMaps
-from kvtier.errors import Corrupted, InvalidArgument, SessionLost, Unavailable
+from kvtier._session import SegmentMaps, SessionLink, open_request
+from kvtier._wire import SESSION_METADATA
+from kvtier.errors import (
+    Corrupted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KVTierError,
+    SessionLost,
+    Unauthenticated,
+    Unavailable,
+    from_rpc_error,
+)
 from kvtier.v1 import kvtier_pb2 as pb
 
-#: Metadata entry that carries the session token on every call.
-SESSION_METADATA = "kvtier-session"
 #: Default per-call deadline: long enough for an extent growth that
 #: pre-faults hundreds of MiB, short enough that a dead daemon is noticed.
 DEFAULT_TIMEOUT = 30.0
 #: Client-side gRPC message limit (responses of big batches stay far below).
 MAX_MESSAGE_BYTES = 64 << 20
+#: AsyncClient runs copies and checksums of at least this many bytes on a worker
+#: thread: the event loop stays free for the caller's other work (smaller ones
+#: cost less than the hop).
+OFFLOAD_BYTES = 256 << 10
+
+Metadata: TypeAlias = tuple[tuple[str, str], ...]
 
 
 class KeyStatus(enum.IntEnum):
@@ -70,6 +109,17 @@ class Backoff:
     def succeeded(self) -> None:
         self._delay = 0.0
         self._next = 0.0
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[None]:
+        """Around one reconnect: fail fast while waiting, then record how it went."""
+        self.check()
+        try:
+            yield
+        except Unavailable as exc:
+            self.failed(exc)
+            raise
+        self.succeeded()
 
 
 def session_lost(what: str) -> SessionLost:
@@ -150,22 +200,311 @@ def check_out(keys: Sequence[bytes], out: Sequence[Any] | None) -> None:
         raise InvalidArgument(f"keys and out differ in length ({len(keys)} != {len(out)})")
 
 
-class ReservationState:
-    """A reservation's keys, statuses and writable buffers (transport-free part)."""
+# ----------------------------------------------------------------------------- steps
+@dataclasses.dataclass(frozen=True, slots=True)
+class Call:
+    """One RPC in the current session; the step's result is the response."""
 
-    def __init__(self, keys: list[bytes], resp: pb.ReserveResponse, maps: SegmentMaps,
-                 block_bytes: int, session_gen: int) -> None:
+    method: str
+    request: Any
+    retry: bool = True  # once in a new session, if the daemon restarted (not SESSION_BOUND)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SyncMaps:
+    """Map the segments ``slots`` live in (the daemon's extents at ``version``)."""
+
+    version: int
+    slots: Sequence[pb.SlotRef]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Work:
+    """Copies or checksums over ``nbytes`` of shared memory; the result is ``fn()``."""
+
+    fn: Callable[[], Any]
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SendRelease:
+    """End lease ``lease_id`` of the current session; no need to wait for the answer."""
+
+    lease_id: int
+
+
+Step: TypeAlias = Call | SyncMaps | Work | SendRelease
+_T = TypeVar("_T")
+#: An operation: yields steps, is sent each step's result, returns its own.
+Steps: TypeAlias = Generator[Step, Any, _T]
+
+
+def run_steps(steps: Steps[_T], do: Callable[[Step], Any]) -> _T:
+    """Run an operation to its result, each step by ``do``; a step's exception is
+    raised inside the operation, where it can clean up (abort, release) and re-raise."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            result: _T = stop.value
+            return result
+        value, error = None, None
+        try:
+            value = do(step)
+        except BaseException as exc:
+            error = exc
+
+
+async def arun_steps(steps: Steps[_T], do: Callable[[Step], Awaitable[Any]]) -> _T:
+    """:func:`run_steps` with an awaitable ``do``."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            result: _T = stop.value
+            return result
+        value, error = None, None
+        try:
+            value = await do(step)
+        except BaseException as exc:
+            error = exc
+
+
+# ----------------------------------------------------------------------------- core
+_R = TypeVar("_R", bound="ReservationState")
+_L = TypeVar("_L", bound="LeaseState")
+
+
+class ClientCore(Generic[_R, _L]):
+    """A session in one namespace of a kvtierd: all of a client but its transport.
+
+    A transport subclass provides ``_new_reservation``/``_new_lease`` (its own
+    Reservation and Lease classes), opens the session (``_connect`` then
+    ``_adopt``), and runs the ``_*_steps`` operations.
+    """
+
+    #: Who says "... is closed".
+    _NAME = "kvtier.Client"
+
+    def __init__(
+        self,
+        socket: str | os.PathLike[str] | None,
+        *,
+        namespace: str,
+        block_bytes: int,
+        model_uid: str,
+        timeout: float,
+        checksum: bool,
+        reconnect_max: float,
+    ) -> None:
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
+            raise InvalidArgument(f"block_bytes must be a positive int, got {block_bytes!r}")
+        self.namespace = namespace
+        self.block_bytes = block_bytes
+        self.model_uid = model_uid
+        self.timeout = timeout
+        self.checksum = checksum
+        self.grpc_path, self.session_path = socket_paths(socket)
+        self.token = ""
+        self.daemon_version = ""
+        self._backoff = Backoff(maximum=reconnect_max)
+        self._closed = False
+        self._link: SessionLink | None = None
+        self._maps = SegmentMaps()
+        self._session_gen = 0
+        self._metadata: Metadata = ()
+        #: Guards the session state between threads.  Client holds it while it
+        #: reconnects or maps; AsyncClient only for a moment (its own waits are
+        #: under asyncio locks).
+        self._lock = threading.RLock()
+
+    def _new_reservation(self, keys: list[bytes], resp: pb.ReserveResponse) -> _R:
+        raise NotImplementedError
+
+    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse) -> _L:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- session
+    def _connect(self) -> tuple[SessionLink, SegmentMaps, pb.SessionOpened]:
+        """A new session: its connection, its mapped segments, what the daemon said.
+
+        Blocking (a socket round trip, then mmap and page-table population):
+        AsyncClient runs it on a worker thread.
+        """
+        link = SessionLink(self.session_path, self.timeout)
+        maps = SegmentMaps()
+        try:
+            resp, fds = link.request(open_request(self.namespace, self.block_bytes, self.model_uid))
+            opened = resp.opened
+            maps.read_only = opened.read_only
+            maps.update(opened.segments_version, opened.segments,
+                        [s.segment_id for s in opened.segments], fds)
+        except BaseException:
+            link.close()
+            maps.close()
+            raise
+        return link, maps, opened
+
+    def _adopt(self, new: tuple[SessionLink, SegmentMaps, pb.SessionOpened]) -> None:
+        """Make a session from ``_connect`` the current one (its calls get a new generation)."""
+        link, maps, opened = new
+        self._maps.close()
+        self._maps = maps
+        self._link = link
+        self.token = opened.token
+        self.daemon_version = opened.daemon_version
+        self._metadata = ((SESSION_METADATA, self.token),)
+        self._session_gen += 1
+
+    def _lose_session(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+    def _close_session(self) -> None:
+        self._lose_session()
+        self._maps.close()
+
+    def _check_usable(self) -> None:
+        """Before a call: the client is not closed (AsyncClient: and is open)."""
+        if self._closed:
+            raise FailedPrecondition(f"{self._NAME} is closed")
+
+    def _failed(self, method: str, metadata: Metadata, exc: grpc.RpcError,
+                retry: bool) -> KVTierError | None:
+        """The error a failed RPC raises, or None to retry it once in a new session.
+
+        Unavailable or Unauthenticated (not a deadline) ends the session the call
+        used, unless a reconnect replaced it meanwhile; a call that is not
+        session-bound and whose token the daemon did not know (it restarted) is
+        retried.
+        """
+        err = from_rpc_error(exc)
+        if isinstance(err, (Unavailable, Unauthenticated)) and not isinstance(err, DeadlineExceeded):
+            with self._lock:
+                if self._metadata == metadata:  # nobody reconnected meanwhile
+                    self._lose_session()
+            if retry and isinstance(err, Unauthenticated) and method not in SESSION_BOUND:
+                return None
+        return err
+
+    def _maps_missing(self, version: int, slots: Sequence[pb.SlotRef]) -> list[int] | None:
+        """Segments to map before views of ``slots`` can be made (None: nothing to do)."""
+        if self._closed:
+            raise FailedPrecondition(f"{self._NAME} is closed")
+        missing = self._maps.missing(s.segment_id for s in slots)
+        if version == self._maps.version and not missing:
+            return None
+        return missing
+
+    def _live_link(self) -> SessionLink:
+        if self._link is None:
+            raise Unavailable("the session ended while the call was in flight")
+        return self._link
+
+    # ------------------------------------------------------------- operations
+    def _bound_call(self, method: str, request: Any, session_gen: int, what: str) -> Steps[Any]:
+        """A call carrying an id of session ``session_gen`` (commit/abort/release)."""
+        if session_gen != self._session_gen:
+            raise session_lost(what)
+        try:
+            return (yield Call(method, request, retry=False))
+        except Unauthenticated:
+            raise session_lost(what) from None
+
+    def _lookup_steps(self, keys: Sequence[bytes], prefetch: bool) -> Steps[int]:
+        resp = yield Call("Lookup", pb.LookupRequest(keys=as_keys(keys), prefetch=prefetch))
+        return int(resp.hits)
+
+    def _lookup_tiers_steps(self, keys: Sequence[bytes], prefetch: bool) -> Steps[list[Tier]]:
+        resp = yield Call("Lookup", pb.LookupRequest(keys=as_keys(keys), prefetch=prefetch))
+        return [Tier(t) for t in resp.tiers]
+
+    def _reserve_steps(self, keys: Sequence[bytes]) -> Steps[_R]:
+        keys = as_keys(keys)
+        resp = yield Call("Reserve", pb.ReserveRequest(keys=keys))
+        try:
+            yield SyncMaps(resp.segments_version, resp.slots)
+            return self._new_reservation(keys, resp)
+        except BaseException:
+            if resp.reservation_id:
+                yield Call("Abort", pb.AbortRequest(reservation_id=resp.reservation_id))
+            raise
+
+    def _acquire_steps(self, keys: Sequence[bytes]) -> Steps[_L]:
+        keys = as_keys(keys)
+        resp = yield Call("Acquire", pb.AcquireRequest(keys=keys))
+        try:
+            yield SyncMaps(resp.segments_version, resp.slots)
+            verified = sum(r.length for r in resp.slots) if self.checksum else 0
+            lease: _L = yield Work(functools.partial(self._new_lease, keys, resp), verified)
+            return lease
+        except BaseException as exc:
+            if resp.lease_id:
+                yield Call("Release", pb.ReleaseRequest(lease_id=resp.lease_id))
+            if isinstance(exc, Corrupted):
+                # Never served: the bad block becomes a miss and the daemon counts it.
+                yield Call("Delete", pb.DeleteRequest(keys=[exc.key], corrupted=True))
+            raise
+
+    def _put_steps(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> Steps[int]:
+        keys = as_keys(keys)
+        if len(keys) != len(blocks):
+            raise InvalidArgument(f"keys and blocks differ in length ({len(keys)} != {len(blocks)})")
+        views = [as_bytes_view(b, i, self.block_bytes) for i, b in enumerate(blocks)]
+        r = yield from self._reserve_steps(keys)
+        try:
+            yield Work(functools.partial(r.write_all, views),
+                       sum(views[i].nbytes for i in r.reserved))
+            return (yield from r._commit_steps())
+        except BaseException as exc:
+            yield from r._exit_steps(type(exc))
+            raise
+
+    def _get_steps(self, keys: Sequence[bytes], out: Sequence[Any] | None
+                   ) -> Steps[list[np.ndarray]]:
+        check_out(keys, out)
+        lease = yield from self._acquire_steps(keys)
+        try:
+            got: list[np.ndarray] = yield Work(functools.partial(copy_out, lease.views, out),
+                                               sum(v.nbytes for v in lease.views))
+        except BaseException as exc:
+            yield from lease._exit_steps(type(exc))
+            raise
+        yield from lease._release_steps(wait=False)  # every copy is done
+        return got
+
+    def _delete_steps(self, keys: Sequence[bytes]) -> Steps[int]:
+        resp = yield Call("Delete", pb.DeleteRequest(keys=as_keys(keys)))
+        return int(resp.deleted)
+
+    def _stats_steps(self) -> Steps[dict[str, Any]]:
+        resp = yield Call("Stats", pb.StatsRequest())
+        return MessageToDict(resp, preserving_proto_field_name=True,
+                             always_print_fields_with_no_presence=True)
+
+
+class ReservationState:
+    """A reservation's keys, statuses and writable buffers, and its operations."""
+
+    def __init__(self, client: ClientCore[Any, Any], keys: list[bytes],
+                 resp: pb.ReserveResponse) -> None:
+        self._client = client
         self.keys = keys
-        self.session_gen = session_gen
+        self.session_gen = client._session_gen
         self.reservation_id = resp.reservation_id
         self.statuses = [KeyStatus(s) for s in resp.statuses]
         self.buffers: list[np.ndarray | None] = [None] * len(keys)
         self.lengths: list[int | None] = [None] * len(keys)
-        self._block_bytes = block_bytes
+        self._block_bytes = client.block_bytes
         slots = iter(resp.slots)
         for i, status in enumerate(self.statuses):
             if status == KeyStatus.RESERVED:
-                self.buffers[i] = maps.view(next(slots), block_bytes, writable=True)
+                self.buffers[i] = client._maps.view(next(slots), self._block_bytes, writable=True)
         self.done = self.reservation_id == 0
 
     @property
@@ -181,6 +520,11 @@ class ReservationState:
         view = as_bytes_view(data, i, self._block_bytes)
         _accel.copy_into(buf, view)
         self.lengths[i] = view.nbytes
+
+    def write_all(self, views: Sequence[memoryview]) -> None:
+        """``write(i, views[i])`` for every reserved ``i``."""
+        for i in self.reserved:
+            self.write(i, views[i])
 
     def commit_request(self, checksum: bool) -> pb.CommitRequest:
         lengths = []
@@ -198,18 +542,57 @@ class ReservationState:
     def release_views(self) -> None:
         self.buffers = [None] * len(self.keys)
 
+    def _finish(self) -> None:
+        self.done = True
+        self.release_views()
+
+    def _commit_steps(self) -> Steps[int]:
+        if self.done:
+            return 0
+        checksum = self._client.checksum
+        hashed = sum(b.nbytes for b in self.buffers if b is not None) if checksum else 0
+        req = yield Work(functools.partial(self.commit_request, checksum), hashed)
+        try:
+            resp = yield from self._client._bound_call("Commit", req, self.session_gen,
+                                                       "reservation")
+        except SessionLost:
+            self._finish()
+            raise
+        self._finish()
+        return int(resp.committed)
+
+    def _abort_steps(self) -> Steps[None]:
+        if self.done:
+            return
+        self._finish()
+        yield from self._client._bound_call(
+            "Abort", pb.AbortRequest(reservation_id=self.reservation_id), self.session_gen,
+            "reservation")
+
+    def _exit_steps(self, et: type[BaseException] | None) -> Steps[None]:
+        """Leaving the ``with`` block: abort unless committed.  While an exception
+        propagates, a failure to abort does not replace it."""
+        if self.done:
+            return
+        try:
+            yield from self._abort_steps()
+        except KVTierError:
+            if et is None:
+                raise
+
 
 class LeaseState:
-    """Read-only views of the leased blocks (transport-free part)."""
+    """Read-only views of the leased blocks (checksums verified), and its operations."""
 
-    def __init__(self, keys: list[bytes], resp: pb.AcquireResponse, maps: SegmentMaps,
-                 verify: bool, session_gen: int) -> None:
-        self.session_gen = session_gen
+    def __init__(self, client: ClientCore[Any, Any], keys: list[bytes],
+                 resp: pb.AcquireResponse) -> None:
+        self._client = client
+        self.session_gen = client._session_gen
         self.lease_id = resp.lease_id
         self.keys = keys[: resp.hits]
         self.tiers = [Tier(t) for t in resp.tiers]
-        self.views = [maps.view(ref, ref.length, writable=False) for ref in resp.slots]
-        if verify:
+        self.views = [client._maps.view(ref, ref.length, writable=False) for ref in resp.slots]
+        if client.checksum:
             for i, (ref, view) in enumerate(zip(resp.slots, self.views, strict=False)):
                 if ref.has_checksum and _accel.checksum(view) != ref.checksum:
                     raise Corrupted(f"block {self.keys[i].hex()} failed its checksum",
@@ -222,3 +605,23 @@ class LeaseState:
 
     def release_views(self) -> None:
         self.views = []
+
+    def _release_steps(self, wait: bool) -> Steps[None]:
+        if self.done:
+            return
+        self.done = True
+        self.release_views()
+        if not wait and self.session_gen == self._client._session_gen:
+            yield SendRelease(self.lease_id)
+            return
+        yield from self._client._bound_call(
+            "Release", pb.ReleaseRequest(lease_id=self.lease_id), self.session_gen, "lease")
+
+    def _exit_steps(self, et: type[BaseException] | None) -> Steps[None]:
+        """Leaving the ``with`` block: release.  While an exception propagates, a
+        failure to release does not replace it."""
+        try:
+            yield from self._release_steps(wait=True)
+        except KVTierError:
+            if et is None:
+                raise

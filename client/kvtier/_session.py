@@ -127,8 +127,15 @@ class SegmentMaps:
                 if seg is None or seg_id in self._maps:
                     continue
                 prot = mmap.PROT_READ if self.read_only else mmap.PROT_READ | mmap.PROT_WRITE
-                mm = mmap.mmap(fd, seg.data_bytes, mmap.MAP_SHARED, prot,
-                               offset=seg.data_offset)
+                try:
+                    mm = mmap.mmap(fd, seg.data_bytes, mmap.MAP_SHARED, prot,
+                                   offset=seg.data_offset)
+                except (ValueError, OSError) as exc:
+                    # A writer of this namespace shrank the data file under the daemon
+                    # (which sets it back within seconds): this namespace's problem.
+                    raise FailedPrecondition(
+                        f"segment {seg_id} of this namespace cannot be mapped ({exc}); "
+                        "was its data file truncated? retry in a few seconds") from None
                 try:
                     mm.madvise(_MADV_POPULATE_READ if self.read_only else _MADV_POPULATE_WRITE)
                 except OSError:
@@ -140,6 +147,13 @@ class SegmentMaps:
         for seg_id in [s for s in self._maps if s not in info]:
             self._drop(seg_id)
         self.version = version
+
+    def fetch(self, link: SessionLink, want: Sequence[int]) -> None:
+        """Ask the daemon over ``link`` for the fds of segments ``want`` and map them
+        (blocking: a round trip, then mmap and page-table population)."""
+        resp, fds = link.request(map_request(want))
+        m = resp.mapped
+        self.update(m.segments_version, m.segments, m.fd_segment_ids, fds)
 
     def view(self, ref: pb.SlotRef, length: int, *, writable: bool) -> np.ndarray:
         mm = self._maps.get(ref.segment_id)
