@@ -127,8 +127,15 @@ class SegmentMaps:
                 if seg is None or seg_id in self._maps:
                     continue
                 prot = mmap.PROT_READ if self.read_only else mmap.PROT_READ | mmap.PROT_WRITE
-                mm = mmap.mmap(fd, seg.data_bytes, mmap.MAP_SHARED, prot,
-                               offset=seg.data_offset)
+                try:
+                    mm = mmap.mmap(fd, seg.data_bytes, mmap.MAP_SHARED, prot,
+                                   offset=seg.data_offset)
+                except (ValueError, OSError) as exc:
+                    # A writer of this namespace shrank the data file under the daemon
+                    # (which sets it back within seconds): this namespace's problem.
+                    raise FailedPrecondition(
+                        f"segment {seg_id} of this namespace cannot be mapped ({exc}); "
+                        "was its data file truncated? retry in a few seconds") from None
                 try:
                     mm.madvise(_MADV_POPULATE_READ if self.read_only else _MADV_POPULATE_WRITE)
                 except OSError:

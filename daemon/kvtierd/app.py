@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from prometheus_client import CollectorRegistry, start_http_server
 
-from kvtier import __version__
+from kvtier import __version__, _accel
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME
 from kvtier.errors import FailedPrecondition
 from kvtierd import systemd
@@ -46,6 +46,9 @@ _throttle = Throttle(60.0)
 
 #: How often leases and reservations are checked against their TTL.
 EXPIRY_INTERVAL = 1.0
+#: How often the segments' data files are checked for a client's truncation,
+#: extension or holes (an fstat per extent, in a worker thread).
+AUDIT_INTERVAL = 2.0
 SERVICE_NAME = "kvtier.v1.KVTier"
 
 
@@ -260,6 +263,53 @@ async def _expire_forever(store: Store, metrics: Metrics) -> None:
             metrics.expired_leases.inc(leases)
 
 
+def _audit(segments: list[Segment]) -> list[tuple[Segment, str, int]]:
+    """Worker thread: repair the data files clients changed; (segment, kind, intact bytes)."""
+    found = []
+    for seg in segments:
+        try:
+            fault = seg.audit_data_file()
+        except OSError as exc:  # closed meanwhile (retired extent), or the kernel refused
+            log.debug("audit of %s skipped: %s", seg.path, exc)
+            continue
+        if fault is not None:
+            found.append((seg, *fault))
+    return found
+
+
+async def _audit_forever(store: Store, metrics: Metrics) -> None:
+    """Every AUDIT_INTERVAL: data files set back to their size and allocation.
+
+    A writer can shrink, extend or punch holes in its namespace's data file
+    (its fd reaches it); the daemon never faults on it (guarded copies), but
+    blocks whose bytes were cut off must go, and shared memory a client added
+    must be given back.  Runs off the event loop; the store changes on it.
+    """
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(AUDIT_INTERVAL)
+        try:
+            segments = [e.segment for ns in store.namespaces.values() for e in ns.extents]
+            for seg, kind, intact in await loop.run_in_executor(None, _audit, segments):
+                lost = store.drop_lost(seg, intact) if kind == "shrunk" else []
+                metrics.segment_faults.labels(seg.namespace, kind).inc()
+                held = _throttle(f"audit/{seg.namespace}/{kind}")
+                if held is not None:
+                    log.warning("namespace %r: a client %s the data file of extent %d; "
+                                "repaired, %d blocks whose bytes were lost dropped%s",
+                                seg.namespace, {"shrunk": "truncated", "grown": "extended",
+                                                "holes": "punched holes into"}[kind],
+                                seg.index, len(lost), more(held),
+                                extra=event("segment_fault", namespace=seg.namespace,
+                                            kind=kind, extent=seg.index, lost=len(lost),
+                                            held_back=held))
+        except Exception:  # a bug: count and log it; the audit must keep running
+            metrics.background_error("audit")
+            held = _throttle("audit")
+            if held is not None:
+                log.exception("segment audit failed; it keeps running%s", more(held))
+
+
 def _make_tiering(cfg: Config, store: Store, metrics: Metrics) -> Tiering:
     sp = cfg.spill
     ssd = None
@@ -291,6 +341,9 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         lock_fd = _lock_instance(cfg.dram.shm_dir, cfg.instance)
         undo.callback(os.close, lock_fd)
         _raise_nofile_limit()
+        # Clients can truncate or punch holes in their data files: a SIGBUS in the
+        # daemon's own copies and checksums of slots becomes an OSError (EFAULT).
+        _accel.install_fault_guard()
         boot_epoch = _next_boot_epoch(cfg.dram.shm_dir)
 
         registry = registry if registry is not None else CollectorRegistry()
@@ -312,6 +365,8 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         store.on_forget = metrics.forget_namespace
         # Nothing is served yet, so recovery may block: READY comes after it.
         report = recover(store, cfg.dram.shm_dir)
+        for reason, n in report.dropped_slots.items():
+            metrics.dropped_slots.labels(reason).inc(n)
         undo.callback(store.close_all)
         store.recovery_seconds = report.seconds
         store.dropped_segments = report.dropped
@@ -365,6 +420,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         loop = asyncio.get_running_loop()
         tasks = [
             loop.create_task(_expire_forever(store, metrics)),
+            loop.create_task(_audit_forever(store, metrics)),
             loop.create_task(_lock_adopted(store, cfg.dram.mlock)),
         ]
         interval = systemd.watchdog_interval()

@@ -109,6 +109,17 @@ class Metrics:
             "kvtier_checksum_failures", "Blocks whose bytes failed their checksum (never served)",
             ["namespace", "tier"], registry=registry,
         )
+        self.segment_faults = Counter(
+            "kvtier_segment_faults", "Data files of a namespace's segments that a client "
+            "changed under the daemon (kind: shrunk, grown, holes; sigbus: a daemon copy or "
+            "checksum faulted on a slot), each repaired and its lost blocks dropped",
+            ["namespace", "kind"], registry=registry,
+        )
+        self.dropped_slots = Counter(
+            "kvtier_recovery_dropped_slots", "Slots of a previous run's segments that failed "
+            "validation at a warm start and were freed, by reason", ["reason"],
+            registry=registry,
+        )
         self.refused_blocks = Counter(
             "kvtier_refused_blocks", "Blocks of Reserve calls refused for lack of room or a "
             "limit (the writer's save is dropped)", ["namespace"], registry=registry,
@@ -199,6 +210,10 @@ class Metrics:
 
     def background_error(self, task: str) -> None:
         self.background_errors.labels(task).inc()
+
+    def slot_fault(self, namespace: str) -> None:
+        """A daemon copy or checksum of one of the namespace's slots faulted (SIGBUS)."""
+        self.segment_faults.labels(namespace, "sigbus").inc()
 
     def watch(self, store: Store, tiering: Tiering | None = None) -> None:
         """Export the store's occupancy, computed at scrape time on the running loop."""
