@@ -3,9 +3,20 @@
 Policy lives here; bytes never do.  The store decides which slot a key gets,
 when a block becomes visible, which block is evicted, and who holds what;
 the mechanism (``segments``) persists slot states; the service translates the
-wire.  Every public call either applies fully or changes nothing (a failed
-call may only have *evicted* unleased blocks, which is cache policy, never a
-loss of anything acknowledged to a caller as leased or reserved).
+wire.
+
+Every public call either applies fully or changes nothing.  Each runs in three
+phases: validate; persist (the slot-table writes: the steps that can fail);
+apply (counters, index, LRU, free lists: in memory, nothing there can fail).
+A write that fails takes back the writes before it (``_Undo``), so a failed
+call leaves tables and memory as they were.  The exceptions, each consistent
+on its own: a failed ``acquire`` may have rewritten the last access of the
+blocks before the failing one (only an LRU hint for the next restart); a
+failed reserve may already have reclaimed extents of other namespaces or
+grown its own (cache policy: the reclaimed blocks were evictable and left
+through the one exit); a failed reclaim or reformat may have removed the
+files of extents it still holds (they serve on, and at the next restart their
+blocks are gone like evicted ones).
 
 Pins (the three workflows; each pin is granted by exactly one call and
 released by exactly one call):
@@ -44,7 +55,8 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from types import TracebackType
 from typing import Final
 
 import numpy as np
@@ -58,7 +70,14 @@ from kvtier.errors import (
 )
 from kvtierd.access import Identity
 from kvtierd.logs import event
-from kvtierd.segments import Segment, SegmentLayout, SlotState
+from kvtierd.segments import (
+    MAX_ACCESS_SEQ,
+    MAX_KEY_BYTES,
+    Segment,
+    SegmentLayout,
+    SlotRecord,
+    SlotState,
+)
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +289,60 @@ class _NeedExtent(Exception):
         self.slots = slots
 
 
+class _Undo:
+    """The slot-table writes of one store call so far, and how to take each back.
+
+    ``with _Undo() as undo:`` around a call's persist phase; each write first
+    adds its inverse (so a write that fails half-way is taken back too), and
+    when anything in the block raises, the inverses run newest first and the
+    error goes on.  An inverse that fails itself is logged (``check()`` will
+    then report that slot) and the others still run.
+    """
+
+    __slots__ = ("_steps",)
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[Callable[..., object], tuple[object, ...]]] = []
+
+    def add(self, fn: Callable[..., object], *args: object) -> None:
+        self._steps.append((fn, args))
+
+    def __enter__(self) -> _Undo:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is None:
+            return
+        for fn, args in reversed(self._steps):
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("could not take back a slot-table write (%s%r) after %r; "
+                              "check() reports that slot until it is freed", fn, args, exc)
+
+
+def _recommit(segment: Segment, slot: int) -> None:
+    """Write a freed or doomed COMMITTED entry back (its fields are still in the table)."""
+    _rewrite(segment, slot, segment.read_slot(slot))
+
+
+def _rewrite(segment: Segment, slot: int, rec: SlotRecord) -> None:
+    """Put a COMMITTED entry back as ``rec`` read it (the entry checksum comes out equal)."""
+    segment.mark_committed(slot, key=rec.key, length=rec.length, checksum=rec.checksum,
+                           last_access=rec.last_access, generation=rec.generation,
+                           epoch=rec.epoch)
+
+
+def _close_quietly(segment: Segment, unlink: bool) -> None:
+    """Close a segment the store no longer holds (worker thread): nothing waits for the
+    result, so a failure is logged here."""
+    try:
+        segment.close(unlink=unlink)
+    except OSError as exc:
+        log.warning("closing segment %s failed: %s", segment.path, exc)
+
+
 #: Creates a segment file for (namespace, extent index, layout, segment id); blocking I/O.
 ExtentFactory = Callable[[Namespace, int, SegmentLayout, int], Segment]
 
@@ -334,31 +407,33 @@ class Store:
     def open_session(self, name: str, block_bytes: int, model_uid: str, peer: Peer) -> Session:
         """Declare (or join) a namespace and start a session in it."""
         ns = self.namespaces.get(name)
-        if ns is None:
-            layout = SegmentLayout.fit(block_bytes, self.capacity)
-            if layout is None:
-                raise InvalidArgument(
-                    f"block_bytes {block_bytes} does not fit in dram.capacity {self.capacity}"
+        layout = SegmentLayout.fit(block_bytes, self.capacity)
+        if ns is not None and (ns.block_bytes, ns.model_uid) != (block_bytes, model_uid):
+            if ns.declared:
+                raise FailedPrecondition(
+                    f"namespace {name!r} is declared with block_bytes={ns.block_bytes} "
+                    f"model_uid={ns.model_uid!r}; refusing block_bytes={block_bytes} "
+                    f"model_uid={model_uid!r}"
                 )
+            if layout is not None:
+                # Only recovered data has this layout (e.g. the model was upgraded while
+                # the daemon was down): reformat this namespace, never mix or refuse forever.
+                self._reformat(ns, f"declared with block_bytes={block_bytes} "
+                                   f"model_uid={model_uid!r}; the {ns.committed} recovered "
+                                   f"blocks of block_bytes={ns.block_bytes} "
+                                   f"model_uid={ns.model_uid!r} are dropped")
+                ns = None
+        if layout is None:
+            raise InvalidArgument(
+                f"block_bytes {block_bytes} does not fit in dram.capacity {self.capacity}"
+            )
+        # Applied: nothing below can fail.
+        if ns is None:
             ns = Namespace(name, block_bytes, model_uid, layout.slot_bytes)
             self.namespaces[name] = ns
             log.info("namespace %r declared: block_bytes=%d model_uid=%r", name, block_bytes,
                      model_uid, extra=event("namespace_declared", namespace=name,
                                             block_bytes=block_bytes, model_uid=model_uid))
-        elif (ns.block_bytes, ns.model_uid) != (block_bytes, model_uid) and not ns.declared:
-            # Only recovered data has this layout (e.g. the model was upgraded while the
-            # daemon was down): reformat this namespace, never mix or refuse forever.
-            self._reformat(ns, f"declared with block_bytes={block_bytes} "
-                               f"model_uid={model_uid!r}; the {ns.committed} recovered blocks of "
-                               f"block_bytes={ns.block_bytes} model_uid={ns.model_uid!r} are "
-                               "dropped")
-            return self.open_session(name, block_bytes, model_uid, peer)
-        elif ns.block_bytes != block_bytes or ns.model_uid != model_uid:
-            raise FailedPrecondition(
-                f"namespace {name!r} is declared with block_bytes={ns.block_bytes} "
-                f"model_uid={ns.model_uid!r}; refusing block_bytes={block_bytes} "
-                f"model_uid={model_uid!r}"
-            )
         ns.declared = True
         sid = next(self._ids)
         session = Session(sid, secrets.token_hex(16), ns, peer, self._clock())
@@ -383,18 +458,23 @@ class Store:
         """
         if session.closed:
             return (0, 0)
+        reservations = list(session.reservations.values())
+        leases = list(session.leases.values())
+        with _Undo() as undo:
+            for res in reservations:
+                self._persist_end_reservation(res, None, undo)
+            self._persist_unpins(leases, undo)
+        # Applied: nothing below can fail.
         session.closed = True
-        n_res = sum(len(r.keys) for r in session.reservations.values())
-        n_lease = len(session.leases)
-        for res in list(session.reservations.values()):
-            self._end_reservation(res, commit=None)
-        for lease in list(session.leases.values()):
-            self._end_lease(lease)
+        for res in reservations:
+            self._apply_end_reservation(res, None)
+        for lease in leases:
+            self._apply_end_lease(lease)
         del self.sessions[session.id]
         del self._by_token[session.token]
         session.ns.sessions -= 1
         self._forget_if_unused(session.ns)
-        return (n_res, n_lease)
+        return (sum(len(r.keys) for r in reservations), len(leases))
 
     def _forget_if_unused(self, ns: Namespace) -> None:
         """Drop a namespace that holds nothing and that nobody uses (no sessions, extents,
@@ -458,6 +538,9 @@ class Store:
         for i, key in enumerate(keys):
             if key in seen:
                 raise InvalidArgument(f"duplicate key at index {i}")
+            if not 0 < len(key) <= MAX_KEY_BYTES:  # the slot table holds no more
+                raise InvalidArgument(f"keys[{i}] is {len(key)} bytes (1..{MAX_KEY_BYTES} "
+                                      "allowed)")
             seen.add(key)
             if key in ns.index:
                 statuses.append(ReserveStatus.EXISTS)
@@ -470,17 +553,33 @@ class Store:
                 new_keys.append(key)
         if not new_keys:
             return ReserveResult(0, statuses, [], ns.segments_version)
-        places = self._take_slots(ns, len(new_keys), may_grow=may_grow)
-        # From here on nothing can fail: apply.
+        taken, victims = self._take_slots(ns, len(new_keys), may_grow=may_grow)
+        places = taken + [(b.extent, b.slot) for b in victims]
+        try:
+            with _Undo() as undo:
+                for ext, slot in taken:
+                    seg = ext.segment
+                    undo.add(seg.mark_free, slot)
+                    seg.mark_reserved(slot, ext.generations[slot] + 1)
+                for block in victims:  # evicted into this reservation: COMMITTED -> RESERVED
+                    seg = block.extent.segment
+                    undo.add(_rewrite, seg, block.slot, seg.read_slot(block.slot))
+                    seg.mark_reserved(block.slot, block.extent.generations[block.slot] + 1)
+        except BaseException:
+            for ext, slot in reversed(taken):
+                ext.free.append(slot)
+            raise
+        # Applied: nothing below can fail.
+        for block in victims:
+            self._drop_from_index(block)
         rid = next(self._ids)
         now = self._clock()
         res = Reservation(rid, session, new_keys, [], now + self.reservation_ttl, started=now)
         grants: list[SlotGrant] = []
-        for key, (ext, slot) in zip(new_keys, places, strict=False):
+        for key, (ext, slot) in zip(new_keys, places, strict=True):
             gen = ext.generations[slot] + 1
             ext.generations[slot] = gen
             ext.reserved += 1
-            ext.segment.mark_reserved(slot, gen)
             ns.in_flight[key] = rid
             res.places.append((ext, slot, gen))
             grants.append(SlotGrant(ext.segment.segment_id, ext.segment.slot_offset(slot),
@@ -488,32 +587,41 @@ class Store:
         ns.reserved += len(new_keys)
         session.reservations[rid] = res
         self._reservations[rid] = res
+        self._report_evicted(victims)
         return ReserveResult(rid, statuses, grants, ns.segments_version)
 
-    def _take_slots(self, ns: Namespace, n: int, *, may_grow: bool) -> list[tuple[Extent, int]]:
-        """Pop ``n`` free slots of ``ns``, evicting or reclaiming as needed.
+    def _take_slots(self, ns: Namespace, n: int, *,
+                    may_grow: bool) -> tuple[list[tuple[Extent, int]], list[Block]]:
+        """Pop free slots of ``ns`` and pick the blocks to evict for the rest (``n`` in all).
 
         Order: free slots; growth while the budget allows; then, walking the
         host-wide LRU from the oldest block, either evict blocks of ``ns`` or
         reclaim whole extents of other namespaces (empty ones first) until
-        the budget fits a new extent.  Victims are planned before anything
-        changes: on failure every popped slot is back and nothing is evicted.
-        (A key the same request saw as EXISTS may be among the victims when
-        the request needs nearly the whole namespace; its status was true
-        when the call began.)
+        the budget fits a new extent.  Victims are only planned here: the
+        caller evicts them into its reservation once every slot-table write
+        is done.  When this raises, every popped slot is back.  (A key the
+        same request saw as EXISTS may be among the victims when the request
+        needs nearly the whole namespace; its status was true when the call
+        began.)
         """
         taken: list[tuple[Extent, int]] = []
-
-        def give_back() -> None:
-            for ext, slot in reversed(taken):
-                ext.free.append(slot)
-
         for ext in ns.extents:
             while ext.free and len(taken) < n:
                 taken.append((ext, ext.free.pop()))
             if len(taken) == n:
-                return taken
-        short = n - len(taken)
+                return taken, []
+        try:
+            return taken, self._find_room(ns, n, len(taken), may_grow=may_grow)
+        except BaseException:
+            for ext, slot in reversed(taken):
+                ext.free.append(slot)
+            raise
+
+    def _find_room(self, ns: Namespace, n: int, got: int, *, may_grow: bool) -> list[Block]:
+        """The blocks of ``ns`` to evict for the ``n - got`` slots no free list had, or raise:
+        ``_NeedExtent`` to grow first (after reclaiming other namespaces' extents, if
+        that funds the growth), ``NeedDemotion`` or ``CapacityExhausted``."""
+        short = n - got
         # A namespace at its DRAM quota neither grows nor reclaims others' extents: it
         # evicts its own blocks (access.namespaces[].dram_quota; checked off the fast path).
         quota = self.dram_quota_of(ns.name)
@@ -522,7 +630,6 @@ class Store:
         may_grow = may_grow and not at_quota
         # Room in the budget: grow rather than evict.
         if may_grow and SegmentLayout.fit(ns.block_bytes, self.budget_free) is not None:
-            give_back()
             raise _NeedExtent(n)
         same_ns: list[Block] = []
         dirty_ns: list[Block] = []  # DIRTY blocks of ns: evictable once demoted
@@ -568,18 +675,15 @@ class Store:
                         reclaim.append(ext)
                         reclaim_bytes += ext.bytes
         if reclaim and funded():
-            give_back()
-            for ext in reclaim:
-                self._retire_extent(ext)
-            for name in {e.segment.namespace for e in reclaim}:
-                self._forget_if_unused(self.namespaces[name])
+            try:
+                self._retire_extents(reclaim, "for another namespace")
+            finally:
+                for name in {e.segment.namespace for e in reclaim}:
+                    if name in self.namespaces:
+                        self._forget_if_unused(self.namespaces[name])
             raise _NeedExtent(n)
         if len(same_ns) >= short:
-            for block in same_ns[:short]:
-                self._evict(block)
-                taken.append((block.extent, block.extent.free.pop()))
-            return taken
-        give_back()
+            return same_ns[:short]
         if spill:
             # Room comes once DIRTY blocks are demoted: ours, or those holding an extent of
             # another namespace back from reclaim, or the ones being demoted right now.
@@ -595,12 +699,12 @@ class Store:
         if at_quota:
             raise CapacityExhausted(
                 f"namespace {ns.name!r} is at its DRAM quota ({held} of {quota} bytes): {n} "
-                f"slots needed, {len(taken) + len(same_ns)} obtainable by evicting its own "
+                f"slots needed, {got + len(same_ns)} obtainable by evicting its own "
                 f"blocks ({ns.leased} leased and {ns.reserved} reserved blocks cannot be "
                 "evicted)")
         raise CapacityExhausted(
             f"DRAM is full for namespace {ns.name!r}: {n} slots needed, "
-            f"{len(taken) + len(same_ns)} obtainable ({ns.leased} leased and "
+            f"{got + len(same_ns)} obtainable ({ns.leased} leased and "
             f"{ns.reserved} reserved blocks in this namespace cannot be evicted)"
         )
 
@@ -630,6 +734,9 @@ class Store:
         for i, length in enumerate(lengths):
             if not 0 < length <= limit:
                 raise InvalidArgument(f"lengths[{i}] = {length} is outside 1..{limit} (block_bytes)")
+        for i, checksum in enumerate(checksums or ()):
+            if not 0 <= checksum < 1 << 64:  # the slot table's field is 64 bits
+                raise InvalidArgument(f"checksums[{i}] = {checksum} is outside 0..2**64-1")
         self._end_reservation(res, commit=(lengths, checksums))
         return n
 
@@ -666,22 +773,48 @@ class Store:
         commit: tuple[Sequence[int], Sequence[int | None] | None] | None,
     ) -> list[Block | None]:
         """Commit (or with None free) every slot; a length of 0 frees that one slot."""
+        with _Undo() as undo:
+            self._persist_end_reservation(res, commit, undo)
+        return self._apply_end_reservation(res, commit)
+
+    def _persist_end_reservation(
+        self,
+        res: Reservation,
+        commit: tuple[Sequence[int], Sequence[int | None] | None] | None,
+        undo: _Undo,
+    ) -> None:
+        """The slot-table writes of ending ``res``; each is taken back to RESERVED."""
+        seq = self._access_seq
+        for i, (key, (ext, slot, gen)) in enumerate(zip(res.keys, res.places, strict=True)):
+            seg = ext.segment
+            undo.add(seg.mark_reserved, slot, gen)
+            if commit is None or commit[0][i] == 0:
+                seg.mark_free(slot)
+                continue
+            lengths, checksums = commit
+            seg.mark_committed(
+                slot, key=key, length=lengths[i],
+                checksum=checksums[i] if checksums is not None else None,
+                last_access=next(seq), generation=gen, epoch=self.boot_epoch,
+            )
+
+    def _apply_end_reservation(
+        self,
+        res: Reservation,
+        commit: tuple[Sequence[int], Sequence[int | None] | None] | None,
+    ) -> list[Block | None]:
+        """The in-memory part of ending ``res`` (its slot-table writes are done)."""
         ns = res.session.ns
         made: list[Block | None] = []
-        for i, (key, (ext, slot, gen)) in enumerate(zip(res.keys, res.places, strict=False)):
+        for i, (key, (ext, slot, gen)) in enumerate(zip(res.keys, res.places, strict=True)):
             del ns.in_flight[key]
             ext.reserved -= 1
             if commit is None or commit[0][i] == 0:
-                ext.segment.mark_free(slot)
                 ext.free.append(slot)
                 made.append(None)
                 continue
             lengths, checksums = commit
             checksum = checksums[i] if checksums is not None else None
-            ext.segment.mark_committed(
-                slot, key=key, length=lengths[i], checksum=checksum,
-                last_access=next(self._access_seq), generation=gen, epoch=self.boot_epoch,
-            )
             block = Block(ns, key, ext, slot, lengths[i], checksum, gen)
             ext.committed += 1
             ext.dirty += 1
@@ -708,6 +841,12 @@ class Store:
             blocks.append(block)
         if len({id(b) for b in blocks}) != len(blocks):
             raise InvalidArgument("duplicate keys in one acquire")
+        # The only writes: last-access hints for the next restart's LRU order, which a
+        # failure part-way does not take back (they change nothing but that order).
+        seq = self._access_seq
+        for block in blocks:
+            block.extent.segment.touch(block.slot, next(seq))
+        # Applied: nothing below can fail.
         ns.hits += len(blocks)
         ns.misses += len(keys) - len(blocks)
         if not blocks:
@@ -717,7 +856,6 @@ class Store:
         lease = Lease(lid, session, blocks, now + self.lease_ttl, started=now)
         for block in blocks:
             self._pin(block)
-            block.extent.segment.touch(block.slot, next(self._access_seq))
         session.leases[lid] = lease
         self._leases[lid] = lease
         grants = [
@@ -735,7 +873,7 @@ class Store:
             raise NotFound(
                 f"lease {lease_id} is not held by this session (already released, or expired)"
             )
-        self._end_lease(lease)
+        self._end_leases([lease])
 
     def _pin(self, block: Block) -> None:
         if block.pins == 0:
@@ -744,7 +882,25 @@ class Store:
             block.ns.leased += 1
         block.pins += 1
 
-    def _end_lease(self, lease: Lease) -> None:
+    def _end_leases(self, leases: Sequence[Lease]) -> None:
+        with _Undo() as undo:
+            self._persist_unpins(leases, undo)
+        for lease in leases:
+            self._apply_end_lease(lease)
+
+    def _persist_unpins(self, leases: Iterable[Lease], undo: _Undo) -> None:
+        """Free the slots of the doomed blocks whose last pins ``leases`` hold."""
+        doomed = [b for lease in leases for b in lease.blocks if b.doomed]
+        if not doomed:
+            return
+        for block, n in collections.Counter(doomed).items():
+            if block.pins == n:
+                seg = block.extent.segment
+                undo.add(seg.mark_doomed, block.slot)
+                seg.mark_free(block.slot)
+
+    def _apply_end_lease(self, lease: Lease) -> None:
+        """The in-memory part of ending a lease (``_persist_unpins`` freed doomed slots)."""
         for block in lease.blocks:
             block.pins -= 1
             if block.pins:
@@ -752,7 +908,8 @@ class Store:
             block.extent.pinned -= 1
             block.ns.leased -= 1
             if block.doomed:
-                self._free_block(block)
+                self._unaccount(block)
+                block.extent.free.append(block.slot)
             else:
                 self.lru[block] = None  # most recently used
         del lease.session.leases[lease.id]
@@ -761,20 +918,50 @@ class Store:
     # ================================================================ delete / evict
     def delete(self, session: Session, keys: Sequence[bytes]) -> int:
         """Remove present keys; a leased block is hidden now and freed at its last release."""
-        ns = session.ns
-        deleted = 0
-        for key in dict.fromkeys(keys):
-            block = ns.index.pop(key, None)
-            if block is None:
-                continue
-            deleted += 1
+        index = session.ns.index
+        blocks = [b for b in map(index.get, dict.fromkeys(keys)) if b is not None]
+        self._delete_blocks(blocks)
+        return len(blocks)
+
+    def drop_lost(self, segment: Segment, intact_bytes: int) -> list[Block]:
+        """Forget the DRAM blocks of ``segment`` whose slots end past ``intact_bytes``.
+
+        A client cut the data file short: those slots' bytes are gone (they read
+        as zeros once the daemon restored the size).  Each block leaves the index
+        as by a delete (a leased one is hidden now and freed at its last release);
+        copies in lower tiers stay, they hold the real bytes.  Returns the blocks.
+        """
+        ns = self.namespaces.get(segment.namespace)
+        ext = None if ns is None else next(
+            (e for e in ns.extents if e.segment is segment), None)
+        if ns is None or ext is None:
+            return []
+        slot_bytes = segment.layout.slot_bytes
+        lost = [b for b in ns.index.values()
+                if b.extent is ext and (b.slot + 1) * slot_bytes > intact_bytes]
+        self._delete_blocks(lost)
+        return lost
+
+    def _delete_blocks(self, blocks: Sequence[Block]) -> None:
+        """Take visible blocks out of the index: a leased one is doomed (its slot is freed
+        at its last release), an unleased one is freed now."""
+        with _Undo() as undo:
+            for block in blocks:
+                seg = block.extent.segment
+                undo.add(_recommit, seg, block.slot)
+                if block.pins:
+                    seg.mark_doomed(block.slot)  # persisted: a crash keeps it deleted
+                else:
+                    seg.mark_free(block.slot)
+        # Applied: nothing below can fail.
+        for block in blocks:
+            del block.ns.index[block.key]
             if block.pins:
                 block.doomed = True
-                block.extent.segment.mark_doomed(block.slot)  # persisted: a crash keeps it deleted
             else:
                 self.lru.pop(block, None)
-                self._free_block(block)
-        return deleted
+                self._unaccount(block)
+                block.extent.free.append(block.slot)
 
     def evict_block(self, block: Block) -> bool:
         """Evict one DRAM block on an admin's request (``kvtier evict``), through the
@@ -782,27 +969,43 @@ class Store:
         leased or no longer visible."""
         if block.pins or block.doomed or block.ns.index.get(block.key) is not block:
             return False
-        self._evict(block)
+        seg = block.extent.segment
+        with _Undo() as undo:
+            undo.add(_recommit, seg, block.slot)
+            seg.mark_free(block.slot)
+        self._drop_from_index(block)
+        block.extent.free.append(block.slot)
+        self._report_evicted([block])
         return True
 
-    def _evict(self, block: Block) -> None:
-        """The one exit of DRAM blocks (the spill tiers turn this into demotion)."""
+    def _drop_from_index(self, block: Block) -> None:
+        """The in-memory part of an eviction (the one exit of DRAM blocks; the spill tiers
+        turn it into demotion), but for the free list: the caller puts the slot where
+        it goes.  Its slot-table write is done."""
         assert block.pins == 0 and not block.doomed
         del block.ns.index[block.key]
         self.lru.pop(block, None)
-        self._free_block(block)
+        self._unaccount(block)
         self.evictions += 1
-        if self._on_evict is not None:
-            self._on_evict(block)
 
-    def _free_block(self, block: Block) -> None:
+    def _report_evicted(self, blocks: Iterable[Block]) -> None:
+        """Tell ``on_evict`` of applied evictions; a hook that raises is a bug logged here,
+        it never fails (or half-undoes) the call that evicted."""
+        if self._on_evict is None:
+            return
+        for block in blocks:
+            try:
+                self._on_evict(block)
+            except Exception:
+                log.exception("on_evict hook failed for a block of %r", block.ns.name)
+
+    def _unaccount(self, block: Block) -> None:
+        """Take a block's slot out of the committed (and dirty) counters."""
         ext = block.extent
-        ext.segment.mark_free(block.slot)
         ext.committed -= 1
         if block.lower == Lower.DIRTY:
             ext.dirty -= 1
         block.ns.committed -= 1
-        ext.free.append(block.slot)
 
     # ================================================================ tiering hooks
     def system_session(self, ns: Namespace) -> Session:
@@ -836,7 +1039,7 @@ class Store:
         by_ns: dict[str, list[Block]] = {}
         for b in blocks:
             by_ns.setdefault(b.ns.name, []).append(b)
-        leases = []
+        leases = []  # in memory only: nothing here can fail
         for group in by_ns.values():
             session = self.system_session(group[0].ns)
             lease = Lease(next(self._ids), session, group, float("inf"))
@@ -850,7 +1053,7 @@ class Store:
     def unpin(self, lease: Lease) -> None:
         """End a lease of ``pin_blocks`` (a doomed block is freed here)."""
         if lease.id in self._leases:
-            self._end_lease(lease)
+            self._end_leases([lease])
 
     def set_lower(self, block: Block, lower: int) -> None:
         """Record what the spill tiers hold of a live block."""
@@ -878,9 +1081,12 @@ class Store:
     async def _grow(self, ns: Namespace, need: int) -> bool:
         """Add extents to ``ns`` from the global budget until ``need`` slots are free.
 
-        File creation and pre-faulting run off the loop; the budget is taken
-        before and given back if creation fails.  False when nothing could be
-        added (the caller then evicts).
+        File creation and pre-faulting run off the loop.  The budget and the
+        extent number are taken before (growths of other namespaces run
+        meanwhile) and given back when creation fails; a reserve cancelled
+        meanwhile gives them back too, and the file, once made, is removed.
+        Extents added before a failing one stay (capacity, not state).  False
+        when nothing could be added (the caller then evicts).
         """
         async with ns.grow_lock:
             while ns.free_slots() < need:
@@ -897,16 +1103,31 @@ class Store:
                 ns.next_extent_index += 1
                 seg_id = next(self._segment_ids)
                 loop = asyncio.get_running_loop()
+                made = loop.run_in_executor(None, self._factory, ns, index, layout, seg_id)
                 try:
-                    segment = await loop.run_in_executor(None, self._factory, ns, index, layout,
-                                                         seg_id)
+                    segment = await asyncio.shield(made)
                 except BaseException as exc:
                     self.budget_free += layout.file_bytes
+                    if not made.done():
+                        # Cancelled while the file is being made: it is removed once made
+                        # (and its number stays taken, so no new extent reuses its name).
+                        made.add_done_callback(self._discard_made)
+                    elif ns.next_extent_index == index + 1:
+                        ns.next_extent_index = index
                     if isinstance(exc, OSError):
                         raise CapacityExhausted(f"could not create a DRAM extent: {exc}") from exc
                     raise
                 self.add_extent(ns, segment)
             return ns.free_slots() > 0
+
+    def _discard_made(self, made: asyncio.Future[Segment]) -> None:
+        """Remove a segment made for a reserve that was cancelled meanwhile."""
+        if made.cancelled() or made.exception() is not None:
+            return
+        segment = made.result()
+        fut = asyncio.get_running_loop().run_in_executor(None, _close_quietly, segment, True)
+        self._retiring.add(fut)
+        fut.add_done_callback(self._retiring.discard)
 
     def add_extent(self, ns: Namespace, segment: Segment) -> None:
         """Account a created segment (its bytes are already taken from the budget)."""
@@ -918,42 +1139,62 @@ class Store:
         if segment.mlock_error is not None:
             self.mlock_errors.append(segment.mlock_error)
 
-    def _retire_extent(self, ext: Extent, why: str = "for another namespace") -> None:
-        """Evict every block of an extent and give its bytes back to the budget."""
-        ns = ext.segment.namespace
-        owner = self.namespaces[ns]
-        for block in [b for b in owner.index.values() if b.extent is ext]:
-            self._evict(block)
-        assert ext.committed == 0 and ext.reserved == 0
-        owner.extents.remove(ext)
-        owner.segments_version += 1
-        self.budget_free += ext.bytes
-        log.info("reclaimed extent %d of namespace %r (%d bytes) %s",
-                 ext.segment.index, ns, ext.bytes, why)
-        # Unlink now (a tmpfs metadata update): the budget is free again at once, so a
-        # crash before the background unmap must not find the file still counted.
-        ext.segment.unlink()
+    def _retire_extents(self, exts: Sequence[Extent], why: str) -> None:
+        """Evict every block of these extents (holding no lease or reservation; slots
+        quarantined since recovery are dropped) and give their bytes back to the budget.
+
+        The files are removed first (a tmpfs metadata update: the budget is free
+        again at once, so a crash before the background unmap must not find the
+        files still counted), and that is the step that can fail; a failure there
+        leaves the memory as it was, and the files removed before it (their
+        extents serve on until the next restart, which loses their blocks as if
+        evicted).  The slot tables of a removed file are not written any more.
+        """
+        for ext in exts:
+            assert ext.pinned == 0 and ext.reserved == len(ext.quarantine), "extent in use"
+        for ext in exts:
+            ext.segment.unlink()
+        # Applied: nothing below can fail.
+        evicted: list[Block] = []
+        for ext in exts:
+            owner = self.namespaces[ext.segment.namespace]
+            for block in [b for b in owner.index.values() if b.extent is ext]:
+                self._drop_from_index(block)
+                evicted.append(block)
+            # A late writer of a previous run writes into the unlinked file: harmless.
+            ext.reserved -= len(ext.quarantine)
+            owner.reserved -= len(ext.quarantine)
+            ext.quarantine.clear()
+            owner.extents.remove(ext)
+            owner.segments_version += 1
+            self.budget_free += ext.bytes
+            log.info("reclaimed extent %d of namespace %r (%d bytes) %s",
+                     ext.segment.index, owner.name, ext.bytes, why)
+            self._close_later(ext.segment)
+        self._report_evicted(evicted)
+
+    def _close_later(self, segment: Segment) -> None:
+        """Unmap a retired segment off the loop (``drain`` waits for it)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            ext.segment.close(unlink=False)
+            _close_quietly(segment, False)
             return
-        fut = loop.run_in_executor(None, lambda: ext.segment.close(unlink=False))
+        fut = loop.run_in_executor(None, _close_quietly, segment, False)
         self._retiring.add(fut)
         fut.add_done_callback(self._retiring.discard)
 
     def _reformat(self, ns: Namespace, why: str) -> None:
-        """Drop a namespace nobody uses yet: every extent retired, its files removed."""
+        """Drop a namespace nobody uses yet: every extent retired, its files removed.
+
+        A failure part-way (removing a file) keeps the namespace; the next
+        declaration reformats it again."""
         assert ns.sessions == 0
+        self._retire_extents(list(ns.extents), "(namespace reformatted)")
+        del self.namespaces[ns.name]
         log.warning("namespace %r reformatted: %s", ns.name, why,
                     extra=event("namespace_reformatted", namespace=ns.name, reason=why))
         self.dropped_segments.append(f"namespace {ns.name!r} reformatted: {why}")
-        for ext in list(ns.extents):
-            ext.reserved -= len(ext.quarantine)  # a late writer of a previous run writes
-            ns.reserved -= len(ext.quarantine)   # into the unlinked file: harmless
-            ext.quarantine.clear()
-            self._retire_extent(ext, "(namespace reformatted)")
-        del self.namespaces[ns.name]
 
     # ================================================================ recovery
     def new_segment_id(self) -> int:
@@ -987,50 +1228,75 @@ class Store:
         ``slots`` holds what may become visible blocks (every field checked),
         the RESERVED slots (quarantined for the reservation TTL: a writer of
         the previous daemon may still be copying, then freed) and the free
-        ones.  Returns the blocks recovered.  Raises like ``check_adoptable``;
-        the store is unchanged then.
+        ones.  Returns the blocks recovered.  Raises like ``check_adoptable``
+        (or when a slot-table write fails); the store is unchanged then.
         """
         self.check_adoptable(segment)
         lay = segment.layout
         ns = self.namespaces.get(segment.namespace)
+        index: dict[bytes, Block] = ns.index if ns is not None else {}
+        adopted, adopted_at = self._adopted, self._adopted_at
+        # Plan: the newest copy of each key wins (the same key twice is never written
+        # so; be safe).  Losers in this segment are freed, and so are adopted blocks of
+        # other extents that a newer copy here beats.
+        mine: dict[bytes, tuple[int, int, int | None, int]] = {}  # key -> slot, length, sum, last
+        lose_here: list[int] = []
+        beaten: list[Block] = []
+        for (slot, key, length, checksum), last in zip(slots.blocks, slots.last_access,
+                                                        strict=True):
+            prev = mine.get(key)
+            old = index.get(key) if prev is None else None
+            if prev is not None or old is not None:
+                log.warning("namespace %r: key %s committed twice; keeping the newer copy",
+                            segment.namespace, key.hex())
+            if prev is not None:
+                if prev[3] >= last:
+                    lose_here.append(slot)
+                    continue
+                lose_here.append(prev[0])
+            elif old is not None:
+                try:
+                    old_last: float = adopted_at[adopted.index(old)]  # rare: linear is fine
+                except ValueError:
+                    old_last = float("inf")  # not from a previous run: newer than any
+                if old_last >= last:
+                    lose_here.append(slot)
+                    continue
+                beaten.append(old)
+            mine[key] = (slot, length, checksum, last)
+        with _Undo() as undo:
+            for slot in lose_here:
+                undo.add(_recommit, segment, slot)
+                segment.mark_free(slot)
+            for old in beaten:
+                undo.add(_recommit, old.extent.segment, old.slot)
+                old.extent.segment.mark_free(old.slot)
+        # Applied: nothing below can fail.
         if ns is None:
             ns = Namespace(segment.namespace, lay.block_bytes, segment.model_uid, lay.slot_bytes)
             self.namespaces[ns.name] = ns
-        ext = Extent(segment, [], list(slots.generations))
-        gens = ext.generations
+        # pop() hands out the lowest slot first
+        ext = Extent(segment, sorted([*slots.free, *lose_here], reverse=True),
+                     list(slots.generations))
         deadline = self._clock() + self.reservation_ttl
-        recovered = 0
-        index, adopted, adopted_at = ns.index, self._adopted, self._adopted_at
         for slot in slots.reserved:
             ext.quarantine[slot] = deadline
         ext.reserved += len(ext.quarantine)
         ns.reserved += len(ext.quarantine)
-        ext.free = sorted(slots.free, reverse=True)  # pop() hands out the lowest slot first
-        for (slot, key, length, checksum), last in zip(slots.blocks, slots.last_access,
-                                                        strict=True):
-            old = index.get(key)
-            if old is not None:  # the same key twice (never written so; be safe)
-                log.warning("namespace %r: key %s committed twice; keeping the newer copy",
-                            ns.name, key.hex())
-                at_old = adopted.index(old)  # rare: a linear search is fine
-                if adopted_at[at_old] >= last:
-                    segment.mark_free(slot)
-                    ext.free.append(slot)
-                    continue
-                del index[key]
-                del adopted[at_old], adopted_at[at_old]
-                if old.extent is ext:  # not counted yet: just free its slot
-                    segment.mark_free(old.slot)
-                    ext.free.append(old.slot)
-                    recovered -= 1
-                else:
-                    self._free_block(old)
-                    ns.recovered -= 1
+        for old in beaten:
+            del ns.index[old.key]
+            at = adopted.index(old)
+            del adopted[at], adopted_at[at]
+            self._unaccount(old)
+            old.extent.free.append(old.slot)
+            ns.recovered -= 1
+        gens = ext.generations
+        for key, (slot, length, checksum, last) in mine.items():
             block = Block(ns, key, ext, slot, length, checksum, gens[slot])
-            index[key] = block
+            ns.index[key] = block
             adopted.append(block)
             adopted_at.append(last)
-            recovered += 1
+        recovered = len(mine)
         ext.committed += recovered
         ext.dirty += recovered
         ns.committed += recovered
@@ -1042,30 +1308,26 @@ class Store:
         return recovered
 
     def finish_recovery(self) -> None:
-        """Order the adopted blocks by their persisted last access (oldest first in the LRU)."""
+        """Order the adopted blocks by their persisted last access (oldest first in the LRU).
+
+        The access sequence goes on from the newest one; when that is in the upper
+        half of its range (a long-lived cache, or a damaged table) the adopted
+        blocks are renumbered 1..n in the same order first, so it never runs into
+        the bound recovery enforces (``MAX_ACCESS_SEQ``).
+        """
         blocks = self._adopted
         lasts = np.array(self._adopted_at, dtype=np.uint64)
-        lru = self.lru
-        for i in np.argsort(lasts, kind="stable").tolist():
-            lru[blocks[i]] = None
+        order = np.argsort(lasts, kind="stable").tolist()
         top = int(lasts.max()) if len(blocks) else 0
+        if top >= MAX_ACCESS_SEQ // 2:  # the writes first: a failure leaves memory as it was
+            for rank, i in enumerate(order, 1):
+                blocks[i].extent.segment.touch(blocks[i].slot, rank)
+            top = len(order)
+        lru = self.lru
+        for i in order:
+            lru[blocks[i]] = None
         self._access_seq = itertools.count(top + 1)
         self._adopted, self._adopted_at = [], []
-
-    def _release_quarantine(self, now: float) -> int:
-        n = 0
-        for ns in self.namespaces.values():
-            for ext in ns.extents:
-                if not ext.quarantine:
-                    continue
-                for slot in [s for s, t in ext.quarantine.items() if t <= now]:
-                    del ext.quarantine[slot]
-                    ext.segment.mark_free(slot)
-                    ext.reserved -= 1
-                    ns.reserved -= 1
-                    ext.free.append(slot)
-                    n += 1
-        return n
 
     def segments(self, ns: Namespace) -> list[Segment]:
         return [e.segment for e in ns.extents]
@@ -1083,13 +1345,25 @@ class Store:
 
     # ================================================================ expiry
     def expire(self) -> tuple[collections.Counter[str], int]:
-        """Abort reservations and release leases past their deadline.
+        """Abort reservations and release leases past their deadline, and free the
+        quarantined slots whose time is up; all of it or (raising) nothing.
 
         Returns (reserved slots returned per namespace, leases released).
         """
         now = self._clock()
         stale_res = [r for r in self._reservations.values()
                      if r.expires <= now and not r.session.system]
+        due = [(ns, ext, slot) for ns in self.namespaces.values() for ext in ns.extents
+               if ext.quarantine for slot, until in ext.quarantine.items() if until <= now]
+        stale_leases = [lease for lease in self._leases.values()
+                        if lease.expires <= now and not lease.session.system]
+        with _Undo() as undo:
+            for _ns, ext, slot in due:
+                seg = ext.segment
+                undo.add(seg.mark_reserved, slot, ext.generations[slot])
+                seg.mark_free(slot)
+            self._persist_unpins(stale_leases, undo)
+        # Applied: nothing below can fail.
         if stale_res:  # one line per sweep, however many expired (an expiry storm)
             log.warning("%d reservations expired (ids %s%s); their %d slots are quarantined "
                         "for %.0f s", len(stale_res), ", ".join(str(r.id) for r in stale_res[:5]),
@@ -1098,16 +1372,18 @@ class Store:
                         extra=event("reservations_expired", count=len(stale_res)))
         for res in stale_res:
             self._expire_reservation(res, now + self.reservation_ttl)
-        self._release_quarantine(now)
-        stale_leases = [lease for lease in self._leases.values()
-                        if lease.expires <= now and not lease.session.system]
+        for ns, ext, slot in due:
+            del ext.quarantine[slot]
+            ext.reserved -= 1
+            ns.reserved -= 1
+            ext.free.append(slot)
         if stale_leases:
             log.warning("%d leases expired after %.0f s (ids %s%s)", len(stale_leases),
                         self.lease_ttl, ", ".join(str(x.id) for x in stale_leases[:5]),
                         ", ..." if len(stale_leases) > 5 else "",
                         extra=event("leases_expired", count=len(stale_leases)))
         for lease in stale_leases:
-            self._end_lease(lease)
+            self._apply_end_lease(lease)
         aborted: collections.Counter[str] = collections.Counter()
         for res in stale_res:
             aborted[res.session.ns.name] += len(res.keys)
