@@ -409,7 +409,9 @@ def test_a_metadata_file_without_its_data_file_is_removed_and_reported(shm_dir: 
     store.close_all()
 
 
-# ======================================================================== known bugs
+# =========================================================== forged values near the limits
+# Values adoption accepts but that would overflow later (generations, the access sequence):
+# a restart after them must not cost blocks or leave the store inconsistent.
 def test_a_reserved_slot_with_an_out_of_range_generation_leaves_the_store_consistent(
     shm_dir: str,
 ) -> None:
