@@ -373,6 +373,7 @@ class Segment:
                 fault = (f"data file is {st.st_size} bytes, its metadata describes "
                          f"{layout.data_bytes} (truncated or extended by a client)")
                 os.ftruncate(fd, layout.data_bytes)
+                os.posix_fallocate(fd, 0, layout.data_bytes)  # the restored range too
                 intact = min(st.st_size, layout.data_bytes)
             mm = _map(fd, layout.data_bytes, undo)
             undo.pop_all()

@@ -234,13 +234,8 @@ class TieringObserver(Protocol):
 
     def background_error(self, task: str) -> None: ...
 
-
-class SlotFaultObserver(Protocol):
-    """The metrics hook for DRAM slots found faulted (``TieringObserver`` may add it;
-    ``Tiering`` calls it when its observer has it): one call per slot, with its
-    namespace."""
-
-    def slot_fault(self, namespace: str) -> None: ...
+    def slot_fault(self, namespace: str) -> None:
+        """A DRAM slot of ``namespace`` found faulted (a client cut its data file)."""
 
 
 class _NoObserver:
@@ -251,6 +246,9 @@ class _NoObserver:
         pass
 
     def background_error(self, task: str) -> None:
+        pass
+
+    def slot_fault(self, namespace: str) -> None:
         pass
 
 
@@ -300,8 +298,6 @@ class Tiering:
         #: The last tier evicts without handing on: a CLEAN block's copy may vanish.
         self._lossy = bool(self.lower) and self.lower[-1].local
         self.observer: TieringObserver = observer or _NoObserver()
-        self._slot_fault_hook: Callable[[str], None] | None = getattr(
-            self.observer, "slot_fault", None)
         self.counters = TieringCounters()
         self.enabled = bool(self.lower)
         store.spill_enabled = self.enabled
@@ -970,8 +966,7 @@ class Tiering:
     def _slot_fault(self, namespace: str, key: bytes, op: str) -> None:
         """Count (and log, throttled) a DRAM slot found faulted by ``op`` (event loop)."""
         self.counters.slot_faults[namespace] += 1
-        if self._slot_fault_hook is not None:
-            self._slot_fault_hook(namespace)
+        self.observer.slot_fault(namespace)
         held = _throttle(f"slot/{op}")
         if held is not None:
             then = ("the promotion failed, the copy below DRAM stays" if op == "promotion"

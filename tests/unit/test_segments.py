@@ -786,11 +786,6 @@ def test_attach_restores_a_data_file_a_client_cut_short(shm_dir: str, new_size: 
         seg.close(unlink=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Segment.attach sets a cut data file back to its size with ftruncate only: the restored "
-    "range stays unallocated (a write into it can SIGBUS on a full tmpfs, which "
-    "_create_file and audit_data_file avoid with posix_fallocate), and the first audit "
-    "then reports 'holes' (counted and logged as a client punching holes in this run)"))
 def test_attach_allocates_the_range_it_restored(shm_dir: str) -> None:
     old = _stopped(shm_dir)
     os.truncate(old.path, PAGE)
