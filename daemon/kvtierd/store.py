@@ -53,6 +53,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import operator
 import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -71,8 +72,12 @@ from kvtier.errors import (
 from kvtierd.access import Identity
 from kvtierd.logs import event
 from kvtierd.segments import (
+    FLAG_HAS_CHECKSUM,
+    KEY_OFFSET,
     MAX_ACCESS_SEQ,
     MAX_KEY_BYTES,
+    SLOT_DTYPE,
+    SLOT_ENTRY_BYTES,
     Segment,
     SegmentLayout,
     SlotRecord,
@@ -341,6 +346,10 @@ def _close_quietly(segment: Segment, unlink: bool) -> None:
         segment.close(unlink=unlink)
     except OSError as exc:
         log.warning("closing segment %s failed: %s", segment.path, exc)
+
+
+#: The mutable fields of a block (``check_snapshot`` copies them on the loop).
+_BLOCK_STATE: Final = operator.attrgetter("pins", "doomed", "lower")
 
 
 #: Creates a segment file for (namespace, extent index, layout, segment id); blocking I/O.
@@ -1419,107 +1428,230 @@ class Store:
         on its segment under its key and generation, every committed or
         reserved slot is known to the index or a reservation, the LRU holds
         exactly the unleased visible blocks, and pin counts equal the leases.
+        (``check_from(check_snapshot())``: the same, with the work off the loop.)
         """
-        problems: list[str] = []
-        pins: collections.Counter[int] = collections.Counter()
-        for lease in self._leases.values():
-            for block in lease.blocks:
-                pins[id(block)] += 1
-        reserved_at: dict[tuple[int, int], Reservation] = {}
-        for res in self._reservations.values():
-            for ext, slot, _gen in res.places:
-                reserved_at[(id(ext), slot)] = res
-        extent_bytes = 0
-        lru_expected: set[int] = set()
+        return _cross_check(self.check_snapshot())
+
+    @staticmethod
+    def check_from(snapshot: CheckSnapshot) -> list[str]:
+        """``check()`` of a ``check_snapshot()``: reads nothing the store changes, so it
+        runs in a worker thread (``loop.run_in_executor(None, store.check_from, snap)``)
+        while the loop keeps serving; what it reports held when the snapshot was taken."""
+        return _cross_check(snapshot)
+
+    def check_snapshot(self) -> CheckSnapshot:
+        """Copy what ``check_from`` cross-checks (on the loop: copies of lists, dicts and
+        slot tables, no per-slot work), so the check itself can run in a worker thread
+        while the store keeps changing."""
+        leases = [(lease.blocks, list(map(_BLOCK_STATE, lease.blocks)))
+                  for lease in self._leases.values()]
+        reservations = [(r.session.ns, r.keys, r.places) for r in self._reservations.values()]
+        namespaces = []
         for ns in self.namespaces.values():
-            blocks_at: dict[tuple[int, int], Block] = {}
-            for key, block in ns.index.items():
-                if block.key != key or block.doomed:
-                    problems.append(f"{ns.name}: index entry {key.hex()} points at a wrong block")
-                blocks_at[(id(block.extent), block.slot)] = block
-                if block.pins == 0:
-                    lru_expected.add(id(block))
-            for lease in self._leases.values():
-                for block in lease.blocks:
-                    if block.doomed and block.ns is ns:
-                        blocks_at[(id(block.extent), block.slot)] = block
-            totals = {"free": 0, "reserved": 0, "committed": 0}
-            ns_pinned = 0
-            for ext in ns.extents:
-                extent_bytes += ext.bytes
-                free_set = set(ext.free)
-                if len(free_set) != len(ext.free):
-                    problems.append(f"{ns.name}: extent {ext.segment.index} free list has duplicates")
-                counts = {"free": 0, "reserved": 0, "committed": 0}
-                pinned_slots = 0
-                dirty = 0
-                for slot in range(ext.n_slots):
-                    rec = ext.segment.read_slot(slot)
-                    where = f"{ns.name}: extent {ext.segment.index} slot {slot}"
-                    owner = blocks_at.get((id(ext), slot))
-                    holder = reserved_at.get((id(ext), slot))
-                    if rec.state == SlotState.FREE:
-                        counts["free"] += 1
-                        if slot not in free_set:
-                            problems.append(f"{where}: FREE on segment but not on the free list")
-                        if owner is not None or holder is not None:
-                            problems.append(f"{where}: FREE on segment but in use in the index")
-                    elif rec.state == SlotState.RESERVED:
-                        counts["reserved"] += 1
-                        if holder is None and slot not in ext.quarantine:
-                            problems.append(f"{where}: RESERVED on segment but no reservation")
-                    elif rec.state == SlotState.DOOMED:
-                        counts["committed"] += 1  # still pinned by a reader
-                        if owner is None or not owner.doomed:
-                            problems.append(f"{where}: DOOMED on segment but not a deleted "
-                                            "leased block")
-                    else:
-                        counts["committed"] += 1
-                        if owner is None or owner.doomed:
-                            problems.append(f"{where}: COMMITTED on segment but not indexed")
-                        elif (rec.key, rec.length, rec.generation, rec.checksum) != (
-                            owner.key, owner.length, owner.generation, owner.checksum
-                        ):
-                            problems.append(f"{where}: slot table disagrees with the index")
-                    if owner is not None:
-                        dirty += owner.lower == Lower.DIRTY
-                        if pins[id(owner)] != owner.pins:
-                            problems.append(
-                                f"{where}: pins {owner.pins} != leases {pins[id(owner)]}")
-                        if owner.pins:
-                            pinned_slots += 1
-                if counts["free"] != len(ext.free):
-                    problems.append(f"{ns.name}: extent {ext.segment.index} free list "
-                                    f"{len(ext.free)} != FREE slots {counts['free']}")
-                if (counts["reserved"], counts["committed"]) != (ext.reserved, ext.committed):
-                    problems.append(f"{ns.name}: extent {ext.segment.index} counters "
-                                    f"({ext.reserved}, {ext.committed}) != slot table "
-                                    f"({counts['reserved']}, {counts['committed']})")
-                if sum(counts.values()) != ext.n_slots:
-                    problems.append(f"{ns.name}: extent {ext.segment.index} does not balance")
-                if dirty != ext.dirty:
-                    problems.append(f"{ns.name}: extent {ext.segment.index} dirty counter "
-                                    f"{ext.dirty} != DIRTY blocks {dirty}")
-                if pinned_slots != ext.pinned:
-                    problems.append(f"{ns.name}: extent {ext.segment.index} pinned counter "
-                                    f"{ext.pinned} != leased slots {pinned_slots}")
-                ns_pinned += pinned_slots
-                for k in totals:
-                    totals[k] += counts[k]
-            if ns_pinned != ns.leased:
-                problems.append(f"{ns.name}: leased counter {ns.leased} != leased blocks {ns_pinned}")
-            if (totals["reserved"], totals["committed"]) != (ns.reserved, ns.committed):
-                problems.append(f"{ns.name}: namespace counters ({ns.reserved}, {ns.committed}) "
-                                f"!= slot tables ({totals['reserved']}, {totals['committed']})")
-            if set(ns.in_flight) != {k for r in self._reservations.values()
-                                     if r.session.ns is ns for k in r.keys}:
-                problems.append(f"{ns.name}: in-flight keys disagree with open reservations")
-        if extent_bytes + self.budget_free != self.capacity:
-            problems.append(f"DRAM budget does not balance: extents {extent_bytes} + free "
-                            f"{self.budget_free} != capacity {self.capacity}")
-        if {id(b) for b in self.lru} != lru_expected:
-            problems.append("LRU does not hold exactly the unleased visible blocks")
-        acct = self.dram_bytes()
-        if acct["free"] + acct["reserved"] + acct["committed"] != acct["total"] or acct["free"] < 0:
-            problems.append(f"DRAM accounting does not add up: {acct}")
-        return problems
+            items = list(ns.index.items())
+            namespaces.append(_NamespaceView(
+                ns=ns, name=ns.name, slot_bytes=ns.slot_bytes, reserved=ns.reserved,
+                committed=ns.committed, leased=ns.leased, index=items,
+                states=[_BLOCK_STATE(b) for _, b in items], in_flight=list(ns.in_flight),
+                extents=[_ExtentView(
+                    ext=ext, index=ext.segment.index, n_slots=ext.n_slots, file_bytes=ext.bytes,
+                    free=list(ext.free), quarantine=set(ext.quarantine),
+                    reserved=ext.reserved, committed=ext.committed, pinned=ext.pinned,
+                    dirty=ext.dirty, table=ext.segment.raw_table(),
+                ) for ext in ns.extents],
+            ))
+        return CheckSnapshot(namespaces=namespaces, leases=leases, reservations=reservations,
+                             lru=list(self.lru), budget_free=self.budget_free,
+                             capacity=self.capacity)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _ExtentView:
+    ext: Extent  # identity only: never read by check_from
+    index: int
+    n_slots: int
+    file_bytes: int
+    free: list[int]
+    quarantine: set[int]
+    reserved: int
+    committed: int
+    pinned: int
+    dirty: int
+    table: bytes  # the slot table as the segment held it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _NamespaceView:
+    ns: Namespace  # identity only
+    name: str
+    slot_bytes: int
+    reserved: int
+    committed: int
+    leased: int
+    index: list[tuple[bytes, Block]]
+    states: list[tuple[int, bool, int]]  # (pins, doomed, lower) of each index entry's block
+    in_flight: list[bytes]
+    extents: list[_ExtentView]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckSnapshot:
+    """What ``Store.check_from`` needs, copied by ``Store.check_snapshot`` on the loop.
+
+    Blocks, extents and namespaces are held for their identity and for the
+    fields that never change after they are made (key, extent, slot, length,
+    checksum, generation); what changes (pins, doomed, lower, counters, free
+    lists, slot tables) is copied.
+    """
+
+    namespaces: list[_NamespaceView]
+    leases: list[tuple[list[Block], list[tuple[int, bool, int]]]]
+    reservations: list[tuple[Namespace, list[bytes], list[tuple[Extent, int, int]]]]
+    lru: list[Block]
+    budget_free: int
+    capacity: int
+
+
+def _cross_check(snap: CheckSnapshot) -> list[str]:
+    """``Store.check_from``: every cross-check, on the snapshot alone."""
+    problems: list[str] = []
+    pins: collections.Counter[int] = collections.Counter()
+    state: dict[int, tuple[int, bool, int]] = {}
+    doomed_leased: dict[int, list[Block]] = {}  # id(namespace) -> its doomed leased blocks
+    for blocks, states in snap.leases:
+        for block, st in zip(blocks, states, strict=True):
+            pins[id(block)] += 1
+            state[id(block)] = st
+            if st[1]:
+                doomed_leased.setdefault(id(block.ns), []).append(block)
+    reserved_at: set[tuple[int, int]] = set()
+    for _ns, _keys, places in snap.reservations:
+        for ext, slot, _gen in places:
+            reserved_at.add((id(ext), slot))
+    extent_bytes = 0
+    lru_expected: set[int] = set()
+    reserved_bytes = committed_bytes = 0
+    for nsv in snap.namespaces:
+        name = nsv.name
+        reserved_bytes += nsv.reserved * nsv.slot_bytes
+        committed_bytes += nsv.committed * nsv.slot_bytes
+        blocks_at: dict[tuple[int, int], Block] = {}
+        for (key, block), st in zip(nsv.index, nsv.states, strict=True):
+            state[id(block)] = st
+            if block.key != key or st[1]:
+                problems.append(f"{name}: index entry {key.hex()} points at a wrong block")
+            blocks_at[(id(block.extent), block.slot)] = block
+            if st[0] == 0:
+                lru_expected.add(id(block))
+        for block in doomed_leased.get(id(nsv.ns), ()):
+            blocks_at[(id(block.extent), block.slot)] = block
+        totals = {"free": 0, "reserved": 0, "committed": 0}
+        ns_pinned = 0
+        for ev in nsv.extents:
+            extent_bytes += ev.file_bytes
+            ns_pinned += _check_extent(ev, name, blocks_at, reserved_at, state, pins, totals,
+                                       problems)
+        if ns_pinned != nsv.leased:
+            problems.append(f"{name}: leased counter {nsv.leased} != leased blocks {ns_pinned}")
+        if (totals["reserved"], totals["committed"]) != (nsv.reserved, nsv.committed):
+            problems.append(f"{name}: namespace counters ({nsv.reserved}, {nsv.committed}) "
+                            f"!= slot tables ({totals['reserved']}, {totals['committed']})")
+        if set(nsv.in_flight) != {k for ns, keys, _ in snap.reservations if ns is nsv.ns
+                                  for k in keys}:
+            problems.append(f"{name}: in-flight keys disagree with open reservations")
+    if extent_bytes + snap.budget_free != snap.capacity:
+        problems.append(f"DRAM budget does not balance: extents {extent_bytes} + free "
+                        f"{snap.budget_free} != capacity {snap.capacity}")
+    if {id(b) for b in snap.lru} != lru_expected:
+        problems.append("LRU does not hold exactly the unleased visible blocks")
+    acct = {"total": snap.capacity, "reserved": reserved_bytes, "committed": committed_bytes,
+            "free": snap.capacity - reserved_bytes - committed_bytes}
+    if acct["free"] + acct["reserved"] + acct["committed"] != acct["total"] or acct["free"] < 0:
+        problems.append(f"DRAM accounting does not add up: {acct}")
+    return problems
+
+
+def _check_extent(
+    ev: _ExtentView,
+    name: str,
+    blocks_at: dict[tuple[int, int], Block],
+    reserved_at: set[tuple[int, int]],
+    state: dict[int, tuple[int, bool, int]],
+    pins: collections.Counter[int],
+    totals: dict[str, int],
+    problems: list[str],
+) -> int:
+    """One extent's slot table against the index, reservations and counters: adds to
+    ``totals`` and ``problems``; returns its leased slots."""
+    free_set = set(ev.free)
+    if len(free_set) != len(ev.free):
+        problems.append(f"{name}: extent {ev.index} free list has duplicates")
+    rows = np.frombuffer(ev.table, dtype=SLOT_DTYPE, count=ev.n_slots)
+    states = rows["state"].tolist()
+    klens = rows["key_len"].tolist()
+    lengths = rows["length"].tolist()
+    gens = rows["generation"].tolist()
+    flags = rows["flags"].tolist()
+    sums = rows["checksum"].tolist()
+    table = ev.table
+    me = id(ev.ext)
+    counts = {"free": 0, "reserved": 0, "committed": 0}
+    pinned_slots = 0
+    dirty = 0
+    for slot, st in enumerate(states):
+        where = f"{name}: extent {ev.index} slot {slot}"
+        owner = blocks_at.get((me, slot))
+        held = (me, slot) in reserved_at
+        if st == SlotState.FREE:
+            counts["free"] += 1
+            if slot not in free_set:
+                problems.append(f"{where}: FREE on segment but not on the free list")
+            if owner is not None or held:
+                problems.append(f"{where}: FREE on segment but in use in the index")
+        elif st == SlotState.RESERVED:
+            counts["reserved"] += 1
+            if not held and slot not in ev.quarantine:
+                problems.append(f"{where}: RESERVED on segment but no reservation")
+        elif st == SlotState.DOOMED:
+            counts["committed"] += 1  # still pinned by a reader
+            if owner is None or not state[id(owner)][1]:
+                problems.append(f"{where}: DOOMED on segment but not a deleted leased block")
+        elif st == SlotState.COMMITTED:
+            counts["committed"] += 1
+            if owner is None or state[id(owner)][1]:
+                problems.append(f"{where}: COMMITTED on segment but not indexed")
+            else:
+                at = slot * SLOT_ENTRY_BYTES + KEY_OFFSET
+                key = table[at : at + min(klens[slot], MAX_KEY_BYTES)]
+                checksum = sums[slot] if flags[slot] & FLAG_HAS_CHECKSUM else None
+                if (key, lengths[slot], gens[slot], checksum) != (
+                    owner.key, owner.length, owner.generation, owner.checksum
+                ):
+                    problems.append(f"{where}: slot table disagrees with the index")
+        else:
+            problems.append(f"{where}: state byte {st} is no slot state")
+        if owner is not None:
+            owner_pins, _doomed, lower = state[id(owner)]
+            dirty += lower == Lower.DIRTY
+            if pins[id(owner)] != owner_pins:
+                problems.append(f"{where}: pins {owner_pins} != leases {pins[id(owner)]}")
+            if owner_pins:
+                pinned_slots += 1
+    if counts["free"] != len(ev.free):
+        problems.append(f"{name}: extent {ev.index} free list "
+                        f"{len(ev.free)} != FREE slots {counts['free']}")
+    if (counts["reserved"], counts["committed"]) != (ev.reserved, ev.committed):
+        problems.append(f"{name}: extent {ev.index} counters "
+                        f"({ev.reserved}, {ev.committed}) != slot table "
+                        f"({counts['reserved']}, {counts['committed']})")
+    if sum(counts.values()) != ev.n_slots:
+        problems.append(f"{name}: extent {ev.index} does not balance")
+    if dirty != ev.dirty:
+        problems.append(f"{name}: extent {ev.index} dirty counter "
+                        f"{ev.dirty} != DIRTY blocks {dirty}")
+    if pinned_slots != ev.pinned:
+        problems.append(f"{name}: extent {ev.index} pinned counter "
+                        f"{ev.pinned} != leased slots {pinned_slots}")
+    for k in totals:
+        totals[k] += counts[k]
+    return pinned_slots
