@@ -11,6 +11,18 @@ one way a DRAM block may leave), and each report is checked against the model
 after every step lookups must agree with the model key for key, every leased
 block must still be present with its bytes intact, and ``check()`` is clean.
 
+Two rules go beyond the API.  ``restart`` is a SIGKILL of the daemon: the
+store is dropped without any cleanup and a new one recovers the shm directory;
+the model keeps exactly its committed, undeleted blocks (every one must read
+back with its bytes), leases and reservations are gone, the slots that were
+RESERVED stay quarantined for a reservation TTL, sessions are opened again.
+``inject_failure`` makes the k-th fallible call of one random operation raise
+(a Segment slot-table call, ``unlink`` or the extent factory, as in
+test_store_failures.py): the operation must raise and leave the model as it
+was, but for what kvtierd.store documents as staying (a reserve's reclaim of
+another namespace's extent, reported as evictions; extents removed by a
+reclaim that failed part-way, whose blocks are gone at the next restart).
+
 ``StoreProgressMachine`` adds a liveness rule: when nothing is leased or
 reserved anywhere, a reserve of one new key must succeed (the budget can move
 between namespaces).
@@ -22,6 +34,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import os
 import shutil
 from collections.abc import Sequence
 from typing import Any
@@ -36,9 +49,12 @@ from hypothesis.stateful import (
 )
 
 from kvtier.errors import CapacityExhausted, InvalidArgument, NotFound
-from kvtierd.store import Block, ReserveStatus, SlotGrant, Store
+from kvtierd.recovery import recover
+from kvtierd.segments import Segment, SegmentLayout
+from kvtierd.store import Block, Namespace, ReserveStatus, SlotGrant, Store
 
 from .conftest import BOOT_EPOCH, PEER, FakeClock, make_shm_dir, segment_factory
+from .test_store_failures import FALLIBLE, Faults, Injected
 
 KiB = 1 << 10
 #: Two namespaces, different block sizes: 3 slots per A extent, 2 per B extent.
@@ -60,6 +76,16 @@ RESERVED, EXISTS, IN_FLIGHT = ReserveStatus.RESERVED, ReserveStatus.EXISTS, Rese
 
 key_sets = st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=8, unique=True)
 sessions = st.integers(0, len(SESSION_NS) - 1)
+
+
+def _counted(faults: Faults, name: str, real: Any) -> Any:
+    """A Segment method that reports each call to ``faults`` first (which may raise)."""
+
+    def call(self: Segment, *args: Any, **kwargs: Any) -> Any:
+        faults.hit(name)
+        return real(self, *args, **kwargs)
+
+    return call
 
 
 def pattern(tag: int, length: int) -> bytes:
@@ -110,26 +136,52 @@ class StoreMachine(RuleBasedStateMachine):
         self.clock = FakeClock()
         self.evicted: list[Block] = []
         self.quarantine: list[tuple[str, float, int]] = []  # (namespace, until, slots)
-        self.store = Store(
+        # Every fallible Segment call (and the extent factory) counts while armed.
+        self.faults = Faults()
+        self._unpatched = {name: Segment.__dict__[name] for name in FALLIBLE}
+        for name, real in self._unpatched.items():
+            setattr(Segment, name, _counted(self.faults, name, real))
+        try:
+            self.store = self._new_store()
+            self.sessions = self._open_sessions()
+        except BaseException:  # no teardown then: leave Segment as it was
+            for name, real in self._unpatched.items():
+                setattr(Segment, name, real)
+            raise
+        self.committed: dict[tuple[str, bytes], MBlock] = {}
+        self.reservations: dict[int, MReservation] = {}
+        self.leases: dict[int, MLease] = {}
+        self.ended_leases: list[tuple[int, int]] = []  # (session slot, lease id)
+        self.tags = itertools.count(1)
+        self.restarts = 0
+        self.evictions_applied: list[tuple[str, bytes]] = []
+
+    def _new_store(self) -> Store:
+        real = segment_factory(self.dir)
+
+        def factory(ns: Namespace, index: int, layout: SegmentLayout, seg_id: int) -> Segment:
+            self.faults.hit("extent factory")
+            return real(ns, index, layout, seg_id)
+
+        return Store(
             capacity=CAPACITY,
             extent_size=EXTENT,
-            extent_factory=segment_factory(self.dir),
+            extent_factory=factory,
             lease_ttl=LEASE_TTL,
             reservation_ttl=RESERVATION_TTL,
             boot_epoch=BOOT_EPOCH,
             clock=self.clock,
             on_evict=self.evicted.append,
         )
-        self.sessions = [self.store.open_session(ns, NAMESPACES[ns], f"uid-{ns}", PEER)
-                         for ns in SESSION_NS]
-        self.committed: dict[tuple[str, bytes], MBlock] = {}
-        self.reservations: dict[int, MReservation] = {}
-        self.leases: dict[int, MLease] = {}
-        self.ended_leases: list[tuple[int, int]] = []  # (session slot, lease id)
-        self.tags = itertools.count(1)
+
+    def _open_sessions(self) -> list[Any]:
+        return [self.store.open_session(ns, NAMESPACES[ns], f"uid-{ns}", PEER)
+                for ns in SESSION_NS]
 
     def teardown(self) -> None:
         try:
+            for name, real in self._unpatched.items():
+                setattr(Segment, name, real)
             self.loop.run_until_complete(self.store.drain())
             self.store.close_all()
             self.loop.run_until_complete(self.loop.shutdown_default_executor())
@@ -166,6 +218,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert mb is not None, f"evicted {block.ns.name}/{block.key!r}, which is not committed"
             assert mb not in pinned, f"evicted leased block {block.ns.name}/{block.key!r}"
             del self.committed[(block.ns.name, block.key)]
+            self.evictions_applied.append((block.ns.name, block.key))
         self.evicted.clear()
 
     def _pinned(self) -> set[MBlock]:
@@ -267,9 +320,10 @@ class StoreMachine(RuleBasedStateMachine):
         self._commit(rid, with_checksums)
 
     def _commit(self, rid: int, with_checksums: bool) -> None:
-        r = self.reservations.pop(rid)
+        r = self.reservations[rid]
         sums = [t * 2654435761 % 2**64 for t in r.tags] if with_checksums else None
         assert self.store.commit(self.sessions[r.slot], rid, r.lengths, sums) == len(r.keys)
+        del self.reservations[rid]
         for i, (k, length, tag) in enumerate(zip(r.keys, r.lengths, r.tags, strict=True)):
             assert (r.ns, k) not in self.committed
             self.committed[(r.ns, k)] = MBlock(r.ns, k, tag, length,
@@ -279,8 +333,9 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.reservations)), label="reservation")
-        r = self.reservations.pop(rid)
+        r = self.reservations[rid]
         assert self.store.abort(self.sessions[r.slot], rid) == len(r.keys)
+        del self.reservations[rid]
 
     @precondition(lambda self: self.reservations)
     @rule(data=st.data(), other=sessions)
@@ -412,6 +467,131 @@ class StoreMachine(RuleBasedStateMachine):
         for lid in stale_leases:
             self._end_lease(lid)
 
+    # ------------------------------------------------------------ restart, failures
+    @rule()
+    def restart(self) -> None:
+        """SIGKILL of the daemon: no cleanup, a new store recovers the directory."""
+        # (retired extents' files are gone already; this only ends their unmapping)
+        self.loop.run_until_complete(self.store.drain())
+        old = self.store
+        # Extents whose files a reclaim that failed part-way removed: gone at restart.
+        lost: set[tuple[str, bytes]] = set()
+        reserved: collections.Counter[str] = collections.Counter()
+        for r in self.reservations.values():
+            reserved[r.ns] += len(r.keys)
+        for ns, _until, n in self.quarantine:
+            reserved[ns] += n
+        for ns in old.namespaces.values():
+            for ext in ns.extents:
+                if not os.path.exists(ext.segment.meta_path):
+                    event("restart: an extent's files were gone")
+                    lost |= {(ns.name, b.key) for b in ns.index.values() if b.extent is ext}
+                    reserved[ns.name] -= len(ext.quarantine)
+        old.close_all()  # what the kernel does for a killed process: unmap, keep the files
+        self.store = self._new_store()
+        report = recover(self.store, self.dir)
+        assert report.problems == [] and report.dropped == [] and not report.dropped_slots
+        self.restarts += 1
+        event("restart: warm" if report.warm else "restart: cold")
+        if self.restarts > 1:
+            event("restart: twice or more")
+        if any(n for _ns, _until, n in self.quarantine) or self.reservations:
+            event("restart: with reserved slots")
+        if self.leases:
+            event("restart: with leases")
+        # The model: committed and not deleted survives; leases and reservations do not,
+        # and every slot that was RESERVED is quarantined for a reservation TTL.
+        for key in lost:
+            del self.committed[key]
+        now = self.clock()
+        self.quarantine = [(ns, now + RESERVATION_TTL, n) for ns, n in reserved.items() if n]
+        self.reservations.clear()
+        self.leases.clear()
+        self.ended_leases.clear()
+        self.sessions = self._open_sessions()
+        assert {(ns, n) for ns, n in report.blocks.items() if n} == {
+            (ns, n) for ns, n in collections.Counter(ns for ns, _ in self.committed).items()}
+        for (ns, key), mb in self.committed.items():
+            block = self.store.namespaces[ns].index[key]
+            assert (block.length, block.checksum) == (mb.length, mb.checksum)
+            with block.extent.segment.data_view(block.slot, block.length) as view:
+                assert bytes(view) == pattern(mb.tag, mb.length), f"{ns}/{key!r} lost its bytes"
+
+    #: Operations ``inject_failure`` may fail (each a rule that changes the model only
+    #: once its one store call returned).
+    FAILING_OPS = ("reserve", "acquire", "delete", "delete_every_key",
+                   "close_and_reopen_session", "advance_clock_and_expire")
+
+    @rule(data=st.data(), k=st.sampled_from([1, 1, 1, 2, 3]))
+    def inject_failure(self, data: st.DataObject, k: int) -> None:
+        """The k-th fallible call of one operation raises: the operation raises and the
+        model stays as it was (but for documented reclaims, reported as evictions)."""
+        ops = list(self.FAILING_OPS)
+        if self.reservations:
+            ops += ["commit", "abort"]
+        if self.leases:
+            ops += ["release"]
+        op = data.draw(st.sampled_from(ops), label="failing operation")
+        res, leases = set(self.reservations), set(self.leases)
+        quarantine, committed = list(self.quarantine), dict(self.committed)
+        n_evicted = len(self.evictions_applied)
+        self.faults.arm(k)
+        try:
+            self._run(op, data)
+        except Injected:
+            event(f"inject_failure: {op} raised")
+            assert (set(self.reservations), set(self.leases)) == (res, leases)
+            assert self.quarantine == quarantine
+            # only a reserve's reclaim may have taken blocks, each reported as evicted
+            gone = {key for key in committed if key not in self.committed}
+            assert set(self.committed) <= set(committed)
+            assert gone == set(self.evictions_applied[n_evicted:])
+            assert all(self.committed[key] is mb for key, mb in committed.items()
+                       if key in self.committed)
+        else:
+            event("inject_failure: the operation completed before its k-th call")
+        finally:
+            self.faults.disarm()
+
+    def _run(self, op: str, data: st.DataObject) -> None:
+        """Run rule ``op`` with arguments that make it reach the store's writes often:
+        present keys for acquire and delete, a session that holds something for close,
+        a lease holding a deleted block (freed at its release) when there is one."""
+        slot = data.draw(sessions, label="session")
+        present = [k for ns, k in self.committed if ns == SESSION_NS[slot]]
+        keys = data.draw(st.lists(st.sampled_from(present), min_size=1, max_size=4, unique=True)
+                         if present else key_sets, label="keys")
+        if op == "reserve":
+            self.reserve(slot, data.draw(key_sets, label="keys"), data)
+        elif op == "acquire":
+            self.acquire(slot, keys)
+        elif op == "delete":
+            self.delete(slot, keys)
+        elif op == "delete_every_key":
+            self.delete_every_key(slot)
+        elif op == "close_and_reopen_session":
+            busy = sorted({r.slot for r in self.reservations.values()}
+                          | {x.slot for x in self.leases.values()})
+            self.close_and_reopen_session(data.draw(st.sampled_from(busy), label="busy")
+                                          if busy else slot)
+        elif op == "advance_clock_and_expire":
+            self.advance_clock_and_expire(data.draw(st.sampled_from([5.0, 13.0]), label="dt"))
+        elif op == "commit":
+            self.commit(data, data.draw(st.booleans(), label="checksums"))
+        elif op == "abort":
+            self.abort(data)
+        else:
+            assert op == "release", op
+            doomed = sorted(lid for lid, x in self.leases.items()
+                            if any(self.committed.get((b.ns, b.key)) is not b for b in x.blocks))
+            if doomed:
+                lid = data.draw(st.sampled_from(doomed), label="lease of a deleted block")
+                self._verify_lease(self.leases[lid])
+                self.store.release(self.sessions[self.leases[lid].slot], lid)
+                self._end_lease(lid)
+            else:
+                self.release(data)
+
     # ------------------------------------------------------------ liveness (opt-in)
     @precondition(lambda self: self.check_progress and not self.leases
                   and not self.reservations and not self.quarantine)
@@ -466,7 +646,7 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=60,
+    max_examples=100,
     stateful_step_count=40,
     deadline=None,
     database=None,
