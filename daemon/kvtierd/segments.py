@@ -296,6 +296,7 @@ class Segment:
         prefault_threads: int = 0,
     ) -> Segment:
         """Create, size, pre-fault (in parallel) and format a new segment's two files."""
+        _check_header_fields(namespace, model_uid)  # before any file exists
         meta_path = os.path.join(directory, segment_file_name(namespace, index, META_SUFFIX))
         path = os.path.join(directory, segment_file_name(namespace, index))
         t0 = time.perf_counter()
@@ -452,11 +453,7 @@ class Segment:
 
     # ----------------------------------------------------------- header
     def _write_header(self, boot_epoch: int) -> None:
-        name = self.namespace.encode()
-        uid = self.model_uid.encode()
-        if len(name) > NAME_BYTES or len(uid) > UID_BYTES:
-            raise ValueError(f"namespace ({len(name)} B) or model_uid ({len(uid)} B) too long "
-                             f"for the header ({NAME_BYTES}/{UID_BYTES} B)")
+        name, uid = _check_header_fields(self.namespace, self.model_uid)
         lay = self.layout
         head = _HEADER.pack(
             MAGIC, FORMAT_VERSION, lay.n_slots, self.index, lay.block_bytes, lay.slot_bytes,
@@ -587,6 +584,14 @@ def _validated_layout(head: dict[str, object], meta_size: int) -> SegmentLayout:
             "(truncated or extended)"
         )
     return layout
+
+
+def _check_header_fields(namespace: str, model_uid: str) -> tuple[bytes, bytes]:
+    name, uid = namespace.encode(), model_uid.encode()
+    if len(name) > NAME_BYTES or len(uid) > UID_BYTES:
+        raise ValueError(f"namespace ({len(name)} B) or model_uid ({len(uid)} B) too long "
+                         f"for the header ({NAME_BYTES}/{UID_BYTES} B)")
+    return name, uid
 
 
 def _create_file(path: str, size: int, undo: contextlib.ExitStack) -> int:

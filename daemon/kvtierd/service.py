@@ -9,7 +9,6 @@ gives them, applied in one place (``_rpc``).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
@@ -333,17 +332,9 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
 
     @_rpc("Check")
     async def Check(self, request: pb.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CheckResponse:
-        """``Tiering.check()`` with the store's part off the loop: the store is copied
-        here (``check_snapshot``: lists and slot tables, no per-slot work) and
-        cross-checked in a worker thread, so a check of millions of blocks does not
-        stall every client; the tiers below DRAM check themselves as before."""
+        """Every cross-check of the store and the tiers, off the event loop."""
         self._admin(context)
-        snapshot = self.store.check_snapshot()
-        problems = await asyncio.get_running_loop().run_in_executor(
-            None, self.store.check_from, snapshot)
-        for tier in self.tiering.lower:
-            problems += tier.check()
-        return pb.CheckResponse(problems=problems)
+        return pb.CheckResponse(problems=await self.tiering.check_off_loop())
 
     # ------------------------------------------------------------- admin: keys and tiers
     # Each starts with ``self._admin`` (the one admin check), before any other work
