@@ -1,7 +1,7 @@
 """The one seam between kvtier and its native helpers (``kvtier._native``).
 
 Use ``copy_into``, ``prefault``, ``checksum``, ``gather``, ``scatter``,
-``pwrite_full`` and ``pread_full`` from here, never ``_native`` directly: when
+``scatter_hash``, ``pwrite_full`` and ``pread_full`` from here, never ``_native`` directly: when
 the extension is not built (a source checkout without ``build_ext``) or the
 environment sets ``KVTIER_FORCE_PY=1``, they run pure Python/numpy fallbacks
 (``checksum``: the xxhash package) with the same contracts, exceptions and
@@ -16,7 +16,7 @@ path.
 A process that maps files other processes can truncate (kvtierd maps the
 shared-memory files it hands out to clients) calls ``install_fault_guard()``
 once: then a SIGBUS while ``copy_into``, ``prefault``, ``checksum``,
-``gather`` or ``scatter`` touches a buffer (the file mapped there shrank)
+``gather``, ``scatter`` or ``scatter_hash`` touches a buffer (the file mapped there shrank)
 raises ``OSError(EFAULT)`` instead of killing the process, and
 ``is_memory_fault`` recognises it.  Only the native path can guard: on the
 fallback, numpy touching such a buffer still dies of SIGBUS.
@@ -65,8 +65,8 @@ def install_fault_guard() -> bool:
     """Make a SIGBUS in the memory helpers here raise OSError(EFAULT), not kill us.
 
     Installs (once per process; later calls do nothing) a SIGBUS handler, after
-    which ``copy_into``, ``prefault``, ``checksum``, ``gather`` and
-    ``scatter`` raise OSError with errno EFAULT and a message starting with
+    which ``copy_into``, ``prefault``, ``checksum``, ``gather``, ``scatter``
+    and ``scatter_hash`` raise OSError with errno EFAULT and a message starting with
     ``MEMORY_FAULT`` when a buffer they touch faults (a mapped file truncated
     under it, or its file system out of space); the process lives on.  A
     SIGBUS anywhere else goes on to the handler there was before
@@ -200,6 +200,37 @@ def scatter(src: Any, pieces: Iterable[Any]) -> int:
     return _py_gather_scatter(src, pieces, gather=False)
 
 
+def scatter_hash(srcs: Iterable[Any], pieces: Iterable[Iterable[Any]]) -> list[int]:
+    """Scatter each ``srcs[i]`` into ``pieces[i]`` and return each source's checksum, in one pass.
+
+    For every ``i``: fill the buffers of ``pieces[i]`` in order from consecutive
+    bytes of ``srcs[i]`` (as ``scatter(srcs[i], pieces[i])``), and hash all of
+    ``srcs[i]``: the result's ``[i]`` equals ``checksum(srcs[i])`` (XXH3-64,
+    seed 0), the bytes past the pieces included (hashed, not copied).  Native:
+    each source is copied in chunks hashed right after their copy, while still
+    in the CPU cache, so its bytes are read from memory once instead of twice
+    (``checksum`` then ``scatter``); all buffers are acquired first, then the
+    GIL is released once, and calls of 4 MiB or more are split over threads by
+    source.  ``srcs`` is an iterable of C-contiguous buffers; ``pieces`` one of
+    as many iterables of writable C-contiguous buffers, empty ones included,
+    adding up to at most their source's size in bytes.  Sources may share
+    memory; a piece may not share any with a source or another piece.
+
+    Raises ValueError "srcs and pieces differ in length (N != M)", "srcs[i] has
+    N bytes, pieces[i] need M", "a piece overlaps a source or another piece"
+    (nothing is copied then), "srcs[i] is not C-contiguous" or "pieces[i][j] is
+    not C-contiguous"; TypeError "pieces[i][j] is read-only", or when an
+    argument or an item of ``pieces`` is not iterable or an item not a buffer.
+
+    With the fault guard installed (``install_fault_guard``), a buffer whose
+    memory is gone raises OSError(EFAULT) "memory fault (SIGBUS) at byte N of
+    srcs[i]: ..." (or pieces[i][j]); the pieces may be partly written by then.
+    """
+    if NATIVE:
+        return _native.scatter_hash(srcs, pieces, _COPY_THREADS)
+    return _py_scatter_hash(srcs, pieces)
+
+
 def pwrite_full(fd: int, buf: Any, offset: int, threads: int = 0) -> int:
     """Write all of ``buf`` to file descriptor ``fd`` at file position ``offset``.
 
@@ -331,6 +362,56 @@ def _np_gather_scatter(f: memoryview, views: list[memoryview], gather: bool) -> 
             else:
                 np.copyto(_bytes(v), flat[off : off + n])
         off += n
+
+
+def _py_scatter_hash(srcs: Iterable[Any], pieces: Iterable[Iterable[Any]]) -> list[int]:
+    # As _py_gather_scatter: every buffer acquired (and checked) in the native
+    # order -- srcs[i], then its pieces, block after block -- and released on
+    # any error.
+    srcs_t, outer = tuple(srcs), tuple(pieces)
+    if len(srcs_t) != len(outer):
+        raise ValueError(f"srcs and pieces differ in length ({len(srcs_t)} != {len(outer)})")
+    inner = [tuple(p) for p in outer]
+    with ExitStack() as stack:
+        blocks: list[tuple[memoryview, list[memoryview]]] = []
+        for i, (src, items) in enumerate(zip(srcs_t, inner, strict=True)):
+            s = stack.enter_context(memoryview(src))
+            _check(s, f"srcs[{i}]", writable=False)
+            views = []
+            for j, piece in enumerate(items):
+                v = stack.enter_context(memoryview(piece))
+                _check(v, f"pieces[{i}][{j}]", writable=True)
+                views.append(v)
+            need = sum(v.nbytes for v in views)
+            if s.nbytes < need:
+                raise ValueError(f"srcs[{i}] has {s.nbytes} bytes, pieces[{i}] need {need}")
+            blocks.append((s, views))
+        if _np_pieces_overlap(blocks):
+            raise ValueError("a piece overlaps a source or another piece")
+        hashes = [int(xxhash.xxh3_64_intdigest(s)) for s, _ in blocks]
+        for s, views in blocks:
+            _np_gather_scatter(s, views, gather=False)
+    return hashes
+
+
+def _np_pieces_overlap(blocks: list[tuple[memoryview, list[memoryview]]]) -> bool:
+    """As kvt_blocks_overlap in csrc/native.c: whether a piece shares a byte with
+    a source or another piece (sources may share bytes: they are only read)."""
+    spans = []
+    for s, views in blocks:
+        for v, written in [(s, False)] + [(v, True) for v in views]:
+            if v.nbytes:
+                start = int(_bytes(v).ctypes.data)
+                spans.append((start, start + v.nbytes, written))
+    spans.sort(key=lambda span: span[0])
+    end_any = end_written = 0
+    for start, end, written in spans:
+        if start < (end_any if written else end_written):
+            return True
+        end_any = max(end_any, end)
+        if written:
+            end_written = max(end_written, end)
+    return False
 
 
 def _py_pio(fd: int, buf: Any, offset: int, threads: int, write: bool) -> int:

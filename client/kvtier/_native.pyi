@@ -29,6 +29,10 @@ def gather(dst: _Buffer, pieces: Iterable[_Buffer], threads: int = 0) -> int:
 def scatter(src: _Buffer, pieces: Iterable[_Buffer], threads: int = 0) -> int:
     """Fill the buffers of pieces, in order, from consecutive bytes of src; return the total."""
 
+def scatter_hash(srcs: Iterable[_Buffer], pieces: Iterable[Iterable[_Buffer]],
+                 threads: int = 0) -> list[int]:
+    """Scatter each srcs[i] into pieces[i]; return each source's XXH3-64, in one pass."""
+
 def pwrite_full(fd: int, buf: _Buffer, offset: int, threads: int = 0) -> int:
     """Write all of buf to fd at file position offset; return the number written."""
 
@@ -36,7 +40,7 @@ def pread_full(fd: int, buf: _Buffer, offset: int, threads: int = 0) -> int:
     """Read into all of buf from fd at offset; return the number read (less only at EOF)."""
 
 def install_fault_guard() -> bool:
-    """Make a SIGBUS in copy/prefault/checksum/gather/scatter raise OSError(EFAULT).
+    """Make a SIGBUS in copy/prefault/checksum/gather/scatter(_hash) raise OSError(EFAULT).
 
     Installs the process's SIGBUS handler once; True if this call installed it.
     """

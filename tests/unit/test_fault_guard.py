@@ -107,6 +107,11 @@ OPS: dict[str, tuple[str, Callable[[mmap.mmap], object]]] = {
     "scatter src": ("src", lambda m: _accel.scatter(m, [bytearray(10), bytearray(len(m) - 10)])),
     "scatter piece": ("pieces[1]", lambda m: _accel.scatter(bytes(len(m) + 10), [bytearray(10), m])),
     "prefault": ("buf", lambda m: _accel.prefault(m)),
+    "scatter_hash src": ("srcs[1]", lambda m: _accel.scatter_hash(
+        [b"ab", m], [[bytearray(2)], [bytearray(10), bytearray(len(m) - 10)]])),
+    "scatter_hash tail": ("srcs[0]", lambda m: _accel.scatter_hash([m], [[bytearray(10)]])),
+    "scatter_hash piece": ("pieces[1][1]", lambda m: _accel.scatter_hash(
+        [b"ab", bytes(len(m) + 10)], [[bytearray(2)], [bytearray(10), m]])),
 }
 
 
@@ -183,6 +188,11 @@ THREADED_OPS: dict[str, Callable[[Any, mmap.mmap], object]] = {
     "scatter src": lambda n, m: n.scatter(m, [bytearray(len(m) // 2) for _ in range(2)], 4),
     "scatter piece": lambda n, m: n.scatter(bytes(len(m) + 1), [bytearray(1), m], 4),
     "prefault": lambda n, m: n.prefault(m, 4),
+    # Two sources, so two threads: the other one's copy must not hang or hide the fault.
+    "scatter_hash src": lambda n, m: n.scatter_hash(
+        [bytes(4 * MIB), m], [[bytearray(4 * MIB)], [bytearray(len(m))]], 4),
+    "scatter_hash piece": lambda n, m: n.scatter_hash(
+        [bytes(4 * MIB), bytes(len(m))], [[bytearray(4 * MIB)], [m]], 4),
 }
 
 

@@ -1,5 +1,5 @@
-"""kvtier._accel (copy_into, prefault, checksum, gather, scatter, pwrite_full,
-pread_full) against both implementations.
+"""kvtier._accel (copy_into, prefault, checksum, gather, scatter, scatter_hash,
+pwrite_full, pread_full) against both implementations.
 
 Every test taking the ``accel`` fixture runs twice: on the C extension
 ``kvtier._native`` and on the Python fallback (``KVTIER_FORCE_PY=1``: numpy,
@@ -663,6 +663,172 @@ def test_gather_scatter_from_many_threads_at_once(accel: ModuleType) -> None:
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(accel.scatter, srcs, outs)) == [BIG] * 4
     assert [b"".join(o) for o in outs] == srcs
+
+
+# --------------------------------------------------------------- scatter_hash
+
+
+def split(data: bytes, sizes: list[int]) -> list[bytes]:
+    offs = np.cumsum([0, *sizes]).tolist()
+    return [data[a:b] for a, b in zip(offs, offs[1:], strict=False)]
+
+
+# Per source: the sizes of its pieces, and how many bytes of it follow them.
+# Sizes straddle the 16 KiB copy-and-hash chunks of csrc/native.c; the last
+# case is above 4 MiB in all, so the native call runs on several threads.
+SCATTER_HASH_CASES = [
+    [([], 0)],
+    [([], 5)],  # nothing to copy: the source is hashed all the same
+    [([1, 0, 16383, 16385, 3], 0), ([0], 0), ([100 << 10], 7)],
+    [([2 << 20], 0)] * 3 + [([MIB + 1, 0, MIB - 1], 4093)],
+]
+
+
+@pytest.mark.parametrize("case", SCATTER_HASH_CASES)
+def test_scatter_hash_fills_the_pieces_and_returns_each_sources_checksum(
+    accel: ModuleType, case: list[tuple[list[int], int]]
+) -> None:
+    srcs = [random_bytes(sum(sizes) + tail, seed=i) for i, (sizes, tail) in enumerate(case)]
+    outs = [[make_bytearray(n) for n in sizes] for sizes, _ in case]
+    hashes = accel.scatter_hash(srcs, outs)
+    assert hashes == [xxhash.xxh3_64_intdigest(s) for s in srcs]
+    assert hashes == [accel.checksum(s) for s in srcs]
+    for src, (sizes, _), pieces in zip(srcs, case, outs, strict=True):
+        assert [bytes(p) for p in pieces] == split(src, sizes)
+
+
+def test_scatter_hash_into_block_major_pages_of_any_dtype(accel: ModuleType) -> None:
+    # As kvtier.torch loads a vLLM cache: one source per block, one piece per
+    # layer, each piece a page row of a strided [pages, page_bytes] view.
+    layers, pages, page_bytes = 3, 5, 3000
+    backing = np.zeros((pages, layers, page_bytes), dtype=np.uint8)  # block-major
+    rows = [backing[:, layer, :] for layer in range(layers)]
+    extra = np.zeros((pages, 2, 2), dtype=np.float64)  # a 32-byte page of another dtype
+    blocks = [random_bytes(layers * page_bytes + 32, seed=10 + b) for b in range(3)]
+    targets = [4, 0, 2]
+    pieces = [[r[p] for r in rows] + [extra[p]] for p in targets]
+    assert accel.scatter_hash(blocks, pieces) == [xxhash.xxh3_64_intdigest(b) for b in blocks]
+    for block, p in zip(blocks, targets, strict=True):
+        assert backing[p].tobytes() + extra[p].tobytes() == block
+    assert not backing[[1, 3]].any() and not extra[[1, 3]].any()
+
+
+def test_scatter_hash_of_a_scribbled_source_differs_from_its_stored_checksum(
+    accel: ModuleType
+) -> None:
+    srcs = [bytearray(random_bytes(300 << 10, seed=i)) for i in range(3)]
+    stored = [accel.checksum(s) for s in srcs]
+    srcs[1][123_457] ^= 0x01
+    outs = [[make_bytearray(len(s))] for s in srcs]
+    got = accel.scatter_hash(srcs, outs)
+    assert [g == s for g, s in zip(got, stored, strict=True)] == [True, False, True]
+    assert got[1] == xxhash.xxh3_64_intdigest(bytes(srcs[1]))
+    assert bytes(outs[1][0]) == bytes(srcs[1])  # copied as it is: the caller decides
+
+
+def test_scatter_hash_takes_any_iterables_and_no_sources(accel: ModuleType) -> None:
+    assert accel.scatter_hash([], []) == []
+    assert accel.scatter_hash(iter([]), ()) == []
+    outs = (bytearray(2), bytearray(3))
+    got = accel.scatter_hash((s for s in [b"vwxyz", b""]), [(o for o in outs), iter([])])
+    assert got == [xxhash.xxh3_64_intdigest(b"vwxyz"), xxhash.xxh3_64_intdigest(b"")]
+    assert outs == (bytearray(b"vw"), bytearray(b"xyz"))
+
+
+def test_scatter_hash_sources_may_share_memory(accel: ModuleType) -> None:
+    data = random_bytes(50_000, seed=3)
+    with memoryview(data) as view:
+        srcs = [view, view[100:], view[:10]]
+        outs = [[bytearray(50_000)], [bytearray(10), bytearray(20)], [bytearray(10)]]
+        assert accel.scatter_hash(srcs, outs) == [
+            xxhash.xxh3_64_intdigest(data), xxhash.xxh3_64_intdigest(data[100:]),
+            xxhash.xxh3_64_intdigest(data[:10])]
+        del srcs
+    assert bytes(outs[1][1]) == data[110:130]
+
+
+def test_scatter_hash_refuses_a_piece_that_overlaps_a_source_or_piece(
+    accel: ModuleType
+) -> None:
+    buf = make_bytearray(100)
+    with memoryview(buf) as view:
+        cases = [
+            ([view[:50]], [[view[40:60]]]),  # a piece inside its own source
+            ([b"x" * 10, view[:50]], [[view[49:59]], []]),  # inside another block's source
+            ([b"x" * 20, b"y" * 20], [[view[:10], view[60:70]], [view[5:15]]]),  # two pieces
+            ([b"x" * 20], [[view[:10], view[:10]]]),  # one piece twice
+        ]
+        for srcs, pieces in cases:
+            with pytest.raises(ValueError, match=r"^a piece overlaps a source or another piece$"):
+                accel.scatter_hash(srcs, pieces)
+        del srcs, pieces, cases
+        # Adjacent is not overlapping; an empty piece overlaps nothing.
+        got = accel.scatter_hash([view[:50]], [[view[50:60], view[20:20], view[60:100]]])
+        assert got == [xxhash.xxh3_64_intdigest(b"\xaa" * 50)]
+    assert buf == b"\xaa" * 100  # nothing was copied by a refused call
+
+
+def test_scatter_hash_argument_errors(accel: ModuleType) -> None:
+    with pytest.raises(ValueError, match=r"^srcs and pieces differ in length \(2 != 1\)$"):
+        accel.scatter_hash([b"a", b"b"], [[bytearray(1)]])
+    with pytest.raises(ValueError, match=r"^srcs\[1\] has 3 bytes, pieces\[1\] need 5$"):
+        accel.scatter_hash([b"ab", b"cde"], [[bytearray(2)], [bytearray(4), bytearray(1)]])
+    strided = np.zeros((4, 8), dtype=np.uint8)[:, ::2]
+    with pytest.raises(ValueError, match=r"^srcs\[0\] is not C-contiguous$"):
+        accel.scatter_hash([strided], [[bytearray(1)]])
+    with pytest.raises(ValueError, match=r"^pieces\[1\]\[0\] is not C-contiguous$"):
+        accel.scatter_hash([b"ab", bytes(64)], [[], [strided]])
+    with pytest.raises(TypeError, match=r"^pieces\[0\]\[1\] is read-only$"):
+        accel.scatter_hash([bytes(8)], [[bytearray(2), b"ab"]])
+    for srcs, pieces in [(5, []), ([b"ab"], 5), ([b"ab"], [5]), ([b"ab"], [[5]]),
+                         (["text"], [[]])]:
+        with pytest.raises(TypeError):
+            accel.scatter_hash(srcs, pieces)
+
+
+def test_scatter_hash_releases_every_buffer_on_success_and_error(accel: ModuleType) -> None:
+    src, a, b = make_mmap(20), make_mmap(10), make_mmap(10)
+    assert accel.scatter_hash([src], [[a, b]]) == [xxhash.xxh3_64_intdigest(b"\xaa" * 20)]
+    for m in (src, a, b):
+        m.close()
+    failures: list[Callable[[Any, Any, Any], Any]] = [
+        lambda s, x, y: accel.scatter_hash([s], [[x, y, bytearray(1)]]),  # too small
+        lambda s, x, y: accel.scatter_hash([s, s], [[x], [y, memoryview(bytes(4))[::2]]]),
+        lambda s, x, y: accel.scatter_hash([s, s], [[x], [y, b"z"]]),  # read-only piece
+        lambda s, x, y: accel.scatter_hash([s, s], [[x], [y, 5]]),
+        lambda s, x, y: accel.scatter_hash([s, s], [[x], [x]]),  # overlap
+        lambda s, x, y: accel.scatter_hash([s, s], [[x]]),  # lengths differ
+    ]
+    for call in failures:
+        src, a, b = make_mmap(20), make_mmap(10), make_mmap(10)
+        with pytest.raises((ValueError, TypeError)):
+            call(src, a, b)
+        for m in (src, a, b):
+            m.close()  # a leaked export would raise BufferError
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [0, 1, 2, 3, 7, 64, 1000])
+def test_native_scatter_hash_any_thread_count_is_byte_exact(threads: int) -> None:
+    from kvtier import _native
+
+    # 9 sources of 0..3 MiB, 14 MiB in all: one job per source at most.
+    sizes = [3 * MIB + 5, 1, 0, 2 * MIB, 777, MIB + PAGE, 3 * MIB, 2 * MIB + 1, 3 * MIB - 1]
+    srcs = [random_bytes(n, seed=i) for i, n in enumerate(sizes)]
+    outs = [[make_bytearray(n // 3), make_bytearray(n - n // 3)] for n in sizes]
+    assert _native.scatter_hash(srcs, outs, threads) == [xxhash.xxh3_64_intdigest(s) for s in srcs]
+    assert [b"".join(o) for o in outs] == srcs
+    with pytest.raises(ValueError, match=r"^threads must be >= 0, got -2$"):
+        _native.scatter_hash([b"ab"], [[bytearray(2)]], threads=-2)
+
+
+def test_scatter_hash_from_many_threads_at_once(accel: ModuleType) -> None:
+    srcs = [[random_bytes(BIG, seed=i)] for i in range(4)]
+    outs = [[[bytearray(BIG // 2), bytearray(BIG - BIG // 2)]] for _ in srcs]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(accel.scatter_hash, srcs, outs))
+    assert got == [[xxhash.xxh3_64_intdigest(s[0])] for s in srcs]
+    assert [b"".join(o[0]) for o in outs] == [s[0] for s in srcs]
 
 
 # ---------------------------------------------------- pwrite_full, pread_full
