@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
-from typing import Any, Generic, TypeAlias, TypeVar
+from typing import Any, Generic, NoReturn, TypeAlias, TypeVar
 
 import grpc
 import numpy as np
@@ -120,6 +120,11 @@ class Backoff:
             self.failed(exc)
             raise
         self.succeeded()
+
+
+def corrupted(key: bytes) -> Corrupted:
+    """The error for a block that failed its checksum (the lease's, or its reader's)."""
+    return Corrupted(f"block {key.hex()} failed its checksum", key=key)
 
 
 def session_lost(what: str) -> SessionLost:
@@ -325,7 +330,7 @@ class ClientCore(Generic[_R, _L]):
     def _new_reservation(self, keys: list[bytes], resp: pb.ReserveResponse) -> _R:
         raise NotImplementedError
 
-    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse) -> _L:
+    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse, verify: bool) -> _L:
         raise NotImplementedError
 
     # ------------------------------------------------------------- session
@@ -435,13 +440,14 @@ class ClientCore(Generic[_R, _L]):
                 yield Call("Abort", pb.AbortRequest(reservation_id=resp.reservation_id))
             raise
 
-    def _acquire_steps(self, keys: Sequence[bytes]) -> Steps[_L]:
+    def _acquire_steps(self, keys: Sequence[bytes], verify: bool = True) -> Steps[_L]:
         keys = as_keys(keys)
         resp = yield Call("Acquire", pb.AcquireRequest(keys=keys))
         try:
             yield SyncMaps(resp.segments_version, resp.slots)
-            verified = sum(r.length for r in resp.slots) if self.checksum else 0
-            lease: _L = yield Work(functools.partial(self._new_lease, keys, resp), verified)
+            verified = sum(r.length for r in resp.slots) if self.checksum and verify else 0
+            lease: _L = yield Work(functools.partial(self._new_lease, keys, resp, verify),
+                                   verified)
             return lease
         except BaseException as exc:
             if resp.lease_id:
@@ -582,21 +588,28 @@ class ReservationState:
 
 
 class LeaseState:
-    """Read-only views of the leased blocks (checksums verified), and its operations."""
+    """Read-only views of the leased blocks (checksums verified), and its operations.
+
+    ``checksums[i]`` is the XXH3-64 the writer committed for ``views[i]``
+    (None if it committed none).  A lease made with ``verify=False`` has not
+    compared them: its reader does, while it copies (one pass over the bytes
+    instead of two), and reports a block that fails with ``_drop_corrupted_steps``.
+    """
 
     def __init__(self, client: ClientCore[Any, Any], keys: list[bytes],
-                 resp: pb.AcquireResponse) -> None:
+                 resp: pb.AcquireResponse, verify: bool = True) -> None:
         self._client = client
         self.session_gen = client._session_gen
         self.lease_id = resp.lease_id
         self.keys = keys[: resp.hits]
         self.tiers = [Tier(t) for t in resp.tiers]
         self.views = [client._maps.view(ref, ref.length, writable=False) for ref in resp.slots]
-        if client.checksum:
-            for i, (ref, view) in enumerate(zip(resp.slots, self.views, strict=False)):
-                if ref.has_checksum and _accel.checksum(view) != ref.checksum:
-                    raise Corrupted(f"block {self.keys[i].hex()} failed its checksum",
-                                    key=self.keys[i])
+        self.checksums: list[int | None] = [
+            int(ref.checksum) if ref.has_checksum else None for ref in resp.slots]
+        if client.checksum and verify:
+            for i, (want, view) in enumerate(zip(self.checksums, self.views, strict=True)):
+                if want is not None and _accel.checksum(view) != want:
+                    raise corrupted(self.keys[i])
         self.done = self.lease_id == 0
 
     @property
@@ -625,3 +638,31 @@ class LeaseState:
         except KVTierError:
             if et is None:
                 raise
+
+    def _drop_corrupted_steps(self, bad: Sequence[int]) -> Steps[NoReturn]:
+        """The reader found blocks ``bad`` (indices into ``views``) failing their checksum.
+
+        As ``acquire`` does for a block it verifies: end the lease (waiting for
+        the answer), delete those blocks as corrupted (never served again: the
+        daemon counts them, a later lookup misses there), then raise
+        ``Corrupted`` for the first of them.  A failure to release or delete is
+        its ``__cause__``; it does not replace it.
+        """
+        bad = sorted(set(bad))
+        if not bad:
+            raise InvalidArgument("no block to drop: bad is empty")
+        if bad[0] < 0 or bad[-1] >= len(self.keys):
+            wrong = bad[0] if bad[0] < 0 else bad[-1]
+            raise InvalidArgument(f"block {wrong} is not in this lease of {len(self.keys)} blocks")
+        keys = [self.keys[i] for i in bad]
+        error = corrupted(keys[0])
+        cause: KVTierError | None = None
+        try:
+            yield from self._release_steps(wait=True)
+        except KVTierError as exc:  # the lease had ended (session lost): delete all the same
+            cause = exc
+        try:
+            yield Call("Delete", pb.DeleteRequest(keys=keys, corrupted=True))
+        except KVTierError as exc:
+            cause = cause or exc
+        raise error from cause

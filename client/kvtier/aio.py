@@ -14,7 +14,7 @@ import asyncio
 import os
 import types
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import numpy as np
@@ -70,6 +70,10 @@ class AsyncLease(LeaseState):
     async def release(self) -> None:
         await self._client._run(self._release_steps(wait=True))
 
+    async def drop_corrupted(self, bad: Sequence[int]) -> NoReturn:
+        """As ``Lease.drop_corrupted``: release, delete blocks ``bad``, raise ``Corrupted``."""
+        await self._client._run(self._drop_corrupted_steps(bad))
+
     async def __aenter__(self) -> AsyncLease:
         return self
 
@@ -113,8 +117,9 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
     def _new_reservation(self, keys: list[bytes], resp: pb.ReserveResponse) -> AsyncReservation:
         return AsyncReservation(self, keys, resp)
 
-    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse) -> AsyncLease:
-        return AsyncLease(self, keys, resp)
+    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse,
+                   verify: bool) -> AsyncLease:
+        return AsyncLease(self, keys, resp, verify)
 
     # ------------------------------------------------------------- transport
     async def _run(self, steps: Steps[_T]) -> _T:
@@ -185,8 +190,9 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
     async def reserve(self, keys: Sequence[bytes]) -> AsyncReservation:
         return await self._run(self._reserve_steps(keys))
 
-    async def acquire(self, keys: Sequence[bytes]) -> AsyncLease:
-        return await self._run(self._acquire_steps(keys))
+    async def acquire(self, keys: Sequence[bytes], *, verify: bool = True) -> AsyncLease:
+        """As ``Client.acquire``: ``verify=False`` leaves the checksums to the caller."""
+        return await self._run(self._acquire_steps(keys, verify))
 
     async def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
         return await self._run(self._put_steps(keys, blocks))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import types
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import numpy as np
@@ -86,6 +86,15 @@ class Lease(LeaseState):
         and a failure then can only mean the lease had already ended."""
         self._client._run(self._release_steps(wait))
 
+    def drop_corrupted(self, bad: Sequence[int]) -> NoReturn:
+        """Blocks ``bad`` (indices into ``views``) failed their checksum at the reader.
+
+        For a lease from ``acquire(verify=False)``: ends the lease, deletes
+        those blocks as corrupted (the daemon counts them; later calls miss
+        there) and raises ``Corrupted`` naming the first, as ``acquire`` does.
+        """
+        self._client._run(self._drop_corrupted_steps(bad))
+
     def __enter__(self) -> Lease:
         return self
 
@@ -135,8 +144,8 @@ class Client(ClientCore[Reservation, Lease]):
     def _new_reservation(self, keys: list[bytes], resp: pb.ReserveResponse) -> Reservation:
         return Reservation(self, keys, resp)
 
-    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse) -> Lease:
-        return Lease(self, keys, resp)
+    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse, verify: bool) -> Lease:
+        return Lease(self, keys, resp, verify)
 
     # ------------------------------------------------------------- transport
     def _run(self, steps: Steps[_T]) -> _T:
@@ -217,9 +226,17 @@ class Client(ClientCore[Reservation, Lease]):
         """Writable slots for the keys not present yet (a context manager)."""
         return self._run(self._reserve_steps(keys))
 
-    def acquire(self, keys: Sequence[bytes]) -> Lease:
-        """Lease the longest present prefix of ``keys`` for reading (a context manager)."""
-        return self._run(self._acquire_steps(keys))
+    def acquire(self, keys: Sequence[bytes], *, verify: bool = True) -> Lease:
+        """Lease the longest present prefix of ``keys`` for reading (a context manager).
+
+        With ``checksum=True`` each block is checked against the checksum its
+        writer committed, and one that fails raises ``Corrupted`` (the block is
+        deleted: a later call misses there).  ``verify=False`` skips that check
+        for a caller that hashes the blocks while copying them (one pass over
+        the bytes, not two; ``_accel.scatter_hash``): it compares with
+        ``lease.checksums`` and reports failures with ``lease.drop_corrupted``.
+        """
+        return self._run(self._acquire_steps(keys, verify))
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
         """Store each block under its key, skipping present keys; returns how many were stored."""

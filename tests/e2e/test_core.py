@@ -475,3 +475,96 @@ def test_get_into_caller_buffers_and_release_without_waiting(daemon: DaemonProc)
         time.sleep(0.05)
     assert daemon.stats().leases == 0
     assert daemon.check() == []
+
+
+def _scribbled(c: kvtier.Client, keys: list[bytes], blocks: list[bytes], bad: int) -> None:
+    """Commit ``blocks`` under ``keys``, then scribble over block ``bad`` (a buggy writer)."""
+    with c.reserve(keys) as r:
+        for i, block in enumerate(blocks):
+            r.write(i, block)
+        scribble = r.buffers[bad]
+        r.commit()
+    assert scribble is not None
+    scribble[0] ^= 0xFF
+
+
+def _checksum_failures(d: DaemonProc, namespace: str) -> bytes:
+    port = d.metrics_port()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    line = [ln for ln in text.splitlines()
+            if ln.startswith(f'kvtier_checksum_failures_total{{namespace="{namespace}"'.encode())]
+    return line[0].split()[-1] if line else b""
+
+
+def test_acquire_without_verify_leaves_the_checksums_to_the_reader(daemon: DaemonProc) -> None:
+    import xxhash
+
+    keys = [b"v0", b"v1", b"v2"]
+    blocks = [bytes([i]) * (3000 + i) for i in range(3)]
+    with kvtier.Client(daemon.socket_dir, namespace="noverify", block_bytes=4096,
+                       model_uid="m", checksum=True) as c:
+        _scribbled(c, keys, blocks, bad=1)
+        with pytest.raises(errors.Corrupted):  # the lease's own check still runs by default
+            with c.acquire(keys[1:2]):
+                pass
+        with c.reserve(keys[1:2]) as r:  # write it again
+            r.write(0, blocks[1])
+            r.commit()
+        _scribbled(c, [b"v3"], [b"three"], bad=0)
+        with c.acquire(keys + [b"v3"], verify=False) as lease:  # served unchecked
+            assert lease.hits == 4
+            assert lease.checksums == [xxhash.xxh3_64_intdigest(b)
+                                       for b in blocks + [b"three"]]
+            sums = [xxhash.xxh3_64_intdigest(bytes(v)) for v in lease.views]
+            bad = [i for i, (got, want) in enumerate(zip(sums, lease.checksums, strict=True))
+                   if got != want]
+            assert bad == [3]
+            with pytest.raises(errors.Corrupted,
+                               match=rf"^block {b'v3'.hex()} failed its checksum$") as exc:
+                lease.drop_corrupted(bad)
+            assert exc.value.key == b"v3"
+            assert lease.views == []  # released
+        assert c.lookup(keys + [b"v3"]) == 3  # the bad block is now a miss
+        assert daemon.stats().leases == 0
+    assert _checksum_failures(daemon, "noverify") == b"2.0"  # one per way of finding it
+    with kvtier.Client(daemon.socket_dir, namespace="nosum", block_bytes=4096,
+                       model_uid="m") as c:  # committed without checksums: none to compare
+        c.put([b"k"], [b"plain"])
+        with c.acquire([b"k"], verify=False) as lease:
+            assert lease.checksums == [None]
+    assert daemon.check() == []
+
+
+def test_async_acquire_without_verify_and_drop_corrupted(daemon: DaemonProc) -> None:
+    import xxhash
+
+    with kvtier.Client(daemon.socket_dir, namespace="anoverify", block_bytes=4096,
+                       model_uid="m", checksum=True) as c:
+        _scribbled(c, [b"a", b"b"], [b"good", b"soon bad"], bad=1)
+
+    async def go() -> None:
+        async with kvtier.AsyncClient(daemon.socket_dir, namespace="anoverify",
+                                      block_bytes=4096, model_uid="m", checksum=True) as c:
+            with pytest.raises(errors.Corrupted, match=rf"^block {b'b'.hex()} failed"):
+                await c.acquire([b"a", b"b"])  # verify=True: the lease checks
+            _ = await c.put([b"b"], [b"soon bad"])
+        with kvtier.Client(daemon.socket_dir, namespace="anoverify", block_bytes=4096,
+                           model_uid="m", checksum=True) as sync:
+            _scribbled(sync, [b"c"], [b"bad now"], bad=0)
+        async with kvtier.AsyncClient(daemon.socket_dir, namespace="anoverify",
+                                      block_bytes=4096, model_uid="m", checksum=True) as c:
+            lease = await c.acquire([b"a", b"b", b"c"], verify=False)
+            async with lease:
+                assert lease.hits == 3
+                assert lease.checksums == [xxhash.xxh3_64_intdigest(b)
+                                           for b in (b"good", b"soon bad", b"bad now")]
+                assert xxhash.xxh3_64_intdigest(bytes(lease.views[2])) != lease.checksums[2]
+                with pytest.raises(errors.Corrupted, match=rf"^block {b'c'.hex()} failed") as exc:
+                    await lease.drop_corrupted([2])
+                assert exc.value.key == b"c"
+            assert await c.lookup([b"a", b"b", b"c"]) == 2
+
+    asyncio.run(go())
+    assert daemon.stats().leases == 0
+    assert _checksum_failures(daemon, "anoverify") == b"2.0"
+    assert daemon.check() == []

@@ -24,7 +24,7 @@ from kvtier._core import (
     arun_steps,
     run_steps,
 )
-from kvtier.errors import FailedPrecondition, Unavailable
+from kvtier.errors import Corrupted, FailedPrecondition, InvalidArgument, Unavailable
 from kvtier.v1 import kvtier_pb2 as pb
 
 
@@ -36,8 +36,9 @@ class FakeCore(ClientCore[ReservationState, LeaseState]):
     def _new_reservation(self, keys: list[bytes], resp: pb.ReserveResponse) -> ReservationState:
         return ReservationState(self, keys, resp)
 
-    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse) -> LeaseState:
-        return LeaseState(self, keys, resp)
+    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse,
+                   verify: bool) -> LeaseState:
+        return LeaseState(self, keys, resp, verify)
 
 
 def transport(answers: dict[str, Any], log: list[str],
@@ -124,3 +125,66 @@ def test_release_without_waiting_of_an_earlier_session_is_reported_lost() -> Non
     with pytest.raises(FailedPrecondition, match="lease was lost"):
         run_steps(lease._release_steps(wait=False), transport({}, log))
     assert log == []
+
+
+def leased(core: FakeCore, keys: list[bytes], lease_id: int) -> LeaseState:
+    """A lease of ``keys`` without slots (no views): what drop_corrupted needs."""
+    resp = pb.AcquireResponse(lease_id=lease_id, hits=len(keys))
+    return LeaseState(core, keys, resp, verify=False)
+
+
+@pytest.mark.parametrize("driver", ["blocking", "asyncio"])
+def test_drop_corrupted_releases_then_deletes_as_corrupted_and_raises_for_the_first(
+        driver: str) -> None:
+    core, log = FakeCore(), []
+    sent: list[Any] = []
+
+    def record(step: Step) -> BaseException | None:
+        if isinstance(step, Call):
+            sent.append(step.request)
+        return None
+
+    do = transport({"Release": pb.ReleaseResponse(), "Delete": pb.DeleteResponse(deleted=2)},
+                   log, record)
+
+    async def ado(step: Step) -> Any:
+        return do(step)
+
+    lease = leased(core, [b"\x01", b"\x02", b"\x03"], lease_id=11)
+    steps = lease._drop_corrupted_steps([2, 1, 2])
+    with pytest.raises(Corrupted, match=r"^block 02 failed its checksum$") as exc:
+        if driver == "blocking":
+            run_steps(steps, do)
+        else:
+            asyncio.run(arun_steps(steps, ado))
+    assert exc.value.key == b"\x02"  # the first bad one
+    assert exc.value.__cause__ is None
+    assert log == ["Release", "Delete"]  # the lease ends first, as acquire's own check does
+    assert sent == [pb.ReleaseRequest(lease_id=11),
+                    pb.DeleteRequest(keys=[b"\x02", b"\x03"], corrupted=True)]
+    assert lease.done and lease.views == []
+
+
+def test_drop_corrupted_still_deletes_and_raises_corrupted_when_the_release_fails() -> None:
+    core, log = FakeCore(), []
+
+    def fail(step: Step) -> BaseException | None:
+        return Unavailable("release failed") if isinstance(step, Call) and \
+            step.method == "Release" else None
+
+    do = transport({"Delete": pb.DeleteResponse(deleted=1)}, log, fail)
+    with pytest.raises(Corrupted, match=r"^block 0a failed its checksum$") as exc:
+        run_steps(leased(core, [b"\x0a"], 5)._drop_corrupted_steps([0]), do)
+    assert isinstance(exc.value.__cause__, Unavailable)
+    assert log == ["Release", "Delete"]
+
+
+def test_drop_corrupted_refuses_indices_outside_the_lease() -> None:
+    core, log = FakeCore(), []
+    lease = leased(core, [b"a", b"b"], 6)
+    for bad, message in [([], "no block to drop: bad is empty"),
+                         ([0, 2], "block 2 is not in this lease of 2 blocks"),
+                         ([-1], "block -1 is not in this lease of 2 blocks")]:
+        with pytest.raises(InvalidArgument, match=f"^{message}$"):
+            run_steps(lease._drop_corrupted_steps(bad), transport({}, log))
+    assert log == [] and not lease.done
