@@ -21,7 +21,8 @@ Copies per page (a page of all layers), by device and direction:
 * CPU ``save``: **1** -- each block is gathered from the layers' page slices
   straight into its shared-memory slot (``_accel.gather``, GIL released).
   CPU ``load``: **1** -- each leased slot is scattered into the pages
-  (``_accel.scatter``).  (Caches whose arrays are not contiguous take one
+  (``_accel.scatter``; with ``checksum=True``, ``_accel.scatter_hash``, which
+  verifies each block in the same pass over its slot).  (Caches whose arrays are not contiguous take one
   ``Tensor.copy_`` per array page instead: still one copy of each byte.)
 * CUDA ``save``: the wanted pages are gathered on the GPU into a staging
   buffer (``index_select`` + ``stack``: two device-local copies at HBM speed),
@@ -121,24 +122,40 @@ def load(client: Client, keys: Sequence[bytes], cache: Sequence[Layer],
     stored, ``keys[n]`` is not.  The cache is updated in place; other pages
     keep their contents.  Raises as :func:`save`, and ValueError when a page
     id appears twice.
+
+    With a ``checksum=True`` client a block that fails its checksum raises
+    ``kvtier.errors.Corrupted`` naming its key, and is deleted from kvtier (a
+    later load stops before it), as ``Client.acquire`` does.  On a CPU cache
+    the native copy checks the blocks as it copies them (one pass over the
+    slots instead of two): then the pages ``page_ids[:hits]`` may have been
+    written before the error is raised, and none of them counts as loaded.
     """
     lay, arrays = _prepare(client, cache, layout)
     ids = valid_page_ids(page_ids, len(keys), int(arrays[0].shape[0]), unique=True)
     if not ids:
         return 0
-    with client.acquire(keys) as lease, torch.inference_mode():
+    host = None if _staged(arrays[0].device) else _host_u8(arrays)
+    # Verify while copying: the lease leaves the checksums to scatter_hash.
+    fused = client.checksum and host is not None
+    with client.acquire(keys, verify=not fused) as lease, torch.inference_mode():
         n = lease.hits
         views = list(lease.views)
         for i, v in enumerate(views):
             if len(v) != lay.block_bytes:
                 raise GeometryMismatch(f"block {i} holds {len(v)} bytes, a page of this cache is "
                                        f"{lay.describe()}")
+        bad: list[int] = []
         if n:
             if _staged(arrays[0].device):
                 _load_staged(client, arrays, lay, views, ids[:n])
+            elif fused:
+                assert host is not None
+                bad = _load_cpu_verified(host, views, ids[:n], lease.checksums)
             else:
-                _load_cpu(arrays, lay, views, ids[:n])
+                _load_cpu(arrays, lay, views, ids[:n], host)
         del views
+        if bad:
+            lease.drop_corrupted(bad)  # raises Corrupted for the first
         lease.release(wait=False)  # every copy is done: no need to wait for the answer
     return n
 
@@ -317,8 +334,8 @@ def _save_cpu(arrays: Sequence[torch.Tensor], lay: PagedKVLayout, slots: Sequenc
 
 
 def _load_cpu(arrays: Sequence[torch.Tensor], lay: PagedKVLayout, views: Sequence[np.ndarray],
-              pages: Sequence[int]) -> None:
-    host = _host_u8(arrays)
+              pages: Sequence[int], host: Sequence[np.ndarray] | None) -> None:
+    """Copy block ``views[i]`` into page ``pages[i]``; ``host`` is ``_host_u8(arrays)``."""
     if host is not None:
         for view, page in zip(views, pages, strict=True):
             _accel.scatter(view, [h[page] for h in host])
@@ -327,6 +344,16 @@ def _load_cpu(arrays: Sequence[torch.Tensor], lay: PagedKVLayout, views: Sequenc
         block = slot_tensor(view, _torch_dtype(lay), _block_shape(lay))
         for j, a in enumerate(arrays):
             a[page].copy_(block[j])
+
+
+def _load_cpu_verified(host: Sequence[np.ndarray], views: Sequence[np.ndarray],
+                       pages: Sequence[int], checksums: Sequence[int | None]) -> list[int]:
+    """Copy block ``views[i]`` into page ``pages[i]`` and hash it in the same pass (one
+    native call for all blocks); returns the indices of the blocks whose hash is not
+    their committed ``checksums[i]`` (None: nothing to compare)."""
+    hashes = _accel.scatter_hash(views, [[h[page] for h in host] for page in pages])
+    return [i for i, (got, want) in enumerate(zip(hashes, checksums, strict=True))
+            if want is not None and got != want]
 
 
 # ---------------------------------------------------------------- CUDA (and other devices)

@@ -248,6 +248,109 @@ def test_non_contiguous_and_inference_caches(kvd: DaemonProc) -> None:
             assert page_bytes(dst, 0) == page_bytes(src, 6)
 
 
+# ------------------------------------------------ checksums: verified while copying
+def checked_client(d: DaemonProc, lay: kvtier.paged.PagedKVLayout) -> kvtier.Client:
+    model = f"test-{uuid.uuid4().hex[:8]}"
+    return kvtier.Client(d.socket_dir, **kt.namespace_for(lay, model), checksum=True)
+
+
+def strided_pages(seed: int | None) -> list[Any]:
+    """A "single" cache whose pages are not contiguous: load takes per-page torch copies."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    out = []
+    for _ in range(LAYERS):
+        t = torch.zeros(PAGES, HEADS, TOKENS, DIM)
+        if gen is not None:
+            t.copy_(torch.randn(t.shape, generator=gen))
+        out.append(t.transpose(1, 2))
+    return out
+
+
+def test_load_with_checksums_hashes_while_copying_not_before(
+        kvd: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier import _accel
+
+    src = make_cache("kv", "bfloat16")
+    lay = kt.layout_of(src)
+    keys = keys_of(3)
+    calls: list[str] = []
+    for name in ("checksum", "scatter", "scatter_hash"):
+        real = getattr(_accel, name)
+        monkeypatch.setattr(_accel, name, lambda *a, _n=name, _f=real, **k: (
+            calls.append(_n), _f(*a, **k))[1])
+    with checked_client(kvd, lay) as c:
+        assert kt.save(c, src, [3, 1, 4], keys) == 3
+        calls.clear()
+        dst = make_cache("kv", "bfloat16", seed=None)
+        assert kt.load(c, keys, dst, [0, 2, 5]) == 3
+        assert calls == ["scatter_hash"]  # one pass, one call for all blocks
+        with c.acquire(keys):  # the lease of a plain acquire still checks by itself
+            pass
+        assert calls == ["scatter_hash", "checksum", "checksum", "checksum"]
+    for got, want in ((0, 3), (2, 1), (5, 4)):
+        assert page_bytes(dst, got) == page_bytes(src, want)
+
+
+@pytest.mark.parametrize("cache", ["native", "torch copies"])
+def test_load_raises_corrupted_for_a_scribbled_slot_and_drops_its_block(
+        kvd: DaemonProc, cache: str) -> None:
+    from kvtier import errors
+
+    def make(seed: int | None) -> list[Any]:
+        return make_cache("single", "float32", seed=seed) if cache == "native" else \
+            strided_pages(seed)
+
+    src = make(0)
+    lay = kt.layout_of(src)
+    assert kt.native_copies(src) is (cache == "native")
+    keys = keys_of(4)
+    with checked_client(kvd, lay) as c:
+        with c.reserve(keys) as r:  # as kt.save, keeping a writable view of each slot
+            for i in range(4):
+                r.write(i, page_bytes(src, i))
+            scribble = r.buffers[2]
+            r.commit()
+        assert scribble is not None
+        scribble[100] ^= 0x10  # a buggy writer, after the commit
+        dst = make(None)
+        with pytest.raises(errors.Corrupted,
+                           match=rf"^block {keys[2].hex()} failed its checksum$") as exc:
+            kt.load(c, keys, dst, [7, 6, 5, 4])
+        assert exc.value.key == keys[2]
+        assert c.lookup(keys) == 2  # dropped: a miss from there on
+        assert kvd.stats().leases == 0
+        # What vLLM's connector does next: load again, the good prefix this time.
+        dst = make(None)
+        assert kt.load(c, keys, dst, [7, 6, 5, 4]) == 2
+    assert page_bytes(dst, 7) == page_bytes(src, 0)
+    assert page_bytes(dst, 6) == page_bytes(src, 1)
+    zero = bytes(len(page_bytes(dst, 0)))
+    assert page_bytes(dst, 5) == zero and page_bytes(dst, 4) == zero
+    assert kvd.check() == []
+
+
+def test_load_drops_every_scribbled_block_and_names_the_first(kvd: DaemonProc) -> None:
+    from kvtier import errors
+
+    src = make_cache("fused", "float16")
+    lay = kt.fused_layout_of(src)
+    keys = keys_of(3)
+    with checked_client(kvd, lay) as c:
+        with c.reserve(keys) as r:
+            for i in range(3):
+                r.write(i, page_bytes(src, i))
+            slots = [r.buffers[0], r.buffers[2]]
+            r.commit()
+        for slot in slots:
+            assert slot is not None
+            slot[-1] ^= 0x01
+        with pytest.raises(errors.Corrupted, match=rf"^block {keys[0].hex()} failed") as exc:
+            kt.load(c, keys, make_cache("fused", "float16", seed=None), [0, 1, 2], layout=lay)
+        assert exc.value.key == keys[0]
+        assert c.lookup(keys) == 0
+        assert c.lookup(keys[1:]) == 1  # the good one stays, the second bad one is gone too
+
+
 # ------------------------------------------------ the staged (CUDA) path on CPU tensors
 class FakeCudart:
     """cudaHostRegister / cudaHostUnregister bookkeeping, as the CUDA runtime would see it."""
