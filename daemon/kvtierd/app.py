@@ -32,7 +32,7 @@ from kvtierd.access import AdminSessions
 from kvtierd.config import Config
 from kvtierd.logs import Throttle, event, more
 from kvtierd.metrics import Metrics
-from kvtierd.recovery import recover
+from kvtierd.recovery import RecoveryReport, log_problems, recover
 from kvtierd.segments import Segment, SegmentLayout
 from kvtierd.service import KVTierService, add_to_server
 from kvtierd.session_channel import SessionChannel
@@ -263,6 +263,29 @@ async def _expire_forever(store: Store, metrics: Metrics) -> None:
             metrics.expired_leases.inc(leases)
 
 
+async def _check_after_recovery(store: Store, metrics: Metrics, report: RecoveryReport) -> None:
+    """Cross-check what a warm start adopted, once, right after READY (off the loop).
+
+    Adoption validated every slot; this is the store's own ``check()`` over the
+    result (index, LRU, free lists and slot tables agree, capacity adds up).  A
+    problem is a bug: logged at ERROR and counted (``kvtier_background_errors_total
+    {task="recovery_check"}``); the daemon keeps serving.
+    """
+    if not report.warm:
+        return
+    t0 = time.perf_counter()
+    snapshot = store.check_snapshot()
+    problems = await asyncio.get_running_loop().run_in_executor(None, store.check_from, snapshot)
+    report.problems = problems
+    log_problems(problems)
+    if problems:
+        metrics.background_error("recovery_check")
+    log.info("recovery check: %d blocks cross-checked in %.3f s, %d problems",
+             sum(report.blocks.values()), time.perf_counter() - t0, len(problems),
+             extra=event("recovery_check", problems=len(problems),
+                         seconds=round(time.perf_counter() - t0, 6)))
+
+
 def _audit(segments: list[Segment]) -> list[tuple[Segment, str, int]]:
     """Worker thread: repair the data files clients changed; (segment, kind, intact bytes)."""
     found = []
@@ -364,7 +387,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         store.dram_quota_of = lambda name: cfg.access.quotas(name)[0]
         store.on_forget = metrics.forget_namespace
         # Nothing is served yet, so recovery may block: READY comes after it.
-        report = recover(store, cfg.dram.shm_dir)
+        report = recover(store, cfg.dram.shm_dir, check=False)
         for reason, n in report.dropped_slots.items():
             metrics.dropped_slots.labels(reason).inc(n)
         undo.callback(store.close_all)
@@ -421,6 +444,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         tasks = [
             loop.create_task(_expire_forever(store, metrics)),
             loop.create_task(_audit_forever(store, metrics)),
+            loop.create_task(_check_after_recovery(store, metrics, report)),
             loop.create_task(_lock_adopted(store, cfg.dram.mlock)),
         ]
         interval = systemd.watchdog_interval()

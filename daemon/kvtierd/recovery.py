@@ -13,7 +13,7 @@ whether a client cut its data off — before the store may adopt it; a slot
 that fails is freed and counted with its reason (``RecoveryReport.dropped_slots``).
 Valid extents are adopted most recently used first, so when ``dram.capacity``
 shrank the coldest extents are the ones dropped.  The store's ``check()``
-runs after the last one.  Data pages are not touched here (the daemon never
+runs after the last one (kvtierd runs it right after READY, off the loop).  Data pages are not touched here (the daemon never
 reads payload); they are locked in the background after the daemon is ready.
 """
 
@@ -44,7 +44,6 @@ from kvtierd.segments import (
     Segment,
     SegmentInvalid,
     SlotState,
-    entry_seed,
 )
 from kvtierd.store import AdoptedSlots, Store
 
@@ -103,15 +102,28 @@ def scan_slots(seg: Segment, *, boot_epoch: int) -> tuple[AdoptedSlots, collecti
         if hit.any():
             dropped[reason] += int(hit.sum())
             ok &= ~bad
+    # One pass over the candidates: the entry checksum, and the key of each that passes.
     raw = seg.raw_table()
-    sums = table["entry_sum"].tolist()
-    created = seg.created_unix_ns
+    mv = memoryview(raw)
+    candidates = np.flatnonzero(ok)
+    # entry_seed() for every candidate at once (uint64 arithmetic wraps like the mask).
+    seeds = (np.uint64(seg.created_unix_ns & (2**64 - 1))
+             ^ (candidates.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))).tolist()
     digest = xxhash.xxh3_64_intdigest
-    for slot in np.flatnonzero(ok).tolist():
+    keys: list[bytes] = []
+    failed = 0
+    for slot, seed, want, k in zip(candidates.tolist(), seeds,
+                                   table["entry_sum"][candidates].tolist(),
+                                   klen[candidates].tolist(), strict=True):
         at = slot * SLOT_ENTRY_BYTES
-        if digest(raw[at + 1 : at + ENTRY_SUM_AT], entry_seed(created, slot)) != sums[slot]:
+        if digest(mv[at + 1 : at + ENTRY_SUM_AT], seed) != want:
             ok[slot] = False
-            dropped["entry checksum mismatch"] += 1
+            failed += 1
+            continue
+        keys.append(raw[at + KEY_OFFSET : at + KEY_OFFSET + k])
+    del mv
+    if failed:
+        dropped["entry checksum mismatch"] += failed
     bad_state = state > SlotState.DOOMED
     if bad_state.any():
         dropped["invalid state byte"] += int(bad_state.sum())
@@ -127,17 +139,14 @@ def scan_slots(seg: Segment, *, boot_epoch: int) -> tuple[AdoptedSlots, collecti
     gens = np.where(restart_gen, 0, gen)
     for slot in np.flatnonzero(restart_gen & reserved).tolist():
         seg.mark_reserved(slot, 0)  # still quarantined: its writer may still be copying
-    good = np.flatnonzero(ok).tolist()
-    klen_l, len_l, csum_l = klen.tolist(), length.tolist(), csum.tolist()
-    has_sum = (flags & FLAG_HAS_CHECKSUM).astype(bool).tolist()
-    blocks = [
-        (slot, raw[slot * SLOT_ENTRY_BYTES + KEY_OFFSET
-                   : slot * SLOT_ENTRY_BYTES + KEY_OFFSET + klen_l[slot]],
-         len_l[slot], csum_l[slot] if has_sum[slot] else None)
-        for slot in good
-    ]
+    has_sum = (flags[ok] & FLAG_HAS_CHECKSUM).astype(bool)
+    sums = csum[ok].tolist()
     adopted = AdoptedSlots(
-        blocks=blocks,
+        slots=np.flatnonzero(ok).tolist(),
+        keys=keys,
+        lengths=length[ok].tolist(),
+        checksums=sums if has_sum.all() else [
+            c if h else None for c, h in zip(sums, has_sum.tolist(), strict=True)],
         last_access=last[ok].tolist(),
         reserved=np.flatnonzero(reserved).tolist(),
         free=np.flatnonzero(to_free).tolist(),
@@ -146,8 +155,14 @@ def scan_slots(seg: Segment, *, boot_epoch: int) -> tuple[AdoptedSlots, collecti
     return adopted, dropped
 
 
-def recover(store: Store, shm_dir: str) -> RecoveryReport:
-    """Attach and adopt every valid segment in ``shm_dir``; blocking I/O (run before serving)."""
+def recover(store: Store, shm_dir: str, *, check: bool = True) -> RecoveryReport:
+    """Attach and adopt every valid segment in ``shm_dir``; blocking I/O (run before serving).
+
+    With ``check`` the store's ``check()`` runs at the end (``report.problems``).
+    kvtierd passes False and runs the same check right after it is ready, off the
+    event loop (``app._check_after_recovery``): it costs seconds per million
+    blocks, which a warm start must not wait for.
+    """
     t0 = time.monotonic()
     report = RecoveryReport()
     attached: list[tuple[tuple[int, int], Segment]] = []
@@ -190,9 +205,9 @@ def recover(store: Store, shm_dir: str) -> RecoveryReport:
         report.segments += 1
         report.blocks[seg.namespace] = report.blocks.get(seg.namespace, 0) + n
     store.finish_recovery()
-    report.problems = store.check()
-    for problem in report.problems:
-        log.error("after recovery: %s", problem, extra=event("check_failed", problem=problem))
+    if check:
+        report.problems = store.check()
+        log_problems(report.problems)
     report.seconds = time.monotonic() - t0
     for name, ns in store.namespaces.items():
         log.info("namespace %r: warm, %d blocks recovered in %d extents (block_bytes=%d, "
@@ -210,6 +225,12 @@ def recover(store: Store, shm_dir: str) -> RecoveryReport:
                          dropped_segments=len(report.dropped),
                          dropped_slots=sum(report.dropped_slots.values())))
     return report
+
+
+def log_problems(problems: list[str]) -> None:
+    """Log what a check after recovery found (each is a bug: please report it)."""
+    for problem in problems:
+        log.error("after recovery: %s", problem, extra=event("check_failed", problem=problem))
 
 
 def _usage(seg: Segment) -> tuple[int, int]:

@@ -274,9 +274,13 @@ class AcquireResult:
 class AdoptedSlots:
     """A previous run's slot table as ``recovery.scan_slots`` validated it."""
 
-    #: (slot, key, length, checksum or None) of each block to adopt
-    blocks: list[tuple[int, bytes, int, int | None]]
-    #: the persisted last access of each of ``blocks`` (LRU order)
+    # One entry per block to adopt, in the same order in each list (columns: a
+    # quarter of a million blocks adopt in a fraction of a second).
+    slots: list[int]
+    keys: list[bytes]
+    lengths: list[int]
+    checksums: list[int | None]
+    #: the persisted last access (LRU order)
     last_access: list[int]
     #: RESERVED slots: quarantined for the reservation TTL, then freed
     reserved: list[int]
@@ -1251,28 +1255,32 @@ class Store:
         mine: dict[bytes, tuple[int, int, int | None, int]] = {}  # key -> slot, length, sum, last
         lose_here: list[int] = []
         beaten: list[Block] = []
-        for (slot, key, length, checksum), last in zip(slots.blocks, slots.last_access,
-                                                        strict=True):
-            prev = mine.get(key)
-            old = index.get(key) if prev is None else None
-            if prev is not None or old is not None:
-                log.warning("namespace %r: key %s committed twice; keeping the newer copy",
-                            segment.namespace, key.hex())
-            if prev is not None:
-                if prev[3] >= last:
-                    lose_here.append(slot)
-                    continue
-                lose_here.append(prev[0])
-            elif old is not None:
-                try:
-                    old_last: float = adopted_at[adopted.index(old)]  # rare: linear is fine
-                except ValueError:
-                    old_last = float("inf")  # not from a previous run: newer than any
-                if old_last >= last:
-                    lose_here.append(slot)
-                    continue
-                beaten.append(old)
-            mine[key] = (slot, length, checksum, last)
+        rows = zip(slots.keys, zip(slots.slots, slots.lengths, slots.checksums,
+                                   slots.last_access, strict=True), strict=True)
+        unique = (len(set(slots.keys)) == len(slots.keys)
+                  and index.keys().isdisjoint(slots.keys))  # no key twice: the common case
+        if not unique:
+            for key, (slot, length, checksum, last) in rows:
+                prev = mine.get(key)
+                old = index.get(key) if prev is None else None
+                if prev is not None or old is not None:
+                    log.warning("namespace %r: key %s committed twice; keeping the newer copy",
+                                segment.namespace, key.hex())
+                if prev is not None:
+                    if prev[3] >= last:
+                        lose_here.append(slot)
+                        continue
+                    lose_here.append(prev[0])
+                elif old is not None:
+                    try:
+                        old_last: float = adopted_at[adopted.index(old)]  # rare: linear is fine
+                    except ValueError:
+                        old_last = float("inf")  # not from a previous run: newer than any
+                    if old_last >= last:
+                        lose_here.append(slot)
+                        continue
+                    beaten.append(old)
+                mine[key] = (slot, length, checksum, last)
         with _Undo() as undo:
             for slot in lose_here:
                 undo.add(_recommit, segment, slot)
@@ -1299,13 +1307,22 @@ class Store:
             self._unaccount(old)
             old.extent.free.append(old.slot)
             ns.recovered -= 1
+        if unique:
+            keys, at_slots = slots.keys, slots.slots
+            lengths, sums, lasts = slots.lengths, slots.checksums, slots.last_access
+        else:
+            keys = list(mine)
+            at_slots, lengths, sums, lasts = (list(col) for col in zip(*mine.values(),
+                                                                       strict=True)) \
+                if mine else ([], [], [], [])
         gens = ext.generations
-        for key, (slot, length, checksum, last) in mine.items():
-            block = Block(ns, key, ext, slot, length, checksum, gens[slot])
-            ns.index[key] = block
-            adopted.append(block)
-            adopted_at.append(last)
-        recovered = len(mine)
+        # Built by map() from C: a quarter of a million blocks in a few hundred ms.
+        new = list(map(Block, itertools.repeat(ns), keys, itertools.repeat(ext), at_slots,
+                       lengths, sums, map(gens.__getitem__, at_slots)))
+        ns.index.update(zip(keys, new, strict=True))
+        adopted.extend(new)
+        adopted_at.extend(lasts)
+        recovered = len(new)
         ext.committed += recovered
         ext.dirty += recovered
         ns.committed += recovered
@@ -1332,9 +1349,7 @@ class Store:
             for rank, i in enumerate(order, 1):
                 blocks[i].extent.segment.touch(blocks[i].slot, rank)
             top = len(order)
-        lru = self.lru
-        for i in order:
-            lru[blocks[i]] = None
+        self.lru.update(zip(map(blocks.__getitem__, order), itertools.repeat(None)))
         self._access_seq = itertools.count(top + 1)
         self._adopted, self._adopted_at = [], []
 

@@ -250,5 +250,11 @@ def test_a_hostile_writer_cannot_hurt_the_daemon_or_other_namespaces(
         assert re.search(r"namespace 'C': warm, [1-9]", d.log()), d.log()[-3000:]
         _healthy(d, acked)
         _a_reads_never_wrong(d, acked["A"])
+        # The store's own check over what was adopted ran right after READY, clean.
+        deadline = time.monotonic() + 15
+        while not re.search(r"recovery check: \d+ blocks cross-checked in \S+ s, 0 problems",
+                            d.log()):
+            assert time.monotonic() < deadline, d.log()[-3000:]
+            time.sleep(0.2)
     finally:
         stop_daemon(d)
