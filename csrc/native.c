@@ -1758,6 +1758,81 @@ py_pread_full(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
     return kvt_pio_binding(args, kwargs, 0);
 }
 
+PyDoc_STRVAR(py_hash_rows_doc,
+"hash_rows($module, buf, stride, start, stop, seeds)\n"
+"--\n"
+"\n"
+"XXH3-64 of the bytes [start, stop) of each row of buf, row i seeded with\n"
+"seeds[i]; return the hashes as bytes, one native-endian uint64 per row.\n"
+"\n"
+"Rows are stride bytes apart from the start of buf; seeds is a C-contiguous\n"
+"buffer of native-endian uint64, one per row (its size in bytes a multiple\n"
+"of 8), and buf must hold that many rows.  Meant for tables the caller owns\n"
+"(kvtierd's slot tables at a warm start: one call instead of a Python loop);\n"
+"not fault-guarded.  The GIL is released.\n"
+"\n"
+"Raises ValueError if stride < 1, not 0 <= start <= stop <= stride, seeds'\n"
+"size is not a multiple of 8, buf holds fewer rows than seeds, or a buffer\n"
+"is not C-contiguous; TypeError if an argument is not a buffer.");
+
+static PyObject *
+py_hash_rows(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"buf", "stride", "start", "stop", "seeds", NULL};
+    PyObject *buf_obj, *seeds_obj, *result = NULL;
+    Py_ssize_t stride, start, stop, rows;
+    Py_buffer buf, seeds;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnnnO:hash_rows", kwlist, &buf_obj,
+                                     &stride, &start, &stop, &seeds_obj))
+        return NULL;
+    if (stride < 1 || start < 0 || start > stop || stop > stride) {
+        PyErr_Format(PyExc_ValueError,
+                     "need stride >= 1 and 0 <= start <= stop <= stride, got stride=%zd "
+                     "start=%zd stop=%zd", stride, start, stop);
+        return NULL;
+    }
+    if (kvt_get_buffer(buf_obj, &buf, "buf", 0) < 0)
+        return NULL;
+    if (kvt_get_buffer(seeds_obj, &seeds, "seeds", 0) < 0) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    if (seeds.len % 8 != 0) {
+        PyErr_Format(PyExc_ValueError, "seeds has %zd bytes, not a multiple of 8", seeds.len);
+        goto done;
+    }
+    rows = seeds.len / 8;
+    if (rows > 0 && (rows - 1) * stride + stop > buf.len) {
+        PyErr_Format(PyExc_ValueError, "buf has %zd bytes, %zd rows of stride %zd need %zd",
+                     buf.len, rows, stride, (rows - 1) * stride + stop);
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize(NULL, rows * 8);
+    if (result == NULL)
+        goto done;
+    {
+        const char *base = buf.buf, *seedp = seeds.buf;
+        char *out = PyBytes_AS_STRING(result);
+
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < rows; i++) {
+            XXH64_hash_t seed, hash;
+
+            memcpy(&seed, seedp + 8 * i, 8);
+            hash = XXH3_64bits_withSeed(base + i * stride + start, (size_t)(stop - start),
+                                        seed);
+            memcpy(out + 8 * i, &hash, 8);
+        }
+        Py_END_ALLOW_THREADS
+    }
+
+done:
+    PyBuffer_Release(&seeds);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
 PyDoc_STRVAR(py_install_fault_guard_doc,
 "install_fault_guard($module, /)\n"
 "--\n"
@@ -1818,6 +1893,8 @@ static PyMethodDef native_methods[] = {
      METH_VARARGS | METH_KEYWORDS, py_pwrite_full_doc},
     {"pread_full", (PyCFunction)(void (*)(void))py_pread_full,
      METH_VARARGS | METH_KEYWORDS, py_pread_full_doc},
+    {"hash_rows", (PyCFunction)(void (*)(void))py_hash_rows,
+     METH_VARARGS | METH_KEYWORDS, py_hash_rows_doc},
     {"install_fault_guard", py_install_fault_guard, METH_NOARGS,
      py_install_fault_guard_doc},
     {"fault_guard_installed", py_fault_guard_installed, METH_NOARGS,

@@ -153,6 +153,36 @@ def checksum(buf: Any) -> int:
     return digest
 
 
+def hash_rows(buf: Any, stride: int, start: int, stop: int, seeds: Any) -> bytes:
+    """XXH3-64 of the bytes ``[start, stop)`` of each ``stride``-byte row of ``buf``.
+
+    Row i is seeded with ``seeds[i]`` (a buffer of native-endian uint64, e.g. a
+    numpy ``uint64`` array); returns the hashes as bytes, one native-endian
+    uint64 per row (``np.frombuffer(..., np.uint64)``).  For tables the caller
+    owns (kvtierd's slot tables): not fault-guarded.  Raises ValueError when
+    the geometry does not fit (see ``kvtier._native.hash_rows``).
+    """
+    if NATIVE:
+        return _native.hash_rows(buf, stride, start, stop, seeds)
+    if stride < 1 or not 0 <= start <= stop <= stride:
+        raise ValueError(f"need stride >= 1 and 0 <= start <= stop <= stride, got "
+                         f"stride={stride} start={start} stop={stop}")
+    with memoryview(buf) as view, memoryview(seeds) as sv:
+        _check(view, "buf", writable=False)
+        _check(sv, "seeds", writable=False)
+        raw = view.cast("B")
+        if sv.nbytes % 8:
+            raise ValueError(f"seeds has {sv.nbytes} bytes, not a multiple of 8")
+        seed_list = np.frombuffer(sv.cast("B"), dtype=np.uint64).tolist()
+        rows = len(seed_list)
+        if rows and (rows - 1) * stride + stop > raw.nbytes:
+            raise ValueError(f"buf has {raw.nbytes} bytes, {rows} rows of stride {stride} "
+                             f"need {(rows - 1) * stride + stop}")
+        out = np.array([xxhash.xxh3_64_intdigest(raw[i * stride + start : i * stride + stop], s)
+                        for i, s in enumerate(seed_list)], dtype=np.uint64)
+    return out.tobytes()
+
+
 def gather(dst: Any, pieces: Iterable[Any]) -> int:
     """Copy the buffers of ``pieces`` back to back into the start of ``dst``.
 

@@ -23,6 +23,9 @@ def prefault(buf: _Buffer, threads: int = 0) -> int:
 def checksum(buf: _Buffer) -> int:
     """Return the XXH3-64 hash (seed 0) of the bytes of buf, as an int."""
 
+def hash_rows(buf: _Buffer, stride: int, start: int, stop: int, seeds: _Buffer) -> bytes:
+    """XXH3-64 of bytes [start, stop) of each stride-byte row of buf, row i seeded with seeds[i]."""
+
 def gather(dst: _Buffer, pieces: Iterable[_Buffer], threads: int = 0) -> int:
     """Copy the buffers of pieces back to back into the start of dst; return the total."""
 

@@ -27,8 +27,8 @@ import os
 import time
 
 import numpy as np
-import xxhash
 
+from kvtier import _accel
 from kvtier.errors import CapacityExhausted, FailedPrecondition
 from kvtierd.logs import event
 from kvtierd.segments import (
@@ -102,28 +102,18 @@ def scan_slots(seg: Segment, *, boot_epoch: int) -> tuple[AdoptedSlots, collecti
         if hit.any():
             dropped[reason] += int(hit.sum())
             ok &= ~bad
-    # One pass over the candidates: the entry checksum, and the key of each that passes.
+    # Entry checksums of every row in one native call (entry_seed() vectorised: uint64
+    # arithmetic wraps like its mask), then the keys of the rows that pass.
     raw = seg.raw_table()
-    mv = memoryview(raw)
-    candidates = np.flatnonzero(ok)
-    # entry_seed() for every candidate at once (uint64 arithmetic wraps like the mask).
     seeds = (np.uint64(seg.created_unix_ns & (2**64 - 1))
-             ^ (candidates.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))).tolist()
-    digest = xxhash.xxh3_64_intdigest
-    keys: list[bytes] = []
-    failed = 0
-    for slot, seed, want, k in zip(candidates.tolist(), seeds,
-                                   table["entry_sum"][candidates].tolist(),
-                                   klen[candidates].tolist(), strict=True):
-        at = slot * SLOT_ENTRY_BYTES
-        if digest(mv[at + 1 : at + ENTRY_SUM_AT], seed) != want:
-            ok[slot] = False
-            failed += 1
-            continue
-        keys.append(raw[at + KEY_OFFSET : at + KEY_OFFSET + k])
-    del mv
-    if failed:
-        dropped["entry checksum mismatch"] += failed
+             ^ (np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)))
+    sums = np.frombuffer(_accel.hash_rows(raw, SLOT_ENTRY_BYTES, 1, ENTRY_SUM_AT, seeds),
+                         dtype=np.uint64)
+    mismatch = ok & (sums != table["entry_sum"])
+    if mismatch.any():
+        dropped["entry checksum mismatch"] += int(mismatch.sum())
+        ok &= ~mismatch
+    keys = _keys(raw, np.flatnonzero(ok), klen[ok])
     bad_state = state > SlotState.DOOMED
     if bad_state.any():
         dropped["invalid state byte"] += int(bad_state.sum())
@@ -153,6 +143,22 @@ def scan_slots(seg: Segment, *, boot_epoch: int) -> tuple[AdoptedSlots, collecti
         generations=gens.tolist(),
     )
     return adopted, dropped
+
+
+def _keys(raw: bytes, slots: np.ndarray, lengths: np.ndarray) -> list[bytes]:
+    """The keys of ``slots`` (in that order) from a slot table's bytes.
+
+    Keys of one length come out of numpy at once (a ``V`` record's ``tolist()``
+    is its bytes, trailing NULs kept); tables hold one key length or a few.
+    """
+    rows = np.frombuffer(raw, dtype=np.uint8).reshape(-1, SLOT_ENTRY_BYTES)
+    out = np.empty(len(slots), dtype=object)
+    for k in np.unique(lengths).tolist():
+        pick = lengths == k
+        cols = np.ascontiguousarray(rows[slots[pick], KEY_OFFSET : KEY_OFFSET + k])
+        out[pick] = cols.view(f"V{k}").ravel().tolist()
+    keys: list[bytes] = out.tolist()
+    return keys
 
 
 def recover(store: Store, shm_dir: str, *, check: bool = True) -> RecoveryReport:

@@ -361,6 +361,30 @@ def test_checksum_hashes_the_bytes_of_any_dtype_and_shape(accel: ModuleType) -> 
     assert accel.checksum(memoryview(data)[3:]) == xxhash.xxh3_64_intdigest(data[3:])
 
 
+@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+def test_hash_rows_equals_seeded_xxhash_of_each_row(accel: ModuleType, rows: int) -> None:
+    stride, start, stop = 128, 1, 104
+    data = random_bytes(rows * stride + 5, seed=rows)
+    seeds = (np.arange(rows, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(77)
+    got = np.frombuffer(accel.hash_rows(data, stride, start, stop, seeds), dtype=np.uint64)
+    want = [xxhash.xxh3_64_intdigest(data[i * stride + start : i * stride + stop], int(sd))
+            for i, sd in enumerate(seeds)]
+    assert got.tolist() == want
+    # the last row may end before the row's stride does
+    assert accel.hash_rows(data[: max(rows - 1, 0) * stride + stop], stride, start, stop,
+                           seeds) == got.tobytes()
+
+
+def test_hash_rows_refuses_what_does_not_fit(accel: ModuleType) -> None:
+    seeds = np.zeros(2, dtype=np.uint64)
+    with pytest.raises(ValueError, match="need stride >= 1 and 0 <= start <= stop <= stride"):
+        accel.hash_rows(bytes(256), 128, 5, 129, seeds)
+    with pytest.raises(ValueError, match="seeds has 3 bytes, not a multiple of 8"):
+        accel.hash_rows(bytes(256), 128, 0, 128, b"abc")
+    with pytest.raises(ValueError, match=r"buf has 200 bytes, 2 rows of stride 128 need 232"):
+        accel.hash_rows(bytes(200), 128, 0, 104, seeds)
+
+
 def test_checksum_is_unsigned_64_bit(accel: ModuleType) -> None:
     values = [accel.checksum(random_bytes(16, seed=i)) for i in range(64)]
     assert all(0 <= v < 1 << 64 for v in values)
