@@ -1,8 +1,9 @@
 """A hostile writer of namespace A, with every fd and mapping the daemon gives it.
 
 DESIGN invariant 8 and issue 13: whatever a writer does to its data files —
-truncate them, extend them, punch holes, ``madvise(MADV_REMOVE)``, scribble
-over every byte, close its session and come back — kvtierd stays up, the
+truncate them, extend them, punch holes, ``madvise(MADV_REMOVE)``, close and
+reopen them, scribble over every byte, close its session and come back —
+kvtierd stays up, the
 other namespaces (B and C, running traffic meanwhile) read every block they
 were acknowledged byte-exact, ``check()`` is clean and capacity balances;
 then the daemon is SIGKILLed and restarted, and the same holds again (warm
@@ -104,6 +105,15 @@ def _truncate_then_restore(fds: list[tuple[int, int]]) -> None:
         os.ftruncate(fd, size)
 
 
+def _reopen(fds: list[tuple[int, int]]) -> None:
+    """Close and reopen: a new open file description of the same data file (through
+    /proc/self/fd, the only path a client has), truncating, then scribbling past."""
+    for fd, size in fds:
+        again = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_TRUNC)
+        os.pwrite(again, b"\xff" * 4096, size // 2)
+        os.close(again)
+
+
 ABUSES: dict[str, Callable[[list[tuple[int, int]]], None]] = {
     "truncate": _truncate,
     "truncate_half": _truncate_half,
@@ -112,6 +122,7 @@ ABUSES: dict[str, Callable[[list[tuple[int, int]]], None]] = {
     "madv_remove": _madv_remove,
     "scribble": _scribble,
     "truncate_and_restore": _truncate_then_restore,
+    "reopen": _reopen,
 }
 
 
