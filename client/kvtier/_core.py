@@ -24,6 +24,7 @@ one core without generated code.)
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import enum
@@ -284,7 +285,7 @@ _R = TypeVar("_R", bound="ReservationState")
 _L = TypeVar("_L", bound="LeaseState")
 
 
-class ClientCore(Generic[_R, _L]):
+class ClientCore(abc.ABC, Generic[_R, _L]):
     """A session in one namespace of a kvtierd: all of a client but its transport.
 
     A transport subclass provides ``_new_reservation``/``_new_lease`` (its own
@@ -327,11 +328,13 @@ class ClientCore(Generic[_R, _L]):
         #: under asyncio locks).
         self._lock = threading.RLock()
 
+    @abc.abstractmethod
     def _new_reservation(self, keys: list[bytes], resp: pb.ReserveResponse) -> _R:
-        raise NotImplementedError
+        """The transport's Reservation over a Reserve answer."""
 
+    @abc.abstractmethod
     def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse, verify: bool) -> _L:
-        raise NotImplementedError
+        """The transport's Lease over an Acquire answer."""
 
     # ------------------------------------------------------------- session
     def _connect(self) -> tuple[SessionLink, SegmentMaps, pb.SessionOpened]:

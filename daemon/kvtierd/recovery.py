@@ -40,6 +40,7 @@ from kvtierd.segments import (
     MAX_GENERATION,
     MAX_KEY_BYTES,
     META_SUFFIX,
+    SLOT_DTYPE,
     SLOT_ENTRY_BYTES,
     Segment,
     SegmentInvalid,
@@ -80,7 +81,8 @@ def scan_slots(seg: Segment, *, boot_epoch: int) -> tuple[AdoptedSlots, collecti
     """
     lay = seg.layout
     n = lay.n_slots
-    table = seg.scan()
+    raw = seg.raw_table()  # one copy of the table: the numpy view and the row hashes read it
+    table = np.frombuffer(raw, dtype=SLOT_DTYPE, count=n)
     state, klen, flags = table["state"], table["key_len"], table["flags"]
     length, csum, gen = table["length"], table["checksum"], table["generation"]
     last, epoch = table["last_access"], table["epoch"]
@@ -104,7 +106,6 @@ def scan_slots(seg: Segment, *, boot_epoch: int) -> tuple[AdoptedSlots, collecti
             ok &= ~bad
     # Entry checksums of every row in one native call (entry_seed() vectorised: uint64
     # arithmetic wraps like its mask), then the keys of the rows that pass.
-    raw = seg.raw_table()
     seeds = (np.uint64(seg.created_unix_ns & (2**64 - 1))
              ^ (np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)))
     sums = np.frombuffer(_accel.hash_rows(raw, SLOT_ENTRY_BYTES, 1, ENTRY_SUM_AT, seeds),

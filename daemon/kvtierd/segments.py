@@ -394,8 +394,10 @@ class Segment:
         self.mlock_error = self._mlock() if mlock else "mlock disabled by config (dram.mlock: false)"
 
     def _mlock(self) -> str | None:
-        # mlock of a mapping a client cut short fails (ENOMEM) instead of faulting.
-        return _mlock(self.meta) or _mlock(self.mm)
+        # Both files, whatever the first says; mlock of a mapping a client cut short
+        # fails (ENOMEM) instead of faulting.
+        meta_error, data_error = _mlock(self.meta), _mlock(self.mm)
+        return meta_error or data_error
 
     def audit_data_file(self) -> tuple[str, int] | None:
         """Set the data file back to its size if a client changed it (a worker thread).

@@ -82,6 +82,7 @@ from kvtierd.spill.tier import BlockCopy, Geometry, HandOff, SharedAdapter, SsdA
 from kvtierd.store import (
     AcquireResult,
     Block,
+    CheckSnapshot,
     Lease,
     Lower,
     Namespace,
@@ -1237,10 +1238,7 @@ class Tiering:
     # ================================================================ invariants
     def check(self) -> list[str]:
         """Every cross-check, on the calling thread (tests, shutdown)."""
-        problems = self.store.check()
-        for tier in self.lower:
-            problems += tier.check()
-        return problems
+        return self._check_from(self.store.check_snapshot(), list(self.lower))
 
     async def check_off_loop(self) -> list[str]:
         """``check()`` for the Check RPC without stalling the event loop.
@@ -1249,16 +1247,14 @@ class Tiering:
         per-slot work) and cross-checked in a worker thread; the tiers below DRAM
         take their own locks, so their checks run in the worker too.
         """
-        snapshot = self.store.check_snapshot()
-        lower = list(self.lower)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self._check_from, self.store.check_snapshot(), list(self.lower))
 
-        def run() -> list[str]:
-            problems = self.store.check_from(snapshot)
-            for tier in lower:
-                problems += tier.check()
-            return problems
-
-        return await asyncio.get_running_loop().run_in_executor(None, run)
+    def _check_from(self, snapshot: CheckSnapshot, lower: list[Tier]) -> list[str]:
+        problems = self.store.check_from(snapshot)
+        for tier in lower:
+            problems += tier.check()
+        return problems
 
 
 def _prefix(ns: Namespace, keys: Sequence[bytes]) -> list[Block]:
