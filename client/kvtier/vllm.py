@@ -545,6 +545,9 @@ class _Scheduler:
             return 0
         prompt = len(request.prompt_token_ids or ())
         usable = max(0, prompt - 1) // self._block
+        # Blocks vLLM's own prefix cache supplies were saved when this engine computed them,
+        # or were loaded from kvtier: saving them again would cost a Reserve for nothing.
+        st.stored = max(st.stored, num_computed_tokens // self._block)
         if usable * self._block <= num_computed_tokens:
             return 0  # vLLM already has every block kvtier could give
         if st.hits is None:

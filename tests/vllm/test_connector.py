@@ -482,3 +482,31 @@ def test_the_last_tokens_block_is_recomputed_but_not_offered_again(daemon: Daemo
     assert meta.save_keys == []  # kvtier has block 3: no Reserve for it
     assert counters.take()["lookups"] == 1
     sched.close()
+
+
+def test_blocks_from_vllms_own_prefix_cache_are_not_saved_again(daemon: DaemonProc) -> None:
+    sched, counters = _scheduler(daemon, tp=1)
+    tokens = list(range(7, 7 + 3 * BLOCK + 5))
+    keys = block_keys(tokens, BLOCK, request_salt("", None, None))
+    req = FakeRequest("r", tokens)
+    assert sched.matched(req, 3 * BLOCK) == 0  # type: ignore[arg-type]
+    assert counters.take().get("lookups", 0) == 0  # nothing kvtier could add: no lookup
+    new = SimpleNamespace(req_id="r", block_ids=([4, 5, 6, 7],), num_computed_tokens=3 * BLOCK)
+    no_cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                num_computed_tokens=[])
+    out = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=no_cached,
+                          num_scheduled_tokens={"r": 5})
+    meta = sched.build_meta(out)  # type: ignore[arg-type]
+    assert meta.save_keys == [] and meta.loads == []  # the 3 local blocks: no Reserve
+    # A longer prompt with the same 3 local blocks saves only what it computes.
+    longer = FakeRequest("r2", tokens + list(range(BLOCK)))
+    assert sched.matched(longer, 3 * BLOCK) == 0  # type: ignore[arg-type]
+    new2 = SimpleNamespace(req_id="r2", block_ids=([4, 5, 6, 8, 9],),
+                           num_computed_tokens=3 * BLOCK)
+    out2 = SimpleNamespace(scheduled_new_reqs=[new2], scheduled_cached_reqs=no_cached,
+                           num_scheduled_tokens={"r2": BLOCK + 5})
+    meta = sched.build_meta(out2)  # type: ignore[arg-type]
+    more = block_keys(longer.prompt_token_ids, BLOCK, request_salt("", None, None))
+    assert meta.save_keys == [more[3]] and meta.save_block_ids == [8]
+    assert more[:3] == keys[:3]
+    sched.close()
