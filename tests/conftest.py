@@ -16,7 +16,31 @@ from collections.abc import Iterator, Mapping
 import pytest
 
 from kvtier._admin import fetch_stats, run_check, wait_serving
+from kvtier._core import FAST_PATH_ENV
 from kvtier.v1 import kvtier_pb2 as pb
+
+#: Test folders whose every test runs over both client transports (DESIGN: the fast path
+#: keeps every guarantee), unless marked ``one_transport`` (it speaks raw frames or gRPC
+#: itself, so a client transport does not change what it tests).
+BOTH_TRANSPORTS = ("tests/e2e/", "tests/crash/")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    path = str(metafunc.definition.path.relative_to(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    if (path.startswith(BOTH_TRANSPORTS)
+            and metafunc.definition.get_closest_marker("one_transport") is None):
+        metafunc.parametrize("transport", ["fast", "grpc"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The client transport of the test (and of the workers it starts): ``fast`` (the
+    session channel, the default) or ``grpc`` (``KVTIER_FAST_PATH=0``)."""
+    which = str(getattr(request, "param", "fast"))
+    monkeypatch.setenv(FAST_PATH_ENV, "1" if which == "fast" else "0")
+    return which
+
 
 #: Small pools keep tests fast and memory-light on a shared 2-core machine.
 TEST_CAPACITY = "32MiB"

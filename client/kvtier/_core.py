@@ -41,7 +41,7 @@ from google.protobuf.json_format import MessageToDict
 
 from kvtier import _accel
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME, default_socket_dir
-from kvtier._session import SegmentMaps, SessionLink, open_request
+from kvtier._session import LinkBroken, SegmentMaps, SessionLink, open_request
 from kvtier._wire import SESSION_METADATA
 from kvtier.errors import (
     Corrupted,
@@ -135,6 +135,9 @@ def session_lost(what: str) -> SessionLost:
 
 #: Calls that carry ids of the session that issued them: never retried in a new one.
 SESSION_BOUND = frozenset({"Commit", "Abort", "Release"})
+#: ``KVTIER_FAST_PATH=0`` makes clients built without a ``fast_path`` argument use gRPC.
+FAST_PATH_ENV = "KVTIER_FAST_PATH"
+_OFF = frozenset({"0", "false", "no", "off"})
 
 
 def socket_paths(socket: str | os.PathLike[str] | None) -> tuple[str, str]:
@@ -306,6 +309,7 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         timeout: float,
         checksum: bool,
         reconnect_max: float,
+        fast_path: bool | None = None,
     ) -> None:
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be a positive int, got {block_bytes!r}")
@@ -315,6 +319,10 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         self.timeout = timeout
         self.checksum = checksum
         self.grpc_path, self.session_path = socket_paths(socket)
+        if fast_path is None:
+            fast_path = os.environ.get(FAST_PATH_ENV, "1").strip().lower() not in _OFF
+        #: Make calls on the session channel when the daemon offers it (else gRPC).
+        self.fast_path_wanted = fast_path
         self.token = ""
         self.daemon_version = ""
         self._backoff = Backoff(maximum=reconnect_max)
@@ -360,6 +368,7 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
     def _adopt(self, new: tuple[SessionLink, SegmentMaps, pb.SessionOpened]) -> None:
         """Make a session from ``_connect`` the current one (its calls get a new generation)."""
         link, maps, opened = new
+        link.fast_path = opened.fast_path and self.fast_path_wanted
         self._maps.close()
         self._maps = maps
         self._link = link
@@ -382,21 +391,28 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         if self._closed:
             raise FailedPrecondition(f"{self._NAME} is closed")
 
-    def _failed(self, method: str, metadata: Metadata, exc: grpc.RpcError,
+    @property
+    def fast_path(self) -> bool:
+        """Whether calls go on the session channel now (else over gRPC)."""
+        link = self._link
+        return link is not None and link.fast_path
+
+    def _failed(self, method: str, metadata: Metadata, exc: grpc.RpcError | KVTierError,
                 retry: bool) -> KVTierError | None:
-        """The error a failed RPC raises, or None to retry it once in a new session.
+        """The error a failed call raises, or None to retry it once in a new session.
 
         Unavailable or Unauthenticated (not a deadline) ends the session the call
         used, unless a reconnect replaced it meanwhile; a call that is not
-        session-bound and whose token the daemon did not know (it restarted) is
-        retried.
+        session-bound is retried when the daemon did not know its token (it
+        restarted) or its session connection broke (a FastCall's).
         """
-        err = from_rpc_error(exc)
+        err = exc if isinstance(exc, KVTierError) else from_rpc_error(exc)
         if isinstance(err, (Unavailable, Unauthenticated)) and not isinstance(err, DeadlineExceeded):
             with self._lock:
                 if self._metadata == metadata:  # nobody reconnected meanwhile
                     self._lose_session()
-            if retry and isinstance(err, Unauthenticated) and method not in SESSION_BOUND:
+            if (retry and isinstance(err, (Unauthenticated, LinkBroken))
+                    and method not in SESSION_BOUND):
                 return None
         return err
 

@@ -10,14 +10,19 @@ turns slot references into numpy views over shared memory.
 from __future__ import annotations
 
 import array
+import itertools
+import math
 import mmap
 import os
 import socket
 import threading
+import time
 import types
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
 
 import numpy as np
+from google.protobuf.message import DecodeError, Message
 
 from kvtier._paths import explain_unreachable
 from kvtier._wire import FRAME_LEN, MAX_FDS_PER_MSG
@@ -30,12 +35,43 @@ _MADV_POPULATE_WRITE = 23
 _MADV_POPULATE_READ = 22
 
 
+#: Response message type of each ``kvtier.v1.KVTier`` method (for FastReply bodies).
+_RESPONSE_OF: Final = {m.name: getattr(pb, m.output_type.name)
+                       for m in pb.DESCRIPTOR.services_by_name["KVTier"].methods}
+#: How much longer than a call's own deadline the link waits for any frame before
+#: it calls the daemon hung (the daemon answers DEADLINE_EXCEEDED at the deadline).
+_HUNG_AFTER: Final = 5.0
+
+
+class LinkBroken(Unavailable):
+    """The session connection failed or closed: its session has ended."""
+
+
 class SessionLink:
-    """A connection to the daemon's session socket: one session's liveness."""
+    """A connection to the daemon's session socket: one session's liveness, and
+    (when the daemon offers it) its fast path.
+
+    Threads share it.  Every request carries a ``call_id``; whichever waiting
+    thread finds no other thread reading reads frames for everybody and hands
+    each response to the thread that waits for it (no reader thread, so a
+    lone caller pays no thread hop).
+    """
 
     def __init__(self, path: str, timeout: float) -> None:
         self.path = path
-        self._lock = threading.Lock()
+        self.timeout = timeout
+        #: Set from SessionOpened: the daemon serves FastCalls on this connection.
+        self.fast_path = False
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
+        self._ids = itertools.count(1)
+        self._done: dict[int, tuple[pb.SessionResponse, list[int]]] = {}
+        self._waiting: set[int] = set()
+        self._reading = False
+        self._broken: LinkBroken | None = None
+        self._buf = bytearray()
+        self._pos = 0  # stream offset of _buf[0]
+        self._fds: list[tuple[int, list[int]]] = []  # (stream offset they came with, fds)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.settimeout(timeout)
         try:
@@ -43,55 +79,179 @@ class SessionLink:
         except OSError as exc:
             sock.close()
             raise Unavailable(explain_unreachable(path, exc)) from exc
+        sock.settimeout(timeout + _HUNG_AFTER)
         self._sock = sock
 
     def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
+        except OSError:
+            pass
         self._sock.close()
+        with self._cond:
+            for resp_fds in self._done.values():
+                for fd in resp_fds[1]:
+                    os.close(fd)
+            self._done.clear()
 
+    # ------------------------------------------------------------- calls
     def request(self, req: pb.SessionRequest) -> tuple[pb.SessionResponse, list[int]]:
         """Send one request; the response and the fds that came with it."""
-        with self._lock:
-            body = req.SerializeToString()
-            try:
-                self._sock.sendall(FRAME_LEN.pack(len(body)) + body)
-                data, fds = self._recv_frame()
-            except OSError as exc:
-                raise Unavailable(f"session channel to {self.path} failed: {exc}") from exc
-        resp = pb.SessionResponse.FromString(data)
+        call_id = self._send(req)
+        resp, fds = self._wait(call_id, self.timeout + _HUNG_AFTER)
         if resp.WhichOneof("kind") == "error":
             for fd in fds:
                 os.close(fd)
             raise from_status(resp.error.code, resp.error.message)
         return resp, fds
 
+    def call(self, method: str, request: Message, timeout: float) -> Any:
+        """One ``kvtier.v1.KVTier`` call on the fast path; its response message.
+
+        Raises the call's error as the kvtier exception (the session goes on),
+        or ``LinkBroken`` if the connection failed (the session has ended).
+        """
+        call_id = self._send(pb.SessionRequest(call=pb.FastCall(
+            method=method, request=request.SerializeToString(),
+            timeout_ms=max(1, math.ceil(timeout * 1000)))))
+        resp, fds = self._wait(call_id, timeout + _HUNG_AFTER)
+        for fd in fds:  # a FastReply carries none; never leak what a confused peer sent
+            os.close(fd)
+        kind = resp.WhichOneof("kind")
+        if kind == "reply":
+            return _RESPONSE_OF[method].FromString(resp.reply.response)
+        if kind == "error":
+            raise from_status(resp.error.code, resp.error.message)
+        raise self._break(f"kvtierd answered {method} with a {kind!r} frame")
+
+    def cast(self, method: str, request: Message) -> None:
+        """A call nobody waits for (``no_reply``: the daemon sends no answer)."""
+        with self._send_lock:
+            self._send_frame(pb.SessionRequest(call=pb.FastCall(
+                method=method, request=request.SerializeToString(), no_reply=True)))
+
+    # ------------------------------------------------------------- plumbing
+    def _send(self, req: pb.SessionRequest) -> int:
+        with self._cond:
+            if self._broken is not None:
+                raise self._broken
+            call_id = next(self._ids)
+            self._waiting.add(call_id)
+        req.call_id = call_id
+        try:
+            with self._send_lock:
+                self._send_frame(req)
+        except BaseException:
+            with self._cond:
+                self._waiting.discard(call_id)
+            raise
+        return call_id
+
+    def _send_frame(self, req: pb.SessionRequest) -> None:
+        body = req.SerializeToString()
+        try:
+            self._sock.sendall(FRAME_LEN.pack(len(body)) + body)
+        except OSError as exc:
+            raise self._break(f"session channel to {self.path} failed: {exc}") from exc
+
+    def _break(self, why: str) -> LinkBroken:
+        err = LinkBroken(why)
+        with self._cond:
+            if self._broken is None:
+                self._broken = err
+            self._cond.notify_all()
+            return self._broken
+
+    def _wait(self, call_id: int, timeout: float) -> tuple[pb.SessionResponse, list[int]]:
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                with self._cond:
+                    while True:
+                        got = self._done.pop(call_id, None)
+                        if got is not None:
+                            return got
+                        if self._broken is not None:
+                            raise self._broken
+                        if not self._reading:
+                            self._reading = True
+                            break
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise self._break(f"kvtierd did not answer within {timeout:.1f} s")
+                        self._cond.wait(left)
+                try:
+                    data, fds = self._recv_frame()
+                    resp = pb.SessionResponse.FromString(data)
+                except (OSError, DecodeError) as exc:
+                    with self._cond:
+                        self._reading = False
+                    raise self._break(f"session channel to {self.path} failed: {exc}") from exc
+                except BaseException:
+                    with self._cond:
+                        self._reading = False
+                        self._cond.notify_all()
+                    raise
+                with self._cond:
+                    self._reading = False
+                    if resp.call_id == call_id:
+                        self._cond.notify_all()
+                        return resp, fds
+                    if resp.call_id in self._waiting:
+                        self._done[resp.call_id] = (resp, fds)
+                    else:  # an answer nobody waits for (a connection-ending error has id 0)
+                        for fd in fds:
+                            os.close(fd)
+                        if resp.WhichOneof("kind") == "error":
+                            self._broken = LinkBroken(resp.error.message)
+                    self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._waiting.discard(call_id)
+
     def _recv_frame(self) -> tuple[bytes, list[int]]:
-        buf = bytearray()
-        fds: list[int] = []
-        need = FRAME_LEN.size
-        have_len = False
-        while len(buf) < need:
+        """The next frame and its fds.
+
+        Frames that arrive together are read together and the rest kept.  The
+        kernel ends a read right after the bytes that carried fds, and the
+        daemon sends a frame's fds with bytes of that frame, so the fds of one
+        read belong to the frame that holds its last byte.
+        """
+        buf = self._buf
+        need = 0  # the whole frame's bytes, once its length prefix is in
+        while True:
+            if not need and len(buf) >= FRAME_LEN.size:
+                (length,) = FRAME_LEN.unpack_from(buf)
+                need = FRAME_LEN.size + length
+            if need and len(buf) >= need:
+                end = self._pos + need
+                fds: list[int] = []
+                while self._fds and self._fds[0][0] < end:
+                    fds.extend(self._fds.pop(0)[1])
+                body = bytes(buf[FRAME_LEN.size:need])
+                del buf[:need]
+                self._pos = end
+                return body, fds
             data, ancdata, flags, _ = self._sock.recvmsg(
-                max(need - len(buf), 4096), socket.CMSG_SPACE(MAX_FDS_PER_MSG * 4)
+                max(need - len(buf), 65536), socket.CMSG_SPACE(MAX_FDS_PER_MSG * 4)
             )
+            got: list[int] = []
             for level, kind, payload in ancdata:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     arr = array.array("i")
                     arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
-                    fds.extend(arr)
+                    got.extend(arr)
             if flags & socket.MSG_CTRUNC:
-                for fd in fds:
+                for fd in got:
                     os.close(fd)
-                raise Unavailable("file descriptors were truncated (is RLIMIT_NOFILE too low?)")
+                raise OSError("file descriptors were truncated (is RLIMIT_NOFILE too low?)")
             if not data:
-                for fd in fds:
+                for fd in got:
                     os.close(fd)
-                raise Unavailable("kvtierd closed the session channel")
+                raise OSError("kvtierd closed the session channel")
             buf += data
-            if not have_len and len(buf) >= FRAME_LEN.size:
-                (length,) = FRAME_LEN.unpack_from(buf)
-                need = FRAME_LEN.size + length
-                have_len = True
-        return bytes(buf[FRAME_LEN.size :]), fds
+            if got:
+                self._fds.append((self._pos + len(buf) - 1, got))
 
 
 class SegmentMaps:

@@ -98,9 +98,11 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
         checksum: bool = False,
         reconnect_max: float = 5.0,
     ) -> None:
+        # Over gRPC for now: the session channel's fast path is Client's (its link is
+        # a blocking socket; an asyncio one is to come).
         super().__init__(socket, namespace=namespace, block_bytes=block_bytes,
                          model_uid=model_uid, timeout=timeout, checksum=checksum,
-                         reconnect_max=reconnect_max)
+                         reconnect_max=reconnect_max, fast_path=False)
         self._channel: grpc.aio.Channel | None = None
         self._session_lock: asyncio.Lock | None = None
         self._maps_lock: asyncio.Lock | None = None

@@ -36,6 +36,7 @@ from kvtier._core import (
     grpc_options,
     run_steps,
 )
+from kvtier.errors import KVTierError
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -119,6 +120,10 @@ class Client(ClientCore[Reservation, Lease]):
     seconds, failing fast in between) and open a new session.  Leases and
     reservations of the old session are reported as ``SessionLost``.
     Threads may share one client.
+
+    Calls go on the session connection (the fast path) when the daemon offers
+    it (``server.fast_path``), else over gRPC; ``fast_path=False`` (or
+    ``KVTIER_FAST_PATH=0`` in the environment) always uses gRPC.
     """
 
     def __init__(
@@ -131,10 +136,11 @@ class Client(ClientCore[Reservation, Lease]):
         timeout: float = DEFAULT_TIMEOUT,
         checksum: bool = False,
         reconnect_max: float = 5.0,
+        fast_path: bool | None = None,
     ) -> None:
         super().__init__(socket, namespace=namespace, block_bytes=block_bytes,
                          model_uid=model_uid, timeout=timeout, checksum=checksum,
-                         reconnect_max=reconnect_max)
+                         reconnect_max=reconnect_max, fast_path=fast_path)
         self._pending_release: grpc.Future[Any] | None = None
         self._adopt(self._connect())
         self._channel = grpc.insecure_channel(f"unix:{self.grpc_path}",
@@ -171,12 +177,21 @@ class Client(ClientCore[Reservation, Lease]):
             return self._metadata
 
     def _call(self, method: str, request: Any, *, retry: bool = True) -> Any:
-        """One RPC in the current session; reconnects once if the daemon restarted."""
+        """One call in the current session (a FastCall on the session channel when the
+        daemon offers it, else gRPC); reconnects once if the daemon restarted."""
         metadata = self._ensure_session()
-        try:
-            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=metadata)
-        except grpc.RpcError as exc:
-            err = self._failed(method, metadata, exc, retry)
+        link = self._link
+        if link is not None and link.fast_path:
+            try:
+                return link.call(method, request, self.timeout)
+            except KVTierError as exc:
+                err = self._failed(method, metadata, exc, retry)
+        else:
+            try:
+                return getattr(self._stub, method)(request, timeout=self.timeout,
+                                                   metadata=metadata)
+            except grpc.RpcError as exc:
+                err = self._failed(method, metadata, exc, retry)
         if err is not None:
             raise err
         return self._call(method, request, retry=False)  # a restarted daemon
@@ -189,6 +204,13 @@ class Client(ClientCore[Reservation, Lease]):
 
     def _send_release(self, lease_id: int) -> None:
         """Release without waiting for the answer; the previous one is reaped then."""
+        link = self._link
+        if link is not None and link.fast_path:
+            try:
+                link.cast("Release", pb.ReleaseRequest(lease_id=lease_id))
+            except KVTierError:
+                pass  # the session ended: so did its leases
+            return
         fut = self._stub.Release.future(
             pb.ReleaseRequest(lease_id=lease_id), timeout=self.timeout, metadata=self._metadata)
         with self._lock:  # a load thread and the caller's may both release

@@ -34,7 +34,7 @@ from kvtierd.logs import Throttle, event, more
 from kvtierd.metrics import Metrics
 from kvtierd.recovery import RecoveryReport, log_problems, recover
 from kvtierd.segments import Segment, SegmentLayout
-from kvtierd.service import KVTierService, add_to_server
+from kvtierd.service import KVTierService, add_to_server, methods
 from kvtierd.session_channel import SessionChannel
 from kvtierd.spill.shared import SharedTier
 from kvtierd.spill.ssd import SsdTier
@@ -428,7 +428,8 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
         channel = SessionChannel(store, metrics, session_path, cfg.server.socket_mode,
-                                 policy=cfg.access, limits=cfg.limits, admins=admins)
+                                 policy=cfg.access, limits=cfg.limits, admins=admins,
+                                 methods=methods(service) if cfg.server.fast_path else None)
         undo.callback(_unlink, session_path)
         await channel.start()
         undo.push_async_callback(channel.stop)

@@ -205,6 +205,8 @@ class ServerConfig:
     tls_key: str = ""         # PEM private key of tls_cert
     tls_client_ca: str = ""   # PEM CA bundle that signs client certificates
     tls_client_auth: str = "none"  # none (server-only TLS) or required (mutual TLS)
+    #: Serve KVTier calls on the session channel too (FastCall), not only over gRPC.
+    fast_path: bool = True
 
     @property
     def grpc_socket(self) -> str:
@@ -856,6 +858,7 @@ def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
         tls_key=take("server.tls_key", parse_optional_path, ""),
         tls_client_ca=take("server.tls_client_ca", parse_optional_path, ""),
         tls_client_auth=take("server.tls_client_auth", _parse_choice(TLS_CLIENT_AUTH), "none"),
+        fast_path=take("server.fast_path", _parse_bool, True),
     )
     _check_tls(server)
     capacity = take(
@@ -973,6 +976,7 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
             "tls_key": s.tls_key,
             "tls_client_ca": s.tls_client_ca,
             "tls_client_auth": s.tls_client_auth,
+            "fast_path": s.fast_path,
         },
         "dram": {
             "shm_dir": d.shm_dir,

@@ -9,11 +9,12 @@ gives them, applied in one place (``_rpc``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -86,20 +87,70 @@ def _lenient(message_type: Any) -> Callable[[bytes], Any]:
     return parse
 
 
-def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
-    """Register every ``kvtier.v1.KVTier`` method of ``service`` on ``server``."""
-    handlers = {}
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One ``kvtier.v1.KVTier`` method of a service: its handler and its wire codecs."""
+
+    name: str
+    handler: Callable[[Any, Any], Awaitable[Any]]
+    parse: Callable[[bytes], Any]
+    serialize: Callable[[Any], bytes]
+
+
+def methods(service: KVTierService) -> dict[str, Method]:
+    """Every ``kvtier.v1.KVTier`` method of ``service``: the one table both transports
+    (gRPC here, FastCall on the session channel) serve from."""
+    out = {}
     for method in pb.DESCRIPTOR.services_by_name["KVTier"].methods:
         req_type = getattr(pb, method.input_type.name)
         resp_type = getattr(pb, method.output_type.name)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(service, method.name),
-            request_deserializer=_lenient(req_type),
-            response_serializer=resp_type.SerializeToString,
-        )
+        out[method.name] = Method(method.name, getattr(service, method.name), _lenient(req_type),
+                                  resp_type.SerializeToString)
+    return out
+
+
+def add_to_server(service: KVTierService, server: grpc.aio.Server) -> None:
+    """Register every ``kvtier.v1.KVTier`` method of ``service`` on ``server``."""
+    handlers = {
+        m.name: grpc.unary_unary_rpc_method_handler(
+            m.handler, request_deserializer=m.parse, response_serializer=m.serialize)
+        for m in methods(service).values()
+    }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("kvtier.v1.KVTier", handlers),)
     )
+
+
+class FastCallFailed(Exception):
+    """A FastCall's handler ended with this status (what gRPC's abort would send)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class FastContext:
+    """What a handler sees of a call that came on the session channel (FastCall).
+
+    The session is the connection's own (its token, never one the peer
+    names), there is no TLS peer, and ``abort`` raises :class:`FastCallFailed`
+    for the session channel to send as an error frame.
+    """
+
+    __slots__ = ("_metadata",)
+
+    def __init__(self, token: str) -> None:
+        self._metadata = ((SESSION_METADATA, token),)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        raise FastCallFailed(code, details)
 
 
 def _rpc(method: str) -> Callable[[_Handler[_Req, _Resp]], _Handler[_Req, _Resp]]:

@@ -15,6 +15,18 @@ Frames are a 4-byte big-endian length and a ``kvtier.v1.SessionRequest`` /
 ``SessionResponse`` (the format and the fd limit live in ``kvtier._wire``,
 shared with the client).  Anything malformed gets a ``SessionError`` frame and the
 connection is closed; the daemon keeps serving.
+
+**The fast path.**  Once a session is open, a ``FastCall`` frame carries a
+``kvtier.v1.KVTier`` call (``Acquire``, ``Reserve``, ...) on this same
+connection instead of gRPC: the daemon serves it with the very handler that
+serves the gRPC method (``service.methods``), as this connection's own
+session, and answers with a ``FastReply`` or a ``SessionError`` that names
+the call (``call_id``) and leaves the connection open.  Calls run
+concurrently (at most :data:`MAX_CALLS_IN_FLIGHT` per connection; past that
+the daemon reads no further frame until one ends) and may be answered out of
+order; ``no_reply`` calls (a Release) are never answered.  When the
+connection ends, its calls still running are cancelled before the session
+is closed.
 """
 
 from __future__ import annotations
@@ -26,8 +38,10 @@ import os
 import re
 import socket
 import struct
+from collections.abc import Mapping
 from typing import Final
 
+import grpc
 from google.protobuf.message import DecodeError
 
 from kvtier import __version__
@@ -52,6 +66,7 @@ from kvtierd.access import (
 from kvtierd.config import LimitsConfig
 from kvtierd.metrics import Metrics
 from kvtierd.segments import UID_BYTES, Segment
+from kvtierd.service import FastCallFailed, FastContext, Method
 from kvtierd.store import Peer, Session, Store
 
 log = logging.getLogger(__name__)
@@ -70,12 +85,28 @@ MAX_REQUEST_FRAME: Final = 2 << 20
 #: half-open connection that never speaks must not hold resources forever).
 HANDSHAKE_TIMEOUT: Final = 10.0
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9._/-]{1,128}")
+#: FastCalls one connection may have running at once; the next frame is read
+#: when one ends (a client cannot make the daemon hold unbounded work).
+MAX_CALLS_IN_FLIGHT: Final = 64
+#: Bytes asked of each recv: small frames that arrive together are read at once.
+_RECV_BYTES: Final = 64 << 10
 #: The frame format is shared with the client (kvtier._wire): a 4-byte length prefix.
 _LEN: Final = FRAME_LEN
 
 
 class _Closed(Exception):
     """The peer closed the connection."""
+
+
+class _Conn:
+    """One session-channel connection: its socket, what was read ahead of the frame
+    being parsed, and the lock that keeps its response frames whole (FastCalls
+    answer from their own tasks)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.send_lock = asyncio.Lock()
 
 
 def validate_decl(decl: pb.NamespaceDecl) -> None:
@@ -96,9 +127,13 @@ class SessionChannel:
 
     def __init__(self, store: Store, metrics: Metrics, path: str, mode: int, *,
                  policy: AccessPolicy | None = None, limits: LimitsConfig | None = None,
-                 admins: AdminSessions | None = None) -> None:
+                 admins: AdminSessions | None = None,
+                 methods: Mapping[str, Method] | None = None) -> None:
+        """``methods``: the service's (``service.methods``), served as FastCalls; None
+        turns the fast path off (``server.fast_path: false``)."""
         self.store = store
         self.metrics = metrics
+        self.methods = methods
         self.path = path
         self.mode = mode
         self.policy = policy if policy is not None else AccessPolicy(enabled=False)
@@ -150,21 +185,25 @@ class SessionChannel:
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
-    async def _serve(self, conn: socket.socket) -> None:
-        conn.setblocking(False)
+    async def _serve(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        conn = _Conn(sock)
         session: Session | None = None
         admin: AdminSession | None = None
+        calls: set[asyncio.Task[None]] = set()
+        room = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
         # Segment ids whose fds this connection was sent: never sent twice, so a peer
         # that asks again and again without reading cannot park an unbounded number of
         # our fds in its receive queue (the kernel counts fds in flight against our
         # RLIMIT_NOFILE, and past it no other client could be sent any).
         sent: set[int] = set()
+        call_id = 0  # of the request being handled: a connection-ending error names it
         try:
             pid, uid, gid = struct.unpack(
-                "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+                "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             )
             peer = Peer(pid, uid, gid)
-            ident = Identity.of_peer(pid, uid, gid, groups=peer_groups(conn))
+            ident = Identity.of_peer(pid, uid, gid, groups=peer_groups(sock))
             while True:
                 opened = session is not None or admin is not None
                 timeout = None if opened else HANDSHAKE_TIMEOUT
@@ -179,8 +218,19 @@ class SessionChannel:
                     req = pb.SessionRequest.FromString(frame)
                 except DecodeError:
                     raise InvalidArgument("session channel frame is not a SessionRequest") from None
+                call_id = req.call_id
                 kind = req.WhichOneof("kind")
-                if kind == "open":
+                if kind == "call":
+                    if session is None and admin is None:
+                        raise FailedPrecondition("FastCall before OpenSession or OpenAdmin")
+                    token = session.token if session is not None else admin.token  # type: ignore[union-attr]
+                    await room.acquire()  # at most MAX_CALLS_IN_FLIGHT: read on when one ends
+                    task = asyncio.get_running_loop().create_task(
+                        self._fast_call(conn, token, call_id, req.call))
+                    calls.add(task)
+                    task.add_done_callback(calls.discard)
+                    task.add_done_callback(lambda _t: room.release())
+                elif kind == "open":
                     if session is not None or admin is not None:
                         raise FailedPrecondition("this connection already has a session")
                     validate_decl(req.open.ns)
@@ -193,11 +243,12 @@ class SessionChannel:
                     session.ident = ident
                     log.debug("session %d opened by pid %d uid %d in %r", session.id, pid, uid,
                               session.ns.name)
-                    sent = await self._send_opened(conn, session)
+                    sent = await self._send_opened(conn, session, call_id)
                 elif kind == "map":
                     if session is None:
                         raise FailedPrecondition("MapSegments before OpenSession")
-                    sent |= await self._send_mapped(conn, session, set(req.map.want_fds) - sent)
+                    sent |= await self._send_mapped(conn, session, set(req.map.want_fds) - sent,
+                                                    call_id)
                 elif kind == "admin":
                     if session is not None or admin is not None:
                         raise FailedPrecondition("this connection already has a session")
@@ -207,20 +258,27 @@ class SessionChannel:
                             "access.namespaces rule, of the daemon's config)")
                     self._check_session_limit(uid)
                     admin = self.admins.open(ident)
-                    await self._send(conn, pb.SessionResponse(opened=pb.SessionOpened(
+                    opened_admin = pb.SessionOpened(
                         token=admin.token, daemon_version=__version__,
-                        boot_epoch=self.store.boot_epoch)), [])
+                        boot_epoch=self.store.boot_epoch, fast_path=self.methods is not None)
+                    await self._send(conn, pb.SessionResponse(call_id=call_id,
+                                                              opened=opened_admin), [])
                 else:
-                    raise InvalidArgument("empty SessionRequest (set open, map or admin)")
+                    raise InvalidArgument("empty SessionRequest (set open, map, admin or call)")
         except _Closed:
             pass
         except KVTierError as exc:
-            await self._send_error(conn, exc)
+            await self._send_error(conn, exc, call_id)
         except (ConnectionError, OSError) as exc:
             log.debug("session channel connection failed: %s", exc)
         except asyncio.CancelledError:
             pass
         finally:
+            # Calls still running belong to a session that is ending: they stop first.
+            for task in calls:
+                task.cancel()
+            if calls:
+                await asyncio.gather(*calls, return_exceptions=True)
             if admin is not None:
                 self.admins.close(admin)
             if session is not None:
@@ -230,7 +288,37 @@ class SessionChannel:
                 if aborted or released:
                     log.info("session %d (pid %d) closed: %d reserved slots returned, %d leases "
                              "released", session.id, session.peer.pid, aborted, released)
-            conn.close()
+            sock.close()
+
+    async def _fast_call(self, conn: _Conn, token: str, call_id: int, call: pb.FastCall) -> None:
+        """Serve one FastCall with the gRPC method's own handler; answer unless no_reply."""
+        try:
+            if self.methods is None:
+                raise FailedPrecondition("the fast path is off on this daemon "
+                                         "(server.fast_path: false): use gRPC")
+            method = self.methods.get(call.method)
+            if method is None:
+                raise InvalidArgument(f"FastCall of an unknown method {call.method[:64]!r}")
+            work = method.handler(method.parse(call.request), FastContext(token))
+            if call.timeout_ms:
+                resp = await asyncio.wait_for(work, call.timeout_ms / 1000)
+            else:
+                resp = await work
+            out = pb.SessionResponse(call_id=call_id,
+                                     reply=pb.FastReply(response=method.serialize(resp)))
+        except FastCallFailed as exc:
+            out = _error(call_id, exc.code.value[0], exc.details)
+        except TimeoutError:
+            out = _error(call_id, grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+                         f"{call.method} did not finish within {call.timeout_ms} ms")
+        except KVTierError as exc:
+            out = _error(call_id, status_of(exc).value[0], str(exc))
+        if call.no_reply:
+            return
+        try:
+            await self._send(conn, out, [])
+        except OSError as exc:  # the peer is gone: the read loop ends the session
+            log.debug("session channel: answer to call %d not sent: %s", call_id, exc)
 
     # ------------------------------------------------------------- access
     def _rights(self, ident: Identity, namespace: str) -> Right:
@@ -252,25 +340,29 @@ class SessionChannel:
                 f"{limit})")
 
     # ------------------------------------------------------------- framing
-    async def _read_exact(self, conn: socket.socket, n: int) -> bytes:
+    async def _read_frame(self, conn: _Conn, limit: int) -> bytes:
+        """The next frame's body (frames that arrived together are read at once)."""
         loop = asyncio.get_running_loop()
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = await loop.sock_recv(conn, n - len(buf))
+        buf = conn.buf
+        need = 0  # the whole frame's bytes, once its length prefix is in
+        while True:
+            if not need and len(buf) >= _LEN.size:
+                (length,) = _LEN.unpack_from(buf)
+                if length > limit:
+                    raise InvalidArgument(
+                        f"frame of {length} bytes exceeds {limit}"
+                        + (" before a session is open" if limit == MAX_OPEN_FRAME else ""))
+                need = _LEN.size + length
+            if need and len(buf) >= need:
+                body = bytes(buf[_LEN.size:need])
+                del buf[:need]
+                return body
+            chunk = await loop.sock_recv(conn.sock, max(_RECV_BYTES, need - len(buf)))
             if not chunk:
                 raise _Closed()
             buf += chunk
-        return bytes(buf)
 
-    async def _read_frame(self, conn: socket.socket, limit: int) -> bytes:
-        (length,) = _LEN.unpack(await self._read_exact(conn, _LEN.size))
-        if length > limit:
-            raise InvalidArgument(f"frame of {length} bytes exceeds {limit}"
-                                  + (" before a session is open" if limit == MAX_OPEN_FRAME
-                                     else ""))
-        return await self._read_exact(conn, length)
-
-    async def _send_with_fds(self, conn: socket.socket, msg: pb.SessionResponse,
+    async def _send_with_fds(self, conn: _Conn, msg: pb.SessionResponse,
                              segments: list[Segment], *, read_only: bool = False) -> None:
         """Send ``msg`` with the segments' fds.
 
@@ -296,7 +388,12 @@ class SessionChannel:
             for fd in fds:
                 os.close(fd)
 
-    async def _send(self, conn: socket.socket, msg: pb.SessionResponse, fds: list[int]) -> None:
+    async def _send(self, conn: _Conn, msg: pb.SessionResponse, fds: list[int]) -> None:
+        async with conn.send_lock:  # one frame at a time: FastCalls answer concurrently
+            await self._send_frame(conn.sock, msg, fds)
+
+    async def _send_frame(self, conn: socket.socket, msg: pb.SessionResponse,
+                          fds: list[int]) -> None:
         body = msg.SerializeToString()
         data = memoryview(_LEN.pack(len(body)) + body)
         # Split so each sendmsg carries at most MAX_FDS_PER_MSG fds (>= 1 byte each).
@@ -323,10 +420,11 @@ class SessionChannel:
                 piece = piece[sent:]
                 anc = []  # the fds went with the first bytes
 
-    async def _send_opened(self, conn: socket.socket, session: Session) -> set[int]:
+    async def _send_opened(self, conn: _Conn, session: Session, call_id: int) -> set[int]:
         ns = session.ns
         segs = self.store.segments(ns)
         msg = pb.SessionResponse(
+            call_id=call_id,
             opened=pb.SessionOpened(
                 token=session.token,
                 slot_bytes=ns.slot_bytes,
@@ -335,13 +433,14 @@ class SessionChannel:
                 daemon_version=__version__,
                 boot_epoch=self.store.boot_epoch,
                 read_only=not session.rights & Right.WRITE,
+                fast_path=self.methods is not None,
             )
         )
         await self._send_with_fds(conn, msg, segs, read_only=not session.rights & Right.WRITE)
         return {seg.segment_id for seg in segs}
 
-    async def _send_mapped(self, conn: socket.socket, session: Session,
-                           want: set[int]) -> set[int]:
+    async def _send_mapped(self, conn: _Conn, session: Session,
+                           want: set[int], call_id: int) -> set[int]:
         """Answer a MapSegments with fds of the wanted segments (those not sent before on
         this connection); returns the ids whose fds went."""
         ns = session.ns
@@ -349,6 +448,7 @@ class SessionChannel:
         # Only this namespace's segments can ever be sent (DESIGN invariant 5).
         send = [s for s in segs if s.segment_id in want]
         msg = pb.SessionResponse(
+            call_id=call_id,
             mapped=pb.SegmentsMapped(
                 segments_version=ns.segments_version,
                 segments=[_info(s) for s in segs],
@@ -358,10 +458,8 @@ class SessionChannel:
         await self._send_with_fds(conn, msg, send, read_only=not session.rights & Right.WRITE)
         return {seg.segment_id for seg in send}
 
-    async def _send_error(self, conn: socket.socket, exc: KVTierError) -> None:
-        msg = pb.SessionResponse(
-            error=pb.SessionError(code=status_of(exc).value[0], message=str(exc))
-        )
+    async def _send_error(self, conn: _Conn, exc: KVTierError, call_id: int) -> None:
+        msg = _error(call_id, status_of(exc).value[0], str(exc))
         try:
             await asyncio.wait_for(self._send(conn, msg, []), 1.0)
         except (TimeoutError, OSError, KVTierError):
@@ -374,3 +472,7 @@ def _info(seg: Segment) -> pb.SegmentInfo:
         data_offset=seg.layout.data_offset,
         data_bytes=seg.layout.n_slots * seg.layout.slot_bytes,
     )
+
+
+def _error(call_id: int, code: int, message: str) -> pb.SessionResponse:
+    return pb.SessionResponse(call_id=call_id, error=pb.SessionError(code=code, message=message))

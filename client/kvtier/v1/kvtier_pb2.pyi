@@ -66,17 +66,39 @@ class OpenAdmin(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("open", "map", "admin")
+    __slots__ = ("open", "map", "admin", "call", "call_id")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     MAP_FIELD_NUMBER: _ClassVar[int]
     ADMIN_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     open: OpenSession
     map: MapSegments
     admin: OpenAdmin
-    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., map: _Optional[_Union[MapSegments, _Mapping]] = ..., admin: _Optional[_Union[OpenAdmin, _Mapping]] = ...) -> None: ...
+    call: FastCall
+    call_id: int
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., map: _Optional[_Union[MapSegments, _Mapping]] = ..., admin: _Optional[_Union[OpenAdmin, _Mapping]] = ..., call: _Optional[_Union[FastCall, _Mapping]] = ..., call_id: _Optional[int] = ...) -> None: ...
+
+class FastCall(_message.Message):
+    __slots__ = ("method", "request", "timeout_ms", "no_reply")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    NO_REPLY_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    request: bytes
+    timeout_ms: int
+    no_reply: bool
+    def __init__(self, method: _Optional[str] = ..., request: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ..., no_reply: _Optional[bool] = ...) -> None: ...
+
+class FastReply(_message.Message):
+    __slots__ = ("response",)
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    response: bytes
+    def __init__(self, response: _Optional[bytes] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("token", "slot_bytes", "segments_version", "segments", "daemon_version", "boot_epoch", "read_only")
+    __slots__ = ("token", "slot_bytes", "segments_version", "segments", "daemon_version", "boot_epoch", "read_only", "fast_path")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +106,7 @@ class SessionOpened(_message.Message):
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATH_FIELD_NUMBER: _ClassVar[int]
     token: str
     slot_bytes: int
     segments_version: int
@@ -91,7 +114,8 @@ class SessionOpened(_message.Message):
     daemon_version: str
     boot_epoch: int
     read_only: bool
-    def __init__(self, token: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments_version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., read_only: _Optional[bool] = ...) -> None: ...
+    fast_path: bool
+    def __init__(self, token: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments_version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., read_only: _Optional[bool] = ..., fast_path: _Optional[bool] = ...) -> None: ...
 
 class SegmentsMapped(_message.Message):
     __slots__ = ("segments_version", "segments", "fd_segment_ids")
@@ -112,14 +136,18 @@ class SessionError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("opened", "mapped", "error")
+    __slots__ = ("opened", "mapped", "error", "reply", "call_id")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     MAPPED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     mapped: SegmentsMapped
     error: SessionError
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., mapped: _Optional[_Union[SegmentsMapped, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ...) -> None: ...
+    reply: FastReply
+    call_id: int
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., mapped: _Optional[_Union[SegmentsMapped, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., reply: _Optional[_Union[FastReply, _Mapping]] = ..., call_id: _Optional[int] = ...) -> None: ...
 
 class SlotRef(_message.Message):
     __slots__ = ("segment_id", "offset", "length", "checksum", "has_checksum")
