@@ -1,8 +1,10 @@
 """Client side of the session channel and the segment mappings (the data plane).
 
 ``SessionLink`` speaks the session-channel protocol (framing in
-``kvtier._wire``, shared with the daemon) over a blocking Unix socket (it is
-used rarely: once at open, and when the namespace's extents change);
+``kvtier._wire``, shared with the daemon) over a blocking Unix socket: the
+open, the segment fds when the namespace's extents change, and (when the
+daemon offers it) the fast path, every KVTier call as a ``FastCall``;
+``AsyncSessionLink`` drives the same connection from an asyncio loop;
 ``SegmentMaps`` holds the mmaps of the namespace's segments and
 turns slot references into numpy views over shared memory.
 """
@@ -10,6 +12,8 @@ turns slot references into numpy views over shared memory.
 from __future__ import annotations
 
 import array
+import asyncio
+import contextlib
 import itertools
 import math
 import mmap
@@ -18,7 +22,7 @@ import socket
 import threading
 import time
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -69,9 +73,9 @@ class SessionLink:
         self._waiting: set[int] = set()
         self._reading = False
         self._broken: LinkBroken | None = None
-        self._buf = bytearray()
-        self._pos = 0  # stream offset of _buf[0]
-        self._fds: list[tuple[int, list[int]]] = []  # (stream offset they came with, fds)
+        self._frames = FrameSplitter()
+        #: Called first by close() (an AsyncSessionLink unregisters from its loop).
+        self._on_close: Callable[[], None] | None = None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.settimeout(timeout)
         try:
@@ -83,6 +87,9 @@ class SessionLink:
         self._sock = sock
 
     def close(self) -> None:
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
         except OSError:
@@ -93,6 +100,7 @@ class SessionLink:
                 for fd in resp_fds[1]:
                     os.close(fd)
             self._done.clear()
+            self._frames.close()
 
     # ------------------------------------------------------------- calls
     def request(self, req: pb.SessionRequest) -> tuple[pb.SessionResponse, list[int]]:
@@ -115,14 +123,10 @@ class SessionLink:
             method=method, request=request.SerializeToString(),
             timeout_ms=max(1, math.ceil(timeout * 1000)))))
         resp, fds = self._wait(call_id, timeout + _HUNG_AFTER)
-        for fd in fds:  # a FastReply carries none; never leak what a confused peer sent
-            os.close(fd)
-        kind = resp.WhichOneof("kind")
-        if kind == "reply":
-            return _RESPONSE_OF[method].FromString(resp.reply.response)
-        if kind == "error":
-            raise from_status(resp.error.code, resp.error.message)
-        raise self._break(f"kvtierd answered {method} with a {kind!r} frame")
+        try:
+            return _reply(method, resp, fds)
+        except LinkBroken as exc:
+            raise self._break(str(exc)) from None
 
     def cast(self, method: str, request: Message) -> None:
         """A call nobody waits for (``no_reply``: the daemon sends no answer)."""
@@ -210,48 +214,200 @@ class SessionLink:
                 self._waiting.discard(call_id)
 
     def _recv_frame(self) -> tuple[bytes, list[int]]:
-        """The next frame and its fds.
-
-        Frames that arrive together are read together and the rest kept.  The
-        kernel ends a read right after the bytes that carried fds, and the
-        daemon sends a frame's fds with bytes of that frame, so the fds of one
-        read belong to the frame that holds its last byte.
-        """
-        buf = self._buf
-        need = 0  # the whole frame's bytes, once its length prefix is in
+        """The next frame and its fds (blocking)."""
         while True:
-            if not need and len(buf) >= FRAME_LEN.size:
-                (length,) = FRAME_LEN.unpack_from(buf)
-                need = FRAME_LEN.size + length
-            if need and len(buf) >= need:
-                end = self._pos + need
-                fds: list[int] = []
-                while self._fds and self._fds[0][0] < end:
-                    fds.extend(self._fds.pop(0)[1])
-                body = bytes(buf[FRAME_LEN.size:need])
-                del buf[:need]
-                self._pos = end
-                return body, fds
-            data, ancdata, flags, _ = self._sock.recvmsg(
-                max(need - len(buf), 65536), socket.CMSG_SPACE(MAX_FDS_PER_MSG * 4)
-            )
-            got: list[int] = []
-            for level, kind, payload in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    arr = array.array("i")
-                    arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
-                    got.extend(arr)
-            if flags & socket.MSG_CTRUNC:
-                for fd in got:
-                    os.close(fd)
-                raise OSError("file descriptors were truncated (is RLIMIT_NOFILE too low?)")
-            if not data:
-                for fd in got:
-                    os.close(fd)
-                raise OSError("kvtierd closed the session channel")
-            buf += data
-            if got:
-                self._fds.append((self._pos + len(buf) - 1, got))
+            got = self._frames.take()
+            if got is not None:
+                return got
+            self._frames.recv(self._sock)
+
+
+class FrameSplitter:
+    """Frames out of a session-channel byte stream, with the fds each one carried.
+
+    Frames that arrive together are read together and the rest kept.  The
+    kernel ends a read right after the bytes that carried fds, and the daemon
+    sends a frame's fds with bytes of that frame, so the fds of one read
+    belong to the frame that holds its last byte.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0  # stream offset of _buf[0]
+        self._fds: list[tuple[int, list[int]]] = []  # (stream offset they came with, fds)
+
+    def take(self) -> tuple[bytes, list[int]] | None:
+        """The next whole frame and its fds, or None until more bytes are in."""
+        buf = self._buf
+        if len(buf) < FRAME_LEN.size:
+            return None
+        (length,) = FRAME_LEN.unpack_from(buf)
+        need = FRAME_LEN.size + length
+        if len(buf) < need:
+            return None
+        end = self._pos + need
+        fds: list[int] = []
+        while self._fds and self._fds[0][0] < end:
+            fds.extend(self._fds.pop(0)[1])
+        body = bytes(buf[FRAME_LEN.size:need])
+        del buf[:need]
+        self._pos = end
+        return body, fds
+
+    def recv(self, sock: socket.socket) -> None:
+        """One read from ``sock`` (blocking or not: BlockingIOError passes through)."""
+        data, ancdata, flags, _ = sock.recvmsg(
+            max(65536, self._missing()), socket.CMSG_SPACE(MAX_FDS_PER_MSG * 4))
+        got: list[int] = []
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                arr = array.array("i")
+                arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
+                got.extend(arr)
+        if flags & socket.MSG_CTRUNC:
+            for fd in got:
+                os.close(fd)
+            raise OSError("file descriptors were truncated (is RLIMIT_NOFILE too low?)")
+        if not data:
+            for fd in got:
+                os.close(fd)
+            raise OSError("kvtierd closed the session channel")
+        self._buf += data
+        if got:
+            self._fds.append((self._pos + len(self._buf) - 1, got))
+
+    def _missing(self) -> int:
+        if len(self._buf) < FRAME_LEN.size:
+            return FRAME_LEN.size - len(self._buf)
+        (length,) = FRAME_LEN.unpack_from(self._buf)
+        return FRAME_LEN.size + int(length) - len(self._buf)
+
+    def close(self) -> None:
+        """Close the fds of frames nobody took."""
+        for _, fds in self._fds:
+            for fd in fds:
+                os.close(fd)
+        self._fds.clear()
+
+
+class AsyncSessionLink:
+    """The asyncio side of a ``SessionLink`` (AsyncClient): after the blocking open
+    handshake, the loop reads the connection (``add_reader``) and hands each
+    response to the future that waits for its ``call_id``."""
+
+    def __init__(self, link: SessionLink, loop: asyncio.AbstractEventLoop) -> None:
+        self.link = link
+        self.fast_path = link.fast_path
+        self._loop = loop
+        self._sock = link._sock
+        self._frames = link._frames
+        self._pending: dict[int, asyncio.Future[tuple[pb.SessionResponse, list[int]]]] = {}
+        self._send_lock = asyncio.Lock()
+        self._broken: LinkBroken | None = None
+        self._sock.setblocking(False)
+        loop.add_reader(self._sock.fileno(), self._readable)
+        link._on_close = self._detach
+
+    def _detach(self) -> None:
+        with contextlib.suppress(Exception):  # the loop may be closed already
+            self._loop.remove_reader(self._sock.fileno())
+        self._fail(LinkBroken("the session connection was closed"))
+
+    def _fail(self, err: LinkBroken) -> None:
+        if self._broken is None:
+            self._broken = err
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(self._broken)
+        self._pending.clear()
+
+    def _readable(self) -> None:
+        try:
+            while True:
+                try:
+                    self._frames.recv(self._sock)
+                except BlockingIOError:
+                    break
+                while (got := self._frames.take()) is not None:
+                    data, fds = got
+                    resp = pb.SessionResponse.FromString(data)
+                    fut = self._pending.pop(resp.call_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result((resp, fds))
+                        continue
+                    for fd in fds:
+                        os.close(fd)
+                    if resp.WhichOneof("kind") == "error" and resp.call_id == 0:
+                        raise OSError(resp.error.message)
+        except (OSError, DecodeError) as exc:
+            self._loop.remove_reader(self._sock.fileno())
+            self._fail(LinkBroken(f"session channel to {self.link.path} failed: {exc}"))
+
+    async def _exchange(self, req: pb.SessionRequest, timeout: float
+                        ) -> tuple[pb.SessionResponse, list[int]]:
+        if self._broken is not None:
+            raise self._broken
+        call_id = next(self.link._ids)
+        req.call_id = call_id
+        fut = self._loop.create_future()
+        self._pending[call_id] = fut
+        body = req.SerializeToString()
+        try:
+            async with self._send_lock:
+                await self._loop.sock_sendall(self._sock, FRAME_LEN.pack(len(body)) + body)
+        except OSError as exc:
+            self._pending.pop(call_id, None)
+            self._fail(LinkBroken(f"session channel to {self.link.path} failed: {exc}"))
+            raise self._broken from exc  # type: ignore[misc]
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            self._fail(LinkBroken(f"kvtierd did not answer within {timeout:.1f} s"))
+            raise self._broken from None  # type: ignore[misc]
+        finally:
+            self._pending.pop(call_id, None)
+
+    async def request(self, req: pb.SessionRequest) -> tuple[pb.SessionResponse, list[int]]:
+        """Like ``SessionLink.request``."""
+        resp, fds = await self._exchange(req, self.link.timeout + _HUNG_AFTER)
+        if resp.WhichOneof("kind") == "error":
+            for fd in fds:
+                os.close(fd)
+            raise from_status(resp.error.code, resp.error.message)
+        return resp, fds
+
+    async def call(self, method: str, request: Message, timeout: float) -> Any:
+        """Like ``SessionLink.call``."""
+        resp, fds = await self._exchange(pb.SessionRequest(call=pb.FastCall(
+            method=method, request=request.SerializeToString(),
+            timeout_ms=max(1, math.ceil(timeout * 1000)))), timeout + _HUNG_AFTER)
+        return _reply(method, resp, fds)
+
+    async def cast(self, method: str, request: Message) -> None:
+        """Like ``SessionLink.cast``."""
+        if self._broken is not None:
+            raise self._broken
+        body = pb.SessionRequest(call=pb.FastCall(
+            method=method, request=request.SerializeToString(), no_reply=True)
+        ).SerializeToString()
+        try:
+            async with self._send_lock:
+                await self._loop.sock_sendall(self._sock, FRAME_LEN.pack(len(body)) + body)
+        except OSError as exc:
+            self._fail(LinkBroken(f"session channel to {self.link.path} failed: {exc}"))
+            raise self._broken from exc  # type: ignore[misc]
+
+
+def _reply(method: str, resp: pb.SessionResponse, fds: list[int]) -> Any:
+    """A FastCall's response message, or its error raised."""
+    for fd in fds:  # a FastReply carries none; never leak what a confused peer sent
+        os.close(fd)
+    kind = resp.WhichOneof("kind")
+    if kind == "reply":
+        return _RESPONSE_OF[method].FromString(resp.reply.response)
+    if kind == "error":
+        raise from_status(resp.error.code, resp.error.message)
+    raise LinkBroken(f"kvtierd answered {method} with a {kind!r} frame")
 
 
 class SegmentMaps:

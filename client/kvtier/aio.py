@@ -2,9 +2,11 @@
 
 Open it with ``async with AsyncClient(...) as c`` (or ``await c.open()``).
 What every call does is written once in ``kvtier._core`` (shared with
-``Client``); this module is the ``grpc.aio`` transport that runs it without
-blocking the event loop: the session channel (open, extent changes, segment
-mapping) is driven from a worker thread, and so are copies and checksums of
+``Client``); this module is the transport that runs it without blocking the
+event loop: calls go as FastCalls on the session connection, which the loop
+reads (``AsyncSessionLink``), when the daemon offers it, else over
+``grpc.aio``; opening the session and mapping segments (mmap, page-table
+population) run on a worker thread, and so do copies and checksums of
 ``OFFLOAD_BYTES`` or more.
 """
 
@@ -36,7 +38,8 @@ from kvtier._core import (
     arun_steps,
     grpc_options,
 )
-from kvtier.errors import FailedPrecondition
+from kvtier._session import AsyncSessionLink, map_request
+from kvtier.errors import FailedPrecondition, KVTierError, Unavailable
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -97,12 +100,12 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
         timeout: float = DEFAULT_TIMEOUT,
         checksum: bool = False,
         reconnect_max: float = 5.0,
+        fast_path: bool | None = None,
     ) -> None:
-        # Over gRPC for now: the session channel's fast path is Client's (its link is
-        # a blocking socket; an asyncio one is to come).
         super().__init__(socket, namespace=namespace, block_bytes=block_bytes,
                          model_uid=model_uid, timeout=timeout, checksum=checksum,
-                         reconnect_max=reconnect_max, fast_path=False)
+                         reconnect_max=reconnect_max, fast_path=fast_path)
+        self._alink: AsyncSessionLink | None = None
         self._channel: grpc.aio.Channel | None = None
         self._session_lock: asyncio.Lock | None = None
         self._maps_lock: asyncio.Lock | None = None
@@ -136,13 +139,28 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
             if step.nbytes >= OFFLOAD_BYTES:
                 return await asyncio.to_thread(step.fn)  # the copies: off the loop
             return step.fn()
-        elif isinstance(step, SendRelease):  # awaited: no thread to leave the answer to
+        elif isinstance(step, SendRelease):
+            alink = self._alink
+            if alink is not None and alink.fast_path:
+                try:  # no_reply: nothing to wait for
+                    await alink.cast("Release", pb.ReleaseRequest(lease_id=step.lease_id))
+                except KVTierError:
+                    pass  # the session ended: so did its leases
+                return None
+            # over gRPC, awaited: no thread to leave the answer to
             await self._run(self._bound_call("Release", pb.ReleaseRequest(lease_id=step.lease_id),
                                              self._session_gen, "lease"))
         return None
 
     async def _open_session(self) -> None:
         self._adopt(await asyncio.to_thread(self._connect))  # mmap + populate: off the loop
+        assert self._link is not None
+        # From here on the loop reads the connection (calls, segment fds).
+        self._alink = AsyncSessionLink(self._link, asyncio.get_running_loop())
+
+    def _lose_session(self) -> None:
+        super()._lose_session()  # (closing the link unregisters it from the loop)
+        self._alink = None
 
     def _check_usable(self) -> None:
         super()._check_usable()
@@ -161,13 +179,21 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
         return self._metadata
 
     async def _call(self, method: str, request: Any, *, retry: bool = True) -> Any:
-        """One RPC in the current session; reconnects once if the daemon restarted."""
+        """One call in the current session (a FastCall when the daemon offers it, else
+        gRPC); reconnects once if the daemon restarted."""
         metadata = await self._ensure_session()
-        try:
-            return await getattr(self._stub, method)(request, timeout=self.timeout,
-                                                     metadata=metadata)
-        except grpc.RpcError as exc:
-            err = self._failed(method, metadata, exc, retry)
+        alink = self._alink
+        if alink is not None and alink.fast_path:
+            try:
+                return await alink.call(method, request, self.timeout)
+            except KVTierError as exc:
+                err = self._failed(method, metadata, exc, retry)
+        else:
+            try:
+                return await getattr(self._stub, method)(request, timeout=self.timeout,
+                                                         metadata=metadata)
+            except grpc.RpcError as exc:
+                err = self._failed(method, metadata, exc, retry)
         if err is not None:
             raise err
         return await self._call(method, request, retry=False)
@@ -179,8 +205,14 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
             self._maps_lock = asyncio.Lock()
         async with self._maps_lock:  # one mapping update at a time
             missing = self._maps_missing(version, slots)
-            if missing is not None:  # mmap + populate: off the loop
-                await asyncio.to_thread(self._maps.fetch, self._live_link(), missing)
+            if missing is not None:
+                alink = self._alink
+                if alink is None:
+                    raise Unavailable("the session ended while the call was in flight")
+                resp, fds = await alink.request(map_request(missing))
+                m = resp.mapped
+                await asyncio.to_thread(  # mmap + populate: off the loop
+                    self._maps.update, m.segments_version, m.segments, m.fd_segment_ids, fds)
 
     # ------------------------------------------------------------- API (as Client's)
     async def lookup(self, keys: Sequence[bytes], *, prefetch: bool = False) -> int:

@@ -41,13 +41,13 @@ import struct
 from collections.abc import Mapping
 from typing import Final
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from kvtier import __version__
 from kvtier._wire import FRAME_LEN, MAX_FDS_PER_MSG
 from kvtier.errors import (
     CapacityExhausted,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     KVTierError,
@@ -300,17 +300,34 @@ class SessionChannel:
             if method is None:
                 raise InvalidArgument(f"FastCall of an unknown method {call.method[:64]!r}")
             work = method.handler(method.parse(call.request), FastContext(token))
+            # The deadline cancels this task (a timer, not wait_for's second task per call).
+            expired = False
+            timer = None
+            task = asyncio.current_task()
+            assert task is not None
             if call.timeout_ms:
-                resp = await asyncio.wait_for(work, call.timeout_ms / 1000)
-            else:
+
+                def expire() -> None:
+                    nonlocal expired
+                    expired = True
+                    task.cancel()
+
+                timer = asyncio.get_running_loop().call_later(call.timeout_ms / 1000, expire)
+            try:
                 resp = await work
+            except asyncio.CancelledError:
+                if not expired:
+                    raise  # the connection is closing
+                task.uncancel()
+                raise DeadlineExceeded(
+                    f"{call.method} did not finish within {call.timeout_ms} ms") from None
+            finally:
+                if timer is not None:
+                    timer.cancel()
             out = pb.SessionResponse(call_id=call_id,
                                      reply=pb.FastReply(response=method.serialize(resp)))
         except FastCallFailed as exc:
             out = _error(call_id, exc.code.value[0], exc.details)
-        except TimeoutError:
-            out = _error(call_id, grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
-                         f"{call.method} did not finish within {call.timeout_ms} ms")
         except KVTierError as exc:
             out = _error(call_id, status_of(exc).value[0], str(exc))
         if call.no_reply:

@@ -1121,12 +1121,15 @@ class Store:
                     segment = await asyncio.shield(made)
                 except BaseException as exc:
                     self.budget_free += layout.file_bytes
-                    if not made.done():
-                        # Cancelled while the file is being made: it is removed once made
-                        # (and its number stays taken, so no new extent reuses its name).
+                    if made.done() and (made.cancelled() or made.exception() is not None):
+                        # Creation failed: nothing was made, its number is free again.
+                        if ns.next_extent_index == index + 1:
+                            ns.next_extent_index = index
+                    else:
+                        # Cancelled while the file is being made, or right after (before
+                        # this resumed): it is removed once made, and its number stays
+                        # taken, so no new extent reuses its name.
                         made.add_done_callback(self._discard_made)
-                    elif ns.next_extent_index == index + 1:
-                        ns.next_extent_index = index
                     if isinstance(exc, OSError):
                         raise CapacityExhausted(f"could not create a DRAM extent: {exc}") from exc
                     raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -311,6 +312,31 @@ def test_reserve_grows_extents_lazily_from_the_budget(env: StoreEnv) -> None:
     put(env, s, keys(SLOTS_PER_EXTENT, start=1))  # one more than the first extent holds
     assert len(s.ns.extents) == 2 and env.store.budget_free == 0
     assert env.store.evictions == 0
+
+
+def test_a_reserve_cancelled_just_after_its_extent_was_made_leaves_no_extent_behind(
+        env: StoreEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cancel lands after the file was made but before the reserve resumed (a client's
+    deadline can do that): the made file is removed, its bytes and fds are given back,
+    its number is not reused, and the next reserve grows a fresh extent."""
+    s = session(env)
+
+    def cancelled_after(made: Any) -> Any:
+        async def wait() -> Any:
+            await asyncio.wait([made])
+            assert made.result() is not None  # really made
+            raise asyncio.CancelledError
+
+        return wait()
+
+    monkeypatch.setattr(asyncio, "shield", cancelled_after)
+    with pytest.raises(asyncio.CancelledError):
+        env.reserve(s, keys(1))
+    monkeypatch.undo()
+    assert s.ns.extents == [] and env.store.budget_free == CAPACITY
+    assert os.listdir(env.shm_dir) == []  # the made file is gone (closed, unlinked)
+    put(env, s, keys(1))
+    assert [e.segment.path.rsplit(".", 2)[-2] for e in s.ns.extents] == ["000001"]
 
 
 def test_reused_slot_gets_a_new_generation(env: StoreEnv) -> None:
