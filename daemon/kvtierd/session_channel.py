@@ -101,12 +101,72 @@ class _Closed(Exception):
 class _Conn:
     """One session-channel connection: its socket, what was read ahead of the frame
     being parsed, and the lock that keeps its response frames whole (FastCalls
-    answer from their own tasks)."""
+    answer from their own tasks).
 
-    def __init__(self, sock: socket.socket) -> None:
+    The loop watches the socket for the connection's whole life (``add_reader``
+    once, not once per read as ``sock_recv`` does: that cost two ``epoll_ctl``
+    per call) and reads into ``buf``; reading pauses while ``buf`` holds more
+    than ``cap`` bytes (a peer cannot make the daemon buffer more than a frame's
+    worth), and ``more()`` resumes it.
+    """
+
+    def __init__(self, sock: socket.socket, cap: int) -> None:
         self.sock = sock
         self.buf = bytearray()
+        self.cap = cap
         self.send_lock = asyncio.Lock()
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future[None] | None = None
+        self._eof: BaseException | None = None
+        self._watching = False
+        self._watch()
+
+    def _watch(self) -> None:
+        if not self._watching and self._eof is None:
+            self._loop.add_reader(self.sock.fileno(), self._readable)
+            self._watching = True
+
+    def _unwatch(self) -> None:
+        if self._watching:
+            self._loop.remove_reader(self.sock.fileno())
+            self._watching = False
+
+    def _readable(self) -> None:
+        try:
+            data = self.sock.recv(_RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._eof, data = exc, b""
+        if data:
+            self.buf += data
+            if len(self.buf) > self.cap:
+                self._unwatch()  # backpressure: more() resumes
+        else:
+            if self._eof is None:
+                self._eof = _Closed()
+            self._unwatch()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def more(self) -> None:
+        """Wait until more bytes are in ``buf`` (raises at EOF or a socket error)."""
+        if self._eof is not None:
+            raise self._eof
+        self._watch()
+        self._waiter = self._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+        if self._eof is not None and not self.buf:
+            raise self._eof
+
+    def close(self) -> None:
+        self._unwatch()
+        self._eof = self._eof or _Closed()
+        self.sock.close()
 
 
 def validate_decl(decl: pb.NamespaceDecl) -> None:
@@ -187,7 +247,7 @@ class SessionChannel:
 
     async def _serve(self, sock: socket.socket) -> None:
         sock.setblocking(False)
-        conn = _Conn(sock)
+        conn = _Conn(sock, MAX_OPEN_FRAME + _RECV_BYTES)
         session: Session | None = None
         admin: AdminSession | None = None
         calls: set[asyncio.Task[None]] = set()
@@ -241,6 +301,7 @@ class SessionChannel:
                     )
                     session.rights = int(rights)
                     session.ident = ident
+                    conn.cap = MAX_REQUEST_FRAME + _RECV_BYTES
                     log.debug("session %d opened by pid %d uid %d in %r", session.id, pid, uid,
                               session.ns.name)
                     sent = await self._send_opened(conn, session, call_id)
@@ -258,6 +319,7 @@ class SessionChannel:
                             "access.namespaces rule, of the daemon's config)")
                     self._check_session_limit(uid)
                     admin = self.admins.open(ident)
+                    conn.cap = MAX_REQUEST_FRAME + _RECV_BYTES
                     opened_admin = pb.SessionOpened(
                         token=admin.token, daemon_version=__version__,
                         boot_epoch=self.store.boot_epoch, fast_path=self.methods is not None)
@@ -288,7 +350,7 @@ class SessionChannel:
                 if aborted or released:
                     log.info("session %d (pid %d) closed: %d reserved slots returned, %d leases "
                              "released", session.id, session.peer.pid, aborted, released)
-            sock.close()
+            conn.close()
 
     async def _fast_call(self, conn: _Conn, token: str, call_id: int, call: pb.FastCall) -> None:
         """Serve one FastCall with the gRPC method's own handler; answer unless no_reply."""
@@ -359,7 +421,6 @@ class SessionChannel:
     # ------------------------------------------------------------- framing
     async def _read_frame(self, conn: _Conn, limit: int) -> bytes:
         """The next frame's body (frames that arrived together are read at once)."""
-        loop = asyncio.get_running_loop()
         buf = conn.buf
         need = 0  # the whole frame's bytes, once its length prefix is in
         while True:
@@ -374,10 +435,7 @@ class SessionChannel:
                 body = bytes(buf[_LEN.size:need])
                 del buf[:need]
                 return body
-            chunk = await loop.sock_recv(conn.sock, max(_RECV_BYTES, need - len(buf)))
-            if not chunk:
-                raise _Closed()
-            buf += chunk
+            await conn.more()
 
     async def _send_with_fds(self, conn: _Conn, msg: pb.SessionResponse,
                              segments: list[Segment], *, read_only: bool = False) -> None:
