@@ -369,6 +369,7 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         """Make a session from ``_connect`` the current one (its calls get a new generation)."""
         link, maps, opened = new
         link.fast_path = opened.fast_path and self.fast_path_wanted
+        link.max_call_bytes = opened.max_call_bytes
         self._maps.close()
         self._maps = maps
         self._link = link

@@ -64,8 +64,10 @@ class SessionLink:
     def __init__(self, path: str, timeout: float) -> None:
         self.path = path
         self.timeout = timeout
-        #: Set from SessionOpened: the daemon serves FastCalls on this connection.
+        #: Set from SessionOpened: the daemon serves FastCalls on this connection, with
+        #: requests of at most ``max_call_bytes`` (a larger one goes over gRPC).
         self.fast_path = False
+        self.max_call_bytes = 0
         self._send_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())
         self._ids = itertools.count(1)
@@ -298,6 +300,7 @@ class AsyncSessionLink:
     def __init__(self, link: SessionLink, loop: asyncio.AbstractEventLoop) -> None:
         self.link = link
         self.fast_path = link.fast_path
+        self.max_call_bytes = link.max_call_bytes
         self._loop = loop
         self._sock = link._sock
         self._frames = link._frames

@@ -183,7 +183,7 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
         gRPC); reconnects once if the daemon restarted."""
         metadata = await self._ensure_session()
         alink = self._alink
-        if alink is not None and alink.fast_path:
+        if alink is not None and alink.fast_path and request.ByteSize() <= alink.max_call_bytes:
             try:
                 return await alink.call(method, request, self.timeout)
             except KVTierError as exc:

@@ -479,30 +479,39 @@ def own_redis(workdir: str, info: dict[str, Any]) -> Iterator[str | None]:
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     info["pid"] = proc.pid
+    def up() -> bool:
+        if not os.path.exists(path):
+            return False
+        try:
+            r = redis.Redis(unix_socket_path=path, socket_timeout=5)
+            r.ping()
+        except redis.exceptions.ConnectionError:
+            return False
+        info.update(available=True, binary=binary,
+                    version=r.info("server").get("redis_version"),
+                    redis_py=getattr(redis, "__version__", "?"), args=args[1:])
+        r.close()
+        return True
+
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with status {proc.returncode}: "
-                                   f"{_tail(log_path)}")
-            if os.path.exists(path):
-                try:
-                    r = redis.Redis(unix_socket_path=path, socket_timeout=5)
-                    r.ping()
-                    info.update(available=True, binary=binary,
-                                version=r.info("server").get("redis_version"),
-                                redis_py=getattr(redis, "__version__", "?"),
-                                args=args[1:])
-                    r.close()
-                    break
-                except redis.exceptions.ConnectionError:
-                    pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("redis-server did not come up in 20 s")
-            time.sleep(0.05)
+        _wait_up(proc, log_path, "redis-server", up)
         yield path
     finally:
         _stop(proc)
+
+
+def _wait_up(proc: subprocess.Popen[bytes], log_path: str, what: str,
+             up: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Until ``up()``: a server this benchmark started is serving (raises if it exits
+    or takes longer than ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while not up():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode}: "
+                               f"{_tail(log_path)}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not come up in {timeout:.0f} s")
+        time.sleep(0.02)
 
 
 #: The echo server of the raw round trip: one connection at a time, each byte sent back.
@@ -534,20 +543,16 @@ def own_echo_server(workdir: str, info: dict[str, Any]) -> Iterator[str]:
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent)
     info.update(pid=proc.pid, path=path, msg_bytes=RAW_MSG_BYTES)
+    def up() -> bool:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(path)
+        except OSError:
+            return False
+        return True
+
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the echo server exited with status {proc.returncode}: "
-                                   f"{_tail(log_path)}")
-            try:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                    s.connect(path)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the echo server did not come up in 20 s") from None
-                time.sleep(0.02)
+        _wait_up(proc, log_path, "the echo server", up)
         yield path
     finally:
         _stop(proc, 5)

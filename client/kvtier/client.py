@@ -181,7 +181,7 @@ class Client(ClientCore[Reservation, Lease]):
         daemon offers it, else gRPC); reconnects once if the daemon restarted."""
         metadata = self._ensure_session()
         link = self._link
-        if link is not None and link.fast_path:
+        if link is not None and link.fast_path and request.ByteSize() <= link.max_call_bytes:
             try:
                 return link.call(method, request, self.timeout)
             except KVTierError as exc:

@@ -429,7 +429,8 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
 
         channel = SessionChannel(store, metrics, session_path, cfg.server.socket_mode,
                                  policy=cfg.access, limits=cfg.limits, admins=admins,
-                                 methods=methods(service) if cfg.server.fast_path else None)
+                                 methods=methods(service) if cfg.server.fast_path else None,
+                                 max_message_bytes=cfg.server.max_message_bytes)
         undo.callback(_unlink, session_path)
         await channel.start()
         undo.push_async_callback(channel.stop)

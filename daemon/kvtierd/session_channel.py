@@ -88,6 +88,8 @@ _NAME_RE: Final = re.compile(r"[A-Za-z0-9._/-]{1,128}")
 #: FastCalls one connection may have running at once; the next frame is read
 #: when one ends (a client cannot make the daemon hold unbounded work).
 MAX_CALLS_IN_FLIGHT: Final = 64
+#: Room a FastCall frame needs beyond its request message (method name, ids, tags).
+_CALL_OVERHEAD: Final = 4096
 #: Bytes asked of each recv: small frames that arrive together are read at once.
 _RECV_BYTES: Final = 64 << 10
 #: The frame format is shared with the client (kvtier._wire): a 4-byte length prefix.
@@ -188,12 +190,15 @@ class SessionChannel:
     def __init__(self, store: Store, metrics: Metrics, path: str, mode: int, *,
                  policy: AccessPolicy | None = None, limits: LimitsConfig | None = None,
                  admins: AdminSessions | None = None,
-                 methods: Mapping[str, Method] | None = None) -> None:
+                 methods: Mapping[str, Method] | None = None,
+                 max_message_bytes: int = MAX_REQUEST_FRAME) -> None:
         """``methods``: the service's (``service.methods``), served as FastCalls; None
-        turns the fast path off (``server.fast_path: false``)."""
+        turns the fast path off (``server.fast_path: false``).  A FastCall's request
+        may be ``max_message_bytes`` long (as a gRPC one), within the frame limit."""
         self.store = store
         self.metrics = metrics
         self.methods = methods
+        self.max_call_bytes = min(max_message_bytes, MAX_REQUEST_FRAME - _CALL_OVERHEAD)
         self.path = path
         self.mode = mode
         self.policy = policy if policy is not None else AccessPolicy(enabled=False)
@@ -322,7 +327,8 @@ class SessionChannel:
                     conn.cap = MAX_REQUEST_FRAME + _RECV_BYTES
                     opened_admin = pb.SessionOpened(
                         token=admin.token, daemon_version=__version__,
-                        boot_epoch=self.store.boot_epoch, fast_path=self.methods is not None)
+                        boot_epoch=self.store.boot_epoch, fast_path=self.methods is not None,
+                        max_call_bytes=self.max_call_bytes)
                     await self._send(conn, pb.SessionResponse(call_id=call_id,
                                                               opened=opened_admin), [])
                 else:
@@ -361,6 +367,10 @@ class SessionChannel:
             method = self.methods.get(call.method)
             if method is None:
                 raise InvalidArgument(f"FastCall of an unknown method {call.method[:64]!r}")
+            if len(call.request) > self.max_call_bytes:
+                raise CapacityExhausted(
+                    f"{call.method} request of {len(call.request)} bytes exceeds the fast "
+                    f"path's {self.max_call_bytes} (server.max_message_bytes): send it over gRPC")
             work = method.handler(method.parse(call.request), FastContext(token))
             # The deadline cancels this task (a timer, not wait_for's second task per call).
             expired = False
@@ -509,6 +519,7 @@ class SessionChannel:
                 boot_epoch=self.store.boot_epoch,
                 read_only=not session.rights & Right.WRITE,
                 fast_path=self.methods is not None,
+                max_call_bytes=self.max_call_bytes,
             )
         )
         await self._send_with_fds(conn, msg, segs, read_only=not session.rights & Right.WRITE)

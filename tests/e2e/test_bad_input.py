@@ -974,7 +974,7 @@ def test_frame_that_is_not_a_session_request(d: DaemonProc, body: bytes) -> None
 def test_empty_session_request(d: DaemonProc, body: bytes) -> None:
     with sc_connect(d) as s:
         sc_send(s, frame(body))
-        expect_session_error(s, INVALID, "empty SessionRequest (set open, map or admin)")
+        expect_session_error(s, INVALID, "empty SessionRequest (set open, map, admin or call)")
     assert_serving(d)
 
 
@@ -996,8 +996,9 @@ def test_open_with_empty_declaration(d: DaemonProc) -> None:
 
 RANDOM_OUTCOMES = {
     (INVALID, "session channel frame is not a SessionRequest"),
-    (INVALID, "empty SessionRequest (set open, map or admin)"),
+    (INVALID, "empty SessionRequest (set open, map, admin or call)"),
     (PRECONDITION, "MapSegments before OpenSession"),
+    (PRECONDITION, "FastCall before OpenSession or OpenAdmin"),
 }
 
 
@@ -1090,7 +1091,7 @@ def test_fds_sent_to_the_daemon_do_not_leak(d: DaemonProc, stub: pb_grpc.KVTierS
                     expect_session_error(s, PRECONDITION, "MapSegments before OpenSession")
                 elif kind == "empty":
                     sc_send(s, frame(b""), own)
-                    expect_session_error(s, INVALID, "empty SessionRequest (set open, map or admin)")
+                    expect_session_error(s, INVALID, "empty SessionRequest (set open, map, admin or call)")
                 else:
                     sc_send(s, frame(open_body("bad decl")), own)
                     expect_session_error(s, INVALID, "namespace name 'bad decl' must be 1..128 "

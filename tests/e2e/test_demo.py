@@ -18,6 +18,10 @@ from typing import Any
 
 import pytest
 
+#: What these tests check does not depend on the client transport (the adapters,
+#: the tools and the daemon's own interfaces); they run once, on the default (fast).
+pytestmark = pytest.mark.one_transport
+
 pytest.importorskip("jax")
 pytest.importorskip("rich")
 

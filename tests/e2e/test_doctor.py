@@ -32,6 +32,10 @@ from kvtier.doctor import parse_cap_ipc_lock
 from kvtierd.spill.blockio import probe_direct_io
 from tests.conftest import DaemonProc, start_daemon, stop_daemon
 
+#: What these tests check does not depend on the client transport (the adapters,
+#: the tools and the daemon's own interfaces); they run once, on the default (fast).
+pytestmark = pytest.mark.one_transport
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

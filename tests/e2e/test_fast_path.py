@@ -194,3 +194,25 @@ def test_a_client_killed_with_fast_calls_in_flight_leaves_nothing_held(daemon: D
                        model_uid="m") as c:
         assert c.lookup([b"held"]) == 1 and c.lookup([b"r0"]) == 0  # committed stays
         assert c.delete([b"held"]) == 1
+
+
+def test_a_call_too_big_for_the_fast_path_goes_over_grpc(workdir: str) -> None:
+    """A request over server.max_message_bytes: the client sends it over gRPC (whose
+    RESOURCE_EXHAUSTED it gets), and a raw FastCall of it is refused the same way;
+    the session survives both."""
+    d = start_daemon(workdir, "--set", "server.max_message_bytes=256KiB")
+    try:
+        with _client(d) as c:
+            link = c._link
+            assert link is not None and c.fast_path
+            assert 0 < link.max_call_bytes <= 256 << 10
+            many = [b"%064d" % i for i in range(4096)]  # 270 KB of keys: over 256 KiB
+            with pytest.raises(errors.CapacityExhausted, match="larger than max"):
+                c.lookup(many)  # over gRPC, which refuses it
+            with pytest.raises(errors.CapacityExhausted, match="exceeds the fast path"):
+                link.call("Lookup", pb.LookupRequest(keys=many), 5.0)
+            assert c._link is link and c.put([b"x"], [b"fine"]) == 1
+            assert c.lookup(many[:100] + [b"x"]) == 0 and c.lookup([b"x"]) == 1
+    finally:
+        stop_daemon(d)
+    assert d.proc.returncode == 0, d.log()

@@ -22,6 +22,10 @@ import jax.numpy as jnp
 import kvtier, kvtier.jax as kj
 from kvtier.paged import dtype_of
 
+#: What these tests check does not depend on the client transport (the adapters,
+#: the tools and the daemon's own interfaces); they run once, on the default (fast).
+pytestmark = pytest.mark.one_transport
+
 socket_dir, action, configs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 LAYERS, PAGES, PT, HEADS, DIM = 3, 16, 16, 2, 64
 SAVED = [3, 0, 14, 7, 9, 1]          # the saver's pages, in key order

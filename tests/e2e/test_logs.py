@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import kvtier
 from tests.conftest import start_daemon, stop_daemon
+
+#: What these tests check does not depend on the client transport (the adapters,
+#: the tools and the daemon's own interfaces); they run once, on the default (fast).
+pytestmark = pytest.mark.one_transport
 
 
 def test_json_log_has_one_line_per_event_and_none_per_block(workdir: str) -> None:

@@ -31,6 +31,10 @@ import kvtier
 from kvtier._admin import fetch_stats
 from tests.conftest import TEST_CAPACITY, TEST_EXTENT, DaemonProc, stop_daemon, wait_serving
 
+#: What these tests check does not depend on the client transport (the adapters,
+#: the tools and the daemon's own interfaces); they run once, on the default (fast).
+pytestmark = pytest.mark.one_transport
+
 #: WATCHDOG_USEC the tests use: pings every 0.1 s.
 WATCHDOG_USEC = 200_000
 

@@ -20,6 +20,10 @@ import pytest
 import kvtier
 from tests.conftest import DaemonProc, start_daemon, stop_daemon
 
+#: What these tests check does not depend on the client transport (the adapters,
+#: the tools and the daemon's own interfaces); they run once, on the default (fast).
+pytestmark = pytest.mark.one_transport
+
 ROWS, COLS = 24, 80
 NS = "top/e2e/bf16"
 BLOCK = 64 << 10

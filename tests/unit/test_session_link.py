@@ -131,14 +131,27 @@ class _FakeDaemon:
             return
 
 
-def test_threads_sharing_a_link_each_get_their_own_answer(
-        tmp_path: os.PathLike[str]) -> None:
+@pytest.fixture
+def served(tmp_path: os.PathLike[str], request: pytest.FixtureRequest
+           ) -> Iterator[tuple[SessionLink, socket.socket]]:
+    """A SessionLink to a listening socket, and the daemon's end of its connection
+    (the link's timeout: the test's ``link_timeout`` mark, else 5 s)."""
+    mark = request.node.get_closest_marker("link_timeout")
     path = os.path.join(str(tmp_path), "s.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(1)
-    link = SessionLink(path, timeout=5.0)
+    link = SessionLink(path, timeout=mark.args[0] if mark else 5.0)
     conn, _ = srv.accept()
+    yield link, conn
+    link.close()
+    conn.close()
+    srv.close()
+
+
+def test_threads_sharing_a_link_each_get_their_own_answer(
+        served: tuple[SessionLink, socket.socket]) -> None:
+    link, conn = served
     _FakeDaemon(conn, batch=8)
     results: dict[int, int] = {}
     errs: list[BaseException] = []
@@ -151,69 +164,47 @@ def test_threads_sharing_a_link_each_get_their_own_answer(
         except BaseException as exc:  # noqa: BLE001
             errs.append(exc)
 
-    try:
-        for rnd in range(5):
-            threads = [threading.Thread(target=caller, args=(rnd * 8 + i,)) for i in range(8)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(10)
-        assert not errs, errs[0]
-        assert results == {n: n for n in range(40)}
-    finally:
-        link.close()
-        conn.close()
-        srv.close()
+    for rnd in range(5):
+        threads = [threading.Thread(target=caller, args=(rnd * 8 + i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    assert not errs, errs[0]
+    assert results == {n: n for n in range(40)}
 
 
-def test_a_silent_daemon_breaks_the_link_after_the_deadline(tmp_path: os.PathLike[str]) -> None:
-    path = os.path.join(str(tmp_path), "s.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(1)
-    link = SessionLink(path, timeout=0.2)
-    conn, _ = srv.accept()
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(LinkBroken):
-            link.call("Lookup", pb.LookupRequest(keys=[b"k"]), 0.2)
-        assert time.monotonic() - t0 < 10
-        with pytest.raises(errors.Unavailable):  # and stays broken
-            link.call("Lookup", pb.LookupRequest(keys=[b"k"]), 0.2)
-    finally:
-        link.close()
-        conn.close()
-        srv.close()
+@pytest.mark.link_timeout(0.2)
+def test_a_silent_daemon_breaks_the_link_after_the_deadline(
+        served: tuple[SessionLink, socket.socket]) -> None:
+    link, _ = served
+    t0 = time.monotonic()
+    with pytest.raises(LinkBroken):
+        link.call("Lookup", pb.LookupRequest(keys=[b"k"]), 0.2)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(errors.Unavailable):  # and stays broken
+        link.call("Lookup", pb.LookupRequest(keys=[b"k"]), 0.2)
 
 
 def test_an_error_frame_is_the_callers_error_and_the_link_goes_on(
-        tmp_path: os.PathLike[str]) -> None:
-    path = os.path.join(str(tmp_path), "s.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(1)
-    link = SessionLink(path, timeout=5.0)
-    conn, _ = srv.accept()
-    try:
-        def answer(resp: pb.SessionResponse) -> None:
-            frames = FrameSplitter()
-            while (item := frames.take()) is None:
-                frames.recv(conn)
-            resp.call_id = pb.SessionRequest.FromString(item[0]).call_id
-            _send(conn, _frame(resp))
+        served: tuple[SessionLink, socket.socket]) -> None:
+    link, conn = served
 
-        t = threading.Thread(target=answer, args=(pb.SessionResponse(error=pb.SessionError(
-            code=5, message="no such lease")),))
-        t.start()
-        with pytest.raises(errors.NotFound, match="no such lease"):
-            link.call("Release", pb.ReleaseRequest(lease_id=9), 5.0)
-        t.join()
-        t = threading.Thread(target=answer, args=(pb.SessionResponse(reply=pb.FastReply(
-            response=pb.LookupResponse(hits=3).SerializeToString())),))
-        t.start()
-        assert link.call("Lookup", pb.LookupRequest(keys=[b"k"]), 5.0).hits == 3
-        t.join()
-    finally:
-        link.close()
-        conn.close()
-        srv.close()
+    def answer(resp: pb.SessionResponse) -> None:
+        frames = FrameSplitter()
+        while (item := frames.take()) is None:
+            frames.recv(conn)
+        resp.call_id = pb.SessionRequest.FromString(item[0]).call_id
+        _send(conn, _frame(resp))
+
+    t = threading.Thread(target=answer, args=(pb.SessionResponse(error=pb.SessionError(
+        code=5, message="no such lease")),))
+    t.start()
+    with pytest.raises(errors.NotFound, match="no such lease"):
+        link.call("Release", pb.ReleaseRequest(lease_id=9), 5.0)
+    t.join()
+    t = threading.Thread(target=answer, args=(pb.SessionResponse(reply=pb.FastReply(
+        response=pb.LookupResponse(hits=3).SerializeToString())),))
+    t.start()
+    assert link.call("Lookup", pb.LookupRequest(keys=[b"k"]), 5.0).hits == 3
+    t.join()

@@ -98,7 +98,7 @@ class FastReply(_message.Message):
     def __init__(self, response: _Optional[bytes] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("token", "slot_bytes", "segments_version", "segments", "daemon_version", "boot_epoch", "read_only", "fast_path")
+    __slots__ = ("token", "slot_bytes", "segments_version", "segments", "daemon_version", "boot_epoch", "read_only", "fast_path", "max_call_bytes")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class SessionOpened(_message.Message):
     BOOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     READ_ONLY_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_FIELD_NUMBER: _ClassVar[int]
+    MAX_CALL_BYTES_FIELD_NUMBER: _ClassVar[int]
     token: str
     slot_bytes: int
     segments_version: int
@@ -115,7 +116,8 @@ class SessionOpened(_message.Message):
     boot_epoch: int
     read_only: bool
     fast_path: bool
-    def __init__(self, token: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments_version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., read_only: _Optional[bool] = ..., fast_path: _Optional[bool] = ...) -> None: ...
+    max_call_bytes: int
+    def __init__(self, token: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments_version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., read_only: _Optional[bool] = ..., fast_path: _Optional[bool] = ..., max_call_bytes: _Optional[int] = ...) -> None: ...
 
 class SegmentsMapped(_message.Message):
     __slots__ = ("segments_version", "segments", "fd_segment_ids")
