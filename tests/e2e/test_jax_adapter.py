@@ -11,6 +11,10 @@ import pytest
 
 from tests.conftest import DaemonProc
 
+#: What these tests check does not depend on the client transport (the adapters,
+#: the tools and the daemon's own interfaces); they run once, on the default (fast).
+pytestmark = pytest.mark.one_transport
+
 pytest.importorskip("jax")
 
 #: Run as ``python -c SCRIPT socket_dir save|load configs_json``.  The caches are
@@ -21,10 +25,6 @@ import numpy as np
 import jax.numpy as jnp
 import kvtier, kvtier.jax as kj
 from kvtier.paged import dtype_of
-
-#: What these tests check does not depend on the client transport (the adapters,
-#: the tools and the daemon's own interfaces); they run once, on the default (fast).
-pytestmark = pytest.mark.one_transport
 
 socket_dir, action, configs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 LAYERS, PAGES, PT, HEADS, DIM = 3, 16, 16, 2, 64
