@@ -57,6 +57,7 @@
  * AVX-512).  The xxhash package, our fallback, dispatches too. */
 #define XXH_INLINE_ALL
 #include "xxhash.h"
+#include "index.h"
 #ifdef KVT_XXH_X86_DISPATCH
 #include "xxh_x86dispatch.h" /* XXH3_64bits is now XXH3_64bits_dispatch */
 #endif
@@ -1899,6 +1900,30 @@ static PyMethodDef native_methods[] = {
      py_install_fault_guard_doc},
     {"fault_guard_installed", py_fault_guard_installed, METH_NOARGS,
      py_fault_guard_installed_doc},
+    /* The shared index (csrc/index.c). */
+    {"index_format", kvt_py_index_format, METH_VARARGS,
+     "index_format(buf, capacity, seed): lay out an empty shared index in zeroed buf."},
+    {"index_set", kvt_py_index_set, METH_VARARGS,
+     "index_set(buf, key, tier, ref): insert or update; 1, 0 (probe limit) or -1 (full)."},
+    {"index_set_many", kvt_py_index_set_many, METH_VARARGS,
+     "index_set_many(buf, keys, tier, start): index_set of keys[start:] until the table is full;"
+     " (index stopped at, indices skipped at the probe limit)."},
+    {"index_remove", kvt_py_index_remove, METH_VARARGS,
+     "index_remove(buf, key): remove key; True if it was there."},
+    {"index_get", kvt_py_index_get, METH_VARARGS,
+     "index_get(buf, key): (tier, ref) of key, or None (the writer's view)."},
+    {"index_lookup", kvt_py_index_lookup, METH_VARARGS,
+     "index_lookup(buf, keys, stats=None): (tiers of the leading hits, final), or None."},
+    {"index_copy", kvt_py_index_copy, METH_VARARGS,
+     "index_copy(dst, src): put src's live entries into dst; (copied, skipped)."},
+    {"index_info", kvt_py_index_info, METH_VARARGS,
+     "index_info(buf): (capacity, live, used, flags)."},
+    {"index_set_flags", kvt_py_index_set_flags, METH_VARARGS,
+     "index_set_flags(buf, flags): set the header's flags word."},
+    {"index_fingerprint", kvt_py_index_fingerprint, METH_O,
+     "index_fingerprint(key): the 17 bytes an entry stores for key."},
+    {"index_fingerprints", kvt_py_index_fingerprints, METH_VARARGS,
+     "index_fingerprints(buf): the fingerprints of every live entry."},
     {NULL, NULL, 0, NULL},
 };
 

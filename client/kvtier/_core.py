@@ -236,13 +236,21 @@ class Work:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LookHere:
+    """Look ``keys`` up in the shared index (opening the session first; mapping the
+    new table first when the daemon replaced it); the result is ``_look_here``'s."""
+
+    keys: Sequence[bytes]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class SendRelease:
     """End lease ``lease_id`` of the current session; no need to wait for the answer."""
 
     lease_id: int
 
 
-Step: TypeAlias = Call | SyncMaps | Work | SendRelease
+Step: TypeAlias = Call | SyncMaps | Work | SendRelease | LookHere
 _T = TypeVar("_T")
 #: An operation: yields steps, is sent each step's result, returns its own.
 Steps: TypeAlias = Generator[Step, Any, _T]
@@ -357,8 +365,12 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
             resp, fds = link.request(open_request(self.namespace, self.block_bytes, self.model_uid))
             opened = resp.opened
             maps.read_only = opened.read_only
-            maps.update(opened.segments_version, opened.segments,
-                        [s.segment_id for s in opened.segments], fds)
+            n = len(opened.segments)
+            try:
+                maps.update(opened.segments_version, opened.segments,
+                            [s.segment_id for s in opened.segments], fds[:n])
+            finally:
+                maps.open_index(opened, fds[n:], self.fast_path_wanted and opened.fast_path)
         except BaseException:
             link.close()
             maps.close()
@@ -441,13 +453,37 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         except Unauthenticated:
             raise session_lost(what) from None
 
+    def _look_here(self, keys: Sequence[bytes]) -> tuple[bytes, bool] | None:
+        """A lookup in the shared index (None: it cannot answer, ask the daemon)."""
+        index = self._maps.index
+        link = self._link
+        if index is None or link is None or not link.quiet():
+            return None
+        return index.lookup(keys if type(keys) is list else list(keys))
+
+    def _index_stale(self) -> bool:
+        index = self._maps.index
+        return index is not None and index.superseded
+
+    def _lookup_any_steps(self, keys: Sequence[bytes], prefetch: bool) -> Steps[Sequence[int]]:
+        """The wire tier of each leading present key: from the shared index when it can
+        answer, from a Lookup call when it cannot, or for the keys after a miss it
+        cannot call final (a tier below DRAM may hold them)."""
+        if isinstance(keys, (bytes, bytearray, memoryview)):
+            as_keys(keys)  # raises: one bytes object is not a list of keys
+        here: tuple[bytes, bool] | None = yield LookHere(keys)
+        if here is not None and here[1]:
+            return here[0]
+        keys = as_keys(keys)
+        done = b"" if here is None else here[0]
+        resp = yield Call("Lookup", pb.LookupRequest(keys=keys[len(done):], prefetch=prefetch))
+        return [*done, *resp.tiers]
+
     def _lookup_steps(self, keys: Sequence[bytes], prefetch: bool) -> Steps[int]:
-        resp = yield Call("Lookup", pb.LookupRequest(keys=as_keys(keys), prefetch=prefetch))
-        return int(resp.hits)
+        return len((yield from self._lookup_any_steps(keys, prefetch)))
 
     def _lookup_tiers_steps(self, keys: Sequence[bytes], prefetch: bool) -> Steps[list[Tier]]:
-        resp = yield Call("Lookup", pb.LookupRequest(keys=as_keys(keys), prefetch=prefetch))
-        return [Tier(t) for t in resp.tiers]
+        return [Tier(t) for t in (yield from self._lookup_any_steps(keys, prefetch))]
 
     def _reserve_steps(self, keys: Sequence[bytes]) -> Steps[_R]:
         keys = as_keys(keys)

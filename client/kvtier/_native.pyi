@@ -50,3 +50,40 @@ def install_fault_guard() -> bool:
 
 def fault_guard_installed() -> bool:
     """Return True if install_fault_guard() has installed the guard."""
+
+# The shared index (csrc/index.c): the daemon's table of a namespace's DRAM keys,
+# which clients map read-only and search (kvtierd.shared_index, kvtier._index).
+def index_format(buf: _Buffer, capacity: int, seed: int) -> None:
+    """Lay out an empty table of capacity (a power of two) entries in zeroed buf."""
+
+def index_set(buf: _Buffer, key: bytes, tier: int, ref: int) -> int:
+    """Insert or update key: 1 stored, 0 past the probe limit, -1 the table is full."""
+
+def index_set_many(buf: _Buffer, keys: list[bytes], tier: int, start: int) -> tuple[int, list[int]]:
+    """index_set of keys[start:] until the table is full: (index stopped at, indices skipped)."""
+
+def index_remove(buf: _Buffer, key: bytes) -> bool:
+    """Remove key; True if it was there."""
+
+def index_get(buf: _Buffer, key: bytes) -> tuple[int, int] | None:
+    """(tier, ref) of key, or None (the writer's view: no retries)."""
+
+def index_lookup(buf: _Buffer, keys: list[bytes],
+                 stats: _Buffer | None = None) -> tuple[bytes, bool] | None:
+    """The tiers of the leading keys present and whether a miss there is final; None when
+    the table cannot answer (superseded, a key not 1..64 bytes, an entry kept busy)."""
+
+def index_copy(dst: _Buffer, src: _Buffer) -> tuple[int, int]:
+    """Put src's live entries into dst: (copied, skipped at the probe limit)."""
+
+def index_info(buf: _Buffer) -> tuple[int, int, int, int]:
+    """(capacity, live entries, used entries, flags)."""
+
+def index_set_flags(buf: _Buffer, flags: int) -> None:
+    """Set the header's flags word (1: superseded, 2: a miss is not final)."""
+
+def index_fingerprint(key: bytes) -> bytes:
+    """The 17 bytes a table entry stores for key."""
+
+def index_fingerprints(buf: _Buffer) -> list[bytes]:
+    """The fingerprints of every live entry."""

@@ -18,6 +18,7 @@ import itertools
 import math
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -28,6 +29,8 @@ from typing import Any, Final
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
+from kvtier import _index
+from kvtier._index import LocalIndex
 from kvtier._paths import explain_unreachable
 from kvtier._wire import FRAME_LEN, MAX_FDS_PER_MSG
 from kvtier.errors import FailedPrecondition, Unavailable, from_status
@@ -87,6 +90,19 @@ class SessionLink:
             raise Unavailable(explain_unreachable(path, exc)) from exc
         sock.settimeout(timeout + _HUNG_AFTER)
         self._sock = sock
+
+    def quiet(self) -> bool:
+        """Nothing is waiting to be read and the daemon has not hung up (a syscall, no
+        wait): the session stands, so an answer from the shared index is current.  A
+        frame waiting for another thread also says no; that thread's call reads it."""
+        if self._broken is not None:
+            return False
+        poll = select.poll()  # one per call: a poll object is not for concurrent use
+        try:
+            poll.register(self._sock, select.POLLIN)
+            return not poll.poll(0)
+        except (OSError, ValueError):  # closed meanwhile
+            return False
 
     def close(self) -> None:
         if self._on_close is not None:
@@ -420,6 +436,8 @@ class SegmentMaps:
         self.version = 0
         #: The session may only read: the daemon sent read-only fds, map them PROT_READ.
         self.read_only = False
+        #: The namespace's shared index, when the daemon sent one (and it is wanted).
+        self.index: LocalIndex | None = None
         self._maps: dict[int, mmap.mmap] = {}
 
     def __contains__(self, segment_id: int) -> bool:
@@ -467,12 +485,40 @@ class SegmentMaps:
             self._drop(seg_id)
         self.version = version
 
-    def fetch(self, link: SessionLink, want: Sequence[int]) -> None:
-        """Ask the daemon over ``link`` for the fds of segments ``want`` and map them
-        (blocking: a round trip, then mmap and page-table population)."""
-        resp, fds = link.request(map_request(want))
+    def open_index(self, opened: pb.SessionOpened, fds: list[int], wanted: bool) -> None:
+        """Map the shared index and lookup counters page that came after the segments'
+        fds with ``opened`` (if ``wanted`` and this build can search it); closes ``fds``."""
+        try:
+            if (wanted and _index.AVAILABLE and opened.shared_index and opened.lookup_counters
+                    and len(fds) == 2):
+                self.index = LocalIndex(fds[0], fds[1], opened.max_keys)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def mapped(self, resp: pb.SessionResponse, fds: list[int]) -> None:
+        """Take in a ``SegmentsMapped`` answer: map its segments and, when it carries
+        one, switch to the new shared index (none came: stop searching here)."""
         m = resp.mapped
-        self.update(m.segments_version, m.segments, m.fd_segment_ids, fds)
+        n = len(m.fd_segment_ids)
+        extra = fds[n:]
+        try:
+            self.update(m.segments_version, m.segments, m.fd_segment_ids, fds[:n])
+            if self.index is not None and m.shared_index and len(extra) == 1:
+                self.index.replace(extra[0])
+            elif self.index is not None and self.index.superseded:
+                self.index.close()
+                self.index = None
+        finally:
+            for fd in extra:
+                os.close(fd)
+
+    def fetch(self, link: SessionLink, want: Sequence[int], *, index: bool = False) -> None:
+        """Ask the daemon over ``link`` for the fds of segments ``want`` (and of the
+        current shared index) and map them (blocking: a round trip, then mmap and
+        page-table population)."""
+        resp, fds = link.request(map_request(want, index=index))
+        self.mapped(resp, fds)
 
     def view(self, ref: pb.SlotRef, length: int, *, writable: bool) -> np.ndarray:
         mm = self._maps.get(ref.segment_id)
@@ -493,6 +539,9 @@ class SegmentMaps:
     def close(self) -> None:
         for seg_id in list(self._maps):
             self._drop(seg_id)
+        if self.index is not None:
+            self.index.close()
+            self.index = None
 
 
 def open_request(namespace: str, block_bytes: int, model_uid: str) -> pb.SessionRequest:
@@ -507,5 +556,5 @@ def admin_request() -> pb.SessionRequest:
     return pb.SessionRequest(admin=pb.OpenAdmin())
 
 
-def map_request(want: Sequence[int]) -> pb.SessionRequest:
-    return pb.SessionRequest(map=pb.MapSegments(want_fds=list(want)))
+def map_request(want: Sequence[int], *, index: bool = False) -> pb.SessionRequest:
+    return pb.SessionRequest(map=pb.MapSegments(want_fds=list(want), want_index=index))

@@ -27,6 +27,7 @@ from kvtier._core import (
     Call,
     ClientCore,
     LeaseState,
+    LookHere,
     Metadata,
     ReservationState,
     SendRelease,
@@ -139,6 +140,11 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
             if step.nbytes >= OFFLOAD_BYTES:
                 return await asyncio.to_thread(step.fn)  # the copies: off the loop
             return step.fn()
+        elif isinstance(step, LookHere):
+            await self._ensure_session()
+            if self._index_stale():
+                await self._refresh_index()
+            return self._look_here(step.keys)
         elif isinstance(step, SendRelease):
             alink = self._alink
             if alink is not None and alink.fast_path:
@@ -198,6 +204,20 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
             raise err
         return await self._call(method, request, retry=False)
 
+    async def _refresh_index(self) -> None:
+        """Map the table that replaced the shared index (one mapping update at a time)."""
+        if self._maps_lock is None:
+            self._maps_lock = asyncio.Lock()
+        async with self._maps_lock:
+            alink = self._alink
+            if not self._index_stale() or alink is None:
+                return
+            try:
+                resp, fds = await alink.request(map_request([], index=True))
+            except KVTierError:
+                return  # the session ended: the call that follows says so
+            self._maps.mapped(resp, fds)
+
     async def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
         if self._maps_missing(version, slots) is None:
             return
@@ -210,9 +230,8 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
                 if alink is None:
                     raise Unavailable("the session ended while the call was in flight")
                 resp, fds = await alink.request(map_request(missing))
-                m = resp.mapped
-                await asyncio.to_thread(  # mmap + populate: off the loop
-                    self._maps.update, m.segments_version, m.segments, m.fd_segment_ids, fds)
+                # mmap + populate: off the loop
+                await asyncio.to_thread(self._maps.mapped, resp, fds)
 
     # ------------------------------------------------------------- API (as Client's)
     async def lookup(self, keys: Sequence[bytes], *, prefetch: bool = False) -> int:

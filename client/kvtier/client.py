@@ -25,6 +25,7 @@ from kvtier._core import (
     ClientCore,
     KeyStatus,
     LeaseState,
+    LookHere,
     Metadata,
     ReservationState,
     SendRelease,
@@ -166,6 +167,16 @@ class Client(ClientCore[Reservation, Lease]):
             return step.fn()  # copies and checksums release the GIL
         elif isinstance(step, SendRelease):
             self._send_release(step.lease_id)
+        elif isinstance(step, LookHere):
+            self._ensure_session()
+            if self._index_stale():
+                with self._lock:
+                    if self._index_stale() and self._link is not None:
+                        try:
+                            self._maps.fetch(self._link, [], index=True)
+                        except KVTierError:
+                            return None  # the session ended: the call that follows says so
+            return self._look_here(step.keys)
         return None
 
     def _ensure_session(self) -> Metadata:

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from kvtier import __version__, _accel
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME
 from kvtier.errors import FailedPrecondition
-from kvtierd import systemd
+from kvtierd import shared_index, systemd
 from kvtierd.access import AdminSessions
 from kvtierd.config import Config
 from kvtierd.logs import Throttle, event, more
@@ -383,6 +383,8 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
             reservation_ttl=cfg.reservations.ttl,
             boot_epoch=boot_epoch,
             on_evict=on_evict,
+            # Clients search the keys themselves (a Lookup without a call): fast path only.
+            publish=cfg.server.fast_path and shared_index.AVAILABLE,
         )
         store.dram_quota_of = lambda name: cfg.access.quotas(name)[0]
         store.on_forget = metrics.forget_namespace
@@ -430,7 +432,8 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         channel = SessionChannel(store, metrics, session_path, cfg.server.socket_mode,
                                  policy=cfg.access, limits=cfg.limits, admins=admins,
                                  methods=methods(service) if cfg.server.fast_path else None,
-                                 max_message_bytes=cfg.server.max_message_bytes)
+                                 max_message_bytes=cfg.server.max_message_bytes,
+                                 max_keys=cfg.server.max_keys_per_call)
         undo.callback(_unlink, session_path)
         await channel.start()
         undo.push_async_callback(channel.stop)

@@ -14,7 +14,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -79,6 +79,12 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        #: Run (on the loop) at the start of every scrape, before any series is read:
+        #: where counts kept outside this object are added (the sessions' lookup pages).
+        self.before_scrape: list[Callable[[], None]] = []
+        # Registered first: a registry collects in registration order.
+        self._prelude = _OnLoop(_Hooks(self.before_scrape), None)
+        registry.register(self._prelude)
         self.lookups = Counter("kvtier_lookups", "Lookup calls", ["namespace"], registry=registry)
         self.hit_blocks = Counter(
             "kvtier_hit_blocks", "Blocks found by lookup/acquire", ["namespace", "op"],
@@ -221,19 +227,35 @@ class Metrics:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None  # a test without a loop: collect in the scraping thread
+        self._prelude.loop = loop
         self.registry.register(_OnLoop(_StoreCollector(store), loop))
         if tiering is not None:
             self.registry.register(_OnLoop(_TieringCollector(tiering), loop))
+
+
+class _Hooks(Collector):
+    """Runs ``hooks`` and exports nothing."""
+
+    def __init__(self, hooks: list[Callable[[], None]]) -> None:
+        self._hooks = hooks
+
+    def collect(self) -> list[Metric]:
+        for hook in self._hooks:
+            hook()
+        return []
+
+    def describe(self) -> list[Metric]:
+        return []  # never run at registration
 
 
 class _OnLoop(Collector):
     """Runs ``inner.collect()`` on ``loop``, the only thread that changes what it reads."""
 
     def __init__(self, inner: Collector, loop: asyncio.AbstractEventLoop | None) -> None:
-        self._inner, self._loop = inner, loop
+        self._inner, self.loop = inner, loop
 
     def collect(self) -> list[Metric]:
-        loop = self._loop
+        loop = self.loop
         try:
             here = asyncio.get_running_loop()
         except RuntimeError:

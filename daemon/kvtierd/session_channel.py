@@ -27,6 +27,14 @@ the daemon reads no further frame until one ends) and may be answered out of
 order; ``no_reply`` calls (a Release) are never answered.  When the
 connection ends, its calls still running are cancelled before the session
 is closed.
+
+**The shared index.**  With the fast path on, ``SessionOpened`` also carries
+the namespace's shared index (read-only; ``kvtierd.shared_index``), which
+the client searches for a ``Lookup`` without calling, and a lookup counters
+page (read-write, this session's alone) where it adds what it looked up;
+the daemon adds those counts to its metrics before each scrape and when the
+session ends, trusting them for nothing else.  A client whose table says
+``SUPERSEDED`` asks for the new one with ``MapSegments(want_index=True)``.
 """
 
 from __future__ import annotations
@@ -63,10 +71,11 @@ from kvtierd.access import (
     Right,
     peer_groups,
 )
-from kvtierd.config import LimitsConfig
+from kvtierd.config import DEFAULT_MAX_KEYS_PER_CALL, LimitsConfig
 from kvtierd.metrics import Metrics
 from kvtierd.segments import UID_BYTES, Segment
 from kvtierd.service import FastCallFailed, FastContext, Method
+from kvtierd.shared_index import LookupCounters
 from kvtierd.store import Peer, Session, Store
 
 log = logging.getLogger(__name__)
@@ -117,6 +126,8 @@ class _Conn:
         self.buf = bytearray()
         self.cap = cap
         self.send_lock = asyncio.Lock()
+        #: The serial of the shared index table last sent on this connection (0: none).
+        self.index_sent = 0
         self._loop = asyncio.get_running_loop()
         self._waiter: asyncio.Future[None] | None = None
         self._eof: BaseException | None = None
@@ -191,7 +202,8 @@ class SessionChannel:
                  policy: AccessPolicy | None = None, limits: LimitsConfig | None = None,
                  admins: AdminSessions | None = None,
                  methods: Mapping[str, Method] | None = None,
-                 max_message_bytes: int = MAX_REQUEST_FRAME) -> None:
+                 max_message_bytes: int = MAX_REQUEST_FRAME,
+                 max_keys: int = DEFAULT_MAX_KEYS_PER_CALL) -> None:
         """``methods``: the service's (``service.methods``), served as FastCalls; None
         turns the fast path off (``server.fast_path: false``).  A FastCall's request
         may be ``max_message_bytes`` long (as a gRPC one), within the frame limit."""
@@ -199,6 +211,7 @@ class SessionChannel:
         self.metrics = metrics
         self.methods = methods
         self.max_call_bytes = min(max_message_bytes, MAX_REQUEST_FRAME - _CALL_OVERHEAD)
+        self.max_keys = max_keys
         self.path = path
         self.mode = mode
         self.policy = policy if policy is not None else AccessPolicy(enabled=False)
@@ -207,6 +220,22 @@ class SessionChannel:
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        #: Session id -> its lookup counters page (sessions sent a shared index).
+        self._counters: dict[int, LookupCounters] = {}
+        metrics.before_scrape.append(self.fold_counters)
+
+    def fold_counters(self) -> None:
+        """Add what the sessions' clients counted in their pages since the last fold
+        to the lookup metrics (on the loop; before each scrape)."""
+        for page in self._counters.values():
+            self._fold(page)
+
+    def _fold(self, page: LookupCounters) -> None:
+        lookups, hits, misses = page.take()
+        if lookups or hits or misses:
+            self.metrics.lookups.labels(page.namespace).inc(lookups)
+            self.metrics.hit_blocks.labels(page.namespace, "lookup").inc(hits)
+            self.metrics.missed_blocks.labels(page.namespace, "lookup").inc(misses)
 
     async def start(self) -> None:
         try:
@@ -314,7 +343,7 @@ class SessionChannel:
                     if session is None:
                         raise FailedPrecondition("MapSegments before OpenSession")
                     sent |= await self._send_mapped(conn, session, set(req.map.want_fds) - sent,
-                                                    call_id)
+                                                    call_id, req.map.want_index)
                 elif kind == "admin":
                     if session is not None or admin is not None:
                         raise FailedPrecondition("this connection already has a session")
@@ -350,6 +379,10 @@ class SessionChannel:
             if admin is not None:
                 self.admins.close(admin)
             if session is not None:
+                page = self._counters.pop(session.id, None)
+                if page is not None:
+                    self._fold(page)
+                    page.close()
                 aborted, released = self.store.close_session(session)
                 self.metrics.sessions_closed.inc()
                 self.metrics.aborted_blocks.labels(session.ns.name, "session_closed").inc(aborted)
@@ -448,7 +481,8 @@ class SessionChannel:
             await conn.more()
 
     async def _send_with_fds(self, conn: _Conn, msg: pb.SessionResponse,
-                             segments: list[Segment], *, read_only: bool = False) -> None:
+                             segments: list[Segment], *, read_only: bool = False,
+                             index_fd: int | None = None, counters_fd: int | None = None) -> None:
         """Send ``msg`` with the segments' fds.
 
         The fds are duplicated now, synchronously: a segment retired by
@@ -456,13 +490,19 @@ class SessionChannel:
         closes its own fd, and that number could be reused for another
         namespace's segment before the send completes.  A read-only session
         gets the files reopened ``O_RDONLY``: it can map them ``PROT_READ``
-        only, so it cannot write a byte of the namespace.
+        only, so it cannot write a byte of the namespace.  After them come
+        ``index_fd`` (the shared index, always reopened ``O_RDONLY``) and
+        ``counters_fd`` (the session's own lookup counters page), when given.
         """
         fds: list[int] = []
         try:
             for s in segments:
                 fds.append(os.open(f"/proc/self/fd/{s.fd}", os.O_RDONLY | os.O_CLOEXEC)
                            if read_only else os.dup(s.fd))
+            if index_fd is not None:
+                fds.append(os.open(f"/proc/self/fd/{index_fd}", os.O_RDONLY | os.O_CLOEXEC))
+            if counters_fd is not None:
+                fds.append(os.dup(counters_fd))
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -508,6 +548,16 @@ class SessionChannel:
     async def _send_opened(self, conn: _Conn, session: Session, call_id: int) -> set[int]:
         ns = session.ns
         segs = self.store.segments(ns)
+        shared = ns.index.shared
+        index_fd = shared.fd if shared is not None and self.methods is not None else None
+        serial = 0 if shared is None else shared.serial
+        page: LookupCounters | None = None
+        if index_fd is not None:
+            try:
+                page = LookupCounters(ns.name)
+            except OSError as exc:  # out of memory or fds: this session calls Lookup
+                log.warning("no lookup counters page for session %d: %s", session.id, exc)
+                index_fd = None
         msg = pb.SessionResponse(
             call_id=call_id,
             opened=pb.SessionOpened(
@@ -520,16 +570,37 @@ class SessionChannel:
                 read_only=not session.rights & Right.WRITE,
                 fast_path=self.methods is not None,
                 max_call_bytes=self.max_call_bytes,
+                shared_index=index_fd is not None,
+                lookup_counters=page is not None,
+                max_keys=self.max_keys,
             )
         )
-        await self._send_with_fds(conn, msg, segs, read_only=not session.rights & Right.WRITE)
+        try:
+            await self._send_with_fds(conn, msg, segs, read_only=not session.rights & Right.WRITE,
+                                      index_fd=index_fd,
+                                      counters_fd=None if page is None else page.fd)
+        except BaseException:
+            if page is not None:
+                page.close()
+            raise
+        if page is not None:
+            page.close_fd()  # the mapping stays: the client's counts are read from it
+            self._counters[session.id] = page
+            conn.index_sent = serial
         return {seg.segment_id for seg in segs}
 
     async def _send_mapped(self, conn: _Conn, session: Session,
-                           want: set[int], call_id: int) -> set[int]:
+                           want: set[int], call_id: int, want_index: bool = False) -> set[int]:
         """Answer a MapSegments with fds of the wanted segments (those not sent before on
-        this connection); returns the ids whose fds went."""
+        this connection) and, if asked, of the current shared index; returns the ids
+        whose fds went."""
         ns = session.ns
+        shared = ns.index.shared
+        # A table goes once per connection (as a segment's fd does).
+        serial = 0 if shared is None else shared.serial
+        index_fd = shared.fd if (want_index and shared is not None
+                                 and session.id in self._counters
+                                 and conn.index_sent != serial) else None
         segs = self.store.segments(ns)
         # Only this namespace's segments can ever be sent (DESIGN invariant 5).
         send = [s for s in segs if s.segment_id in want]
@@ -539,9 +610,13 @@ class SessionChannel:
                 segments_version=ns.segments_version,
                 segments=[_info(s) for s in segs],
                 fd_segment_ids=[s.segment_id for s in send],
+                shared_index=index_fd is not None,
             )
         )
-        await self._send_with_fds(conn, msg, send, read_only=not session.rights & Right.WRITE)
+        await self._send_with_fds(conn, msg, send, read_only=not session.rights & Right.WRITE,
+                                  index_fd=index_fd)
+        if index_fd is not None:
+            conn.index_sent = serial
         return {seg.segment_id for seg in send}
 
     async def _send_error(self, conn: _Conn, exc: KVTierError, call_id: int) -> None:

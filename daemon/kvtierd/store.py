@@ -83,6 +83,7 @@ from kvtierd.segments import (
     SlotRecord,
     SlotState,
 )
+from kvtierd.shared_index import KeyIndex, SharedIndex, fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,8 @@ class Namespace:
     model_uid: str
     slot_bytes: int
     extents: list[Extent] = dataclasses.field(default_factory=list)
-    index: dict[bytes, Block] = dataclasses.field(default_factory=dict)
+    # Mirrored into the namespace's shared index when the store publishes one.
+    index: KeyIndex[Block] = dataclasses.field(default_factory=KeyIndex)
     in_flight: dict[bytes, int] = dataclasses.field(default_factory=dict)  # key -> reservation id
     next_extent_index: int = 0
     segments_version: int = 1
@@ -378,6 +380,7 @@ class Store:
         boot_epoch: int,
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[Block], None] | None = None,
+        publish: bool = False,
     ) -> None:
         self.capacity = capacity
         self.extent_size = extent_size
@@ -387,11 +390,12 @@ class Store:
         self._factory = extent_factory
         self._clock = clock
         self._on_evict = on_evict
+        #: Publish each namespace's keys in a shared index its clients search.
+        self.publish = publish
         self.namespaces: dict[str, Namespace] = {}
         self.sessions: dict[int, Session] = {}
         self._system_sessions: dict[str, Session] = {}
-        #: Set by the tiering layer when a spill tier exists: evict only non-DIRTY blocks.
-        self.spill_enabled = False
+        self._spill_enabled = False
         self._by_token: dict[str, Session] = {}
         self.lru: collections.OrderedDict[Block, None] = collections.OrderedDict()
         self.budget_free = capacity
@@ -415,6 +419,41 @@ class Store:
         self.prefault_seconds = 0.0
         self.recovery_seconds = 0.0
         self.dropped_segments: list[str] = []
+
+    @property
+    def spill_enabled(self) -> bool:
+        """Set by the tiering layer when a spill tier exists: evict only non-DIRTY blocks
+        (and a miss in a shared index is not final: the key may be below DRAM)."""
+        return self._spill_enabled
+
+    @spill_enabled.setter
+    def spill_enabled(self, on: bool) -> None:
+        self._spill_enabled = on
+        for ns in self.namespaces.values():
+            if ns.index.shared is not None:
+                ns.index.shared.set_lower_tiers(on)
+
+    def _new_namespace(self, name: str, block_bytes: int, model_uid: str,
+                       slot_bytes: int, *, publish: bool = True) -> Namespace:
+        ns = Namespace(name, block_bytes, model_uid, slot_bytes)
+        if self.publish and publish:
+            self._publish(ns)
+        self.namespaces[name] = ns
+        return ns
+
+    def _publish(self, ns: Namespace) -> None:
+        """Give ``ns`` a shared index holding its keys (on failure it has none)."""
+        if self.publish:
+            try:
+                ns.index.publish(SharedIndex(ns.name, lower_tiers=self._spill_enabled))
+            except OSError as exc:  # out of memory or fds: lookups go to the daemon
+                log.warning("namespace %r: no shared index (%s); its clients' lookups go "
+                            "to the daemon", ns.name, exc)
+
+    def _drop_namespace(self, ns: Namespace) -> None:
+        del self.namespaces[ns.name]
+        if ns.index.shared is not None:
+            ns.index.shared.close()  # its clients see SUPERSEDED and ask the daemon
 
     # ================================================================ sessions
     def open_session(self, name: str, block_bytes: int, model_uid: str, peer: Peer) -> Session:
@@ -442,8 +481,7 @@ class Store:
             )
         # Applied: nothing below can fail.
         if ns is None:
-            ns = Namespace(name, block_bytes, model_uid, layout.slot_bytes)
-            self.namespaces[name] = ns
+            ns = self._new_namespace(name, block_bytes, model_uid, layout.slot_bytes)
             log.info("namespace %r declared: block_bytes=%d model_uid=%r", name, block_bytes,
                      model_uid, extra=event("namespace_declared", namespace=name,
                                             block_bytes=block_bytes, model_uid=model_uid))
@@ -500,7 +538,7 @@ class Store:
         if system is not None and (system.leases or system.reservations):
             return
         self._system_sessions.pop(ns.name, None)
-        del self.namespaces[ns.name]
+        self._drop_namespace(ns)
         self.on_forget(ns.name)
 
     # ================================================================ lookup
@@ -1207,7 +1245,7 @@ class Store:
         declaration reformats it again."""
         assert ns.sessions == 0
         self._retire_extents(list(ns.extents), "(namespace reformatted)")
-        del self.namespaces[ns.name]
+        self._drop_namespace(ns)
         log.warning("namespace %r reformatted: %s", ns.name, why,
                     extra=event("namespace_reformatted", namespace=ns.name, reason=why))
         self.dropped_segments.append(f"namespace {ns.name!r} reformatted: {why}")
@@ -1293,8 +1331,9 @@ class Store:
                 old.extent.segment.mark_free(old.slot)
         # Applied: nothing below can fail.
         if ns is None:
-            ns = Namespace(segment.namespace, lay.block_bytes, segment.model_uid, lay.slot_bytes)
-            self.namespaces[ns.name] = ns
+            # Published in bulk by finish_recovery, not key by key here.
+            ns = self._new_namespace(segment.namespace, lay.block_bytes, segment.model_uid,
+                                     lay.slot_bytes, publish=False)
         # pop() hands out the lowest slot first
         ext = Extent(segment, sorted([*slots.free, *lose_here], reverse=True),
                      list(slots.generations))
@@ -1355,6 +1394,9 @@ class Store:
         self.lru.update(zip(map(blocks.__getitem__, order), itertools.repeat(None)))
         self._access_seq = itertools.count(top + 1)
         self._adopted, self._adopted_at = [], []
+        for ns in self.namespaces.values():
+            if ns.index.shared is None:
+                self._publish(ns)
 
     def segments(self, ns: Namespace) -> list[Segment]:
         return [e.segment for e in ns.extents]
@@ -1367,6 +1409,9 @@ class Store:
     def close_all(self) -> None:
         """Unmap every segment, keeping the files (the warm-restart path re-attaches them)."""
         for ns in self.namespaces.values():
+            if ns.index.shared is not None:
+                ns.index.shared.close()
+                ns.index.shared = None
             for ext in ns.extents:
                 ext.segment.close(unlink=False)
 
@@ -1467,6 +1512,9 @@ class Store:
         namespaces = []
         for ns in self.namespaces.values():
             items = list(ns.index.items())
+            shared = ns.index.shared
+            published = None if shared is None or shared.fd is None else (
+                shared.fingerprints(), set(shared.unpublished))
             namespaces.append(_NamespaceView(
                 ns=ns, name=ns.name, slot_bytes=ns.slot_bytes, reserved=ns.reserved,
                 committed=ns.committed, leased=ns.leased, index=items,
@@ -1477,6 +1525,7 @@ class Store:
                     reserved=ext.reserved, committed=ext.committed, pinned=ext.pinned,
                     dirty=ext.dirty, table=ext.segment.raw_table(),
                 ) for ext in ns.extents],
+                published=published,
             ))
         return CheckSnapshot(namespaces=namespaces, leases=leases, reservations=reservations,
                              lru=list(self.lru), budget_free=self.budget_free,
@@ -1510,6 +1559,8 @@ class _NamespaceView:
     states: list[tuple[int, bool, int]]  # (pins, doomed, lower) of each index entry's block
     in_flight: list[bytes]
     extents: list[_ExtentView]
+    # The shared index's fingerprints and unpublished keys (None: not published).
+    published: tuple[list[bytes], set[bytes]] | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -1528,6 +1579,24 @@ class CheckSnapshot:
     lru: list[Block]
     budget_free: int
     capacity: int
+
+
+def _check_published(name: str, keys: list[bytes], fingerprints: list[bytes],
+                     unpublished: set[bytes]) -> list[str]:
+    """The shared index holds exactly the index's keys but the unpublished ones."""
+    problems = []
+    if len(set(fingerprints)) != len(fingerprints):
+        problems.append(f"{name}: the shared index holds a key twice")
+    want = {fingerprint(k): k for k in keys if k not in unpublished}
+    have = set(fingerprints)
+    for fp in sorted(want.keys() - have)[:5]:
+        problems.append(f"{name}: key {want[fp].hex()} is in the index, not in the shared index")
+    stray = len(have - want.keys())
+    if stray:
+        problems.append(f"{name}: the shared index holds {stray} keys the index does not")
+    if unpublished - set(keys):
+        problems.append(f"{name}: keys left the index but are still listed unpublished")
+    return problems
 
 
 def _cross_check(snap: CheckSnapshot) -> list[str]:
@@ -1561,6 +1630,8 @@ def _cross_check(snap: CheckSnapshot) -> list[str]:
             blocks_at[(id(block.extent), block.slot)] = block
             if st[0] == 0:
                 lru_expected.add(id(block))
+        if nsv.published is not None:
+            problems.extend(_check_published(name, [k for k, _ in nsv.index], *nsv.published))
         for block in doomed_leased.get(id(nsv.ns), ()):
             blocks_at[(id(block.extent), block.slot)] = block
         totals = {"free": 0, "reserved": 0, "committed": 0}

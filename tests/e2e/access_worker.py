@@ -32,8 +32,22 @@ def act(sock: str, a: dict) -> object:
         link = SessionLink(os.path.join(sock, "kvtier-session.sock"), 10)
         try:
             resp, fds = link.request(open_request(ns, a["block_bytes"], "m"))
-            out: dict[str, object] = {"read_only": resp.opened.read_only, "fds": len(fds),
+            n = len(resp.opened.segments)
+            out: dict[str, object] = {"read_only": resp.opened.read_only, "fds": min(n, len(fds)),
                                       "own_ids": [s.segment_id for s in resp.opened.segments]}
+            # After the segments: the shared index (never writable) and the counters page.
+            extra = fds[n:]
+            fds = fds[:n]
+            if resp.opened.shared_index and extra:
+                size = os.fstat(extra[0]).st_size
+                try:
+                    mmap.mmap(extra[0], size, mmap.MAP_SHARED,
+                              mmap.PROT_READ | mmap.PROT_WRITE).close()
+                    out["index_writable"] = True
+                except OSError:
+                    out["index_writable"] = False
+            for fd in extra:
+                os.close(fd)
             writable = []
             for fd, seg in zip(fds, resp.opened.segments, strict=False):
                 try:

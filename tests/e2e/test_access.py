@@ -118,6 +118,7 @@ def test_read_only_session_gets_read_only_fds_and_cannot_write(d: DaemonProc) ->
     assert isinstance(r, dict)
     assert r["read_only"] is True and r["fds"] >= 1
     assert r["writable"] == [False] * r["fds"]  # PROT_WRITE on the fds fails
+    assert r.get("index_writable", False) is False  # and on the shared index, for anyone
     assert as_uid(d, B, op="get", ns="shared/ro", keys=[b"doc".hex()]) == {
         "ok": [b"shared system prompt".hex()]}
     assert as_uid(d, B, op="put", ns="shared/ro", keys=["aa"], values=["00"]) == {
@@ -130,6 +131,7 @@ def test_read_only_session_gets_read_only_fds_and_cannot_write(d: DaemonProc) ->
         assert owner.lookup([b"doc"]) == 1
         r2 = as_uid(d, 0, op="raw_open", ns="shared/ro", block_bytes=4096)["ok"]
         assert isinstance(r2, dict) and r2["read_only"] is False and all(r2["writable"])
+        assert r2.get("index_writable", False) is False
     assert d.check() == []
 
 

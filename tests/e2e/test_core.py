@@ -430,6 +430,7 @@ def test_leases_and_reservations_expire(workdir: str) -> None:
 
 
 def test_session_only_receives_its_own_namespace_segments(daemon: DaemonProc) -> None:
+    from kvtier._index import LocalIndex
     from kvtier._session import SessionLink, map_request, open_request
 
     with kvtier.Client(daemon.socket_dir, namespace="iso/a", block_bytes=4096, model_uid="m") as a:
@@ -437,10 +438,21 @@ def test_session_only_receives_its_own_namespace_segments(daemon: DaemonProc) ->
         link = SessionLink(os.path.join(daemon.socket_dir, "kvtier-session.sock"), 10)
         try:
             resp, fds = link.request(open_request("iso/b", 4096, "m"))
-            assert fds == [] and list(resp.opened.segments) == []
-            # Ask for every segment id there could be: none of A's may come back.
-            resp, fds = link.request(map_request(list(range(1, 64))))
+            assert list(resp.opened.segments) == []
+            # No segment fd; with the fast path, B's own shared index and counters page.
+            extra = 2 if resp.opened.shared_index else 0
+            assert len(fds) == extra and resp.opened.lookup_counters == bool(extra)
+            if extra:
+                index = LocalIndex(fds[0], fds[1], 64)
+                assert index.lookup([b"secret"]) == (b"", True)  # A's key is not in B's table
+                index.close()
+            for fd in fds:
+                os.close(fd)
+            # Ask for every segment id there could be, and the index again: none of A's
+            # may come back, nor B's table a second time.
+            resp, fds = link.request(map_request(list(range(1, 64)), index=True))
             assert fds == [] and list(resp.mapped.fd_segment_ids) == []
+            assert not resp.mapped.shared_index
         finally:
             link.close()
         with kvtier.Client(daemon.socket_dir, namespace="iso/b", block_bytes=4096,

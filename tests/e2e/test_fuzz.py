@@ -164,11 +164,13 @@ def anon_kib(pid: int) -> int:
 
 
 def split_fds(d: DaemonProc) -> tuple[list[str], list[str]]:
-    """(segment file fds, every other fd) of the daemon: an extent's metadata and data files."""
+    """(namespace fds, every other fd) of the daemon: an extent's metadata and data files,
+    and a namespace's shared index."""
     seg: list[str] = []
     other: list[str] = []
     for t in fd_targets(d.proc.pid):
-        is_seg = t.startswith(d.shm_dir + "/") and re.search(r"\.(meta|seg)( \(deleted\))?$", t)
+        is_seg = (t.startswith(d.shm_dir + "/") and re.search(r"\.(meta|seg)( \(deleted\))?$", t)
+                  or t.startswith("/memfd:kvtier-index"))
         (seg if is_seg else other).append(t)
     return seg, other
 
@@ -254,9 +256,11 @@ def assert_no_leaks(p: Probe, *, sessions: int = 0) -> None:
     settle_fds(p)
     seg, _ = split_fds(d)
     # Four per extent: for each of its two files (.meta, .seg) the daemon's own fd and the
-    # one CPython's mmap keeps (a dup).
+    # one CPython's mmap keeps (a dup); two per namespace for its shared index, likewise.
     extents = sum(n.segments for n in s.namespaces)
-    assert len(seg) == 4 * extents, f"{len(seg)} segment fds for {extents} extents: {seg}"
+    tables = sum(t.startswith("/memfd:kvtier-index") for t in seg)
+    assert tables == 2 * len(s.namespaces), f"{tables} index fds, {len(s.namespaces)} namespaces"
+    assert len(seg) - tables == 4 * extents, f"{len(seg)} segment fds for {extents} extents: {seg}"
     assert sum(bool(re.search(r"\.meta( \(deleted\))?$", t)) for t in seg) == 2 * extents, seg
     kib = anon_kib(d.proc.pid)
     p.peak_kib = max(p.peak_kib, kib)
@@ -534,12 +538,13 @@ def check_stream(data: bytes, got: list[pb.SessionResponse], nfds: int) -> None:
             assert kind == "opened", (w, r)
             o = r.opened
             assert o.token and o.slot_bytes >= bb and o.slot_bytes % 4096 == 0, o
-            fds_expected += len(o.segments)
+            # the segments', then the shared index's and the counters page's
+            fds_expected += len(o.segments) + o.shared_index + o.lookup_counters
         elif w[0] == "mapped":
             assert kind == "mapped", (w, r)
             ids = {s.segment_id for s in r.mapped.segments}
             assert set(r.mapped.fd_segment_ids) <= (w[1] & ids), (w, r)
-            fds_expected += len(r.mapped.fd_segment_ids)
+            fds_expected += len(r.mapped.fd_segment_ids) + r.mapped.shared_index
     assert nfds == fds_expected, f"{nfds} fds received, the responses list {fds_expected}"
 
 
@@ -578,8 +583,9 @@ _NS_DECL = st.builds(pb.NamespaceDecl, name=NAMES, block_bytes=BLOCK_BYTES, mode
 _REQUESTS = st.one_of(
     _NS_DECL.map(lambda ns: pb.SessionRequest(open=pb.OpenSession(ns=ns))),
     st.just(pb.SessionRequest(open=pb.OpenSession())),  # no declaration at all
-    st.lists(st.integers(0, 2**32 - 1), max_size=20).map(
-        lambda ids: pb.SessionRequest(map=pb.MapSegments(want_fds=ids))),
+    st.builds(lambda ids, index: pb.SessionRequest(map=pb.MapSegments(want_fds=ids,
+                                                                      want_index=index)),
+              st.lists(st.integers(0, 2**32 - 1), max_size=20), st.booleans()),
     st.just(pb.SessionRequest()),
     st.builds(lambda m, b, cid: pb.SessionRequest(call_id=cid, call=pb.FastCall(
         method=m, request=b, timeout_ms=2000)),

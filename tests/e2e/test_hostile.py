@@ -184,8 +184,11 @@ def _writer_fds(d: DaemonProc) -> tuple[SessionLink, list[tuple[int, int]]]:
     resp, fds = link.request(open_request("A", BLOCK, MODEL))
     assert not resp.opened.read_only and fds
     by_id = {s.segment_id: s for s in resp.opened.segments}
+    n = len(resp.opened.segments)
+    for fd in fds[n:]:  # the shared index and lookup counters: tests/e2e/test_shared_index.py
+        os.close(fd)
     sized = [(fd, by_id[s.segment_id].data_bytes)
-             for fd, s in zip(fds, resp.opened.segments, strict=True)]
+             for fd, s in zip(fds[:n], resp.opened.segments, strict=True)]
     return link, sized
 
 

@@ -150,6 +150,7 @@ def make_store(
         boot_epoch=BOOT_EPOCH,
         clock=clock,
         on_evict=evicted.append,
+        publish=True,
     )
     return StoreEnv(store, directory, clock, evicted)
 

@@ -191,7 +191,7 @@ def _slot_field(slot: int, field: int) -> int:
 def _fresh_store(shm_dir: str, boot_epoch: int) -> Store:
     return Store(capacity=CAPACITY, extent_size=EXTENT,
                  extent_factory=segment_factory(shm_dir, boot_epoch), lease_ttl=30,
-                 reservation_ttl=10, boot_epoch=boot_epoch)
+                 reservation_ttl=10, boot_epoch=boot_epoch, publish=True)
 
 
 def _visible(store: Store) -> dict[str, dict[bytes, tuple[int, int, int | None]]]:

@@ -17,8 +17,10 @@ from kvtier._core import (
     Call,
     ClientCore,
     LeaseState,
+    LookHere,
     ReservationState,
     Step,
+    Tier,
     SyncMaps,
     Work,
     arun_steps,
@@ -67,9 +69,32 @@ def both(steps: Callable[[], Any], do: Callable[[Step], Any]) -> list[Any]:
 
 def test_lookup_is_one_call_and_decodes_hits() -> None:
     core, log = FakeCore(), []
-    do = transport({"Lookup": pb.LookupResponse(hits=2)}, log)
+    do = transport({"Lookup": pb.LookupResponse(hits=2, tiers=[1, 2])}, log)
     assert both(lambda: core._lookup_steps([b"a", b"b", b"c"], False), do) == [2, 2]
-    assert log == ["Lookup", "Lookup"]
+    # First the shared index (the fake transport has none: it answers None), then the call.
+    assert log == ["LookHere", "Lookup", "LookHere", "Lookup"]
+
+
+def test_lookup_answered_by_the_shared_index_makes_no_call() -> None:
+    core, log = FakeCore(), []
+    here = {"answer": (b"\x01\x01", True)}
+
+    def do(step: Step) -> Any:
+        log.append(step.method if isinstance(step, Call) else type(step).__name__)
+        if isinstance(step, LookHere):
+            return here["answer"]
+        assert isinstance(step, Call)
+        return pb.LookupResponse(hits=1, tiers=[2])
+
+    assert both(lambda: core._lookup_tiers_steps([b"a", b"b"], False), do) == [
+        [Tier.DRAM, Tier.DRAM]] * 2
+    assert log == ["LookHere"] * 2
+    # A miss that is not final: the keys after the table's hits are asked of the daemon.
+    log.clear()
+    here["answer"] = (b"\x01", False)
+    assert both(lambda: core._lookup_tiers_steps([b"a", b"b", b"c"], True), do) == [
+        [Tier.DRAM, Tier.SSD]] * 2
+    assert log == ["LookHere", "Lookup"] * 2
 
 
 def test_reserve_aborts_when_its_segments_cannot_be_mapped() -> None:

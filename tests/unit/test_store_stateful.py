@@ -48,6 +48,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvtier import _native
 from kvtier.errors import CapacityExhausted, InvalidArgument, NotFound
 from kvtierd.recovery import recover
 from kvtierd.segments import Segment, SegmentLayout
@@ -172,6 +173,7 @@ class StoreMachine(RuleBasedStateMachine):
             boot_epoch=BOOT_EPOCH,
             clock=self.clock,
             on_evict=self.evicted.append,
+            publish=True,  # check() also cross-checks each namespace's shared index
         )
 
     def _open_sessions(self) -> list[Any]:
@@ -618,6 +620,12 @@ class StoreMachine(RuleBasedStateMachine):
             s = self.sessions[slot]
             present = [k for k in UNIVERSE if self.store.lookup(s, [k]) == 1]
             assert present == [k for k in UNIVERSE if (ns, k) in self.committed]
+            # What a client reads in the shared index is the same.
+            shared = self.store.namespaces[ns].index.shared
+            assert shared is not None and shared.fd is not None
+            table = shared._table.mm  # type: ignore[union-attr]
+            assert [k for k in UNIVERSE if _native.index_lookup(table, [k]) == (b"\x01", True)] \
+                == present
 
     @invariant()
     def leases_pin_their_blocks(self) -> None:

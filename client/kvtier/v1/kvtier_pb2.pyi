@@ -56,10 +56,12 @@ class OpenSession(_message.Message):
     def __init__(self, ns: _Optional[_Union[NamespaceDecl, _Mapping]] = ...) -> None: ...
 
 class MapSegments(_message.Message):
-    __slots__ = ("want_fds",)
+    __slots__ = ("want_fds", "want_index")
     WANT_FDS_FIELD_NUMBER: _ClassVar[int]
+    WANT_INDEX_FIELD_NUMBER: _ClassVar[int]
     want_fds: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, want_fds: _Optional[_Iterable[int]] = ...) -> None: ...
+    want_index: bool
+    def __init__(self, want_fds: _Optional[_Iterable[int]] = ..., want_index: _Optional[bool] = ...) -> None: ...
 
 class OpenAdmin(_message.Message):
     __slots__ = ()
@@ -98,7 +100,7 @@ class FastReply(_message.Message):
     def __init__(self, response: _Optional[bytes] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("token", "slot_bytes", "segments_version", "segments", "daemon_version", "boot_epoch", "read_only", "fast_path", "max_call_bytes")
+    __slots__ = ("token", "slot_bytes", "segments_version", "segments", "daemon_version", "boot_epoch", "read_only", "fast_path", "max_call_bytes", "shared_index", "lookup_counters", "max_keys")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +110,9 @@ class SessionOpened(_message.Message):
     READ_ONLY_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_FIELD_NUMBER: _ClassVar[int]
     MAX_CALL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEYS_FIELD_NUMBER: _ClassVar[int]
     token: str
     slot_bytes: int
     segments_version: int
@@ -117,17 +122,22 @@ class SessionOpened(_message.Message):
     read_only: bool
     fast_path: bool
     max_call_bytes: int
-    def __init__(self, token: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments_version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., read_only: _Optional[bool] = ..., fast_path: _Optional[bool] = ..., max_call_bytes: _Optional[int] = ...) -> None: ...
+    shared_index: bool
+    lookup_counters: bool
+    max_keys: int
+    def __init__(self, token: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments_version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., read_only: _Optional[bool] = ..., fast_path: _Optional[bool] = ..., max_call_bytes: _Optional[int] = ..., shared_index: _Optional[bool] = ..., lookup_counters: _Optional[bool] = ..., max_keys: _Optional[int] = ...) -> None: ...
 
 class SegmentsMapped(_message.Message):
-    __slots__ = ("segments_version", "segments", "fd_segment_ids")
+    __slots__ = ("segments_version", "segments", "fd_segment_ids", "shared_index")
     SEGMENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     FD_SEGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_INDEX_FIELD_NUMBER: _ClassVar[int]
     segments_version: int
     segments: _containers.RepeatedCompositeFieldContainer[SegmentInfo]
     fd_segment_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, segments_version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., fd_segment_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    shared_index: bool
+    def __init__(self, segments_version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., fd_segment_ids: _Optional[_Iterable[int]] = ..., shared_index: _Optional[bool] = ...) -> None: ...
 
 class SessionError(_message.Message):
     __slots__ = ("code", "message")

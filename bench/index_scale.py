@@ -1,0 +1,198 @@
+"""Index scale benchmark (issue 14, item 5): the daemon's memory per block, big lookups,
+and warm restarts, with millions of small blocks.
+
+For each block count N: start a fresh kvtierd with a pool just big enough for N
+blocks of --block bytes (4 KiB by default), fill it in batches of 4096 keys, and
+measure
+
+* the daemon's anonymous memory (RssAnon, /proc) before and after the fill, per
+  committed block: the index, the LRU and the per-block Python objects; and the
+  bytes of the namespace's shared index table per block (a memfd, counted apart:
+  it is shared memory, not anonymous);
+* a lookup of 4096 present keys, p50 of --rounds, from a client answering from
+  the shared index (fast path) and from a client calling Lookup over gRPC, with
+  the empty gRPC call (Health/Check) as the floor;
+* a warm restart after SIGKILL: process start to READY=1 (a real NOTIFY_SOCKET),
+  every block re-adopted.
+
+    .venv/bin/python bench/index_scale.py --blocks 1M,4M --json bench/results/x.json
+
+Needs free /dev/shm and RAM for N * block bytes plus the daemon's index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import kvtier
+from kvtier._admin import fetch_stats
+from kvtier.units import parse_size
+
+BATCH = 4096  # keys per reserve/commit and per lookup (the default max_keys_per_call)
+
+
+def start(sock_dir: str, shm_dir: str, capacity: int, notify: socket.socket,
+          notify_path: str) -> tuple[subprocess.Popen[bytes], float]:
+    """Start kvtierd; return it and the seconds from spawn to READY=1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["NOTIFY_SOCKET"] = notify_path
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtierd", "--set", f"server.socket_dir={sock_dir}",
+         "--set", f"dram.shm_dir={shm_dir}", "--set", f"dram.capacity={capacity}",
+         "--set", "dram.extent_size=256MiB", "--set", "metrics.address=",
+         "--set", "log.level=warning", "--set", "spill.ssd_dir="],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    notify.settimeout(900)
+    while True:
+        msg = notify.recv(4096).decode()
+        if "READY=1" in msg.split("\n"):
+            return proc, time.perf_counter() - t0
+
+
+def rss_anon_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    raise RuntimeError("no RssAnon")
+
+
+def keys_of(start: int, n: int) -> list[bytes]:
+    return [b"%016d" % i for i in range(start, start + n)]  # 16 bytes, as block_keys makes
+
+
+def client(sock_dir: str, block: int, fast: bool) -> kvtier.Client:
+    return kvtier.Client(sock_dir, namespace="bench/index", block_bytes=block, model_uid="b",
+                         fast_path=fast, timeout=60)
+
+
+def p50_us(fn: object, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def run_one(n: int, block: int, rounds: int) -> dict[str, float]:
+    tmp = tempfile.mkdtemp(prefix="kvt-index-", dir="/tmp")
+    shm_dir = f"/dev/shm/kvtier-bench-index-{uuid.uuid4().hex[:8]}"
+    notify_path = os.path.join(tmp, "notify")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    sock_dir = os.path.join(tmp, "sock")
+    slot = -(-block // 4096) * 4096
+    # The pool: N slots plus the slot tables (<= 256 B per slot) and a spare extent.
+    capacity = -(-(n * (slot + 256) + (256 << 20)) // (1 << 20)) << 20
+    procs: list[subprocess.Popen[bytes]] = []
+    row: dict[str, float] = {"blocks": n, "block_bytes": block, "pool_bytes": capacity}
+    try:
+        proc, _ = start(sock_dir, shm_dir, capacity, notify, notify_path)
+        procs.append(proc)
+        data = np.frombuffer(bytes(range(256)) * (block // 256) or b"x" * block, np.uint8)
+        with client(sock_dir, block, True) as c:
+            c.lookup([b"warmup"])  # the namespace exists: its fixed costs are in the baseline
+            before = rss_anon_kib(proc.pid)
+            t0 = time.perf_counter()
+            for at in range(0, n, BATCH):
+                keys = keys_of(at, min(BATCH, n - at))
+                with c.reserve(keys) as r:
+                    for i in r.reserved:
+                        buf = r.buffers[i]
+                        assert buf is not None
+                        buf[: len(data)] = data
+                    r.commit()
+            row["fill_s"] = time.perf_counter() - t0
+            time.sleep(1.0)
+            after = rss_anon_kib(proc.pid)
+            st = fetch_stats(sock_dir)
+            (ns,) = [x for x in st.namespaces if x.name == "bench/index"]
+            committed = ns.committed_blocks
+            assert committed == n, (committed, n)
+            row["anon_bytes_per_block"] = (after - before) * 1024 / committed
+            probe = keys_of(n - BATCH, BATCH) if n >= BATCH else keys_of(0, n)
+            assert c.lookup(probe) == len(probe)  # (and maps the table's latest version)
+            index = c._maps.index
+            assert index is not None
+            row["table_bytes_per_block"] = len(index._table) / committed
+            row["lookup_4096_fast_us"] = p50_us(lambda: c.lookup(probe), rounds)
+        with client(sock_dir, block, False) as g:
+            assert g.lookup(probe) == len(probe)
+            row["lookup_4096_grpc_us"] = p50_us(lambda: g.lookup(probe), rounds)
+        with grpc.insecure_channel(f"unix:{os.path.join(sock_dir, 'kvtier.sock')}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            req = health_pb2.HealthCheckRequest()
+            health.Check(req)
+            row["empty_grpc_call_us"] = p50_us(lambda: health.Check(req), rounds)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(60)
+        proc, warm = start(sock_dir, shm_dir, capacity, notify, notify_path)
+        procs.append(proc)
+        st = fetch_stats(sock_dir)
+        assert st.recovered_blocks == n, (st.recovered_blocks, n)
+        row["warm_start_to_ready_s"] = warm
+        row["warm_recovery_s"] = st.recovery_seconds
+        # All of the restarted daemon's anonymous memory (its baseline included), per block.
+        row["anon_bytes_per_block_after_restart"] = rss_anon_kib(proc.pid) * 1024 / n
+        return row
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        notify.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--blocks", default="1M", help="block counts, comma-separated (1M = 2**20)")
+    p.add_argument("--block", default="4KiB", help="bytes per block")
+    p.add_argument("--rounds", type=int, default=200, help="lookups per p50")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+    block = parse_size(args.block)
+    rows = []
+    for count in args.blocks.split(","):
+        n = int(count[:-1]) << 20 if count.endswith("M") else int(count)
+        print(f"{n} blocks of {block} bytes: filling ...", file=sys.stderr, flush=True)
+        rows.append(run_one(n, block, args.rounds))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    print(f"{'blocks':>9} {'anon B/blk':>10} {'table B/blk':>11} {'lookup4096 fast us':>18} "
+          f"{'grpc us':>9} {'empty call us':>13} {'warm READY s':>12} {'recovery s':>10}")
+    for r in rows:
+        print(f"{r['blocks']:>9.0f} {r['anon_bytes_per_block']:>10.0f} "
+              f"{r['table_bytes_per_block']:>11.1f} {r['lookup_4096_fast_us']:>18.0f} "
+              f"{r['lookup_4096_grpc_us']:>9.0f} {r['empty_grpc_call_us']:>13.0f} "
+              f"{r['warm_start_to_ready_s']:>12.3f} {r['warm_recovery_s']:>10.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join(["bench/index_scale.py", *sys.argv[1:]]),
+                       "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

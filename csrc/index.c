@@ -1,0 +1,633 @@
+/*
+ * The shared index: a namespace's DRAM keys in one flat hash table that the
+ * daemon writes and its clients read, without asking the daemon
+ * (daemon/kvtierd/shared_index.py owns the file; client/kvtier/_core.py reads it).
+ *
+ *   index_format(buf, capacity, seed)       lay out an empty table in zeroed buf
+ *   index_set(buf, key, tier, ref)          insert or update: 1, 0 (probe limit), -1 (full)
+ *   index_set_many(buf, keys, tier, start)  index_set of keys[start:] (ref 0) until one
+ *                                           finds the table full: (stopped at, skipped)
+ *   index_remove(buf, key)                  True if the key was there
+ *   index_get(buf, key)                     (tier, ref) or None
+ *   index_lookup(buf, keys, stats=None)     (tiers of the leading hits, final) or None
+ *   index_copy(dst, src)                    put every live entry of src into dst
+ *   index_info(buf)                         (capacity, live, used, flags)
+ *   index_set_flags(buf, flags)             the header's flags word (SUPERSEDED, ...)
+ *   index_fingerprint(key)                  the 17 bytes an entry stores for key
+ *   index_fingerprints(buf)                 those of every live entry
+ *
+ * Layout (little-endian, fixed, version 1): a 64-byte header, then capacity
+ * (a power of two) entries of 32 bytes, linear probing from a seeded XXH3-64 of
+ * the key's fingerprint.  An entry holds its fingerprint (the key itself when
+ * it is 16 bytes, the BLAKE2b output block_keys makes; else XXH3-128 of the key
+ * and a flag), the key's tier, and a 64-bit reference the daemon owns.
+ *
+ * One writer (the daemon's event loop), any number of readers in other
+ * processes, no locks: every entry carries a sequence number, odd while the
+ * writer changes it (a seqlock), and a reader retries an entry whose number
+ * moved.  Readers map the file read-only (the daemon seals it against writable
+ * mappings and resizing), so nothing a client does reaches the daemon's copy.
+ * A table is never resized in place: the daemon builds a new one, sets
+ * SUPERSEDED here, and from then on changes only the new one; a reader checks
+ * the flag after its reads, so a lookup never answers from a table that a
+ * later change skipped.
+ *
+ * Bounded work on both sides: at most max_probe entries per key (a writer that
+ * chose keys colliding on purpose only fills its own namespace's table, and a
+ * key past the limit stays out of it: the daemon then sets MISS_NOT_FINAL and
+ * readers ask it about misses), and at most SPIN_LIMIT retries of a busy entry.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+
+#include "index.h"
+
+#define IDX_MAGIC 0x31305844495456ULL /* "VTIDX01" */
+#define IDX_VERSION 1u
+#define IDX_HEADER 64u
+#define IDX_ENTRY 32u
+#define IDX_MAX_PROBE 128u
+#define SPIN_LIMIT 10000
+#define MAX_KEY 64
+
+enum { E_EMPTY = 0, E_LIVE = 1, E_TOMB = 2 };
+enum { F_HASHED = 1 };
+
+typedef struct {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t entry_bytes;
+    uint64_t capacity;
+    uint64_t seed;
+    uint64_t live;  /* live entries */
+    uint64_t used;  /* live + tombstones */
+    uint32_t flags; /* KVT_IDX_SUPERSEDED | KVT_IDX_MISS_NOT_FINAL */
+    uint32_t max_probe;
+    uint64_t reserved;
+} idx_header;
+
+typedef struct {
+    uint32_t seq;
+    uint8_t state;
+    uint8_t tier;
+    uint8_t flags;
+    uint8_t pad;
+    uint64_t fp0;
+    uint64_t fp1;
+    uint64_t ref;
+} idx_entry;
+
+_Static_assert(sizeof(idx_header) == IDX_HEADER, "header is 64 bytes");
+_Static_assert(sizeof(idx_entry) == IDX_ENTRY, "entry is 32 bytes");
+
+typedef struct {
+    uint64_t fp0, fp1;
+    uint8_t flags;
+} fingerprint;
+
+typedef struct {
+    idx_header *h;
+    idx_entry *e;
+    uint64_t mask;
+    uint64_t seed;
+    uint32_t max_probe;
+} table;
+
+static inline void
+cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static fingerprint
+fp_of(const uint8_t *key, size_t n)
+{
+    fingerprint f;
+    if (n == 16) {
+        memcpy(&f.fp0, key, 8);
+        memcpy(&f.fp1, key + 8, 8);
+        f.flags = 0;
+    } else {
+        XXH128_hash_t x = XXH3_128bits(key, n);
+        f.fp0 = x.low64;
+        f.fp1 = x.high64;
+        f.flags = F_HASHED;
+    }
+    return f;
+}
+
+static inline uint64_t
+home(const table *t, const fingerprint *f)
+{
+    uint64_t v[2] = {f->fp0, f->fp1};
+    return XXH3_64bits_withSeed(v, sizeof v, t->seed) & t->mask;
+}
+
+/* 0 with *t filled, or -1 with a Python error set. */
+static int
+open_table(Py_buffer *buf, table *t)
+{
+    if (buf->len < (Py_ssize_t)IDX_HEADER) {
+        PyErr_SetString(PyExc_ValueError, "index buffer is shorter than its header");
+        return -1;
+    }
+    idx_header *h = (idx_header *)buf->buf;
+    uint64_t cap = h->capacity;
+    if (h->magic != IDX_MAGIC || h->version != IDX_VERSION || h->entry_bytes != IDX_ENTRY) {
+        PyErr_SetString(PyExc_ValueError, "index buffer does not hold a version-1 index");
+        return -1;
+    }
+    if (cap == 0 || (cap & (cap - 1)) != 0 || cap > ((uint64_t)1 << 40)
+        || (uint64_t)buf->len < IDX_HEADER + cap * IDX_ENTRY) {
+        PyErr_SetString(PyExc_ValueError, "index capacity does not match its buffer");
+        return -1;
+    }
+    t->h = h;
+    t->e = (idx_entry *)((char *)buf->buf + IDX_HEADER);
+    t->mask = cap - 1;
+    t->seed = h->seed;
+    t->max_probe = h->max_probe == 0 || h->max_probe > cap ? (uint32_t)(cap < IDX_MAX_PROBE ? cap : IDX_MAX_PROBE)
+                                                          : h->max_probe;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- writer */
+static inline void
+entry_write(idx_entry *e, uint8_t state, uint8_t tier, const fingerprint *f, uint64_t ref)
+{
+    uint32_t s = __atomic_load_n(&e->seq, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->seq, s + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    __atomic_store_n(&e->state, state, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->tier, tier, __ATOMIC_RELAXED);
+    if (f != NULL) {
+        __atomic_store_n(&e->flags, f->flags, __ATOMIC_RELAXED);
+        __atomic_store_n(&e->fp0, f->fp0, __ATOMIC_RELAXED);
+        __atomic_store_n(&e->fp1, f->fp1, __ATOMIC_RELAXED);
+    }
+    __atomic_store_n(&e->ref, ref, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->seq, s + 2, __ATOMIC_RELEASE);
+}
+
+static inline int
+same(const idx_entry *e, const fingerprint *f)
+{
+    return e->fp0 == f->fp0 && e->fp1 == f->fp1 && e->flags == f->flags;
+}
+
+/* The writer's own probe (no retries: only it changes entries).  Returns the
+ * entry holding f, or NULL; *slot gets the first reusable entry on the way
+ * (a tombstone, else the empty entry that ended the probe), or NULL. */
+static idx_entry *
+w_find(const table *t, const fingerprint *f, idx_entry **slot)
+{
+    uint64_t i = home(t, f);
+    idx_entry *reuse = NULL;
+    for (uint32_t p = 0; p < t->max_probe; p++, i = (i + 1) & t->mask) {
+        idx_entry *e = &t->e[i];
+        if (e->state == E_EMPTY) {
+            if (reuse == NULL)
+                reuse = e;
+            break;
+        }
+        if (e->state == E_LIVE && same(e, f)) {
+            *slot = reuse;
+            return e;
+        }
+        if (e->state == E_TOMB && reuse == NULL)
+            reuse = e;
+    }
+    *slot = reuse;
+    return NULL;
+}
+
+/* 1 stored, 0 past the probe limit, -1 the table is 3/4 full. */
+static int
+t_set(table *t, const fingerprint *f, uint8_t tier, uint64_t ref)
+{
+    idx_entry *slot;
+    idx_entry *e = w_find(t, f, &slot);
+    if (e != NULL) {
+        entry_write(e, E_LIVE, tier, f, ref);
+        return 1;
+    }
+    if (slot == NULL)
+        return 0;
+    if (slot->state == E_EMPTY) {
+        if ((t->h->used + 1) * 4 > (t->mask + 1) * 3)
+            return -1;
+        t->h->used++;
+    }
+    entry_write(slot, E_LIVE, tier, f, ref);
+    t->h->live++;
+    return 1;
+}
+
+/* ---------------------------------------------------------------- reader */
+enum { R_MISS = 0, R_HIT = 1, R_UNSURE = 2 };
+
+/* Probe for f in a table another process changes; *tier on a hit. */
+static int
+r_find(const table *t, const fingerprint *f, uint8_t *tier)
+{
+    uint64_t i = home(t, f);
+    for (uint32_t p = 0; p < t->max_probe; p++, i = (i + 1) & t->mask) {
+        idx_entry *e = &t->e[i];
+        uint8_t state, tr, fl;
+        uint64_t a, b;
+        int spins = 0;
+        for (;;) {
+            uint32_t s1 = __atomic_load_n(&e->seq, __ATOMIC_ACQUIRE);
+            if ((s1 & 1) == 0) {
+                state = __atomic_load_n(&e->state, __ATOMIC_RELAXED);
+                tr = __atomic_load_n(&e->tier, __ATOMIC_RELAXED);
+                fl = __atomic_load_n(&e->flags, __ATOMIC_RELAXED);
+                a = __atomic_load_n(&e->fp0, __ATOMIC_RELAXED);
+                b = __atomic_load_n(&e->fp1, __ATOMIC_RELAXED);
+                __atomic_thread_fence(__ATOMIC_ACQUIRE);
+                if (__atomic_load_n(&e->seq, __ATOMIC_RELAXED) == s1)
+                    break;
+            }
+            if (++spins > SPIN_LIMIT)
+                return R_UNSURE;
+            cpu_relax();
+        }
+        if (state == E_EMPTY)
+            return R_MISS;
+        if (state == E_LIVE && a == f->fp0 && b == f->fp1 && fl == f->flags) {
+            *tier = tr;
+            return R_HIT;
+        }
+    }
+    return R_UNSURE;
+}
+
+/* ---------------------------------------------------------------- bindings */
+static int
+get_key(PyObject *obj, Py_buffer *key)
+{
+    if (PyObject_GetBuffer(obj, key, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (key->len < 1 || key->len > MAX_KEY) {
+        PyErr_Format(PyExc_ValueError, "key is %zd bytes (1..%d allowed)", key->len, MAX_KEY);
+        PyBuffer_Release(key);
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *
+kvt_py_index_format(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf;
+    unsigned long long cap, seed;
+    if (!PyArg_ParseTuple(args, "w*KK:index_format", &buf, &cap, &seed))
+        return NULL;
+    PyObject *ret = NULL;
+    if (cap < 8 || (cap & (cap - 1)) != 0 || cap > ((uint64_t)1 << 40)) {
+        PyErr_Format(PyExc_ValueError, "capacity %llu is not a power of two in 8..2**40", cap);
+    } else if ((uint64_t)buf.len < IDX_HEADER + cap * IDX_ENTRY) {
+        PyErr_Format(PyExc_ValueError, "a table of %llu entries needs %llu bytes, buffer has %zd",
+                     cap, (unsigned long long)(IDX_HEADER + cap * IDX_ENTRY), buf.len);
+    } else {
+        idx_header *h = (idx_header *)buf.buf;
+        memset(h, 0, IDX_HEADER);
+        h->version = IDX_VERSION;
+        h->entry_bytes = IDX_ENTRY;
+        h->capacity = cap;
+        h->seed = seed;
+        h->max_probe = (uint32_t)(cap < IDX_MAX_PROBE ? cap : IDX_MAX_PROBE);
+        __atomic_store_n(&h->magic, IDX_MAGIC, __ATOMIC_RELEASE);
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
+PyObject *
+kvt_py_index_set(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf, key;
+    PyObject *key_obj;
+    unsigned int tier;
+    unsigned long long ref;
+    if (!PyArg_ParseTuple(args, "w*OIK:index_set", &buf, &key_obj, &tier, &ref))
+        return NULL;
+    PyObject *ret = NULL;
+    table t;
+    if (open_table(&buf, &t) == 0) {
+        if (tier > 255) {
+            PyErr_SetString(PyExc_ValueError, "tier must be 0..255");
+        } else if (get_key(key_obj, &key) == 0) {
+            fingerprint f = fp_of(key.buf, (size_t)key.len);
+            PyBuffer_Release(&key);
+            ret = PyLong_FromLong(t_set(&t, &f, (uint8_t)tier, ref));
+        }
+    }
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
+PyObject *
+kvt_py_index_set_many(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf;
+    PyObject *keys;
+    unsigned int tier;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "w*OIn:index_set_many", &buf, &keys, &tier, &start))
+        return NULL;
+    PyObject *ret = NULL, *seq = NULL, *skipped = NULL;
+    table t;
+    if (open_table(&buf, &t) < 0)
+        goto done;
+    if (tier > 255) {
+        PyErr_SetString(PyExc_ValueError, "tier must be 0..255");
+        goto done;
+    }
+    seq = PySequence_Fast(keys, "keys must be a sequence of bytes");
+    if (seq == NULL || (skipped = PyList_New(0)) == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = start < 0 ? 0 : start;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (; i < n; i++) {
+        Py_buffer key;
+        if (get_key(items[i], &key) < 0)
+            goto done;
+        fingerprint f = fp_of(key.buf, (size_t)key.len);
+        PyBuffer_Release(&key);
+        int r = t_set(&t, &f, (uint8_t)tier, 0);
+        if (r < 0)
+            break;
+        if (r == 0) {
+            PyObject *at = PyLong_FromSsize_t(i);
+            if (at == NULL || PyList_Append(skipped, at) < 0) {
+                Py_XDECREF(at);
+                goto done;
+            }
+            Py_DECREF(at);
+        }
+    }
+    ret = Py_BuildValue("(nO)", i, skipped);
+done:
+    Py_XDECREF(skipped);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
+PyObject *
+kvt_py_index_remove(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf, key;
+    PyObject *key_obj;
+    if (!PyArg_ParseTuple(args, "w*O:index_remove", &buf, &key_obj))
+        return NULL;
+    PyObject *ret = NULL;
+    table t;
+    if (open_table(&buf, &t) == 0 && get_key(key_obj, &key) == 0) {
+        fingerprint f = fp_of(key.buf, (size_t)key.len);
+        PyBuffer_Release(&key);
+        idx_entry *slot;
+        idx_entry *e = w_find(&t, &f, &slot);
+        if (e != NULL) {
+            entry_write(e, E_TOMB, 0, NULL, 0);
+            t.h->live--;
+        }
+        ret = PyBool_FromLong(e != NULL);
+    }
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
+PyObject *
+kvt_py_index_get(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf, key;
+    PyObject *key_obj;
+    if (!PyArg_ParseTuple(args, "y*O:index_get", &buf, &key_obj))
+        return NULL;
+    PyObject *ret = NULL;
+    table t;
+    if (open_table(&buf, &t) == 0 && get_key(key_obj, &key) == 0) {
+        fingerprint f = fp_of(key.buf, (size_t)key.len);
+        PyBuffer_Release(&key);
+        idx_entry *slot;
+        idx_entry *e = w_find(&t, &f, &slot);
+        ret = e == NULL ? Py_NewRef(Py_None)
+                        : Py_BuildValue("(IK)", (unsigned)e->tier, (unsigned long long)e->ref);
+    }
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
+PyObject *
+kvt_py_index_lookup(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf, stats = {0};
+    PyObject *keys, *stats_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "y*O|O:index_lookup", &buf, &keys, &stats_obj))
+        return NULL;
+    PyObject *ret = NULL, *seq = NULL;
+    int have_stats = 0;
+    table t;
+    if (open_table(&buf, &t) < 0)
+        goto done;
+    if (stats_obj != Py_None) {
+        if (PyObject_GetBuffer(stats_obj, &stats, PyBUF_WRITABLE) < 0)
+            goto done;
+        have_stats = 1;
+        if (stats.len < 24 || ((uintptr_t)stats.buf & 7) != 0) {
+            PyErr_SetString(PyExc_ValueError, "stats must be a writable, 8-byte aligned buffer of 24+ bytes");
+            goto done;
+        }
+    }
+    seq = PySequence_Fast(keys, "keys must be a sequence of bytes");
+    if (seq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint32_t flags = __atomic_load_n(&t.h->flags, __ATOMIC_ACQUIRE);
+    if (flags & KVT_IDX_SUPERSEDED) {
+        ret = Py_NewRef(Py_None);
+        goto done;
+    }
+    PyObject *tiers = PyBytes_FromStringAndSize(NULL, n);
+    if (tiers == NULL)
+        goto done;
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(tiers);
+    Py_ssize_t hits = 0;
+    int unsure = 0;
+    for (; hits < n; hits++) {
+        PyObject *k = items[hits];
+        const char *kb;
+        Py_ssize_t kn;
+        if (PyBytes_Check(k)) {
+            kb = PyBytes_AS_STRING(k);
+            kn = PyBytes_GET_SIZE(k);
+        } else {
+            unsure = 1; /* not bytes: let the daemon's validation answer */
+            break;
+        }
+        if (kn < 1 || kn > MAX_KEY) {
+            unsure = 1;
+            break;
+        }
+        fingerprint f = fp_of((const uint8_t *)kb, (size_t)kn);
+        int r = r_find(&t, &f, &out[hits]);
+        if (r == R_MISS)
+            break;
+        if (r == R_UNSURE) {
+            unsure = 1;
+            break;
+        }
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    flags = __atomic_load_n(&t.h->flags, __ATOMIC_RELAXED);
+    if (unsure || (flags & KVT_IDX_SUPERSEDED)) {
+        Py_DECREF(tiers);
+        ret = Py_NewRef(Py_None);
+        goto done;
+    }
+    int final = hits == n || !(flags & KVT_IDX_MISS_NOT_FINAL);
+    if (have_stats && final) {
+        uint64_t *c = (uint64_t *)stats.buf;
+        __atomic_fetch_add(&c[0], 1, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&c[1], (uint64_t)hits, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&c[2], (uint64_t)(n - hits), __ATOMIC_RELAXED);
+    }
+    if (_PyBytes_Resize(&tiers, hits) < 0)
+        goto done;
+    ret = Py_BuildValue("(NO)", tiers, final ? Py_True : Py_False);
+done:
+    Py_XDECREF(seq);
+    if (have_stats)
+        PyBuffer_Release(&stats);
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
+PyObject *
+kvt_py_index_copy(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*:index_copy", &dst, &src))
+        return NULL;
+    PyObject *ret = NULL;
+    table d, s;
+    if (open_table(&dst, &d) == 0 && open_table(&src, &s) == 0) {
+        uint64_t copied = 0, skipped = 0;
+        int full = 0;
+        for (uint64_t i = 0; i <= s.mask && !full; i++) {
+            idx_entry *e = &s.e[i];
+            if (e->state != E_LIVE)
+                continue;
+            fingerprint f = {e->fp0, e->fp1, e->flags};
+            int r = t_set(&d, &f, e->tier, e->ref);
+            if (r < 0)
+                full = 1;
+            else if (r == 0)
+                skipped++;
+            else
+                copied++;
+        }
+        if (full)
+            PyErr_SetString(PyExc_ValueError, "the destination index is too small");
+        else
+            ret = Py_BuildValue("(KK)", (unsigned long long)copied, (unsigned long long)skipped);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return ret;
+}
+
+PyObject *
+kvt_py_index_info(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "y*:index_info", &buf))
+        return NULL;
+    PyObject *ret = NULL;
+    table t;
+    if (open_table(&buf, &t) == 0)
+        ret = Py_BuildValue("(KKKI)", (unsigned long long)(t.mask + 1),
+                            (unsigned long long)t.h->live, (unsigned long long)t.h->used,
+                            __atomic_load_n(&t.h->flags, __ATOMIC_ACQUIRE));
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
+PyObject *
+kvt_py_index_set_flags(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf;
+    unsigned int flags;
+    if (!PyArg_ParseTuple(args, "w*I:index_set_flags", &buf, &flags))
+        return NULL;
+    PyObject *ret = NULL;
+    table t;
+    if (open_table(&buf, &t) == 0) {
+        __atomic_store_n(&t.h->flags, flags, __ATOMIC_SEQ_CST);
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
+static PyObject *
+fp_bytes(const fingerprint *f)
+{
+    char b[17];
+    memcpy(b, &f->fp0, 8);
+    memcpy(b + 8, &f->fp1, 8);
+    b[16] = (char)f->flags;
+    return PyBytes_FromStringAndSize(b, sizeof b);
+}
+
+PyObject *
+kvt_py_index_fingerprint(PyObject *Py_UNUSED(m), PyObject *arg)
+{
+    Py_buffer key;
+    if (get_key(arg, &key) < 0)
+        return NULL;
+    fingerprint f = fp_of(key.buf, (size_t)key.len);
+    PyBuffer_Release(&key);
+    return fp_bytes(&f);
+}
+
+PyObject *
+kvt_py_index_fingerprints(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "y*:index_fingerprints", &buf))
+        return NULL;
+    PyObject *ret = NULL;
+    table t;
+    if (open_table(&buf, &t) == 0 && (ret = PyList_New(0)) != NULL) {
+        for (uint64_t i = 0; i <= t.mask; i++) {
+            idx_entry *e = &t.e[i];
+            if (e->state != E_LIVE)
+                continue;
+            fingerprint f = {e->fp0, e->fp1, e->flags};
+            PyObject *b = fp_bytes(&f);
+            if (b == NULL || PyList_Append(ret, b) < 0) {
+                Py_XDECREF(b);
+                Py_CLEAR(ret);
+                break;
+            }
+            Py_DECREF(b);
+        }
+    }
+    PyBuffer_Release(&buf);
+    return ret;
+}

@@ -1,0 +1,226 @@
+"""The shared index's table (csrc/index.c) and its daemon-side owner (kvtierd.shared_index)."""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import os
+import secrets
+import struct
+import time
+
+import pytest
+import xxhash
+
+from kvtier import _native
+from kvtier._index import LocalIndex
+from kvtierd.shared_index import (
+    MIN_CAPACITY,
+    MISS_NOT_FINAL,
+    SUPERSEDED,
+    KeyIndex,
+    LookupCounters,
+    SharedIndex,
+    fingerprint,
+)
+
+pytestmark = pytest.mark.skipif(not hasattr(_native, "index_lookup"), reason="no native build")
+
+
+def _table(capacity: int = 64, seed: int = 1) -> mmap.mmap:
+    mm = mmap.mmap(-1, 64 + capacity * 32)
+    _native.index_format(mm, capacity, seed)
+    return mm
+
+
+def test_set_get_remove_and_lookup_of_the_leading_keys() -> None:
+    t = _table()
+    keys = [b"a" * 16, b"b", b"c" * 64, b"d" * 16]
+    for i, k in enumerate(keys[:3]):
+        assert _native.index_set(t, k, 1, 100 + i) == 1
+    assert _native.index_get(t, keys[2]) == (1, 102)
+    assert _native.index_set(t, keys[2], 2, 7) == 1  # an update, not a second entry
+    assert _native.index_info(t) == (64, 3, 3, 0)
+    assert _native.index_lookup(t, keys) == (b"\x01\x01\x02", True)
+    assert _native.index_lookup(t, [keys[3], keys[0]]) == (b"", True)
+    assert _native.index_remove(t, keys[1]) and not _native.index_remove(t, keys[1])
+    assert _native.index_lookup(t, keys) == (b"\x01", True)
+    assert _native.index_info(t) == (64, 2, 3, 0)  # a tombstone stays used
+    assert _native.index_set(t, keys[1], 1, 0) == 1  # and is reused
+    assert _native.index_info(t) == (64, 3, 3, 0)
+    _native.index_set_flags(t, MISS_NOT_FINAL)
+    assert _native.index_lookup(t, keys) == (b"\x01\x01\x02", False)
+    assert _native.index_lookup(t, keys[:3]) == (b"\x01\x01\x02", True)  # no miss: final
+    _native.index_set_flags(t, SUPERSEDED)
+    assert _native.index_lookup(t, keys) is None
+
+
+def test_keys_the_table_cannot_judge_are_left_to_the_daemon() -> None:
+    t = _table()
+    _native.index_set(t, b"k", 1, 0)
+    assert _native.index_lookup(t, [b"k", b""]) is None  # the daemon says why
+    assert _native.index_lookup(t, [b"k", b"x" * 65]) is None
+    assert _native.index_lookup(t, [b"k", "str"]) is None  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="1..64"):
+        _native.index_set(t, b"", 1, 0)
+
+
+def test_fingerprints_are_the_key_at_16_bytes_else_a_hash_flagged() -> None:
+    assert fingerprint(b"0123456789abcdef") == b"0123456789abcdef\x00"
+    fp = fingerprint(b"x")  # XXH3-128 as (low, high) little-endian, and the flag
+    assert fp == xxhash.xxh3_128_intdigest(b"x").to_bytes(16, "little") + b"\x01"
+    # A 16-byte key equal to another key's hash is still a different entry.
+    t = _table()
+    _native.index_set(t, b"x", 1, 0)
+    assert _native.index_lookup(t, [fp[:16]]) == (b"", True)
+
+
+def test_a_table_refuses_past_three_quarters_and_bad_buffers() -> None:
+    t = _table(16)
+    keys = [secrets.token_bytes(16) for _ in range(13)]
+    assert [_native.index_set(t, k, 1, 0) for k in keys] == [1] * 12 + [-1]
+    with pytest.raises(ValueError, match="power of two"):
+        _native.index_format(mmap.mmap(-1, 4096), 12, 0)
+    with pytest.raises(ValueError, match="version-1"):
+        _native.index_lookup(bytes(4096), [b"k"])
+    small = bytearray(t[:200])
+    with pytest.raises(ValueError, match="capacity"):
+        _native.index_lookup(small, [b"k"])
+
+
+def _page() -> int:
+    fd = os.memfd_create("counters")
+    os.ftruncate(fd, 4096)
+    return fd
+
+
+def _colliding(seed: int, capacity: int, n: int) -> list[bytes]:
+    """16-byte keys whose home entry is 0 (the seed is in the header: anyone can)."""
+    out = []
+    while len(out) < n:
+        k = secrets.token_bytes(16)
+        if xxhash.xxh3_64_intdigest(k, seed) & (capacity - 1) == 0:
+            out.append(k)
+    return out
+
+
+def test_colliding_keys_past_the_probe_limit_stay_out_and_misses_are_not_final() -> None:
+    shared = SharedIndex("ns", lower_tiers=False)
+    table = shared._table
+    assert table is not None and table.capacity == MIN_CAPACITY
+    seed = struct.unpack_from("<Q", table.mm, 24)[0]
+    keys = _colliding(seed, MIN_CAPACITY, 130)
+    for k in keys:
+        shared.add(k)
+    assert len(shared.unpublished) == 2
+    local = LocalIndex(shared.fd, _page(), 64)  # type: ignore[arg-type]
+    late = sorted(shared.unpublished)[0]
+    other = secrets.token_bytes(16)  # elsewhere in the table
+    # A probe that runs the whole limit cannot say: the daemon answers.
+    assert local.lookup([keys[0], late]) is None
+    # A miss anywhere is not final while keys are left out.
+    assert local.lookup([keys[0], other]) == (b"\x01", False)
+    shared.discard(late)
+    shared.discard(sorted(shared.unpublished)[0])
+    assert not shared.unpublished
+    assert local.lookup([keys[0], other]) == (b"\x01", True)
+    local.close()
+    shared.close()
+
+
+def test_a_full_table_is_replaced_and_the_old_one_says_so() -> None:
+    shared = SharedIndex("ns", lower_tiers=True)
+    fd0 = os.dup(shared.fd)  # type: ignore[arg-type]
+    local = LocalIndex(fd0, _page(), 4096)
+    keys = [secrets.token_bytes(16) for _ in range(3000)]
+    for k in keys:
+        shared.add(k)
+    assert shared.capacity == 4 * MIN_CAPACITY and not shared.unpublished
+    assert local.superseded and local.lookup(keys[:2]) is None
+    local.replace(shared.fd)  # type: ignore[arg-type]
+    assert local.lookup(keys) == (b"\x01" * 3000, True)
+    assert local.lookup([b"nope"]) == (b"", False)  # lower tiers: not final
+    shared.set_lower_tiers(False)
+    assert local.lookup([b"nope"]) == (b"", True)
+    for k in keys[:2500]:  # tombstones fill it: replaced at the same size
+        shared.discard(k)
+    for k in keys[:2500]:
+        shared.add(k)
+    assert shared.capacity == 4 * MIN_CAPACITY
+    os.close(fd0)
+    local.close()
+    shared.close()
+
+
+def test_key_index_mirrors_the_dict_and_refuses_other_mutations() -> None:
+    idx: KeyIndex[int] = KeyIndex()
+    idx[b"early"] = 0
+    shared = SharedIndex("ns", lower_tiers=False)
+    idx.publish(shared)
+    idx[b"a"] = 1
+    idx.update([(b"b", 2), (b"c", 3)])
+    del idx[b"b"]
+    with pytest.raises(KeyError):
+        del idx[b"zz"]
+    assert sorted(shared.fingerprints()) == sorted(fingerprint(k) for k in idx)
+    for bad in (lambda: idx.pop(b"a"), idx.clear, lambda: idx.setdefault(b"q", 1)):
+        with pytest.raises(TypeError):
+            bad()
+    shared.close()
+    assert shared.fd is None
+    idx[b"d"] = 4  # a closed table takes nothing, and nothing fails
+    assert shared.fingerprints() == []
+
+
+def test_counters_that_jump_or_go_back_add_nothing() -> None:
+    page = LookupCounters("ns")
+    assert page.fd is not None
+    mm = mmap.mmap(page.fd, 4096)
+    struct.pack_into("<3Q", mm, 0, 3, 10, 2)
+    assert page.take() == (3, 10, 2)
+    struct.pack_into("<3Q", mm, 0, 5, 2**63, 1)
+    assert page.take() == (2, 0, 0)
+    struct.pack_into("<3Q", mm, 0, 6, 2**63 + 4, 3)
+    assert page.take() == (1, 4, 2)
+    with pytest.raises(PermissionError):
+        os.ftruncate(page.fd, 0)  # sealed
+    mm.close()
+    page.close()
+
+
+def _churn(mm: mmap.mmap, keys: list[bytes], seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for k in keys:
+            _native.index_remove(mm, k)
+        for k in keys:
+            _native.index_set(mm, k, 1, 0)
+
+
+def test_a_reader_never_misses_a_key_another_process_leaves_alone() -> None:
+    """The seqlock: entries around the stable keys change all the time in another
+    process (removes leave tombstones, inserts reuse them); every lookup of the
+    stable keys still hits, and the toggled ones are hit or missed, never garbled."""
+    cap = 256
+    mm = mmap.mmap(-1, 64 + cap * 32)  # MAP_SHARED anonymous: the child writes the same pages
+    _native.index_format(mm, cap, 3)
+    stable = [secrets.token_bytes(16) for _ in range(60)]
+    toggled = [secrets.token_bytes(16) for _ in range(100)]
+    for k in stable + toggled:
+        assert _native.index_set(mm, k, 1, 0) == 1
+    ctx = multiprocessing.get_context("fork")
+    writer = ctx.Process(target=_churn, args=(mm, toggled, 1.5))
+    writer.start()
+    try:
+        lookups = 0
+        while writer.is_alive():
+            got = _native.index_lookup(mm, stable)
+            assert got == (b"\x01" * len(stable), True)
+            for k in toggled[:10]:
+                one = _native.index_lookup(mm, [k])
+                assert one in ((b"\x01", True), (b"", True))
+            lookups += 1
+        assert lookups > 10
+    finally:
+        writer.join(10)
+    assert writer.exitcode == 0
