@@ -454,10 +454,13 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
             raise session_lost(what) from None
 
     def _look_here(self, keys: Sequence[bytes]) -> tuple[bytes, bool] | None:
-        """A lookup in the shared index (None: it cannot answer, ask the daemon)."""
+        """A lookup in the shared index (None: it cannot answer, ask the daemon).
+
+        Needs no lock: it reads the current session's mappings once, and a table
+        another thread unmaps meanwhile answers None."""
         index = self._maps.index
         link = self._link
-        if index is None or link is None or not link.quiet():
+        if index is None or link is None or self._closed or not link.quiet():
             return None
         return index.lookup(keys if type(keys) is list else list(keys))
 

@@ -54,7 +54,10 @@ class LocalIndex:
         (no tier below DRAM may hold it); None when the table cannot answer."""
         if not 0 < len(keys) <= self.max_keys:
             return None
-        return _native.index_lookup(self._table, keys, self._counters)
+        try:
+            return _native.index_lookup(self._table, keys, self._counters)
+        except ValueError:  # closed by another thread (the session was replaced)
+            return None
 
     @property
     def superseded(self) -> bool:

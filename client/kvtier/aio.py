@@ -235,9 +235,15 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
 
     # ------------------------------------------------------------- API (as Client's)
     async def lookup(self, keys: Sequence[bytes], *, prefetch: bool = False) -> int:
+        here = self._look_here(keys)  # the shared index's answer, when it is final
+        if here is not None and here[1]:
+            return len(here[0])
         return await self._run(self._lookup_steps(keys, prefetch))
 
     async def lookup_tiers(self, keys: Sequence[bytes], *, prefetch: bool = False) -> list[Tier]:
+        here = self._look_here(keys)
+        if here is not None and here[1]:
+            return [Tier(t) for t in here[0]]
         return await self._run(self._lookup_tiers_steps(keys, prefetch))
 
     async def reserve(self, keys: Sequence[bytes]) -> AsyncReservation:
