@@ -3,7 +3,7 @@
  * daemon writes and its clients read, without asking the daemon
  * (daemon/kvtierd/shared_index.py owns the file; client/kvtier/_core.py reads it).
  *
- *   index_format(buf, capacity, seed)       lay out an empty table in zeroed buf
+ *   index_format(buf, capacity, seed, max_probe=1024)  lay out an empty table in zeroed buf
  *   index_set(buf, key, tier, ref)          insert or update: 1, 0 (probe limit), -1 (full)
  *   index_set_many(buf, keys, tier, start)  index_set of keys[start:] (ref 0) until one
  *                                           finds the table full: (stopped at, skipped)
@@ -32,7 +32,7 @@
  * the flag after its reads, so a lookup never answers from a table that a
  * later change skipped.
  *
- * Bounded work on both sides: at most max_probe entries per key (a writer that
+ * Bounded work on both sides: at most max_probe (1024) entries per key (a writer that
  * chose keys colliding on purpose only fills its own namespace's table, and a
  * key past the limit stays out of it: the daemon then sets MISS_NOT_FINAL and
  * readers ask it about misses), and at most SPIN_LIMIT retries of a busy entry.
@@ -52,7 +52,7 @@
 #define IDX_VERSION 1u
 #define IDX_HEADER 64u
 #define IDX_ENTRY 32u
-#define IDX_MAX_PROBE 128u
+#define IDX_MAX_PROBE 1024u
 #define SPIN_LIMIT 10000
 #define MAX_KEY 64
 
@@ -291,7 +291,8 @@ kvt_py_index_format(PyObject *Py_UNUSED(m), PyObject *args)
 {
     Py_buffer buf;
     unsigned long long cap, seed;
-    if (!PyArg_ParseTuple(args, "w*KK:index_format", &buf, &cap, &seed))
+    unsigned int max_probe = IDX_MAX_PROBE;
+    if (!PyArg_ParseTuple(args, "w*KK|I:index_format", &buf, &cap, &seed, &max_probe))
         return NULL;
     PyObject *ret = NULL;
     if (cap < 8 || (cap & (cap - 1)) != 0 || cap > ((uint64_t)1 << 40)) {
@@ -306,7 +307,9 @@ kvt_py_index_format(PyObject *Py_UNUSED(m), PyObject *args)
         h->entry_bytes = IDX_ENTRY;
         h->capacity = cap;
         h->seed = seed;
-        h->max_probe = (uint32_t)(cap < IDX_MAX_PROBE ? cap : IDX_MAX_PROBE);
+        if (max_probe == 0 || max_probe > IDX_MAX_PROBE)
+            max_probe = IDX_MAX_PROBE;
+        h->max_probe = (uint32_t)(cap < max_probe ? cap : max_probe);
         __atomic_store_n(&h->magic, IDX_MAGIC, __ATOMIC_RELEASE);
         ret = Py_NewRef(Py_None);
     }

@@ -53,8 +53,9 @@ def fault_guard_installed() -> bool:
 
 # The shared index (csrc/index.c): the daemon's table of a namespace's DRAM keys,
 # which clients map read-only and search (kvtierd.shared_index, kvtier._index).
-def index_format(buf: _Buffer, capacity: int, seed: int) -> None:
-    """Lay out an empty table of capacity (a power of two) entries in zeroed buf."""
+def index_format(buf: _Buffer, capacity: int, seed: int, max_probe: int = 1024) -> None:
+    """Lay out an empty table of capacity (a power of two) entries in zeroed buf; probes
+    stop after max_probe entries (at most 1024)."""
 
 def index_set(buf: _Buffer, key: bytes, tier: int, ref: int) -> int:
     """Insert or update key: 1 stored, 0 past the probe limit, -1 the table is full."""

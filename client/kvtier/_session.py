@@ -496,9 +496,11 @@ class SegmentMaps:
             for fd in fds:
                 os.close(fd)
 
-    def mapped(self, resp: pb.SessionResponse, fds: list[int]) -> None:
+    def mapped(self, resp: pb.SessionResponse, fds: list[int], *,
+               asked_index: bool = False) -> None:
         """Take in a ``SegmentsMapped`` answer: map its segments and, when it carries
-        one, switch to the new shared index (none came: stop searching here)."""
+        one, switch to the new shared index (asked for and none came: the daemon no
+        longer publishes one, stop searching here)."""
         m = resp.mapped
         n = len(m.fd_segment_ids)
         extra = fds[n:]
@@ -506,7 +508,7 @@ class SegmentMaps:
             self.update(m.segments_version, m.segments, m.fd_segment_ids, fds[:n])
             if self.index is not None and m.shared_index and len(extra) == 1:
                 self.index.replace(extra[0])
-            elif self.index is not None and self.index.superseded:
+            elif asked_index and self.index is not None and self.index.superseded:
                 self.index.close()
                 self.index = None
         finally:
@@ -518,7 +520,7 @@ class SegmentMaps:
         current shared index) and map them (blocking: a round trip, then mmap and
         page-table population)."""
         resp, fds = link.request(map_request(want, index=index))
-        self.mapped(resp, fds)
+        self.mapped(resp, fds, asked_index=index)
 
     def view(self, ref: pb.SlotRef, length: int, *, writable: bool) -> np.ndarray:
         mm = self._maps.get(ref.segment_id)

@@ -216,7 +216,7 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
                 resp, fds = await alink.request(map_request([], index=True))
             except KVTierError:
                 return  # the session ended: the call that follows says so
-            self._maps.mapped(resp, fds)
+            self._maps.mapped(resp, fds, asked_index=True)
 
     async def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
         if self._maps_missing(version, slots) is None:

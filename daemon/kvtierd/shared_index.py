@@ -55,6 +55,8 @@ HEADER_BYTES: Final = 64
 ENTRY_BYTES: Final = 32
 #: A new namespace's table: 1024 entries (32 KiB); it doubles as keys arrive.
 MIN_CAPACITY: Final = 1024
+#: Entries a probe may visit (csrc/index.c's limit): honest keys never need that many.
+MAX_PROBE: Final = 1024
 #: The header's flags word (csrc/index.h).
 SUPERSEDED: Final = 1
 MISS_NOT_FINAL: Final = 2
@@ -98,13 +100,13 @@ _serials = itertools.count(1)
 class _Table:
     """One table file: its fd and the daemon's writable mapping."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_probe: int) -> None:
         self.capacity = capacity
         self.serial = next(_serials)
         self.fd, self.mm = sealed_memfd(
             "kvtier-index", HEADER_BYTES + capacity * ENTRY_BYTES,
             _F_SEAL_SHRINK | _F_SEAL_GROW | _F_SEAL_FUTURE_WRITE)
-        _native.index_format(self.mm, capacity, secrets.randbits(64))
+        _native.index_format(self.mm, capacity, secrets.randbits(64), max_probe)
 
     def close(self) -> None:
         self.mm.close()
@@ -114,12 +116,14 @@ class _Table:
 class SharedIndex:
     """The published table of one namespace (see the module doc)."""
 
-    def __init__(self, namespace: str, *, lower_tiers: bool) -> None:
+    def __init__(self, namespace: str, *, lower_tiers: bool,
+                 max_probe: int = MAX_PROBE) -> None:
         self.namespace = namespace
+        self._max_probe = max_probe
         #: Keys the table could not take (past the probe limit): misses are not final.
         self.unpublished: set[bytes] = set()
         self._lower = lower_tiers
-        self._table: _Table | None = _Table(MIN_CAPACITY)
+        self._table: _Table | None = _Table(MIN_CAPACITY, max_probe)
         self._flags()
 
     @property
@@ -145,7 +149,9 @@ class SharedIndex:
         if t is None:
             return
         r = _native.index_set(t.mm, key, TIER_DRAM, 0)
-        if r < 0:
+        if r < 0 or (r == 0 and self._half_full(t)):
+            # Full, or a probe ran the limit in a table past half full: a longer
+            # cluster than honest keys make below half.  Grow (then it is not).
             t = self._replace()
             if t is None:
                 return
@@ -157,6 +163,10 @@ class SharedIndex:
         elif key not in self.unpublished:
             self.unpublished.add(key)
             self._flags()
+
+    @staticmethod
+    def _half_full(t: _Table) -> bool:
+        return bool(_native.index_info(t.mm)[2] * 2 > t.capacity)
 
     def discard(self, key: bytes) -> None:
         t = self._table
@@ -170,13 +180,16 @@ class SharedIndex:
         """``add`` of each key, in bulk (a recovered namespace's keys)."""
         todo = list(keys)
         at = 0
-        while self._table is not None:
+        while self._table is not None and at < len(todo):
             at, skipped = _native.index_set_many(self._table.mm, todo, TIER_DRAM, at)
-            if skipped:
-                self.unpublished.update(todo[i] for i in skipped)
-                self._flags()
-            if at >= len(todo) or self._replace() is None:
+            self.unpublished.update(todo[i] for i in skipped)
+            if at < len(todo) and self._replace() is None:
                 return
+        t = self._table
+        if self.unpublished and t is not None and self._half_full(t) and self._replace():
+            for key in list(self.unpublished):
+                self.add(key)  # (leaves the set when it goes in)
+        self._flags()
 
     def fingerprints(self) -> list[bytes]:
         """The fingerprints of the published keys (for ``Store.check``)."""
@@ -203,9 +216,18 @@ class SharedIndex:
         assert old is not None
         _, live, _, _ = _native.index_info(old.mm)
         capacity = old.capacity * 2 if (live + 1) * 8 > old.capacity * 3 else old.capacity
+        if capacity == old.capacity and live * 4 > old.capacity:
+            capacity *= 2  # a rebuild at this size would leave it past a quarter full
         try:
-            new = _Table(capacity)
-            _native.index_copy(new.mm, old.mm)
+            for _ in range(3):  # a key the copy skips (probe limit) would be lost: go larger
+                new = _Table(capacity, self._max_probe)
+                _, skipped = _native.index_copy(new.mm, old.mm)
+                if not skipped:
+                    break
+                new.close()
+                capacity *= 2
+            else:
+                raise ValueError("its keys do not fit a table four times larger")
         except (OSError, ValueError) as exc:
             log.warning("namespace %r: its shared index cannot grow past %d entries (%s); "
                         "its clients' lookups go to the daemon from now on",

@@ -110,6 +110,26 @@ def test_lookups_agree_with_the_daemon_under_random_traffic(workdir: str) -> Non
         stop_daemon(d)
 
 
+def test_a_writer_keeps_its_table_while_extents_and_the_table_grow(
+        workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer maps new extents (MapSegments) while the table it holds is replaced
+    several times; it keeps searching the current table, never drops it."""
+    d = start_daemon(workdir, capacity="64MiB", extent="1MiB")
+    try:
+        with _client(d) as c:
+            keys = [b"%016d" % i for i in range(6000)]
+            for at in range(0, len(keys), 500):
+                assert c.put(keys[at:at + 500], [b"v"] * 500) == 500
+            assert c._maps.index is not None
+            _no_lookup_calls(c, monkeypatch)
+            for at in range(0, len(keys), 1000):
+                assert c.lookup(keys[at:at + 1000]) == 1000
+            assert len(c._maps.index._table) >= 64 + 8192 * 32  # 6000 keys: 8192 entries
+        assert d.check() == []
+    finally:
+        stop_daemon(d)
+
+
 def test_a_miss_is_not_final_when_a_tier_below_dram_may_hold_the_key(
         workdir: str, tmp_path: object) -> None:
     ssd = os.path.join(str(tmp_path), "ssd")

@@ -105,7 +105,7 @@ def _colliding(seed: int, capacity: int, n: int) -> list[bytes]:
 
 
 def test_colliding_keys_past_the_probe_limit_stay_out_and_misses_are_not_final() -> None:
-    shared = SharedIndex("ns", lower_tiers=False)
+    shared = SharedIndex("ns", lower_tiers=False, max_probe=128)  # the cap: 1024 entries
     table = shared._table
     assert table is not None and table.capacity == MIN_CAPACITY
     seed = struct.unpack_from("<Q", table.mm, 24)[0]
@@ -125,6 +125,18 @@ def test_colliding_keys_past_the_probe_limit_stay_out_and_misses_are_not_final()
     assert not shared.unpublished
     assert local.lookup([keys[0], other]) == (b"\x01", True)
     local.close()
+    shared.close()
+
+
+def test_a_probe_that_runs_the_limit_past_half_full_grows_the_table() -> None:
+    """Honest keys past the probe limit: the table grows rather than leave them out."""
+    shared = SharedIndex("ns", lower_tiers=False, max_probe=4)
+    keys = [secrets.token_bytes(16) for _ in range(700)]  # 68% of 1024: clusters > 4
+    for k in keys:
+        shared.add(k)
+    assert shared.capacity > MIN_CAPACITY
+    assert sorted(shared.fingerprints()) == sorted(
+        fingerprint(k) for k in keys if k not in shared.unpublished)
     shared.close()
 
 
