@@ -180,6 +180,14 @@ class SharedIndex:
         """``add`` of each key, in bulk (a recovered namespace's keys)."""
         todo = list(keys)
         at = 0
+        t = self._table
+        if t is not None:  # one table big enough for them all (at most half full): no regrowth
+            used = _native.index_info(t.mm)[2]
+            want = t.capacity
+            while (used + len(todo)) * 2 > want:
+                want *= 2
+            if want > t.capacity:
+                self._replace(want)
         while self._table is not None and at < len(todo):
             at, skipped = _native.index_set_many(self._table.mm, todo, TIER_DRAM, at)
             self.unpublished.update(todo[i] for i in skipped)
@@ -209,15 +217,17 @@ class SharedIndex:
             lower = self._lower or bool(self.unpublished)
             _native.index_set_flags(t.mm, MISS_NOT_FINAL if lower else 0)
 
-    def _replace(self) -> _Table | None:
-        """A new table holding the old one's keys (twice the size unless tombstones,
-        not keys, filled it); the old one is marked superseded."""
+    def _replace(self, capacity: int = 0) -> _Table | None:
+        """A new table holding the old one's keys (of ``capacity`` entries, else twice
+        the size unless tombstones, not keys, filled it); the old one is marked
+        superseded."""
         old = self._table
         assert old is not None
         _, live, _, _ = _native.index_info(old.mm)
-        capacity = old.capacity * 2 if (live + 1) * 8 > old.capacity * 3 else old.capacity
-        if capacity == old.capacity and live * 4 > old.capacity:
-            capacity *= 2  # a rebuild at this size would leave it past a quarter full
+        if not capacity:
+            capacity = old.capacity * 2 if (live + 1) * 8 > old.capacity * 3 else old.capacity
+            if capacity == old.capacity and live * 4 > old.capacity:
+                capacity *= 2  # a rebuild at this size would leave it past a quarter full
         try:
             for _ in range(3):  # a key the copy skips (probe limit) would be lost: go larger
                 new = _Table(capacity, self._max_probe)
@@ -302,6 +312,9 @@ class KeyIndex(dict[bytes, _V]):
             self.shared.discard(key)
 
     def update(self, pairs: Iterable[tuple[bytes, _V]]) -> None:  # type: ignore[override]
+        if self.shared is None:  # nothing to mirror (recovery publishes afterwards): C speed
+            dict.update(self, pairs)
+            return
         for key, value in pairs:
             self[key] = value
 
