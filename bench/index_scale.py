@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -38,32 +37,13 @@ import uuid
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from warm_restart import clean_up, start  # (bench/ is the script's directory: on sys.path)
 
 import kvtier
 from kvtier._admin import fetch_stats
 from kvtier.units import parse_size
 
 BATCH = 4096  # keys per reserve/commit and per lookup (the default max_keys_per_call)
-
-
-def start(sock_dir: str, shm_dir: str, capacity: int, notify: socket.socket,
-          notify_path: str) -> tuple[subprocess.Popen[bytes], float]:
-    """Start kvtierd; return it and the seconds from spawn to READY=1."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env["NOTIFY_SOCKET"] = notify_path
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtierd", "--set", f"server.socket_dir={sock_dir}",
-         "--set", f"dram.shm_dir={shm_dir}", "--set", f"dram.capacity={capacity}",
-         "--set", "dram.extent_size=256MiB", "--set", "metrics.address=",
-         "--set", "log.level=warning", "--set", "spill.ssd_dir="],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    notify.settimeout(900)
-    while True:
-        msg = notify.recv(4096).decode()
-        if "READY=1" in msg.split("\n"):
-            return proc, time.perf_counter() - t0
 
 
 def rss_anon_kib(pid: int) -> int:
@@ -154,16 +134,7 @@ def run_one(n: int, block: int, rounds: int) -> dict[str, float]:
         row["anon_bytes_per_block_after_restart"] = rss_anon_kib(proc.pid) * 1024 / n
         return row
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-        notify.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(shm_dir, ignore_errors=True)
+        clean_up(procs, notify, tmp, shm_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -107,16 +107,22 @@ def run_one(pool: int, block: int, kill: bool) -> dict[str, float]:
             "cold_over_warm": cold.prefault_seconds / warm_ready,
         }
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-        notify.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(shm_dir, ignore_errors=True)
+        clean_up(procs, notify, tmp, shm_dir)
+
+
+def clean_up(procs: list[subprocess.Popen[bytes]], notify: socket.socket, tmp: str,
+             shm_dir: str) -> None:
+    """Stop the daemons still running and remove what a run made."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    notify.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -389,20 +389,32 @@ done:
     return ret;
 }
 
+/* Open the table in buf and find key_obj's entry the writer's way (*e: NULL when
+ * absent): 0, or -1 with a Python error set. */
+static int
+find_entry(Py_buffer *buf, PyObject *key_obj, table *t, idx_entry **e)
+{
+    Py_buffer key;
+    if (open_table(buf, t) < 0 || get_key(key_obj, &key) < 0)
+        return -1;
+    fingerprint f = fp_of(key.buf, (size_t)key.len);
+    PyBuffer_Release(&key);
+    idx_entry *slot;
+    *e = w_find(t, &f, &slot);
+    return 0;
+}
+
 PyObject *
 kvt_py_index_remove(PyObject *Py_UNUSED(m), PyObject *args)
 {
-    Py_buffer buf, key;
+    Py_buffer buf;
     PyObject *key_obj;
     if (!PyArg_ParseTuple(args, "w*O:index_remove", &buf, &key_obj))
         return NULL;
     PyObject *ret = NULL;
     table t;
-    if (open_table(&buf, &t) == 0 && get_key(key_obj, &key) == 0) {
-        fingerprint f = fp_of(key.buf, (size_t)key.len);
-        PyBuffer_Release(&key);
-        idx_entry *slot;
-        idx_entry *e = w_find(&t, &f, &slot);
+    idx_entry *e;
+    if (find_entry(&buf, key_obj, &t, &e) == 0) {
         if (e != NULL) {
             entry_write(e, E_TOMB, 0, NULL, 0);
             t.h->live--;
@@ -416,20 +428,16 @@ kvt_py_index_remove(PyObject *Py_UNUSED(m), PyObject *args)
 PyObject *
 kvt_py_index_get(PyObject *Py_UNUSED(m), PyObject *args)
 {
-    Py_buffer buf, key;
+    Py_buffer buf;
     PyObject *key_obj;
     if (!PyArg_ParseTuple(args, "y*O:index_get", &buf, &key_obj))
         return NULL;
     PyObject *ret = NULL;
     table t;
-    if (open_table(&buf, &t) == 0 && get_key(key_obj, &key) == 0) {
-        fingerprint f = fp_of(key.buf, (size_t)key.len);
-        PyBuffer_Release(&key);
-        idx_entry *slot;
-        idx_entry *e = w_find(&t, &f, &slot);
+    idx_entry *e;
+    if (find_entry(&buf, key_obj, &t, &e) == 0)
         ret = e == NULL ? Py_NewRef(Py_None)
                         : Py_BuildValue("(IK)", (unsigned)e->tier, (unsigned long long)e->ref);
-    }
     PyBuffer_Release(&buf);
     return ret;
 }
