@@ -473,6 +473,15 @@ kvt_py_index_lookup(PyObject *Py_UNUSED(m), PyObject *args)
         ret = Py_NewRef(Py_None);
         goto done;
     }
+    /* Every key is checked first, as the daemon does: a malformed one anywhere in the
+     * list (past a miss too) gets the daemon's answer (an error), not a count. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = items[i];
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) < 1 || PyBytes_GET_SIZE(k) > MAX_KEY) {
+            ret = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
     PyObject *tiers = PyBytes_FromStringAndSize(NULL, n);
     if (tiers == NULL)
         goto done;
@@ -481,20 +490,7 @@ kvt_py_index_lookup(PyObject *Py_UNUSED(m), PyObject *args)
     int unsure = 0;
     for (; hits < n; hits++) {
         PyObject *k = items[hits];
-        const char *kb;
-        Py_ssize_t kn;
-        if (PyBytes_Check(k)) {
-            kb = PyBytes_AS_STRING(k);
-            kn = PyBytes_GET_SIZE(k);
-        } else {
-            unsure = 1; /* not bytes: let the daemon's validation answer */
-            break;
-        }
-        if (kn < 1 || kn > MAX_KEY) {
-            unsure = 1;
-            break;
-        }
-        fingerprint f = fp_of((const uint8_t *)kb, (size_t)kn);
+        fingerprint f = fp_of((const uint8_t *)PyBytes_AS_STRING(k), (size_t)PyBytes_GET_SIZE(k));
         int r = r_find(&t, &f, &out[hits]);
         if (r == R_MISS)
             break;

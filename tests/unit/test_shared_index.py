@@ -61,6 +61,7 @@ def test_keys_the_table_cannot_judge_are_left_to_the_daemon() -> None:
     assert _native.index_lookup(t, [b"k", b""]) is None  # the daemon says why
     assert _native.index_lookup(t, [b"k", b"x" * 65]) is None
     assert _native.index_lookup(t, [b"k", "str"]) is None  # type: ignore[list-item]
+    assert _native.index_lookup(t, [b"miss", b""]) is None  # past a miss too
     with pytest.raises(ValueError, match="1..64"):
         _native.index_set(t, b"", 1, 0)
 

@@ -669,7 +669,10 @@ def test_real_enospc_on_a_tiny_filesystem(shm_dir: str) -> None:
                 await env.settle()
                 t = env.t
                 assert t.counters.faults["ssd/enospc"] > 0
-                assert set(t.counters.faults) == {"ssd/enospc"}
+                # After ENOSPC the tier's capacity drops to what the filesystem took; a
+                # demotion running at that moment may find it full (on a busy machine,
+                # seen in CI), which is counted as "full".  Nothing else may fail.
+                assert set(t.counters.faults) <= {"ssd/enospc", "ssd/full"}
                 assert t.counters.demotions["dram->ssd"] > 0
                 assert files_named(ssd_dir, r"\.tmp$") == []
                 latest = ks[-8:]

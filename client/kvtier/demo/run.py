@@ -146,16 +146,25 @@ def _pow2_at_least(n: int) -> int:
 
 @contextlib.contextmanager
 def shielded() -> Iterator[None]:
-    """Cleanup that a second Ctrl-C (or SIGTERM) must not cut short."""
+    """Cleanup that Ctrl-C (or SIGTERM) must not cut short.  A signal that arrives
+    meanwhile is held, not lost: once the cleanup is done it is raised as
+    KeyboardInterrupt (unless an exception is already on its way out)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    held: list[int] = []
+
+    def hold(signum: int, frame: types.FrameType | None) -> None:
+        held.append(signum)
+
+    saved = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+        if held and sys.exc_info()[0] is None:
+            raise KeyboardInterrupt(f"signal {held[0]} (held during cleanup)")
 
 
 @contextlib.contextmanager
