@@ -97,8 +97,11 @@ def test_a_corrupted_block_fails_the_demo_loudly() -> None:
 
 def test_ctrl_c_stops_the_daemon_and_removes_everything() -> None:
     before = _leftovers()
+    # SIGINT at its default in the child, as from a terminal (a test run started in the
+    # background by a non-interactive shell inherits it ignored, and Python keeps it so).
     proc = subprocess.Popen(_cmd(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(), start_new_session=True)
+                            env=_env(), start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # Wait until the first fresh process runs: the daemon is up, a worker is alive.
         deadline = time.monotonic() + 120

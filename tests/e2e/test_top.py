@@ -6,6 +6,7 @@ import fcntl
 import os
 import re
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -122,6 +123,9 @@ class Screen:
 
 def _controlling_tty() -> None:
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    # As from a terminal: Ctrl-C interrupts.  (A test run started in the background by a
+    # non-interactive shell inherits SIGINT ignored, and Python keeps it so.)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class TopInPty:
