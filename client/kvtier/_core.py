@@ -468,13 +468,16 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         index = self._maps.index
         return index is not None and index.superseded
 
-    def _lookup_any_steps(self, keys: Sequence[bytes], prefetch: bool) -> Steps[Sequence[int]]:
+    def _lookup_any_steps(self, keys: Sequence[bytes], prefetch: bool,
+                          here: tuple[bytes, bool] | None = None) -> Steps[Sequence[int]]:
         """The wire tier of each leading present key: from the shared index when it can
         answer, from a Lookup call when it cannot, or for the keys after a miss it
-        cannot call final (a tier below DRAM may hold them)."""
+        cannot call final (a tier below DRAM may hold them).  ``here``: the table's
+        answer the caller already has (it is not asked again)."""
         if isinstance(keys, (bytes, bytearray, memoryview)):
             as_keys(keys)  # raises: one bytes object is not a list of keys
-        here: tuple[bytes, bool] | None = yield LookHere(keys)
+        if here is None:
+            here = yield LookHere(keys)
         if here is not None and here[1]:
             return here[0]
         keys = as_keys(keys)
@@ -482,11 +485,13 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         resp = yield Call("Lookup", pb.LookupRequest(keys=keys[len(done):], prefetch=prefetch))
         return [*done, *resp.tiers]
 
-    def _lookup_steps(self, keys: Sequence[bytes], prefetch: bool) -> Steps[int]:
-        return len((yield from self._lookup_any_steps(keys, prefetch)))
+    def _lookup_steps(self, keys: Sequence[bytes], prefetch: bool,
+                      here: tuple[bytes, bool] | None = None) -> Steps[int]:
+        return len((yield from self._lookup_any_steps(keys, prefetch, here)))
 
-    def _lookup_tiers_steps(self, keys: Sequence[bytes], prefetch: bool) -> Steps[list[Tier]]:
-        return [Tier(t) for t in (yield from self._lookup_any_steps(keys, prefetch))]
+    def _lookup_tiers_steps(self, keys: Sequence[bytes], prefetch: bool,
+                            here: tuple[bytes, bool] | None = None) -> Steps[list[Tier]]:
+        return [Tier(t) for t in (yield from self._lookup_any_steps(keys, prefetch, here))]
 
     def _reserve_steps(self, keys: Sequence[bytes]) -> Steps[_R]:
         keys = as_keys(keys)

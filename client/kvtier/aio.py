@@ -238,13 +238,13 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
         here = self._look_here(keys)  # the shared index's answer, when it is final
         if here is not None and here[1]:
             return len(here[0])
-        return await self._run(self._lookup_steps(keys, prefetch))
+        return await self._run(self._lookup_steps(keys, prefetch, here))
 
     async def lookup_tiers(self, keys: Sequence[bytes], *, prefetch: bool = False) -> list[Tier]:
         here = self._look_here(keys)
         if here is not None and here[1]:
             return [Tier(t) for t in here[0]]
-        return await self._run(self._lookup_tiers_steps(keys, prefetch))
+        return await self._run(self._lookup_tiers_steps(keys, prefetch, here))
 
     async def reserve(self, keys: Sequence[bytes]) -> AsyncReservation:
         return await self._run(self._reserve_steps(keys))

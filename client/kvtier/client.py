@@ -252,14 +252,14 @@ class Client(ClientCore[Reservation, Lease]):
         here = self._look_here(keys)  # the shared index's answer, when it is final
         if here is not None and here[1]:
             return len(here[0])
-        return self._run(self._lookup_steps(keys, prefetch))
+        return self._run(self._lookup_steps(keys, prefetch, here))
 
     def lookup_tiers(self, keys: Sequence[bytes], *, prefetch: bool = False) -> list[Tier]:
         """The tier of each leading present key (callers can decide whether loading pays)."""
         here = self._look_here(keys)
         if here is not None and here[1]:
             return [Tier(t) for t in here[0]]
-        return self._run(self._lookup_tiers_steps(keys, prefetch))
+        return self._run(self._lookup_tiers_steps(keys, prefetch, here))
 
     def reserve(self, keys: Sequence[bytes]) -> Reservation:
         """Writable slots for the keys not present yet (a context manager)."""

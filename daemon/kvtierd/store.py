@@ -436,7 +436,7 @@ class Store:
     def _new_namespace(self, name: str, block_bytes: int, model_uid: str,
                        slot_bytes: int, *, publish: bool = True) -> Namespace:
         ns = Namespace(name, block_bytes, model_uid, slot_bytes)
-        if self.publish and publish:
+        if publish:
             self._publish(ns)
         self.namespaces[name] = ns
         return ns
@@ -450,10 +450,15 @@ class Store:
                 log.warning("namespace %r: no shared index (%s); its clients' lookups go "
                             "to the daemon", ns.name, exc)
 
-    def _drop_namespace(self, ns: Namespace) -> None:
-        del self.namespaces[ns.name]
+    @staticmethod
+    def _unpublish(ns: Namespace) -> None:
         if ns.index.shared is not None:
             ns.index.shared.close()  # its clients see SUPERSEDED and ask the daemon
+            ns.index.shared = None
+
+    def _drop_namespace(self, ns: Namespace) -> None:
+        del self.namespaces[ns.name]
+        self._unpublish(ns)
 
     # ================================================================ sessions
     def open_session(self, name: str, block_bytes: int, model_uid: str, peer: Peer) -> Session:
@@ -1409,9 +1414,7 @@ class Store:
     def close_all(self) -> None:
         """Unmap every segment, keeping the files (the warm-restart path re-attaches them)."""
         for ns in self.namespaces.values():
-            if ns.index.shared is not None:
-                ns.index.shared.close()
-                ns.index.shared = None
+            self._unpublish(ns)
             for ext in ns.extents:
                 ext.segment.close(unlink=False)
 
