@@ -4,23 +4,29 @@
  * (daemon/kvtierd/shared_index.py owns the file; client/kvtier/_core.py reads it).
  *
  *   index_format(buf, capacity, seed, max_probe=1024)  lay out an empty table in zeroed buf
- *   index_set(buf, key, tier, ref)          insert or update: 1, 0 (probe limit), -1 (full)
- *   index_set_many(buf, keys, tier, start)  index_set of keys[start:] (ref 0) until one
- *                                           finds the table full: (stopped at, skipped)
+ *   index_set(buf, key, tier, ref, loc=None)  insert or update: 1, 0 (probe limit), -1 (full)
+ *   index_set_many(buf, keys, tier, start, locs=None)  index_set of keys[start:] (ref 0)
+ *                                           until one finds the table full: (stopped at, skipped)
  *   index_remove(buf, key)                  True if the key was there
  *   index_get(buf, key)                     (tier, ref) or None
+ *   index_locate(buf, key)                  (segment, slot, offset, length, checksum) or None
  *   index_lookup(buf, keys, stats=None)     (tiers of the leading hits, final) or None
+ *   index_acquire(buf, keys, page, at)      lease the leading hits without a call, or None
+ *   hazards_clear(page, at, n)              end such a lease
+ *   hazards_collect(pages)                  the daemon's side: every hazard the pages hold
  *   index_copy(dst, src)                    put every live entry of src into dst
  *   index_info(buf)                         (capacity, live, used, flags)
  *   index_set_flags(buf, flags)             the header's flags word (SUPERSEDED, ...)
  *   index_fingerprint(key)                  the 17 bytes an entry stores for key
  *   index_fingerprints(buf)                 those of every live entry
  *
- * Layout (little-endian, fixed, version 1): a 64-byte header, then capacity
- * (a power of two) entries of 32 bytes, linear probing from a seeded XXH3-64 of
- * the key's fingerprint.  An entry holds its fingerprint (the key itself when
- * it is 16 bytes, the BLAKE2b output block_keys makes; else XXH3-128 of the key
- * and a flag), the key's tier, and a 64-bit reference the daemon owns.
+ * Layout (little-endian, fixed, version 2): a 64-byte header, then capacity
+ * (a power of two) entries of 64 bytes (one cache line), linear probing from a
+ * seeded XXH3-64 of the key's fingerprint.  An entry holds its fingerprint (the
+ * key itself when it is 16 bytes, the BLAKE2b output block_keys makes; else
+ * XXH3-128 of the key and a flag), the key's tier, a 64-bit reference the
+ * daemon owns, and where the block is (segment, slot, offset, length,
+ * checksum): what a client needs to lease it without a call.
  *
  * One writer (the daemon's event loop), any number of readers in other
  * processes, no locks: every entry carries a sequence number, odd while the
@@ -49,9 +55,9 @@
 #include "index.h"
 
 #define IDX_MAGIC 0x31305844495456ULL /* "VTIDX01" */
-#define IDX_VERSION 1u
+#define IDX_VERSION 2u
 #define IDX_HEADER 64u
-#define IDX_ENTRY 32u
+#define IDX_ENTRY 64u
 #define IDX_MAX_PROBE 1024u
 #define SPIN_LIMIT 10000
 #define MAX_KEY 64
@@ -76,15 +82,28 @@ typedef struct {
     uint32_t seq;
     uint8_t state;
     uint8_t tier;
-    uint8_t flags;
-    uint8_t pad;
+    uint8_t flags;   /* the fingerprint's: F_HASHED */
+    uint8_t has_sum; /* checksum holds the writer's XXH3-64 */
     uint64_t fp0;
     uint64_t fp1;
     uint64_t ref;
+    /* Where the block's bytes are: what a reader needs to lease it without a call. */
+    uint32_t segment;
+    uint32_t slot;
+    uint64_t offset;
+    uint64_t length;
+    uint64_t checksum;
 } idx_entry;
 
+/* A block's location as the writer gives it (segment 0: none, a key-only entry). */
+typedef struct {
+    uint32_t segment, slot;
+    uint64_t offset, length, checksum;
+    int has_checksum;
+} location;
+
 _Static_assert(sizeof(idx_header) == IDX_HEADER, "header is 64 bytes");
-_Static_assert(sizeof(idx_entry) == IDX_ENTRY, "entry is 32 bytes");
+_Static_assert(sizeof(idx_entry) == IDX_ENTRY, "entry is 64 bytes");
 
 typedef struct {
     uint64_t fp0, fp1;
@@ -144,7 +163,7 @@ open_table(Py_buffer *buf, table *t)
     idx_header *h = (idx_header *)buf->buf;
     uint64_t cap = h->capacity;
     if (h->magic != IDX_MAGIC || h->version != IDX_VERSION || h->entry_bytes != IDX_ENTRY) {
-        PyErr_SetString(PyExc_ValueError, "index buffer does not hold a version-1 index");
+        PyErr_SetString(PyExc_ValueError, "index buffer does not hold a version-2 index");
         return -1;
     }
     if (cap == 0 || (cap & (cap - 1)) != 0 || cap > ((uint64_t)1 << 40)
@@ -162,8 +181,11 @@ open_table(Py_buffer *buf, table *t)
 }
 
 /* ---------------------------------------------------------------- writer */
+static const location NO_LOCATION = {0, 0, 0, 0, 0, 0};
+
 static inline void
-entry_write(idx_entry *e, uint8_t state, uint8_t tier, const fingerprint *f, uint64_t ref)
+entry_write(idx_entry *e, uint8_t state, uint8_t tier, const fingerprint *f, uint64_t ref,
+            const location *loc)
 {
     uint32_t s = __atomic_load_n(&e->seq, __ATOMIC_RELAXED);
     __atomic_store_n(&e->seq, s + 1, __ATOMIC_RELAXED);
@@ -176,6 +198,12 @@ entry_write(idx_entry *e, uint8_t state, uint8_t tier, const fingerprint *f, uin
         __atomic_store_n(&e->fp1, f->fp1, __ATOMIC_RELAXED);
     }
     __atomic_store_n(&e->ref, ref, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->segment, loc->segment, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->slot, loc->slot, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->offset, loc->offset, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->length, loc->length, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->checksum, loc->checksum, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->has_sum, (uint8_t)(loc->has_checksum != 0), __ATOMIC_RELAXED);
     __atomic_store_n(&e->seq, s + 2, __ATOMIC_RELEASE);
 }
 
@@ -213,12 +241,12 @@ w_find(const table *t, const fingerprint *f, idx_entry **slot)
 
 /* 1 stored, 0 past the probe limit, -1 the table is 3/4 full. */
 static int
-t_set(table *t, const fingerprint *f, uint8_t tier, uint64_t ref)
+t_set(table *t, const fingerprint *f, uint8_t tier, uint64_t ref, const location *loc)
 {
     idx_entry *slot;
     idx_entry *e = w_find(t, f, &slot);
     if (e != NULL) {
-        entry_write(e, E_LIVE, tier, f, ref);
+        entry_write(e, E_LIVE, tier, f, ref, loc);
         return 1;
     }
     if (slot == NULL)
@@ -228,7 +256,7 @@ t_set(table *t, const fingerprint *f, uint8_t tier, uint64_t ref)
             return -1;
         t->h->used++;
     }
-    entry_write(slot, E_LIVE, tier, f, ref);
+    entry_write(slot, E_LIVE, tier, f, ref, loc);
     t->h->live++;
     return 1;
 }
@@ -236,24 +264,39 @@ t_set(table *t, const fingerprint *f, uint8_t tier, uint64_t ref)
 /* ---------------------------------------------------------------- reader */
 enum { R_MISS = 0, R_HIT = 1, R_UNSURE = 2 };
 
-/* Probe for f in a table another process changes; *tier on a hit. */
+/* What a reader saw of an entry, all of it from one unchanged sequence number. */
+typedef struct {
+    const idx_entry *e;
+    uint32_t seq;
+    uint8_t tier;
+    location loc;
+} snapshot;
+
+/* Probe for f in a table another process changes; *out on a hit. */
 static int
-r_find(const table *t, const fingerprint *f, uint8_t *tier)
+r_find(const table *t, const fingerprint *f, snapshot *out)
 {
     uint64_t i = home(t, f);
     for (uint32_t p = 0; p < t->max_probe; p++, i = (i + 1) & t->mask) {
-        idx_entry *e = &t->e[i];
-        uint8_t state, tr, fl;
+        const idx_entry *e = &t->e[i];
+        uint8_t state, fl;
         uint64_t a, b;
+        uint32_t s1;
         int spins = 0;
         for (;;) {
-            uint32_t s1 = __atomic_load_n(&e->seq, __ATOMIC_ACQUIRE);
+            s1 = __atomic_load_n(&e->seq, __ATOMIC_ACQUIRE);
             if ((s1 & 1) == 0) {
                 state = __atomic_load_n(&e->state, __ATOMIC_RELAXED);
-                tr = __atomic_load_n(&e->tier, __ATOMIC_RELAXED);
+                out->tier = __atomic_load_n(&e->tier, __ATOMIC_RELAXED);
                 fl = __atomic_load_n(&e->flags, __ATOMIC_RELAXED);
                 a = __atomic_load_n(&e->fp0, __ATOMIC_RELAXED);
                 b = __atomic_load_n(&e->fp1, __ATOMIC_RELAXED);
+                out->loc.segment = __atomic_load_n(&e->segment, __ATOMIC_RELAXED);
+                out->loc.slot = __atomic_load_n(&e->slot, __ATOMIC_RELAXED);
+                out->loc.offset = __atomic_load_n(&e->offset, __ATOMIC_RELAXED);
+                out->loc.length = __atomic_load_n(&e->length, __ATOMIC_RELAXED);
+                out->loc.checksum = __atomic_load_n(&e->checksum, __ATOMIC_RELAXED);
+                out->loc.has_checksum = __atomic_load_n(&e->has_sum, __ATOMIC_RELAXED);
                 __atomic_thread_fence(__ATOMIC_ACQUIRE);
                 if (__atomic_load_n(&e->seq, __ATOMIC_RELAXED) == s1)
                     break;
@@ -265,7 +308,8 @@ r_find(const table *t, const fingerprint *f, uint8_t *tier)
         if (state == E_EMPTY)
             return R_MISS;
         if (state == E_LIVE && a == f->fp0 && b == f->fp1 && fl == f->flags) {
-            *tier = tr;
+            out->e = e;
+            out->seq = s1;
             return R_HIT;
         }
     }
@@ -282,6 +326,35 @@ get_key(PyObject *obj, Py_buffer *key)
         PyErr_Format(PyExc_ValueError, "key is %zd bytes (1..%d allowed)", key->len, MAX_KEY);
         PyBuffer_Release(key);
         return -1;
+    }
+    return 0;
+}
+
+/* loc: None (no location) or (segment, slot, offset, length, checksum or None). */
+static int
+get_location(PyObject *obj, location *loc)
+{
+    *loc = NO_LOCATION;
+    if (obj == Py_None)
+        return 0;
+    PyObject *sum = Py_None;
+    unsigned int segment, slot;
+    unsigned long long offset, length;
+    if (!PyTuple_Check(obj)) {
+        PyErr_SetString(PyExc_TypeError, "a location is (segment, slot, offset, length, checksum)");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(obj, "IIKKO:location", &segment, &slot, &offset, &length, &sum))
+        return -1;
+    loc->segment = segment;
+    loc->slot = slot;
+    loc->offset = offset;
+    loc->length = length;
+    if (sum != Py_None) {
+        loc->checksum = PyLong_AsUnsignedLongLong(sum);
+        if (loc->checksum == (unsigned long long)-1 && PyErr_Occurred())
+            return -1;
+        loc->has_checksum = 1;
     }
     return 0;
 }
@@ -321,20 +394,21 @@ PyObject *
 kvt_py_index_set(PyObject *Py_UNUSED(m), PyObject *args)
 {
     Py_buffer buf, key;
-    PyObject *key_obj;
+    PyObject *key_obj, *loc_obj = Py_None;
     unsigned int tier;
     unsigned long long ref;
-    if (!PyArg_ParseTuple(args, "w*OIK:index_set", &buf, &key_obj, &tier, &ref))
+    if (!PyArg_ParseTuple(args, "w*OIK|O:index_set", &buf, &key_obj, &tier, &ref, &loc_obj))
         return NULL;
     PyObject *ret = NULL;
     table t;
-    if (open_table(&buf, &t) == 0) {
+    location loc;
+    if (open_table(&buf, &t) == 0 && get_location(loc_obj, &loc) == 0) {
         if (tier > 255) {
             PyErr_SetString(PyExc_ValueError, "tier must be 0..255");
         } else if (get_key(key_obj, &key) == 0) {
             fingerprint f = fp_of(key.buf, (size_t)key.len);
             PyBuffer_Release(&key);
-            ret = PyLong_FromLong(t_set(&t, &f, (uint8_t)tier, ref));
+            ret = PyLong_FromLong(t_set(&t, &f, (uint8_t)tier, ref, &loc));
         }
     }
     PyBuffer_Release(&buf);
@@ -345,12 +419,12 @@ PyObject *
 kvt_py_index_set_many(PyObject *Py_UNUSED(m), PyObject *args)
 {
     Py_buffer buf;
-    PyObject *keys;
+    PyObject *keys, *locs = Py_None;
     unsigned int tier;
     Py_ssize_t start;
-    if (!PyArg_ParseTuple(args, "w*OIn:index_set_many", &buf, &keys, &tier, &start))
+    if (!PyArg_ParseTuple(args, "w*OIn|O:index_set_many", &buf, &keys, &tier, &start, &locs))
         return NULL;
-    PyObject *ret = NULL, *seq = NULL, *skipped = NULL;
+    PyObject *ret = NULL, *seq = NULL, *skipped = NULL, *lseq = NULL;
     table t;
     if (open_table(&buf, &t) < 0)
         goto done;
@@ -363,13 +437,25 @@ kvt_py_index_set_many(PyObject *Py_UNUSED(m), PyObject *args)
         goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = start < 0 ? 0 : start;
     PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (locs != Py_None) {
+        lseq = PySequence_Fast(locs, "locs must be a sequence of locations");
+        if (lseq == NULL)
+            goto done;
+        if (PySequence_Fast_GET_SIZE(lseq) != n) {
+            PyErr_SetString(PyExc_ValueError, "keys and locs differ in length");
+            goto done;
+        }
+    }
     for (; i < n; i++) {
         Py_buffer key;
+        location loc;
+        if (get_location(lseq == NULL ? Py_None : PySequence_Fast_GET_ITEM(lseq, i), &loc) < 0)
+            goto done;
         if (get_key(items[i], &key) < 0)
             goto done;
         fingerprint f = fp_of(key.buf, (size_t)key.len);
         PyBuffer_Release(&key);
-        int r = t_set(&t, &f, (uint8_t)tier, 0);
+        int r = t_set(&t, &f, (uint8_t)tier, 0, &loc);
         if (r < 0)
             break;
         if (r == 0) {
@@ -383,6 +469,7 @@ kvt_py_index_set_many(PyObject *Py_UNUSED(m), PyObject *args)
     }
     ret = Py_BuildValue("(nO)", i, skipped);
 done:
+    Py_XDECREF(lseq);
     Py_XDECREF(skipped);
     Py_XDECREF(seq);
     PyBuffer_Release(&buf);
@@ -416,7 +503,7 @@ kvt_py_index_remove(PyObject *Py_UNUSED(m), PyObject *args)
     idx_entry *e;
     if (find_entry(&buf, key_obj, &t, &e) == 0) {
         if (e != NULL) {
-            entry_write(e, E_TOMB, 0, NULL, 0);
+            entry_write(e, E_TOMB, 0, NULL, 0, &NO_LOCATION);
             t.h->live--;
         }
         ret = PyBool_FromLong(e != NULL);
@@ -440,6 +527,253 @@ kvt_py_index_get(PyObject *Py_UNUSED(m), PyObject *args)
                         : Py_BuildValue("(IK)", (unsigned)e->tier, (unsigned long long)e->ref);
     PyBuffer_Release(&buf);
     return ret;
+}
+
+static PyObject *
+location_tuple(const location *loc, int with_slot)
+{
+    if (!with_slot) /* a reader's: (segment, offset, length, checksum, has_checksum) */
+        return Py_BuildValue("(IKKKO)", (unsigned)loc->segment, (unsigned long long)loc->offset,
+                             (unsigned long long)loc->length, (unsigned long long)loc->checksum,
+                             loc->has_checksum ? Py_True : Py_False);
+    /* the writer's, as it gave it: (segment, slot, offset, length, checksum or None) */
+    PyObject *sum = loc->has_checksum ? PyLong_FromUnsignedLongLong(loc->checksum)
+                                      : Py_NewRef(Py_None);
+    if (sum == NULL)
+        return NULL;
+    return Py_BuildValue("(IIKKN)", (unsigned)loc->segment, (unsigned)loc->slot,
+                         (unsigned long long)loc->offset, (unsigned long long)loc->length, sum);
+}
+
+PyObject *
+kvt_py_index_locate(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf;
+    PyObject *key_obj;
+    if (!PyArg_ParseTuple(args, "y*O:index_locate", &buf, &key_obj))
+        return NULL;
+    PyObject *ret = NULL;
+    table t;
+    idx_entry *e;
+    if (find_entry(&buf, key_obj, &t, &e) == 0) {
+        if (e == NULL) {
+            ret = Py_NewRef(Py_None);
+        } else {
+            location loc = {e->segment, e->slot, e->offset, e->length, e->checksum, e->has_sum};
+            ret = location_tuple(&loc, 1);
+        }
+    }
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
+/* ---------------------------------------------------------------- leases without a call
+ * A session's page (KVT_PAGE_*, index.h) is the client's to write.  To lease
+ * the blocks of keys it finds, a reader publishes a hazard for each block's
+ * slot in the page, then (after a full fence) checks that every entry it read
+ * still has the same sequence number and that the table is not superseded.
+ * The daemon takes an entry out of the table before it reuses the entry's
+ * slot, and (after a full fence) never reuses a slot a page names: so either
+ * the reader sees the entry change and leases nothing, or the daemon sees the
+ * hazard and keeps the slot.  The daemon trusts the page for nothing else: a
+ * hazard only keeps slots of the page's own namespace from reuse, and the
+ * access ring (blocks read, for the LRU) is a hint it checks. */
+static inline uint64_t
+hazard_of(uint32_t segment, uint32_t slot)
+{
+    return KVT_HAZARD_BIT | ((uint64_t)segment << 32) | slot;
+}
+
+static int
+get_page(PyObject *obj, Py_buffer *page)
+{
+    if (PyObject_GetBuffer(obj, page, PyBUF_WRITABLE) < 0)
+        return -1;
+    if (page->len < KVT_PAGE_BYTES || ((uintptr_t)page->buf & 7) != 0) {
+        PyErr_SetString(PyExc_ValueError, "page must be a writable, 8-byte aligned buffer of "
+                                          "KVT_PAGE_BYTES");
+        PyBuffer_Release(page);
+        return -1;
+    }
+    return 0;
+}
+
+#define PAGE_U64(p, off) ((uint64_t *)((char *)(p)->buf + (off)))
+
+PyObject *
+kvt_py_index_acquire(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf, page;
+    PyObject *keys, *page_obj;
+    Py_ssize_t at;
+    if (!PyArg_ParseTuple(args, "y*OOn:index_acquire", &buf, &keys, &page_obj, &at))
+        return NULL;
+    PyObject *ret = NULL, *seq = NULL, *locs = NULL;
+    snapshot *snaps = NULL;
+    int have_page = 0;
+    table t;
+    if (open_table(&buf, &t) < 0 || get_page(page_obj, &page) < 0)
+        goto done;
+    have_page = 1;
+    seq = PySequence_Fast(keys, "keys must be a sequence of bytes");
+    if (seq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (at < 0 || n > KVT_PAGE_HAZARDS_N || at > KVT_PAGE_HAZARDS_N - n) {
+        PyErr_SetString(PyExc_ValueError, "hazards at..at+len(keys) are outside the page");
+        goto done;
+    }
+    if (__atomic_load_n(&t.h->flags, __ATOMIC_ACQUIRE) & KVT_IDX_SUPERSEDED) {
+        ret = Py_NewRef(Py_None);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = items[i];
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) < 1 || PyBytes_GET_SIZE(k) > MAX_KEY) {
+            ret = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
+    snaps = PyMem_Malloc(sizeof(snapshot) * (size_t)(n > 0 ? n : 1));
+    if (snaps == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t *hz = PAGE_U64(&page, KVT_PAGE_HAZARDS) + at;
+    Py_ssize_t hits = 0;
+    int unsure = 0;
+    for (; hits < n; hits++) {
+        PyObject *k = items[hits];
+        fingerprint f = fp_of((const uint8_t *)PyBytes_AS_STRING(k), (size_t)PyBytes_GET_SIZE(k));
+        int r = r_find(&t, &f, &snaps[hits]);
+        if (r == R_MISS)
+            break;
+        if (r == R_UNSURE || snaps[hits].loc.segment == 0) {
+            unsure = 1;
+            break;
+        }
+        __atomic_store_n(&hz[hits], hazard_of(snaps[hits].loc.segment, snaps[hits].loc.slot),
+                         __ATOMIC_RELAXED);
+    }
+    /* Publish the hazards, then look again: the daemon's side is a removal, a full
+     * fence and a read of the hazards. */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    uint32_t flags = __atomic_load_n(&t.h->flags, __ATOMIC_RELAXED);
+    int valid = !unsure && !(flags & KVT_IDX_SUPERSEDED)
+                && (hits == n || !(flags & KVT_IDX_MISS_NOT_FINAL));
+    for (Py_ssize_t i = 0; valid && i < hits; i++)
+        valid = __atomic_load_n(&snaps[i].e->seq, __ATOMIC_ACQUIRE) == snaps[i].seq;
+    if (!valid) {
+        for (Py_ssize_t i = 0; i < hits; i++)
+            __atomic_store_n(&hz[i], 0, __ATOMIC_RELEASE);
+        ret = Py_NewRef(Py_None);
+        goto done;
+    }
+    locs = PyList_New(hits);
+    if (locs == NULL)
+        goto release;
+    for (Py_ssize_t i = 0; i < hits; i++) {
+        PyObject *loc = location_tuple(&snaps[i].loc, 0);
+        if (loc == NULL)
+            goto release;
+        PyList_SET_ITEM(locs, i, loc);
+    }
+    /* The blocks read, for the daemon's LRU (a ring it drains when it evicts). */
+    uint64_t *ring = PAGE_U64(&page, KVT_PAGE_RING);
+    uint64_t pos = __atomic_fetch_add(PAGE_U64(&page, KVT_PAGE_RING_HEAD), (uint64_t)hits,
+                                      __ATOMIC_RELAXED);
+    for (Py_ssize_t i = 0; i < hits; i++)
+        __atomic_store_n(&ring[(pos + (uint64_t)i) % KVT_PAGE_RING_N], hz[i], __ATOMIC_RELAXED);
+    uint64_t *c = PAGE_U64(&page, 0);
+    __atomic_fetch_add(&c[3], 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&c[4], (uint64_t)hits, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&c[5], (uint64_t)(n - hits), __ATOMIC_RELAXED);
+    ret = Py_NewRef(locs);
+    goto done;
+release:
+    for (Py_ssize_t i = 0; i < hits; i++)
+        __atomic_store_n(&hz[i], 0, __ATOMIC_RELEASE);
+done:
+    PyMem_Free(snaps);
+    Py_XDECREF(locs);
+    Py_XDECREF(seq);
+    if (have_page)
+        PyBuffer_Release(&page);
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
+PyObject *
+kvt_py_hazards_clear(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer page;
+    PyObject *page_obj;
+    Py_ssize_t at, n;
+    if (!PyArg_ParseTuple(args, "Onn:hazards_clear", &page_obj, &at, &n))
+        return NULL;
+    if (get_page(page_obj, &page) < 0)
+        return NULL;
+    PyObject *ret = NULL;
+    if (at < 0 || n < 0 || n > KVT_PAGE_HAZARDS_N || at > KVT_PAGE_HAZARDS_N - n) {
+        PyErr_SetString(PyExc_ValueError, "hazards at..at+n are outside the page");
+    } else {
+        /* Release stores: the reads of the leased bytes come before the slot is free. */
+        uint64_t *hz = PAGE_U64(&page, KVT_PAGE_HAZARDS) + at;
+        for (Py_ssize_t i = 0; i < n; i++)
+            __atomic_store_n(&hz[i], 0, __ATOMIC_RELEASE);
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&page);
+    return ret;
+}
+
+PyObject *
+kvt_py_hazards_collect(PyObject *Py_UNUSED(m), PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "pages must be a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    PyObject *found = PySet_New(NULL);
+    if (found == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    /* The daemon's half of the handshake: its removals from the table come first. */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t p = 0; p < n; p++) {
+        Py_buffer page;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, p), &page, PyBUF_SIMPLE) < 0)
+            goto fail;
+        if (page.len < KVT_PAGE_BYTES || ((uintptr_t)page.buf & 7) != 0) {
+            PyBuffer_Release(&page);
+            PyErr_SetString(PyExc_ValueError, "a page is not KVT_PAGE_BYTES, 8-byte aligned");
+            goto fail;
+        }
+        uint64_t hi = __atomic_load_n(PAGE_U64(&page, KVT_PAGE_HAZARD_HI), __ATOMIC_RELAXED);
+        if (hi > KVT_PAGE_HAZARDS_N)
+            hi = KVT_PAGE_HAZARDS_N;
+        const uint64_t *hz = PAGE_U64(&page, KVT_PAGE_HAZARDS);
+        int err = 0;
+        for (uint64_t i = 0; i < hi && !err; i++) {
+            uint64_t v = __atomic_load_n(&hz[i], __ATOMIC_ACQUIRE);
+            if (v == 0)
+                continue;
+            PyObject *o = PyLong_FromUnsignedLongLong(v);
+            err = o == NULL || PySet_Add(found, o) < 0;
+            Py_XDECREF(o);
+        }
+        PyBuffer_Release(&page);
+        if (err)
+            goto fail;
+    }
+    Py_DECREF(seq);
+    return found;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(found);
+    return NULL;
 }
 
 PyObject *
@@ -491,7 +825,9 @@ kvt_py_index_lookup(PyObject *Py_UNUSED(m), PyObject *args)
     for (; hits < n; hits++) {
         PyObject *k = items[hits];
         fingerprint f = fp_of((const uint8_t *)PyBytes_AS_STRING(k), (size_t)PyBytes_GET_SIZE(k));
-        int r = r_find(&t, &f, &out[hits]);
+        snapshot snap;
+        int r = r_find(&t, &f, &snap);
+        out[hits] = snap.tier;
         if (r == R_MISS)
             break;
         if (r == R_UNSURE) {
@@ -540,7 +876,8 @@ kvt_py_index_copy(PyObject *Py_UNUSED(m), PyObject *args)
             if (e->state != E_LIVE)
                 continue;
             fingerprint f = {e->fp0, e->fp1, e->flags};
-            int r = t_set(&d, &f, e->tier, e->ref);
+            location loc = {e->segment, e->slot, e->offset, e->length, e->checksum, e->has_sum};
+            int r = t_set(&d, &f, e->tier, e->ref, &loc);
             if (r < 0)
                 full = 1;
             else if (r == 0)

@@ -40,6 +40,7 @@ import numpy as np
 from google.protobuf.json_format import MessageToDict
 
 from kvtier import _accel
+from kvtier._index import LocalIndex, LocalSlot
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME, default_socket_dir
 from kvtier._session import LinkBroken, SegmentMaps, SessionLink, open_request
 from kvtier._wire import SESSION_METADATA
@@ -137,6 +138,10 @@ def session_lost(what: str) -> SessionLost:
 SESSION_BOUND = frozenset({"Commit", "Abort", "Release"})
 #: ``KVTIER_FAST_PATH=0`` makes clients built without a ``fast_path`` argument use gRPC.
 FAST_PATH_ENV = "KVTIER_FAST_PATH"
+#: ``KVTIER_LOCAL_LEASES=1`` makes acquires (and gets) lease DRAM blocks through the
+#: shared index without a call (off by default for now: such leases have no TTL, no
+#: per-session lease limit and no hold-time metrics yet; docs/decisions.md).
+LOCAL_LEASES_ENV = "KVTIER_LOCAL_LEASES"
 _OFF = frozenset({"0", "false", "no", "off"})
 
 
@@ -224,7 +229,7 @@ class SyncMaps:
     """Map the segments ``slots`` live in (the daemon's extents at ``version``)."""
 
     version: int
-    slots: Sequence[pb.SlotRef]
+    slots: Sequence[pb.SlotRef] | Sequence[LocalSlot]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -238,9 +243,31 @@ class Work:
 @dataclasses.dataclass(frozen=True, slots=True)
 class LookHere:
     """Look ``keys`` up in the shared index (opening the session first; mapping the
-    new table first when the daemon replaced it); the result is ``_look_here``'s."""
+    new table first when the daemon replaced it); the result is ``_look_here``'s, or
+    with ``lease``, ``_lease_here``'s."""
 
     keys: Sequence[bytes]
+    lease: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class LocalAcquire:
+    """An acquire the shared index answered: the shape of an ``AcquireResponse``, and
+    the hazards (in ``index``'s session page, from ``at``) that hold the blocks."""
+
+    index: LocalIndex
+    at: int
+    slots: list[LocalSlot]
+    lease_id: int = 0
+    segments_version: int = 0
+
+    @property
+    def hits(self) -> int:
+        return len(self.slots)
+
+    @property
+    def tiers(self) -> list[int]:
+        return [Tier.DRAM] * len(self.slots)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -331,6 +358,8 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
             fast_path = os.environ.get(FAST_PATH_ENV, "1").strip().lower() not in _OFF
         #: Make calls on the session channel when the daemon offers it (else gRPC).
         self.fast_path_wanted = fast_path
+        #: Lease blocks without a call where the shared index can (csrc/index.c).
+        self.local_leases = os.environ.get(LOCAL_LEASES_ENV, "0").strip().lower() not in _OFF
         self.token = ""
         self.daemon_version = ""
         self._backoff = Backoff(maximum=reconnect_max)
@@ -349,7 +378,8 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         """The transport's Reservation over a Reserve answer."""
 
     @abc.abstractmethod
-    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse, verify: bool) -> _L:
+    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse | LocalAcquire,
+                   verify: bool) -> _L:
         """The transport's Lease over an Acquire answer."""
 
     # ------------------------------------------------------------- session
@@ -429,7 +459,8 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
                 return None
         return err
 
-    def _maps_missing(self, version: int, slots: Sequence[pb.SlotRef]) -> list[int] | None:
+    def _maps_missing(self, version: int,
+                      slots: Sequence[pb.SlotRef] | Sequence[LocalSlot]) -> list[int] | None:
         """Segments to map before views of ``slots`` can be made (None: nothing to do)."""
         if self._closed:
             raise FailedPrecondition(f"{self._NAME} is closed")
@@ -463,6 +494,22 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         if index is None or link is None or self._closed or not link.quiet():
             return None
         return index.lookup(keys if type(keys) is list else list(keys))
+
+    def _lease_here(self, keys: Sequence[bytes]) -> LocalAcquire | None:
+        """An acquire answered from the shared index (None: ask the daemon)."""
+        index = self._maps.index
+        link = self._link
+        if (index is None or link is None or self._closed or not self.local_leases
+                or not link.quiet()):
+            return None
+        got = index.acquire(keys if type(keys) is list else list(keys))
+        if got is None:
+            return None
+        slots, at = got
+        return LocalAcquire(index, at, slots, segments_version=self._maps.version)
+
+    def _here(self, step: LookHere) -> Any:
+        return self._lease_here(step.keys) if step.lease else self._look_here(step.keys)
 
     def _index_stale(self) -> bool:
         index = self._maps.index
@@ -506,6 +553,19 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
 
     def _acquire_steps(self, keys: Sequence[bytes], verify: bool = True) -> Steps[_L]:
         keys = as_keys(keys)
+        local: LocalAcquire | None = yield LookHere(keys, lease=True)
+        if local is not None:
+            try:
+                yield SyncMaps(local.segments_version, local.slots)
+                verified = sum(r.length for r in local.slots) if self.checksum and verify else 0
+                here: _L = yield Work(functools.partial(self._new_lease, keys, local, verify),
+                                      verified)
+                return here
+            except BaseException as exc:
+                local.index.release(local.at, local.hits)
+                if isinstance(exc, Corrupted):
+                    yield Call("Delete", pb.DeleteRequest(keys=[exc.key], corrupted=True))
+                raise
         resp = yield Call("Acquire", pb.AcquireRequest(keys=keys))
         try:
             yield SyncMaps(resp.segments_version, resp.slots)
@@ -658,13 +718,16 @@ class LeaseState:
     (None if it committed none).  A lease made with ``verify=False`` has not
     compared them: its reader does, while it copies (one pass over the bytes
     instead of two), and reports a block that fails with ``_drop_corrupted_steps``.
+    A lease the shared index answered (``LocalAcquire``) is held by hazards in the
+    session page, not by the daemon: its release is a write there, no call.
     """
 
     def __init__(self, client: ClientCore[Any, Any], keys: list[bytes],
-                 resp: pb.AcquireResponse, verify: bool = True) -> None:
+                 resp: pb.AcquireResponse | LocalAcquire, verify: bool = True) -> None:
         self._client = client
         self.session_gen = client._session_gen
         self.lease_id = resp.lease_id
+        self._local = resp if isinstance(resp, LocalAcquire) else None
         self.keys = keys[: resp.hits]
         self.tiers = [Tier(t) for t in resp.tiers]
         self.views = [client._maps.view(ref, ref.length, writable=False) for ref in resp.slots]
@@ -674,7 +737,12 @@ class LeaseState:
             for i, (want, view) in enumerate(zip(self.checksums, self.views, strict=True)):
                 if want is not None and _accel.checksum(view) != want:
                     raise corrupted(self.keys[i])
-        self.done = self.lease_id == 0
+        self.done = self.lease_id == 0 and not (self._local is not None and self._local.hits)
+
+    @property
+    def local(self) -> bool:
+        """Held by hazards in the session page (leased without a call)."""
+        return self._local is not None
 
     @property
     def hits(self) -> int:
@@ -687,6 +755,10 @@ class LeaseState:
         if self.done:
             return
         self.done = True
+        if self._local is not None:
+            self.release_views()  # no view outlives the hazards
+            self._local.index.release(self._local.at, self._local.hits)
+            return
         self.release_views()
         if not wait and self.session_gen == self._client._session_gen:
             yield SendRelease(self.lease_id)

@@ -8,15 +8,20 @@ trip to the daemon.  It answers only what the table can: ``None`` when it
 cannot (the table was replaced, a key is malformed, more keys than the daemon
 takes in one call), and ``final=False`` when a miss may still be a hit below
 DRAM; the client then calls ``Lookup`` as before.  What this session looked up
-here is added to its lookup counters page, which the daemon reads into its
-metrics.
+here is added to its session page, which the daemon reads into its metrics.
+
+``LocalIndex.acquire`` leases blocks the same way, without a call: it publishes
+a hazard for each block's slot in the session page and checks that the table
+did not change meanwhile (``csrc/index.c``); the daemon never reuses a slot a
+page names, and the session's end (a SIGKILL included) drops them all.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-from typing import Final
+import threading
+from typing import Final, NamedTuple
 
 import numpy as np
 
@@ -31,23 +36,72 @@ except ImportError:  # not built: the client calls Lookup
 AVAILABLE: Final = _native is not None and _accel.NATIVE
 #: The header's flags word (csrc/index.h).
 SUPERSEDED: Final = 1
-COUNTERS_BYTES: Final = 4096
+#: The session page (csrc/index.h's KVT_PAGE_*): its size, the hazards' bound word,
+#: how many hazards it holds.
+PAGE_BYTES: Final = 16384
+_HAZARD_HI: Final = 64
+HAZARDS_N: Final = 1536
+
+
+class LocalSlot(NamedTuple):
+    """Where a block leased without a call is (the fields of the wire's ``SlotRef``)."""
+
+    segment_id: int
+    offset: int
+    length: int
+    checksum: int
+    has_checksum: bool
+
+
+class _Hazards:
+    """Which of the page's hazard entries are in use (first fit, under a lock); keeps
+    the page's bound word (the daemon reads entries below it) up to date."""
+
+    def __init__(self, bound: np.ndarray) -> None:
+        self._used = bytearray(HAZARDS_N)
+        self._bound = bound  # the page's u64 at _HAZARD_HI
+        self._hi = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> int | None:
+        with self._lock:
+            at = self._used.find(bytes(n))
+            if at < 0:
+                return None
+            self._used[at:at + n] = b"\1" * n
+            if at + n > self._hi:
+                self._hi = at + n
+                self._bound[0] = self._hi  # before the hazards themselves
+            return at
+
+    def give(self, at: int, n: int) -> None:
+        with self._lock:
+            self._used[at:at + n] = bytes(n)
+            if at + n >= self._hi:
+                self._hi = self._used.rfind(b"\1") + 1
+                self._bound[0] = self._hi
 
 
 class LocalIndex:
     """The shared index's table mapped read-only, and this session's counters page."""
 
-    def __init__(self, index_fd: int, counters_fd: int, max_keys: int) -> None:
+    def __init__(self, index_fd: int, page_fd: int, max_keys: int) -> None:
         """Maps both (the fds stay the caller's to close)."""
         self.max_keys = max_keys
         self._table = _map_table(index_fd)
         try:
-            self._page = mmap.mmap(counters_fd, COUNTERS_BYTES, mmap.MAP_SHARED,
+            size = os.fstat(page_fd).st_size
+            self._page = mmap.mmap(page_fd, size, mmap.MAP_SHARED,
                                    mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             self._table.close()
             raise
         self._counters = np.frombuffer(self._page, dtype=np.uint64, count=3)
+        #: Whether this daemon takes hazards (an older one sends a smaller page).
+        self.leases = size >= PAGE_BYTES
+        self._hazards = _Hazards(
+            np.frombuffer(self._page, dtype=np.uint64, count=1, offset=_HAZARD_HI)
+            if self.leases else np.zeros(1, dtype=np.uint64))
 
     def lookup(self, keys: list[bytes]) -> tuple[bytes, bool] | None:
         """The tiers of the leading keys present, and whether the first miss is final
@@ -58,6 +112,36 @@ class LocalIndex:
             return _native.index_lookup(self._table, keys, self._counters)
         except ValueError:  # closed by another thread (the session was replaced)
             return None
+
+    def acquire(self, keys: list[bytes]) -> tuple[list[LocalSlot], int] | None:
+        """Lease the leading keys present, without a call: their slots and where their
+        hazards start (``release`` with both); None when the table cannot answer
+        (the caller asks the daemon: a miss that is not final, a superseded table...)."""
+        n = len(keys)
+        if not self.leases or not 0 < n <= min(self.max_keys, HAZARDS_N):
+            return None
+        at = self._hazards.take(n)
+        if at is None:
+            return None  # this session leases too much without calls already
+        try:
+            got = _native.index_acquire(self._table, keys, self._page, at)
+        except ValueError:  # closed by another thread (the session was replaced)
+            got = None
+        hits = 0 if got is None else len(got)
+        if hits < n:
+            self._hazards.give(at + hits, n - hits)  # never published
+        if got is None:
+            return None
+        return list(map(LocalSlot._make, got)), at
+
+    def release(self, at: int, n: int) -> None:
+        """End the lease of ``n`` blocks whose hazards start at ``at``."""
+        if n:
+            try:
+                _native.hazards_clear(self._page, at, n)
+            except ValueError:  # closed: the session ended, and its hazards with it
+                return
+            self._hazards.give(at, n)
 
     @property
     def superseded(self) -> bool:
@@ -73,7 +157,8 @@ class LocalIndex:
             pass  # a lookup in another thread still holds it; it goes with it
 
     def close(self) -> None:
-        self._counters = np.zeros(3, dtype=np.uint64)  # drop the view of the page
+        self._counters = np.zeros(3, dtype=np.uint64)  # drop the views of the page
+        self._hazards = _Hazards(np.zeros(1, dtype=np.uint64))
         for mm in (self._table, self._page):
             try:
                 mm.close()

@@ -7,7 +7,7 @@ SIGBUS in a buffer (a mapped file truncated under it) instead of dying.
 Checked by ``python -m mypy.stubtest kvtier._native``.
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeAlias
 
 # Any object exporting the buffer protocol (mmap, memoryview, bytearray,
@@ -57,10 +57,14 @@ def index_format(buf: _Buffer, capacity: int, seed: int, max_probe: int = 1024) 
     """Lay out an empty table of capacity (a power of two) entries in zeroed buf; probes
     stop after max_probe entries (at most 1024)."""
 
-def index_set(buf: _Buffer, key: bytes, tier: int, ref: int) -> int:
+# Where a block is, as the daemon publishes it: (segment, slot, offset, length, checksum).
+_Location: TypeAlias = tuple[int, int, int, int, int | None]
+
+def index_set(buf: _Buffer, key: bytes, tier: int, ref: int, loc: _Location | None = None) -> int:
     """Insert or update key: 1 stored, 0 past the probe limit, -1 the table is full."""
 
-def index_set_many(buf: _Buffer, keys: list[bytes], tier: int, start: int) -> tuple[int, list[int]]:
+def index_set_many(buf: _Buffer, keys: list[bytes], tier: int, start: int,
+                   locs: Sequence[_Location] | None = None) -> tuple[int, list[int]]:
     """index_set of keys[start:] until the table is full: (index stopped at, indices skipped)."""
 
 def index_remove(buf: _Buffer, key: bytes) -> bool:
@@ -68,6 +72,21 @@ def index_remove(buf: _Buffer, key: bytes) -> bool:
 
 def index_get(buf: _Buffer, key: bytes) -> tuple[int, int] | None:
     """(tier, ref) of key, or None (the writer's view: no retries)."""
+
+def index_locate(buf: _Buffer, key: bytes) -> _Location | None:
+    """Where key's block is, as published (the writer's view), or None."""
+
+def index_acquire(buf: _Buffer, keys: list[bytes], page: _Buffer,
+                  at: int) -> list[tuple[int, int, int, int, bool]] | None:
+    """Lease the leading keys present without a call, with hazards at page entries at..:
+    (segment, offset, length, checksum, has_checksum) of each, or None (ask the daemon:
+    no hazard is left then)."""
+
+def hazards_clear(page: _Buffer, at: int, n: int) -> None:
+    """End a lease without a call: zero the hazards at..at+n (release stores)."""
+
+def hazards_collect(pages: Sequence[_Buffer]) -> set[int]:
+    """Every non-zero hazard of the pages, read after a full fence."""
 
 def index_lookup(buf: _Buffer, keys: list[bytes],
                  stats: _Buffer | None = None) -> tuple[bytes, bool] | None:

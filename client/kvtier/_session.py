@@ -30,7 +30,7 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from kvtier import _index
-from kvtier._index import LocalIndex
+from kvtier._index import LocalIndex, LocalSlot
 from kvtier._paths import explain_unreachable
 from kvtier._wire import FRAME_LEN, MAX_FDS_PER_MSG
 from kvtier.errors import FailedPrecondition, Unavailable, from_status
@@ -522,7 +522,7 @@ class SegmentMaps:
         resp, fds = link.request(map_request(want, index=index))
         self.mapped(resp, fds, asked_index=index)
 
-    def view(self, ref: pb.SlotRef, length: int, *, writable: bool) -> np.ndarray:
+    def view(self, ref: pb.SlotRef | LocalSlot, length: int, *, writable: bool) -> np.ndarray:
         mm = self._maps.get(ref.segment_id)
         if mm is None:
             raise FailedPrecondition(f"segment {ref.segment_id} is not mapped in this process")

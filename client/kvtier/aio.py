@@ -27,6 +27,7 @@ from kvtier._core import (
     Call,
     ClientCore,
     LeaseState,
+    LocalAcquire,
     LookHere,
     Metadata,
     ReservationState,
@@ -39,6 +40,7 @@ from kvtier._core import (
     arun_steps,
     grpc_options,
 )
+from kvtier._index import LocalSlot
 from kvtier._session import AsyncSessionLink, map_request
 from kvtier.errors import FailedPrecondition, KVTierError, Unavailable
 from kvtier.v1 import kvtier_pb2 as pb
@@ -123,7 +125,7 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
     def _new_reservation(self, keys: list[bytes], resp: pb.ReserveResponse) -> AsyncReservation:
         return AsyncReservation(self, keys, resp)
 
-    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse,
+    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse | LocalAcquire,
                    verify: bool) -> AsyncLease:
         return AsyncLease(self, keys, resp, verify)
 
@@ -144,7 +146,7 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
             await self._ensure_session()
             if self._index_stale():
                 await self._refresh_index()
-            return self._look_here(step.keys)
+            return self._here(step)
         elif isinstance(step, SendRelease):
             alink = self._alink
             if alink is not None and alink.fast_path:
@@ -218,7 +220,8 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
                 return  # the session ended: the call that follows says so
             self._maps.mapped(resp, fds, asked_index=True)
 
-    async def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
+    async def _sync_maps(self, version: int,
+                         slots: Sequence[pb.SlotRef] | Sequence[LocalSlot]) -> None:
         if self._maps_missing(version, slots) is None:
             return
         if self._maps_lock is None:

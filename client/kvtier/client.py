@@ -25,6 +25,7 @@ from kvtier._core import (
     ClientCore,
     KeyStatus,
     LeaseState,
+    LocalAcquire,
     LookHere,
     Metadata,
     ReservationState,
@@ -37,6 +38,7 @@ from kvtier._core import (
     grpc_options,
     run_steps,
 )
+from kvtier._index import LocalSlot
 from kvtier.errors import KVTierError
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -151,7 +153,8 @@ class Client(ClientCore[Reservation, Lease]):
     def _new_reservation(self, keys: list[bytes], resp: pb.ReserveResponse) -> Reservation:
         return Reservation(self, keys, resp)
 
-    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse, verify: bool) -> Lease:
+    def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse | LocalAcquire,
+                   verify: bool) -> Lease:
         return Lease(self, keys, resp, verify)
 
     # ------------------------------------------------------------- transport
@@ -176,7 +179,7 @@ class Client(ClientCore[Reservation, Lease]):
                             self._maps.fetch(self._link, [], index=True)
                         except KVTierError:
                             return None  # the session ended: the call that follows says so
-            return self._look_here(step.keys)
+            return self._here(step)
         return None
 
     def _ensure_session(self) -> Metadata:
@@ -207,7 +210,8 @@ class Client(ClientCore[Reservation, Lease]):
             raise err
         return self._call(method, request, retry=False)  # a restarted daemon
 
-    def _sync_maps(self, version: int, slots: Sequence[pb.SlotRef]) -> None:
+    def _sync_maps(self, version: int,
+                   slots: Sequence[pb.SlotRef] | Sequence[LocalSlot]) -> None:
         with self._lock:
             missing = self._maps_missing(version, slots)
             if missing is not None:

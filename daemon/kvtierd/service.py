@@ -523,6 +523,7 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
         namespaces=namespaces,
         sessions=len(store.sessions),
         leases=store.lease_count,
+        hazard_blocks=store.hazard_count(),
         reservations=store.reservation_count,
         evictions=store.evictions,
         mlocked=not store.mlock_errors,

@@ -75,7 +75,7 @@ from kvtierd.config import DEFAULT_MAX_KEYS_PER_CALL, LimitsConfig
 from kvtierd.metrics import Metrics
 from kvtierd.segments import UID_BYTES, Segment
 from kvtierd.service import FastCallFailed, FastContext, Method
-from kvtierd.shared_index import LookupCounters
+from kvtierd.shared_index import SessionPage
 from kvtierd.store import Peer, Session, Store
 
 log = logging.getLogger(__name__)
@@ -220,8 +220,8 @@ class SessionChannel:
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
-        #: Session id -> its lookup counters page (sessions sent a shared index).
-        self._counters: dict[int, LookupCounters] = {}
+        #: Session id -> its page (sessions sent a shared index): counters, hazards.
+        self._counters: dict[int, SessionPage] = {}
         metrics.before_scrape.append(self.fold_counters)
 
     def fold_counters(self) -> None:
@@ -230,12 +230,19 @@ class SessionChannel:
         for page in self._counters.values():
             self._fold(page)
 
-    def _fold(self, page: LookupCounters) -> None:
-        lookups, hits, misses = page.take()
+    def _fold(self, page: SessionPage) -> None:
+        lookups, hits, misses, acquires, got, missed = page.take()
+        name = page.namespace
         if lookups or hits or misses:
-            self.metrics.lookups.labels(page.namespace).inc(lookups)
-            self.metrics.hit_blocks.labels(page.namespace, "lookup").inc(hits)
-            self.metrics.missed_blocks.labels(page.namespace, "lookup").inc(misses)
+            self.metrics.lookups.labels(name).inc(lookups)
+            self.metrics.hit_blocks.labels(name, "lookup").inc(hits)
+            self.metrics.missed_blocks.labels(name, "lookup").inc(misses)
+        if acquires or got or missed:
+            self.metrics.hit_blocks.labels(name, "acquire").inc(got)
+            self.metrics.missed_blocks.labels(name, "acquire").inc(missed)
+            ns = self.store.namespaces.get(name)
+            if ns is not None:
+                self.store.count_reads(ns, got, missed)
 
     async def start(self) -> None:
         try:
@@ -381,9 +388,11 @@ class SessionChannel:
             if session is not None:
                 page = self._counters.pop(session.id, None)
                 if page is not None:
+                    self.store.note_reads(session.ns)
                     self._fold(page)
+                aborted, released = self.store.close_session(session)  # and its hazards
+                if page is not None:
                     page.close()
-                aborted, released = self.store.close_session(session)
                 self.metrics.sessions_closed.inc()
                 self.metrics.aborted_blocks.labels(session.ns.name, "session_closed").inc(aborted)
                 if aborted or released:
@@ -551,12 +560,12 @@ class SessionChannel:
         shared = ns.index.shared
         index_fd = shared.fd if shared is not None and self.methods is not None else None
         serial = 0 if shared is None else shared.serial
-        page: LookupCounters | None = None
+        page: SessionPage | None = None
         if index_fd is not None:
             try:
-                page = LookupCounters(ns.name)
+                page = SessionPage(ns.name)
             except OSError as exc:  # out of memory or fds: this session calls Lookup
-                log.warning("no lookup counters page for session %d: %s", session.id, exc)
+                log.warning("no session page for session %d: %s", session.id, exc)
                 index_fd = None
         msg = pb.SessionResponse(
             call_id=call_id,
@@ -584,7 +593,8 @@ class SessionChannel:
                 page.close()
             raise
         if page is not None:
-            page.close_fd()  # the mapping stays: the client's counts are read from it
+            page.close_fd()  # the mapping stays: the client's counts and hazards are read there
+            self.store.attach_page(session, page)
             self._counters[session.id] = page
             conn.index_sent = serial
         return {seg.segment_id for seg in segs}

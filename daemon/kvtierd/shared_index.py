@@ -36,8 +36,8 @@ import mmap
 import os
 import secrets
 import struct
-from collections.abc import Iterable
-from typing import Final, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Final, TypeAlias, TypeVar
 
 from kvtier import _accel
 
@@ -52,7 +52,7 @@ except ImportError:  # not built: nothing is published, clients call Lookup
 AVAILABLE: Final = _native is not None and _accel.NATIVE
 
 HEADER_BYTES: Final = 64
-ENTRY_BYTES: Final = 32
+ENTRY_BYTES: Final = 64
 #: A new namespace's table: 1024 entries (32 KiB); it doubles as keys arrive.
 MIN_CAPACITY: Final = 1024
 #: Entries a probe may visit (csrc/index.c's limit): honest keys never need that many.
@@ -62,8 +62,22 @@ SUPERSEDED: Final = 1
 MISS_NOT_FINAL: Final = 2
 #: The tier a published key is in (the wire's TIER_DRAM).
 TIER_DRAM: Final = 1
-#: Bytes of a session's lookup counters page (three u64s used).
-COUNTERS_BYTES: Final = 4096
+#: Bytes of a session's page (csrc/index.h's KVT_PAGE_*): counters, hazards, access ring.
+PAGE_BYTES: Final = 16384
+_RING_HEAD: Final = 72
+_RING: Final = 1024
+RING_N: Final = 384
+_HAZARDS: Final = 4096
+HAZARDS_N: Final = 1536
+HAZARD_BIT: Final = 1 << 63
+
+#: Where a published block is: (segment id, slot, offset, length, checksum or None).
+Location: TypeAlias = tuple[int, int, int, int, "int | None"]
+
+
+def hazard_of(segment_id: int, slot: int) -> int:
+    """The value a client's page holds while it leases the block in ``slot``."""
+    return HAZARD_BIT | segment_id << 32 | slot
 
 # Linux's memfd seals; F_SEAL_FUTURE_WRITE (5.1) is not in Python's fcntl yet.
 _F_SEAL_SHRINK: Final = 0x0002
@@ -120,8 +134,9 @@ class SharedIndex:
                  max_probe: int = MAX_PROBE) -> None:
         self.namespace = namespace
         self._max_probe = max_probe
-        #: Keys the table could not take (past the probe limit): misses are not final.
-        self.unpublished: set[bytes] = set()
+        #: Keys the table could not take (past the probe limit), with their locations:
+        #: misses are not final.
+        self.unpublished: dict[bytes, Location] = {}
         self._lower = lower_tiers
         self._table: _Table | None = _Table(MIN_CAPACITY, max_probe)
         self._flags()
@@ -144,25 +159,27 @@ class SharedIndex:
         self._lower = lower
         self._flags()
 
-    def add(self, key: bytes) -> None:
+    def add(self, key: bytes, loc: Location) -> None:
+        """Publish ``key`` (or move it) at ``loc``."""
         t = self._table
         if t is None:
             return
-        r = _native.index_set(t.mm, key, TIER_DRAM, 0)
+        r = _native.index_set(t.mm, key, TIER_DRAM, 0, loc)
         if r < 0 or (r == 0 and self._half_full(t)):
             # Full, or a probe ran the limit in a table past half full: a longer
             # cluster than honest keys make below half.  Grow (then it is not).
             t = self._replace()
             if t is None:
                 return
-            r = _native.index_set(t.mm, key, TIER_DRAM, 0)
+            r = _native.index_set(t.mm, key, TIER_DRAM, 0, loc)
         if r > 0:
-            if self.unpublished:
-                self.unpublished.discard(key)
+            if self.unpublished and self.unpublished.pop(key, None) is not None:
                 self._flags()
-        elif key not in self.unpublished:
-            self.unpublished.add(key)
-            self._flags()
+        else:
+            new = key not in self.unpublished
+            self.unpublished[key] = loc
+            if new:
+                self._flags()
 
     @staticmethod
     def _half_full(t: _Table) -> bool:
@@ -173,12 +190,21 @@ class SharedIndex:
         if t is None:
             return
         if not _native.index_remove(t.mm, key) and key in self.unpublished:
-            self.unpublished.discard(key)
+            del self.unpublished[key]
             self._flags()
 
-    def add_many(self, keys: Iterable[bytes]) -> None:
-        """``add`` of each key, in bulk (a recovered namespace's keys)."""
-        todo = list(keys)
+    def hide(self, key: bytes) -> None:
+        """Take ``key`` out of the table for now (``unhide`` puts it back): an eviction
+        being planned hides its victims before it looks for clients' hazards."""
+        t = self._table
+        if t is not None:
+            _native.index_remove(t.mm, key)
+
+    def add_many(self, items: Iterable[tuple[bytes, Location]]) -> None:
+        """``add`` of each (key, location), in bulk (a recovered namespace's keys)."""
+        pairs = list(items)
+        todo = [k for k, _ in pairs]
+        locs = [loc for _, loc in pairs]
         at = 0
         t = self._table
         if t is not None:  # one table big enough for them all (at most half full): no regrowth
@@ -189,14 +215,14 @@ class SharedIndex:
             if want > t.capacity:
                 self._replace(want)
         while self._table is not None and at < len(todo):
-            at, skipped = _native.index_set_many(self._table.mm, todo, TIER_DRAM, at)
-            self.unpublished.update(todo[i] for i in skipped)
+            at, skipped = _native.index_set_many(self._table.mm, todo, TIER_DRAM, at, locs)
+            self.unpublished.update((todo[i], locs[i]) for i in skipped)
             if at < len(todo) and self._replace() is None:
                 return
         t = self._table
         if self.unpublished and t is not None and self._half_full(t) and self._replace():
-            for key in list(self.unpublished):
-                self.add(key)  # (leaves the set when it goes in)
+            for key, loc in list(self.unpublished.items()):
+                self.add(key, loc)  # (leaves the set when it goes in)
         self._flags()
 
     def fingerprints(self) -> list[bytes]:
@@ -251,29 +277,60 @@ class SharedIndex:
         return new
 
 
-class LookupCounters:
-    """A session's lookup counters page: the client adds its lookups, hit keys and
-    missed keys there (three little-endian u64s); ``take`` returns what was added
-    since the last ``take``.  The page is the client's to write, so its values are
-    trusted for nothing: a count that went backwards or jumped implausibly adds 0.
-    The memfd is sealed against resizing (a client cannot make a read fault)."""
+class SessionPage:
+    """A session's page (``csrc/index.h``'s ``KVT_PAGE_*``), which its client writes:
+
+    * counters: the lookups, hit and missed keys it answered from the table, and
+      its acquires without a call, their hit and missed keys; ``take`` returns
+      what was added since the last ``take``;
+    * hazards: one per block the client leases without a call (``hazards``: the
+      daemon never reuses such a slot, see ``csrc/index.c``);
+    * a ring of the blocks it read that way (``accessed``: LRU hints).
+
+    The page is the client's to write, so it is trusted for nothing the daemon
+    relies on: a count that went backwards or jumped implausibly adds 0, a hazard
+    only keeps slots of the session's own namespace (at most ``HAZARDS_N``), a
+    ring entry names a block the store looks up and checks.  The memfd is sealed
+    against resizing (a client cannot make a read fault)."""
 
     #: Most a counter may grow between two takes and still be believed.
     MAX_STEP: Final = 1 << 40
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
-        fd, self._mm = sealed_memfd("kvtier-lookups", COUNTERS_BYTES,
-                                    _F_SEAL_SHRINK | _F_SEAL_GROW)
+        fd, self._mm = sealed_memfd("kvtier-session", PAGE_BYTES, _F_SEAL_SHRINK | _F_SEAL_GROW)
         self.fd: int | None = fd
-        self._last = (0, 0, 0)
+        self._last = (0,) * 6
+        self._ring_tail = 0
 
-    def take(self) -> tuple[int, int, int]:
-        now = struct.unpack_from("<3Q", self._mm, 0)
+    @property
+    def mapping(self) -> mmap.mmap:
+        return self._mm
+
+    def take(self) -> tuple[int, ...]:
+        """(lookups, lookup hits, lookup misses, acquires, acquire hits, acquire misses)
+        added since the last take."""
+        now = struct.unpack_from("<6Q", self._mm, 0)
         steps = tuple(n - last if 0 <= n - last <= self.MAX_STEP else 0
                       for n, last in zip(now, self._last, strict=True))
         self._last = now
-        return steps  # type: ignore[return-value]
+        return steps
+
+    def accessed(self) -> list[int]:
+        """The hazard values of the blocks read since the last call (at most ``RING_N``;
+        duplicates and garbage possible: the client wrote them)."""
+        head = struct.unpack_from("<Q", self._mm, _RING_HEAD)[0]
+        tail = self._ring_tail
+        if head == tail:
+            return []
+        self._ring_tail = head
+        n = head - tail
+        if not 0 < n <= RING_N:  # lapped, or went backwards: the latest RING_N
+            n = RING_N if n > 0 else 0
+        if n == 0:
+            return []
+        ring = struct.unpack_from(f"<{RING_N}Q", self._mm, _RING)
+        return [ring[(head - n + i) % RING_N] for i in range(n)]
 
     def close_fd(self) -> None:
         if self.fd is not None:
@@ -283,6 +340,12 @@ class LookupCounters:
     def close(self) -> None:
         self.close_fd()
         self._mm.close()
+
+
+def collect_hazards(pages: Iterable[SessionPage]) -> set[int]:
+    """Every hazard ``pages`` hold, read after a full fence (so after every removal
+    from the table this thread made before the call)."""
+    return _native.hazards_collect([p.mapping for p in pages])
 
 
 _V = TypeVar("_V")
@@ -295,15 +358,16 @@ class KeyIndex(dict[bytes, _V]):
     and ``update(pairs)``.  Reads are the plain dict's.
     """
 
-    __slots__ = ("shared",)
+    __slots__ = ("shared", "locate")
 
     def __init__(self) -> None:
         super().__init__()
         self.shared: SharedIndex | None = None
+        self.locate: Callable[[_V], Location] | None = None
 
     def __setitem__(self, key: bytes, value: _V) -> None:
-        if self.shared is not None and key not in self:
-            self.shared.add(key)
+        if self.shared is not None and self.locate is not None:
+            self.shared.add(key, self.locate(value))
         super().__setitem__(key, value)
 
     def __delitem__(self, key: bytes) -> None:
@@ -318,11 +382,13 @@ class KeyIndex(dict[bytes, _V]):
         for key, value in pairs:
             self[key] = value
 
-    def publish(self, shared: SharedIndex | None) -> None:
-        """Start mirroring into ``shared`` (its keys now: all of this index's)."""
+    def publish(self, shared: SharedIndex | None, locate: Callable[[_V], Location]) -> None:
+        """Start mirroring into ``shared`` (its keys now: all of this index's, each at
+        ``locate(value)``)."""
         self.shared = shared
+        self.locate = locate
         if shared is not None:
-            shared.add_many(self)
+            shared.add_many((k, locate(v)) for k, v in self.items())
 
     def _unsupported(self, *args: object, **kwargs: object) -> None:
         raise TypeError("KeyIndex supports d[k] = v, del d[k] and update() only")

@@ -83,7 +83,15 @@ from kvtierd.segments import (
     SlotRecord,
     SlotState,
 )
-from kvtierd.shared_index import KeyIndex, SharedIndex, fingerprint
+from kvtierd.shared_index import (
+    KeyIndex,
+    Location,
+    SessionPage,
+    SharedIndex,
+    collect_hazards,
+    fingerprint,
+    hazard_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +207,8 @@ class Namespace:
     # declaration of this boot may then differ, and reformats the namespace.
     declared: bool = False
     grow_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    #: Session id -> the page where its client leases blocks without a call (hazards).
+    pages: dict[int, SessionPage] = dataclasses.field(default_factory=dict)
 
     def extent_bytes(self) -> int:
         """DRAM this namespace holds: the bytes of its extents (what a quota caps)."""
@@ -290,6 +300,18 @@ class AdoptedSlots:
     free: list[int]
     #: every slot's generation (in range)
     generations: list[int]
+
+
+class _Raced(Exception):
+    """Internal signal: a client leased a planned victim (a hazard) while the plan was
+    made; plan again (the hazard is seen then)."""
+
+
+def _locate(block: Block) -> Location:
+    """Where the shared index says ``block`` is (what a client leases without a call)."""
+    seg = block.extent.segment
+    return (seg.segment_id, block.slot, seg.slot_offset(block.slot), block.length,
+            block.checksum)
 
 
 class _NeedExtent(Exception):
@@ -445,7 +467,7 @@ class Store:
         """Give ``ns`` a shared index holding its keys (on failure it has none)."""
         if self.publish:
             try:
-                ns.index.publish(SharedIndex(ns.name, lower_tiers=self._spill_enabled))
+                ns.index.publish(SharedIndex(ns.name, lower_tiers=self._spill_enabled), _locate)
             except OSError as exc:  # out of memory or fds: lookups go to the daemon
                 log.warning("namespace %r: no shared index (%s); its clients' lookups go "
                             "to the daemon", ns.name, exc)
@@ -528,6 +550,7 @@ class Store:
             self._apply_end_lease(lease)
         del self.sessions[session.id]
         del self._by_token[session.token]
+        session.ns.pages.pop(session.id, None)  # its hazards end with it
         session.ns.sessions -= 1
         self._forget_if_unused(session.ns)
         return (sum(len(r.keys) for r in reservations), len(leases))
@@ -575,7 +598,15 @@ class Store:
             except _NeedExtent as need:
                 if not await self._grow(ns, need.slots):
                     break
-        return self._reserve_now(session, keys, exists, may_grow=False)
+            except _Raced:
+                continue
+        for _round in range(MAX_GROW_ROUNDS):
+            try:
+                return self._reserve_now(session, keys, exists, may_grow=False)
+            except _Raced:
+                continue
+        raise CapacityExhausted(f"namespace {ns.name!r}: clients kept leasing the blocks "
+                                "this reserve would evict")
 
     def _reserve_now(
         self,
@@ -624,6 +655,7 @@ class Store:
         except BaseException:
             for ext, slot in reversed(taken):
                 ext.free.append(slot)
+            self._unhide(ns, victims)
             raise
         # Applied: nothing below can fail.
         for block in victims:
@@ -661,19 +693,57 @@ class Store:
         began.)
         """
         taken: list[tuple[Extent, int]] = []
+        # Slots that clients read without a call stay as they are (csrc/index.c): a
+        # free slot's block left the shared index when it was freed, so what the pages
+        # hold now is all that can still read it.
+        hazards = self._hazards(ns)
         for ext in ns.extents:
-            while ext.free and len(taken) < n:
-                taken.append((ext, ext.free.pop()))
+            if hazards:
+                sid = ext.segment.segment_id
+                kept = []
+                while ext.free and len(taken) < n:
+                    slot = ext.free.pop()
+                    if hazard_of(sid, slot) in hazards:
+                        kept.append(slot)
+                    else:
+                        taken.append((ext, slot))
+                ext.free.extend(reversed(kept))
+            else:
+                while ext.free and len(taken) < n:
+                    taken.append((ext, ext.free.pop()))
             if len(taken) == n:
                 return taken, []
         try:
-            return taken, self._find_room(ns, n, len(taken), may_grow=may_grow)
+            victims = self._find_room(ns, n, len(taken), may_grow=may_grow, hazards=hazards)
+            if ns.pages and victims and ns.index.shared is not None:
+                # Victims leave the table before the pages are read again: a client
+                # that leased one meanwhile is seen now, or sees it gone.
+                for block in victims:
+                    ns.index.shared.hide(block.key)
+                now = self._hazards(ns)
+                if any(hazard_of(b.extent.segment.segment_id, b.slot) in now for b in victims):
+                    self._unhide(ns, victims)
+                    raise _Raced()
+            return taken, victims
         except BaseException:
             for ext, slot in reversed(taken):
                 ext.free.append(slot)
             raise
 
-    def _find_room(self, ns: Namespace, n: int, got: int, *, may_grow: bool) -> list[Block]:
+    def _hazards(self, ns: Namespace) -> set[int]:
+        """The slots of ``ns`` its clients lease without a call (see csrc/index.c)."""
+        return collect_hazards(ns.pages.values()) if ns.pages else set()
+
+    def _unhide(self, ns: Namespace, blocks: Iterable[Block]) -> None:
+        """Put back in the table the victims of a plan that did not go ahead."""
+        shared = ns.index.shared
+        if shared is not None:
+            for block in blocks:
+                if ns.index.get(block.key) is block:
+                    shared.add(block.key, _locate(block))
+
+    def _find_room(self, ns: Namespace, n: int, got: int, *, may_grow: bool,
+                   hazards: set[int] | None = None) -> list[Block]:
         """The blocks of ``ns`` to evict for the ``n - got`` slots no free list had, or raise:
         ``_NeedExtent`` to grow first (after reclaiming other namespaces' extents, if
         that funds the growth), ``NeedDemotion`` or ``CapacityExhausted``."""
@@ -708,10 +778,13 @@ class Store:
                         reclaim.append(ext)
                         reclaim_bytes += ext.bytes
         considered: set[int] = {id(e) for e in reclaim}
+        self.note_reads(ns)  # blocks read without a call are not the least recently used
         for scanned, block in enumerate(self.lru):
             if scanned >= EVICTION_SCAN_LIMIT or len(same_ns) >= short or (reclaim and funded()):
                 break
             if block.ns is ns:
+                if hazards and hazard_of(block.extent.segment.segment_id, block.slot) in hazards:
+                    continue
                 if spill and block.lower == Lower.DIRTY:
                     if len(dirty_ns) < short:
                         dirty_ns.append(block)
@@ -930,6 +1003,41 @@ class Store:
                 f"lease {lease_id} is not held by this session (already released, or expired)"
             )
         self._end_leases([lease])
+
+    # ------------------------------------------------ leases without a call (csrc/index.c)
+    def attach_page(self, session: Session, page: SessionPage) -> None:
+        """``session``'s client leases blocks without a call, with hazards in ``page``:
+        no slot it names is reused until the page lets go of it or the session ends."""
+        if session.closed:
+            raise Unauthenticated("session is closed")
+        session.ns.pages[session.id] = page
+
+    def note_reads(self, ns: Namespace) -> None:
+        """Move the blocks ``ns``'s clients read without a call to the LRU's young end
+        (and persist their last access), from the pages' rings: hints, checked here."""
+        if not ns.pages:
+            return
+        seen = {v for page in ns.pages.values() for v in page.accessed()}
+        if not seen:
+            return
+        exts = {e.segment.segment_id: e for e in ns.extents}
+        seq = self._access_seq
+        for v in seen:
+            ext = exts.get(v >> 32 & 0x7FFF_FFFF)
+            slot = v & 0xFFFF_FFFF
+            if ext is None or slot >= ext.n_slots:
+                continue
+            block = ns.index.get(ext.segment.read_slot(slot).key)
+            if block is None or block.extent is not ext or block.slot != slot:
+                continue
+            ext.segment.touch(slot, next(seq))
+            if block in self.lru:
+                self.lru.move_to_end(block)
+
+    def count_reads(self, ns: Namespace, hits: int, misses: int) -> None:
+        """Add what ``ns``'s clients counted of their acquires without a call."""
+        ns.hits += hits
+        ns.misses += misses
 
     def _pin(self, block: Block) -> None:
         if block.pins == 0:
@@ -1469,6 +1577,10 @@ class Store:
     def lease_count(self) -> int:
         """Leases held by clients (the tiering layer's own pins are not counted)."""
         return sum(1 for lease in self._leases.values() if not lease.session.system)
+
+    def hazard_count(self) -> int:
+        """Blocks clients lease without a call, as their pages say now."""
+        return sum(len(self._hazards(ns)) for ns in self.namespaces.values())
 
     @property
     def reservation_count(self) -> int:

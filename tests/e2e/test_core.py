@@ -125,17 +125,17 @@ def test_sigkill_of_client_returns_its_capacity(daemon: DaemonProc) -> None:
     assert p.stdout is not None
     assert p.stdout.readline().strip() == "HELD 4 5"
     s = daemon.stats()
-    assert (s.leases, s.reservations) == (1, 1)
+    assert (s.leases, s.hazard_blocks, s.reservations) == (1, 0, 1)
     assert dram(daemon)["reserved"] > 0
     p.send_signal(signal.SIGKILL)
     p.wait(10)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         s = daemon.stats()
-        if (s.leases, s.reservations, s.sessions) == (0, 0, 0):
+        if (s.leases, s.hazard_blocks, s.reservations, s.sessions) == (0, 0, 0, 0):
             break
         time.sleep(0.05)
-    assert (s.leases, s.reservations, s.sessions) == (0, 0, 0)
+    assert (s.leases, s.hazard_blocks, s.reservations, s.sessions) == (0, 0, 0, 0)
     assert dram(daemon) == before
     assert daemon.check() == []
     # The reserved keys were never committed: not visible, and writable again.

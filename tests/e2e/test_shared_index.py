@@ -13,6 +13,7 @@ import mmap
 import os
 import random
 import re
+import time
 import urllib.request
 
 import numpy as np
@@ -213,3 +214,77 @@ def test_a_killed_daemon_is_not_answered_from_its_table(workdir: str) -> None:
         assert re.search(r"warm", d.log())
     finally:
         stop_daemon(d)
+
+
+# ------------------------------------------------------ leases without a call (opt-in)
+def test_local_leases_survive_eviction_pressure_byte_exact(
+        workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stress workers leasing through the table (KVTIER_LOCAL_LEASES=1) in an 8 MiB pool
+    that evicts all the time: what they read under a lease is always the bytes of
+    its key (a slot reused under a hazard would show another key's bytes)."""
+    from tests.e2e.test_core import dram, spawn_worker
+
+    monkeypatch.setenv("KVTIER_LOCAL_LEASES", "1")
+    d = start_daemon(workdir, capacity="8MiB", extent="1MiB")
+    try:
+        workers = [spawn_worker(d, "stress", seed=seed, universe=200, seconds=5,
+                                block_bytes=65536, namespace="stress/local")
+                   for seed in range(3)]
+        for p in workers:
+            out, err = p.communicate(timeout=125)
+            assert p.returncode == 0, err[-2000:]
+            assert out.startswith("STRESS "), out
+        s = d.stats()
+        assert (s.leases, s.hazard_blocks, s.reservations) == (0, 0, 0)
+        assert s.evictions > 0
+        ns = next(n for n in s.namespaces if n.name == "stress/local")
+        assert ns.hits > 0  # counted from the pages
+        dram(d)
+        assert d.check() == []
+        assert "Traceback" not in d.log()
+    finally:
+        stop_daemon(d)
+
+
+def test_a_local_lease_makes_no_call_and_a_sigkill_ends_it(
+        daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.e2e.test_core import dram, keys_hex, run_worker, spawn_worker
+
+    monkeypatch.setenv("KVTIER_LOCAL_LEASES", "1")
+    with _client(daemon, "local") as c:
+        keys = [b"%016d" % i for i in range(8)]
+        data = [np.full(BB, i, np.uint8) for i in range(8)]
+        c.put(keys, data)
+        real = c._call
+
+        def call(method: str, request: object, **kw: object) -> object:
+            assert method not in ("Acquire", "Release"), f"{method} went to the daemon"
+            return real(method, request, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(c, "_call", call)
+        with c.acquire(keys[:3] + [b"missing"] + keys[3:]) as lease:
+            assert lease.local and lease.hits == 3
+            assert daemon.stats().hazard_blocks == 3
+        assert daemon.stats().hazard_blocks == 0
+        got = c.get(keys)
+        assert all(np.array_equal(g, x) for g, x in zip(got, data, strict=True))
+    # A holder SIGKILLed: its hazards end with its session, its capacity comes back.
+    held = keys_hex("held", 4)
+    run_worker(daemon, "put", keys=held)
+    before = dram(daemon)
+    p = spawn_worker(daemon, "hold", lease=held, reserve=keys_hex("new", 5))
+    assert p.stdout is not None
+    assert p.stdout.readline().strip() == "HELD 4 5"
+    s = daemon.stats()
+    assert (s.leases, s.hazard_blocks, s.reservations) == (0, 4, 1)
+    p.kill()
+    p.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        s = daemon.stats()
+        if (s.hazard_blocks, s.reservations, s.sessions) == (0, 0, 0):
+            break
+        time.sleep(0.05)
+    assert (s.leases, s.hazard_blocks, s.reservations, s.sessions) == (0, 0, 0, 0)
+    assert dram(daemon) == before
+    assert daemon.check() == []

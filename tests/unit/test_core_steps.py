@@ -116,7 +116,7 @@ def test_get_releases_without_waiting_after_the_copies() -> None:
     resp = pb.AcquireResponse(lease_id=3, hits=0)
     do = transport({"Acquire": resp}, log)
     assert both(lambda: core._get_steps([b"k"], None), do) == [[], []]
-    assert log == ["Acquire", "SyncMaps", "Work", "Work", "SendRelease"] * 2
+    assert log == ["LookHere", "Acquire", "SyncMaps", "Work", "Work", "SendRelease"] * 2
 
 
 def test_a_failed_release_does_not_hide_the_error_that_ended_the_with_block() -> None:

@@ -17,9 +17,10 @@ from kvtier._index import LocalIndex
 from kvtierd.shared_index import (
     MIN_CAPACITY,
     MISS_NOT_FINAL,
+    PAGE_BYTES,
     SUPERSEDED,
     KeyIndex,
-    LookupCounters,
+    SessionPage,
     SharedIndex,
     fingerprint,
 )
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.skipif(not hasattr(_native, "index_lookup"), reason="no
 
 
 def _table(capacity: int = 64, seed: int = 1) -> mmap.mmap:
-    mm = mmap.mmap(-1, 64 + capacity * 32)
+    mm = mmap.mmap(-1, 64 + capacity * 64)
     _native.index_format(mm, capacity, seed)
     return mm
 
@@ -82,16 +83,20 @@ def test_a_table_refuses_past_three_quarters_and_bad_buffers() -> None:
     assert [_native.index_set(t, k, 1, 0) for k in keys] == [1] * 12 + [-1]
     with pytest.raises(ValueError, match="power of two"):
         _native.index_format(mmap.mmap(-1, 4096), 12, 0)
-    with pytest.raises(ValueError, match="version-1"):
+    with pytest.raises(ValueError, match="version-2"):
         _native.index_lookup(bytes(4096), [b"k"])
     small = bytearray(t[:200])
     with pytest.raises(ValueError, match="capacity"):
         _native.index_lookup(small, [b"k"])
 
 
+#: A location for tests that only look keys up.
+_LOC = (1, 0, 0, 1, None)
+
+
 def _page() -> int:
-    fd = os.memfd_create("counters")
-    os.ftruncate(fd, 4096)
+    fd = os.memfd_create("page")
+    os.ftruncate(fd, PAGE_BYTES)
     return fd
 
 
@@ -112,7 +117,7 @@ def test_colliding_keys_past_the_probe_limit_stay_out_and_misses_are_not_final()
     seed = struct.unpack_from("<Q", table.mm, 24)[0]
     keys = _colliding(seed, MIN_CAPACITY, 130)
     for k in keys:
-        shared.add(k)
+        shared.add(k, _LOC)
     assert len(shared.unpublished) == 2
     local = LocalIndex(shared.fd, _page(), 64)  # type: ignore[arg-type]
     late = sorted(shared.unpublished)[0]
@@ -134,7 +139,7 @@ def test_a_probe_that_runs_the_limit_past_half_full_grows_the_table() -> None:
     shared = SharedIndex("ns", lower_tiers=False, max_probe=4)
     keys = [secrets.token_bytes(16) for _ in range(700)]  # 68% of 1024: clusters > 4
     for k in keys:
-        shared.add(k)
+        shared.add(k, _LOC)
     assert shared.capacity > MIN_CAPACITY
     assert sorted(shared.fingerprints()) == sorted(
         fingerprint(k) for k in keys if k not in shared.unpublished)
@@ -147,7 +152,7 @@ def test_a_full_table_is_replaced_and_the_old_one_says_so() -> None:
     local = LocalIndex(fd0, _page(), 4096)
     keys = [secrets.token_bytes(16) for _ in range(3000)]
     for k in keys:
-        shared.add(k)
+        shared.add(k, _LOC)
     assert shared.capacity == 4 * MIN_CAPACITY and not shared.unpublished
     assert local.superseded and local.lookup(keys[:2]) is None
     local.replace(shared.fd)  # type: ignore[arg-type]
@@ -158,7 +163,7 @@ def test_a_full_table_is_replaced_and_the_old_one_says_so() -> None:
     for k in keys[:2500]:  # tombstones fill it: replaced at the same size
         shared.discard(k)
     for k in keys[:2500]:
-        shared.add(k)
+        shared.add(k, _LOC)
     assert shared.capacity == 4 * MIN_CAPACITY
     os.close(fd0)
     local.close()
@@ -169,7 +174,7 @@ def test_key_index_mirrors_the_dict_and_refuses_other_mutations() -> None:
     idx: KeyIndex[int] = KeyIndex()
     idx[b"early"] = 0
     shared = SharedIndex("ns", lower_tiers=False)
-    idx.publish(shared)
+    idx.publish(shared, lambda v: (1, v, v * 4096, 4096, None))
     idx[b"a"] = 1
     idx.update([(b"b", 2), (b"c", 3)])
     del idx[b"b"]
@@ -186,15 +191,15 @@ def test_key_index_mirrors_the_dict_and_refuses_other_mutations() -> None:
 
 
 def test_counters_that_jump_or_go_back_add_nothing() -> None:
-    page = LookupCounters("ns")
+    page = SessionPage("ns")
     assert page.fd is not None
-    mm = mmap.mmap(page.fd, 4096)
-    struct.pack_into("<3Q", mm, 0, 3, 10, 2)
-    assert page.take() == (3, 10, 2)
-    struct.pack_into("<3Q", mm, 0, 5, 2**63, 1)
-    assert page.take() == (2, 0, 0)
-    struct.pack_into("<3Q", mm, 0, 6, 2**63 + 4, 3)
-    assert page.take() == (1, 4, 2)
+    mm = mmap.mmap(page.fd, PAGE_BYTES)
+    struct.pack_into("<6Q", mm, 0, 3, 10, 2, 1, 1, 1)
+    assert page.take() == (3, 10, 2, 1, 1, 1)
+    struct.pack_into("<6Q", mm, 0, 5, 2**63, 1, 0, 2, 1)
+    assert page.take() == (2, 0, 0, 0, 1, 0)
+    struct.pack_into("<6Q", mm, 0, 6, 2**63 + 4, 3, 1, 3, 1)
+    assert page.take() == (1, 4, 2, 1, 1, 0)
     with pytest.raises(PermissionError):
         os.ftruncate(page.fd, 0)  # sealed
     mm.close()
@@ -215,7 +220,7 @@ def test_a_reader_never_misses_a_key_another_process_leaves_alone() -> None:
     process (removes leave tombstones, inserts reuse them); every lookup of the
     stable keys still hits, and the toggled ones are hit or missed, never garbled."""
     cap = 256
-    mm = mmap.mmap(-1, 64 + cap * 32)  # MAP_SHARED anonymous: the child writes the same pages
+    mm = mmap.mmap(-1, 64 + cap * 64)  # MAP_SHARED anonymous: the child writes the same pages
     _native.index_format(mm, cap, 3)
     stable = [secrets.token_bytes(16) for _ in range(60)]
     toggled = [secrets.token_bytes(16) for _ in range(100)]
