@@ -606,7 +606,8 @@ kvt_py_index_acquire(PyObject *Py_UNUSED(m), PyObject *args)
     Py_buffer buf, page;
     PyObject *keys, *page_obj;
     Py_ssize_t at;
-    if (!PyArg_ParseTuple(args, "y*OOn:index_acquire", &buf, &keys, &page_obj, &at))
+    unsigned long long serial;
+    if (!PyArg_ParseTuple(args, "y*OOnK:index_acquire", &buf, &keys, &page_obj, &at, &serial))
         return NULL;
     PyObject *ret = NULL, *seq = NULL, *locs = NULL;
     snapshot *snaps = NULL;
@@ -641,6 +642,7 @@ kvt_py_index_acquire(PyObject *Py_UNUSED(m), PyObject *args)
         goto done;
     }
     uint64_t *hz = PAGE_U64(&page, KVT_PAGE_HAZARDS) + at;
+    uint64_t *serials = PAGE_U64(&page, KVT_PAGE_SERIALS) + at;
     Py_ssize_t hits = 0;
     int unsure = 0;
     for (; hits < n; hits++) {
@@ -653,8 +655,9 @@ kvt_py_index_acquire(PyObject *Py_UNUSED(m), PyObject *args)
             unsure = 1;
             break;
         }
+        __atomic_store_n(&serials[hits], serial, __ATOMIC_RELAXED); /* the daemon reads it after */
         __atomic_store_n(&hz[hits], hazard_of(snaps[hits].loc.segment, snaps[hits].loc.slot),
-                         __ATOMIC_RELAXED);
+                         __ATOMIC_RELEASE);
     }
     /* Publish the hazards, then look again: the daemon's side is a removal, a full
      * fence and a read of the hazards. */
@@ -685,7 +688,10 @@ kvt_py_index_acquire(PyObject *Py_UNUSED(m), PyObject *args)
                                       __ATOMIC_RELAXED);
     for (Py_ssize_t i = 0; i < hits; i++)
         __atomic_store_n(&ring[(pos + (uint64_t)i) % KVT_PAGE_RING_N], hz[i], __ATOMIC_RELAXED);
-    uint64_t *c = PAGE_U64(&page, 0);
+    uint64_t *c = PAGE_U64(&page, 0), nbytes = 0;
+    for (Py_ssize_t i = 0; i < hits; i++)
+        nbytes += snaps[i].loc.length;
+    __atomic_fetch_add(&c[6], nbytes, __ATOMIC_RELAXED);
     __atomic_fetch_add(&c[3], 1, __ATOMIC_RELAXED);
     __atomic_fetch_add(&c[4], (uint64_t)hits, __ATOMIC_RELAXED);
     __atomic_fetch_add(&c[5], (uint64_t)(n - hits), __ATOMIC_RELAXED);
@@ -718,11 +724,13 @@ kvt_py_hazards_clear(PyObject *Py_UNUSED(m), PyObject *args)
     if (at < 0 || n < 0 || n > KVT_PAGE_HAZARDS_N || at > KVT_PAGE_HAZARDS_N - n) {
         PyErr_SetString(PyExc_ValueError, "hazards at..at+n are outside the page");
     } else {
-        /* Release stores: the reads of the leased bytes come before the slot is free. */
+        /* Release order: the reads of the leased bytes come before the slot is free.  An
+         * entry already 0 was expired by the daemon (its lease outlived leases.ttl). */
         uint64_t *hz = PAGE_U64(&page, KVT_PAGE_HAZARDS) + at;
+        Py_ssize_t expired = 0;
         for (Py_ssize_t i = 0; i < n; i++)
-            __atomic_store_n(&hz[i], 0, __ATOMIC_RELEASE);
-        ret = Py_NewRef(Py_None);
+            expired += __atomic_exchange_n(&hz[i], 0, __ATOMIC_ACQ_REL) == 0;
+        ret = PyLong_FromSsize_t(expired);
     }
     PyBuffer_Release(&page);
     return ret;
@@ -774,6 +782,68 @@ fail:
     Py_DECREF(seq);
     Py_DECREF(found);
     return NULL;
+}
+
+/* The daemon's view of one page: [(index, hazard, serial)] of its non-zero hazards. */
+PyObject *
+kvt_py_hazards_list(PyObject *Py_UNUSED(m), PyObject *arg)
+{
+    Py_buffer page;
+    if (PyObject_GetBuffer(arg, &page, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *out = NULL;
+    if (page.len < KVT_PAGE_BYTES || ((uintptr_t)page.buf & 7) != 0) {
+        PyErr_SetString(PyExc_ValueError, "a page is not KVT_PAGE_BYTES, 8-byte aligned");
+        goto done;
+    }
+    if ((out = PyList_New(0)) == NULL)
+        goto done;
+    uint64_t hi = __atomic_load_n(PAGE_U64(&page, KVT_PAGE_HAZARD_HI), __ATOMIC_RELAXED);
+    if (hi > KVT_PAGE_HAZARDS_N)
+        hi = KVT_PAGE_HAZARDS_N;
+    const uint64_t *hz = PAGE_U64(&page, KVT_PAGE_HAZARDS);
+    const uint64_t *serials = PAGE_U64(&page, KVT_PAGE_SERIALS);
+    for (uint64_t i = 0; i < hi; i++) {
+        uint64_t v = __atomic_load_n(&hz[i], __ATOMIC_ACQUIRE);
+        if (v == 0)
+            continue;
+        uint64_t serial = __atomic_load_n(&serials[i], __ATOMIC_RELAXED);
+        PyObject *t = Py_BuildValue("(KKK)", (unsigned long long)i, (unsigned long long)v,
+                                    (unsigned long long)serial);
+        if (t == NULL || PyList_Append(out, t) < 0) {
+            Py_XDECREF(t);
+            Py_CLEAR(out);
+            goto done;
+        }
+        Py_DECREF(t);
+    }
+done:
+    PyBuffer_Release(&page);
+    return out;
+}
+
+/* The daemon ends a lease that outlived leases.ttl: hazard i back to 0 if it still
+ * holds v (the client may have released it and leased again meanwhile). */
+PyObject *
+kvt_py_hazards_expire(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer page;
+    Py_ssize_t i;
+    unsigned long long v;
+    if (!PyArg_ParseTuple(args, "w*nK:hazards_expire", &page, &i, &v))
+        return NULL;
+    PyObject *ret = NULL;
+    if (page.len < KVT_PAGE_BYTES || ((uintptr_t)page.buf & 7) != 0 || i < 0
+        || i >= KVT_PAGE_HAZARDS_N) {
+        PyErr_SetString(PyExc_ValueError, "no such hazard in a page");
+    } else {
+        uint64_t want = v;
+        int done = __atomic_compare_exchange_n(PAGE_U64(&page, KVT_PAGE_HAZARDS) + i, &want, 0,
+                                               0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+        ret = PyBool_FromLong(done);
+    }
+    PyBuffer_Release(&page);
+    return ret;
 }
 
 PyObject *

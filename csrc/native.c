@@ -1917,10 +1917,14 @@ static PyMethodDef native_methods[] = {
     {"index_locate", kvt_py_index_locate, METH_VARARGS,
      "index_locate(buf, key): (segment, slot, offset, length, checksum) of key, or None."},
     {"index_acquire", kvt_py_index_acquire, METH_VARARGS,
-     "index_acquire(buf, keys, page, at): lease the leading hits without a call (hazards at "
+     "index_acquire(buf, keys, page, at, serial): lease the leading hits without a call (hazards at "
      "page slots at..); [(segment, offset, length, checksum, has_checksum)] or None."},
     {"hazards_clear", kvt_py_hazards_clear, METH_VARARGS,
-     "hazards_clear(page, at, n): end the leases of hazards at..at+n."},
+     "hazards_clear(page, at, n): end the leases of hazards at..at+n; how many had expired."},
+    {"hazards_list", kvt_py_hazards_list, METH_O,
+     "hazards_list(page): [(index, hazard, serial)] of the page's non-zero hazards."},
+    {"hazards_expire", kvt_py_hazards_expire, METH_VARARGS,
+     "hazards_expire(page, index, hazard): zero it if it still holds hazard; True if so."},
     {"hazards_collect", kvt_py_hazards_collect, METH_O,
      "hazards_collect(pages): the set of non-zero hazards the pages hold (after a full fence)."},
     {"index_copy", kvt_py_index_copy, METH_VARARGS,

@@ -50,6 +50,7 @@ from kvtier.errors import (
     FailedPrecondition,
     InvalidArgument,
     KVTierError,
+    NotFound,
     SessionLost,
     Unauthenticated,
     Unavailable,
@@ -138,9 +139,8 @@ def session_lost(what: str) -> SessionLost:
 SESSION_BOUND = frozenset({"Commit", "Abort", "Release"})
 #: ``KVTIER_FAST_PATH=0`` makes clients built without a ``fast_path`` argument use gRPC.
 FAST_PATH_ENV = "KVTIER_FAST_PATH"
-#: ``KVTIER_LOCAL_LEASES=1`` makes acquires (and gets) lease DRAM blocks through the
-#: shared index without a call (off by default for now: such leases have no TTL, no
-#: per-session lease limit and no hold-time metrics yet; docs/decisions.md).
+#: ``KVTIER_LOCAL_LEASES=0`` makes acquires (and gets) call the daemon even where the
+#: shared index could lease their blocks without a call (docs/decisions.md).
 LOCAL_LEASES_ENV = "KVTIER_LOCAL_LEASES"
 _OFF = frozenset({"0", "false", "no", "off"})
 
@@ -359,7 +359,7 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         #: Make calls on the session channel when the daemon offers it (else gRPC).
         self.fast_path_wanted = fast_path
         #: Lease blocks without a call where the shared index can (csrc/index.c).
-        self.local_leases = os.environ.get(LOCAL_LEASES_ENV, "0").strip().lower() not in _OFF
+        self.local_leases = os.environ.get(LOCAL_LEASES_ENV, "1").strip().lower() not in _OFF
         self.token = ""
         self.daemon_version = ""
         self._backoff = Backoff(maximum=reconnect_max)
@@ -505,8 +505,9 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         got = index.acquire(keys if type(keys) is list else list(keys))
         if got is None:
             return None
-        slots, at = got
-        return LocalAcquire(index, at, slots, segments_version=self._maps.version)
+        slots, at, serial = got
+        return LocalAcquire(index, at, slots, lease_id=serial if slots else 0,
+                            segments_version=self._maps.version)
 
     def _here(self, step: LookHere) -> Any:
         return self._lease_here(step.keys) if step.lease else self._look_here(step.keys)
@@ -737,7 +738,7 @@ class LeaseState:
             for i, (want, view) in enumerate(zip(self.checksums, self.views, strict=True)):
                 if want is not None and _accel.checksum(view) != want:
                     raise corrupted(self.keys[i])
-        self.done = self.lease_id == 0 and not (self._local is not None and self._local.hits)
+        self.done = self.lease_id == 0
 
     @property
     def local(self) -> bool:
@@ -757,7 +758,14 @@ class LeaseState:
         self.done = True
         if self._local is not None:
             self.release_views()  # no view outlives the hazards
-            self._local.index.release(self._local.at, self._local.hits)
+            held = self._local.index.release(self._local.at, self._local.hits)
+            link = self._client._link
+            if (self.session_gen != self._client._session_gen or link is None
+                    or link.hung_up()):
+                raise session_lost("lease")  # as a Release call would find it
+            if not held:
+                raise NotFound(f"lease {self.lease_id} is not held by this session (already "
+                               "released, or expired)")
             return
         self.release_views()
         if not wait and self.session_gen == self._client._session_gen:

@@ -18,6 +18,7 @@ page names, and the session's end (a SIGKILL included) drops them all.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import threading
@@ -40,7 +41,8 @@ SUPERSEDED: Final = 1
 #: how many hazards it holds.
 PAGE_BYTES: Final = 16384
 _HAZARD_HI: Final = 64
-HAZARDS_N: Final = 1536
+_MAX_LEASES: Final = 80
+HAZARDS_N: Final = 768
 
 
 class LocalSlot(NamedTuple):
@@ -54,32 +56,39 @@ class LocalSlot(NamedTuple):
 
 
 class _Hazards:
-    """Which of the page's hazard entries are in use (first fit, under a lock); keeps
-    the page's bound word (the daemon reads entries below it) up to date."""
+    """Which of the page's hazard entries are in use (first fit, under a lock), and how
+    many leases hold them; keeps the page's bound word (the daemon reads entries below
+    it) up to date."""
 
-    def __init__(self, bound: np.ndarray) -> None:
+    def __init__(self, words: np.ndarray) -> None:
         self._used = bytearray(HAZARDS_N)
-        self._bound = bound  # the page's u64 at _HAZARD_HI
+        self._words = words  # the page's u64s at _HAZARD_HI (the bound), _MAX_LEASES
         self._hi = 0
+        self.leases = 0
         self._lock = threading.Lock()
 
     def take(self, n: int) -> int | None:
         with self._lock:
+            if self.leases >= self._words[2]:  # the session's lease limit: ask the daemon
+                return None
             at = self._used.find(bytes(n))
             if at < 0:
                 return None
             self._used[at:at + n] = b"\1" * n
+            self.leases += 1
             if at + n > self._hi:
                 self._hi = at + n
-                self._bound[0] = self._hi  # before the hazards themselves
+                self._words[0] = self._hi  # before the hazards themselves
             return at
 
-    def give(self, at: int, n: int) -> None:
+    def give(self, at: int, n: int, *, lease: bool = True) -> None:
+        """Entries at..at+n are free again (and, with ``lease``, so is their lease)."""
         with self._lock:
             self._used[at:at + n] = bytes(n)
+            self.leases -= lease
             if at + n >= self._hi:
                 self._hi = self._used.rfind(b"\1") + 1
-                self._bound[0] = self._hi
+                self._words[0] = self._hi
 
 
 class LocalIndex:
@@ -100,8 +109,9 @@ class LocalIndex:
         #: Whether this daemon takes hazards (an older one sends a smaller page).
         self.leases = size >= PAGE_BYTES
         self._hazards = _Hazards(
-            np.frombuffer(self._page, dtype=np.uint64, count=1, offset=_HAZARD_HI)
-            if self.leases else np.zeros(1, dtype=np.uint64))
+            np.frombuffer(self._page, dtype=np.uint64, count=3, offset=_HAZARD_HI)
+            if self.leases else np.zeros(3, dtype=np.uint64))
+        self._serials = itertools.count(1)
 
     def lookup(self, keys: list[bytes]) -> tuple[bytes, bool] | None:
         """The tiers of the leading keys present, and whether the first miss is final
@@ -113,35 +123,40 @@ class LocalIndex:
         except ValueError:  # closed by another thread (the session was replaced)
             return None
 
-    def acquire(self, keys: list[bytes]) -> tuple[list[LocalSlot], int] | None:
-        """Lease the leading keys present, without a call: their slots and where their
-        hazards start (``release`` with both); None when the table cannot answer
-        (the caller asks the daemon: a miss that is not final, a superseded table...)."""
+    def acquire(self, keys: list[bytes]) -> tuple[list[LocalSlot], int, int] | None:
+        """Lease the leading keys present, without a call: their slots, where their
+        hazards start and the lease's serial (``release`` with the first two); None
+        when the table cannot answer (the caller asks the daemon: a miss that is not
+        final, a superseded table, duplicate keys, the session's lease limit...)."""
         n = len(keys)
-        if not self.leases or not 0 < n <= min(self.max_keys, HAZARDS_N):
+        if not self.leases or not 0 < n <= min(self.max_keys, HAZARDS_N) or len(set(keys)) != n:
             return None
         at = self._hazards.take(n)
         if at is None:
-            return None  # this session leases too much without calls already
+            return None
+        serial = next(self._serials)
         try:
-            got = _native.index_acquire(self._table, keys, self._page, at)
+            got = _native.index_acquire(self._table, keys, self._page, at, serial)
         except ValueError:  # closed by another thread (the session was replaced)
             got = None
         hits = 0 if got is None else len(got)
         if hits < n:
-            self._hazards.give(at + hits, n - hits)  # never published
+            self._hazards.give(at + hits, n - hits, lease=not hits)  # never published
         if got is None:
             return None
-        return list(map(LocalSlot._make, got)), at
+        return list(map(LocalSlot._make, got)), at, serial
 
-    def release(self, at: int, n: int) -> None:
-        """End the lease of ``n`` blocks whose hazards start at ``at``."""
-        if n:
-            try:
-                _native.hazards_clear(self._page, at, n)
-            except ValueError:  # closed: the session ended, and its hazards with it
-                return
-            self._hazards.give(at, n)
+    def release(self, at: int, n: int) -> bool:
+        """End the lease of ``n`` blocks whose hazards start at ``at``; False if the
+        daemon had ended it (held past its lease TTL) or the session is gone."""
+        if not n:
+            return True
+        try:
+            expired = _native.hazards_clear(self._page, at, n)
+        except ValueError:  # closed: the session ended, and its hazards with it
+            return False
+        self._hazards.give(at, n)
+        return expired == 0
 
     @property
     def superseded(self) -> bool:
@@ -158,7 +173,7 @@ class LocalIndex:
 
     def close(self) -> None:
         self._counters = np.zeros(3, dtype=np.uint64)  # drop the views of the page
-        self._hazards = _Hazards(np.zeros(1, dtype=np.uint64))
+        self._hazards = _Hazards(np.zeros(3, dtype=np.uint64))
         for mm in (self._table, self._page):
             try:
                 mm.close()

@@ -76,17 +76,24 @@ def index_get(buf: _Buffer, key: bytes) -> tuple[int, int] | None:
 def index_locate(buf: _Buffer, key: bytes) -> _Location | None:
     """Where key's block is, as published (the writer's view), or None."""
 
-def index_acquire(buf: _Buffer, keys: list[bytes], page: _Buffer,
-                  at: int) -> list[tuple[int, int, int, int, bool]] | None:
-    """Lease the leading keys present without a call, with hazards at page entries at..:
-    (segment, offset, length, checksum, has_checksum) of each, or None (ask the daemon:
-    no hazard is left then)."""
+def index_acquire(buf: _Buffer, keys: list[bytes], page: _Buffer, at: int,
+                  serial: int) -> list[tuple[int, int, int, int, bool]] | None:
+    """Lease the leading keys present without a call, with hazards (and the lease's serial)
+    at page entries at..: (segment, offset, length, checksum, has_checksum) of each, or
+    None (ask the daemon: no hazard is left then)."""
 
-def hazards_clear(page: _Buffer, at: int, n: int) -> None:
-    """End a lease without a call: zero the hazards at..at+n (release stores)."""
+def hazards_clear(page: _Buffer, at: int, n: int) -> int:
+    """End a lease without a call: zero the hazards at..at+n; how many the daemon had
+    already zeroed (expired)."""
 
 def hazards_collect(pages: Sequence[_Buffer]) -> set[int]:
     """Every non-zero hazard of the pages, read after a full fence."""
+
+def hazards_list(page: _Buffer) -> list[tuple[int, int, int]]:
+    """(index, hazard, serial) of each non-zero hazard of the page."""
+
+def hazards_expire(page: _Buffer, index: int, hazard: int) -> bool:
+    """Zero hazard ``index`` if it still holds ``hazard`` (the daemon ends a lease)."""
 
 def index_lookup(buf: _Buffer, keys: list[bytes],
                  stats: _Buffer | None = None) -> tuple[bytes, bool] | None:

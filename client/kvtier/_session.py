@@ -104,6 +104,19 @@ class SessionLink:
         except (OSError, ValueError):  # closed meanwhile
             return False
 
+    def hung_up(self) -> bool:
+        """The daemon closed the connection (a syscall, no wait; frames still waiting to
+        be read do not count)."""
+        if self._broken is not None:
+            return True
+        poll = select.poll()
+        try:
+            poll.register(self._sock, select.POLLRDHUP)
+            return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+                       for _, ev in poll.poll(0))
+        except (OSError, ValueError):  # closed meanwhile
+            return True
+
     def close(self) -> None:
         if self._on_close is not None:
             self._on_close()

@@ -321,7 +321,8 @@ class _TieringCollector(Collector):
         yield CounterMetricFamily("kvtier_prefetches", "Lower-tier hits a Lookup prefetched",
                                   value=c.prefetches)
         yield CounterMetricFamily("kvtier_prefetch_hits", "Acquires that found a prefetched "
-                                  "block in DRAM", value=c.prefetch_hits)
+                                  "block in DRAM",
+                                  value=c.prefetch_hits + t.store.prefetched_reads)
         yield CounterMetricFamily("kvtier_backpressure_waits", "Reserves that waited for "
                                   "demotion", value=c.backpressure_waits)
         yield CounterMetricFamily("kvtier_skipped_prefetches", "Lookups that did not prefetch "

@@ -332,9 +332,10 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.AcquireResponse:
         session = self._session(context)
         validate_keys(request.keys, self.max_keys)
-        if len(session.leases) >= self.limits.max_leases_per_session:
+        held = len(session.leases) + self.store.local_leases(session)  # with or without calls
+        if held >= self.limits.max_leases_per_session:
             raise CapacityExhausted(
-                f"session holds {len(session.leases)} leases (limits.max_leases_per_session is "
+                f"session holds {held} leases (limits.max_leases_per_session is "
                 f"{self.limits.max_leases_per_session}); release some first")
         result, tiers = await self.tiering.acquire(session, request.keys)
         hits = len(result.slots)
@@ -374,6 +375,8 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     @_rpc("Stats")
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.StatsResponse:
         visible = self._visible(context)
+        for hook in self.metrics.before_scrape:  # what clients counted in their pages
+            hook()
         stats = build_stats(self.tiering, self.started, self.metrics)
         if visible is not None:
             keep = [n for n in stats.namespaces if n.name in visible]
@@ -539,7 +542,7 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
         demotions=sum(c.demotions.values()),
         promotions=sum(c.promotions.values()),
         prefetches=c.prefetches,
-        prefetch_hits=c.prefetch_hits,
+        prefetch_hits=c.prefetch_hits + store.prefetched_reads,
         spill_queue_depth=tiering.queue_depth(),
         spill_checksum_failures=(ssd.counters.checksum_failures if ssd else 0) + (
             tiering.shared.counters.checksum_failures if tiering.shared else 0),

@@ -227,17 +227,22 @@ class SessionChannel:
     def fold_counters(self) -> None:
         """Add what the sessions' clients counted in their pages since the last fold
         to the lookup metrics (on the loop; before each scrape)."""
+        for name in {page.namespace for page in self._counters.values()}:
+            ns = self.store.namespaces.get(name)
+            if ns is not None:
+                self.store.note_reads(ns)  # LRU order and prefetch hits of reads without a call
         for page in self._counters.values():
             self._fold(page)
 
     def _fold(self, page: SessionPage) -> None:
-        lookups, hits, misses, acquires, got, missed = page.take()
+        lookups, hits, misses, acquires, got, missed, nbytes = page.take()
         name = page.namespace
         if lookups or hits or misses:
             self.metrics.lookups.labels(name).inc(lookups)
             self.metrics.hit_blocks.labels(name, "lookup").inc(hits)
             self.metrics.missed_blocks.labels(name, "lookup").inc(misses)
         if acquires or got or missed:
+            self.metrics.tier_io("dram", "read", nbytes, got)
             self.metrics.hit_blocks.labels(name, "acquire").inc(got)
             self.metrics.missed_blocks.labels(name, "acquire").inc(missed)
             ns = self.store.namespaces.get(name)
@@ -563,7 +568,7 @@ class SessionChannel:
         page: SessionPage | None = None
         if index_fd is not None:
             try:
-                page = SessionPage(ns.name)
+                page = SessionPage(ns.name, self.limits.max_leases_per_session)
             except OSError as exc:  # out of memory or fds: this session calls Lookup
                 log.warning("no session page for session %d: %s", session.id, exc)
                 index_fd = None

@@ -65,10 +65,10 @@ TIER_DRAM: Final = 1
 #: Bytes of a session's page (csrc/index.h's KVT_PAGE_*): counters, hazards, access ring.
 PAGE_BYTES: Final = 16384
 _RING_HEAD: Final = 72
+_MAX_LEASES: Final = 80
 _RING: Final = 1024
 RING_N: Final = 384
-_HAZARDS: Final = 4096
-HAZARDS_N: Final = 1536
+HAZARDS_N: Final = 768
 HAZARD_BIT: Final = 1 << 63
 
 #: Where a published block is: (segment id, slot, offset, length, checksum or None).
@@ -281,10 +281,11 @@ class SessionPage:
     """A session's page (``csrc/index.h``'s ``KVT_PAGE_*``), which its client writes:
 
     * counters: the lookups, hit and missed keys it answered from the table, and
-      its acquires without a call, their hit and missed keys; ``take`` returns
-      what was added since the last ``take``;
-    * hazards: one per block the client leases without a call (``hazards``: the
-      daemon never reuses such a slot, see ``csrc/index.c``);
+      its acquires without a call, their hit and missed keys and bytes; ``take``
+      returns what was added since the last ``take``;
+    * hazards: one per block the client leases without a call, each with its
+      lease's serial (the daemon never reuses such a slot, see ``csrc/index.c``;
+      ``expire`` ends leases held past the TTL as the daemon ends its own);
     * a ring of the blocks it read that way (``accessed``: LRU hints).
 
     The page is the client's to write, so it is trusted for nothing the daemon
@@ -296,25 +297,55 @@ class SessionPage:
     #: Most a counter may grow between two takes and still be believed.
     MAX_STEP: Final = 1 << 40
 
-    def __init__(self, namespace: str) -> None:
+    def __init__(self, namespace: str, max_leases: int = 1 << 32) -> None:
+        """``max_leases``: the session's lease limit, written for the client to honour
+        (an Acquire call counts the page's leases against it too)."""
         self.namespace = namespace
         fd, self._mm = sealed_memfd("kvtier-session", PAGE_BYTES, _F_SEAL_SHRINK | _F_SEAL_GROW)
+        struct.pack_into("<Q", self._mm, _MAX_LEASES, max_leases)
         self.fd: int | None = fd
-        self._last = (0,) * 6
+        self._last = (0,) * 7
         self._ring_tail = 0
+        #: (index, hazard, serial) -> when the daemon first saw it (for ``expire``).
+        self._seen: dict[tuple[int, int, int], float] = {}
 
     @property
     def mapping(self) -> mmap.mmap:
         return self._mm
 
     def take(self) -> tuple[int, ...]:
-        """(lookups, lookup hits, lookup misses, acquires, acquire hits, acquire misses)
-        added since the last take."""
-        now = struct.unpack_from("<6Q", self._mm, 0)
+        """(lookups, lookup hits, lookup misses, acquires, acquire hits, acquire misses,
+        bytes leased) added since the last take."""
+        now = struct.unpack_from("<7Q", self._mm, 0)
         steps = tuple(n - last if 0 <= n - last <= self.MAX_STEP else 0
                       for n, last in zip(now, self._last, strict=True))
         self._last = now
         return steps
+
+    def held(self) -> list[tuple[int, int, int]]:
+        """(index, hazard, serial) of each hazard the page holds now."""
+        return _native.hazards_list(self._mm)
+
+    def leases(self) -> int:
+        """Leases the client holds without a call (distinct serials among its hazards)."""
+        return len({serial for _, _, serial in self.held()})
+
+    def expire(self, now: float, ttl: float) -> int:
+        """End the leases held for ``ttl`` seconds or more, as the daemon ends its own:
+        their hazards go back to 0 (the client's release then says the lease expired).
+        A hazard the client released and made again is a new one (a new serial).
+        Returns the number of leases ended."""
+        seen: dict[tuple[int, int, int], float] = {}
+        ended: set[int] = set()
+        for entry in self.held():
+            first = self._seen.get(entry, now)
+            index, value, serial = entry
+            if now - first >= ttl and _native.hazards_expire(self._mm, index, value):
+                ended.add(serial)
+            else:
+                seen[entry] = first
+        self._seen = seen
+        return len(ended)
 
     def accessed(self) -> list[int]:
         """The hazard values of the blocks read since the last call (at most ``RING_N``;

@@ -412,6 +412,8 @@ class Store:
         self._factory = extent_factory
         self._clock = clock
         self._on_evict = on_evict
+        #: Prefetched blocks first read without a call (tiering counts those read by calls).
+        self.prefetched_reads = 0
         #: Publish each namespace's keys in a shared index its clients search.
         self.publish = publish
         self.namespaces: dict[str, Namespace] = {}
@@ -1033,6 +1035,9 @@ class Store:
             ext.segment.touch(slot, next(seq))
             if block in self.lru:
                 self.lru.move_to_end(block)
+            if block.prefetched:  # as tiering's acquire counts it
+                block.prefetched = False
+                self.prefetched_reads += 1
 
     def count_reads(self, ns: Namespace, hits: int, misses: int) -> None:
         """Add what ``ns``'s clients counted of their acquires without a call."""
@@ -1567,20 +1572,43 @@ class Store:
                         extra=event("leases_expired", count=len(stale_leases)))
         for lease in stale_leases:
             self._apply_end_lease(lease)
+        # Leases made without a call: their hazards are zeroed (the slots are free to reuse).
+        local = sum(page.expire(now, self.lease_ttl) for ns in self.namespaces.values()
+                    for page in ns.pages.values())
+        if local:
+            log.warning("%d leases made without a call expired after %.0f s", local,
+                        self.lease_ttl, extra=event("leases_expired", count=local))
         aborted: collections.Counter[str] = collections.Counter()
         for res in stale_res:
             aborted[res.session.ns.name] += len(res.keys)
-        return (aborted, len(stale_leases))
+        return (aborted, len(stale_leases) + local)
 
     # ================================================================ accounting
     @property
     def lease_count(self) -> int:
-        """Leases held by clients (the tiering layer's own pins are not counted)."""
-        return sum(1 for lease in self._leases.values() if not lease.session.system)
+        """Leases held by clients, with or without a call (the tiering layer's own pins
+        are not counted)."""
+        local = sum(page.leases() for ns in self.namespaces.values()
+                    for page in ns.pages.values())
+        return local + sum(1 for lease in self._leases.values() if not lease.session.system)
 
     def hazard_count(self) -> int:
         """Blocks clients lease without a call, as their pages say now."""
         return sum(len(self._hazards(ns)) for ns in self.namespaces.values())
+
+    def held_slots(self, ns: Namespace) -> set[int]:
+        """The slots of ``ns`` clients lease without a call (``slot_of`` values)."""
+        return self._hazards(ns)
+
+    @staticmethod
+    def slot_of(block: Block) -> int:
+        """``block``'s slot as a client's page names it."""
+        return hazard_of(block.extent.segment.segment_id, block.slot)
+
+    def local_leases(self, session: Session) -> int:
+        """Leases ``session``'s client holds without a call."""
+        page = session.ns.pages.get(session.id)
+        return 0 if page is None else page.leases()
 
     @property
     def reservation_count(self) -> int:

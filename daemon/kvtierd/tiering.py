@@ -1015,16 +1015,21 @@ class Tiering:
         page = await asyncio.to_thread(_smallest_after, dram, below, after, page_size + 1)
         has_more = len(page) > page_size  # (not ``more``: that is the log helper)
         page = page[:page_size]
-        out = [st for key in page if (st := self._key_state(namespace, ns, key)) is not None]
+        held = self.store.held_slots(ns) if ns is not None else set()
+        out = [st for key in page
+               if (st := self._key_state(namespace, ns, key, held)) is not None]
         return out, (page[-1] if has_more and page else None)
 
-    def _key_state(self, namespace: str, ns: Namespace | None, key: bytes) -> KeyState | None:
+    def _key_state(self, namespace: str, ns: Namespace | None, key: bytes,
+                   held: set[int]) -> KeyState | None:
+        """``held``: the slots clients lease without a call (those blocks are leased)."""
         if (namespace, key) in self._deleting:
             return None
         moving = self._moving(namespace, key)
         block = ns.index.get(key) if ns is not None else None
         if block is not None:
-            return KeyState(key, TIER_DRAM, block.length, block.pins > 0 or moving,
+            leased = block.pins > 0 or self.store.slot_of(block) in held
+            return KeyState(key, TIER_DRAM, block.length, leased or moving,
                             block.lower == Lower.CLEAN)
         local = self._local_copy(namespace, key, self._geometry_of(ns))
         if local is not None:
@@ -1084,10 +1089,14 @@ class Tiering:
         hidden: list[tuple[str, bytes]] = []
         freed = False  # local copies removed: their removal is to be persisted
         geometry = self._geometry_of(ns)
+        # Blocks clients lease without a call count as leased (their slots would be kept
+        # from reuse anyway; the admin is told they were skipped, as for pinned ones).
+        held = self.store.held_slots(ns) if ns is not None else set()
         # -- in one loop step: each key's DRAM and local copies, all or nothing per key
         for key in keys:
             block = ns.index.get(key) if ns is not None else None
-            if ((block is not None and block.pins) or self._moving(namespace, key)
+            if ((block is not None and (block.pins or self.store.slot_of(block) in held))
+                    or self._moving(namespace, key)
                     or (namespace, key) in self._deleting):
                 skipped += 1
                 continue

@@ -789,7 +789,7 @@ def test_bad_release_is_refused_and_keeps_the_lease(
         err = rpc_error(stub.Release, pb.ReleaseRequest(lease_id=lid), metadata=mine)
         assert_status(err, grpc.StatusCode.NOT_FOUND,
                       f"lease {lid} is not held by this session (already released, or expired)")
-    lease = client.acquire([k])
+    lease = stub.Acquire(pb.AcquireRequest(keys=[k]), metadata=mine, timeout=10)  # a call's
     assert d.stats().leases == 1
     stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id), metadata=mine, timeout=10)
     assert d.stats().leases == 0

@@ -216,15 +216,14 @@ def test_a_killed_daemon_is_not_answered_from_its_table(workdir: str) -> None:
         stop_daemon(d)
 
 
-# ------------------------------------------------------ leases without a call (opt-in)
+# ------------------------------------------------------------ leases without a call
 def test_local_leases_survive_eviction_pressure_byte_exact(
         workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stress workers leasing through the table (KVTIER_LOCAL_LEASES=1) in an 8 MiB pool
+    """Stress workers leasing through the table (the default) in an 8 MiB pool
     that evicts all the time: what they read under a lease is always the bytes of
     its key (a slot reused under a hazard would show another key's bytes)."""
     from tests.e2e.test_core import dram, spawn_worker
 
-    monkeypatch.setenv("KVTIER_LOCAL_LEASES", "1")
     d = start_daemon(workdir, capacity="8MiB", extent="1MiB")
     try:
         workers = [spawn_worker(d, "stress", seed=seed, universe=200, seconds=5,
@@ -250,7 +249,6 @@ def test_a_local_lease_makes_no_call_and_a_sigkill_ends_it(
         daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.e2e.test_core import dram, keys_hex, run_worker, spawn_worker
 
-    monkeypatch.setenv("KVTIER_LOCAL_LEASES", "1")
     with _client(daemon, "local") as c:
         keys = [b"%016d" % i for i in range(8)]
         data = [np.full(BB, i, np.uint8) for i in range(8)]
@@ -276,7 +274,7 @@ def test_a_local_lease_makes_no_call_and_a_sigkill_ends_it(
     assert p.stdout is not None
     assert p.stdout.readline().strip() == "HELD 4 5"
     s = daemon.stats()
-    assert (s.leases, s.hazard_blocks, s.reservations) == (0, 4, 1)
+    assert (s.leases, s.hazard_blocks, s.reservations) == (1, 4, 1)  # a lease of 4 blocks
     p.kill()
     p.wait(10)
     deadline = time.monotonic() + 10

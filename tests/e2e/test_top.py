@@ -260,12 +260,12 @@ def test_once_prints_namespaces_tiers_and_rpcs_as_plain_text(daemon: DaemonProc)
     assert any(line.split()[:1] == ["dram"] for line in lines), out.stdout
     at = next(i for i, line in enumerate(lines) if line.startswith("slowest rpcs"))
     methods = [line.split()[0] for line in lines[at + 1:] if line.strip()]
-    # The client called Reserve, Commit, Acquire and Release (its lookup was answered
-    # from the shared index: no call), and top called Stats: the five, each once.
+    # The client called Reserve and Commit (its lookup and its get's lease were answered
+    # from the shared index: no call), and top called Stats: the three, each once.
     called = {r.method for r in daemon.stats().rpcs}
-    assert {"Reserve", "Commit", "Acquire", "Release", "Stats"} <= called
-    assert "Lookup" not in called
-    assert len(methods) == len(set(methods)) == 5 and set(methods) <= called, out.stdout
+    assert {"Reserve", "Commit", "Stats"} <= called
+    assert not called & {"Lookup", "Acquire", "Release"}
+    assert len(methods) == len(set(methods)) == 3 and set(methods) <= called, out.stdout
 
 
 def test_live_screen_shows_traffic_fits_80_columns_and_q_restores_the_terminal(

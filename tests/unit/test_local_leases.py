@@ -60,13 +60,14 @@ def test_a_lease_reads_the_published_location_and_holds_hazards_until_released()
     page, local = _pair(shared)
     got = local.acquire([*ks[:3], b"missing-key", ks[4]])
     assert got is not None
-    slots, at = got
+    slots, at, _serial = got
     assert [tuple(s) for s in slots] == [
         (7, 0, 100, 1000, True), (7, 8192, 101, 0, False), (7, 16384, 102, 1002, True)]
     assert collect_hazards([page]) == {hazard_of(7, i) for i in range(3)}
     assert sorted(page.accessed()) == sorted(hazard_of(7, i) for i in range(3))
     assert page.accessed() == []  # drained
-    assert page.take()[3:] == (1, 3, 2)  # acquires, hit keys, missed keys
+    assert page.take()[3:] == (1, 3, 2, 303)  # acquires, hit keys, missed keys, bytes
+    assert page.leases() == 1
     local.release(at, len(slots))
     assert collect_hazards([page]) == set()
     # Hazards go where there is room; the bound word shrinks back when they end.
@@ -78,10 +79,38 @@ def test_a_lease_reads_the_published_location_and_holds_hazards_until_released()
     local.release(b[1], 2)
     assert struct.unpack_from("<Q", page.mapping, 64)[0] == 0
     # A final miss leases nothing; a table that was replaced answers nothing, holds nothing.
-    assert local.acquire([b"nope"]) == ([], at)
+    assert local.acquire([b"nope"])[:2] == ([], at)  # type: ignore[index]
     _native.index_set_flags(shared._table.mm, SUPERSEDED)  # type: ignore[union-attr]
     assert local.acquire(ks[:2]) is None
     assert collect_hazards([page]) == set()
+    local.close()
+    page.close()
+    shared.close()
+
+
+def test_a_lease_held_past_the_ttl_is_ended_by_the_daemon_and_the_client_hears_it() -> None:
+    shared = SharedIndex("ns", lower_tiers=False)
+    ks = [os.urandom(16) for _ in range(3)]
+    for i, k in enumerate(ks):
+        shared.add(k, _loc(i))
+    page = SessionPage("ns", max_leases=2)
+    assert page.fd is not None and shared.fd is not None
+    local = LocalIndex(shared.fd, page.fd, 4096)
+    a = local.acquire(ks[:2])
+    assert a is not None and page.expire(100.0, 5.0) == 0  # first seen at 100
+    b = local.acquire(ks[2:])
+    assert b is not None and page.expire(104.0, 5.0) == 0
+    assert local.acquire(ks[:1]) is None  # the session's lease limit: ask the daemon
+    assert page.leases() == 2
+    assert page.expire(105.0, 5.0) == 1  # a's lease (two hazards) ended, b's not yet
+    assert collect_hazards([page]) == {hazard_of(7, 2)}
+    assert local.release(a[1], 2) is False  # the client learns it had expired
+    assert local.release(b[1], 1) is True
+    # Leased again at the same entries: a new lease (a new serial), not the old one.
+    c = local.acquire(ks[:2])
+    assert c is not None and c[1] == a[1] and c[2] != a[2]
+    assert page.expire(106.0, 5.0) == 0
+    assert local.release(c[1], 2) is True
     local.close()
     page.close()
     shared.close()
@@ -149,7 +178,7 @@ def test_racing_reader_never_sees_a_slot_reused_under_its_hazard() -> None:
             got = local.acquire(ks)
             if got is None:
                 continue
-            slots, at = got
+            slots, at, _ = got
             for _ in range(3):  # read while holding them: the contents must not move
                 for slot in slots:
                     if struct.unpack_from("<Q", data, slot.offset)[0] != slot.length:
@@ -200,7 +229,7 @@ def test_a_block_leased_without_a_call_is_not_evicted(
     page, local = _attach(env, s)
     got = local.acquire([ks[0]])  # the least recently used block
     assert got is not None
-    (slot,), at = got
+    (slot,), at, _ = got
     put(env, s, keys(3, "new"))  # evicts three, never the leased one
     assert env.store.lookup(s, [ks[0]]) == 1
     assert _read(env, slot) == payload(ks[0])
@@ -233,7 +262,7 @@ def test_a_deleted_block_keeps_its_slot_while_leased_and_a_session_end_frees_it(
     page, local = _attach(env, reader)
     got = local.acquire([ks[5]])
     assert got is not None
-    (slot,), _at = got
+    (slot,), _at, _ = got
     assert env.store.delete(s, [ks[5]]) == 1
     # The free slot is the leased one: a reserve evicts rather than reuse it.
     put(env, s, [b"after-delete"])
@@ -285,7 +314,7 @@ def test_a_hostile_page_costs_only_its_own_namespace(
     page, local = _attach(env, a)
     rng = random.Random(5)
     hz = np.frombuffer(page.mapping, dtype=np.uint64, count=1536, offset=4096)
-    for i in range(1536):  # anything: B's segments too, slots past the end, no bit
+    for i in range(1536):  # anything (hazards, serials): B's segments too, no bit...
         hz[i] = rng.choice([rng.getrandbits(64), HAZARD_BIT | rng.getrandbits(40), 0])
     struct.pack_into("<QQ", page.mapping, 64, 2**64 - 1, 2**63)  # bound word, ring head
     ring = np.frombuffer(page.mapping, dtype=np.uint64, count=384, offset=1024)

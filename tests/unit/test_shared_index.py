@@ -194,12 +194,12 @@ def test_counters_that_jump_or_go_back_add_nothing() -> None:
     page = SessionPage("ns")
     assert page.fd is not None
     mm = mmap.mmap(page.fd, PAGE_BYTES)
-    struct.pack_into("<6Q", mm, 0, 3, 10, 2, 1, 1, 1)
-    assert page.take() == (3, 10, 2, 1, 1, 1)
-    struct.pack_into("<6Q", mm, 0, 5, 2**63, 1, 0, 2, 1)
-    assert page.take() == (2, 0, 0, 0, 1, 0)
-    struct.pack_into("<6Q", mm, 0, 6, 2**63 + 4, 3, 1, 3, 1)
-    assert page.take() == (1, 4, 2, 1, 1, 0)
+    struct.pack_into("<7Q", mm, 0, 3, 10, 2, 1, 1, 1, 4096)
+    assert page.take() == (3, 10, 2, 1, 1, 1, 4096)
+    struct.pack_into("<7Q", mm, 0, 5, 2**63, 1, 0, 2, 1, 8192)
+    assert page.take() == (2, 0, 0, 0, 1, 0, 4096)
+    struct.pack_into("<7Q", mm, 0, 6, 2**63 + 4, 3, 1, 3, 1, 2**62)
+    assert page.take() == (1, 4, 2, 1, 1, 0, 0)
     with pytest.raises(PermissionError):
         os.ftruncate(page.fd, 0)  # sealed
     mm.close()
