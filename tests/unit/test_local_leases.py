@@ -20,12 +20,16 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvtier import _native
 from kvtier._index import LocalIndex
 from kvtierd import store as store_mod
 from kvtierd.shared_index import (
     HAZARD_BIT,
+    HAZARDS_N,
+    PAGE_BYTES,
     SUPERSEDED,
     SessionPage,
     SharedIndex,
@@ -34,7 +38,7 @@ from kvtierd.shared_index import (
 )
 from kvtierd.store import Session
 
-from .conftest import StoreEnv
+from .conftest import StoreEnv, close_store, make_store
 from .test_store import CAPACITY, TOTAL_SLOTS, keys, payload, put, session
 
 pytestmark = pytest.mark.skipif(not hasattr(_native, "index_acquire"), reason="no native build")
@@ -329,3 +333,45 @@ def test_a_hostile_page_costs_only_its_own_namespace(
     local.close()
     del hz, ring
     page.close()
+
+
+@settings(max_examples=60, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(words=st.lists(st.tuples(st.integers(0, PAGE_BYTES // 8 - 1),
+                                st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 40),
+                                          st.sampled_from(range(20)).map(lambda i: -1 - i))),
+                      max_size=80),
+       later=st.floats(0, 100))
+def test_any_page_content_leaves_the_store_consistent(
+        shm_dir: str, words: list[tuple[int, int]], later: float) -> None:
+    """Arbitrary words anywhere in a session's page (counters, bound word, ring, hazards,
+    serials; some of them real hazards of the namespace's blocks): the store serves
+    both namespaces, every count it takes is sane, and check() is clean."""
+    env = make_store(shm_dir, capacity=CAPACITY, extent_size=1 << 20)
+    try:
+        a, b = session(env, "A"), session(env, "B")
+        put(env, a, keys(12, "a"))
+        put(env, b, keys(12, "b"))
+        real = [env.store.slot_of(blk) for blk in a.ns.index.values()]
+        page = SessionPage("A", max_leases=4)
+        env.store.attach_page(a, page)
+        view = np.frombuffer(page.mapping, dtype=np.uint64)
+        for at, value in words:
+            view[at] = real[-1 - value % len(real)] if value < 0 else value
+        del view
+        env.store.note_reads(a.ns)
+        assert all(0 <= n <= SessionPage.MAX_STEP for n in page.take())
+        assert 0 <= env.store.lease_count and 0 <= env.store.hazard_count() <= HAZARDS_N
+        env.clock.advance(later)
+        env.store.expire()
+        put(env, a, keys(20, "a2"))  # evicts around whatever the page holds
+        put(env, b, keys(20, "b2"))
+        assert env.store.lookup(b, keys(20, "b2")) == 20
+        assert env.store.check() == []
+        env.store.close_session(a)
+        env.store.close_session(b)
+        page.close()
+    finally:
+        close_store(env.store)
+        for name in os.listdir(shm_dir):
+            os.unlink(os.path.join(shm_dir, name))
