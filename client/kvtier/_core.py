@@ -266,7 +266,7 @@ class LocalAcquire:
         return len(self.slots)
 
     @property
-    def tiers(self) -> list[int]:
+    def tiers(self) -> list[Tier]:
         return [Tier.DRAM] * len(self.slots)
 
 
@@ -562,6 +562,10 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
                 here: _L = yield Work(functools.partial(self._new_lease, keys, local, verify),
                                       verified)
                 return here
+            except FailedPrecondition:
+                # A segment this process cannot map (retired meanwhile, or cut short by
+                # a writer): the daemon answers instead.
+                local.index.release(local.at, local.hits)
             except BaseException as exc:
                 local.index.release(local.at, local.hits)
                 if isinstance(exc, Corrupted):
@@ -730,7 +734,7 @@ class LeaseState:
         self.lease_id = resp.lease_id
         self._local = resp if isinstance(resp, LocalAcquire) else None
         self.keys = keys[: resp.hits]
-        self.tiers = [Tier(t) for t in resp.tiers]
+        self.tiers = resp.tiers if isinstance(resp, LocalAcquire) else [Tier(t) for t in resp.tiers]
         self.views = [client._maps.view(ref, ref.length, writable=False) for ref in resp.slots]
         self.checksums: list[int | None] = [
             int(ref.checksum) if ref.has_checksum else None for ref in resp.slots]

@@ -452,6 +452,9 @@ class SegmentMaps:
         #: The namespace's shared index, when the daemon sent one (and it is wanted).
         self.index: LocalIndex | None = None
         self._maps: dict[int, mmap.mmap] = {}
+        # One array over each mapping (read-only, writable): a slot's view is a slice of
+        # it, a fraction of what a new np.frombuffer per slot costs.
+        self._arrays: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] = ({}, {})
 
     def __contains__(self, segment_id: int) -> bool:
         return segment_id in self._maps
@@ -536,15 +539,26 @@ class SegmentMaps:
         self.mapped(resp, fds, asked_index=index)
 
     def view(self, ref: pb.SlotRef | LocalSlot, length: int, *, writable: bool) -> np.ndarray:
-        mm = self._maps.get(ref.segment_id)
-        if mm is None:
-            raise FailedPrecondition(f"segment {ref.segment_id} is not mapped in this process")
-        arr = np.frombuffer(mm, dtype=np.uint8, count=length, offset=ref.offset)
-        if not writable:
-            arr.flags.writeable = False
-        return arr
+        arrays = self._arrays[writable]
+        whole = arrays.get(ref.segment_id)
+        if whole is None:
+            mm = self._maps.get(ref.segment_id)
+            if mm is None:
+                raise FailedPrecondition(
+                    f"segment {ref.segment_id} is not mapped in this process")
+            whole = np.frombuffer(mm, dtype=np.uint8)
+            if not writable:
+                whole.flags.writeable = False
+            arrays[ref.segment_id] = whole
+        end = ref.offset + length
+        if end > whole.size:
+            raise FailedPrecondition(f"a slot of segment {ref.segment_id} ends at {end}, past "
+                                     f"its {whole.size} mapped bytes")
+        return whole[ref.offset:end]
 
     def _drop(self, seg_id: int) -> None:
+        for arrays in self._arrays:
+            arrays.pop(seg_id, None)
         mm = self._maps.pop(seg_id)
         try:
             mm.close()

@@ -250,8 +250,6 @@ async def _expire_forever(store: Store, metrics: Metrics) -> None:
     while True:
         await asyncio.sleep(EXPIRY_INTERVAL)
         try:
-            for ns in list(store.namespaces.values()):
-                store.note_reads(ns)  # the LRU hears of reads without a call
             aborted, leases = store.expire()
         except Exception:  # a bug: count and log it; expiry must keep running
             metrics.background_error("expiry")

@@ -363,7 +363,7 @@ class _StoreCollector(Collector):
         for ns in list(store.namespaces.values()):
             free = ns.free_slots()
             for state, n in (("committed", ns.committed), ("reserved", ns.reserved),
-                             ("leased", ns.leased), ("free", free)):
+                             ("leased", store.leased_blocks(ns)), ("free", free)):
                 ns_blocks.add_metric([ns.name, "dram", state], n)
                 ns_bytes.add_metric([ns.name, "dram", state], n * ns.slot_bytes)
             ns_sessions.add_metric([ns.name], ns.sessions)

@@ -515,7 +515,7 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
         pb.NamespaceStats(
             name=ns.name, block_bytes=ns.block_bytes, model_uid=ns.model_uid,
             slot_bytes=ns.slot_bytes, segments=len(ns.extents), committed_blocks=ns.committed,
-            reserved_blocks=ns.reserved, free_slots=ns.free_slots(), leased_blocks=ns.leased,
+            reserved_blocks=ns.reserved, free_slots=ns.free_slots(), leased_blocks=store.leased_blocks(ns),
             sessions=ns.sessions, hits=ns.hits, misses=ns.misses,
             recovered_blocks=ns.recovered,
         )

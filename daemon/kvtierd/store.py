@@ -1539,6 +1539,8 @@ class Store:
         Returns (reserved slots returned per namespace, leases released).
         """
         now = self._clock()
+        for ns in self.namespaces.values():
+            self.note_reads(ns)  # the LRU hears of the reads made without a call
         stale_res = [r for r in self._reservations.values()
                      if r.expires <= now and not r.session.system]
         due = [(ns, ext, slot) for ns in self.namespaces.values() for ext in ns.extents
@@ -1604,6 +1606,10 @@ class Store:
     def slot_of(block: Block) -> int:
         """``block``'s slot as a client's page names it."""
         return hazard_of(block.extent.segment.segment_id, block.slot)
+
+    def leased_blocks(self, ns: Namespace) -> int:
+        """Blocks of ``ns`` leased, by calls or without (hazards)."""
+        return ns.leased + len(self._hazards(ns))
 
     def local_leases(self, session: Session) -> int:
         """Leases ``session``'s client holds without a call."""
