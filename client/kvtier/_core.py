@@ -557,11 +557,7 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         local: LocalAcquire | None = yield LookHere(keys, lease=True)
         if local is not None:
             try:
-                yield SyncMaps(local.segments_version, local.slots)
-                verified = sum(r.length for r in local.slots) if self.checksum and verify else 0
-                here: _L = yield Work(functools.partial(self._new_lease, keys, local, verify),
-                                      verified)
-                return here
+                return (yield from self._leased_steps(keys, local, verify))
             except FailedPrecondition:
                 # A segment this process cannot map (retired meanwhile, or cut short by
                 # a writer): the daemon answers instead.
@@ -573,11 +569,7 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
                 raise
         resp = yield Call("Acquire", pb.AcquireRequest(keys=keys))
         try:
-            yield SyncMaps(resp.segments_version, resp.slots)
-            verified = sum(r.length for r in resp.slots) if self.checksum and verify else 0
-            lease: _L = yield Work(functools.partial(self._new_lease, keys, resp, verify),
-                                   verified)
-            return lease
+            return (yield from self._leased_steps(keys, resp, verify))
         except BaseException as exc:
             if resp.lease_id:
                 yield Call("Release", pb.ReleaseRequest(lease_id=resp.lease_id))
@@ -585,6 +577,14 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
                 # Never served: the bad block becomes a miss and the daemon counts it.
                 yield Call("Delete", pb.DeleteRequest(keys=[exc.key], corrupted=True))
             raise
+
+    def _leased_steps(self, keys: list[bytes], answer: pb.AcquireResponse | LocalAcquire,
+                      verify: bool) -> Steps[_L]:
+        """The transport's Lease over an acquire's answer (its segments mapped first)."""
+        yield SyncMaps(answer.segments_version, answer.slots)
+        verified = sum(r.length for r in answer.slots) if self.checksum and verify else 0
+        lease: _L = yield Work(functools.partial(self._new_lease, keys, answer, verify), verified)
+        return lease
 
     def _put_steps(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> Steps[int]:
         keys = as_keys(keys)

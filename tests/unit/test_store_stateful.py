@@ -626,6 +626,13 @@ class StoreMachine(RuleBasedStateMachine):
             table = shared._table.mm  # type: ignore[union-attr]
             assert [k for k in UNIVERSE if _native.index_lookup(table, [k]) == (b"\x01", True)] \
                 == present
+            # ... and where it says each block is, what a lease without a call reads.
+            index = self.store.namespaces[ns].index
+            for k in present:
+                b = index[k]
+                seg = b.extent.segment
+                assert _native.index_locate(table, k) == (
+                    seg.segment_id, b.slot, seg.slot_offset(b.slot), b.length, b.checksum)
 
     @invariant()
     def leases_pin_their_blocks(self) -> None:
