@@ -107,10 +107,10 @@ class LocalIndex:
             raise
         self._counters = np.frombuffer(self._page, dtype=np.uint64, count=3)
         #: Whether this daemon takes hazards (an older one sends a smaller page).
-        self.leases = size >= PAGE_BYTES
+        self.can_lease = size >= PAGE_BYTES
         self._hazards = _Hazards(
             np.frombuffer(self._page, dtype=np.uint64, count=3, offset=_HAZARD_HI)
-            if self.leases else np.zeros(3, dtype=np.uint64))
+            if self.can_lease else np.zeros(3, dtype=np.uint64))
         self._serials = itertools.count(1)
 
     def lookup(self, keys: list[bytes]) -> tuple[bytes, bool] | None:
@@ -129,7 +129,7 @@ class LocalIndex:
         when the table cannot answer (the caller asks the daemon: a miss that is not
         final, a superseded table, duplicate keys, the session's lease limit...)."""
         n = len(keys)
-        if not self.leases or not 0 < n <= min(self.max_keys, HAZARDS_N) or len(set(keys)) != n:
+        if not self.can_lease or not 0 < n <= min(self.max_keys, HAZARDS_N) or len(set(keys)) != n:
             return None
         at = self._hazards.take(n)
         if at is None:

@@ -723,7 +723,7 @@ class Store:
                 for block in victims:
                     ns.index.shared.hide(block.key)
                 now = self._hazards(ns)
-                if any(hazard_of(b.extent.segment.segment_id, b.slot) in now for b in victims):
+                if any(self.slot_of(b) in now for b in victims):
                     self._unhide(ns, victims)
                     raise _Raced()
             return taken, victims
@@ -785,7 +785,7 @@ class Store:
             if scanned >= EVICTION_SCAN_LIMIT or len(same_ns) >= short or (reclaim and funded()):
                 break
             if block.ns is ns:
-                if hazards and hazard_of(block.extent.segment.segment_id, block.slot) in hazards:
+                if hazards and self.slot_of(block) in hazards:
                     continue
                 if spill and block.lower == Lower.DIRTY:
                     if len(dirty_ns) < short:
