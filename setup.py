@@ -21,7 +21,7 @@ setup(
     ext_modules=[
         Extension(
             "kvtier._native",
-            sources=["csrc/native.c", "csrc/index.c"] + ([f"{XXHASH}/xxh_x86dispatch.c"] if X86 else []),
+            sources=["csrc/native.c", "csrc/index.c", "csrc/writes.c"] + ([f"{XXHASH}/xxh_x86dispatch.c"] if X86 else []),
             include_dirs=[XXHASH, "csrc"],
             define_macros=XXH_DISPATCH if X86 else [],
             depends=["csrc/index.h"] + [f"{XXHASH}/{name}" for name in

@@ -40,7 +40,8 @@ import numpy as np
 from google.protobuf.json_format import MessageToDict
 
 from kvtier import _accel
-from kvtier._index import LocalIndex, LocalSlot
+from kvtier import _index
+from kvtier._index import MAX_KEY_BYTES, Grant, LocalIndex, LocalSlot, LocalWrites
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME, default_socket_dir
 from kvtier._session import LinkBroken, SegmentMaps, SessionLink, open_request
 from kvtier._wire import SESSION_METADATA
@@ -142,6 +143,9 @@ FAST_PATH_ENV = "KVTIER_FAST_PATH"
 #: ``KVTIER_LOCAL_LEASES=0`` makes acquires (and gets) call the daemon even where the
 #: shared index could lease their blocks without a call (docs/decisions.md).
 LOCAL_LEASES_ENV = "KVTIER_LOCAL_LEASES"
+#: ``KVTIER_LOCAL_WRITES=0`` makes reserves (and puts) call Reserve even where the
+#: daemon grants slots ahead for writes without a call (csrc/writes.c).
+LOCAL_WRITES_ENV = "KVTIER_LOCAL_WRITES"
 _OFF = frozenset({"0", "false", "no", "off"})
 
 
@@ -271,13 +275,44 @@ class LocalAcquire:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class GrantHere:
+    """Reserve ``keys`` from the slots the daemon granted ahead (opening the session
+    first); the result is ``_grant_here``'s (None: call Reserve)."""
+
+    keys: Sequence[bytes]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CommitHere:
+    """Commit a reservation made from grants through the session page (blocking: the
+    daemon's answer is waited for); the result is one ``_index`` result per record."""
+
+    writes: LocalWrites
+    records: list[tuple[int, bytes, int, int | None]]
+    session_gen: int
+
+
+@dataclasses.dataclass(slots=True)
+class LocalReserve:
+    """A reserve the grants answered: the shape of a ``ReserveResponse``, and the
+    grants (one per RESERVED key, in order) that hold the slots."""
+
+    writes: LocalWrites
+    statuses: list[int]
+    slots: list[LocalSlot]
+    grants: list[Grant]
+    segments_version: int
+    reservation_id: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class SendRelease:
     """End lease ``lease_id`` of the current session; no need to wait for the answer."""
 
     lease_id: int
 
 
-Step: TypeAlias = Call | SyncMaps | Work | SendRelease | LookHere
+Step: TypeAlias = Call | SyncMaps | Work | SendRelease | LookHere | GrantHere | CommitHere
 _T = TypeVar("_T")
 #: An operation: yields steps, is sent each step's result, returns its own.
 Steps: TypeAlias = Generator[Step, Any, _T]
@@ -360,6 +395,8 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         self.fast_path_wanted = fast_path
         #: Lease blocks without a call where the shared index can (csrc/index.c).
         self.local_leases = os.environ.get(LOCAL_LEASES_ENV, "1").strip().lower() not in _OFF
+        #: Write into slots granted ahead and commit through the page (csrc/writes.c).
+        self.local_writes = os.environ.get(LOCAL_WRITES_ENV, "1").strip().lower() not in _OFF
         self.token = ""
         self.daemon_version = ""
         self._backoff = Backoff(maximum=reconnect_max)
@@ -374,7 +411,7 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         self._lock = threading.RLock()
 
     @abc.abstractmethod
-    def _new_reservation(self, keys: list[bytes], resp: pb.ReserveResponse) -> _R:
+    def _new_reservation(self, keys: list[bytes], resp: pb.ReserveResponse | LocalReserve) -> _R:
         """The transport's Reservation over a Reserve answer."""
 
     @abc.abstractmethod
@@ -395,12 +432,14 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
             resp, fds = link.request(open_request(self.namespace, self.block_bytes, self.model_uid))
             opened = resp.opened
             maps.read_only = opened.read_only
+            maps.slot_bytes = opened.slot_bytes
             n = len(opened.segments)
             try:
                 maps.update(opened.segments_version, opened.segments,
                             [s.segment_id for s in opened.segments], fds[:n])
             finally:
-                maps.open_index(opened, fds[n:], self.fast_path_wanted and opened.fast_path)
+                maps.open_index(opened, fds[n:], self.fast_path_wanted and opened.fast_path,
+                                self.local_writes)
         except BaseException:
             link.close()
             maps.close()
@@ -509,6 +548,49 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         return LocalAcquire(index, at, slots, lease_id=serial if slots else 0,
                             segments_version=self._maps.version)
 
+    def _grant_here(self, keys: Sequence[bytes]) -> LocalReserve | None:
+        """A reserve answered from the slots granted ahead (None: call Reserve).  Keys
+        the shared index holds are EXISTS, as a Reserve would say; one that another
+        writer is writing, or commits first, is EXISTS at commit instead."""
+        index = self._maps.index
+        link = self._link
+        writes = None if index is None else index.writes
+        if (writes is None or index is None or link is None or self._closed
+                or not self.local_writes or self._maps.read_only or not link.quiet()):
+            return None
+        keys = keys if type(keys) is list else list(keys)
+        n = len(keys)
+        if (not 0 < n <= index.max_keys or len(set(keys)) != n
+                or not all(0 < len(k) <= MAX_KEY_BYTES for k in keys)):
+            return None  # the call says what is wrong
+        statuses = [KeyStatus.EXISTS if index.present(k) else KeyStatus.RESERVED for k in keys]
+        want = statuses.count(KeyStatus.RESERVED)
+        grants: list[Grant] = []
+        if want:
+            try:
+                got = writes.take(want)
+            except ValueError:  # the page was unmapped (the session was replaced)
+                return None
+            if got is None:
+                return None
+            grants = got
+        slot_bytes = self._maps.slot_bytes
+        slots = [LocalSlot(g.segment_id, g.slot * slot_bytes, self.block_bytes, 0, False)
+                 for g in grants]
+        return LocalReserve(writes, list(map(int, statuses)), slots, grants, self._maps.version)
+
+    def _commit_here(self, step: CommitHere) -> bytes:
+        """Publish a reservation's commit records in the page and wait for the results."""
+        link = self._link
+        if step.session_gen != self._session_gen or link is None:
+            raise session_lost("reservation")
+        try:
+            return step.writes.commit(step.records, lambda: not link.hung_up(), self.timeout)
+        except (ConnectionError, ValueError):  # the daemon went, or the page was unmapped
+            raise session_lost("reservation") from None
+        except TimeoutError as exc:
+            raise DeadlineExceeded(str(exc)) from None
+
     def _here(self, step: LookHere) -> Any:
         return self._lease_here(step.keys) if step.lease else self._look_here(step.keys)
 
@@ -543,6 +625,16 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
 
     def _reserve_steps(self, keys: Sequence[bytes]) -> Steps[_R]:
         keys = as_keys(keys)
+        local: LocalReserve | None = yield GrantHere(keys)
+        if local is not None:
+            try:
+                yield SyncMaps(local.segments_version, local.slots)
+                return self._new_reservation(keys, local)
+            except FailedPrecondition:
+                local.writes.untake(local.grants)  # a segment this process cannot map: call
+            except BaseException:
+                local.writes.untake(local.grants)
+                raise
         resp = yield Call("Reserve", pb.ReserveRequest(keys=keys))
         try:
             yield SyncMaps(resp.segments_version, resp.slots)
@@ -627,20 +719,23 @@ class ReservationState:
     """A reservation's keys, statuses and writable buffers, and its operations."""
 
     def __init__(self, client: ClientCore[Any, Any], keys: list[bytes],
-                 resp: pb.ReserveResponse) -> None:
+                 resp: pb.ReserveResponse | LocalReserve) -> None:
         self._client = client
         self.keys = keys
         self.session_gen = client._session_gen
         self.reservation_id = resp.reservation_id
+        #: Made from grants (no Reserve call): committed through the page.
+        self._local = resp if isinstance(resp, LocalReserve) else None
         self.statuses = [KeyStatus(s) for s in resp.statuses]
         self.buffers: list[np.ndarray | None] = [None] * len(keys)
         self.lengths: list[int | None] = [None] * len(keys)
         self._block_bytes = client.block_bytes
-        slots = iter(resp.slots)
+        slots: Iterator[pb.SlotRef | LocalSlot] = iter(resp.slots)
         for i, status in enumerate(self.statuses):
             if status == KeyStatus.RESERVED:
                 self.buffers[i] = client._maps.view(next(slots), self._block_bytes, writable=True)
-        self.done = self.reservation_id == 0
+        self.done = (self.reservation_id == 0 if self._local is None
+                     else not self._local.grants)
 
     @property
     def reserved(self) -> list[int]:
@@ -681,11 +776,21 @@ class ReservationState:
         self.done = True
         self.release_views()
 
+    def commit_records(self, checksum: bool) -> list[tuple[int, bytes, int, int | None]]:
+        """The commit records of a reservation made from grants (csrc/writes.c)."""
+        assert self._local is not None
+        req = self.commit_request(checksum)
+        sums: list[int | None] = list(req.checksums) if checksum else [None] * len(req.lengths)
+        return [(g.entry, self.keys[i], n, s) for g, i, n, s in
+                zip(self._local.grants, self.reserved, req.lengths, sums, strict=True)]
+
     def _commit_steps(self) -> Steps[int]:
         if self.done:
             return 0
         checksum = self._client.checksum
         hashed = sum(b.nbytes for b in self.buffers if b is not None) if checksum else 0
+        if self._local is not None:
+            return (yield from self._commit_here_steps(checksum, hashed))
         req = yield Work(functools.partial(self.commit_request, checksum), hashed)
         try:
             resp = yield from self._client._bound_call("Commit", req, self.session_gen,
@@ -696,8 +801,35 @@ class ReservationState:
         self._finish()
         return int(resp.committed)
 
+    def _commit_here_steps(self, checksum: bool, hashed: int) -> Steps[int]:
+        local = self._local
+        assert local is not None
+        records = yield Work(functools.partial(self.commit_records, checksum), hashed)
+        try:
+            results: bytes = yield CommitHere(local.writes, records, self.session_gen)
+        except BaseException:
+            self._finish()
+            raise
+        self._finish()
+        # Grants whose key turned out present stay granted: give them back for reuse.
+        kept = [g for g, r in zip(local.grants, results, strict=True) if r != _index.COMMITTED]
+        if kept:
+            local.writes.untake(kept)
+        if _index.INVALID in results:
+            raise InvalidArgument("the daemon refused this commit's records as malformed")
+        if _index.LOST in results:
+            raise NotFound("reservation expired: its slots were held past reservations.ttl "
+                           "without a commit")
+        if _index.FAILED in results:
+            raise Unavailable("the daemon could not record this commit; retry")
+        return results.count(_index.COMMITTED)
+
     def _abort_steps(self) -> Steps[None]:
         if self.done:
+            return
+        if self._local is not None:
+            self._finish()
+            self._local.writes.untake(self._local.grants)
             return
         self._finish()
         yield from self._client._bound_call(

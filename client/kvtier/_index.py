@@ -14,6 +14,11 @@ here is added to its session page, which the daemon reads into its metrics.
 a hazard for each block's slot in the session page and checks that the table
 did not change meanwhile (``csrc/index.c``); the daemon never reuses a slot a
 page names, and the session's end (a SIGKILL included) drops them all.
+
+``LocalWrites`` writes without a Reserve call (``csrc/writes.c``): the daemon
+keeps slots granted ahead in the page's write area; a writer takes some, fills
+them, publishes one commit record per block in the page's ring, rings the
+daemon's eventfd and waits on the page's DONE word for the results.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import itertools
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Final, NamedTuple
 
 import numpy as np
@@ -43,6 +49,23 @@ PAGE_BYTES: Final = 16384
 _HAZARD_HI: Final = 64
 _MAX_LEASES: Final = 80
 HAZARDS_N: Final = 768
+#: The write area (csrc/index.h's KVT_W_*): its page size, the wanted-grants word,
+#: how many grants and commit records it holds, and the results of a record.
+WPAGE_BYTES: Final = 32768
+_W_WANT: Final = 16400
+GRANTS_N: Final = 256
+RING_RECORDS: Final = 128
+#: Longest key (a commit record's, as the slot table's).
+MAX_KEY_BYTES: Final = 64
+_GRANT_SLOT_MASK: Final = 0xFFFF_FFFF
+_GRANT_SEGMENT_MASK: Final = 0x3FFF_FFFF
+COMMITTED: Final = 1
+EXISTS: Final = 2
+INVALID: Final = 3
+LOST: Final = 4
+FAILED: Final = 5
+#: How long a writer waits for the daemon between checks that the session lives.
+_WAIT_SLICE: Final = 0.5
 
 
 class LocalSlot(NamedTuple):
@@ -91,11 +114,87 @@ class _Hazards:
                 self._words[0] = self._hi
 
 
+class Grant(NamedTuple):
+    """A slot the daemon reserved ahead for this session, taken by this writer."""
+
+    entry: int  # its entry in the page
+    word: int  # the entry's value: VALID | segment << 32 | slot
+
+    @property
+    def segment_id(self) -> int:
+        return self.word >> 32 & _GRANT_SEGMENT_MASK
+
+    @property
+    def slot(self) -> int:
+        return self.word & _GRANT_SLOT_MASK
+
+
+class LocalWrites:
+    """The session page's write area: grants to take, the commit ring, the doorbell."""
+
+    def __init__(self, page: mmap.mmap, doorbell_fd: int) -> None:
+        """``doorbell_fd`` stays the caller's to close (this keeps a duplicate)."""
+        self._page = page
+        self._bell = os.dup(doorbell_fd)
+        self._lock = threading.Lock()
+        self._head = 0
+        self._want = 0
+
+    def take(self, n: int) -> list[Grant] | None:
+        """Take ``n`` grants (this writer's until committed or ``untake``n), or None when
+        the page has fewer: then the daemon is asked to grant ``n`` ahead next time."""
+        if not 0 < n <= min(GRANTS_N, RING_RECORDS):
+            return None
+        got = _native.grants_take(self._page, n)
+        if got is None:
+            if n > self._want:
+                self._want = n
+                _native.page_store(self._page, _W_WANT, n)
+            self.ring()
+            return None
+        return [Grant._make(g) for g in got]
+
+    def untake(self, grants: list[Grant]) -> None:
+        """Give back grants taken and not committed (the daemon may take them back)."""
+        _native.grants_untake(self._page, grants)
+
+    def ring(self) -> None:
+        try:
+            os.eventfd_write(self._bell, 1)
+        except OSError:
+            pass  # closed: the session is over, and the wait says so
+
+    def commit(self, records: list[tuple[int, bytes, int, int | None]],
+               alive: Callable[[], bool], timeout: float) -> bytes:
+        """Publish ``records`` (grant entry, key, length, checksum) as one all-or-nothing
+        commit, ring the daemon and wait for its results (one byte per record);
+        raises TimeoutError (after ``timeout``) or ConnectionError (``alive`` said no)."""
+        with self._lock:
+            start = self._head
+            self._head = _native.commits_put(self._page, start, records)
+            self.ring()
+            waited = 0.0
+            while not _native.done_wait(self._page, self._head, _WAIT_SLICE):
+                waited += _WAIT_SLICE
+                if not alive():
+                    raise ConnectionError("the session ended while the daemon committed")
+                if waited >= timeout:
+                    raise TimeoutError(f"the daemon did not commit within {timeout:g} s")
+            return _native.commit_results(self._page, start, len(records))
+
+    def close(self) -> None:
+        bell, self._bell = self._bell, -1
+        if bell >= 0:
+            os.close(bell)
+
+
 class LocalIndex:
     """The shared index's table mapped read-only, and this session's counters page."""
 
-    def __init__(self, index_fd: int, page_fd: int, max_keys: int) -> None:
-        """Maps both (the fds stay the caller's to close)."""
+    def __init__(self, index_fd: int, page_fd: int, max_keys: int,
+                 doorbell_fd: int | None = None) -> None:
+        """Maps both (the fds stay the caller's to close); with ``doorbell_fd`` the page
+        has a write area (``writes``)."""
         self.max_keys = max_keys
         self._table = _map_table(index_fd)
         try:
@@ -112,6 +211,9 @@ class LocalIndex:
             np.frombuffer(self._page, dtype=np.uint64, count=3, offset=_HAZARD_HI)
             if self.can_lease else np.zeros(3, dtype=np.uint64))
         self._serials = itertools.count(1)
+        #: Writes without a call, when the daemon offers them (else None).
+        self.writes = (LocalWrites(self._page, doorbell_fd)
+                       if doorbell_fd is not None and size >= WPAGE_BYTES else None)
 
     def lookup(self, keys: list[bytes]) -> tuple[bytes, bool] | None:
         """The tiers of the leading keys present, and whether the first miss is final
@@ -171,7 +273,16 @@ class LocalIndex:
         except BufferError:
             pass  # a lookup in another thread still holds it; it goes with it
 
+    def present(self, key: bytes) -> bool:
+        """Whether the table holds ``key`` now (a hint: it may come or go at once)."""
+        try:
+            return _native.index_locate(self._table, key) is not None
+        except ValueError:
+            return False
+
     def close(self) -> None:
+        if self.writes is not None:
+            self.writes.close()
         self._counters = np.zeros(3, dtype=np.uint64)  # drop the views of the page
         self._hazards = _Hazards(np.zeros(3, dtype=np.uint64))
         for mm in (self._table, self._page):

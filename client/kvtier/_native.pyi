@@ -95,6 +95,37 @@ def hazards_list(page: _Buffer) -> list[tuple[int, int, int]]:
 def hazards_expire(page: _Buffer, index: int, hazard: int) -> bool:
     """Zero hazard ``index`` if it still holds ``hazard`` (the daemon ends a lease)."""
 
+def grants_take(page: _Buffer, n: int) -> list[tuple[int, int]] | None:
+    """Take n grants of the page's write area: [(entry, word)], or None (none taken)."""
+
+def grants_untake(page: _Buffer, taken: Sequence[tuple[int, int]]) -> None:
+    """Give back grants taken and not committed."""
+
+def commits_put(page: _Buffer, head: int,
+                records: Sequence[tuple[int, bytes, int, int | None]]) -> int:
+    """Write commit records (grant, key, length, checksum) at head, the last ending the
+    batch, then publish them; the new head."""
+
+def done_wait(page: _Buffer, target: int, seconds: float) -> bool:
+    """Wait (GIL released) until the page's DONE word reaches target; True if it did."""
+
+def commits_take(page: _Buffer, tail: int
+                 ) -> tuple[int, list[tuple[int, bytes, int, int, int]] | None]:
+    """The daemon's side: (head, [(grant, key, length, checksum, flags)]) of the records
+    from tail, copied out of the page, or (head, None) for an impossible head."""
+
+def commits_done(page: _Buffer, tail: int, results: bytes) -> None:
+    """The daemon's side: result bytes of the records from tail, then DONE and a wake-up."""
+
+def commit_results(page: _Buffer, at: int, n: int) -> bytes:
+    """The result bytes of records at..at+n."""
+
+def page_cas(page: _Buffer, offset: int, old: int, new: int) -> bool:
+    """Compare-and-swap of the u64 at offset; True if swapped."""
+
+def page_store(page: _Buffer, offset: int, value: int) -> None:
+    """An atomic store of the u64 at offset."""
+
 def index_lookup(buf: _Buffer, keys: list[bytes],
                  stats: _Buffer | None = None) -> tuple[bytes, bool] | None:
     """The tiers of the leading keys present and whether a miss there is final; None when

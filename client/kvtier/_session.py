@@ -449,6 +449,8 @@ class SegmentMaps:
         self.version = 0
         #: The session may only read: the daemon sent read-only fds, map them PROT_READ.
         self.read_only = False
+        #: Distance between slots in a segment's data (SessionOpened.slot_bytes).
+        self.slot_bytes = 0
         #: The namespace's shared index, when the daemon sent one (and it is wanted).
         self.index: LocalIndex | None = None
         self._maps: dict[int, mmap.mmap] = {}
@@ -501,13 +503,17 @@ class SegmentMaps:
             self._drop(seg_id)
         self.version = version
 
-    def open_index(self, opened: pb.SessionOpened, fds: list[int], wanted: bool) -> None:
+    def open_index(self, opened: pb.SessionOpened, fds: list[int], wanted: bool,
+                   writes_wanted: bool = True) -> None:
         """Map the shared index and lookup counters page that came after the segments'
-        fds with ``opened`` (if ``wanted`` and this build can search it); closes ``fds``."""
+        fds with ``opened`` (if ``wanted`` and this build can search it), with the write
+        area when the daemon offers one and ``writes_wanted``; closes ``fds``."""
         try:
+            n = 3 if opened.write_doorbell else 2
             if (wanted and _index.AVAILABLE and opened.shared_index and opened.lookup_counters
-                    and len(fds) == 2):
-                self.index = LocalIndex(fds[0], fds[1], opened.max_keys)
+                    and len(fds) == n):
+                self.index = LocalIndex(fds[0], fds[1], opened.max_keys,
+                                        fds[2] if n == 3 and writes_wanted else None)
         finally:
             for fd in fds:
                 os.close(fd)

@@ -26,8 +26,11 @@ from kvtier._core import (
     OFFLOAD_BYTES,
     Call,
     ClientCore,
+    CommitHere,
+    GrantHere,
     LeaseState,
     LocalAcquire,
+    LocalReserve,
     LookHere,
     Metadata,
     ReservationState,
@@ -122,7 +125,7 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
         self._stub = pb_grpc.KVTierStub(self._channel)
         return self
 
-    def _new_reservation(self, keys: list[bytes], resp: pb.ReserveResponse) -> AsyncReservation:
+    def _new_reservation(self, keys: list[bytes], resp: pb.ReserveResponse | LocalReserve) -> AsyncReservation:
         return AsyncReservation(self, keys, resp)
 
     def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse | LocalAcquire,
@@ -147,6 +150,11 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
             if self._index_stale():
                 await self._refresh_index()
             return self._here(step)
+        elif isinstance(step, GrantHere):
+            await self._ensure_session()
+            return self._grant_here(step.keys)
+        elif isinstance(step, CommitHere):
+            return await asyncio.to_thread(self._commit_here, step)  # waits for the daemon
         elif isinstance(step, SendRelease):
             alink = self._alink
             if alink is not None and alink.fast_path:

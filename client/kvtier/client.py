@@ -23,9 +23,12 @@ from kvtier._core import (
     DEFAULT_TIMEOUT,
     Call,
     ClientCore,
+    CommitHere,
+    GrantHere,
     KeyStatus,
     LeaseState,
     LocalAcquire,
+    LocalReserve,
     LookHere,
     Metadata,
     ReservationState,
@@ -150,7 +153,7 @@ class Client(ClientCore[Reservation, Lease]):
                                               options=grpc_options())
         self._stub = pb_grpc.KVTierStub(self._channel)
 
-    def _new_reservation(self, keys: list[bytes], resp: pb.ReserveResponse) -> Reservation:
+    def _new_reservation(self, keys: list[bytes], resp: pb.ReserveResponse | LocalReserve) -> Reservation:
         return Reservation(self, keys, resp)
 
     def _new_lease(self, keys: list[bytes], resp: pb.AcquireResponse | LocalAcquire,
@@ -180,6 +183,11 @@ class Client(ClientCore[Reservation, Lease]):
                         except KVTierError:
                             return None  # the session ended: the call that follows says so
             return self._here(step)
+        elif isinstance(step, GrantHere):
+            self._ensure_session()
+            return self._grant_here(step.keys)
+        elif isinstance(step, CommitHere):
+            return self._commit_here(step)  # waits for the daemon, GIL released
         return None
 
     def _ensure_session(self) -> Metadata:

@@ -385,6 +385,8 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
             on_evict=on_evict,
             # Clients search the keys themselves (a Lookup without a call): fast path only.
             publish=cfg.server.fast_path and shared_index.AVAILABLE,
+            grant_bytes=(min(cfg.server.write_grant_bytes, cfg.dram.capacity // 16)
+                         if cfg.server.fast_path and shared_index.AVAILABLE else 0),
         )
         store.dram_quota_of = lambda name: cfg.access.quotas(name)[0]
         store.on_forget = metrics.forget_namespace
@@ -432,6 +434,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         channel = SessionChannel(store, metrics, session_path, cfg.server.socket_mode,
                                  policy=cfg.access, limits=cfg.limits, admins=admins,
                                  methods=methods(service) if cfg.server.fast_path else None,
+                                 commit_from_page=service.commit_from_page,
                                  max_message_bytes=cfg.server.max_message_bytes,
                                  max_keys=cfg.server.max_keys_per_call)
         undo.callback(_unlink, session_path)

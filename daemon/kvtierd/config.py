@@ -98,6 +98,8 @@ DEFAULT_INSTANCE: Final = "default"
 DEFAULT_SOCKET_MODE: Final = 0o660
 #: gRPC's own default receive limit; a 4096-key call with metadata fits many times over.
 DEFAULT_MAX_MESSAGE_BYTES: Final = 4 * MiB
+#: Slots a writer may hold reserved ahead (writes without a call); at most a 16th of DRAM.
+DEFAULT_WRITE_GRANT_BYTES: Final = 32 * MiB
 #: A 128k-token prompt in 32-token blocks is one call; larger batches are refused, not split.
 DEFAULT_MAX_KEYS_PER_CALL: Final = 4096
 #: In-flight calls are short memory operations; 2 s ends them well inside systemd's stop timeout.
@@ -207,6 +209,9 @@ class ServerConfig:
     tls_client_auth: str = "none"  # none (server-only TLS) or required (mutual TLS)
     #: Serve KVTier calls on the session channel too (FastCall), not only over gRPC.
     fast_path: bool = True
+    #: Bytes of slots each writing session may hold reserved ahead, to fill and commit
+    #: without a call (0: writes always call Reserve); capped at a 16th of DRAM.
+    write_grant_bytes: int = DEFAULT_WRITE_GRANT_BYTES
 
     @property
     def grpc_socket(self) -> str:
@@ -859,6 +864,8 @@ def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
         tls_client_ca=take("server.tls_client_ca", parse_optional_path, ""),
         tls_client_auth=take("server.tls_client_auth", _parse_choice(TLS_CLIENT_AUTH), "none"),
         fast_path=take("server.fast_path", _parse_bool, True),
+        write_grant_bytes=take("server.write_grant_bytes",
+                               lambda v, k: _parse_size_in(v, k, 0), DEFAULT_WRITE_GRANT_BYTES),
     )
     _check_tls(server)
     capacity = take(
@@ -977,6 +984,7 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
             "tls_client_ca": s.tls_client_ca,
             "tls_client_auth": s.tls_client_auth,
             "fast_path": s.fast_path,
+            "write_grant_bytes": format_size(s.write_grant_bytes),
         },
         "dram": {
             "shm_dir": d.shm_dir,

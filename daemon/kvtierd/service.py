@@ -9,6 +9,7 @@ gives them, applied in one place (``_rpc``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
@@ -36,7 +37,8 @@ from kvtierd.access import AccessPolicy, AdminSessions, Identity, Right
 from kvtierd.config import LimitsConfig
 from kvtierd.metrics import Metrics
 from kvtierd.segments import MAX_KEY_BYTES
-from kvtierd.store import Session, SlotGrant
+from kvtierd.shared_index import SessionPage
+from kvtierd.store import CommitResult, Session, SlotGrant
 from kvtierd.tiering import Tiering
 
 log = logging.getLogger(__name__)
@@ -297,6 +299,8 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
             self.metrics.refused_blocks.labels(session.ns.name).inc(len(request.keys))
             raise
         self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.slots))
+        if session.grants_wanted:  # a writer that had too few grants: more for next time
+            asyncio.get_running_loop().call_soon(self._refill, session)
         return pb.ReserveResponse(
             reservation_id=result.reservation_id,
             statuses=cast(Any, result.statuses),
@@ -316,6 +320,42 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
                 self.store.held_seconds(res.started))
         self.metrics.tier_io("dram", "write", sum(request.lengths), n)
         return pb.CommitResponse(committed=n)
+
+    def commit_from_page(self, session: Session, page: SessionPage) -> None:
+        """The writes made without a call (``csrc/writes.c``): commit the blocks the
+        session's writer put in granted slots and named in its page, grant it slots
+        for the next ones (as many as it asks, within the limit), then wake it.  Each
+        record's result goes to the page, which the writer checks like an answer."""
+        records = page.take_commits()
+        if records is None:  # an impossible head: only a hostile page has one
+            log.warning("session %d wrote an impossible commit ring head; records skipped",
+                        session.id)
+            return
+        results = b""
+        if records and session.rights & Right.WRITE:
+            try:
+                results = self.tiering.commit_granted(session, records)
+            except Exception:  # a bug, not the client's input: it still gets its answer
+                log.exception("commit of %d records from session %d's page failed",
+                              len(records), session.id)
+                results = bytes([CommitResult.FAILED]) * len(records)
+            ns = session.ns.name
+            done = [r for r, code in zip(records, results, strict=True)
+                    if code == CommitResult.COMMITTED]
+            if done:
+                self.metrics.committed_blocks.labels(ns).inc(len(done))
+                self.metrics.tier_io("dram", "write", sum(r[2] for r in done), len(done))
+        elif records:
+            results = bytes([CommitResult.LOST]) * len(records)
+        if session.rights & Right.WRITE:
+            session.grants_wanted = min(page.wanted(), self.store.grant_limit(session.ns))
+            self._refill(session)
+        page.finish_commits(results)
+
+    def _refill(self, session: Session) -> None:
+        granted = self.store.refill_grants(session, session.grants_wanted)
+        if granted:
+            self.metrics.reserved_blocks.labels(session.ns.name).inc(granted)
 
     @_rpc("Abort")
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.AbortResponse:
@@ -527,6 +567,7 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
         sessions=len(store.sessions),
         leases=store.lease_count,
         hazard_blocks=store.hazard_count(),
+        granted_blocks=store.granted_count(),
         reservations=store.reservation_count,
         evictions=store.evictions,
         mlocked=not store.mlock_errors,

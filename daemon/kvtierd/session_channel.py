@@ -46,7 +46,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Final
 
 from google.protobuf.message import DecodeError
@@ -203,10 +203,16 @@ class SessionChannel:
                  admins: AdminSessions | None = None,
                  methods: Mapping[str, Method] | None = None,
                  max_message_bytes: int = MAX_REQUEST_FRAME,
-                 max_keys: int = DEFAULT_MAX_KEYS_PER_CALL) -> None:
+                 max_keys: int = DEFAULT_MAX_KEYS_PER_CALL,
+                 commit_from_page: Callable[[Session, SessionPage], None] | None = None) -> None:
         """``methods``: the service's (``service.methods``), served as FastCalls; None
         turns the fast path off (``server.fast_path: false``).  A FastCall's request
-        may be ``max_message_bytes`` long (as a gRPC one), within the frame limit."""
+        may be ``max_message_bytes`` long (as a gRPC one), within the frame limit.
+        ``commit_from_page``: the service's, run when a writing session's client rings
+        its doorbell (writes without a call); None: no session gets a write area."""
+        self.commit_from_page = commit_from_page
+        #: Session id -> the eventfd its client rings after publishing commit records.
+        self._doorbells: dict[int, int] = {}
         self.store = store
         self.metrics = metrics
         self.methods = methods
@@ -392,6 +398,12 @@ class SessionChannel:
                 self.admins.close(admin)
             if session is not None:
                 page = self._counters.pop(session.id, None)
+                bell = self._doorbells.pop(session.id, None)
+                if bell is not None:
+                    asyncio.get_running_loop().remove_reader(bell)
+                    os.close(bell)
+                    if page is not None:  # commits the client published before it went
+                        self._ring(session, page)
                 if page is not None:
                     self.store.note_reads(session.ns)
                     self._fold(page)
@@ -496,7 +508,8 @@ class SessionChannel:
 
     async def _send_with_fds(self, conn: _Conn, msg: pb.SessionResponse,
                              segments: list[Segment], *, read_only: bool = False,
-                             index_fd: int | None = None, counters_fd: int | None = None) -> None:
+                             index_fd: int | None = None, counters_fd: int | None = None,
+                             doorbell_fd: int | None = None) -> None:
         """Send ``msg`` with the segments' fds.
 
         The fds are duplicated now, synchronously: a segment retired by
@@ -506,7 +519,8 @@ class SessionChannel:
         gets the files reopened ``O_RDONLY``: it can map them ``PROT_READ``
         only, so it cannot write a byte of the namespace.  After them come
         ``index_fd`` (the shared index, always reopened ``O_RDONLY``) and
-        ``counters_fd`` (the session's own lookup counters page), when given.
+        ``counters_fd`` (the session's own lookup counters page) and ``doorbell_fd``
+        (the eventfd its writer rings), when given.
         """
         fds: list[int] = []
         try:
@@ -517,6 +531,8 @@ class SessionChannel:
                 fds.append(os.open(f"/proc/self/fd/{index_fd}", os.O_RDONLY | os.O_CLOEXEC))
             if counters_fd is not None:
                 fds.append(os.dup(counters_fd))
+            if doorbell_fd is not None:
+                fds.append(os.dup(doorbell_fd))
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -566,12 +582,20 @@ class SessionChannel:
         index_fd = shared.fd if shared is not None and self.methods is not None else None
         serial = 0 if shared is None else shared.serial
         page: SessionPage | None = None
+        bell: int | None = None
+        # Writes without a call: a page with a write area and a doorbell, for a writer.
+        writes = (index_fd is not None and self.commit_from_page is not None
+                  and bool(session.rights & Right.WRITE) and self.store.grant_limit(ns) > 0)
         if index_fd is not None:
             try:
-                page = SessionPage(ns.name, self.limits.max_leases_per_session)
+                page = SessionPage(ns.name, self.limits.max_leases_per_session, writes=writes)
+                if writes:
+                    bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             except OSError as exc:  # out of memory or fds: this session calls Lookup
                 log.warning("no session page for session %d: %s", session.id, exc)
-                index_fd = None
+                if page is not None:
+                    page.close()
+                page, index_fd = None, None
         msg = pb.SessionResponse(
             call_id=call_id,
             opened=pb.SessionOpened(
@@ -587,22 +611,45 @@ class SessionChannel:
                 shared_index=index_fd is not None,
                 lookup_counters=page is not None,
                 max_keys=self.max_keys,
+                write_doorbell=bell is not None,
             )
         )
         try:
             await self._send_with_fds(conn, msg, segs, read_only=not session.rights & Right.WRITE,
                                       index_fd=index_fd,
-                                      counters_fd=None if page is None else page.fd)
+                                      counters_fd=None if page is None else page.fd,
+                                      doorbell_fd=bell)
         except BaseException:
             if page is not None:
                 page.close()
+            if bell is not None:
+                os.close(bell)
             raise
         if page is not None:
             page.close_fd()  # the mapping stays: the client's counts and hazards are read there
             self.store.attach_page(session, page)
             self._counters[session.id] = page
             conn.index_sent = serial
+            if bell is not None:
+                self._doorbells[session.id] = bell
+                asyncio.get_running_loop().add_reader(bell, self._doorbell, session, page, bell)
         return {seg.segment_id for seg in segs}
+
+    def _doorbell(self, session: Session, page: SessionPage, bell: int) -> None:
+        """A writer rang: commit what its page holds (on the loop, from the reader)."""
+        try:
+            os.eventfd_read(bell)
+        except BlockingIOError:
+            return  # rung and answered already
+        self._ring(session, page)
+
+    def _ring(self, session: Session, page: SessionPage) -> None:
+        if session.closed or self.commit_from_page is None:
+            return
+        try:
+            self.commit_from_page(session, page)
+        except Exception:  # never the loop's end: the page is the client's input
+            log.exception("commits from session %d's page failed", session.id)
 
     async def _send_mapped(self, conn: _Conn, session: Session,
                            want: set[int], call_id: int, want_index: bool = False) -> set[int]:

@@ -68,6 +68,17 @@ _RING_HEAD: Final = 72
 _MAX_LEASES: Final = 80
 _RING: Final = 1024
 RING_N: Final = 384
+#: A page with a write area (``csrc/writes.c``; offsets in ``csrc/index.h``'s ``KVT_W_*``).
+WPAGE_BYTES: Final = 32768
+_W_WANT: Final = 16400
+_W_GRANTS: Final = 16896
+GRANTS_N: Final = 256
+GRANT_VALID: Final = 1 << 63
+GRANT_TAKEN: Final = 1 << 62
+RING_RECORDS: Final = 128
+#: A commit record's flags and results (``csrc/writes.c``).
+HAS_SUM: Final = 1
+LAST: Final = 2
 HAZARDS_N: Final = 768
 HAZARD_BIT: Final = 1 << 63
 
@@ -297,13 +308,18 @@ class SessionPage:
     #: Most a counter may grow between two takes and still be believed.
     MAX_STEP: Final = 1 << 40
 
-    def __init__(self, namespace: str, max_leases: int = 1 << 32) -> None:
+    def __init__(self, namespace: str, max_leases: int = 1 << 32, *, writes: bool = False) -> None:
         """``max_leases``: the session's lease limit, written for the client to honour
-        (an Acquire call counts the page's leases against it too)."""
+        (an Acquire call counts the page's leases against it too).  ``writes``: the
+        page has a write area (grants and the commit ring, ``csrc/writes.c``)."""
         self.namespace = namespace
-        fd, self._mm = sealed_memfd("kvtier-session", PAGE_BYTES, _F_SEAL_SHRINK | _F_SEAL_GROW)
+        fd, self._mm = sealed_memfd("kvtier-session", WPAGE_BYTES if writes else PAGE_BYTES,
+                                    _F_SEAL_SHRINK | _F_SEAL_GROW)
         struct.pack_into("<Q", self._mm, _MAX_LEASES, max_leases)
         self.fd: int | None = fd
+        self.writes = writes
+        #: Commit records taken so far (the daemon's own count; the page's is the client's).
+        self._w_tail = 0
         self._last = (0,) * 7
         self._ring_tail = 0
         #: (index, hazard, serial) -> when the daemon first saw it (for ``expire``).
@@ -362,6 +378,42 @@ class SessionPage:
             return []
         ring = struct.unpack_from(f"<{RING_N}Q", self._mm, _RING)
         return [ring[(head - n + i) % RING_N] for i in range(n)]
+
+    # ------------------------------------------------------------ the write area
+    def set_grant(self, i: int, word: int) -> None:
+        """Name a granted slot in entry ``i`` (0: none).  The daemon writes an entry
+        only while it holds no grant there, so no writer is filling it."""
+        _native.page_store(self._mm, _W_GRANTS + 8 * i, word)
+
+    def grant_word(self, i: int) -> int:
+        value: int = struct.unpack_from("<Q", self._mm, _W_GRANTS + 8 * i)[0]
+        return value
+
+    def revoke_grant(self, i: int, word: int) -> bool:
+        """Take back grant ``i`` unless its writer has taken it (then False)."""
+        return _native.page_cas(self._mm, _W_GRANTS + 8 * i, word, 0)
+
+    def wanted(self) -> int:
+        """How many grants the client asks to have (its word: bounded by the caller)."""
+        value: int = struct.unpack_from("<Q", self._mm, _W_WANT)[0]
+        return value
+
+    def take_commits(self) -> list[tuple[int, bytes, int, int, int]] | None:
+        """The commit records published since the last call, copied out of the page:
+        (grant, key, length, checksum, flags) each; None when the client's head is
+        impossible (behind, or more than the ring holds), which ends this page's
+        writes: the records are skipped."""
+        head, records = _native.commits_take(self._mm, self._w_tail)
+        if records is None:
+            self._w_tail = head
+            _native.commits_done(self._mm, head, b"")  # its waiters wake up to nothing
+            return None
+        return records
+
+    def finish_commits(self, results: bytes) -> None:
+        """Each taken record's result, then DONE (the writers waiting wake up)."""
+        _native.commits_done(self._mm, self._w_tail, results)
+        self._w_tail += len(results)
 
     def close_fd(self) -> None:
         if self.fd is not None:

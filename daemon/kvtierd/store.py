@@ -84,6 +84,11 @@ from kvtierd.segments import (
     SlotState,
 )
 from kvtierd.shared_index import (
+    GRANT_TAKEN,
+    GRANT_VALID,
+    GRANTS_N,
+    HAS_SUM,
+    LAST,
     KeyIndex,
     Location,
     SessionPage,
@@ -255,6 +260,12 @@ class Session:
     # the token; admin calls made with this session's token are judged by ``ident``.
     rights: int = 7
     ident: Identity | None = None
+    #: Slots reserved ahead for this session's writer (csrc/writes.c): page entry ->
+    #: (extent, slot, generation), and when a writer was first seen filling one.
+    grants: dict[int, tuple[Extent, int, int]] = dataclasses.field(default_factory=dict)
+    grant_seen: dict[int, float] = dataclasses.field(default_factory=dict)
+    grants_used: float = 0.0  # the store's clock when a grant was last made or committed
+    grants_wanted: int = 0  # how many its writer asked to hold (bounded by grant_limit)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -302,9 +313,28 @@ class AdoptedSlots:
     generations: list[int]
 
 
+class CommitResult:
+    """A commit record's result byte in the page (``csrc/writes.c``)."""
+
+    COMMITTED: Final = 1
+    EXISTS: Final = 2  # the key was present (or being written): the grant stays
+    INVALID: Final = 3  # the record's batch was malformed: nothing of it committed
+    LOST: Final = 4  # a grant of the batch is no longer this session's (expired)
+    FAILED: Final = 5  # the daemon could not write the slot table: nothing committed
+
+
+#: Grants nobody committed into for this long go back (an idle writer holds no room).
+GRANT_IDLE_SECONDS: Final = 5.0
+
+
 class _Raced(Exception):
     """Internal signal: a client leased a planned victim (a hazard) while the plan was
     made; plan again (the hazard is seen then)."""
+
+
+def _grant_word(ext: Extent, slot: int) -> int:
+    """How a client's page names a granted slot (``csrc/writes.c``)."""
+    return GRANT_VALID | ext.segment.segment_id << 32 | slot
 
 
 def _locate(block: Block) -> Location:
@@ -403,8 +433,11 @@ class Store:
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[Block], None] | None = None,
         publish: bool = False,
+        grant_bytes: int = 0,
     ) -> None:
         self.capacity = capacity
+        #: Bytes of slots each session with a write page may hold reserved ahead.
+        self.grant_bytes = grant_bytes
         self.extent_size = extent_size
         self.lease_ttl = lease_ttl
         self.reservation_ttl = reservation_ttl
@@ -550,6 +583,7 @@ class Store:
             self._apply_end_reservation(res, None)
         for lease in leases:
             self._apply_end_lease(lease)
+        self._end_grants(session, list(session.grants))
         del self.sessions[session.id]
         del self._by_token[session.token]
         session.ns.pages.pop(session.id, None)  # its hazards end with it
@@ -642,7 +676,25 @@ class Store:
                 new_keys.append(key)
         if not new_keys:
             return ReserveResult(0, statuses, [], ns.segments_version)
-        taken, victims = self._take_slots(ns, len(new_keys), may_grow=may_grow)
+        places = self._claim(ns, len(new_keys), may_grow=may_grow)
+        rid = next(self._ids)
+        now = self._clock()
+        res = Reservation(rid, session, new_keys, places, now + self.reservation_ttl, started=now)
+        for key in new_keys:
+            ns.in_flight[key] = rid
+        session.reservations[rid] = res
+        self._reservations[rid] = res
+        grants = [SlotGrant(ext.segment.segment_id, ext.segment.slot_offset(slot),
+                            ns.block_bytes, None) for ext, slot, _gen in places]
+        return ReserveResult(rid, statuses, grants, ns.segments_version)
+
+    def _claim(self, ns: Namespace, n: int, *, may_grow: bool,
+               partial: bool = False) -> list[tuple[Extent, int, int]]:
+        """Take ``n`` slots of ``ns`` into the RESERVED state (evicting blocks as planned
+        by ``_take_slots``), all or nothing: (extent, slot, new generation) each, already
+        counted as reserved.  With ``partial``, fewer (the free ones) rather than raise
+        when no more room can be made now."""
+        taken, victims = self._take_slots(ns, n, may_grow=may_grow, partial=partial)
         places = taken + [(b.extent, b.slot) for b in victims]
         try:
             with _Undo() as undo:
@@ -662,26 +714,18 @@ class Store:
         # Applied: nothing below can fail.
         for block in victims:
             self._drop_from_index(block)
-        rid = next(self._ids)
-        now = self._clock()
-        res = Reservation(rid, session, new_keys, [], now + self.reservation_ttl, started=now)
-        grants: list[SlotGrant] = []
-        for key, (ext, slot) in zip(new_keys, places, strict=True):
+        out: list[tuple[Extent, int, int]] = []
+        for ext, slot in places:
             gen = ext.generations[slot] + 1
             ext.generations[slot] = gen
             ext.reserved += 1
-            ns.in_flight[key] = rid
-            res.places.append((ext, slot, gen))
-            grants.append(SlotGrant(ext.segment.segment_id, ext.segment.slot_offset(slot),
-                                    ns.block_bytes, None))
-        ns.reserved += len(new_keys)
-        session.reservations[rid] = res
-        self._reservations[rid] = res
+            out.append((ext, slot, gen))
+        ns.reserved += len(places)
         self._report_evicted(victims)
-        return ReserveResult(rid, statuses, grants, ns.segments_version)
+        return out
 
-    def _take_slots(self, ns: Namespace, n: int, *,
-                    may_grow: bool) -> tuple[list[tuple[Extent, int]], list[Block]]:
+    def _take_slots(self, ns: Namespace, n: int, *, may_grow: bool, partial: bool = False
+                    ) -> tuple[list[tuple[Extent, int]], list[Block]]:
         """Pop free slots of ``ns`` and pick the blocks to evict for the rest (``n`` in all).
 
         Order: free slots; growth while the budget allows; then, walking the
@@ -689,7 +733,8 @@ class Store:
         reclaim whole extents of other namespaces (empty ones first) until
         the budget fits a new extent.  Victims are only planned here: the
         caller evicts them into its reservation once every slot-table write
-        is done.  When this raises, every popped slot is back.  (A key the
+        is done.  When this raises, every popped slot is back (with ``partial``,
+        a shortage of room returns the free slots found instead).  (A key the
         same request saw as EXISTS may be among the victims when the request
         needs nearly the whole namespace; its status was true when the call
         began.)
@@ -716,7 +761,12 @@ class Store:
             if len(taken) == n:
                 return taken, []
         try:
-            victims = self._find_room(ns, n, len(taken), may_grow=may_grow, hazards=hazards)
+            try:
+                victims = self._find_room(ns, n, len(taken), may_grow=may_grow, hazards=hazards)
+            except CapacityExhausted:
+                if partial:
+                    return taken, []
+                raise
             if ns.pages and victims and ns.index.shared is not None:
                 # Victims leave the table before the pages are read again: a client
                 # that leased one meanwhile is seen now, or sees it gone.
@@ -1013,6 +1063,177 @@ class Store:
         if session.closed:
             raise Unauthenticated("session is closed")
         session.ns.pages[session.id] = page
+
+    # ------------------------------------------------ writes without a call (csrc/writes.c)
+    def grant_limit(self, ns: Namespace) -> int:
+        """Most slots a session of ``ns`` may hold granted ahead (``grant_bytes`` of them)."""
+        return min(GRANTS_N, self.grant_bytes // ns.slot_bytes)
+
+    def refill_grants(self, session: Session, want: int) -> int:
+        """Reserve slots ahead for ``session``'s writer until it holds ``want`` (at most
+        ``grant_limit``), named in its page: it fills and commits them without a call.
+        Takes free slots and evicts as a reserve does, but never grows the namespace
+        (a Reserve call does) nor waits: short when no more room can be made now.
+        Returns how many were granted."""
+        page = session.ns.pages.get(session.id)
+        if page is None or not page.writes or session.closed or session.system:
+            return 0
+        ns = session.ns
+        n = min(want, self.grant_limit(ns)) - len(session.grants)
+        if n <= 0:
+            return 0
+        places: list[tuple[Extent, int, int]] = []
+        for _round in range(3):
+            try:
+                places = self._claim(ns, n, may_grow=False, partial=True)
+                break
+            except _Raced:
+                continue
+            except CapacityExhausted:
+                break
+        entries = (i for i in range(GRANTS_N) if i not in session.grants)
+        for i, place in zip(entries, places):
+            ext, slot, _gen = place
+            session.grants[i] = place
+            page.set_grant(i, _grant_word(ext, slot))
+        if places:
+            session.grants_used = self._clock()
+        return len(places)
+
+    def commit_granted(
+        self,
+        session: Session,
+        records: Sequence[tuple[int, bytes, int, int, int]],
+        exists: Callable[[bytes], bool] | None = None,
+    ) -> tuple[bytes, list[Block]]:
+        """Commit the blocks ``session``'s writer put in granted slots: ``records`` as
+        ``SessionPage.take_commits`` copied them out of its page (grant, key, length,
+        checksum, flags), in batches that end with a ``LAST`` record, each all or
+        nothing.  Returns each record's ``CommitResult`` and the blocks made."""
+        results = bytearray()
+        made: list[Block] = []
+        start = 0
+        for end, rec in enumerate(records):
+            if rec[4] & LAST or end == len(records) - 1:
+                batch = records[start:end + 1]
+                start = end + 1
+                try:
+                    codes, blocks = self._commit_batch(session, batch, exists)
+                except (OSError, ValueError) as exc:  # a slot table that cannot be written
+                    log.warning("commit of %d granted slots failed: %s", len(batch), exc)
+                    codes, blocks = bytes([CommitResult.FAILED]) * len(batch), []
+                results += codes
+                made += blocks
+        return bytes(results), made
+
+    def _commit_batch(
+        self,
+        session: Session,
+        batch: Sequence[tuple[int, bytes, int, int, int]],
+        exists: Callable[[bytes], bool] | None,
+    ) -> tuple[bytes, list[Block]]:
+        ns = session.ns
+        grants = session.grants
+        seen_g: set[int] = set()
+        seen_k: set[bytes] = set()
+        for g, key, length, _sum, _flags in batch:
+            if (g in seen_g or key in seen_k or not 0 < len(key) <= MAX_KEY_BYTES
+                    or not 0 < length <= ns.block_bytes):
+                return bytes([CommitResult.INVALID]) * len(batch), []
+            seen_g.add(g)
+            seen_k.add(key)
+        if session.closed or not seen_g <= grants.keys():
+            return bytes([CommitResult.LOST]) * len(batch), []
+        codes = bytearray(len(batch))
+        todo: list[tuple[int, bytes, int, int | None]] = []
+        for i, (g, key, length, raw_sum, flags) in enumerate(batch):
+            if key in ns.index or key in ns.in_flight or (exists is not None and exists(key)):
+                codes[i] = CommitResult.EXISTS  # first writer wins; the grant stays
+            else:
+                codes[i] = CommitResult.COMMITTED
+                todo.append((g, key, length, raw_sum if flags & HAS_SUM else None))
+        seq = self._access_seq
+        with _Undo() as undo:
+            for g, key, length, checksum in todo:
+                ext, slot, gen = grants[g]
+                seg = ext.segment
+                undo.add(seg.mark_reserved, slot, gen)
+                seg.mark_committed(slot, key=key, length=length, checksum=checksum,
+                                   last_access=next(seq), generation=gen, epoch=self.boot_epoch)
+        # Applied: nothing below can fail.
+        page = ns.pages.get(session.id)
+        made: list[Block] = []
+        for g, key, length, checksum in todo:
+            ext, slot, gen = grants.pop(g)
+            session.grant_seen.pop(g, None)
+            if page is not None:
+                page.set_grant(g, 0)  # before DONE: the writer never sees it as its own again
+            ext.reserved -= 1
+            ns.reserved -= 1
+            block = Block(ns, key, ext, slot, length, checksum, gen)
+            ext.committed += 1
+            ext.dirty += 1
+            ns.committed += 1
+            ns.index[key] = block
+            self.lru[block] = None
+            made.append(block)
+        session.grants_used = self._clock()
+        return bytes(codes), made
+
+    def _end_grants(self, session: Session, entries: Iterable[int], *,
+                    quarantine: float | None = None) -> None:
+        """Take back grants: their slots are freed (or, with ``quarantine``, stay
+        RESERVED until then: a writer may still be copying into them)."""
+        page = session.ns.pages.get(session.id)
+        ns = session.ns
+        for g in list(entries):
+            ext, slot, gen = session.grants[g]
+            if quarantine is None:
+                try:
+                    ext.segment.mark_free(slot)
+                except (OSError, ValueError) as exc:
+                    log.warning("could not free granted slot %d: %s", slot, exc)
+                    continue
+            del session.grants[g]
+            session.grant_seen.pop(g, None)
+            if page is not None:
+                page.set_grant(g, 0)
+            if quarantine is None:
+                ext.reserved -= 1
+                ns.reserved -= 1
+                ext.free.append(slot)
+            else:
+                ext.quarantine[slot] = quarantine  # still counted as reserved
+
+    def _expire_grants(self, session: Session, now: float) -> None:
+        """Grants idle for ``GRANT_IDLE_SECONDS`` go back; one a writer has held taken
+        for the reservation TTL is quarantined like an expired reservation's slot."""
+        page = session.ns.pages.get(session.id)
+        idle = now - session.grants_used >= GRANT_IDLE_SECONDS
+        back: list[int] = []
+        stale: list[int] = []
+        for g, (ext, slot, _gen) in session.grants.items():
+            word = _grant_word(ext, slot)
+            current = page.grant_word(g) if page is not None else 0
+            if current == word | GRANT_TAKEN:
+                first = session.grant_seen.setdefault(g, now)
+                if now - first >= self.reservation_ttl:
+                    stale.append(g)
+                continue
+            session.grant_seen.pop(g, None)
+            if idle and (page is None or page.revoke_grant(g, current)):
+                back.append(g)
+        if stale:
+            log.warning("%d granted slots were held for %.0f s without a commit; they are "
+                        "quarantined", len(stale), self.reservation_ttl,
+                        extra=event("reservations_expired", count=len(stale)))
+            self._end_grants(session, stale, quarantine=now + self.reservation_ttl)
+        self._end_grants(session, back)
+
+    def granted_count(self, ns: Namespace | None = None) -> int:
+        """Slots held granted ahead by the sessions (of ``ns``, or all)."""
+        return sum(len(s.grants) for s in self.sessions.values()
+                   if ns is None or s.ns is ns)
 
     def note_reads(self, ns: Namespace) -> None:
         """Move the blocks ``ns``'s clients read without a call to the LRU's young end
@@ -1574,6 +1795,9 @@ class Store:
                         extra=event("leases_expired", count=len(stale_leases)))
         for lease in stale_leases:
             self._apply_end_lease(lease)
+        for session in self.sessions.values():
+            if session.grants:
+                self._expire_grants(session, now)
         # Leases made without a call: their hazards are zeroed (the slots are free to reuse).
         local = sum(page.expire(now, self.lease_ttl) for ns in self.namespaces.values()
                     for page in ns.pages.values())
@@ -1658,6 +1882,8 @@ class Store:
         leases = [(lease.blocks, list(map(_BLOCK_STATE, lease.blocks)))
                   for lease in self._leases.values()]
         reservations = [(r.session.ns, r.keys, r.places) for r in self._reservations.values()]
+        reservations += [(s.ns, [], list(s.grants.values())) for s in self.sessions.values()
+                         if s.grants]
         namespaces = []
         for ns in self.namespaces.values():
             items = list(ns.index.items())

@@ -669,6 +669,22 @@ class Tiering:
             self._committed([index[k] for k in keys if k in index])
         return n
 
+    def commit_granted(self, session: Session, records: Sequence[tuple[int, bytes, int, int, int]]
+                       ) -> bytes:
+        """``Store.commit_granted`` (keys a lower tier holds are EXISTS, as for a
+        reserve), then wake the demoter and publish when write-through."""
+        exists = None
+        if self._local:
+            ns, geometry = session.ns, self._geometry(session.ns)
+
+            def exists(key: bytes) -> bool:
+                return self._local_copy(ns.name, key, geometry) is not None
+
+        results, made = self.store.commit_granted(session, records, exists)
+        if self.enabled and made:
+            self._committed(made)
+        return results
+
     def _committed(self, blocks: Sequence[Block]) -> None:
         if self._write_through and blocks:
             room = self.policy.queue_depth - self._publishing

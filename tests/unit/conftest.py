@@ -138,6 +138,7 @@ def make_store(
     extent_size: int = 1 << 20,
     lease_ttl: float = 30.0,
     reservation_ttl: float = 10.0,
+    grant_bytes: int = 0,
 ) -> StoreEnv:
     clock = FakeClock()
     evicted: list[Block] = []
@@ -151,6 +152,7 @@ def make_store(
         clock=clock,
         on_evict=evicted.append,
         publish=True,
+        grant_bytes=grant_bytes,
     )
     return StoreEnv(store, directory, clock, evicted)
 

@@ -100,7 +100,7 @@ class FastReply(_message.Message):
     def __init__(self, response: _Optional[bytes] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("token", "slot_bytes", "segments_version", "segments", "daemon_version", "boot_epoch", "read_only", "fast_path", "max_call_bytes", "shared_index", "lookup_counters", "max_keys")
+    __slots__ = ("token", "slot_bytes", "segments_version", "segments", "daemon_version", "boot_epoch", "read_only", "fast_path", "max_call_bytes", "shared_index", "lookup_counters", "max_keys", "write_doorbell")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class SessionOpened(_message.Message):
     SHARED_INDEX_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_COUNTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_DOORBELL_FIELD_NUMBER: _ClassVar[int]
     token: str
     slot_bytes: int
     segments_version: int
@@ -125,7 +126,8 @@ class SessionOpened(_message.Message):
     shared_index: bool
     lookup_counters: bool
     max_keys: int
-    def __init__(self, token: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments_version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., read_only: _Optional[bool] = ..., fast_path: _Optional[bool] = ..., max_call_bytes: _Optional[int] = ..., shared_index: _Optional[bool] = ..., lookup_counters: _Optional[bool] = ..., max_keys: _Optional[int] = ...) -> None: ...
+    write_doorbell: bool
+    def __init__(self, token: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments_version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., read_only: _Optional[bool] = ..., fast_path: _Optional[bool] = ..., max_call_bytes: _Optional[int] = ..., shared_index: _Optional[bool] = ..., lookup_counters: _Optional[bool] = ..., max_keys: _Optional[int] = ..., write_doorbell: _Optional[bool] = ...) -> None: ...
 
 class SegmentsMapped(_message.Message):
     __slots__ = ("segments_version", "segments", "fd_segment_ids", "shared_index")
@@ -336,7 +338,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., block_bytes: _Optional[int] = ..., model_uid: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., free_slots: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., recovered_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "sessions", "leases", "reservations", "evictions", "mlocked", "mlock_error", "prefault_seconds", "daemon_version", "boot_epoch", "uptime_seconds", "warm_start", "recovered_blocks", "recovery_seconds", "dropped_segments", "demotions", "promotions", "prefetches", "prefetch_hits", "spill_queue_depth", "spill_checksum_failures", "spill_faults", "ssd_direct_io", "ssd_adopted_blocks", "ssd_adopt_seconds", "dropped_spill_files", "backpressure_waits", "io", "rpcs", "hazard_blocks")
+    __slots__ = ("tiers", "namespaces", "sessions", "leases", "reservations", "evictions", "mlocked", "mlock_error", "prefault_seconds", "daemon_version", "boot_epoch", "uptime_seconds", "warm_start", "recovered_blocks", "recovery_seconds", "dropped_segments", "demotions", "promotions", "prefetches", "prefetch_hits", "spill_queue_depth", "spill_checksum_failures", "spill_faults", "ssd_direct_io", "ssd_adopted_blocks", "ssd_adopt_seconds", "dropped_spill_files", "backpressure_waits", "io", "rpcs", "hazard_blocks", "granted_blocks")
     class SpillFaultsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -375,6 +377,7 @@ class StatsResponse(_message.Message):
     IO_FIELD_NUMBER: _ClassVar[int]
     RPCS_FIELD_NUMBER: _ClassVar[int]
     HAZARD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     sessions: int
@@ -406,7 +409,8 @@ class StatsResponse(_message.Message):
     io: _containers.RepeatedCompositeFieldContainer[TierIO]
     rpcs: _containers.RepeatedCompositeFieldContainer[RpcStats]
     hazard_blocks: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., mlocked: _Optional[bool] = ..., mlock_error: _Optional[str] = ..., prefault_seconds: _Optional[float] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., warm_start: _Optional[bool] = ..., recovered_blocks: _Optional[int] = ..., recovery_seconds: _Optional[float] = ..., dropped_segments: _Optional[_Iterable[str]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., prefetches: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., spill_queue_depth: _Optional[int] = ..., spill_checksum_failures: _Optional[int] = ..., spill_faults: _Optional[_Mapping[str, int]] = ..., ssd_direct_io: _Optional[bool] = ..., ssd_adopted_blocks: _Optional[int] = ..., ssd_adopt_seconds: _Optional[float] = ..., dropped_spill_files: _Optional[_Iterable[str]] = ..., backpressure_waits: _Optional[int] = ..., io: _Optional[_Iterable[_Union[TierIO, _Mapping]]] = ..., rpcs: _Optional[_Iterable[_Union[RpcStats, _Mapping]]] = ..., hazard_blocks: _Optional[int] = ...) -> None: ...
+    granted_blocks: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., mlocked: _Optional[bool] = ..., mlock_error: _Optional[str] = ..., prefault_seconds: _Optional[float] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., warm_start: _Optional[bool] = ..., recovered_blocks: _Optional[int] = ..., recovery_seconds: _Optional[float] = ..., dropped_segments: _Optional[_Iterable[str]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., prefetches: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., spill_queue_depth: _Optional[int] = ..., spill_checksum_failures: _Optional[int] = ..., spill_faults: _Optional[_Mapping[str, int]] = ..., ssd_direct_io: _Optional[bool] = ..., ssd_adopted_blocks: _Optional[int] = ..., ssd_adopt_seconds: _Optional[float] = ..., dropped_spill_files: _Optional[_Iterable[str]] = ..., backpressure_waits: _Optional[int] = ..., io: _Optional[_Iterable[_Union[TierIO, _Mapping]]] = ..., rpcs: _Optional[_Iterable[_Union[RpcStats, _Mapping]]] = ..., hazard_blocks: _Optional[int] = ..., granted_blocks: _Optional[int] = ...) -> None: ...
 
 class TierIO(_message.Message):
     __slots__ = ("tier", "read_bytes", "written_bytes", "reads", "writes")

@@ -1,0 +1,461 @@
+/*
+ * Writes without a call: the write area of a session's page (csrc/writes.h).
+ *
+ * The daemon keeps a few free slots of the session's namespace reserved for it
+ * ahead of time, "grants", and names them in the page (one u64 each:
+ * KVT_GRANT_VALID | segment << 32 | slot).  A writer takes grants by setting
+ * KVT_GRANT_TAKEN with a compare-and-swap (so the daemon, which takes back idle
+ * grants the same way, never takes one a writer is filling), copies its blocks
+ * into the slots, and publishes one commit record per block in the page's ring
+ * (the grant, the key, the length, the checksum), then the ring's head, then
+ * rings the daemon's eventfd.  The daemon copies each record out before it
+ * looks at it (the client can change the ring at any time), checks it against
+ * its own list of the session's grants, commits the blocks through the store,
+ * writes each record's result byte, and publishes how far it got in the u32
+ * DONE word, waking the futex waiters on it (only when a writer announced in
+ * WAITERS that it sleeps: one still spinning costs the daemon no system call).
+ * The writer waits on that word.
+ *
+ *   grants_take(page, n)           [(index, word)] of n grants now taken, or None
+ *   grants_untake(page, taken)     give back grants taken and not committed
+ *   commits_put(page, head, recs)  write records [(grant, key, length, checksum|None)]
+ *                                  at head; the last one ends the batch; returns new head
+ *   done_wait(page, target, secs)  wait until DONE reaches target (GIL released)
+ *   commits_take(page, tail)       the daemon: (head, [(grant, key, length, checksum,
+ *                                  flags)]) of the records from tail, or (head, None)
+ *   commits_done(page, tail, res)  the daemon: result bytes from tail, DONE = tail+len(res)
+ *   page_cas(page, offset, old, new)  compare-and-swap of a u64 (grants)
+ *   page_store(page, offset, value)   an atomic store of a u64 (grants)
+ *
+ * Nothing a client writes here reaches further than its own grants: the daemon
+ * commits only slots it granted to this session, bounds every count it reads,
+ * and a record with anything out of range refuses its whole batch.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "index.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+#define W_U64(p, off) ((uint64_t *)((char *)(p)->buf + (off)))
+#define W_U32(p, off) ((uint32_t *)((char *)(p)->buf + (off)))
+#define RECORD(p, i) ((unsigned char *)(p)->buf + KVT_W_RING + (size_t)(i) * KVT_W_RECORD)
+
+/* Record layout: u32 grant, u32 length, u64 checksum, u8 key length, u8 flags,
+ * u8 result (the daemon's), 5 bytes of padding, the key (up to 64 bytes). */
+#define R_GRANT 0
+#define R_LENGTH 4
+#define R_CHECKSUM 8
+#define R_KEYLEN 16
+#define R_FLAGS 17
+#define R_RESULT 18
+#define R_KEY 24
+
+static int
+get_wpage(PyObject *obj, Py_buffer *page)
+{
+    if (PyObject_GetBuffer(obj, page, PyBUF_WRITABLE) < 0)
+        return -1;
+    if (page->len < KVT_WPAGE_BYTES || ((uintptr_t)page->buf & 7) != 0) {
+        PyErr_SetString(PyExc_ValueError, "page must be a writable, 8-byte aligned buffer of "
+                                          "KVT_WPAGE_BYTES");
+        PyBuffer_Release(page);
+        return -1;
+    }
+    return 0;
+}
+
+static void
+untake(Py_buffer *page, const Py_ssize_t *idx, const uint64_t *words, Py_ssize_t n)
+{
+    uint64_t *g = W_U64(page, KVT_W_GRANTS);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t want = words[i] | KVT_GRANT_TAKEN;
+        __atomic_compare_exchange_n(&g[idx[i]], &want, words[i], 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE);
+    }
+}
+
+PyObject *
+kvt_py_grants_take(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *page_obj;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "On:grants_take", &page_obj, &n))
+        return NULL;
+    Py_buffer page;
+    if (get_wpage(page_obj, &page) < 0)
+        return NULL;
+    PyObject *ret = NULL;
+    if (n < 1 || n > KVT_W_GRANTS_N) {
+        ret = Py_NewRef(Py_None);
+        goto done;
+    }
+    Py_ssize_t idx[KVT_W_GRANTS_N];
+    uint64_t words[KVT_W_GRANTS_N];
+    Py_ssize_t got = 0;
+    uint64_t *g = W_U64(&page, KVT_W_GRANTS);
+    for (Py_ssize_t i = 0; i < KVT_W_GRANTS_N && got < n; i++) {
+        uint64_t v = __atomic_load_n(&g[i], __ATOMIC_ACQUIRE);
+        if (!(v & KVT_GRANT_VALID) || (v & KVT_GRANT_TAKEN))
+            continue;
+        if (__atomic_compare_exchange_n(&g[i], &v, v | KVT_GRANT_TAKEN, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            idx[got] = i;
+            words[got++] = v;
+        }
+    }
+    if (got < n) {
+        untake(&page, idx, words, got);
+        ret = Py_NewRef(Py_None);
+        goto done;
+    }
+    if ((ret = PyList_New(n)) == NULL) {
+        untake(&page, idx, words, got);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = Py_BuildValue("(nK)", idx[i], (unsigned long long)words[i]);
+        if (t == NULL) {
+            untake(&page, idx, words, got);
+            Py_CLEAR(ret);
+            goto done;
+        }
+        PyList_SET_ITEM(ret, i, t);
+    }
+done:
+    PyBuffer_Release(&page);
+    return ret;
+}
+
+PyObject *
+kvt_py_grants_untake(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *page_obj, *taken;
+    if (!PyArg_ParseTuple(args, "OO:grants_untake", &page_obj, &taken))
+        return NULL;
+    Py_buffer page;
+    if (get_wpage(page_obj, &page) < 0)
+        return NULL;
+    PyObject *ret = NULL, *seq = PySequence_Fast(taken, "taken must be a sequence");
+    if (seq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t at;
+        unsigned long long word;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "nK", &at, &word))
+            goto done;
+        if (at < 0 || at >= KVT_W_GRANTS_N) {
+            PyErr_SetString(PyExc_ValueError, "no such grant in a page");
+            goto done;
+        }
+        uint64_t w = (uint64_t)word;
+        untake(&page, &at, &w, 1);
+    }
+    ret = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(seq);
+    PyBuffer_Release(&page);
+    return ret;
+}
+
+PyObject *
+kvt_py_commits_put(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *page_obj, *recs;
+    unsigned long long head;
+    if (!PyArg_ParseTuple(args, "OKO:commits_put", &page_obj, &head, &recs))
+        return NULL;
+    Py_buffer page;
+    if (get_wpage(page_obj, &page) < 0)
+        return NULL;
+    PyObject *ret = NULL, *seq = PySequence_Fast(recs, "records must be a sequence");
+    if (seq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > KVT_W_RING_N) {
+        PyErr_SetString(PyExc_ValueError, "a batch is 1..KVT_W_RING_N records");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned int grant;
+        Py_buffer key;
+        unsigned long long length;
+        PyObject *sum;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Iy*KO", &grant, &key, &length,
+                              &sum))
+            goto done;
+        int bad = key.len < 1 || key.len > KVT_W_KEY_MAX || length > UINT32_MAX;
+        unsigned long long s = 0;
+        if (!bad && sum != Py_None) {
+            s = PyLong_AsUnsignedLongLong(sum);
+            if (s == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyBuffer_Release(&key);
+                goto done;
+            }
+        }
+        if (bad) {
+            PyBuffer_Release(&key);
+            PyErr_SetString(PyExc_ValueError, "a record's key is 1..64 bytes, its length < 2**32");
+            goto done;
+        }
+        unsigned char *r = RECORD(&page, (head + (unsigned long long)i) % KVT_W_RING_N);
+        uint32_t g32 = grant, l32 = (uint32_t)length;
+        uint64_t s64 = s;
+        memcpy(r + R_GRANT, &g32, 4);
+        memcpy(r + R_LENGTH, &l32, 4);
+        memcpy(r + R_CHECKSUM, &s64, 8);
+        r[R_KEYLEN] = (unsigned char)key.len;
+        r[R_FLAGS] = (unsigned char)((sum != Py_None ? KVT_W_HAS_SUM : 0)
+                                     | (i == n - 1 ? KVT_W_LAST : 0));
+        r[R_RESULT] = 0;
+        memcpy(r + R_KEY, key.buf, (size_t)key.len);
+        PyBuffer_Release(&key);
+    }
+    /* The records before the head that publishes them. */
+    __atomic_store_n(W_U64(&page, KVT_W_HEAD), head + (unsigned long long)n, __ATOMIC_RELEASE);
+    ret = PyLong_FromUnsignedLongLong(head + (unsigned long long)n);
+done:
+    Py_XDECREF(seq);
+    PyBuffer_Release(&page);
+    return ret;
+}
+
+/* DONE reached target (wrapping u32 arithmetic). */
+static int
+reached(const uint32_t *word, uint32_t target)
+{
+    return (int32_t)(__atomic_load_n(word, __ATOMIC_ACQUIRE) - target) >= 0;
+}
+
+PyObject *
+kvt_py_done_wait(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *page_obj;
+    unsigned long long target;
+    double secs;
+    if (!PyArg_ParseTuple(args, "OKd:done_wait", &page_obj, &target, &secs))
+        return NULL;
+    Py_buffer page;
+    if (get_wpage(page_obj, &page) < 0)
+        return NULL;
+    uint32_t *word = W_U32(&page, KVT_W_DONE);
+    uint32_t *waiters = W_U32(&page, KVT_W_WAITERS);
+    uint32_t t32 = (uint32_t)target;
+    int ok = reached(word, t32);
+    if (!ok) {
+        struct timespec end, now;
+        clock_gettime(CLOCK_MONOTONIC, &end);
+        end.tv_sec += (time_t)secs;
+        end.tv_nsec += (long)((secs - (double)(time_t)secs) * 1e9);
+        if (end.tv_nsec >= 1000000000L) {
+            end.tv_sec++;
+            end.tv_nsec -= 1000000000L;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        /* A short spin first: the daemon answers in tens of microseconds when idle. */
+        for (int spin = 0; spin < 2000 && !(ok = reached(word, t32)); spin++)
+            CPU_RELAX();
+        while (!ok) {
+            uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+            if ((ok = (int32_t)(seen - t32) >= 0))
+                break;
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            long long left = (long long)(end.tv_sec - now.tv_sec) * 1000000000LL
+                             + (end.tv_nsec - now.tv_nsec);
+            if (left <= 0)
+                break;
+            struct timespec rel = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
+            /* Say so before sleeping (the daemon wakes only announced sleepers), then
+             * look again: a DONE stored before the announcement is seen here. */
+            __atomic_add_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+            if ((ok = reached(word, t32))) {
+                __atomic_sub_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+                break;
+            }
+            /* Not FUTEX_PRIVATE: the word is in memory two processes map. */
+            long r = syscall(SYS_futex, word, FUTEX_WAIT, seen, &rel, NULL, 0);
+            int err = errno;
+            __atomic_sub_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+            if (r < 0 && err != EAGAIN && err != EINTR && err != ETIMEDOUT)
+                break;
+            ok = reached(word, t32);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&page);
+    return PyBool_FromLong(ok);
+}
+
+PyObject *
+kvt_py_commits_take(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *page_obj;
+    unsigned long long tail;
+    if (!PyArg_ParseTuple(args, "OK:commits_take", &page_obj, &tail))
+        return NULL;
+    Py_buffer page;
+    if (get_wpage(page_obj, &page) < 0)
+        return NULL;
+    PyObject *ret = NULL, *list = NULL;
+    uint64_t head = __atomic_load_n(W_U64(&page, KVT_W_HEAD), __ATOMIC_ACQUIRE);
+    if (head < tail || head - tail > KVT_W_RING_N) {
+        ret = Py_BuildValue("(KO)", (unsigned long long)head, Py_None);
+        goto done;
+    }
+    Py_ssize_t n = (Py_ssize_t)(head - tail);
+    if ((list = PyList_New(n)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* One copy of the record, then only the copy is read. */
+        unsigned char r[KVT_W_RECORD];
+        memcpy(r, RECORD(&page, (tail + (uint64_t)i) % KVT_W_RING_N), KVT_W_RECORD);
+        uint32_t grant, length;
+        uint64_t sum;
+        memcpy(&grant, r + R_GRANT, 4);
+        memcpy(&length, r + R_LENGTH, 4);
+        memcpy(&sum, r + R_CHECKSUM, 8);
+        unsigned klen = r[R_KEYLEN];
+        if (klen > KVT_W_KEY_MAX)
+            klen = 0; /* refused by the daemon: keys are 1..64 bytes */
+        PyObject *t = Py_BuildValue("(Iy#IKB)", grant, (const char *)r + R_KEY,
+                                    (Py_ssize_t)klen, length, (unsigned long long)sum,
+                                    r[R_FLAGS]);
+        if (t == NULL) {
+            Py_CLEAR(list);
+            goto done;
+        }
+        PyList_SET_ITEM(list, i, t);
+    }
+    ret = Py_BuildValue("(KN)", (unsigned long long)head, list);
+    list = NULL;
+done:
+    Py_XDECREF(list);
+    PyBuffer_Release(&page);
+    return ret;
+}
+
+PyObject *
+kvt_py_commits_done(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *page_obj;
+    unsigned long long tail;
+    Py_buffer results;
+    if (!PyArg_ParseTuple(args, "OKy*:commits_done", &page_obj, &tail, &results))
+        return NULL;
+    Py_buffer page;
+    if (get_wpage(page_obj, &page) < 0) {
+        PyBuffer_Release(&results);
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    if (results.len > KVT_W_RING_N) {
+        PyErr_SetString(PyExc_ValueError, "more results than the ring holds");
+        goto done;
+    }
+    const unsigned char *res = results.buf;
+    for (Py_ssize_t i = 0; i < results.len; i++)
+        __atomic_store_n(RECORD(&page, (tail + (uint64_t)i) % KVT_W_RING_N) + R_RESULT, res[i],
+                         __ATOMIC_RELAXED);
+    uint32_t *word = W_U32(&page, KVT_W_DONE);
+    __atomic_store_n(word, (uint32_t)(tail + (uint64_t)results.len), __ATOMIC_SEQ_CST);
+    /* A writer still spinning needs no system call (nor the wake-up's preemption);
+     * one that announced its sleep after the store above sees DONE and does not sleep. */
+    if (__atomic_load_n(W_U32(&page, KVT_W_WAITERS), __ATOMIC_SEQ_CST) != 0)
+        syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    ret = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&results);
+    PyBuffer_Release(&page);
+    return ret;
+}
+
+PyObject *
+kvt_py_commit_results(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *page_obj;
+    unsigned long long at;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OKn:commit_results", &page_obj, &at, &n))
+        return NULL;
+    Py_buffer page;
+    if (get_wpage(page_obj, &page) < 0)
+        return NULL;
+    PyObject *ret = NULL;
+    if (n < 0 || n > KVT_W_RING_N) {
+        PyErr_SetString(PyExc_ValueError, "more results than the ring holds");
+        goto done;
+    }
+    if ((ret = PyBytes_FromStringAndSize(NULL, n)) == NULL)
+        goto done;
+    char *out = PyBytes_AS_STRING(ret);
+    for (Py_ssize_t i = 0; i < n; i++)
+        out[i] = (char)__atomic_load_n(RECORD(&page, (at + (uint64_t)i) % KVT_W_RING_N) + R_RESULT,
+                                       __ATOMIC_ACQUIRE);
+done:
+    PyBuffer_Release(&page);
+    return ret;
+}
+
+PyObject *
+kvt_py_page_cas(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *page_obj;
+    Py_ssize_t off;
+    unsigned long long old, new;
+    if (!PyArg_ParseTuple(args, "OnKK:page_cas", &page_obj, &off, &old, &new))
+        return NULL;
+    Py_buffer page;
+    if (PyObject_GetBuffer(page_obj, &page, PyBUF_WRITABLE) < 0)
+        return NULL;
+    PyObject *ret = NULL;
+    if (((uintptr_t)page.buf & 7) != 0 || off < 0 || (off & 7) != 0 || off > page.len - 8) {
+        PyErr_SetString(PyExc_ValueError, "no such aligned u64 in the page");
+    } else {
+        uint64_t want = old;
+        ret = PyBool_FromLong(__atomic_compare_exchange_n((uint64_t *)((char *)page.buf + off),
+                                                          &want, (uint64_t) new, 0,
+                                                          __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    }
+    PyBuffer_Release(&page);
+    return ret;
+}
+
+PyObject *
+kvt_py_page_store(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *page_obj;
+    Py_ssize_t off;
+    unsigned long long value;
+    if (!PyArg_ParseTuple(args, "OnK:page_store", &page_obj, &off, &value))
+        return NULL;
+    Py_buffer page;
+    if (PyObject_GetBuffer(page_obj, &page, PyBUF_WRITABLE) < 0)
+        return NULL;
+    PyObject *ret = NULL;
+    if (((uintptr_t)page.buf & 7) != 0 || off < 0 || (off & 7) != 0 || off > page.len - 8) {
+        PyErr_SetString(PyExc_ValueError, "no such aligned u64 in the page");
+    } else {
+        __atomic_store_n((uint64_t *)((char *)page.buf + off), (uint64_t)value, __ATOMIC_RELEASE);
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&page);
+    return ret;
+}

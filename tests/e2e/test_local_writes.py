@@ -1,0 +1,199 @@
+"""Writes without a call, end to end: puts through slots granted ahead and commits
+through the session page (csrc/writes.c), against a real daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier import errors
+from tests.conftest import DaemonProc, start_daemon, stop_daemon
+
+pytestmark = pytest.mark.one_transport  # each test picks its clients' transports
+
+BB = 65536
+
+
+def _client(d: DaemonProc, ns: str = "w", **kw: object) -> kvtier.Client:
+    kw.setdefault("timeout", 10)
+    return kvtier.Client(d.socket_dir, namespace=ns, block_bytes=BB, model_uid="m",
+                         **kw)  # type: ignore[arg-type]
+
+
+def _granted(d: DaemonProc, at_least: int) -> int:
+    """Wait for the daemon to grant ``at_least`` slots (it does after a doorbell)."""
+    deadline = time.monotonic() + 10
+    while (n := d.stats().granted_blocks) < at_least and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return n
+
+
+def _settled(d: DaemonProc) -> kvtier.v1.kvtier_pb2.StatsResponse:  # type: ignore[name-defined]
+    deadline = time.monotonic() + 10
+    while True:
+        s = d.stats()
+        if (s.sessions, s.granted_blocks, s.reservations) == (0, 0, 0) or \
+                time.monotonic() > deadline:
+            return s
+        time.sleep(0.02)
+
+
+def test_puts_make_no_reserve_or_commit_call_and_read_back_byte_exact(
+        daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    with _client(daemon) as c:
+        assert c._maps.index is not None and c._maps.index.writes is not None
+        first = [b"first-%d" % i for i in range(8)]
+        data = [np.full(BB - i, i, np.uint8) for i in range(8)]
+        assert c.put(first, data) == 8  # no grants yet: Reserve, and the daemon grants 8
+        assert _granted(daemon, 8) == 8
+        real = c._call
+
+        def call(method: str, request: object, **kw: object) -> object:
+            assert method not in ("Reserve", "Commit", "Abort"), f"{method} went to the daemon"
+            return real(method, request, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(c, "_call", call)
+        for round_ in range(5):
+            ks = [b"r%d-%d" % (round_, i) for i in range(8)]
+            assert c.put(ks, data) == 8
+            got = c.get(ks)
+            assert all(np.array_equal(g, x) for g, x in zip(got, data, strict=True))
+        # Present keys are EXISTS before anything is written, as a Reserve says.
+        with c.reserve([b"r0-1", b"fresh"]) as r:
+            assert r.statuses == [kvtier.KeyStatus.EXISTS, kvtier.KeyStatus.RESERVED]
+            r.write(1, b"abc")
+            assert r.commit() == 1
+        assert c.get([b"fresh"])[0].tobytes() == b"abc"
+        with c.reserve([b"aborted"]) as r:
+            r.write(0, b"x")
+            r.abort()
+        assert c.lookup([b"aborted"]) == 0
+        with pytest.raises(RuntimeError):
+            with c.reserve([b"raised"]):
+                raise RuntimeError("the writer failed")  # leaving the block aborts
+        assert c.lookup([b"raised"]) == 0
+        s = daemon.stats()
+        assert s.granted_blocks == 8 and s.reservations == 0
+        ns = next(n for n in s.namespaces if n.name == "w")
+        assert (ns.committed_blocks, ns.reserved_blocks) == (8 * 6 + 1, 8)
+    s = _settled(daemon)
+    assert (s.sessions, s.granted_blocks, s.reservations) == (0, 0, 0)
+    t = s.tiers[0]
+    assert t.reserved_bytes == 0 and t.free_bytes + t.committed_bytes == t.total_bytes
+    assert daemon.check() == []
+
+
+def test_a_key_committed_by_another_writer_first_is_not_overwritten(
+        daemon: DaemonProc) -> None:
+    with _client(daemon) as a, _client(daemon) as b:
+        a.put([b"prime"], [b"p"])
+        assert _granted(daemon, 1) >= 1
+        with a.reserve([b"race"]) as ra:  # from a grant: the daemon knows nothing yet
+            ra.write(0, b"from a")
+            assert b.put([b"race"], [b"from b"]) == 1  # b commits first
+            assert ra.commit() == 0  # a's is EXISTS at commit: nothing stored
+        assert a.get([b"race"])[0].tobytes() == b"from b"
+        assert a.put([b"after"], [b"ok"]) == 1  # the grant went back to a
+    assert daemon.check() == []
+
+
+_KILLED_WRITER = textwrap.dedent("""
+    import sys, numpy as np, kvtier
+    from kvtier import _native
+    c = kvtier.Client(sys.argv[1], namespace="w", block_bytes=65536, model_uid="m")
+    c.put([b"prime"], [b"p"])
+    index = c._maps.index
+    w = index.writes
+    import time
+    deadline = time.monotonic() + 10
+    while (g := w.take(3)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert g is not None
+    # Two slots filled and committed in the page (not rung), one only taken.
+    for grant, key in zip(g[:2], (b"published-0", b"published-1")):
+        view = c._maps.view(kvtier._index.LocalSlot(grant.segment_id, grant.slot * c._maps.slot_bytes,
+                            65536, 0, False), 65536, writable=True)
+        view[:5] = np.frombuffer(key[:5], np.uint8)
+    _native.commits_put(index._page, 0, [(g[0].entry, b"published-0", 5, None),
+                                          (g[1].entry, b"published-1", 5, None)])
+    print("READY", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_held(daemon: DaemonProc) -> None:
+    """SIGKILL with grants taken and commit records published but the daemon not rung:
+    the published commit is applied when the session ends (its bytes were complete),
+    every other granted slot is freed, and the tier balances."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    p = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, daemon.socket_dir],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line.strip() == "READY", p.stderr.read() if p.stderr else line
+        assert daemon.stats().granted_blocks > 0
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    s = _settled(daemon)
+    assert (s.sessions, s.granted_blocks, s.reservations) == (0, 0, 0)
+    assert s.tiers[0].reserved_bytes == 0
+    with _client(daemon) as c:
+        got = c.get([b"published-0", b"published-1"])
+        assert [g.tobytes() for g in got] == [b"publi", b"publi"]
+    assert daemon.check() == []
+
+
+def test_async_client_puts_through_grants(daemon: DaemonProc) -> None:
+    async def go() -> None:
+        async with kvtier.AsyncClient(daemon.socket_dir, namespace="aw", block_bytes=BB,
+                                      model_uid="m") as c:
+            await c.put([b"prime"], [b"p"])
+            assert _granted(daemon, 1) >= 1
+            for i in range(4):
+                ks = [b"a%d-%d" % (i, j) for j in range(4)]
+                assert await c.put(ks, [bytes([j]) * 100 for j in range(4)]) == 4
+                got = await c.get(ks)
+                assert [g.tobytes() for g in got] == [bytes([j]) * 100 for j in range(4)]
+
+    asyncio.run(go())
+    assert daemon.check() == []
+
+
+def test_off_at_either_end(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = start_daemon(workdir, "--set", "server.write_grant_bytes=0")
+    try:
+        with _client(d) as c:
+            assert c._maps.index is not None and c._maps.index.writes is None
+            assert c.put([b"k"], [b"v"]) == 1
+            assert d.stats().granted_blocks == 0
+    finally:
+        stop_daemon(d)
+    d = start_daemon(workdir)
+    try:
+        monkeypatch.setenv("KVTIER_LOCAL_WRITES", "0")
+        with _client(d) as c:
+            assert c._maps.index is not None and c._maps.index.writes is None
+            assert c.put([b"k"], [b"v"]) == 1
+        monkeypatch.delenv("KVTIER_LOCAL_WRITES")
+        with _client(d, fast_path=False) as g:
+            assert g._maps.index is None and g.put([b"k2"], [b"v"]) == 1
+        assert d.stats().granted_blocks == 0
+        with _client(d) as c, pytest.raises(errors.InvalidArgument):
+            c.put([b"dup", b"dup"], [b"v", b"v"])  # a bad request still gets the call's error
+        assert d.check() == []
+    finally:
+        stop_daemon(d)

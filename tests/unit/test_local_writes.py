@@ -1,0 +1,364 @@
+"""Writes without a call: slots granted ahead and commits through the session page.
+
+The protocol (csrc/writes.c): the daemon names slots it reserved for the
+session in the page's grant entries; a writer takes some (a compare-and-swap
+the daemon's take-back races fairly), fills them, publishes commit records and
+the ring's head, rings the eventfd and waits on the DONE word.  These tests
+drive the native halves against each other (one waiting in another thread) and
+the store's side against a page whose every byte the client controls.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier import _index, _native
+from kvtier._index import LocalWrites
+from kvtierd.segments import SlotState
+from kvtierd.shared_index import GRANT_TAKEN, GRANT_VALID, HAS_SUM, LAST, SessionPage
+from kvtierd.store import GRANT_IDLE_SECONDS, CommitResult, Session
+
+from .conftest import StoreEnv, close_store, make_store
+from .test_store import BLOCK, CAPACITY, keys, payload, put, session
+
+pytestmark = pytest.mark.skipif(not hasattr(_native, "grants_take"), reason="no native build")
+
+_W_HEAD = 16384
+_W_DONE = 16392
+_W_GRANTS = 16896
+_W_RING = 18944
+_RECORD = 96
+
+
+def _writer(page: SessionPage) -> tuple[LocalWrites, int]:
+    """A client's view of ``page``'s write area, and the doorbell's daemon end."""
+    bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    writes = LocalWrites(page.mapping, bell)
+    return writes, bell
+
+
+def _rung(bell: int) -> bool:
+    try:
+        return os.eventfd_read(bell) > 0
+    except BlockingIOError:
+        return False
+
+
+# ------------------------------------------------------------------ the native protocol
+def test_grants_taken_committed_and_answered_across_threads() -> None:
+    page = SessionPage("ns", writes=True)
+    writes, bell = _writer(page)
+    page.set_grant(0, GRANT_VALID | 7 << 32 | 3)
+    page.set_grant(5, GRANT_VALID | 7 << 32 | 9)
+    got = writes.take(2)
+    assert got is not None and [(g.entry, g.segment_id, g.slot) for g in got] == [
+        (0, 7, 3), (5, 7, 9)]
+    assert page.grant_word(0) == GRANT_VALID | GRANT_TAKEN | 7 << 32 | 3
+    # None left: the writer asks for more (the wanted word) and rings.
+    assert writes.take(1) is None and page.wanted() == 1 and _rung(bell)
+    # The daemon cannot take back a grant a writer holds; it can once given back.
+    assert not page.revoke_grant(0, GRANT_VALID | 7 << 32 | 3)
+    writes.untake(got[:1])
+    assert page.revoke_grant(0, GRANT_VALID | 7 << 32 | 3) and page.grant_word(0) == 0
+
+    answered: list[bytes] = []
+
+    def daemon() -> None:
+        time.sleep(0.05)  # the writer is asleep on DONE by now (futex)
+        assert _rung(bell)
+        records = page.take_commits()
+        assert records == [(5, b"key-a", 100, 77, HAS_SUM | LAST)]
+        page.finish_commits(bytes([CommitResult.COMMITTED]))
+        answered.append(b"ok")
+
+    t = threading.Thread(target=daemon)
+    t.start()
+    results = writes.commit([(5, b"key-a", 100, 77)], lambda: True, 5.0)
+    t.join()
+    assert answered and results == bytes([CommitResult.COMMITTED])
+    # Two batches in one take: the last record of each is marked, without a checksum here.
+    writes._head = _native.commits_put(page.mapping, writes._head, [(1, b"x", 1, None)])
+    writes._head = _native.commits_put(page.mapping, writes._head,
+                                       [(2, b"y" * 64, 2, 2**64 - 1), (3, b"z", 3, 0)])
+    assert page.take_commits() == [(1, b"x", 1, 0, LAST), (2, b"y" * 64, 2, 2**64 - 1, HAS_SUM),
+                                   (3, b"z", 3, 0, HAS_SUM | LAST)]
+    page.finish_commits(b"\x01\x02\x03")
+    assert _native.commit_results(page.mapping, 1, 3) == b"\x01\x02\x03"
+    assert _native.done_wait(page.mapping, 4, 0.0)
+    writes.close()
+    os.close(bell)
+    page.close()
+
+
+def test_a_writer_whose_daemon_went_stops_waiting() -> None:
+    page = SessionPage("ns", writes=True)
+    writes, bell = _writer(page)
+    alive = [True]
+    threading.Timer(0.2, lambda: alive.__setitem__(0, False)).start()
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError):
+        writes.commit([(0, b"k", 1, None)], lambda: alive[0], 30.0)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(TimeoutError):
+        writes.commit([(0, b"k", 1, None)], lambda: True, 0.5)
+    writes.close()
+    os.close(bell)
+    page.close()
+
+
+def test_an_impossible_head_skips_the_records_and_wakes_the_writer() -> None:
+    page = SessionPage("ns", writes=True)
+    for head in (129, 2**64 - 1):
+        struct.pack_into("<Q", page.mapping, _W_HEAD, head)
+        assert page.take_commits() is None
+        assert _native.done_wait(page.mapping, head, 0.0)
+        assert page.take_commits() == []  # from there on, nothing new
+    page.close()
+
+
+def test_record_fields_out_of_range_are_bounded() -> None:
+    page = SessionPage("ns", writes=True)
+    with pytest.raises(ValueError):
+        _native.commits_put(page.mapping, 0, [(0, b"", 1, None)])
+    with pytest.raises(ValueError):
+        _native.commits_put(page.mapping, 0, [(0, b"k" * 65, 1, None)])
+    with pytest.raises(ValueError):
+        _native.commits_put(page.mapping, 0, [(0, b"k", 1, None)] * 129)
+    with pytest.raises(ValueError):
+        _native.grants_untake(page.mapping, [(256, 0)])
+    assert _native.grants_take(page.mapping, 0) is None
+    assert _native.grants_take(page.mapping, 257) is None
+    # A key length byte past 64 reads as an empty key (the store refuses the batch).
+    struct.pack_into("<IIQBB", page.mapping, _W_RING, 1, 10, 5, 200, LAST)
+    struct.pack_into("<Q", page.mapping, _W_HEAD, 1)
+    assert page.take_commits() == [(1, b"", 10, 5, LAST)]
+    with pytest.raises(ValueError):
+        _native.commits_take(bytearray(16384), 0)  # a page without a write area
+    page.close()
+
+
+# ------------------------------------------------------------------ the store's side
+GRANTS = 4
+
+
+def _attach(env: StoreEnv, s: Session) -> tuple[SessionPage, LocalWrites, int]:
+    page = SessionPage(s.ns.name, writes=True)
+    env.store.attach_page(s, page)
+    writes, bell = _writer(page)
+    return page, writes, bell
+
+
+def _detach(env: StoreEnv, s: Session, page: SessionPage, writes: LocalWrites,
+            bell: int) -> None:
+    env.store.close_session(s)
+    writes.close()
+    os.close(bell)
+    page.close()
+
+
+def _fill(env: StoreEnv, grant: _index.Grant, data: bytes) -> None:
+    seg = env.segment(grant.segment_id)
+    with seg.data_view(grant.slot, len(data)) as view:
+        view[:] = data
+
+
+def _commit(env: StoreEnv, s: Session, page: SessionPage,
+            records: list[tuple[int, bytes, int, int | None]]) -> bytes:
+    """The client's half (records in the ring) then the daemon's (take, commit, answer)."""
+    head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
+    _native.commits_put(page.mapping, head, records)
+    taken = page.take_commits()
+    assert taken is not None
+    results, _made = env.store.commit_granted(s, taken)
+    page.finish_commits(results)
+    return results
+
+
+@pytest.fixture
+def granting(store_factory: Callable[..., StoreEnv]) -> StoreEnv:
+    return store_factory(capacity=CAPACITY, extent_size=1 << 20, grant_bytes=GRANTS * BLOCK)
+
+
+def test_granted_slots_are_reserved_and_commit_without_a_call(granting: StoreEnv) -> None:
+    env = granting
+    s = session(env)
+    put(env, s, [b"first"])  # the namespace has an extent now
+    page, writes, bell = _attach(env, s)
+    assert env.store.refill_grants(s, 10) == GRANTS  # at most grant_bytes of slots
+    assert env.store.refill_grants(s, 10) == 0
+    assert s.ns.reserved == GRANTS and env.store.granted_count() == GRANTS
+    assert env.store.check() == []
+    got = writes.take(3)
+    assert got is not None
+    ks = keys(3, "w")
+    for g, k in zip(got, ks, strict=True):
+        _fill(env, g, payload(k))
+    results = _commit(env, s, page, [(g.entry, k, len(payload(k)), 1234)
+                                     for g, k in zip(got, ks, strict=True)])
+    assert results == bytes([CommitResult.COMMITTED]) * 3
+    assert env.store.lookup(s, ks) == 3
+    for g, k in zip(got, ks, strict=True):
+        block = s.ns.index[k]
+        assert (block.checksum, block.slot) == (1234, g.slot)
+        assert block.extent.segment.read_slot(block.slot).state == SlotState.COMMITTED
+        assert page.grant_word(g.entry) == 0  # consumed: the writer can never take it again
+        with block.extent.segment.data_view(block.slot, block.length) as v:
+            assert bytes(v) == payload(k)
+    assert len(s.grants) == 1 and s.ns.reserved == 1
+    assert env.store.refill_grants(s, GRANTS) == 3
+    assert env.store.check() == []
+    _detach(env, s, page, writes, bell)
+    assert s.ns.reserved == 0  # the session's end frees its grants
+
+
+def test_a_present_key_keeps_its_grant_and_a_bad_batch_commits_nothing(
+        granting: StoreEnv) -> None:
+    env = granting
+    s = session(env)
+    put(env, s, [b"present"])
+    page, writes, bell = _attach(env, s)
+    env.store.refill_grants(s, GRANTS)
+    g = writes.take(GRANTS)
+    assert g is not None
+    e = [x.entry for x in g]
+    # EXISTS: the grant stays the session's (given back by the writer, reused).
+    assert _commit(env, s, page, [(e[0], b"present", 5, None)]) == bytes([CommitResult.EXISTS])
+    assert e[0] in s.grants
+    bad: list[list[tuple[int, bytes, int, int | None]]] = [
+        [(e[1], b"a", 5, None), (e[1], b"b", 5, None)],  # one grant twice
+        [(e[1], b"a", 5, None), (e[2], b"a", 5, None)],  # one key twice
+        [(e[1], b"a", 0, None)],  # empty block
+        [(e[1], b"a", BLOCK + 1, None)],  # longer than block_bytes
+    ]
+    for batch in bad:
+        assert set(_commit(env, s, page, batch)) == {CommitResult.INVALID}
+    assert set(_commit(env, s, page, [(e[1], b"a", 5, None), (200, b"b", 5, None)])) == {
+        CommitResult.LOST}  # entry 200 is no grant of this session
+    assert env.store.lookup(s, [b"a"]) == 0 and len(s.grants) == GRANTS
+    # Batches are independent: a bad one next to a good one in the same take.
+    head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
+    head = _native.commits_put(page.mapping, head, [(e[3], b"c", BLOCK + 5, None)])
+    _native.commits_put(page.mapping, head, [(e[3], b"c", 7, None)])
+    taken = page.take_commits()
+    assert taken is not None
+    results, made = env.store.commit_granted(s, taken)
+    assert results == bytes([CommitResult.INVALID, CommitResult.COMMITTED]) and len(made) == 1
+    page.finish_commits(results)
+    assert env.store.check() == []
+    _detach(env, s, page, writes, bell)
+
+
+def test_refills_evict_like_a_reserve_but_never_grow(granting: StoreEnv) -> None:
+    env = granting
+    s = session(env)
+    ks = keys(30)
+    put(env, s, ks)  # every slot of both extents committed
+    page, writes, bell = _attach(env, s)
+    extents = len(s.ns.extents)
+    assert env.store.refill_grants(s, 2) == 2  # the two oldest blocks evicted
+    assert env.store.lookup(s, ks[:2]) == 0 and env.store.lookup(s, ks[2:3]) == 1
+    assert len(s.ns.extents) == extents
+    assert env.store.check() == []
+    _detach(env, s, page, writes, bell)
+
+
+def test_idle_grants_go_back_and_one_held_past_the_ttl_is_quarantined(
+        granting: StoreEnv) -> None:
+    env = granting
+    s = session(env)
+    put(env, s, [b"first"])
+    page, writes, bell = _attach(env, s)
+    env.store.refill_grants(s, 2)
+    held = writes.take(1)
+    assert held is not None
+    env.clock.advance(GRANT_IDLE_SECONDS)
+    env.store.expire()
+    assert list(s.grants) == [held[0].entry]  # the idle one went back, the taken one not
+    assert s.ns.reserved == 1  # (first seen taken at that sweep)
+    env.clock.advance(env.store.reservation_ttl - 1)
+    env.store.expire()
+    assert list(s.grants) == [held[0].entry]
+    env.clock.advance(1)
+    env.store.expire()  # held for the TTL: quarantined, still RESERVED
+    assert s.grants == {} and s.ns.reserved == 1
+    assert page.grant_word(held[0].entry) == 0
+    assert set(_commit(env, s, page, [(held[0].entry, b"late", 5, None)])) == {
+        CommitResult.LOST}
+    env.clock.advance(env.store.reservation_ttl)
+    env.store.expire()
+    assert s.ns.reserved == 0
+    assert env.store.check() == []
+    _detach(env, s, page, writes, bell)
+
+
+def test_a_read_only_or_closed_session_gets_no_grants(granting: StoreEnv) -> None:
+    env = granting
+    s = session(env)
+    put(env, s, [b"first"])
+    assert env.store.refill_grants(s, 2) == 0  # no page
+    page = SessionPage(s.ns.name)  # a page without a write area
+    env.store.attach_page(s, page)
+    assert env.store.refill_grants(s, 2) == 0
+    env.store.close_session(s)
+    page.close()
+
+
+@settings(max_examples=60, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(words=st.lists(st.tuples(st.integers(16384 // 8, 32768 // 8 - 1),
+                                st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 300),
+                                          st.sampled_from(range(8)).map(lambda i: -1 - i))),
+                      max_size=120),
+       later=st.floats(0, 30))
+def test_any_write_area_leaves_the_store_consistent(
+        shm_dir: str, words: list[tuple[int, int]], later: float) -> None:
+    """Arbitrary words anywhere in a session's write area (head, DONE, grants, ring
+    records; some of them the session's real grant words): the store commits only
+    what a valid batch of its own grants says, serves another namespace, and
+    check() is clean; the session's end balances everything."""
+    env = make_store(shm_dir, capacity=CAPACITY, extent_size=1 << 20,
+                     grant_bytes=GRANTS * BLOCK)
+    try:
+        a, b = session(env, "A"), session(env, "B")
+        put(env, a, keys(6, "a"))
+        put(env, b, keys(6, "b"))
+        page = SessionPage("A", writes=True)
+        env.store.attach_page(a, page)
+        env.store.refill_grants(a, GRANTS)
+        real = [GRANT_VALID | ext.segment.segment_id << 32 | slot
+                for ext, slot, _ in a.grants.values()]
+        view = np.frombuffer(page.mapping, dtype=np.uint64)
+        for at, value in words:
+            view[at] = real[-1 - value % len(real)] if value < 0 else value
+        del view
+        for _ in range(2):
+            taken = page.take_commits()
+            if taken is not None:
+                results, _made = env.store.commit_granted(a, taken)
+                assert len(results) == len(taken)
+                page.finish_commits(results)
+            env.store.refill_grants(a, page.wanted())
+        assert len(a.grants) <= GRANTS
+        env.clock.advance(later)
+        env.store.expire()
+        put(env, b, keys(10, "b2"))
+        assert env.store.lookup(b, keys(10, "b2")) == 10
+        assert env.store.check() == []
+        env.store.close_session(a)
+        env.store.close_session(b)
+        assert env.store.check() == []
+        assert all(ns.reserved == 0 for ns in env.store.namespaces.values())
+        page.close()
+    finally:
+        close_store(env.store)
+        for name in os.listdir(shm_dir):
+            os.unlink(os.path.join(shm_dir, name))
