@@ -39,8 +39,7 @@ import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
-from kvtier import _accel
-from kvtier import _index
+from kvtier import _accel, _index
 from kvtier._index import MAX_KEY_BYTES, Grant, LocalIndex, LocalSlot, LocalWrites
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME, default_socket_dir
 from kvtier._session import LinkBroken, SegmentMaps, SessionLink, open_request

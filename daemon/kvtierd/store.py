@@ -1091,8 +1091,8 @@ class Store:
                 continue
             except CapacityExhausted:
                 break
-        entries = (i for i in range(GRANTS_N) if i not in session.grants)
-        for i, place in zip(entries, places):
+        entries = [i for i in range(GRANTS_N) if i not in session.grants][:len(places)]
+        for i, place in zip(entries, places, strict=True):
             ext, slot, _gen = place
             session.grants[i] = place
             page.set_grant(i, _grant_word(ext, slot))
