@@ -142,15 +142,15 @@ class LocalWrites:
 
     def take(self, n: int) -> list[Grant] | None:
         """Take ``n`` grants (this writer's until committed or ``untake``n), or None when
-        the page has fewer: then the daemon is asked to grant ``n`` ahead next time."""
+        the page has fewer: the page then asks for ``n``, which the daemon grants after
+        the writer's next Reserve call or commit."""
         if not 0 < n <= min(GRANTS_N, RING_RECORDS):
             return None
         got = _native.grants_take(self._page, n)
-        if got is None:
+        if got is None:  # the Reserve call the caller makes instead brings more
             if n > self._want:
                 self._want = n
                 _native.page_store(self._page, _W_WANT, n)
-            self.ring()
             return None
         return [Grant._make(g) for g in got]
 

@@ -299,7 +299,9 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
             self.metrics.refused_blocks.labels(session.ns.name).inc(len(request.keys))
             raise
         self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.slots))
-        if session.grants_wanted:  # a writer that had too few grants: more for next time
+        page = session.ns.pages.get(session.id)
+        if page is not None and page.writes:  # a writer that had too few grants: more next time
+            session.grants_wanted = min(page.wanted(), self.store.grant_limit(session.ns))
             asyncio.get_running_loop().call_soon(self._refill, session)
         return pb.ReserveResponse(
             reservation_id=result.reservation_id,

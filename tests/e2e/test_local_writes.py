@@ -110,7 +110,7 @@ _KILLED_WRITER = textwrap.dedent("""
     import sys, numpy as np, kvtier
     from kvtier import _native
     c = kvtier.Client(sys.argv[1], namespace="w", block_bytes=65536, model_uid="m")
-    c.put([b"prime"], [b"p"])
+    c.put([b"prime-0", b"prime-1", b"prime-2"], [b"p"] * 3)  # a call: 3 granted after it
     index = c._maps.index
     w = index.writes
     import time
