@@ -40,6 +40,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -52,6 +53,9 @@
 #else
 #define CPU_RELAX() ((void)0)
 #endif
+
+/* How long a writer spins for the daemon's answer before it sleeps on the futex. */
+#define SPIN_NS 400000LL
 
 #define W_U64(p, off) ((uint64_t *)((char *)(p)->buf + (off)))
 #define W_U32(p, off) ((uint32_t *)((char *)(p)->buf + (off)))
@@ -263,6 +267,7 @@ kvt_py_done_wait(PyObject *Py_UNUSED(m), PyObject *args)
     if (!ok) {
         struct timespec end, now;
         clock_gettime(CLOCK_MONOTONIC, &end);
+        now = end;
         end.tv_sec += (time_t)secs;
         end.tv_nsec += (long)((secs - (double)(time_t)secs) * 1e9);
         if (end.tv_nsec >= 1000000000L) {
@@ -270,9 +275,20 @@ kvt_py_done_wait(PyObject *Py_UNUSED(m), PyObject *args)
             end.tv_nsec -= 1000000000L;
         }
         Py_BEGIN_ALLOW_THREADS
-        /* A short spin first: the daemon answers in tens of microseconds when idle. */
-        for (int spin = 0; spin < 2000 && !(ok = reached(word, t32)); spin++)
-            CPU_RELAX();
+        /* Spin first, yielding now and then (the daemon may be waiting for this CPU):
+         * the daemon answers within a few hundred microseconds, and a writer that
+         * sleeps is woken a hundred microseconds late on a virtual machine whose idle
+         * vCPU halted. */
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long long spin_end = (long long)now.tv_sec * 1000000000LL + now.tv_nsec + SPIN_NS;
+        while (!(ok = reached(word, t32))) {
+            for (int i = 0; i < 64; i++)
+                CPU_RELAX();
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            if ((long long)now.tv_sec * 1000000000LL + now.tv_nsec >= spin_end)
+                break;
+            sched_yield();
+        }
         while (!ok) {
             uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
             if ((ok = (int32_t)(seen - t32) >= 0))

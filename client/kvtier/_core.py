@@ -684,7 +684,8 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         views = [as_bytes_view(b, i, self.block_bytes) for i, b in enumerate(blocks)]
         r = yield from self._reserve_steps(keys)
         try:
-            yield Work(functools.partial(r.write_all, views),
+            yield Work(functools.partial(r.write_all_hashed if self.checksum else r.write_all,
+                                         views),
                        sum(views[i].nbytes for i in r.reserved))
             return (yield from r._commit_steps())
         except BaseException as exc:
@@ -735,6 +736,9 @@ class ReservationState:
                 self.buffers[i] = client._maps.view(next(slots), self._block_bytes, writable=True)
         self.done = (self.reservation_id == 0 if self._local is None
                      else not self._local.grants)
+        #: Checksums of the reserved slots, when ``write_all_hashed`` filled them all and
+        #: nothing was written since (the commit then hashes nothing again).
+        self._sums: list[int] | None = None
 
     @property
     def reserved(self) -> list[int]:
@@ -749,24 +753,58 @@ class ReservationState:
         view = as_bytes_view(data, i, self._block_bytes)
         _accel.copy_into(buf, view)
         self.lengths[i] = view.nbytes
+        self._sums = None
 
     def write_all(self, views: Sequence[memoryview]) -> None:
         """``write(i, views[i])`` for every reserved ``i``."""
         for i in self.reserved:
             self.write(i, views[i])
 
+    def write_blocks(self, blocks: Sequence[Any]) -> None:
+        """Copy ``blocks[i]`` (any buffer) into the slot of every reserved key ``i``:
+        ``blocks`` has one entry per key of the reserve, the others are not read.
+        When the client checksums, each block is hashed in the same pass as its copy
+        and ``commit()`` hashes nothing again (what ``put`` does)."""
+        if len(blocks) != len(self.keys):
+            raise InvalidArgument(f"keys and blocks differ in length ({len(self.keys)} != "
+                                  f"{len(blocks)})")
+        views: list[memoryview] = [memoryview(b"")] * len(blocks)
+        for i in self.reserved:
+            views[i] = as_bytes_view(blocks[i], i, self._block_bytes)
+        if self._client.checksum:
+            self.write_all_hashed(views)
+        else:
+            self.write_all(views)
+
+    def write_all_hashed(self, views: Sequence[memoryview]) -> None:
+        """``write_all``, checksumming each block in the same pass over it (the commit
+        then sends those checksums)."""
+        reserved = self.reserved
+        pieces = []
+        for i in reserved:
+            buf = self.buffers[i]
+            if buf is None:
+                raise InvalidArgument(f"keys[{i}] is not reserved by this call")
+            pieces.append([buf[:views[i].nbytes]])
+        sums = _accel.scatter_hash([views[i] for i in reserved], pieces)
+        for i in reserved:
+            self.lengths[i] = views[i].nbytes
+        self._sums = sums
+
     def commit_request(self, checksum: bool) -> pb.CommitRequest:
         lengths = []
-        sums = []
+        sums: list[int] = []
+        hashed = self._sums if checksum else None
         for i in self.reserved:
             n = self.lengths[i]
             n = self._block_bytes if n is None else n
             lengths.append(n)
-            if checksum:
+            if checksum and hashed is None:
                 buf = self.buffers[i]
                 assert buf is not None
                 sums.append(_accel.checksum(buf[:n]))
-        return pb.CommitRequest(reservation_id=self.reservation_id, lengths=lengths, checksums=sums)
+        return pb.CommitRequest(reservation_id=self.reservation_id, lengths=lengths,
+                                checksums=sums if hashed is None else hashed)
 
     def release_views(self) -> None:
         self.buffers = [None] * len(self.keys)
@@ -787,7 +825,8 @@ class ReservationState:
         if self.done:
             return 0
         checksum = self._client.checksum
-        hashed = sum(b.nbytes for b in self.buffers if b is not None) if checksum else 0
+        hashed = (sum(b.nbytes for b in self.buffers if b is not None)
+                  if checksum and self._sums is None else 0)
         if self._local is not None:
             return (yield from self._commit_here_steps(checksum, hashed))
         req = yield Work(functools.partial(self.commit_request, checksum), hashed)

@@ -1091,7 +1091,9 @@ class Store:
                 continue
             except CapacityExhausted:
                 break
-        entries = [i for i in range(GRANTS_N) if i not in session.grants][:len(places)]
+        held = session.grants
+        entries = list(itertools.islice((i for i in range(GRANTS_N) if i not in held),
+                                        len(places)))
         for i, place in zip(entries, places, strict=True):
             ext, slot, _gen = place
             session.grants[i] = place
