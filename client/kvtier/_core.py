@@ -403,6 +403,9 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         self._link: SessionLink | None = None
         self._maps = SegmentMaps()
         self._session_gen = 0
+        #: Reservations open now, both kinds (a reserve from grants honours the limit).
+        self._open_reservations = 0
+        self._res_lock = threading.Lock()
         self._metadata: Metadata = ()
         #: Guards the session state between threads.  Client holds it while it
         #: reconnects or maps; AsyncClient only for a moment (its own waits are
@@ -559,6 +562,8 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
             return None
         keys = keys if type(keys) is list else list(keys)
         n = len(keys)
+        if self._open_reservations >= writes.max_reservations:
+            return None  # the call refuses, with the limit's message
         if (not 0 < n <= index.max_keys or len(set(keys)) != n
                 or not all(0 < len(k) <= MAX_KEY_BYTES for k in keys)):
             return None  # the call says what is wrong
@@ -739,6 +744,15 @@ class ReservationState:
         #: Checksums of the reserved slots, when ``write_all_hashed`` filled them all and
         #: nothing was written since (the commit then hashes nothing again).
         self._sums: list[int] | None = None
+        if not self.done:
+            self._count(+1)
+
+    def _count(self, delta: int) -> None:
+        client = self._client
+        with client._res_lock:
+            client._open_reservations += delta
+        if self._local is not None:
+            self._local.writes.opened(delta)
 
     @property
     def reserved(self) -> list[int]:
@@ -810,7 +824,9 @@ class ReservationState:
         self.buffers = [None] * len(self.keys)
 
     def _finish(self) -> None:
-        self.done = True
+        if not self.done:
+            self.done = True
+            self._count(-1)
         self.release_views()
 
     def commit_records(self, checksum: bool) -> list[tuple[int, bytes, int, int | None]]:

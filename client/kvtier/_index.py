@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import struct
 import threading
 from collections.abc import Callable
 from typing import Final, NamedTuple
@@ -48,6 +49,8 @@ SUPERSEDED: Final = 1
 PAGE_BYTES: Final = 16384
 _HAZARD_HI: Final = 64
 _MAX_LEASES: Final = 80
+_MAX_RESERVATIONS: Final = 88
+_LOCAL_RESERVATIONS: Final = 96
 HAZARDS_N: Final = 768
 #: The write area (csrc/index.h's KVT_W_*): its page size, the wanted-grants word,
 #: how many grants and commit records it holds, and the results of a record.
@@ -139,6 +142,20 @@ class LocalWrites:
         self._lock = threading.Lock()
         self._head = 0
         self._want = 0
+        #: The session's reservation limit (the daemon's word); reservations made here
+        #: count against it with the Reserve calls' (the daemon reads ``opened``).
+        self.max_reservations = struct.unpack_from("<Q", page, _MAX_RESERVATIONS)[0]
+        self._opened = 0
+
+    def opened(self, delta: int) -> None:
+        """A reservation from grants began (+1) or ended (-1): the page says how many
+        are open, for the daemon's reservation limit."""
+        with self._lock:
+            self._opened = max(0, self._opened + delta)
+            try:
+                _native.page_store(self._page, _LOCAL_RESERVATIONS, self._opened)
+            except ValueError:
+                pass  # unmapped: the session is over
 
     def take(self, n: int) -> list[Grant] | None:
         """Take ``n`` grants (this writer's until committed or ``untake``n), or None when

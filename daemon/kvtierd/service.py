@@ -213,6 +213,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         #: last scrape (added to the metrics then: a labelled inc per commit costs more
         #: than the commit's own bookkeeping).
         self._page_counts: dict[str, list[int]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # growths for grants in flight
         metrics.before_scrape.append(self._fold_page_counts)
 
     # ------------------------------------------------------------- who is calling
@@ -296,9 +297,10 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         session = self._session(context, Right.WRITE)
         validate_keys(request.keys, self.max_keys)
         try:
-            if len(session.reservations) >= self.limits.max_reservations_per_session:
+            held = len(session.reservations) + self.store.local_reservations(session)
+            if held >= self.limits.max_reservations_per_session:
                 raise CapacityExhausted(
-                    f"session has {len(session.reservations)} open reservations "
+                    f"session has {held} open reservations "
                     f"(limits.max_reservations_per_session is "
                     f"{self.limits.max_reservations_per_session}); commit or abort some first")
             result = await self.tiering.reserve(session, request.keys)
@@ -364,8 +366,23 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
 
     def _refill(self, session: Session) -> None:
         granted = self.store.refill_grants(session, session.grants_wanted)
-        if granted:
+        if granted > 0:
             self._counts(session.ns.name)[2] += granted
+        elif granted < 0 and not session.grants_growing:  # the namespace grows first
+            session.grants_growing = True
+            task = asyncio.get_running_loop().create_task(self._grow_for_grants(session))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _grow_for_grants(self, session: Session) -> None:
+        try:
+            granted = await self.store.grow_for_grants(session, session.grants_wanted)
+            if granted > 0:
+                self._counts(session.ns.name)[2] += granted
+        except Exception as exc:  # out of memory for the extent, a quota...: a call will say
+            log.debug("grants for session %d not grown: %s", session.id, exc)
+        finally:
+            session.grants_growing = False
 
     def _counts(self, ns: str) -> list[int]:
         counts = self._page_counts.get(ns)

@@ -588,7 +588,8 @@ class SessionChannel:
                   and bool(session.rights & Right.WRITE) and self.store.grant_limit(ns) > 0)
         if index_fd is not None:
             try:
-                page = SessionPage(ns.name, self.limits.max_leases_per_session, writes=writes)
+                page = SessionPage(ns.name, self.limits.max_leases_per_session, writes=writes,
+                                   max_reservations=self.limits.max_reservations_per_session)
                 if writes:
                     bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             except OSError as exc:  # out of memory or fds: this session calls Lookup

@@ -66,6 +66,8 @@ TIER_DRAM: Final = 1
 PAGE_BYTES: Final = 16384
 _RING_HEAD: Final = 72
 _MAX_LEASES: Final = 80
+_MAX_RESERVATIONS: Final = 88  # daemon-written: the session's reservation limit
+_LOCAL_RESERVATIONS: Final = 96  # client-written: reservations it holds from grants
 _RING: Final = 1024
 RING_N: Final = 384
 #: A page with a write area (``csrc/writes.c``; offsets in ``csrc/index.h``'s ``KVT_W_*``).
@@ -308,14 +310,16 @@ class SessionPage:
     #: Most a counter may grow between two takes and still be believed.
     MAX_STEP: Final = 1 << 40
 
-    def __init__(self, namespace: str, max_leases: int = 1 << 32, *, writes: bool = False) -> None:
+    def __init__(self, namespace: str, max_leases: int = 1 << 32, *, writes: bool = False,
+                 max_reservations: int = 1 << 32) -> None:
         """``max_leases``: the session's lease limit, written for the client to honour
         (an Acquire call counts the page's leases against it too).  ``writes``: the
-        page has a write area (grants and the commit ring, ``csrc/writes.c``)."""
+        page has a write area (grants and the commit ring, ``csrc/writes.c``), and
+        ``max_reservations`` is written for the client to honour likewise."""
         self.namespace = namespace
         fd, self._mm = sealed_memfd("kvtier-session", WPAGE_BYTES if writes else PAGE_BYTES,
                                     _F_SEAL_SHRINK | _F_SEAL_GROW)
-        struct.pack_into("<Q", self._mm, _MAX_LEASES, max_leases)
+        struct.pack_into("<QQ", self._mm, _MAX_LEASES, max_leases, max_reservations)
         self.fd: int | None = fd
         self.writes = writes
         #: Commit records taken so far (the daemon's own count; the page's is the client's).
@@ -393,6 +397,12 @@ class SessionPage:
         """Take back grant ``i`` unless its writer has taken it (then False)."""
         return _native.page_cas(self._mm, _W_GRANTS + 8 * i, word, 0)
 
+    def local_reservations(self) -> int:
+        """Reservations the client says it holds from grants (its word, so at most as
+        many as it can hold grants: the Reserve limit counts them with the calls')."""
+        value: int = struct.unpack_from("<Q", self._mm, _LOCAL_RESERVATIONS)[0]
+        return min(value, GRANTS_N) if self.writes else 0
+
     def wanted(self) -> int:
         """How many grants the client asks to have (its word: bounded by the caller)."""
         value: int = struct.unpack_from("<Q", self._mm, _W_WANT)[0]
@@ -460,6 +470,13 @@ class KeyIndex(dict[bytes, _V]):
 
     def update(self, pairs: Iterable[tuple[bytes, _V]]) -> None:  # type: ignore[override]
         if self.shared is None:  # nothing to mirror (recovery publishes afterwards): C speed
+            dict.update(self, pairs)
+            return
+        pairs = list(pairs)
+        shared, locate = self.shared, self.locate
+        if (locate is not None and len(pairs) > 1
+                and not any(k in shared.unpublished or k in self for k, _ in pairs)):
+            shared.add_many([(k, locate(v)) for k, v in pairs])  # new keys: one native call
             dict.update(self, pairs)
             return
         for key, value in pairs:

@@ -266,6 +266,7 @@ class Session:
     grant_seen: dict[int, float] = dataclasses.field(default_factory=dict)
     grants_used: float = 0.0  # the store's clock when a grant was last made or committed
     grants_wanted: int = 0  # how many its writer asked to hold (bounded by grant_limit)
+    grants_growing: bool = False  # the namespace grows for its grants now
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -1069,12 +1070,12 @@ class Store:
         """Most slots a session of ``ns`` may hold granted ahead (``grant_bytes`` of them)."""
         return min(GRANTS_N, self.grant_bytes // ns.slot_bytes)
 
-    def refill_grants(self, session: Session, want: int) -> int:
+    def refill_grants(self, session: Session, want: int, *, may_grow: bool = True) -> int:
         """Reserve slots ahead for ``session``'s writer until it holds ``want`` (at most
         ``grant_limit``), named in its page: it fills and commits them without a call.
-        Takes free slots and evicts as a reserve does, but never grows the namespace
-        (a Reserve call does) nor waits: short when no more room can be made now.
-        Returns how many were granted."""
+        Takes room as a reserve does (free slots; then, if the namespace may grow, -1:
+        ``grow_for_grants`` grows it first; else evicts), but never waits: short when
+        no more room can be made now.  Returns how many were granted (-1: grow first)."""
         page = session.ns.pages.get(session.id)
         if page is None or not page.writes or session.closed or session.system:
             return 0
@@ -1085,10 +1086,12 @@ class Store:
         places: list[tuple[Extent, int, int]] = []
         for _round in range(3):
             try:
-                places = self._claim(ns, n, may_grow=False, partial=True)
+                places = self._claim(ns, n, may_grow=may_grow, partial=True)
                 break
             except _Raced:
                 continue
+            except _NeedExtent:
+                return -1
             except CapacityExhausted:
                 break
         held = session.grants
@@ -1101,6 +1104,18 @@ class Store:
         if places:
             session.grants_used = self._clock()
         return len(places)
+
+    async def grow_for_grants(self, session: Session, want: int) -> int:
+        """``refill_grants``, growing the namespace first while its budget allows (as a
+        reserve does: a writer's grants must not keep its namespace from growing)."""
+        for _round in range(MAX_GROW_ROUNDS):
+            got = self.refill_grants(session, want)
+            if got >= 0:
+                return got
+            need = min(want, self.grant_limit(session.ns)) - len(session.grants)
+            if session.closed or need <= 0 or not await self._grow(session.ns, need):
+                break
+        return max(0, self.refill_grants(session, want, may_grow=False))
 
     def commit_granted(
         self,
@@ -1136,49 +1151,52 @@ class Store:
     ) -> tuple[bytes, list[Block]]:
         ns = session.ns
         grants = session.grants
-        seen_g: set[int] = set()
-        seen_k: set[bytes] = set()
-        for g, key, length, _sum, _flags in batch:
-            if (g in seen_g or key in seen_k or not 0 < len(key) <= MAX_KEY_BYTES
-                    or not 0 < length <= ns.block_bytes):
-                return bytes([CommitResult.INVALID]) * len(batch), []
-            seen_g.add(g)
-            seen_k.add(key)
-        if session.closed or not seen_g <= grants.keys():
-            return bytes([CommitResult.LOST]) * len(batch), []
-        codes = bytearray(len(batch))
+        n = len(batch)
+        entries = {r[0] for r in batch}
+        limit = ns.block_bytes
+        if (len({r[1] for r in batch}) != n or len(entries) != n
+                or not all(0 < len(r[1]) <= MAX_KEY_BYTES and 0 < r[2] <= limit for r in batch)):
+            return bytes([CommitResult.INVALID]) * n, []
+        if session.closed or not entries <= grants.keys():
+            return bytes([CommitResult.LOST]) * n, []
+        index, in_flight = ns.index, ns.in_flight
+        codes = bytearray(n)
         todo: list[tuple[int, bytes, int, int | None]] = []
         for i, (g, key, length, raw_sum, flags) in enumerate(batch):
-            if key in ns.index or key in ns.in_flight or (exists is not None and exists(key)):
+            if key in index or key in in_flight or (exists is not None and exists(key)):
                 codes[i] = CommitResult.EXISTS  # first writer wins; the grant stays
             else:
                 codes[i] = CommitResult.COMMITTED
                 todo.append((g, key, length, raw_sum if flags & HAS_SUM else None))
         seq = self._access_seq
+        epoch = self.boot_epoch
         with _Undo() as undo:
             for g, key, length, checksum in todo:
                 ext, slot, gen = grants[g]
                 seg = ext.segment
                 undo.add(seg.mark_reserved, slot, gen)
                 seg.mark_committed(slot, key=key, length=length, checksum=checksum,
-                                   last_access=next(seq), generation=gen, epoch=self.boot_epoch)
+                                   last_access=next(seq), generation=gen, epoch=epoch)
         # Applied: nothing below can fail.
         page = ns.pages.get(session.id)
         made: list[Block] = []
+        lru = self.lru
         for g, key, length, checksum in todo:
             ext, slot, gen = grants.pop(g)
-            session.grant_seen.pop(g, None)
             if page is not None:
                 page.set_grant(g, 0)  # before DONE: the writer never sees it as its own again
             ext.reserved -= 1
-            ns.reserved -= 1
-            block = Block(ns, key, ext, slot, length, checksum, gen)
             ext.committed += 1
             ext.dirty += 1
-            ns.committed += 1
-            ns.index[key] = block
-            self.lru[block] = None
+            block = Block(ns, key, ext, slot, length, checksum, gen)
+            lru[block] = None
             made.append(block)
+        if session.grant_seen:
+            for g, _key, _length, _sum in todo:
+                session.grant_seen.pop(g, None)
+        ns.reserved -= len(made)
+        ns.committed += len(made)
+        index.update([(b.key, b) for b in made])
         session.grants_used = self._clock()
         return bytes(codes), made
 
@@ -1836,6 +1854,12 @@ class Store:
     def leased_blocks(self, ns: Namespace) -> int:
         """Blocks of ``ns`` leased, by calls or without (hazards)."""
         return ns.leased + len(self._hazards(ns))
+
+    def local_reservations(self, session: Session) -> int:
+        """Reservations ``session``'s client holds from grants (its page says; at most
+        as many as it holds grants)."""
+        page = session.ns.pages.get(session.id)
+        return 0 if page is None else min(page.local_reservations(), len(session.grants))
 
     def local_leases(self, session: Session) -> int:
         """Leases ``session``'s client holds without a call."""
