@@ -80,7 +80,7 @@ def render_stats(s: pb.StatsResponse) -> str:
     out = [
         f"kvtierd {s.daemon_version}  epoch {s.boot_epoch}  up {s.uptime_seconds:.0f} s  "
         f"sessions {s.sessions}  leases {s.leases}  reservations {s.reservations}  "
-        f"evictions {s.evictions}",
+        f"granted {s.granted_blocks}  evictions {s.evictions}",
         f"memory locked: {'yes' if s.mlocked else 'NO: ' + s.mlock_error}  "
         f"pre-fault time: {s.prefault_seconds:.2f} s",
         "",

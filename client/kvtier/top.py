@@ -147,7 +147,7 @@ def render(prev: Sample | None, cur: Sample, width: int = 80, height: int | None
     head = [
         f"kvtierd {s.daemon_version or '?'}  up {_duration(s.uptime_seconds)}  "
         f"epoch {s.boot_epoch}  {'warm' if s.warm_start else 'cold'}  sessions {s.sessions}  "
-        f"leases {s.leases}  reservations {s.reservations}",
+        f"leases {s.leases}  reservations {s.reservations}  granted {s.granted_blocks}",
         span + ("   q: quit" if live else ""),
         "",
     ]
