@@ -213,7 +213,6 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         #: last scrape (added to the metrics then: a labelled inc per commit costs more
         #: than the commit's own bookkeeping).
         self._page_counts: dict[str, list[int]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()  # growths for grants in flight
         metrics.before_scrape.append(self._fold_page_counts)
 
     # ------------------------------------------------------------- who is calling
@@ -365,24 +364,12 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         page.finish_commits(results)
 
     def _refill(self, session: Session) -> None:
+        # -1: the namespace may grow; the writer's next Reserve call grows it (grants
+        # never grow a namespace by themselves: room ahead of use is taken only from
+        # what exists).
         granted = self.store.refill_grants(session, session.grants_wanted)
         if granted > 0:
             self._counts(session.ns.name)[2] += granted
-        elif granted < 0 and not session.grants_growing:  # the namespace grows first
-            session.grants_growing = True
-            task = asyncio.get_running_loop().create_task(self._grow_for_grants(session))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _grow_for_grants(self, session: Session) -> None:
-        try:
-            granted = await self.store.grow_for_grants(session, session.grants_wanted)
-            if granted > 0:
-                self._counts(session.ns.name)[2] += granted
-        except Exception as exc:  # out of memory for the extent, a quota...: a call will say
-            log.debug("grants for session %d not grown: %s", session.id, exc)
-        finally:
-            session.grants_growing = False
 
     def _counts(self, ns: str) -> list[int]:
         counts = self._page_counts.get(ns)

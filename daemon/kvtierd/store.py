@@ -266,7 +266,6 @@ class Session:
     grant_seen: dict[int, float] = dataclasses.field(default_factory=dict)
     grants_used: float = 0.0  # the store's clock when a grant was last made or committed
     grants_wanted: int = 0  # how many its writer asked to hold (bounded by grant_limit)
-    grants_growing: bool = False  # the namespace grows for its grants now
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -1074,8 +1073,9 @@ class Store:
         """Reserve slots ahead for ``session``'s writer until it holds ``want`` (at most
         ``grant_limit``), named in its page: it fills and commits them without a call.
         Takes room as a reserve does (free slots; then, if the namespace may grow, -1:
-        ``grow_for_grants`` grows it first; else evicts), but never waits: short when
-        no more room can be made now.  Returns how many were granted (-1: grow first)."""
+        the writer's next Reserve call grows it; else evicts), but never grows nor
+        waits: short when no more room can be made now.  Returns how many were granted
+        (-1: none, the namespace should grow first)."""
         page = session.ns.pages.get(session.id)
         if page is None or not page.writes or session.closed or session.system:
             return 0
@@ -1104,18 +1104,6 @@ class Store:
         if places:
             session.grants_used = self._clock()
         return len(places)
-
-    async def grow_for_grants(self, session: Session, want: int) -> int:
-        """``refill_grants``, growing the namespace first while its budget allows (as a
-        reserve does: a writer's grants must not keep its namespace from growing)."""
-        for _round in range(MAX_GROW_ROUNDS):
-            got = self.refill_grants(session, want)
-            if got >= 0:
-                return got
-            need = min(want, self.grant_limit(session.ns)) - len(session.grants)
-            if session.closed or need <= 0 or not await self._grow(session.ns, need):
-                break
-        return max(0, self.refill_grants(session, want, may_grow=False))
 
     def commit_granted(
         self,

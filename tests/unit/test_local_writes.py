@@ -27,7 +27,7 @@ from kvtierd.segments import SlotState
 from kvtierd.shared_index import GRANT_TAKEN, GRANT_VALID, HAS_SUM, LAST, SessionPage
 from kvtierd.store import GRANT_IDLE_SECONDS, CommitResult, Session
 
-from .conftest import StoreEnv, close_store, make_store, run
+from .conftest import StoreEnv, close_store, make_store
 from .test_store import BLOCK, CAPACITY, keys, payload, put, session
 
 pytestmark = pytest.mark.skipif(not hasattr(_native, "grants_take"), reason="no native build")
@@ -272,16 +272,17 @@ def test_refills_evict_like_a_reserve_when_the_namespace_cannot_grow(
     _detach(env, s, page, writes, bell)
 
 
-def test_refills_grow_the_namespace_first_while_the_budget_allows(
+def test_refills_never_grow_nor_evict_while_the_namespace_may_grow(
         store_factory: Callable[..., StoreEnv]) -> None:
     env = store_factory(capacity=CAPACITY, extent_size=1 << 20, grant_bytes=GRANTS * BLOCK)
     s = session(env)
     ks = keys(15)
     put(env, s, ks)  # the first extent full, a second one fits in the budget
     page, writes, bell = _attach(env, s)
-    assert env.store.refill_grants(s, 2) == -1  # grow first: never evict while it can
-    assert env.store.lookup(s, ks) == 15
-    assert run(env.store, env.store.grow_for_grants(s, 2)) == 2
+    assert env.store.refill_grants(s, 2) == -1  # a Reserve call grows it first
+    assert env.store.lookup(s, ks) == 15 and len(s.ns.extents) == 1
+    put(env, s, [b"grows"])  # the call's growth: now there are free slots to grant
+    assert env.store.refill_grants(s, 2) == 2
     assert len(s.ns.extents) == 2 and env.store.lookup(s, ks) == 15
     assert env.store.check() == []
     _detach(env, s, page, writes, bell)
