@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -21,6 +22,17 @@ from tests.conftest import DaemonProc, start_daemon, stop_daemon
 pytestmark = pytest.mark.one_transport  # each test picks its clients' transports
 
 BB = 65536
+#: Grants are off by default (server.write_grant_bytes: 0); these daemons grant up to
+#: 2 MiB per session (a 16th of the 32 MiB test pool).
+GRANTING = ("--set", "server.write_grant_bytes=64MiB")
+
+
+@pytest.fixture
+def daemon(workdir: str) -> Iterator[DaemonProc]:
+    d = start_daemon(workdir, *GRANTING)
+    yield d
+    stop_daemon(d)
+    assert d.proc.returncode == 0, d.log()
 
 
 def _client(d: DaemonProc, ns: str = "w", **kw: object) -> kvtier.Client:
@@ -174,7 +186,7 @@ def test_async_client_puts_through_grants(daemon: DaemonProc) -> None:
 
 
 def test_off_at_either_end(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    d = start_daemon(workdir, "--set", "server.write_grant_bytes=0")
+    d = start_daemon(workdir)  # the default: off
     try:
         with _client(d) as c:
             assert c._maps.index is not None and c._maps.index.writes is None
@@ -182,7 +194,7 @@ def test_off_at_either_end(workdir: str, monkeypatch: pytest.MonkeyPatch) -> Non
             assert d.stats().granted_blocks == 0
     finally:
         stop_daemon(d)
-    d = start_daemon(workdir)
+    d = start_daemon(workdir, *GRANTING)
     try:
         monkeypatch.setenv("KVTIER_LOCAL_WRITES", "0")
         with _client(d) as c:
