@@ -415,8 +415,10 @@ def remove_stale_shm_dirs(min_age_s: float = 300.0) -> list[str]:
 
 
 @contextlib.contextmanager
-def own_daemon(workdir: str, capacity: int, extent: int, info: dict[str, Any]) -> Iterator[str]:
-    """A kvtierd of our own on temp sockets and a fresh shm directory; yields its socket dir."""
+def own_daemon(workdir: str, capacity: int, extent: int, info: dict[str, Any],
+               settings: Sequence[str] = ()) -> Iterator[str]:
+    """A kvtierd of our own on temp sockets and a fresh shm directory, with ``settings``
+    (``KEY=VALUE`` each, as ``kvtierd --set``); yields its socket dir."""
     socket_dir = os.path.join(workdir, "sock")
     for stale in remove_stale_shm_dirs():
         _progress(f"removed {stale} (left by a benchmark that was killed)")
@@ -431,6 +433,8 @@ def own_daemon(workdir: str, capacity: int, extent: int, info: dict[str, Any]) -
         "--set", "metrics.address=",
         "--set", "spill.ssd_dir=",  # DRAM only: the figures are about shared memory
     ]
+    for setting in settings:
+        args += ["--set", setting]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     info.update(own=True, capacity=capacity, extent_size=extent, shm_dir=shm_dir, args=args[1:])
     _progress(f"starting kvtierd (capacity {format_bytes(capacity, exact=True)}, extents {format_bytes(extent, exact=True)}, "
@@ -1221,6 +1225,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                    help="DRAM capacity of the daemon started here (default: computed)")
     p.add_argument("--extent-size", default=None,
                    help=f"extent size of the daemon started here (default {format_bytes(BENCH_EXTENT, exact=True)})")
+    p.add_argument("--daemon-set", metavar="KEY=VALUE", action="append", default=[],
+                   help="a setting of the daemon started here, as kvtierd --set (repeatable; "
+                        "e.g. server.write_grant_bytes=64MiB for writes without a call)")
     p.add_argument("--quick", action="store_true",
                    help="tiny run for tests: one size, short budgets, few samples")
     p.add_argument("--json", metavar="FILE", help="write every raw number to FILE")
@@ -1311,7 +1318,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             live = max(max(clients) * args.batch, LOOKUP_KEYS + len(TRANSPORTS))
             capacity = args.capacity_bytes or capacity_for(sizes, live, args.extent_bytes)
             socket_dir = stack.enter_context(own_daemon(workdir, capacity, args.extent_bytes,
-                                                        res["daemon"]))
+                                                        res["daemon"], args.daemon_set))
         else:
             socket_dir = args.socket
             wait_serving(socket_dir, None, timeout=5)
