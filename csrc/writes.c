@@ -430,6 +430,20 @@ done:
     return ret;
 }
 
+/* The aligned u64 at off in a writable buffer (page acquired), or NULL with an error. */
+static uint64_t *
+page_word(PyObject *obj, Py_ssize_t off, Py_buffer *page)
+{
+    if (PyObject_GetBuffer(obj, page, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (((uintptr_t)page->buf & 7) != 0 || off < 0 || (off & 7) != 0 || off > page->len - 8) {
+        PyErr_SetString(PyExc_ValueError, "no such aligned u64 in the page");
+        PyBuffer_Release(page);
+        return NULL;
+    }
+    return (uint64_t *)((char *)page->buf + off);
+}
+
 PyObject *
 kvt_py_page_cas(PyObject *Py_UNUSED(m), PyObject *args)
 {
@@ -439,19 +453,14 @@ kvt_py_page_cas(PyObject *Py_UNUSED(m), PyObject *args)
     if (!PyArg_ParseTuple(args, "OnKK:page_cas", &page_obj, &off, &old, &new))
         return NULL;
     Py_buffer page;
-    if (PyObject_GetBuffer(page_obj, &page, PyBUF_WRITABLE) < 0)
+    uint64_t *w = page_word(page_obj, off, &page);
+    if (w == NULL)
         return NULL;
-    PyObject *ret = NULL;
-    if (((uintptr_t)page.buf & 7) != 0 || off < 0 || (off & 7) != 0 || off > page.len - 8) {
-        PyErr_SetString(PyExc_ValueError, "no such aligned u64 in the page");
-    } else {
-        uint64_t want = old;
-        ret = PyBool_FromLong(__atomic_compare_exchange_n((uint64_t *)((char *)page.buf + off),
-                                                          &want, (uint64_t) new, 0,
-                                                          __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
-    }
+    uint64_t want = old;
+    int done = __atomic_compare_exchange_n(w, &want, (uint64_t) new, 0, __ATOMIC_ACQ_REL,
+                                           __ATOMIC_ACQUIRE);
     PyBuffer_Release(&page);
-    return ret;
+    return PyBool_FromLong(done);
 }
 
 PyObject *
@@ -463,15 +472,10 @@ kvt_py_page_store(PyObject *Py_UNUSED(m), PyObject *args)
     if (!PyArg_ParseTuple(args, "OnK:page_store", &page_obj, &off, &value))
         return NULL;
     Py_buffer page;
-    if (PyObject_GetBuffer(page_obj, &page, PyBUF_WRITABLE) < 0)
+    uint64_t *w = page_word(page_obj, off, &page);
+    if (w == NULL)
         return NULL;
-    PyObject *ret = NULL;
-    if (((uintptr_t)page.buf & 7) != 0 || off < 0 || (off & 7) != 0 || off > page.len - 8) {
-        PyErr_SetString(PyExc_ValueError, "no such aligned u64 in the page");
-    } else {
-        __atomic_store_n((uint64_t *)((char *)page.buf + off), (uint64_t)value, __ATOMIC_RELEASE);
-        ret = Py_NewRef(Py_None);
-    }
+    __atomic_store_n(w, (uint64_t)value, __ATOMIC_RELEASE);
     PyBuffer_Release(&page);
-    return ret;
+    Py_RETURN_NONE;
 }
