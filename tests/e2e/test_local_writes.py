@@ -209,3 +209,32 @@ def test_off_at_either_end(workdir: str, monkeypatch: pytest.MonkeyPatch) -> Non
         assert d.check() == []
     finally:
         stop_daemon(d)
+
+
+def test_a_writer_scribbling_its_write_area_costs_only_itself(daemon: DaemonProc) -> None:
+    """Random bytes over the whole write area (head, DONE, grants, records), the doorbell
+    rung again and again: the daemon keeps serving, commits nothing that is not a valid
+    batch of that session's own grants, and balances when the writer goes."""
+    rng = np.random.default_rng(7)
+    with _client(daemon, "victim") as other:
+        other.put([b"safe"], [b"kept"])
+        with _client(daemon, "scribbler") as c:
+            c.put([b"p0", b"p1", b"p2", b"p3"], [b"p"] * 4)
+            assert _granted(daemon, 4) >= 4
+            index = c._maps.index
+            assert index is not None and index.writes is not None
+            page = np.frombuffer(index._page, dtype=np.uint8)
+            for _ in range(50):
+                page[16384:] = rng.integers(0, 256, 16384, dtype=np.uint8)
+                index.writes.ring()
+            time.sleep(0.2)
+            assert other.get([b"safe"])[0].tobytes() == b"kept"
+            # At most its limit (2 MiB of a 32 MiB pool: 32 slots), whatever it asks; one
+            # more for the victim's writer.
+            assert daemon.stats().granted_blocks <= 32 + 1
+            del page
+    s = _settled(daemon)
+    assert (s.sessions, s.granted_blocks, s.reservations) == (0, 0, 0)
+    assert s.tiers[0].reserved_bytes == 0
+    assert daemon.check() == []
+    assert "Traceback" not in daemon.log()
