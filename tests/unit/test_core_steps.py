@@ -108,7 +108,7 @@ def test_reserve_aborts_when_its_segments_cannot_be_mapped() -> None:
     do = transport({"Reserve": resp, "Abort": pb.AbortResponse()}, log, fail)
     with pytest.raises(Unavailable, match="gone"):
         run_steps(core._reserve_steps([b"k"]), do)
-    assert log == ["Reserve", "SyncMaps", "Abort"]
+    assert log == ["GrantHere", "Reserve", "SyncMaps", "Abort"]  # no grants here: the call
 
 
 def test_get_releases_without_waiting_after_the_copies() -> None:
