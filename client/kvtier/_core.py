@@ -806,6 +806,13 @@ class ReservationState:
         self._sums = sums
 
     def commit_request(self, checksum: bool) -> pb.CommitRequest:
+        lengths, sums = self._lengths_and_sums(checksum)
+        return pb.CommitRequest(reservation_id=self.reservation_id, lengths=lengths,
+                                checksums=sums or [])
+
+    def _lengths_and_sums(self, checksum: bool) -> tuple[list[int], list[int] | None]:
+        """Each reserved slot's length and (with ``checksum``) its checksum, hashing
+        only what ``write_all_hashed`` did not."""
         lengths = []
         sums: list[int] = []
         hashed = self._sums if checksum else None
@@ -817,8 +824,9 @@ class ReservationState:
                 buf = self.buffers[i]
                 assert buf is not None
                 sums.append(_accel.checksum(buf[:n]))
-        return pb.CommitRequest(reservation_id=self.reservation_id, lengths=lengths,
-                                checksums=sums if hashed is None else hashed)
+        if not checksum:
+            return lengths, None
+        return lengths, sums if hashed is None else hashed
 
     def release_views(self) -> None:
         self.buffers = [None] * len(self.keys)
@@ -832,10 +840,10 @@ class ReservationState:
     def commit_records(self, checksum: bool) -> list[tuple[int, bytes, int, int | None]]:
         """The commit records of a reservation made from grants (csrc/writes.c)."""
         assert self._local is not None
-        req = self.commit_request(checksum)
-        sums: list[int | None] = list(req.checksums) if checksum else [None] * len(req.lengths)
+        lengths, sums = self._lengths_and_sums(checksum)
+        each: list[int] | list[None] = sums if sums is not None else [None] * len(lengths)
         return [(g.entry, self.keys[i], n, s) for g, i, n, s in
-                zip(self._local.grants, self.reserved, req.lengths, sums, strict=True)]
+                zip(self._local.grants, self.reserved, lengths, each, strict=True)]
 
     def _commit_steps(self) -> Steps[int]:
         if self.done:
@@ -861,10 +869,8 @@ class ReservationState:
         records = yield Work(functools.partial(self.commit_records, checksum), hashed)
         try:
             results: bytes = yield CommitHere(local.writes, records, self.session_gen)
-        except BaseException:
+        finally:
             self._finish()
-            raise
-        self._finish()
         # Grants whose key turned out present stay granted: give them back for reuse.
         kept = [g for g, r in zip(local.grants, results, strict=True) if r != _index.COMMITTED]
         if kept:

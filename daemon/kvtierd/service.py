@@ -309,8 +309,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.slots))
         page = session.ns.pages.get(session.id)
         if page is not None and page.writes:  # a writer that had too few grants: more next time
-            session.grants_wanted = min(page.wanted(), self.store.grant_limit(session.ns))
-            asyncio.get_running_loop().call_soon(self._refill, session)
+            asyncio.get_running_loop().call_soon(self._refill, session, page)
         return pb.ReserveResponse(
             reservation_id=result.reservation_id,
             statuses=cast(Any, result.statuses),
@@ -359,15 +358,15 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         elif records:
             results = bytes([CommitResult.LOST]) * len(records)
         if writer:
-            session.grants_wanted = min(page.wanted(), self.store.grant_limit(session.ns))
-            self._refill(session)
+            self._refill(session, page)
         page.finish_commits(results)
 
-    def _refill(self, session: Session) -> None:
-        # -1: the namespace may grow; the writer's next Reserve call grows it (grants
-        # never grow a namespace by themselves: room ahead of use is taken only from
-        # what exists).
-        granted = self.store.refill_grants(session, session.grants_wanted)
+    def _refill(self, session: Session, page: SessionPage) -> None:
+        # As many as the page asks for (the store clamps it to the limit).  -1: the
+        # namespace may grow; the writer's next Reserve call grows it (grants never
+        # grow a namespace by themselves: room ahead of use is taken only from what
+        # exists).
+        granted = self.store.refill_grants(session, page.wanted())
         if granted > 0:
             self._counts(session.ns.name)[2] += granted
 

@@ -77,7 +77,6 @@ _W_GRANTS: Final = 16896
 GRANTS_N: Final = 256
 GRANT_VALID: Final = 1 << 63
 GRANT_TAKEN: Final = 1 << 62
-RING_RECORDS: Final = 128
 #: A commit record's flags and results (``csrc/writes.c``).
 HAS_SUM: Final = 1
 LAST: Final = 2
@@ -398,10 +397,10 @@ class SessionPage:
         return _native.page_cas(self._mm, _W_GRANTS + 8 * i, word, 0)
 
     def local_reservations(self) -> int:
-        """Reservations the client says it holds from grants (its word, so at most as
-        many as it can hold grants: the Reserve limit counts them with the calls')."""
+        """Reservations the client says it holds from grants (its word: the store
+        believes at most as many as the session holds grants)."""
         value: int = struct.unpack_from("<Q", self._mm, _LOCAL_RESERVATIONS)[0]
-        return min(value, GRANTS_N) if self.writes else 0
+        return value
 
     def wanted(self) -> int:
         """How many grants the client asks to have (its word: bounded by the caller)."""

@@ -265,7 +265,6 @@ class Session:
     grants: dict[int, tuple[Extent, int, int]] = dataclasses.field(default_factory=dict)
     grant_seen: dict[int, float] = dataclasses.field(default_factory=dict)
     grants_used: float = 0.0  # the store's clock when a grant was last made or committed
-    grants_wanted: int = 0  # how many its writer asked to hold (bounded by grant_limit)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -1069,7 +1068,7 @@ class Store:
         """Most slots a session of ``ns`` may hold granted ahead (``grant_bytes`` of them)."""
         return min(GRANTS_N, self.grant_bytes // ns.slot_bytes)
 
-    def refill_grants(self, session: Session, want: int, *, may_grow: bool = True) -> int:
+    def refill_grants(self, session: Session, want: int) -> int:
         """Reserve slots ahead for ``session``'s writer until it holds ``want`` (at most
         ``grant_limit``), named in its page: it fills and commits them without a call.
         Takes room as a reserve does (free slots; then, if the namespace may grow, -1:
@@ -1086,7 +1085,7 @@ class Store:
         places: list[tuple[Extent, int, int]] = []
         for _round in range(3):
             try:
-                places = self._claim(ns, n, may_grow=may_grow, partial=True)
+                places = self._claim(ns, n, may_grow=True, partial=True)
                 break
             except _Raced:
                 continue
@@ -1238,10 +1237,9 @@ class Store:
             self._end_grants(session, stale, quarantine=now + self.reservation_ttl)
         self._end_grants(session, back)
 
-    def granted_count(self, ns: Namespace | None = None) -> int:
-        """Slots held granted ahead by the sessions (of ``ns``, or all)."""
-        return sum(len(s.grants) for s in self.sessions.values()
-                   if ns is None or s.ns is ns)
+    def granted_count(self) -> int:
+        """Slots held granted ahead by the sessions."""
+        return sum(len(s.grants) for s in self.sessions.values())
 
     def note_reads(self, ns: Namespace) -> None:
         """Move the blocks ``ns``'s clients read without a call to the LRU's young end

@@ -627,14 +627,19 @@ class Tiering:
     async def reserve(self, session: Session, keys: Sequence[bytes]) -> ReserveResult:
         """Reserve DRAM slots; keys a lower tier holds are EXISTS.  Waits for demotion
         when only DIRTY blocks could make room."""
-        exists = None
-        if self._local:
-            ns, geometry = session.ns, self._geometry(session.ns)
+        return await self._reserve_with_backpressure(session, keys, self._exists_below(session))
 
-            def exists(key: bytes) -> bool:
-                return self._local_copy(ns.name, key, geometry) is not None
+    def _exists_below(self, session: Session) -> Callable[[bytes], bool] | None:
+        """Whether a tier below DRAM holds a key of ``session``'s namespace (None: no such
+        tier): such a key is EXISTS to a writer, as a DRAM block is."""
+        if not self._local:
+            return None
+        ns, geometry = session.ns, self._geometry(session.ns)
 
-        return await self._reserve_with_backpressure(session, keys, exists)
+        def exists(key: bytes) -> bool:
+            return self._local_copy(ns.name, key, geometry) is not None
+
+        return exists
 
     async def _reserve_with_backpressure(
         self, session: Session, keys: Sequence[bytes], exists: Callable[[bytes], bool] | None
@@ -673,14 +678,7 @@ class Tiering:
                        ) -> bytes:
         """``Store.commit_granted`` (keys a lower tier holds are EXISTS, as for a
         reserve), then wake the demoter and publish when write-through."""
-        exists = None
-        if self._local:
-            ns, geometry = session.ns, self._geometry(session.ns)
-
-            def exists(key: bytes) -> bool:
-                return self._local_copy(ns.name, key, geometry) is not None
-
-        results, made = self.store.commit_granted(session, records, exists)
+        results, made = self.store.commit_granted(session, records, self._exists_below(session))
         if self.enabled and made:
             self._committed(made)
         return results
