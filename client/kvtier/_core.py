@@ -878,8 +878,8 @@ class ReservationState:
         if _index.INVALID in results:
             raise InvalidArgument("the daemon refused this commit's records as malformed")
         if _index.LOST in results:
-            raise NotFound("reservation expired: its slots were held past reservations.ttl "
-                           "without a commit")
+            raise NotFound("reservation is not open: it expired (its slots were held past "
+                           "reservations.ttl without a commit)")
         if _index.FAILED in results:
             raise Unavailable("the daemon could not record this commit; retry")
         return results.count(_index.COMMITTED)

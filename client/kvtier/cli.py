@@ -38,17 +38,18 @@ def _tier_note(s: pb.StatsResponse, t: pb.TierStats) -> str:
 
 def render_tiers(s: pb.StatsResponse) -> str:
     """One row per tier; the shared tier is unbounded (its filesystem's quota governs it)."""
-    rows = [["tier", "total", "free", "reserved", "committed", "blocks", "note"]]
+    rows = [["tier", "total", "free", "reserved", "granted", "committed", "blocks", "note"]]
     for t in s.tiers:
         name = TIER_NAMES.get(t.tier, f"tier {t.tier}")
         if t.tier == pb.TIER_SHARED and not t.total_bytes:
-            sizes = ["-"] * 5
+            sizes = ["-"] * 6
         else:
             sizes = [format_bytes(t.total_bytes), format_bytes(t.free_bytes),
-                     format_bytes(t.reserved_bytes), format_bytes(t.committed_bytes),
-                     str(t.committed_blocks)]
+                     format_bytes(t.reserved_bytes),
+                     format_bytes(t.granted_bytes) if t.tier == pb.TIER_DRAM else "-",
+                     format_bytes(t.committed_bytes), str(t.committed_blocks)]
         rows.append([name, *sizes, _tier_note(s, t)])
-    return table(rows, left=(0, 6))
+    return table(rows, left=(0, 7))
 
 
 def render_spill(s: pb.StatsResponse) -> str:

@@ -99,8 +99,7 @@ DEFAULT_SOCKET_MODE: Final = 0o660
 #: gRPC's own default receive limit; a 4096-key call with metadata fits many times over.
 DEFAULT_MAX_MESSAGE_BYTES: Final = 4 * MiB
 #: Slots a writer may hold reserved ahead (writes without a call); at most a 16th of DRAM.
-#: Off by default until the e2e and crash suites run with grants (docs/decisions.md).
-DEFAULT_WRITE_GRANT_BYTES: Final = 0
+DEFAULT_WRITE_GRANT_BYTES: Final = 64 * MiB
 #: A 128k-token prompt in 32-token blocks is one call; larger batches are refused, not split.
 DEFAULT_MAX_KEYS_PER_CALL: Final = 4096
 #: In-flight calls are short memory operations; 2 s ends them well inside systemd's stop timeout.

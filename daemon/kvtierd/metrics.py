@@ -341,12 +341,14 @@ class _StoreCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         store = self._store
-        acct = store.dram_bytes()
+        idle = store.idle_grants()
+        acct = store.dram_bytes(idle)
         tier_bytes = GaugeMetricFamily(
-            "kvtier_tier_bytes", "Bytes of a tier by state (free + reserved + committed = total)",
+            "kvtier_tier_bytes", "Bytes of a tier by state (free + reserved + granted + "
+            "committed = total; granted: slots granted ahead to writers, not taken yet)",
             labels=["tier", "state"],
         )
-        for state in ("total", "free", "reserved", "committed"):
+        for state in ("total", "free", "reserved", "granted", "committed"):
             tier_bytes.add_metric(["dram", state], acct[state])
         yield tier_bytes
         ns_blocks = GaugeMetricFamily(
@@ -362,8 +364,10 @@ class _StoreCollector(Collector):
         )
         for ns in list(store.namespaces.values()):
             free = ns.free_slots()
-            for state, n in (("committed", ns.committed), ("reserved", ns.reserved),
-                             ("leased", store.leased_blocks(ns)), ("free", free)):
+            granted = idle.get(ns.name, 0)
+            for state, n in (("committed", ns.committed), ("reserved", ns.reserved - granted),
+                             ("granted", granted), ("leased", store.leased_blocks(ns)),
+                             ("free", free)):
                 ns_blocks.add_metric([ns.name, "dram", state], n)
                 ns_bytes.add_metric([ns.name, "dram", state], n * ns.slot_bytes)
             ns_sessions.add_metric([ns.name], ns.sessions)

@@ -554,14 +554,17 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
     """A ``StatsResponse`` snapshot of the store and the spill tiers (and, given the
     metrics, the bytes moved per tier and the recent RPC latencies)."""
     store = tiering.store
-    acct = store.dram_bytes()
+    idle = store.idle_grants()
+    granted_blocks = sum(idle.values())
+    acct = store.dram_bytes(idle)
     committed_blocks = sum(ns.committed for ns in store.namespaces.values())
-    reserved_blocks = sum(ns.reserved for ns in store.namespaces.values())
+    reserved_blocks = sum(ns.reserved for ns in store.namespaces.values()) - granted_blocks
     tiers = [
         pb.TierStats(
             tier=pb.TIER_DRAM, total_bytes=acct["total"], free_bytes=acct["free"],
             reserved_bytes=acct["reserved"], committed_bytes=acct["committed"],
             committed_blocks=committed_blocks, reserved_blocks=reserved_blocks,
+            granted_bytes=acct["granted"], granted_blocks=granted_blocks,
         )
     ]
     ssd = tiering.ssd
@@ -585,7 +588,8 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
         pb.NamespaceStats(
             name=ns.name, block_bytes=ns.block_bytes, model_uid=ns.model_uid,
             slot_bytes=ns.slot_bytes, segments=len(ns.extents), committed_blocks=ns.committed,
-            reserved_blocks=ns.reserved, free_slots=ns.free_slots(), leased_blocks=store.leased_blocks(ns),
+            reserved_blocks=ns.reserved - idle.get(ns.name, 0),
+            granted_blocks=idle.get(ns.name, 0), free_slots=ns.free_slots(), leased_blocks=store.leased_blocks(ns),
             sessions=ns.sessions, hits=ns.hits, misses=ns.misses,
             recovered_blocks=ns.recovered,
         )
@@ -597,7 +601,7 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
         sessions=len(store.sessions),
         leases=store.lease_count,
         hazard_blocks=store.hazard_count(),
-        granted_blocks=store.granted_count(),
+        granted_blocks=granted_blocks,
         reservations=store.reservation_count,
         evictions=store.evictions,
         mlocked=not store.mlock_errors,

@@ -1238,8 +1238,31 @@ class Store:
         self._end_grants(session, back)
 
     def granted_count(self) -> int:
-        """Slots held granted ahead by the sessions."""
-        return sum(len(s.grants) for s in self.sessions.values())
+        """Slots granted ahead that no writer has taken yet (``idle_grants``' sum)."""
+        return sum(self.idle_grants().values())
+
+    def idle_grants(self) -> dict[str, int]:
+        """Per namespace, the slots granted ahead that no writer has taken yet: room held
+        for the next writes, not being written.  Stats and metrics show them apart from
+        the reserved slots (a taken grant is a reservation; the page's TAKEN bit says
+        which, and a client that lies about it only changes these figures)."""
+        out: dict[str, int] = {}
+        for s in self.sessions.values():
+            idle = len(s.grants) - self._taken_grants(s)
+            if idle:
+                out[s.ns.name] = out.get(s.ns.name, 0) + idle
+        return out
+
+    @staticmethod
+    def _taken_grants(session: Session) -> int:
+        """How many of ``session``'s grants its writer has taken (its page says)."""
+        if not session.grants:
+            return 0
+        page = session.ns.pages.get(session.id)
+        if page is None:
+            return 0
+        return sum(1 for g, (ext, slot, _gen) in session.grants.items()
+                   if page.grant_word(g) == _grant_word(ext, slot) | GRANT_TAKEN)
 
     def note_reads(self, ns: Namespace) -> None:
         """Move the blocks ``ns``'s clients read without a call to the LRU's young end
@@ -1843,9 +1866,11 @@ class Store:
 
     def local_reservations(self, session: Session) -> int:
         """Reservations ``session``'s client holds from grants (its page says; at most
-        as many as it holds grants)."""
+        as many as it has grants taken)."""
         page = session.ns.pages.get(session.id)
-        return 0 if page is None else min(page.local_reservations(), len(session.grants))
+        if page is None or not session.grants:
+            return 0
+        return min(page.local_reservations(), self._taken_grants(session))
 
     def local_leases(self, session: Session) -> int:
         """Leases ``session``'s client holds without a call."""
@@ -1854,18 +1879,28 @@ class Store:
 
     @property
     def reservation_count(self) -> int:
-        """Reservations open by clients (promotions in flight are not counted)."""
-        return sum(1 for r in self._reservations.values() if not r.session.system)
+        """Reservations open by clients, by call and from grants (promotions in flight
+        are not counted)."""
+        calls = sum(1 for r in self._reservations.values() if not r.session.system)
+        return calls + sum(self.local_reservations(s) for s in self.sessions.values()
+                           if s.grants)
 
-    def dram_bytes(self) -> dict[str, int]:
-        """Tier accounting: total = free + reserved + committed (bytes of slots)."""
-        reserved = sum(ns.reserved * ns.slot_bytes for ns in self.namespaces.values())
-        committed = sum(ns.committed * ns.slot_bytes for ns in self.namespaces.values())
+    def dram_bytes(self, idle: dict[str, int] | None = None) -> dict[str, int]:
+        """Tier accounting: total = free + reserved + granted + committed (bytes of
+        slots); ``granted`` is the slots granted ahead and not taken (``idle_grants``,
+        or ``idle`` when the caller has it), ``reserved`` the other reserved slots."""
+        if idle is None:
+            idle = self.idle_grants()
+        spaces = self.namespaces
+        granted = sum(n * spaces[name].slot_bytes for name, n in idle.items() if name in spaces)
+        reserved = sum(ns.reserved * ns.slot_bytes for ns in spaces.values()) - granted
+        committed = sum(ns.committed * ns.slot_bytes for ns in spaces.values())
         return {
             "total": self.capacity,
             "reserved": reserved,
+            "granted": granted,
             "committed": committed,
-            "free": self.capacity - reserved - committed,
+            "free": self.capacity - reserved - granted - committed,
         }
 
     def check(self) -> list[str]:

@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvtier
 from kvtier import errors
+from kvtier._core import LOCAL_WRITES_ENV
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.segments import META_SUFFIX, read_header, segment_file_name
@@ -94,6 +95,14 @@ def stub(d: DaemonProc) -> Iterator[pb_grpc.KVTierStub]:
 
 
 @pytest.fixture
+def wire_reserves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients made after this reserve with the Reserve call, never from slots granted
+    ahead: the test sends their reservation ids over the wire itself (a reservation from
+    grants has none)."""
+    monkeypatch.setenv(LOCAL_WRITES_ENV, "0")
+
+
+@pytest.fixture
 def client(d: DaemonProc) -> Iterator[kvtier.Client]:
     with kvtier.Client(d.socket_dir, namespace=NS, block_bytes=BB, model_uid="m") as c:
         yield c
@@ -136,7 +145,8 @@ def dram_balances(d: DaemonProc) -> pb.StatsResponse:
     (t,) = s.tiers
     assert t.tier == pb.TIER_DRAM
     assert t.total_bytes == CAPACITY
-    assert t.free_bytes + t.reserved_bytes + t.committed_bytes == t.total_bytes, t
+    assert t.free_bytes + t.reserved_bytes + t.granted_bytes + t.committed_bytes \
+        == t.total_bytes, t
     return s
 
 
@@ -674,7 +684,7 @@ def test_unknown_reservation_is_not_found(
 
 
 def test_commit_or_abort_twice_is_not_found(
-    d: DaemonProc, stub: pb_grpc.KVTierStub, client: kvtier.Client
+    d: DaemonProc, stub: pb_grpc.KVTierStub, wire_reserves: None, client: kvtier.Client
 ) -> None:
     k1, k2 = uniq("twice"), uniq("twice")
     r = client.reserve([k1])
@@ -704,7 +714,7 @@ def test_commit_or_abort_twice_is_not_found(
 
 
 def test_other_sessions_reservation_and_lease_are_not_found(
-    d: DaemonProc, stub: pb_grpc.KVTierStub, client: kvtier.Client
+    d: DaemonProc, stub: pb_grpc.KVTierStub, wire_reserves: None, client: kvtier.Client
 ) -> None:
     held, new = uniq("own"), uniq("own")
     assert client.put([held], [b"held"]) == 1
@@ -751,7 +761,7 @@ def _bad_commits(rid: int) -> list[tuple[list[int], list[int], str]]:
 
 
 def test_malformed_commit_is_invalid_argument_and_keeps_the_reservation(
-    d: DaemonProc, stub: pb_grpc.KVTierStub, cns: kvtier.Client
+    d: DaemonProc, stub: pb_grpc.KVTierStub, wire_reserves: None, cns: kvtier.Client
 ) -> None:
     k1, k2 = uniq("mal"), uniq("mal")
     d1, d2 = block(5000, 2), block(1, 3)

@@ -538,8 +538,10 @@ def check_stream(data: bytes, got: list[pb.SessionResponse], nfds: int) -> None:
             assert kind == "opened", (w, r)
             o = r.opened
             assert o.token and o.slot_bytes >= bb and o.slot_bytes % 4096 == 0, o
-            # the segments', then the shared index's and the counters page's
-            fds_expected += len(o.segments) + o.shared_index + o.lookup_counters
+            # the segments', then the shared index's and the counters page's, then the
+            # write doorbell's
+            fds_expected += (len(o.segments) + o.shared_index + o.lookup_counters
+                             + o.write_doorbell)
         elif w[0] == "mapped":
             assert kind == "mapped", (w, r)
             ids = {s.segment_id for s in r.mapped.segments}

@@ -96,7 +96,11 @@ def test_puts_make_no_reserve_or_commit_call_and_read_back_byte_exact(
         s = daemon.stats()
         assert s.granted_blocks == 8 and s.reservations == 0
         ns = next(n for n in s.namespaces if n.name == "w")
-        assert (ns.committed_blocks, ns.reserved_blocks) == (8 * 6 + 1, 8)
+        # Granted and not taken: room held, not reserved.
+        assert (ns.committed_blocks, ns.reserved_blocks, ns.granted_blocks) == (8 * 6 + 1, 0, 8)
+        (dram,) = s.tiers
+        assert (dram.granted_blocks, dram.reserved_blocks) == (8, 0)
+        assert dram.granted_bytes == 8 * ns.slot_bytes
     s = _settled(daemon)
     assert (s.sessions, s.granted_blocks, s.reservations) == (0, 0, 0)
     t = s.tiers[0]
@@ -153,7 +157,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_held(daemon: DaemonProc) -> No
         assert p.stdout is not None
         line = p.stdout.readline()
         assert line.strip() == "READY", p.stderr.read() if p.stderr else line
-        assert daemon.stats().granted_blocks > 0
+        assert daemon.stats().tiers[0].reserved_blocks == 3  # the three grants it took
         p.send_signal(signal.SIGKILL)
         p.wait(10)
     finally:
@@ -186,7 +190,7 @@ def test_async_client_puts_through_grants(daemon: DaemonProc) -> None:
 
 
 def test_off_at_either_end(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    d = start_daemon(workdir)  # the default: off
+    d = start_daemon(workdir, "--set", "server.write_grant_bytes=0")  # off in the daemon
     try:
         with _client(d) as c:
             assert c._maps.index is not None and c._maps.index.writes is None

@@ -155,7 +155,8 @@ def test_no_client_can_write_or_resize_the_table(daemon: DaemonProc) -> None:
     try:
         resp, fds = link.request(open_request("idx", BB, "m"))
         n = len(resp.opened.segments)
-        assert resp.opened.shared_index and resp.opened.lookup_counters and len(fds) == n + 2
+        assert resp.opened.shared_index and resp.opened.lookup_counters
+        assert len(fds) == n + 2 + resp.opened.write_doorbell  # + the write doorbell
         index_fd, page_fd = fds[n], fds[n + 1]
         size = os.fstat(index_fd).st_size
         with pytest.raises(PermissionError):

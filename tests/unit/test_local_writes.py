@@ -197,8 +197,17 @@ def test_granted_slots_are_reserved_and_commit_without_a_call(granting: StoreEnv
     assert env.store.refill_grants(s, 10) == 0
     assert s.ns.reserved == GRANTS and env.store.granted_count() == GRANTS
     assert env.store.check() == []
+    # Untaken grants are room held for the next writes, shown apart from reservations.
+    acct = env.store.dram_bytes()
+    assert (acct["granted"], acct["reserved"]) == (GRANTS * s.ns.slot_bytes, 0)
     got = writes.take(3)
     assert got is not None
+    # Taken, they are reservations in progress.
+    assert env.store.idle_grants() == {s.ns.name: GRANTS - 3}
+    acct = env.store.dram_bytes()
+    assert (acct["granted"], acct["reserved"]) == ((GRANTS - 3) * s.ns.slot_bytes,
+                                                   3 * s.ns.slot_bytes)
+    assert sum(acct[k] for k in ("free", "reserved", "granted", "committed")) == acct["total"]
     ks = keys(3, "w")
     for g, k in zip(got, ks, strict=True):
         _fill(env, g, payload(k))

@@ -863,11 +863,12 @@ def test_dram_bytes_add_up_through_a_lifecycle(env: StoreEnv) -> None:
 
     def acct() -> dict[str, int]:
         d = st.dram_bytes()
-        assert d["free"] + d["reserved"] + d["committed"] == d["total"] == CAPACITY
+        assert d["free"] + d["reserved"] + d["granted"] + d["committed"] == d["total"] == CAPACITY
         assert d["free"] >= 0
         return d
 
-    assert acct() == {"total": CAPACITY, "reserved": 0, "committed": 0, "free": CAPACITY}
+    assert acct() == {"total": CAPACITY, "reserved": 0, "granted": 0, "committed": 0,
+                     "free": CAPACITY}
     s = session(env)
     res = env.reserve(s, keys(3))
     assert acct()["reserved"] == 3 * BLOCK
@@ -877,7 +878,8 @@ def test_dram_bytes_add_up_through_a_lifecycle(env: StoreEnv) -> None:
     st.delete(s, keys(3))
     assert acct()["committed"] == BLOCK  # the doomed, leased block still holds its slot
     st.release(s, lease.lease_id)
-    assert acct() == {"total": CAPACITY, "reserved": 0, "committed": 0, "free": CAPACITY}
+    assert acct() == {"total": CAPACITY, "reserved": 0, "granted": 0, "committed": 0,
+                     "free": CAPACITY}
     put(env, s, keys(TOTAL_SLOTS, prefix="f"))
     put(env, s, keys(5, prefix="g"))
     assert acct()["committed"] == TOTAL_SLOTS * BLOCK

@@ -288,7 +288,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "total_bytes", "free_bytes", "reserved_bytes", "committed_bytes", "committed_blocks", "reserved_blocks", "note")
+    __slots__ = ("tier", "total_bytes", "free_bytes", "reserved_bytes", "committed_bytes", "committed_blocks", "reserved_blocks", "note", "granted_bytes", "granted_blocks")
     TIER_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +297,8 @@ class TierStats(_message.Message):
     COMMITTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     total_bytes: int
     free_bytes: int
@@ -305,10 +307,12 @@ class TierStats(_message.Message):
     committed_blocks: int
     reserved_blocks: int
     note: str
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
+    granted_bytes: int
+    granted_blocks: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., note: _Optional[str] = ..., granted_bytes: _Optional[int] = ..., granted_blocks: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("name", "block_bytes", "model_uid", "slot_bytes", "segments", "committed_blocks", "reserved_blocks", "free_slots", "leased_blocks", "sessions", "hits", "misses", "recovered_blocks")
+    __slots__ = ("name", "block_bytes", "model_uid", "slot_bytes", "segments", "committed_blocks", "reserved_blocks", "free_slots", "leased_blocks", "sessions", "hits", "misses", "recovered_blocks", "granted_blocks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_UID_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +326,7 @@ class NamespaceStats(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     block_bytes: int
     model_uid: str
@@ -335,7 +340,8 @@ class NamespaceStats(_message.Message):
     hits: int
     misses: int
     recovered_blocks: int
-    def __init__(self, name: _Optional[str] = ..., block_bytes: _Optional[int] = ..., model_uid: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., free_slots: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., recovered_blocks: _Optional[int] = ...) -> None: ...
+    granted_blocks: int
+    def __init__(self, name: _Optional[str] = ..., block_bytes: _Optional[int] = ..., model_uid: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., free_slots: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., recovered_blocks: _Optional[int] = ..., granted_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "namespaces", "sessions", "leases", "reservations", "evictions", "mlocked", "mlock_error", "prefault_seconds", "daemon_version", "boot_epoch", "uptime_seconds", "warm_start", "recovered_blocks", "recovery_seconds", "dropped_segments", "demotions", "promotions", "prefetches", "prefetch_hits", "spill_queue_depth", "spill_checksum_failures", "spill_faults", "ssd_direct_io", "ssd_adopted_blocks", "ssd_adopt_seconds", "dropped_spill_files", "backpressure_waits", "io", "rpcs", "hazard_blocks", "granted_blocks")
