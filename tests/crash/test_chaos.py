@@ -123,7 +123,7 @@ def audit(d: DaemonProc, journals: Sequence[str],
                             f"journalled keys present: blocks no writer acknowledged")
     s = stats(d)
     (t,) = [t for t in s.tiers if t.tier == pb.TIER_DRAM]
-    if t.free_bytes + t.reserved_bytes + t.committed_bytes != t.total_bytes:
+    if t.free_bytes + t.reserved_bytes + t.granted_bytes + t.committed_bytes != t.total_bytes:
         problems.append(f"DRAM does not balance: {t}")
     if s.evictions:
         problems.append(f"{s.evictions} evictions: the pool is sized so that none can happen")
@@ -208,7 +208,8 @@ def check(d: DaemonProc) -> list[str]:
 def dram_balances(d: DaemonProc) -> pb.StatsResponse:
     s = stats(d)
     (t,) = [t for t in s.tiers if t.tier == pb.TIER_DRAM]
-    assert t.free_bytes + t.reserved_bytes + t.committed_bytes == t.total_bytes, t
+    assert t.free_bytes + t.reserved_bytes + t.granted_bytes + t.committed_bytes \
+        == t.total_bytes, t
     assert s.evictions == 0, f"{s.evictions} evictions in a pool sized for none"
     return s
 

@@ -44,8 +44,8 @@ def spawn_worker(d: DaemonProc, action: str, **args: object) -> subprocess.Popen
 def dram(d: DaemonProc) -> dict[str, int]:
     t = d.stats().tiers[0]
     acct = {"total": t.total_bytes, "free": t.free_bytes, "reserved": t.reserved_bytes,
-            "committed": t.committed_bytes}
-    assert acct["free"] + acct["reserved"] + acct["committed"] == acct["total"]
+            "granted": t.granted_bytes, "committed": t.committed_bytes}
+    assert acct["free"] + acct["reserved"] + acct["granted"] + acct["committed"] == acct["total"]
     return acct
 
 
