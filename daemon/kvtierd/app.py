@@ -30,6 +30,7 @@ from kvtier.errors import FailedPrecondition
 from kvtierd import shared_index, systemd
 from kvtierd.access import AdminSessions
 from kvtierd.config import Config
+from kvtierd.events import EventPublisher
 from kvtierd.logs import Throttle, event, more
 from kvtierd.metrics import Metrics
 from kvtierd.recovery import RecoveryReport, log_problems, recover
@@ -70,6 +71,7 @@ class Daemon:
     _http: Any
     _lock_fd: int
     _tasks: list[asyncio.Task[None]]  # expiry, background mlock, systemd watchdog
+    events: EventPublisher | None = None
     _stopped: bool = False
 
     async def stop(self, grace: float | None = None) -> None:
@@ -86,6 +88,9 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.tiering.stop()
+        if self.events is not None:
+            self.tiering.watch(None)
+            await self.events.stop()
         await self.store.drain()
         self.store.close_all()
         if self._http is not None:
@@ -401,6 +406,16 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         await tiering.start()
         undo.push_async_callback(tiering.stop)
         metrics.watch(store, tiering)
+        events = None
+        if cfg.events.enabled:
+            events = EventPublisher(cfg.events, first_seq=boot_epoch << 32,
+                                    blocks=tiering.blocks_by_tier,
+                                    socket_mode=cfg.server.socket_mode)
+            await events.start()
+            undo.push_async_callback(events.stop)
+            metrics.watch_events(events.counters)
+            tiering.watch(events.changed)
+            undo.callback(tiering.watch, None)
 
         grpc_path = os.path.join(cfg.server.socket_dir, GRPC_SOCKET_NAME)
         session_path = os.path.join(cfg.server.socket_dir, SESSION_SOCKET_NAME)
@@ -463,7 +478,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         config=cfg, store=store, tiering=tiering, metrics=metrics, server=server, channel=channel, health=health,
         grpc_path=grpc_path, session_path=session_path, metrics_port=metrics_port,
         tcp_port=tcp_port, _http=http,
-        _lock_fd=lock_fd, _tasks=tasks,
+        _lock_fd=lock_fd, _tasks=tasks, events=events,
     )
     log.info(
         "kvtierd ready in %.2f s: grpc %s, sessions %s, metrics %s, DRAM %.1f MiB in %s "

@@ -100,6 +100,8 @@ DEFAULT_SOCKET_MODE: Final = 0o660
 DEFAULT_MAX_MESSAGE_BYTES: Final = 4 * MiB
 #: Slots a writer may hold reserved ahead (writes without a call); at most a 16th of DRAM.
 DEFAULT_WRITE_GRANT_BYTES: Final = 64 * MiB
+#: KV event batches kept for replay requests (vLLM's publisher keeps as many).
+DEFAULT_EVENT_BUFFER_BATCHES: Final = 10_000
 #: A 128k-token prompt in 32-token blocks is one call; larger batches are refused, not split.
 DEFAULT_MAX_KEYS_PER_CALL: Final = 4096
 #: In-flight calls are short memory operations; 2 s ends them well inside systemd's stop timeout.
@@ -307,6 +309,23 @@ class LimitsConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """KV events for cache-aware routers (``kvtierd.events``): off while ``endpoint``
+    is empty."""
+
+    #: Where the ZMQ PUB socket binds: ``tcp://HOST:PORT`` or ``ipc:///path``.
+    endpoint: str = ""
+    #: Where the ZMQ ROUTER socket for replay and snapshot requests binds ("": none).
+    replay_endpoint: str = ""
+    #: Batches kept for replay; an older start gets a snapshot instead.
+    buffer_batches: int = DEFAULT_EVENT_BUFFER_BATCHES
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoint)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Config:
     """The whole daemon configuration; build it with :func:`load_config`."""
 
@@ -320,6 +339,7 @@ class Config:
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     access: AccessPolicy = dataclasses.field(default_factory=AccessPolicy)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
+    events: EventsConfig = dataclasses.field(default_factory=EventsConfig)
 
 
 #: Section name -> its dataclass, in the order the YAML file documents them.
@@ -333,6 +353,7 @@ SECTIONS: Final[Mapping[str, type[Any]]] = {
     "log": LogConfig,
     "access": AccessPolicy,
     "limits": LimitsConfig,
+    "events": EventsConfig,
 }
 
 
@@ -959,6 +980,41 @@ def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
                                               lambda v, k: _parse_int(v, k, 1),
                                               DEFAULT_MAX_RESERVATIONS_PER_SESSION),
         ),
+        events=_events_config(take),
+    )
+
+
+def _parse_zmq_endpoint(value: object, key: str) -> str:
+    """``""`` (off), ``tcp://HOST:PORT`` (a port of 0 is refused: routers must be told
+    where to connect) or ``ipc:///absolute/path``."""
+    expected = "'', tcp://HOST:PORT or ipc:///absolute/path"
+    if not isinstance(value, str):
+        raise _fail(key, expected, value)
+    if value == "":
+        return value
+    if value.startswith("ipc://"):
+        if not value[len("ipc://"):].startswith("/"):
+            raise _fail(key, expected, value)
+        return value
+    if value.startswith("tcp://"):
+        host, sep, port = value[len("tcp://"):].rpartition(":")
+        if sep and host and port.isdigit() and 0 < int(port) < 65536:
+            return value
+    raise _fail(key, expected, value)
+
+
+def _events_config(take: Callable[..., Any]) -> EventsConfig:
+    endpoint = take("events.endpoint", _parse_zmq_endpoint, "")
+    replay = take("events.replay_endpoint", _parse_zmq_endpoint, "")
+    if replay and not endpoint:
+        raise ConfigError("events.replay_endpoint is set but events.endpoint is not: "
+                          "replays serve what the endpoint publishes")
+    if replay and replay == endpoint:
+        raise ConfigError("events.endpoint and events.replay_endpoint must differ")
+    return EventsConfig(
+        endpoint=endpoint, replay_endpoint=replay,
+        buffer_batches=take("events.buffer_batches", lambda v, k: _parse_int(v, k, 1, 1_000_000),
+                            DEFAULT_EVENT_BUFFER_BATCHES),
     )
 
 
@@ -1021,4 +1077,5 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
             ],
         },
         "limits": dataclasses.asdict(cfg.limits),
+        "events": dataclasses.asdict(cfg.events),
     }

@@ -24,6 +24,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from kvtierd.events import EventCounters
     from kvtierd.store import Store
     from kvtierd.tiering import Tiering
 
@@ -231,6 +232,28 @@ class Metrics:
         self.registry.register(_OnLoop(_StoreCollector(store), loop))
         if tiering is not None:
             self.registry.register(_OnLoop(_TieringCollector(tiering), loop))
+
+    def watch_events(self, counters: EventCounters) -> None:
+        """Export the KV events publisher's counters (``kvtierd.events``)."""
+        self.registry.register(_EventsCollector(counters))
+
+
+class _EventsCollector(Collector):
+    def __init__(self, counters: EventCounters) -> None:
+        self._c = counters
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        c = self._c
+        yield CounterMetricFamily("kvtier_kv_event_messages", "KV event messages published "
+                                  "(heartbeats included)", value=c.messages)
+        yield CounterMetricFamily("kvtier_kv_event_dropped", "KV event messages the PUB socket "
+                                  "refused (its queue was full)", value=c.dropped)
+        requests = CounterMetricFamily("kvtier_kv_event_requests", "Replay requests answered, "
+                                       "by answer", labels=["answer"])
+        requests.add_metric(["replay"], c.replays)
+        requests.add_metric(["snapshot"], c.snapshots)
+        requests.add_metric(["malformed"], c.bad_requests)
+        yield requests
 
 
 class _Hooks(Collector):

@@ -447,35 +447,47 @@ class KeyIndex(dict[bytes, _V]):
     """A namespace's key index (a dict) that mirrors its keys into a ``SharedIndex``.
 
     Only the mutations the store makes are supported: ``d[k] = v``, ``del d[k]``
-    and ``update(pairs)``.  Reads are the plain dict's.
+    and ``update(pairs)``.  Reads are the plain dict's.  ``watch(keys, stored)``,
+    when set, hears the keys that come in (stored) and go (not): the KV events
+    (``kvtierd.events``).
     """
 
-    __slots__ = ("shared", "locate")
+    __slots__ = ("shared", "locate", "watch")
 
     def __init__(self) -> None:
         super().__init__()
         self.shared: SharedIndex | None = None
         self.locate: Callable[[_V], Location] | None = None
+        self.watch: Callable[[list[bytes], bool], None] | None = None
 
     def __setitem__(self, key: bytes, value: _V) -> None:
         if self.shared is not None and self.locate is not None:
             self.shared.add(key, self.locate(value))
+        if self.watch is not None and key not in self:
+            self.watch([key], True)
         super().__setitem__(key, value)
 
     def __delitem__(self, key: bytes) -> None:
         super().__delitem__(key)
         if self.shared is not None:
             self.shared.discard(key)
+        if self.watch is not None:
+            self.watch([key], False)
 
     def update(self, pairs: Iterable[tuple[bytes, _V]]) -> None:  # type: ignore[override]
-        if self.shared is None:  # nothing to mirror (recovery publishes afterwards): C speed
-            dict.update(self, pairs)
+        if self.shared is None and self.watch is None:
+            dict.update(self, pairs)  # nothing to mirror (recovery publishes afterwards)
             return
         pairs = list(pairs)
         shared, locate = self.shared, self.locate
-        if (locate is not None and len(pairs) > 1
-                and not any(k in shared.unpublished or k in self for k, _ in pairs)):
-            shared.add_many([(k, locate(v)) for k, v in pairs])  # new keys: one native call
+        if (len(pairs) > 1 and not any(k in self for k, _ in pairs)
+                and (shared is None
+                     or (locate is not None and not any(k in shared.unpublished
+                                                        for k, _ in pairs)))):
+            if shared is not None and locate is not None:  # new keys: one native call
+                shared.add_many([(k, locate(v)) for k, v in pairs])
+            if self.watch is not None:
+                self.watch([k for k, _ in pairs], True)
             dict.update(self, pairs)
             return
         for key, value in pairs:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import operator
@@ -475,6 +476,8 @@ class Store:
         self.prefault_seconds = 0.0
         self.recovery_seconds = 0.0
         self.dropped_segments: list[str] = []
+        #: Hears every key that comes into or goes out of DRAM (``watch``).
+        self._watch: Callable[[str, str, list[bytes], bool], None] | None = None
 
     @property
     def spill_enabled(self) -> bool:
@@ -494,8 +497,20 @@ class Store:
         ns = Namespace(name, block_bytes, model_uid, slot_bytes)
         if publish:
             self._publish(ns)
+        self._watch_namespace(ns)
         self.namespaces[name] = ns
         return ns
+
+    def watch(self, changed: Callable[[str, str, list[bytes], bool], None] | None) -> None:
+        """Tell ``changed(namespace, "dram", keys, stored)`` every key that comes into
+        (stored) or goes out of DRAM from now on: the KV events (``kvtierd.events``)."""
+        self._watch = changed
+        for ns in self.namespaces.values():
+            self._watch_namespace(ns)
+
+    def _watch_namespace(self, ns: Namespace) -> None:
+        changed = self._watch
+        ns.index.watch = None if changed is None else functools.partial(changed, ns.name, "dram")
 
     def _publish(self, ns: Namespace) -> None:
         """Give ``ns`` a shared index holding its keys (on failure it has none)."""

@@ -1009,6 +1009,24 @@ class Tiering:
 
         return await asyncio.to_thread(collect)
 
+    async def blocks_by_tier(self) -> dict[str, dict[str, list[bytes]]]:
+        """Namespace -> tier ("dram", "ssd") -> every key it holds (the KV events'
+        snapshots): DRAM's as of this call, the SSD tier's copied off the loop."""
+        out: dict[str, dict[str, list[bytes]]] = {
+            name: {"dram": list(ns.index)} for name, ns in self.store.namespaces.items()}
+        if self.ssd is not None:
+            for name, key in await asyncio.to_thread(self.ssd.all_keys):
+                out.setdefault(name, {}).setdefault("ssd", []).append(key)
+        return out
+
+    def watch(self, changed: Callable[[str, str, list[bytes], bool], None] | None) -> None:
+        """Tell ``changed(namespace, tier, keys, stored)`` every key that comes into or
+        goes out of DRAM or the SSD tier from now on (the KV events)."""
+        self.store.watch(changed)
+        if self.ssd is not None:
+            self.ssd.watch(None if changed is None
+                           else lambda ns, key, stored: changed(ns, "ssd", [key], stored))
+
     async def list_keys(self, namespace: str, page_size: int,
                         after: bytes | None) -> tuple[list[KeyState], bytes | None]:
         """One page of a namespace's blocks in DRAM and the local tiers (SSD), in

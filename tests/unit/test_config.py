@@ -374,7 +374,7 @@ def test_unknown_section_key_message(tmp_path: Path) -> None:
 def test_unknown_top_level_key_message(tmp_path: Path) -> None:
     message = error_of("drams:\n  capacity: 2GiB\n", tmp_path)
     assert message.endswith(
-        "unknown key 'drams' (known: access, dram, instance, leases, limits, log, metrics, "
+        "unknown key 'drams' (known: access, dram, events, instance, leases, limits, log, metrics, "
             "reservations, server, spill)"
     )
 
@@ -520,7 +520,7 @@ def test_override_value_may_contain_equals() -> None:
             "drm.capacity=1",
             (
                 "override 'drm.capacity=1': unknown key 'drm.capacity' "
-                "(known: access, dram, instance, leases, limits, log, metrics, reservations, server, "
+                "(known: access, dram, events, instance, leases, limits, log, metrics, reservations, server, "
                 "spill)"
             ),
         ),
@@ -528,7 +528,7 @@ def test_override_value_may_contain_equals() -> None:
             "dram=1",
             (
                 "override 'dram=1': unknown key 'dram' "
-                "(known: access, dram, instance, leases, limits, log, metrics, reservations, server, "
+                "(known: access, dram, events, instance, leases, limits, log, metrics, reservations, server, "
                 "spill)"
             ),
         ),
@@ -1062,3 +1062,31 @@ def test_config_to_dict_round_trips_through_a_file(tmp_path: Path, overrides: li
     cfg = load(overrides=overrides)
     path = write(tmp_path, yaml.safe_dump(config_to_dict(cfg)))
     assert load_config(path, env=dict(BASE_ENV)) == cfg
+
+
+def test_events_are_off_by_default_and_take_tcp_or_ipc_endpoints() -> None:
+    assert not load().events.enabled
+    ev = load(overrides=["events.endpoint=tcp://127.0.0.1:5557",
+                         "events.replay_endpoint=ipc:///run/kvtier/replay.sock",
+                         "events.buffer_batches=5"]).events
+    assert (ev.enabled, ev.endpoint, ev.replay_endpoint, ev.buffer_batches) == (
+        True, "tcp://127.0.0.1:5557", "ipc:///run/kvtier/replay.sock", 5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["events.endpoint=udp://x:1"], "events.endpoint: expected '', tcp://HOST:PORT or "
+                                    "ipc:///absolute/path, got 'udp://x:1'"),
+    (["events.endpoint=tcp://127.0.0.1:0"], "events.endpoint: expected"),
+    (["events.endpoint=tcp://:5557"], "events.endpoint: expected"),
+    (["events.endpoint=ipc://relative.sock"], "events.endpoint: expected"),
+    (["events.replay_endpoint=ipc:///r.sock"], "events.replay_endpoint is set but "
+                                               "events.endpoint is not"),
+    (["events.endpoint=ipc:///e.sock", "events.replay_endpoint=ipc:///e.sock"],
+     "events.endpoint and events.replay_endpoint must differ"),
+    (["events.endpoint=ipc:///e.sock", "events.buffer_batches=0"],
+     "events.buffer_batches: expected an integer in 1..1000000"),
+])
+def test_bad_events_settings_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        load(overrides=overrides)
+    assert message in str(ei.value)

@@ -126,11 +126,16 @@ EvictHook = Callable[[SsdEntry, memoryview], None]
 
 
 class _Index(dict[tuple[str, bytes], SsdEntry]):
-    """(namespace, key) -> entry, keeping the slot bytes each namespace holds (for quotas)."""
+    """(namespace, key) -> entry, keeping the slot bytes each namespace holds (for quotas).
+
+    ``watch(namespace, key, stored)``, when set, hears every key that comes in
+    (stored) or goes (not): the KV events (``kvtierd.events``).  It is called
+    under the tier's lock, from any thread."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes_of: collections.Counter[str] = collections.Counter()
+        self.watch: Callable[[str, bytes, bool], None] | None = None
 
     def __setitem__(self, k: tuple[str, bytes], e: SsdEntry) -> None:
         old = super().get(k)
@@ -138,15 +143,21 @@ class _Index(dict[tuple[str, bytes], SsdEntry]):
             self.bytes_of[old.namespace] -= old.file.slot_bytes
         super().__setitem__(k, e)
         self.bytes_of[e.namespace] += e.file.slot_bytes
+        if self.watch is not None and old is None:
+            self.watch(k[0], k[1], True)
 
     def __delitem__(self, k: tuple[str, bytes]) -> None:
         e = super().pop(k)
         self.bytes_of[e.namespace] -= e.file.slot_bytes
+        if self.watch is not None:
+            self.watch(k[0], k[1], False)
 
     def pop(self, k: tuple[str, bytes], *default: Any) -> Any:  # type: ignore[override]
         if k in self:
             e = super().pop(k)
             self.bytes_of[e.namespace] -= e.file.slot_bytes
+            if self.watch is not None:
+                self.watch(k[0], k[1], False)
             return e
         return super().pop(k, *default)
 
@@ -360,6 +371,17 @@ class SsdTier:
                 self.lru.pop(e, None)
                 self._drop(e)
         return n
+
+    def all_keys(self) -> list[tuple[str, bytes]]:
+        """Every (namespace, key) held.  O(entries): run it off the loop."""
+        with self._lock:
+            return list(self.index)
+
+    def watch(self, callback: Callable[[str, bytes, bool], None] | None) -> None:
+        """Tell ``callback(namespace, key, stored)`` every key that comes or goes from
+        now on (under the tier's lock, from any thread; keep it short)."""
+        with self._lock:
+            self.index.watch = callback
 
     def keys_of(self, namespace: str, geometry: tuple[int, int] | None = None) -> list[bytes]:
         """The keys held for ``namespace`` (only those written for ``geometry``, a
