@@ -381,13 +381,13 @@ def test_cli_stats_shows_every_tier_and_the_spill_counters(workdir: str,
         assert out.returncode == 0, out.stderr
         blocks = out.stdout.split("\n\n")
         tiers = {line.split()[0]: line for line in blocks[1].splitlines()}
-        assert tiers["tier"].split() == ["tier", "total", "free", "reserved", "committed",
-                                         "blocks", "note"]
+        assert tiers["tier"].split() == ["tier", "total", "free", "reserved", "granted",
+                                         "committed", "blocks", "note"]
         assert list(tiers) == ["tier", "dram", "ssd", "shared"]
         assert tiers["dram"].split()[1:3] == ["8.0", "MiB"]
         assert tiers["ssd"].split()[1:3] == ["64.0", "MiB"]
         assert "buffered I/O" in tiers["ssd"] and "disabled by config" in tiers["ssd"]
-        assert tiers["shared"].split()[1:6] == ["-"] * 5
+        assert tiers["shared"].split()[1:7] == ["-"] * 6
         assert f"{shared}: " in tiers["shared"] and " published" in tiers["shared"]
         spill_lines = blocks[2].splitlines()
         assert spill_lines[0] == "spill:"
@@ -472,8 +472,8 @@ def test_ssd_reclaims_an_empty_file_of_another_slot_size(workdir: str, spill_roo
 def test_cli_stats_without_spill_tiers_has_no_spill_section(daemon: DaemonProc) -> None:
     text = render_stats(daemon.stats())
     assert "spill:" not in text and "ssd" not in text
-    assert text.splitlines()[3].split() == ["tier", "total", "free", "reserved", "committed",
-                                            "blocks", "note"]
+    assert text.splitlines()[3].split() == ["tier", "total", "free", "reserved", "granted",
+                                            "committed", "blocks", "note"]
 
 
 if __name__ == "__main__":
