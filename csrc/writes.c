@@ -18,10 +18,10 @@
  *
  *   grants_take(page, n)           [(index, word)] of n grants now taken, or None
  *   grants_untake(page, taken)     give back grants taken and not committed
- *   commits_put(page, head, recs)  write records [(grant, key, length, checksum|None)]
+ *   commits_put(page, head, recs)  write records [(grant, word, key, length, checksum|None)]
  *                                  at head; the last one ends the batch; returns new head
  *   done_wait(page, target, secs)  wait until DONE reaches target (GIL released)
- *   commits_take(page, tail)       the daemon: (head, [(grant, key, length, checksum,
+ *   commits_take(page, tail)       the daemon: (head, [(grant, word, key, length, checksum,
  *                                  flags)]) of the records from tail, or (head, None)
  *   commits_done(page, tail, res)  the daemon: result bytes from tail, DONE = tail+len(res)
  *   page_cas(page, offset, old, new)  compare-and-swap of a u64 (grants)
@@ -70,6 +70,9 @@
 #define R_FLAGS 17
 #define R_RESULT 18
 #define R_KEY 24
+#define R_WORD 88 /* the grant's word as the writer took it: which slot it filled */
+_Static_assert(R_KEY + KVT_W_KEY_MAX <= R_WORD && R_WORD + 8 <= KVT_W_RECORD,
+               "a record holds its key and the grant word");
 
 static int
 get_wpage(PyObject *obj, Py_buffer *page)
@@ -200,11 +203,12 @@ kvt_py_commits_put(PyObject *Py_UNUSED(m), PyObject *args)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned int grant;
+        unsigned long long word;
         Py_buffer key;
         unsigned long long length;
         PyObject *sum;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Iy*KO", &grant, &key, &length,
-                              &sum))
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "IKy*KO", &grant, &word, &key,
+                              &length, &sum))
             goto done;
         int bad = key.len < 1 || key.len > KVT_W_KEY_MAX || length > UINT32_MAX;
         unsigned long long s = 0;
@@ -222,8 +226,9 @@ kvt_py_commits_put(PyObject *Py_UNUSED(m), PyObject *args)
         }
         unsigned char *r = RECORD(&page, (head + (unsigned long long)i) % KVT_W_RING_N);
         uint32_t g32 = grant, l32 = (uint32_t)length;
-        uint64_t s64 = s;
+        uint64_t s64 = s, w64 = word;
         memcpy(r + R_GRANT, &g32, 4);
+        memcpy(r + R_WORD, &w64, 8);
         memcpy(r + R_LENGTH, &l32, 4);
         memcpy(r + R_CHECKSUM, &s64, 8);
         r[R_KEYLEN] = (unsigned char)key.len;
@@ -344,16 +349,17 @@ kvt_py_commits_take(PyObject *Py_UNUSED(m), PyObject *args)
         unsigned char r[KVT_W_RECORD];
         memcpy(r, RECORD(&page, (tail + (uint64_t)i) % KVT_W_RING_N), KVT_W_RECORD);
         uint32_t grant, length;
-        uint64_t sum;
+        uint64_t sum, word;
         memcpy(&grant, r + R_GRANT, 4);
+        memcpy(&word, r + R_WORD, 8);
         memcpy(&length, r + R_LENGTH, 4);
         memcpy(&sum, r + R_CHECKSUM, 8);
         unsigned klen = r[R_KEYLEN];
         if (klen > KVT_W_KEY_MAX)
             klen = 0; /* refused by the daemon: keys are 1..64 bytes */
-        PyObject *t = Py_BuildValue("(Iy#IKB)", grant, (const char *)r + R_KEY,
-                                    (Py_ssize_t)klen, length, (unsigned long long)sum,
-                                    r[R_FLAGS]);
+        PyObject *t = Py_BuildValue("(IKy#IKB)", grant, (unsigned long long)word,
+                                    (const char *)r + R_KEY, (Py_ssize_t)klen, length,
+                                    (unsigned long long)sum, r[R_FLAGS]);
         if (t == NULL) {
             Py_CLEAR(list);
             goto done;

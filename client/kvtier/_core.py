@@ -287,7 +287,7 @@ class CommitHere:
     daemon's answer is waited for); the result is one ``_index`` result per record."""
 
     writes: LocalWrites
-    records: list[tuple[int, bytes, int, int | None]]
+    records: list[tuple[int, int, bytes, int, int | None]]
     session_gen: int
 
 
@@ -837,12 +837,13 @@ class ReservationState:
             self._count(-1)
         self.release_views()
 
-    def commit_records(self, checksum: bool) -> list[tuple[int, bytes, int, int | None]]:
-        """The commit records of a reservation made from grants (csrc/writes.c)."""
+    def commit_records(self, checksum: bool) -> list[tuple[int, int, bytes, int, int | None]]:
+        """The commit records of a reservation made from grants (csrc/writes.c): each
+        names its grant's entry and the word it took there (the slot it filled)."""
         assert self._local is not None
         lengths, sums = self._lengths_and_sums(checksum)
         each: list[int] | list[None] = sums if sums is not None else [None] * len(lengths)
-        return [(g.entry, self.keys[i], n, s) for g, i, n, s in
+        return [(g.entry, g.word, self.keys[i], n, s) for g, i, n, s in
                 zip(self._local.grants, self.reserved, lengths, each, strict=True)]
 
     def _commit_steps(self) -> Steps[int]:

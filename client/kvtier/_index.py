@@ -181,9 +181,9 @@ class LocalWrites:
         except OSError:
             pass  # closed: the session is over, and the wait says so
 
-    def commit(self, records: list[tuple[int, bytes, int, int | None]],
+    def commit(self, records: list[tuple[int, int, bytes, int, int | None]],
                alive: Callable[[], bool], timeout: float) -> bytes:
-        """Publish ``records`` (grant entry, key, length, checksum) as one all-or-nothing
+        """Publish ``records`` (grant entry, grant word, key, length, checksum) as one all-or-nothing
         commit, ring the daemon and wait for its results (one byte per record);
         raises TimeoutError (after ``timeout``) or ConnectionError (``alive`` said no)."""
         with self._lock:

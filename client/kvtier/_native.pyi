@@ -102,16 +102,16 @@ def grants_untake(page: _Buffer, taken: Sequence[tuple[int, int]]) -> None:
     """Give back grants taken and not committed."""
 
 def commits_put(page: _Buffer, head: int,
-                records: Sequence[tuple[int, bytes, int, int | None]]) -> int:
-    """Write commit records (grant, key, length, checksum) at head, the last ending the
-    batch, then publish them; the new head."""
+                records: Sequence[tuple[int, int, bytes, int, int | None]]) -> int:
+    """Write commit records (grant entry, grant word, key, length, checksum) at head, the
+    last ending the batch, then publish them; the new head."""
 
 def done_wait(page: _Buffer, target: int, seconds: float) -> bool:
     """Wait (GIL released) until the page's DONE word reaches target; True if it did."""
 
 def commits_take(page: _Buffer, tail: int
-                 ) -> tuple[int, list[tuple[int, bytes, int, int, int]] | None]:
-    """The daemon's side: (head, [(grant, key, length, checksum, flags)]) of the records
+                 ) -> tuple[int, list[tuple[int, int, bytes, int, int, int]] | None]:
+    """The daemon's side: (head, [(grant, word, key, length, checksum, flags)]) of the records
     from tail, copied out of the page, or (head, None) for an impossible head."""
 
 def commits_done(page: _Buffer, tail: int, results: bytes) -> None:

@@ -354,7 +354,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
             for r, code in zip(records, results, strict=True):
                 if code == CommitResult.COMMITTED:
                     counts[0] += 1
-                    counts[1] += r[2]
+                    counts[1] += r[3]
         elif records:
             results = bytes([CommitResult.LOST]) * len(records)
         if writer:

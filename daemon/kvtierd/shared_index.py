@@ -407,9 +407,9 @@ class SessionPage:
         value: int = struct.unpack_from("<Q", self._mm, _W_WANT)[0]
         return value
 
-    def take_commits(self) -> list[tuple[int, bytes, int, int, int]] | None:
+    def take_commits(self) -> list[tuple[int, int, bytes, int, int, int]] | None:
         """The commit records published since the last call, copied out of the page:
-        (grant, key, length, checksum, flags) each; None when the client's head is
+        (grant, word, key, length, checksum, flags) each; None when the client's head is
         impossible (behind, or more than the ring holds), which ends this page's
         writes: the records are skipped."""
         head, records = _native.commits_take(self._mm, self._w_tail)

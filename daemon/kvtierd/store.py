@@ -1122,18 +1122,20 @@ class Store:
     def commit_granted(
         self,
         session: Session,
-        records: Sequence[tuple[int, bytes, int, int, int]],
+        records: Sequence[tuple[int, int, bytes, int, int, int]],
         exists: Callable[[bytes], bool] | None = None,
     ) -> tuple[bytes, list[Block]]:
         """Commit the blocks ``session``'s writer put in granted slots: ``records`` as
-        ``SessionPage.take_commits`` copied them out of its page (grant, key, length,
-        checksum, flags), in batches that end with a ``LAST`` record, each all or
-        nothing.  Returns each record's ``CommitResult`` and the blocks made."""
+        ``SessionPage.take_commits`` copied them out of its page (grant entry, grant
+        word, key, length, checksum, flags), in batches that end with a ``LAST``
+        record, each all or nothing.  A record whose word is not the grant the entry
+        holds now (the writer filled a slot the daemon took back, and the entry was
+        granted again since) is ``LOST``, never committed into the entry's new slot.  Returns each record's ``CommitResult`` and the blocks made."""
         results = bytearray()
         made: list[Block] = []
         start = 0
         for end, rec in enumerate(records):
-            if rec[4] & LAST or end == len(records) - 1:
+            if rec[5] & LAST or end == len(records) - 1:
                 batch = records[start:end + 1]
                 start = end + 1
                 try:
@@ -1148,7 +1150,7 @@ class Store:
     def _commit_batch(
         self,
         session: Session,
-        batch: Sequence[tuple[int, bytes, int, int, int]],
+        batch: Sequence[tuple[int, int, bytes, int, int, int]],
         exists: Callable[[bytes], bool] | None,
     ) -> tuple[bytes, list[Block]]:
         ns = session.ns
@@ -1156,15 +1158,17 @@ class Store:
         n = len(batch)
         entries = {r[0] for r in batch}
         limit = ns.block_bytes
-        if (len({r[1] for r in batch}) != n or len(entries) != n
-                or not all(0 < len(r[1]) <= MAX_KEY_BYTES and 0 < r[2] <= limit for r in batch)):
+        if (len({r[2] for r in batch}) != n or len(entries) != n
+                or not all(0 < len(r[2]) <= MAX_KEY_BYTES and 0 < r[3] <= limit for r in batch)):
             return bytes([CommitResult.INVALID]) * n, []
-        if session.closed or not entries <= grants.keys():
+        if session.closed or not all(
+                (place := grants.get(r[0])) is not None
+                and _grant_word(place[0], place[1]) == r[1] for r in batch):
             return bytes([CommitResult.LOST]) * n, []
         index, in_flight = ns.index, ns.in_flight
         codes = bytearray(n)
         todo: list[tuple[int, bytes, int, int | None]] = []
-        for i, (g, key, length, raw_sum, flags) in enumerate(batch):
+        for i, (g, _word, key, length, raw_sum, flags) in enumerate(batch):
             if key in index or key in in_flight or (exists is not None and exists(key)):
                 codes[i] = CommitResult.EXISTS  # first writer wins; the grant stays
             else:
@@ -1520,10 +1524,13 @@ class Store:
         meanwhile) and given back when creation fails; a reserve cancelled
         meanwhile gives them back too, and the file, once made, is removed.
         Extents added before a failing one stay (capacity, not state).  False
-        when nothing could be added (the caller then evicts).
+        when nothing could be added (the caller then evicts).  Free slots that a
+        client still reads without a call (hazards) are not free for this: a reserve
+        skips them, so counting them would end its growth rounds in an eviction
+        while the budget still had room.
         """
         async with ns.grow_lock:
-            while ns.free_slots() < need:
+            while self._usable_free(ns) < need:
                 room = self.budget_free
                 quota = self.dram_quota_of(ns.name)
                 if quota:  # never grow past the namespace's DRAM quota
@@ -1555,7 +1562,15 @@ class Store:
                         raise CapacityExhausted(f"could not create a DRAM extent: {exc}") from exc
                     raise
                 self.add_extent(ns, segment)
-            return ns.free_slots() > 0
+            return self._usable_free(ns) > 0
+
+    def _usable_free(self, ns: Namespace) -> int:
+        """Free slots of ``ns`` a reserve may take now (those under no hazard)."""
+        hazards = self._hazards(ns)
+        if not hazards:
+            return ns.free_slots()
+        return sum(1 for ext in ns.extents for slot in ext.free
+                   if hazard_of(ext.segment.segment_id, slot) not in hazards)
 
     def _discard_made(self, made: asyncio.Future[Segment]) -> None:
         """Remove a segment made for a reserve that was cancelled meanwhile."""

@@ -674,7 +674,8 @@ class Tiering:
             self._committed([index[k] for k in keys if k in index])
         return n
 
-    def commit_granted(self, session: Session, records: Sequence[tuple[int, bytes, int, int, int]]
+    def commit_granted(self, session: Session,
+                       records: Sequence[tuple[int, int, bytes, int, int, int]]
                        ) -> bytes:
         """``Store.commit_granted`` (keys a lower tier holds are EXISTS, as for a
         reserve), then wake the demoter and publish when write-through."""

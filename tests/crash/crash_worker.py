@@ -238,7 +238,8 @@ class Traffic:
             self.jot([f"X {self.ns} {k.hex()}" for k in keys])
             self.live.difference_update(keys)
             if n != len(keys):
-                self.anomaly(f"delete of {len(keys)} live keys deleted {n}")
+                self.anomaly(f"delete of {len(keys)} live keys deleted {n}: "
+                             f"{' '.join(k.hex() for k in keys)}")
         else:
             self.read(c, rng)
 
@@ -308,7 +309,8 @@ class Traffic:
                         break
                     want_hits += 1
                 if lease.hits != want_hits:
-                    what = f"acquire hit {lease.hits} of own keys, expected {want_hits}"
+                    what = (f"acquire hit {lease.hits} of own keys, expected {want_hits}: "
+                            f"{' '.join(k.hex() for k in keys)}")
                     if (self.capacity_misses_ok and lease.hits < want_hits
                             and c.lookup([keys[lease.hits]]) == 1):
                         # Still present in some tier (only this process deletes it): the

@@ -75,6 +75,24 @@ def worker_args(lab: Lab, spec: NsSpec, name: str) -> dict[str, object]:
     return args
 
 
+def history(lab: Lab, d: DaemonProc, anomalies: list[str]) -> str:
+    """What the journals and the daemon's log say of the keys an anomaly names."""
+    keys = {w for a in anomalies for w in a.split() if len(w) >= 16
+            and all(c in "0123456789abcdef" for c in w)}
+    lines = []
+    for spec in NAMESPACES:
+        for writer in spec.writers:
+            path = journal_path(lab, writer)
+            if os.path.exists(path):
+                with open(path) as f:
+                    lines += [f"{writer}: {line.rstrip()}" for line in f
+                              if any(k in line for k in keys)]
+    log = d.log()
+    return ("\njournal lines of those keys:\n" + "\n".join(lines[-60:])
+            + "\ndaemon log (warnings and the end):\n"
+            + "\n".join([ln for ln in log.splitlines() if "WARNING" in ln or "ERROR" in ln][-30:]))
+
+
 def journal_path(lab: Lab, writer: str) -> str:
     return os.path.join(lab.workdir, f"journal-{writer}.log")
 
@@ -231,7 +249,8 @@ def run_kill_cycles(lab: Lab, kills: int, seed: int) -> dict[str, int]:
             assert float(line.split()[1]) >= t_kill, (
                 f"cycle {cycle}: worker {name} failed while the daemon was alive: {line}")
         anomalies = [a for w in workers.values() for a in w.anomalies]
-        assert not anomalies, f"cycle {cycle}: " + "\n".join(anomalies[:20])
+        assert not anomalies, f"cycle {cycle}: " + "\n".join(anomalies[:20]) + history(
+            lab, d, anomalies)
         for name in victims:
             workers[name] = respawn(lab, name)
         d = lab.start(*DAEMON_ARGS, capacity=CAPACITY, extent=EXTENT)

@@ -139,8 +139,8 @@ _KILLED_WRITER = textwrap.dedent("""
         view = c._maps.view(kvtier._index.LocalSlot(grant.segment_id, grant.slot * c._maps.slot_bytes,
                             65536, 0, False), 65536, writable=True)
         view[:5] = np.frombuffer(key[:5], np.uint8)
-    _native.commits_put(index._page, 0, [(g[0].entry, b"published-0", 5, None),
-                                          (g[1].entry, b"published-1", 5, None)])
+    _native.commits_put(index._page, 0, [(g[0].entry, g[0].word, b"published-0", 5, None),
+                                          (g[1].entry, g[1].word, b"published-1", 5, None)])
     print("READY", flush=True)
     time.sleep(60)
 """)

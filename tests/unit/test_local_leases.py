@@ -281,6 +281,33 @@ def test_a_deleted_block_keeps_its_slot_while_leased_and_a_session_end_frees_it(
     page.close()
 
 
+def test_a_free_slot_under_a_hazard_makes_the_namespace_grow_not_evict(
+        store_factory: Callable[..., StoreEnv]) -> None:
+    """The budget has room: a reserve that finds only a free slot a client still
+    reads must add an extent, not evict (it once ran out of growth rounds, because
+    growth counted that slot as free, and evicted a live block instead)."""
+    env = store_factory(capacity=CAPACITY * 4, extent_size=1 << 20)
+    s = session(env)
+    put(env, s, [b"first"])
+    n = s.ns.extents[0].n_slots
+    ks = [b"first"] + keys(n - 1)
+    put(env, s, ks[1:])
+    assert len(s.ns.extents) == 1 and s.ns.free_slots() == 0
+    reader = session(env)
+    page, local = _attach(env, reader)
+    got = local.acquire([ks[5]])
+    assert got is not None
+    assert env.store.delete(s, [ks[5]]) == 1  # its slot is free now, and still read
+    put(env, s, [b"after-delete"])
+    assert env.store.evictions == 0 and len(s.ns.extents) == 2
+    assert env.store.lookup(s, ks[:5]) == 5 and env.store.lookup(s, ks[6:]) == n - 6
+    local.release(got[1], 1)
+    env.store.close_session(reader)
+    env.store.close_session(s)
+    local.close()
+    page.close()
+
+
 def test_a_victim_leased_while_the_plan_was_made_is_kept(
         full: tuple[StoreEnv, Session, list[bytes]],
         monkeypatch: pytest.MonkeyPatch) -> None:

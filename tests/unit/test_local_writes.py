@@ -36,6 +36,8 @@ _W_HEAD = 16384
 _W_DONE = 16392
 _W_GRANTS = 16896
 _W_RING = 18944
+#: The word of a grant of slot 9 in segment 7.
+W9 = GRANT_VALID | 7 << 32 | 9
 _RECORD = 96
 
 
@@ -58,7 +60,7 @@ def test_grants_taken_committed_and_answered_across_threads() -> None:
     page = SessionPage("ns", writes=True)
     writes, bell = _writer(page)
     page.set_grant(0, GRANT_VALID | 7 << 32 | 3)
-    page.set_grant(5, GRANT_VALID | 7 << 32 | 9)
+    page.set_grant(5, W9)
     got = writes.take(2)
     assert got is not None and [(g.entry, g.segment_id, g.slot) for g in got] == [
         (0, 7, 3), (5, 7, 9)]
@@ -76,21 +78,22 @@ def test_grants_taken_committed_and_answered_across_threads() -> None:
         time.sleep(0.05)  # the writer is asleep on DONE by now (futex)
         assert _rung(bell)
         records = page.take_commits()
-        assert records == [(5, b"key-a", 100, 77, HAS_SUM | LAST)]
+        assert records == [(5, W9, b"key-a", 100, 77, HAS_SUM | LAST)]
         page.finish_commits(bytes([CommitResult.COMMITTED]))
         answered.append(b"ok")
 
     t = threading.Thread(target=daemon)
     t.start()
-    results = writes.commit([(5, b"key-a", 100, 77)], lambda: True, 5.0)
+    results = writes.commit([(5, W9, b"key-a", 100, 77)], lambda: True, 5.0)
     t.join()
     assert answered and results == bytes([CommitResult.COMMITTED])
     # Two batches in one take: the last record of each is marked, without a checksum here.
-    writes._head = _native.commits_put(page.mapping, writes._head, [(1, b"x", 1, None)])
+    writes._head = _native.commits_put(page.mapping, writes._head, [(1, 11, b"x", 1, None)])
     writes._head = _native.commits_put(page.mapping, writes._head,
-                                       [(2, b"y" * 64, 2, 2**64 - 1), (3, b"z", 3, 0)])
-    assert page.take_commits() == [(1, b"x", 1, 0, LAST), (2, b"y" * 64, 2, 2**64 - 1, HAS_SUM),
-                                   (3, b"z", 3, 0, HAS_SUM | LAST)]
+                                       [(2, 2**64 - 1, b"y" * 64, 2, 2**64 - 1), (3, 0, b"z", 3, 0)])
+    assert page.take_commits() == [(1, 11, b"x", 1, 0, LAST),
+                                   (2, 2**64 - 1, b"y" * 64, 2, 2**64 - 1, HAS_SUM),
+                                   (3, 0, b"z", 3, 0, HAS_SUM | LAST)]
     page.finish_commits(b"\x01\x02\x03")
     assert _native.commit_results(page.mapping, 1, 3) == b"\x01\x02\x03"
     assert _native.done_wait(page.mapping, 4, 0.0)
@@ -106,10 +109,10 @@ def test_a_writer_whose_daemon_went_stops_waiting() -> None:
     threading.Timer(0.2, lambda: alive.__setitem__(0, False)).start()
     t0 = time.monotonic()
     with pytest.raises(ConnectionError):
-        writes.commit([(0, b"k", 1, None)], lambda: alive[0], 30.0)
+        writes.commit([(0, W9, b"k", 1, None)], lambda: alive[0], 30.0)
     assert time.monotonic() - t0 < 5
     with pytest.raises(TimeoutError):
-        writes.commit([(0, b"k", 1, None)], lambda: True, 0.5)
+        writes.commit([(0, W9, b"k", 1, None)], lambda: True, 0.5)
     writes.close()
     os.close(bell)
     page.close()
@@ -128,11 +131,11 @@ def test_an_impossible_head_skips_the_records_and_wakes_the_writer() -> None:
 def test_record_fields_out_of_range_are_bounded() -> None:
     page = SessionPage("ns", writes=True)
     with pytest.raises(ValueError):
-        _native.commits_put(page.mapping, 0, [(0, b"", 1, None)])
+        _native.commits_put(page.mapping, 0, [(0, 0, b"", 1, None)])
     with pytest.raises(ValueError):
-        _native.commits_put(page.mapping, 0, [(0, b"k" * 65, 1, None)])
+        _native.commits_put(page.mapping, 0, [(0, 0, b"k" * 65, 1, None)])
     with pytest.raises(ValueError):
-        _native.commits_put(page.mapping, 0, [(0, b"k", 1, None)] * 129)
+        _native.commits_put(page.mapping, 0, [(0, 0, b"k", 1, None)] * 129)
     with pytest.raises(ValueError):
         _native.grants_untake(page.mapping, [(256, 0)])
     assert _native.grants_take(page.mapping, 0) is None
@@ -140,7 +143,7 @@ def test_record_fields_out_of_range_are_bounded() -> None:
     # A key length byte past 64 reads as an empty key (the store refuses the batch).
     struct.pack_into("<IIQBB", page.mapping, _W_RING, 1, 10, 5, 200, LAST)
     struct.pack_into("<Q", page.mapping, _W_HEAD, 1)
-    assert page.take_commits() == [(1, b"", 10, 5, LAST)]
+    assert page.take_commits() == [(1, 0, b"", 10, 5, LAST)]
     with pytest.raises(ValueError):
         _native.commits_take(bytearray(16384), 0)  # a page without a write area
     page.close()
@@ -171,11 +174,18 @@ def _fill(env: StoreEnv, grant: _index.Grant, data: bytes) -> None:
         view[:] = data
 
 
+def _as_taken(page: SessionPage, records: list[tuple[int, bytes, int, int | None]]
+              ) -> list[tuple[int, int, bytes, int, int | None]]:
+    """Records naming each entry's grant word as a writer that took it now would."""
+    return [(e, page.grant_word(e) & ~GRANT_TAKEN if 0 <= e < 256 else 0, *rest)
+            for e, *rest in records]
+
+
 def _commit(env: StoreEnv, s: Session, page: SessionPage,
             records: list[tuple[int, bytes, int, int | None]]) -> bytes:
     """The client's half (records in the ring) then the daemon's (take, commit, answer)."""
     head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
-    _native.commits_put(page.mapping, head, records)
+    _native.commits_put(page.mapping, head, _as_taken(page, records))
     taken = page.take_commits()
     assert taken is not None
     results, _made = env.store.commit_granted(s, taken)
@@ -255,8 +265,8 @@ def test_a_present_key_keeps_its_grant_and_a_bad_batch_commits_nothing(
     assert env.store.lookup(s, [b"a"]) == 0 and len(s.grants) == GRANTS
     # Batches are independent: a bad one next to a good one in the same take.
     head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
-    head = _native.commits_put(page.mapping, head, [(e[3], b"c", BLOCK + 5, None)])
-    _native.commits_put(page.mapping, head, [(e[3], b"c", 7, None)])
+    head = _native.commits_put(page.mapping, head, _as_taken(page, [(e[3], b"c", BLOCK + 5, None)]))
+    _native.commits_put(page.mapping, head, _as_taken(page, [(e[3], b"c", 7, None)]))
     taken = page.take_commits()
     assert taken is not None
     results, made = env.store.commit_granted(s, taken)
@@ -319,9 +329,21 @@ def test_idle_grants_go_back_and_one_held_past_the_ttl_is_quarantined(
     assert page.grant_word(held[0].entry) == 0
     assert set(_commit(env, s, page, [(held[0].entry, b"late", 5, None)])) == {
         CommitResult.LOST}
+    # The entry is granted again, another slot: the late writer's record still names
+    # the slot it filled, so it is LOST, never committed into the new slot.
+    assert env.store.refill_grants(s, 1) == 1 and held[0].entry in s.grants
+    assert page.grant_word(held[0].entry) != held[0].word
+    head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
+    _native.commits_put(page.mapping, head, [(held[0].entry, held[0].word, b"late", 5, None)])
+    taken = page.take_commits()
+    assert taken is not None
+    results, made = env.store.commit_granted(s, taken)
+    page.finish_commits(results)
+    assert results == bytes([CommitResult.LOST]) and made == []
+    assert env.store.lookup(s, [b"late"]) == 0 and held[0].entry in s.grants
     env.clock.advance(env.store.reservation_ttl)
     env.store.expire()
-    assert s.ns.reserved == 0
+    assert s.ns.reserved == 0  # the quarantine is over, the unused new grant went back
     assert env.store.check() == []
     _detach(env, s, page, writes, bell)
 
