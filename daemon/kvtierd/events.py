@@ -82,6 +82,8 @@ HEARTBEAT_SECONDS: Final = 1.0
 END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
 #: Messages the PUB socket queues per subscriber before it drops (ZMQ's high-water mark).
 PUB_HWM: Final = 100_000
+#: Snapshots are built at most this often (each lists every block; requests wait their turn).
+SNAPSHOT_INTERVAL: Final = 1.0
 
 #: Namespace -> tier ("dram", "ssd") -> the keys it holds.
 Blocks = dict[str, dict[str, list[bytes]]]
@@ -146,6 +148,7 @@ class EventPublisher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._last_sent = 0.0
+        self._last_snapshot = -SNAPSHOT_INTERVAL
         self.counters = EventCounters()
 
     # ------------------------------------------------------------------ lifecycle
@@ -307,19 +310,29 @@ class EventPublisher:
         await router.send_multipart((client, b"", b"", END_SEQ, b""))
 
     async def snapshot(self) -> list[tuple[bytes, int, bytes]]:
-        """The snapshot messages (topic, seq, payload): see the module docstring."""
+        """The snapshot messages (topic, seq, payload): see the module docstring.  At most
+        one each ``SNAPSHOT_INTERVAL`` (a router asking in a loop costs that much); the
+        keys are listed as of the call, the messages encoded off the loop."""
+        wait = self._last_snapshot + SNAPSHOT_INTERVAL - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._last_snapshot = time.monotonic()
         self._flush()
         seq = self._next - 1  # the last number published: the state is at or after it
         blocks = await self._blocks()
-        out = [(b"", seq, encode_batch([dict(CLEARED)]))]
-        for ns in sorted(blocks):
-            events: list[dict[str, Any]] = []
-            for tier, keys in sorted(blocks[ns].items()):
-                medium = MEDIUM[tier]
-                events += [stored_event(keys[i:i + MAX_KEYS_PER_EVENT], medium)
-                           for i in range(0, len(keys), MAX_KEYS_PER_EVENT)]
-            topic = ns.encode()
-            out.append((topic, seq, encode_batch([dict(CLEARED)] + events[:SNAPSHOT_EVENTS_PER_MESSAGE])))
-            for i in range(SNAPSHOT_EVENTS_PER_MESSAGE, len(events), SNAPSHOT_EVENTS_PER_MESSAGE):
-                out.append((topic, seq, encode_batch(events[i:i + SNAPSHOT_EVENTS_PER_MESSAGE])))
-        return out
+        return await asyncio.to_thread(_snapshot_messages, blocks, seq)
+
+
+def _snapshot_messages(blocks: Blocks, seq: int) -> list[tuple[bytes, int, bytes]]:
+    out = [(b"", seq, encode_batch([dict(CLEARED)]))]
+    for ns in sorted(blocks):
+        events: list[dict[str, Any]] = []
+        for tier, keys in sorted(blocks[ns].items()):
+            medium = MEDIUM[tier]
+            events += [stored_event(keys[i:i + MAX_KEYS_PER_EVENT], medium)
+                       for i in range(0, len(keys), MAX_KEYS_PER_EVENT)]
+        topic = ns.encode()
+        out.append((topic, seq, encode_batch([dict(CLEARED)] + events[:SNAPSHOT_EVENTS_PER_MESSAGE])))
+        for i in range(SNAPSHOT_EVENTS_PER_MESSAGE, len(events), SNAPSHOT_EVENTS_PER_MESSAGE):
+            out.append((topic, seq, encode_batch(events[i:i + SNAPSHOT_EVENTS_PER_MESSAGE])))
+    return out
