@@ -1130,7 +1130,8 @@ class Store:
         word, key, length, checksum, flags), in batches that end with a ``LAST``
         record, each all or nothing.  A record whose word is not the grant the entry
         holds now (the writer filled a slot the daemon took back, and the entry was
-        granted again since) is ``LOST``, never committed into the entry's new slot.  Returns each record's ``CommitResult`` and the blocks made."""
+        granted again since) is ``LOST``, never committed into the entry's new slot.
+        Returns each record's ``CommitResult`` and the blocks made."""
         results = bytearray()
         made: list[Block] = []
         start = 0
@@ -1255,10 +1256,6 @@ class Store:
                         extra=event("reservations_expired", count=len(stale)))
             self._end_grants(session, stale, quarantine=now + self.reservation_ttl)
         self._end_grants(session, back)
-
-    def granted_count(self) -> int:
-        """Slots granted ahead that no writer has taken yet (``idle_grants``' sum)."""
-        return sum(self.idle_grants().values())
 
     def idle_grants(self) -> dict[str, int]:
         """Per namespace, the slots granted ahead that no writer has taken yet: room held

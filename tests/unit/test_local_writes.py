@@ -205,7 +205,7 @@ def test_granted_slots_are_reserved_and_commit_without_a_call(granting: StoreEnv
     page, writes, bell = _attach(env, s)
     assert env.store.refill_grants(s, 10) == GRANTS  # at most grant_bytes of slots
     assert env.store.refill_grants(s, 10) == 0
-    assert s.ns.reserved == GRANTS and env.store.granted_count() == GRANTS
+    assert s.ns.reserved == GRANTS and env.store.idle_grants() == {s.ns.name: GRANTS}
     assert env.store.check() == []
     # Untaken grants are room held for the next writes, shown apart from reservations.
     acct = env.store.dram_bytes()
