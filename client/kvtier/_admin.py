@@ -22,7 +22,8 @@ from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
 #: Display names of the tiers (``kvtier stats``, ``ls --keys``, ``evict --tier``, ``top``).
-TIER_NAMES: Final = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_SHARED: "shared"}
+TIER_NAMES: Final = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_SHARED: "shared",
+                     pb.TIER_CLUSTER: "cluster"}
 
 
 def admin_call(socket: str | None, method: str, request: Any, timeout: float) -> Any:

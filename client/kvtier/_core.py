@@ -83,6 +83,7 @@ class Tier(enum.IntEnum):
     DRAM = pb.TIER_DRAM
     SSD = pb.TIER_SSD
     SHARED = pb.TIER_SHARED
+    CLUSTER = pb.TIER_CLUSTER
 
 
 class Backoff:

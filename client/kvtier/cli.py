@@ -43,6 +43,8 @@ def render_tiers(s: pb.StatsResponse) -> str:
         name = TIER_NAMES.get(t.tier, f"tier {t.tier}")
         if t.tier == pb.TIER_SHARED and not t.total_bytes:
             sizes = ["-"] * 6
+        elif t.tier == pb.TIER_CLUSTER:  # what this host lends it; the rest is the master's
+            sizes = [format_bytes(t.total_bytes)] + ["-"] * 5
         else:
             sizes = [format_bytes(t.total_bytes), format_bytes(t.free_bytes),
                      format_bytes(t.reserved_bytes),
@@ -55,7 +57,7 @@ def render_tiers(s: pb.StatsResponse) -> str:
 def render_spill(s: pb.StatsResponse) -> str:
     """The spill counters, as label/value rows (empty when the daemon has no spill tier)."""
     has_ssd = any(t.tier == pb.TIER_SSD for t in s.tiers)
-    if not any(t.tier in (pb.TIER_SSD, pb.TIER_SHARED) for t in s.tiers):
+    if not any(t.tier in (pb.TIER_SSD, pb.TIER_SHARED, pb.TIER_CLUSTER) for t in s.tiers):
         return ""
     faults = ", ".join(f"{k} {v}" for k, v in sorted(s.spill_faults.items())) or "none"
     rows = [

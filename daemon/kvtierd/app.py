@@ -29,7 +29,9 @@ from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME
 from kvtier.errors import FailedPrecondition
 from kvtierd import shared_index, systemd
 from kvtierd.access import AdminSessions
-from kvtierd.config import Config
+from kvtierd.cluster.format import Naming, load_secret
+from kvtierd.cluster.tier import ClusterSettings, ClusterTier
+from kvtierd.config import ClusterConfig, Config, ConfigError
 from kvtierd.events import EventPublisher
 from kvtierd.logs import Throttle, event, more
 from kvtierd.metrics import Metrics
@@ -349,9 +351,26 @@ def _make_tiering(cfg: Config, store: Store, metrics: Metrics) -> Tiering:
     shared = SharedTier(sp.shared_dir) if sp.shared_dir else None
     policy = SpillPolicy(clean_ahead=sp.clean_ahead, queue_depth=sp.queue_depth,
                          backpressure_timeout=sp.backpressure_timeout,
-                         shared_write=sp.shared_write)
-    return Tiering(store, ssd=ssd, shared=shared, policy=policy, io_threads=sp.io_threads,
-                   observer=metrics)
+                         shared_write=sp.shared_write, cluster_write=cfg.cluster.write)
+    cluster = _make_cluster(cfg.cluster, store) if cfg.cluster.enabled else None
+    return Tiering(store, ssd=ssd, shared=shared, cluster=cluster, policy=policy,
+                   io_threads=sp.io_threads, observer=metrics)
+
+
+def _make_cluster(cc: ClusterConfig, store: Store) -> ClusterTier:
+    """The cluster tier: its settings resolved, its secret read (a start without a
+    readable secret fails here, with the setting's name)."""
+    try:
+        naming = Naming(load_secret(cc.secret_file))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cluster.secret_file: {exc}") from None
+    metadata = cc.metadata_server or f"http://{cc.master.rpartition(':')[0]}:8080/metadata"
+    settings = ClusterSettings(
+        master=cc.master, metadata_server=metadata, protocol=cc.protocol,
+        device_name=cc.device_name, segment_bytes=cc.segment_bytes,
+        local_hostname=cc.hostname, bind_address=cc.bind_address, replicas=cc.replicas,
+        request_timeout=cc.request_timeout, setup_timeout=cc.setup_timeout)
+    return ClusterTier(settings, naming, segments=store.live_segments)
 
 
 async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = None) -> Daemon:

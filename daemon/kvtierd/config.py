@@ -325,6 +325,54 @@ class EventsConfig:
         return bool(self.endpoint)
 
 
+#: When the cluster tier gets blocks (``cluster.write``).
+CLUSTER_WRITE_POLICIES: Final = ("demotion", "commit")
+#: Mooncake transfer-engine protocols (``cluster.protocol``).
+CLUSTER_PROTOCOLS: Final = ("tcp", "rdma")
+DEFAULT_CLUSTER_SEGMENT_BYTES: Final = 1 * GiB
+DEFAULT_CLUSTER_REQUEST_TIMEOUT: Final = 30.0
+DEFAULT_CLUSTER_SETUP_TIMEOUT: Final = 60.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """The cluster tier on Mooncake Store (``kvtierd.cluster``): off while ``master``
+    is empty."""
+
+    #: The Mooncake master's RPC address, ``HOST:PORT``.
+    master: str = ""
+    #: Mooncake's metadata server: ``http://HOST:PORT/metadata`` (the master's own
+    #: with ``--enable_http_metadata_server``), ``etcd://...`` or ``redis://...``;
+    #: "" means the master's host on port 8080.
+    metadata_server: str = ""
+    #: The file holding the secret every daemon of the cluster shares (mode 0600).
+    secret_file: str = ""
+    #: The transfer engine's protocol.
+    protocol: str = "tcp"
+    #: The RDMA device(s) for ``protocol: rdma`` (e.g. ``mlx5_0``), else "".
+    device_name: str = ""
+    #: Memory this host lends the cluster (a Mooncake global segment, in the agent).
+    segment_bytes: int = DEFAULT_CLUSTER_SEGMENT_BYTES
+    #: The address the transfer engine advertises to other hosts (an address of one
+    #: of this host's interfaces); "" lets Mooncake pick (the first non-loopback one).
+    bind_address: str = ""
+    #: This host's name in the cluster ("" : bind_address, else the hostname).
+    hostname: str = ""
+    #: Copies of each block the cluster keeps (on different hosts when it can).
+    replicas: int = 1
+    #: When blocks go to the cluster: "demotion" (DRAM's, or the SSD tier's evictions)
+    #: or "commit" (also every committed block at once).
+    write: str = "demotion"
+    #: A request the agent has not answered for this long kills and restarts it.
+    request_timeout: float = DEFAULT_CLUSTER_REQUEST_TIMEOUT
+    #: How long the agent may take to join the cluster before it is restarted.
+    setup_timeout: float = DEFAULT_CLUSTER_SETUP_TIMEOUT
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.master)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Config:
     """The whole daemon configuration; build it with :func:`load_config`."""
@@ -340,6 +388,7 @@ class Config:
     access: AccessPolicy = dataclasses.field(default_factory=AccessPolicy)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
     events: EventsConfig = dataclasses.field(default_factory=EventsConfig)
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
 
 
 #: Section name -> its dataclass, in the order the YAML file documents them.
@@ -354,6 +403,7 @@ SECTIONS: Final[Mapping[str, type[Any]]] = {
     "access": AccessPolicy,
     "limits": LimitsConfig,
     "events": EventsConfig,
+    "cluster": ClusterConfig,
 }
 
 
@@ -385,6 +435,14 @@ _TEXT_KEYS: Final = frozenset(
         "server.tls_key",
         "server.tls_client_ca",
         "server.tls_client_auth",
+        "cluster.master",
+        "cluster.metadata_server",
+        "cluster.secret_file",
+        "cluster.protocol",
+        "cluster.device_name",
+        "cluster.bind_address",
+        "cluster.hostname",
+        "cluster.write",
     }
 )
 
@@ -981,6 +1039,7 @@ def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
                                               DEFAULT_MAX_RESERVATIONS_PER_SESSION),
         ),
         events=_events_config(take),
+        cluster=_cluster_config(take, parse_optional_path, shared_dir),
     )
 
 
@@ -1016,6 +1075,71 @@ def _events_config(take: Callable[..., Any]) -> EventsConfig:
         buffer_batches=take("events.buffer_batches", lambda v, k: _parse_int(v, k, 1, 1_000_000),
                             DEFAULT_EVENT_BUFFER_BATCHES),
     )
+
+
+def _parse_host_port(value: object, key: str) -> str:
+    """``""`` (off) or ``HOST:PORT`` (``[v6]:PORT`` for IPv6)."""
+    expected = "'' or HOST:PORT"
+    if not isinstance(value, str):
+        raise _fail(key, expected, value)
+    if value == "":
+        return value
+    host, sep, port = value.rpartition(":")
+    if sep and host and port.isdigit() and 0 < int(port) < 65536 and "/" not in host:
+        return value
+    raise _fail(key, expected, value)
+
+
+def _parse_metadata_server(value: object, key: str) -> str:
+    expected = "'', http://HOST:PORT/PATH, etcd://HOST:PORT or redis://HOST:PORT"
+    if not isinstance(value, str):
+        raise _fail(key, expected, value)
+    if value == "" or value.split("://", 1)[0] in ("http", "etcd", "redis") and "://" in value:
+        return value
+    raise _fail(key, expected, value)
+
+
+def _parse_text(value: object, key: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(key, "a string", value)
+    return value
+
+
+def _cluster_config(take: Callable[..., Any], parse_optional_path: Callable[[object, str], str],
+                    shared_dir: str) -> ClusterConfig:
+    master = take("cluster.master", _parse_host_port, "")
+    metadata = take("cluster.metadata_server", _parse_metadata_server, "")
+    secret_file = take("cluster.secret_file", parse_optional_path, "")
+    write = take("cluster.write", _parse_choice(CLUSTER_WRITE_POLICIES), "demotion")
+    cfg = ClusterConfig(
+        master=master,
+        metadata_server=metadata,
+        secret_file=secret_file,
+        protocol=take("cluster.protocol", _parse_choice(CLUSTER_PROTOCOLS), "tcp"),
+        device_name=take("cluster.device_name", _parse_text, ""),
+        segment_bytes=take("cluster.segment_bytes", lambda v, k: _parse_size_in(v, k, 0),
+                           DEFAULT_CLUSTER_SEGMENT_BYTES),
+        bind_address=take("cluster.bind_address", _parse_text, ""),
+        hostname=take("cluster.hostname", _parse_text, ""),
+        replicas=take("cluster.replicas", lambda v, k: _parse_int(v, k, 1, 16), 1),
+        write=write,
+        request_timeout=take("cluster.request_timeout", _parse_positive_duration,
+                             DEFAULT_CLUSTER_REQUEST_TIMEOUT),
+        setup_timeout=take("cluster.setup_timeout", _parse_positive_duration,
+                           DEFAULT_CLUSTER_SETUP_TIMEOUT),
+    )
+    if not master:
+        return cfg
+    if not secret_file:
+        raise ConfigError("cluster.master is set but cluster.secret_file is not: every daemon "
+                          "of a cluster needs the same secret (docs/deployment.md, Fleet)")
+    if cfg.protocol == "rdma" and not cfg.device_name:
+        raise ConfigError("cluster.protocol is rdma but cluster.device_name is empty")
+    if shared_dir and write == "demotion":
+        raise ConfigError("cluster.write: demotion with spill.shared_dir set: the shared tier "
+                          "keeps what the SSD tier evicts, so nothing would reach the cluster; "
+                          "set cluster.write: commit")
+    return cfg
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
@@ -1078,4 +1202,10 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
         },
         "limits": dataclasses.asdict(cfg.limits),
         "events": dataclasses.asdict(cfg.events),
+        "cluster": {
+            **dataclasses.asdict(cfg.cluster),
+            "segment_bytes": format_size(cfg.cluster.segment_bytes),
+            "request_timeout": format_duration(cfg.cluster.request_timeout),
+            "setup_timeout": format_duration(cfg.cluster.setup_timeout),
+        },
     }

@@ -328,6 +328,8 @@ class _TieringCollector(Collector):
             sums.add_metric(["ssd"], t.ssd.counters.checksum_failures)
         if t.shared is not None:
             sums.add_metric(["shared"], t.shared.counters.checksum_failures)
+        if t.cluster is not None:
+            sums.add_metric(["cluster"], t.cluster.counters.checksum_failures)
         yield tier_bytes
         yield tier_blocks
         yield sums

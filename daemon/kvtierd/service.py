@@ -34,6 +34,7 @@ from kvtier.errors import (
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.access import AccessPolicy, AdminSessions, Identity, Right
+from kvtierd.cluster.tier import ClusterTier
 from kvtierd.config import LimitsConfig
 from kvtierd.metrics import Metrics
 from kvtierd.segments import MAX_KEY_BYTES
@@ -493,14 +494,14 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
             validate_keys(request.keys, self.max_keys)
         for i, tier in enumerate(request.tiers):
             if tier not in _TIER_OF_NAME.values():
-                raise InvalidArgument(f"tiers[{i}] = {tier} is not a tier (TIER_DRAM, TIER_SSD "
-                                      "or TIER_SHARED)")
+                raise InvalidArgument(f"tiers[{i}] = {tier} is not a tier (TIER_DRAM, TIER_SSD, "
+                                      "TIER_SHARED or TIER_CLUSTER)")
         result = await self.tiering.evict(request.namespace,
                                           None if request.all else list(request.keys),
                                           list(request.tiers))
         # DRAM evictions are counted where every DRAM block leaves (the store's
         # on_evict hook); the copies below DRAM here.
-        for name in ("ssd", "shared"):
+        for name in ("ssd", "shared", "cluster"):
             if result.dropped.get(name):
                 self.metrics.evicted_blocks.labels(request.namespace, name).inc(
                     result.dropped[name])
@@ -537,7 +538,20 @@ def _parse_page_token(token: bytes) -> bytes | None:
     return key
 
 
-_TIER_OF_NAME = {"dram": pb.TIER_DRAM, "ssd": pb.TIER_SSD, "shared": pb.TIER_SHARED}
+_TIER_OF_NAME = {"dram": pb.TIER_DRAM, "ssd": pb.TIER_SSD, "shared": pb.TIER_SHARED,
+                 "cluster": pb.TIER_CLUSTER}
+
+
+def _cluster_stats(cluster: ClusterTier) -> pb.TierStats:
+    """The cluster tier's row: the memory this host lends it, and whether it is joined."""
+    cc = cluster.counters
+    s = cluster.settings
+    state = (f"joined as {cluster.segment_name}" if cluster.ready
+             else f"DOWN: {cluster.down_reason}")
+    return pb.TierStats(
+        tier=pb.TIER_CLUSTER, total_bytes=s.segment_bytes,
+        note=(f"{s.master}: {state}; {cc.writes} written, {cc.reads} read by this daemon, "
+              f"agent started {cc.agent_starts}x"))
 
 
 def _rpc_stats(metrics: Metrics) -> list[pb.RpcStats]:
@@ -583,6 +597,8 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
             tier=pb.TIER_SHARED,
             note=f"{tiering.shared.root}: {sc.writes} published, {sc.reads} read by this daemon",
         ))
+    if tiering.cluster is not None:
+        tiers.append(_cluster_stats(tiering.cluster))
     c = tiering.counters
     namespaces = [
         pb.NamespaceStats(
@@ -620,7 +636,8 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
         prefetch_hits=c.prefetch_hits + store.prefetched_reads,
         spill_queue_depth=tiering.queue_depth(),
         spill_checksum_failures=(ssd.counters.checksum_failures if ssd else 0) + (
-            tiering.shared.counters.checksum_failures if tiering.shared else 0),
+            tiering.shared.counters.checksum_failures if tiering.shared else 0) + (
+            tiering.cluster.counters.checksum_failures if tiering.cluster else 0),
         spill_faults=dict(c.faults),
         ssd_direct_io=bool(ssd and ssd.direct),
         ssd_adopted_blocks=ssd.counters.adopted if ssd else 0,

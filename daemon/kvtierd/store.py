@@ -1645,6 +1645,11 @@ class Store:
                     extra=event("namespace_reformatted", namespace=ns.name, reason=why))
         self.dropped_segments.append(f"namespace {ns.name!r} reformatted: {why}")
 
+    def live_segments(self) -> list[Segment]:
+        """Every DRAM segment in use now (any thread: a snapshot taken under the GIL;
+        the cluster tier's agent maps these and lets go of the others)."""
+        return [e.segment for ns in list(self.namespaces.values()) for e in list(ns.extents)]
+
     # ================================================================ recovery
     def new_segment_id(self) -> int:
         return next(self._segment_ids)

@@ -70,11 +70,13 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
 from kvtier.errors import CapacityExhausted, Corrupted, FailedPrecondition, NotFound
+from kvtierd.cluster.tier import ClusterTier
 from kvtierd.logs import Throttle, event, more
 from kvtierd.spill.blockio import fault_kind, memory_fault
 from kvtierd.spill.format import model_hash
 from kvtierd.spill.shared import SharedTier
 from kvtierd.spill.ssd import SpillFull, SsdTier
+from kvtierd.spill.tier import TIER_CLUSTER as TIER_CLUSTER
 from kvtierd.spill.tier import TIER_DRAM as TIER_DRAM
 from kvtierd.spill.tier import TIER_SHARED as TIER_SHARED
 from kvtierd.spill.tier import TIER_SSD as TIER_SSD
@@ -100,7 +102,8 @@ _throttle = Throttle()
 _T = TypeVar("_T")
 
 #: Tier numbers are the wire enum ``kvtier.v1.Tier`` (``spill.tier``).
-TIER_NAMES: Final = {TIER_DRAM: "dram", TIER_SSD: "ssd", TIER_SHARED: "shared"}
+TIER_NAMES: Final = {TIER_DRAM: "dram", TIER_SSD: "ssd", TIER_SHARED: "shared",
+                     TIER_CLUSTER: "cluster"}
 #: How often the demoter re-checks DRAM pressure when nothing woke it.
 DEMOTER_TICK: Final = 0.25
 #: Bytes one demotion batch may carry before its fdatasync.
@@ -127,6 +130,7 @@ class SpillPolicy:
     queue_depth: int = 64
     backpressure_timeout: float = 10.0
     shared_write: str = "demotion"  # or "commit"
+    cluster_write: str = "demotion"  # or "commit"
 
 
 @dataclasses.dataclass
@@ -271,33 +275,39 @@ class Tiering:
         *,
         ssd: SsdTier | None = None,
         shared: SharedTier | None = None,
+        cluster: ClusterTier | None = None,
         below: Sequence[Tier] = (),
         policy: SpillPolicy | None = None,
         io_threads: int = 4,
         observer: TieringObserver | None = None,
     ) -> None:
-        """``ssd``, ``shared``: the mechanisms (kept as attributes for stats and
-        metrics); ``below``: more tiers under them, slowest last (a cluster tier)."""
+        """``ssd``, ``shared``, ``cluster``: the mechanisms (kept as attributes for
+        stats and metrics); ``below``: more tiers under them, slowest last (tests)."""
         self.store = store
         self.ssd = ssd
         self.shared = shared
+        self.cluster = cluster
         #: The tiers below DRAM, fastest first: demotion writes into the first, each
         #: evicting tier hands its evictions to the next, promotion reads from the
         #: fastest tier holding a key.
         self.lower: list[Tier] = [
             *([SsdAdapter(ssd)] if ssd is not None else []),
             *([SharedAdapter(shared)] if shared is not None else []),
+            *([cluster] if cluster is not None else []),
             *below,
         ]
         self._by_id = {t.tier: t for t in self.lower}
         self._local = [t for t in self.lower if t.local]  # their indexes: loop-safe lookups
         self._remote = [t for t in self.lower if not t.local]  # every lookup is I/O
         self.policy = policy or SpillPolicy()
-        #: Where ``shared_write: commit`` publishes every committed block.
-        self._write_through = ([t for t in self.lower if t.cross_host]
-                               if self.policy.shared_write == "commit" else [])
-        #: The last tier evicts without handing on: a CLEAN block's copy may vanish.
-        self._lossy = bool(self.lower) and self.lower[-1].local
+        #: Where every committed block is published (``shared_write: commit``,
+        #: ``cluster.write: commit``).
+        self._write_through = [t for t in self.lower
+                               if t.cross_host and self._write_policy(t) == "commit"]
+        #: The last tier evicts without handing on (a local tier's LRU, or a cluster
+        #: that may drop any object): a CLEAN block's copy may vanish.
+        self._lossy = bool(self.lower) and (self.lower[-1].local
+                                            or not self.lower[-1].durable_writes)
         self.observer: TieringObserver = observer or _NoObserver()
         self.counters = TieringCounters()
         self.enabled = bool(self.lower)
@@ -336,7 +346,7 @@ class Tiering:
         the next tier, or, from the last one, leaves the DRAM blocks that counted on it
         without a copy below."""
         hand_off: HandOff | None = None
-        if nxt is not None and self.policy.shared_write in ("demotion", "commit"):
+        if nxt is not None and self._write_policy(nxt) in ("demotion", "commit"):
             target = nxt
 
             def pass_on(entry: BlockCopy, data: memoryview) -> None:  # an I/O thread
@@ -345,6 +355,11 @@ class Tiering:
             hand_off = pass_on
         tier.connect(on_fault=lambda kind: self._fault(tier.name, kind), hand_off=hand_off,
                      on_lost=self._lost_below if nxt is None else None)
+
+    def _write_policy(self, tier: Tier) -> str:
+        """When ``tier`` gets blocks: "demotion" (what the tier above it evicts, or
+        DRAM's demotions when it is first) or "commit" (also every commit)."""
+        return self.policy.cluster_write if tier.tier == TIER_CLUSTER else self.policy.shared_write
 
     # ================================================================ lifecycle
     async def start(self) -> None:
@@ -490,7 +505,7 @@ class Tiering:
                    and self._local_copy(ns.name, keys[j], geometry) is None
                    and (ns.name, keys[j]) not in self._deleting):
                 j += 1
-            found = await self._run(_locate_remote, self._remote, ns.name, list(keys[i:j]))
+            found = await self._run(self._locate_remote, ns.name, list(keys[i:j]), geometry)
             tiers.extend(found)
             if len(found) < j - i:
                 break
@@ -583,9 +598,31 @@ class Tiering:
         views = self.store.reservation_slots(system, res.reservation_id)
         geometry = self._geometry(ns)
         try:
-            outcomes = await asyncio.gather(*(
-                self._run(self._read_block, ns.name, key, self._by_id[tier], view, geometry)
-                for (key, tier), view in zip(wanted, views, strict=True)))
+            # One job per block, or per batched tier (its blocks in one read_many).
+            batches: dict[int, list[int]] = {}
+            jobs: list[Any] = []
+            slots: list[list[int]] = []
+            for i, ((key, tier), view) in enumerate(zip(wanted, views, strict=True)):
+                t = self._by_id[tier]
+                if t.batched:
+                    if tier not in batches:
+                        batches[tier] = []
+                        slots.append(batches[tier])
+                        jobs.append(None)
+                    batches[tier].append(i)
+                else:
+                    slots.append([i])
+                    jobs.append(self._run(self._read_block, ns.name, key, t, view, geometry))
+            for j, idx in enumerate(slots):
+                if jobs[j] is None:
+                    t = self._by_id[wanted[idx[0]][1]]
+                    jobs[j] = self._run(self._read_blocks, ns.name, t,
+                                        [(wanted[i][0], views[i]) for i in idx], geometry)
+            done = await asyncio.gather(*jobs)
+            outcomes: list[tuple[int, int] | None | _Copy] = [None] * len(wanted)
+            for idx, got in zip(slots, done, strict=True):
+                for i, out in zip(idx, got if isinstance(got, list) else [got], strict=True):
+                    outcomes[i] = out
         finally:
             for v in views:
                 v.release()
@@ -622,6 +659,67 @@ class Tiering:
             return None
         self.observer.spill_io(tier.name, "read", time.perf_counter() - t0, length)
         return length, checksum
+
+    def _read_blocks(self, namespace: str, tier: Tier, items: list[tuple[bytes, memoryview]],
+                     geometry: Geometry) -> list[tuple[int, int] | None | _Copy]:
+        """Worker thread: ``_read_block`` for a batched tier's blocks, in one batch."""
+        t0 = time.perf_counter()
+        try:
+            results = tier.read_many(namespace, items, geometry)
+        except OSError as exc:
+            self._fault(tier.name, fault_kind(exc))
+            return [None] * len(items)
+        out: list[tuple[int, int] | None | _Copy] = []
+        nbytes = 0
+        for res in results:
+            if isinstance(res, tuple):
+                out.append(res)
+                nbytes += res[0]
+            elif isinstance(res, (Corrupted, OSError)):
+                if memory_fault(res):
+                    out.append(_Copy.SLOT_FAULT)
+                else:
+                    self._fault(tier.name, fault_kind(res))
+                    out.append(None)
+            else:
+                out.append(None)  # KeyError: a miss
+        if nbytes:
+            self.observer.spill_io(tier.name, "read", time.perf_counter() - t0, nbytes)
+        return out
+
+    def _locate_remote(self, namespace: str, keys: list[bytes],
+                       geometry: Geometry) -> list[int]:
+        """Worker thread: the tier of each key of the longest prefix the remote tiers
+        hold (the first of them holding it).  A batched tier is asked about all the keys
+        in one go; the others key by key, as far as needed.  A tier that cannot answer
+        counts a fault and is a miss."""
+        batched: dict[int, list[bool]] = {}
+        for tier in self._remote:
+            if tier.batched:
+                try:
+                    batched[tier.tier] = tier.present(namespace, keys, geometry)
+                except OSError as exc:
+                    self._fault(tier.name, fault_kind(exc))
+                    batched[tier.tier] = [False] * len(keys)
+        out: list[int] = []
+        for i, key in enumerate(keys):
+            found = None
+            for tier in self._remote:
+                if tier.batched:
+                    hit = batched[tier.tier][i]
+                else:
+                    try:
+                        hit = tier.present(namespace, [key], geometry)[0]
+                    except OSError as exc:
+                        self._fault(tier.name, fault_kind(exc))
+                        hit = False
+                if hit:
+                    found = tier.tier
+                    break
+            if found is None:
+                break
+            out.append(found)
+        return out
 
     # ================================================================ reserve / commit
     async def reserve(self, session: Session, keys: Sequence[bytes]) -> ReserveResult:
@@ -782,7 +880,7 @@ class Tiering:
             present |= {k for k in keys
                         if self._copy_in(tier, ns.name, k, geometry) is not None}
             tier.remove(ns.name, keys)
-        found = await self._drop_lower(ns.name, {t: keys for t in self._remote})
+        found = await self._drop_lower(ns.name, {t: keys for t in self._remote}, geometry)
         for there in found.values():
             present |= there
         return len(present)
@@ -802,8 +900,8 @@ class Tiering:
         with self._handoff_lock:
             _count_down(self._deleting, keys)
 
-    async def _drop_lower(self, namespace: str,
-                          drops: Mapping[Tier, Sequence[bytes]]) -> dict[str, set[bytes]]:
+    async def _drop_lower(self, namespace: str, drops: Mapping[Tier, Sequence[bytes]],
+                          geometry: Geometry | None) -> dict[str, set[bytes]]:
         """The I/O half of removing keys below DRAM (Delete and Evict): persist what the
         local tiers' ``remove`` took out, then remove each remote tier's copies of its
         keys in ``drops``.  Returns, per tier name, the keys that had a copy there."""
@@ -815,7 +913,7 @@ class Tiering:
             if not keys:
                 continue
             try:
-                found[tier.name] = await self._run(tier.delete, namespace, list(keys))
+                found[tier.name] = await self._run(tier.delete, namespace, list(keys), geometry)
             except OSError as exc:
                 self._fault(tier.name, fault_kind(exc))
         return found
@@ -1157,7 +1255,7 @@ class Tiering:
             return len(lost), skipped
         self._hide(hidden)
         try:
-            found = await self._drop_lower(namespace, remote)
+            found = await self._drop_lower(namespace, remote, geometry)
         finally:
             self._unhide(hidden)
         for name, there in found.items():
@@ -1243,8 +1341,15 @@ class Tiering:
                    and self._local_copy(b.ns.name, b.key, self._geometry(b.ns)) is None]
         if missing and self._remote:
             remote = self._remote
-            there = await self._run(lambda: [any(t.contains(b.ns.name, b.key) for t in remote)
-                                             for b in missing])
+
+            def anywhere(b: Block) -> bool:
+                for t in remote:
+                    with contextlib.suppress(OSError):  # cannot tell: not a copy to count on
+                        if t.present(b.ns.name, [b.key], self._geometry(b.ns))[0]:
+                            return True
+                return False
+
+            there = await self._run(lambda: [anywhere(b) for b in missing])
             missing = [b for b, ok in zip(missing, there, strict=True) if not ok]
         for b in missing:
             if b.doomed or b.ns.index.get(b.key) is not b:
@@ -1309,21 +1414,9 @@ def _prefix(ns: Namespace, keys: Sequence[bytes]) -> list[Block]:
     return out
 
 
-def _locate_remote(tiers: Sequence[Tier], namespace: str, keys: list[bytes]) -> list[int]:
-    """Worker thread: the tier of each key of the longest prefix ``tiers`` hold (the
-    first of them holding it)."""
-    out: list[int] = []
-    for key in keys:
-        tier = next((t for t in tiers if t.contains(namespace, key)), None)
-        if tier is None:
-            break
-        out.append(tier.tier)
-    return out
-
-
 #: The setting that turns a tier on (for "this daemon has no ... tier" messages).
 _TIER_SETTING: Final = {TIER_DRAM: "dram.capacity", TIER_SSD: "spill.ssd_dir",
-                        TIER_SHARED: "spill.shared_dir"}
+                        TIER_SHARED: "spill.shared_dir", TIER_CLUSTER: "cluster.master"}
 
 
 def _smallest_after(dram: list[bytes], below: list[bytes], after: bytes | None,

@@ -13,6 +13,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DRAM: _ClassVar[Tier]
     TIER_SSD: _ClassVar[Tier]
     TIER_SHARED: _ClassVar[Tier]
+    TIER_CLUSTER: _ClassVar[Tier]
 
 class ReserveStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,6 +25,7 @@ TIER_UNSPECIFIED: Tier
 TIER_DRAM: Tier
 TIER_SSD: Tier
 TIER_SHARED: Tier
+TIER_CLUSTER: Tier
 RESERVE_STATUS_UNSPECIFIED: ReserveStatus
 RESERVE_STATUS_RESERVED: ReserveStatus
 RESERVE_STATUS_EXISTS: ReserveStatus

@@ -142,5 +142,9 @@ def fault_kind(exc: BaseException) -> str:
         return "checksum"
     if isinstance(exc, OSError):
         return {errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EIO: "eio",
-                errno.ENOENT: "missing"}.get(exc.errno or 0, "oserror")
+                errno.ENOENT: "missing",
+                # the cluster tier (kvtierd.cluster.tier): its agent not joined, the
+                # Mooncake master unreachable, a transfer from a host that is gone
+                errno.ENOTCONN: "down", errno.EHOSTDOWN: "master",
+                errno.ECOMM: "transfer"}.get(exc.errno or 0, "oserror")
     return type(exc).__name__.lower()

@@ -5,7 +5,7 @@ first: SSD, then shared) and moves blocks along it: demotion writes into the
 first, an evicting tier hands its evictions to the next, promotion reads from
 the fastest tier that holds a key.  It never asks *which* tier it has, only
 what a tier is like (``local``, ``cross_host``, ``durable_writes``).  A new
-tier -- the cluster tier on Mooncake Store (DESIGN.md section 7) -- is a third
+tier -- the cluster tier on Mooncake Store (``kvtierd.cluster``) -- is a third
 implementation of :class:`Tier` appended to that list; the policy's loops do
 not change.
 
@@ -29,6 +29,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Final, NamedTuple, Protocol
 
+from kvtier.errors import Corrupted
 from kvtierd.spill.shared import SharedTier
 from kvtierd.spill.ssd import SsdTier
 
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 TIER_DRAM: Final = 1
 TIER_SSD: Final = 2
 TIER_SHARED: Final = 3
+TIER_CLUSTER: Final = 4
 
 
 class Geometry(NamedTuple):
@@ -88,11 +90,11 @@ class Tier(Protocol):
     see the module docstring) and leave the tier consistent.
 
     The SSD tier and the shared tier implement it (through the adapters
-    below); a cluster tier (Mooncake Store: a master plus a transfer engine,
-    so hosts read each other's blocks) is meant to be a third implementation:
-    ``local`` False (its index is the master's), ``cross_host`` True,
-    ``contains`` a batched master query, appended after the shared tier, with
-    no change to the policy's loops.
+    below), and so does the cluster tier (``kvtierd.cluster.tier``: Mooncake
+    Store, a master plus a transfer engine, so hosts read each other's
+    blocks): ``local`` False (its index is the master's), ``cross_host`` True,
+    ``batched`` (``present`` is one master query for many keys, ``read_many``
+    one transfer batch), appended after the shared tier.
     """
 
     @property
@@ -111,7 +113,7 @@ class Tier(Protocol):
         ``keys_of`` enumerates it, ``remove`` takes keys out at once, and it evicts
         its own least recently used copies to stay within its capacity (handing
         them to ``hand_off``, reporting them to ``on_lost``).  Not local: every
-        question is I/O (``contains``), it is never enumerated, nothing here
+        question is I/O (``present``), it is never enumerated, nothing here
         bounds it."""
         ...
 
@@ -123,6 +125,14 @@ class Tier(Protocol):
     @property
     def durable_writes(self) -> bool:
         """Each ``write`` is durable when it returns (``sync`` has nothing to do)."""
+        ...
+
+    @property
+    def batched(self) -> bool:
+        """Questions cost a round trip each, whatever their size: the policy asks
+        ``present`` about a whole run of keys at once and reads a promotion's
+        blocks with one ``read_many``; otherwise it asks key by key (stopping at
+        the first miss) and reads blocks in parallel, one ``read_into`` each."""
         ...
 
     def open(self) -> None:
@@ -150,8 +160,10 @@ class Tier(Protocol):
         A tier that is not ``local`` always answers None (it cannot tell without I/O)."""
         ...
 
-    def contains(self, namespace: str, key: bytes) -> bool:
-        """Blocking: whether the tier holds a copy of ``key`` (a stat for a file tier)."""
+    def present(self, namespace: str, keys: Sequence[bytes],
+                geometry: Geometry | None) -> list[bool]:
+        """Blocking: whether the tier holds a copy of each key (a stat per key for a file
+        tier, one query for a ``batched`` one).  ``OSError``: the tier could not tell."""
         ...
 
     def read_into(self, namespace: str, key: bytes, dst: memoryview,
@@ -164,6 +176,13 @@ class Tier(Protocol):
         the tier dropped it.  ``OSError``: the read failed (the tier dropped
         its copy), or EFAULT: ``dst`` faulted (the copy stays).
         """
+        ...
+
+    def read_many(self, namespace: str, items: Sequence[tuple[bytes, memoryview]],
+                  geometry: Geometry) -> list[tuple[int, int] | BaseException]:
+        """Blocking: ``read_into`` for each (key, dst), as one batch where the tier can;
+        each result is (length, checksum) or the exception ``read_into`` would have
+        raised for that block.  Raises ``OSError`` when none could be tried."""
         ...
 
     def write(self, namespace: str, key: bytes, src: memoryview, length: int,
@@ -191,10 +210,13 @@ class Tier(Protocol):
         """Blocking: persist what ``remove`` took out (OSError: the next flush retries)."""
         ...
 
-    def delete(self, namespace: str, keys: Sequence[bytes]) -> set[bytes]:
+    def delete(self, namespace: str, keys: Sequence[bytes],
+               geometry: Geometry | None) -> set[bytes]:
         """Blocking: remove the copies of ``keys`` that only I/O reaches; returns the
-        keys that had one.  A ``local`` tier's copies go through ``remove`` instead,
-        so it does nothing here (a copy written since then stays: it is newer)."""
+        keys that had one (``geometry``: the namespace's, None when nobody declared
+        it since the start).  A ``local`` tier's copies go through ``remove``
+        instead, so it does nothing here (a copy written since then stays: it is
+        newer)."""
         ...
 
     def keys_of(self, namespace: str, geometry: Geometry | None) -> list[bytes]:
@@ -216,6 +238,7 @@ class SsdAdapter:
     local = True
     cross_host = False
     durable_writes = False
+    batched = False
 
     def __init__(self, ssd: SsdTier) -> None:
         self.ssd = ssd
@@ -243,8 +266,9 @@ class SsdAdapter:
             e = self.ssd.find(namespace, key, geometry.block_bytes, geometry.model_hash)
         return None if e is None else e.length
 
-    def contains(self, namespace: str, key: bytes) -> bool:
-        return self.ssd.index.get((namespace, key)) is not None
+    def present(self, namespace: str, keys: Sequence[bytes],
+                geometry: Geometry | None) -> list[bool]:
+        return [self.held(namespace, k, geometry) is not None for k in keys]
 
     def read_into(self, namespace: str, key: bytes, dst: memoryview,
                   geometry: Geometry) -> tuple[int, int]:
@@ -253,6 +277,10 @@ class SsdAdapter:
             raise KeyError(key)
         self.ssd.read_into(entry, dst)
         return entry.length, entry.checksum
+
+    def read_many(self, namespace: str, items: Sequence[tuple[bytes, memoryview]],
+                  geometry: Geometry) -> list[tuple[int, int] | BaseException]:
+        return _one_by_one(self, namespace, items, geometry)
 
     def write(self, namespace: str, key: bytes, src: memoryview, length: int,
               checksum: int | None, geometry: Geometry) -> bool:
@@ -269,7 +297,8 @@ class SsdAdapter:
     def flush(self) -> None:
         self.ssd.flush_frees()
 
-    def delete(self, namespace: str, keys: Sequence[bytes]) -> set[bytes]:
+    def delete(self, namespace: str, keys: Sequence[bytes],
+               geometry: Geometry | None) -> set[bytes]:
         return set()
 
     def keys_of(self, namespace: str, geometry: Geometry | None) -> list[bytes]:
@@ -287,6 +316,7 @@ class SharedAdapter:
     local = False
     cross_host = True
     durable_writes = True  # published by fsync + rename
+    batched = False
 
     def __init__(self, shared: SharedTier) -> None:
         self.shared = shared
@@ -304,13 +334,18 @@ class SharedAdapter:
     def held(self, namespace: str, key: bytes, geometry: Geometry | None) -> int | None:
         return None
 
-    def contains(self, namespace: str, key: bytes) -> bool:
-        return self.shared.exists(namespace, key)
+    def present(self, namespace: str, keys: Sequence[bytes],
+                geometry: Geometry | None) -> list[bool]:
+        return [self.shared.exists(namespace, k) for k in keys]
 
     def read_into(self, namespace: str, key: bytes, dst: memoryview,
                   geometry: Geometry) -> tuple[int, int]:
         return self.shared.read_into(namespace, key, dst, geometry.block_bytes,
                                      geometry.model_hash)
+
+    def read_many(self, namespace: str, items: Sequence[tuple[bytes, memoryview]],
+                  geometry: Geometry) -> list[tuple[int, int] | BaseException]:
+        return _one_by_one(self, namespace, items, geometry)
 
     def write(self, namespace: str, key: bytes, src: memoryview, length: int,
               checksum: int | None, geometry: Geometry) -> bool:
@@ -327,7 +362,8 @@ class SharedAdapter:
     def flush(self) -> None:
         pass
 
-    def delete(self, namespace: str, keys: Sequence[bytes]) -> set[bytes]:
+    def delete(self, namespace: str, keys: Sequence[bytes],
+               geometry: Geometry | None) -> set[bytes]:
         present = {k for k in keys if self.shared.exists(namespace, k)}
         self.shared.delete(namespace, list(keys))
         return present
@@ -337,3 +373,15 @@ class SharedAdapter:
 
     def check(self) -> list[str]:
         return []
+
+
+def _one_by_one(tier: Tier, namespace: str, items: Sequence[tuple[bytes, memoryview]],
+                geometry: Geometry) -> list[tuple[int, int] | BaseException]:
+    """``read_many`` for a tier without batches: ``read_into`` each, in order."""
+    out: list[tuple[int, int] | BaseException] = []
+    for key, dst in items:
+        try:
+            out.append(tier.read_into(namespace, key, dst, geometry))
+        except (KeyError, Corrupted, OSError) as exc:
+            out.append(exc)
+    return out

@@ -1,0 +1,351 @@
+"""The cluster agent: the Mooncake Store client, in a process of its own.
+
+``kvtierd`` starts it (``python -m kvtierd.cluster.agent``) with one end of a
+``SOCK_SEQPACKET`` socket pair and its settings in the environment, and talks
+to it in msgpack messages (:mod:`kvtierd.cluster.tier` has the other end):
+
+* ``[id, "seg", seg_id, size]`` with the DRAM segment's data-file descriptor:
+  map it and register it with the transfer engine; ``[id, "drop", seg_id]``
+  undoes that (after the transfers using it finish);
+* ``[id, "exist", names]``: ``batch_is_exist``, one master round trip;
+* ``[id, "get", [[name, seg_id, offset, size], ...]]``: one scatter read per
+  object, straight into the segment (``size`` bytes) plus a header slot of the
+  agent's own, whose bytes go back in the reply;
+* ``[id, "put", [[name, seg_id, offset, length, block_bytes, header], ...],
+  replicas]``: one gather write per object -- the slot's ``length`` bytes,
+  zeros up to ``block_bytes`` (a registered zero mapping, never a copy), the
+  header;
+* ``[id, "remove", names]``: ``batch_remove(force=True)``; ``[id, "health"]``.
+
+Replies are ``[id, result]`` or ``[id, None, error text]``; the agent says
+``[0, "ready", segment_name]`` once set up, or ``[0, "failed", why]`` and exits.
+
+It checks every offset against its mapping before a transfer (Mooncake does
+not: a read past a buffer's end is a segfault), probes the master's port
+before ``setup`` (which otherwise holds the GIL retrying for 90 s), dies with
+the daemon (``PR_SET_PDEATHSIG``, and end of file on the socket), and is
+otherwise allowed to crash: a client that cut its DRAM file short under a
+transfer raises SIGBUS here, and the daemon restarts the agent.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import json
+import logging
+import mmap
+import os
+import signal
+import socket
+import sys
+import threading
+import urllib.parse
+from typing import Any, Final
+
+import msgpack
+import numpy as np
+
+log = logging.getLogger("kvtierd.cluster.agent")
+
+#: The environment variables the daemon passes.
+ENV_FD: Final = "KVTIER_AGENT_FD"
+ENV_CONFIG: Final = "KVTIER_AGENT_CONFIG"
+#: The largest message either side sends (the socket buffers are sized for it).
+MAX_MESSAGE: Final = 4 << 20
+#: Header slots the agent keeps registered (one per object in flight).
+HEADER_SLOTS: Final = 4096
+#: Zero bytes registered once to pad short blocks (longer pads take it several times).
+ZERO_BYTES: Final = 64 << 20
+#: Exit codes: setup failed (the master or metadata server unreachable, or refused).
+EXIT_UNREACHABLE: Final = 3
+EXIT_SETUP: Final = 4
+#: A request the agent refused before any transfer (an offset outside the mapping).
+RC_BAD_REQUEST: Final = -10001
+HEADER_BYTES: Final = 256
+
+
+def _address(buf: Any) -> int:
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:
+        os._exit(0)
+
+
+def _probe(host: str, port: int, what: str, timeout: float) -> str | None:
+    """None when ``host:port`` accepts a connection, else why not."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        return f"{what} {host}:{port} is unreachable: {exc.strerror or exc}"
+    return None
+
+
+def _host_port(addr: str, default_port: int) -> tuple[str, int]:
+    u = urllib.parse.urlsplit(addr if "//" in addr else f"//{addr}")
+    return u.hostname or "127.0.0.1", u.port or default_port
+
+
+class _Segment:
+    def __init__(self, mm: mmap.mmap, size: int) -> None:
+        self.mm = mm
+        self.size = size
+        self.base = _address(mm)
+        self.users = 0
+        self.dropped = False
+
+
+class Agent:
+    def __init__(self, sock: socket.socket, cfg: dict[str, Any]) -> None:
+        self.sock = sock
+        self.cfg = cfg
+        self.store: Any = None
+        self.hostname = ""
+        self._send_lock = threading.Lock()
+        self._segs: dict[int, _Segment] = {}
+        self._segs_cv = threading.Condition()
+        self._free_headers = list(range(HEADER_SLOTS))
+        self._headers_cv = threading.Condition()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=int(cfg.get("threads", 4)), thread_name_prefix="agent")
+
+    # ------------------------------------------------------------ setup
+    def setup(self) -> str | None:
+        """Join the cluster; None, or why it could not."""
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+        master = self.cfg["master"]
+        why = _probe(*_host_port(master, 50051), "the Mooncake master", 3.0)
+        meta = self.cfg["metadata_server"]
+        if why is None and meta.startswith("http"):
+            why = _probe(*_host_port(meta, 8080), "the metadata server", 3.0)
+        if why is not None:
+            return why
+        store = MooncakeDistributedStore()
+        rc = store.setup(self.cfg["local_hostname"], meta, int(self.cfg["segment_bytes"]),
+                         int(self.cfg["local_buffer_bytes"]), self.cfg["protocol"],
+                         self.cfg.get("device_name", ""), master)
+        if rc != 0:
+            return f"Mooncake setup returned {rc} (master {master}, metadata server {meta})"
+        self.store = store
+        self.hostname = store.get_hostname()
+        self.config = ReplicateConfig()
+        self.config.replica_num = int(self.cfg.get("replicas", 1))
+        self.config.preferred_segment = self.hostname  # keep what this host writes here
+        self.headers = mmap.mmap(-1, HEADER_SLOTS * HEADER_BYTES)
+        self.headers_base = _address(self.headers)
+        self.zeros = mmap.mmap(-1, ZERO_BYTES, prot=mmap.PROT_READ)
+        self.zeros_base = _address(self.zeros)
+        for base, size in ((self.headers_base, len(self.headers)),
+                           (self.zeros_base, ZERO_BYTES)):
+            rc = store.register_buffer(base, size)
+            if rc != 0:
+                return f"register_buffer of {size} bytes returned {rc}"
+        return None
+
+    # ------------------------------------------------------------ messages
+    def send(self, msg: list[Any]) -> None:
+        data = msgpack.packb(msg, use_bin_type=True)
+        with self._send_lock:
+            self.sock.send(data)
+
+    def run(self) -> int:
+        why = self.setup()
+        if why is not None:
+            self.send([0, "failed", why])
+            return EXIT_UNREACHABLE if "unreachable" in why else EXIT_SETUP
+        self.send([0, "ready", self.hostname])
+        try:
+            while True:
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 4)
+                if not data:
+                    break  # the daemon went away
+                msg = msgpack.unpackb(data, raw=False)
+                if msg[1] == "seg":
+                    self._reply(msg[0], self._map, msg[2], msg[3], fds[0] if fds else -1)
+                    for fd in fds[1:]:
+                        os.close(fd)
+                    continue
+                for fd in fds:
+                    os.close(fd)
+                self._pool.submit(self._dispatch, msg)
+        finally:
+            self._pool.shutdown(wait=True)
+            try:
+                self.store.close()
+            except Exception:  # noqa: BLE001 (exiting anyway)
+                pass
+        return 0
+
+    def _dispatch(self, msg: list[Any]) -> None:
+        op = msg[1]
+        fn = {"drop": self._drop, "exist": self._exist, "get": self._get, "put": self._put,
+              "remove": self._remove, "health": self._health}.get(op)
+        if fn is None:
+            self.send([msg[0], None, f"unknown op {op!r}"])
+            return
+        self._reply(msg[0], fn, *msg[2:])
+
+    def _reply(self, rid: int, fn: Any, *args: Any) -> None:
+        try:
+            result = fn(*args)
+        except Exception as exc:  # noqa: BLE001 (the daemon counts it)
+            self.send([rid, None, f"{type(exc).__name__}: {exc}"])
+            return
+        self.send([rid, result])
+
+    # ------------------------------------------------------------ segments
+    def _map(self, seg_id: int, size: int, fd: int) -> int:
+        if fd < 0:
+            raise ValueError("no descriptor came with the segment")
+        try:
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        seg = _Segment(mm, size)
+        rc = self.store.register_buffer(seg.base, size)
+        if rc != 0:
+            mm.close()
+            raise OSError(f"register_buffer returned {rc}")
+        with self._segs_cv:
+            old = self._segs.pop(seg_id, None)
+            self._segs[seg_id] = seg
+        if old is not None:
+            self._unmap(old)
+        return 0
+
+    def _drop(self, seg_id: int) -> int:
+        with self._segs_cv:
+            seg = self._segs.pop(seg_id, None)
+        if seg is not None:
+            self._unmap(seg)
+        return 0
+
+    def _unmap(self, seg: _Segment) -> None:
+        with self._segs_cv:
+            seg.dropped = True
+            while seg.users:
+                self._segs_cv.wait()
+        self.store.unregister_buffer(seg.base)
+        seg.mm.close()
+
+    def _use(self, seg_ids: set[int]) -> dict[int, _Segment]:
+        with self._segs_cv:
+            segs = {s: self._segs[s] for s in seg_ids if s in self._segs}
+            for seg in segs.values():
+                seg.users += 1
+            return segs
+
+    def _unuse(self, segs: dict[int, _Segment]) -> None:
+        with self._segs_cv:
+            for seg in segs.values():
+                seg.users -= 1
+            self._segs_cv.notify_all()
+
+    def _take_headers(self, n: int) -> list[int]:
+        with self._headers_cv:
+            while len(self._free_headers) < n:
+                self._headers_cv.wait()
+            taken, self._free_headers = self._free_headers[:n], self._free_headers[n:]
+            return taken
+
+    def _give_headers(self, slots: list[int]) -> None:
+        with self._headers_cv:
+            self._free_headers.extend(slots)
+            self._headers_cv.notify_all()
+
+    # ------------------------------------------------------------ operations
+    def _exist(self, names: list[str]) -> list[int]:
+        return list(self.store.batch_is_exist(names))
+
+    def _remove(self, names: list[str]) -> list[int]:
+        return list(self.store.batch_remove(names, True))
+
+    def _health(self) -> int:
+        return int(self.store.health_check())
+
+    def _get(self, items: list[list[Any]]) -> list[list[Any]]:
+        segs = self._use({it[1] for it in items})
+        slots = self._take_headers(len(items))
+        try:
+            out: list[list[Any]] = [[RC_BAD_REQUEST, None] for _ in items]
+            todo = []
+            for i, (name, seg_id, off, size) in enumerate(items):
+                seg = segs.get(seg_id)
+                if seg is None or off < 0 or size <= 0 or off + size > seg.size:
+                    continue
+                todo.append((i, name, seg.base + off, size))
+            if todo:
+                hp = [self.headers_base + s * HEADER_BYTES for s in slots]
+                rcs = self.store.batch_get_into_multi_buffers(
+                    [t[1] for t in todo], [[t[2], hp[t[0]]] for t in todo],
+                    [[t[3], HEADER_BYTES] for t in todo])
+                for (i, _name, _ptr, _size), rc in zip(todo, rcs, strict=True):
+                    s = slots[i] * HEADER_BYTES
+                    out[i] = [int(rc), self.headers[s : s + HEADER_BYTES] if rc >= 0 else None]
+            return out
+        finally:
+            self._give_headers(slots)
+            self._unuse(segs)
+
+    def _put(self, items: list[list[Any]], replicas: int) -> list[int]:
+        segs = self._use({it[1] for it in items})
+        slots = self._take_headers(len(items))
+        try:
+            out = [RC_BAD_REQUEST] * len(items)
+            names, ptrs, sizes, idx = [], [], [], []
+            for i, (name, seg_id, off, length, block_bytes, header) in enumerate(items):
+                seg = segs.get(seg_id)
+                if (seg is None or off < 0 or length <= 0 or length > block_bytes
+                        or off + length > seg.size or len(header) != HEADER_BYTES):
+                    continue
+                h = slots[i] * HEADER_BYTES
+                self.headers[h : h + HEADER_BYTES] = header
+                p, z = [seg.base + off], [length]
+                pad = block_bytes - length
+                while pad > 0:
+                    n = min(pad, ZERO_BYTES)
+                    p.append(self.zeros_base)
+                    z.append(n)
+                    pad -= n
+                p.append(self.headers_base + h)
+                z.append(HEADER_BYTES)
+                names.append(name)
+                ptrs.append(p)
+                sizes.append(z)
+                idx.append(i)
+            if names:
+                config = self.config
+                if replicas != config.replica_num:
+                    from mooncake.store import ReplicateConfig
+
+                    config = ReplicateConfig()
+                    config.replica_num = replicas
+                    config.preferred_segment = self.hostname
+                rcs = self.store.batch_put_from_multi_buffers(names, ptrs, sizes, config)
+                for i, rc in zip(idx, rcs, strict=True):
+                    out[i] = int(rc)
+            return out
+        finally:
+            self._give_headers(slots)
+            self._unuse(segs)
+
+
+def main() -> int:
+    _die_with_parent()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="kvtier cluster agent: %(message)s")
+    sock = socket.socket(fileno=int(os.environ[ENV_FD]))
+    cfg = json.loads(os.environ[ENV_CONFIG])
+    return Agent(sock, cfg).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,595 @@
+"""The cluster tier, daemon side: a ``spill.tier.Tier`` over the agent process.
+
+:class:`ClusterTier` starts the agent (:mod:`kvtierd.cluster.agent`) from a
+supervisor thread, restarts it with back-off whenever it fails to join the
+cluster or dies, and kills it when a request has been outstanding for
+``cluster.request_timeout`` (Mooncake's own calls give up after about 4 s when
+the master is gone; a longer wait is a hung agent).  Every request waits for
+its answer or for the agent's death, never for a timer alone: the agent may
+be writing into a DRAM slot, and the slot is only given back once nothing can
+write into it any more.
+
+While no agent is ready, every call fails at once with ``ClusterDown``
+(``OSError`` ENOTCONN): the tiering policy counts it and goes on with the
+local tiers.  Mooncake's answers become misses (-704: not there), ``SpillFull``
+(-200: no room), or ``OSError`` with a kind for the metrics (-900: master
+unreachable, -800: the transfer failed, e.g. the owning host is gone).
+
+Every read checks the object's tagged header and the data's xxh3 (``format``)
+before the block counts as read; an object that fails is removed from the
+cluster (for every host: it is bad for all of them) and counted as
+``checksum``.
+
+The DRAM slots are named to the agent as (segment id, offset): it maps each
+segment's data file once (its descriptor passed over the socket) and
+registers it with the transfer engine, so bytes move between the cluster and
+the slot with no copy in either process.  Before a transfer the segment's
+data file is checked for its size (``fstat``): a client that cut it short
+would make the agent fault (SIGBUS); its slot is the writer's loss
+(``EFAULT``), as on the other tiers.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import errno
+import itertools
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final
+
+import msgpack
+import numpy as np
+
+from kvtier import _accel
+from kvtier.errors import Corrupted
+from kvtierd.cluster import agent as agent_mod
+from kvtierd.cluster.format import HEADER_BYTES, BadObject, Header, Naming
+from kvtierd.logs import Throttle, event, more
+from kvtierd.segments import Segment
+from kvtierd.spill.ssd import SpillFull
+from kvtierd.spill.tier import TIER_CLUSTER, Geometry, HandOff
+
+log = logging.getLogger(__name__)
+_throttle = Throttle()
+
+#: Mooncake's return codes (mooncake-store's ErrorCode).
+RC_NO_SPACE: Final = -200
+RC_NOT_FOUND: Final = -704
+RC_TRANSFER: Final = -800
+RC_RPC: Final = -900
+#: Objects per message to the agent (bounded messages; each still one Mooncake batch).
+BATCH: Final = 256
+#: How often the segments the agent maps are compared with the live ones.
+DROP_CHECK_SECONDS: Final = 1.0
+#: Restart back-off of the agent: from the first to the last, doubling.
+BACKOFF: Final = (0.5, 30.0)
+
+
+class ClusterDown(OSError):
+    """No agent is ready (not started yet, restarting, or the master unreachable)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(errno.ENOTCONN, why)
+
+
+def _rc_error(rc: int, what: str) -> OSError:
+    """The OSError for a Mooncake error code (its errno picks the metrics' kind)."""
+    if rc == RC_RPC:
+        return OSError(errno.EHOSTDOWN, f"{what}: the Mooncake master is unreachable (-900)")
+    if rc == RC_TRANSFER:
+        return OSError(errno.ECOMM, f"{what}: the transfer failed (-800; the host holding "
+                                    "the object gone or unreachable)")
+    if rc == agent_mod.RC_BAD_REQUEST:
+        return OSError(errno.EINVAL, f"{what}: refused by the agent (offset outside its "
+                                     "mapping of the segment)")
+    return OSError(errno.EIO, f"{what}: Mooncake error {rc}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    """What the agent needs (``config.ClusterConfig`` resolved)."""
+
+    master: str
+    metadata_server: str
+    protocol: str = "tcp"
+    device_name: str = ""
+    segment_bytes: int = 1 << 30
+    local_buffer_bytes: int = 16 << 20
+    local_hostname: str = ""
+    bind_address: str = ""
+    replicas: int = 1
+    request_timeout: float = 30.0
+    setup_timeout: float = 60.0
+    threads: int = 4
+
+    def agent_config(self) -> dict[str, Any]:
+        return {"master": self.master, "metadata_server": self.metadata_server,
+                "protocol": self.protocol, "device_name": self.device_name,
+                "segment_bytes": self.segment_bytes,
+                "local_buffer_bytes": self.local_buffer_bytes,
+                "local_hostname": self.local_hostname or self.bind_address
+                or socket.gethostname(),
+                "replicas": self.replicas, "threads": self.threads}
+
+
+@dataclasses.dataclass
+class ClusterCounters:
+    agent_starts: int = 0
+    agent_failures: int = 0  # failed to join (master down, setup refused)
+    agent_deaths: int = 0  # died or was killed after joining
+    agent_kills: int = 0  # killed for a request outstanding past request_timeout
+    writes: int = 0
+    write_bytes: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    checksum_failures: int = 0
+    removed: int = 0
+
+
+class _Agent:
+    """One agent process and its side of the socket."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self.proc = proc
+        self.sock = sock
+        self.ready = False
+        self.segment_name = ""
+        self.pending: dict[int, tuple[concurrent.futures.Future[Any], float]] = {}
+        self.lock = threading.Lock()  # pending, sends
+        self.mapped: set[int] = set()
+        self.map_lock = threading.Lock()
+        self.last_drop_check = 0.0
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=8)
+
+    def tail(self) -> str:
+        lines = [x for x in self.stderr_tail if x]
+        return ("; its last words: " + " | ".join(lines[-3:])) if lines else ""
+
+
+class ClusterTier:
+    """:class:`~kvtierd.spill.tier.Tier` over Mooncake Store (through the agent)."""
+
+    tier = TIER_CLUSTER
+    name = "cluster"
+    local = False
+    cross_host = True
+    durable_writes = False  # cache-only: the cluster may drop any object (eviction, hosts)
+    batched = True
+
+    def __init__(self, settings: ClusterSettings, naming: Naming, *,
+                 segments: Callable[[], Iterable[Segment]]) -> None:
+        """``segments``: the daemon's live DRAM segments (called on worker threads)."""
+        self.settings = settings
+        self.naming = naming
+        self.counters = ClusterCounters()
+        self._segments = segments
+        self._by_map: dict[int, Segment] = {}
+        self._agent: _Agent | None = None
+        self._ids = itertools.count(1)
+        self._stop = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._on_fault: Callable[[str], None] = lambda kind: None
+        #: Why the agent is not ready (None while it is): doctor, stats, logs.
+        self.down_reason: str | None = "not started"
+
+    # ------------------------------------------------------------ lifecycle
+    def open(self) -> None:
+        """Start the supervisor; returns at once (joining may take seconds or fail)."""
+        self._supervisor = threading.Thread(target=self._supervise, name="kvtier-cluster",
+                                            daemon=True)
+        self._supervisor.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        a = self._agent
+        if a is not None:
+            with contextlib.suppress(OSError):
+                a.sock.shutdown(socket.SHUT_RDWR)  # the agent sees EOF and leaves
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=15)
+        a = self._agent
+        if a is not None and a.proc.poll() is None:
+            a.proc.kill()
+            a.proc.wait()
+
+    @property
+    def segment_name(self) -> str:
+        """This host's segment in the cluster (Mooncake's ``host:port``), "" when down."""
+        a = self._agent
+        return a.segment_name if a is not None and a.ready else ""
+
+    @property
+    def ready(self) -> bool:
+        a = self._agent
+        return a is not None and a.ready
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until the agent joined (tests, ``kvtier doctor``)."""
+        deadline = time.monotonic() + timeout
+        while not self.ready:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def connect(self, *, on_fault: Callable[[str], None], hand_off: HandOff | None,
+                on_lost: Callable[[str, bytes], None] | None) -> None:
+        self._on_fault = on_fault  # faults the supervisor sees (agent deaths, kills)
+
+    # ------------------------------------------------------------ supervisor
+    def _supervise(self) -> None:
+        delay = BACKOFF[0]
+        while not self._stop.is_set():
+            a = self._start_agent()
+            if a is None:
+                self._stop.wait(delay)
+                delay = min(delay * 2, BACKOFF[1])
+                continue
+            self._agent = a
+            try:
+                joined = self._handshake(a)
+                if joined:
+                    delay = BACKOFF[0]
+                    self._serve(a)
+            finally:
+                self._reap(a, joined)
+            if not self._stop.is_set():
+                self._stop.wait(delay)
+                delay = min(delay * 2, BACKOFF[1])
+
+    def _start_agent(self) -> _Agent | None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for s in (ours, theirs):
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, agent_mod.MAX_MESSAGE)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, agent_mod.MAX_MESSAGE)
+        env = dict(os.environ)
+        env[agent_mod.ENV_FD] = str(theirs.fileno())
+        env[agent_mod.ENV_CONFIG] = json.dumps(self.settings.agent_config())
+        env.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
+        if self.settings.bind_address:
+            env["MC_TCP_BIND_ADDRESS"] = self.settings.bind_address
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "kvtierd.cluster.agent"], env=env,
+                                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+        except OSError as exc:
+            ours.close()
+            self._down(f"cannot start the cluster agent: {exc}", "agent")
+            return None
+        finally:
+            theirs.close()
+        self.counters.agent_starts += 1
+        a = _Agent(proc, ours)
+        threading.Thread(target=self._log_agent, args=(a,), name="kvtier-cluster-log",
+                         daemon=True).start()
+        return a
+
+    def _log_agent(self, a: _Agent) -> None:
+        """The agent's stderr (Mooncake's own log): at debug level, and its last lines
+        kept for the message when the agent fails."""
+        assert a.proc.stderr is not None
+        for raw in a.proc.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            a.stderr_tail.append(line)
+            log.debug("agent: %s", line)
+
+    def _handshake(self, a: _Agent) -> bool:
+        a.sock.settimeout(1.0)
+        deadline = time.monotonic() + self.settings.setup_timeout
+        while not self._stop.is_set():
+            try:
+                data = a.sock.recv(agent_mod.MAX_MESSAGE)
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    self.counters.agent_failures += 1
+                    self._down(f"the cluster agent did not join within "
+                               f"{self.settings.setup_timeout:g} s", "setup")
+                    return False
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self.counters.agent_failures += 1
+                self._down(f"the cluster agent exited before joining (status "
+                           f"{a.proc.wait()}){a.tail()}", "setup")
+                return False
+            msg = msgpack.unpackb(data, raw=False)
+            if msg[1] == "ready":
+                a.segment_name = msg[2]
+                a.ready = True
+                was = self.down_reason
+                self.down_reason = None
+                log.info("cluster: joined %s as segment %s%s", self.settings.master,
+                         a.segment_name, f" (after: {was})" if was != "not started" else "",
+                         extra=event("cluster_up", segment=a.segment_name))
+                return True
+            self.counters.agent_failures += 1
+            self._down(f"cannot join the cluster: {msg[2]}",
+                       "unreachable" if "unreachable" in str(msg[2]) else "setup")
+            return False
+        return False
+
+    def _serve(self, a: _Agent) -> None:
+        """Read answers until the agent goes; kill it if a request hangs."""
+        while not self._stop.is_set():
+            try:
+                data = a.sock.recv(agent_mod.MAX_MESSAGE)
+            except TimeoutError:
+                self._watchdog(a)
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                return
+            msg = msgpack.unpackb(data, raw=False)
+            with a.lock:
+                entry = a.pending.pop(msg[0], None)
+            if entry is None:
+                continue
+            fut = entry[0]
+            if len(msg) > 2:
+                fut.set_exception(OSError(errno.EPROTO, f"cluster agent: {msg[2]}"))
+            else:
+                fut.set_result(msg[1])
+
+    def _watchdog(self, a: _Agent) -> None:
+        now = time.monotonic()
+        with a.lock:
+            oldest = min((t for _f, t in a.pending.values()), default=now)
+        if now - oldest > self.settings.request_timeout and a.proc.poll() is None:
+            self.counters.agent_kills += 1
+            self._down(f"a request to the cluster agent was outstanding for more than "
+                       f"{self.settings.request_timeout:g} s; killed it", "timeout")
+            a.proc.kill()
+
+    def _reap(self, a: _Agent, joined: bool) -> None:
+        """The agent is gone or going: make sure it is dead, then fail what waited on it
+        (only now can nothing write into the slots those requests named)."""
+        a.ready = False
+        if a.proc.poll() is None:
+            a.proc.kill()
+        status = a.proc.wait()
+        a.sock.close()
+        with a.lock:
+            pending, a.pending = list(a.pending.values()), {}
+        err = ClusterDown("the cluster agent exited")
+        for fut, _t in pending:
+            fut.set_exception(err)
+        if joined and not self._stop.is_set():
+            self.counters.agent_deaths += 1
+            self._down(f"the cluster agent died (status {status}){a.tail()}; restarting it",
+                       "agent")
+        self._agent = None
+
+    def _down(self, why: str, kind: str) -> None:
+        self.down_reason = why
+        self._on_fault(kind)
+        held = _throttle(f"cluster/{kind}")
+        if held is not None:
+            log.warning("cluster: %s; serving from the local tiers meanwhile%s", why,
+                        more(held), extra=event("cluster_down", kind=kind, held_back=held))
+
+    # ------------------------------------------------------------ requests
+    def _call(self, op: str, *args: Any, fds: Sequence[int] = (),
+              agent: _Agent | None = None) -> Any:
+        a = agent or self._agent
+        if a is None or not a.ready:
+            raise ClusterDown(self.down_reason or "the cluster agent is not ready")
+        rid = next(self._ids)
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        data = msgpack.packb([rid, op, *args], use_bin_type=True)
+        with a.lock:
+            if not a.ready:
+                raise ClusterDown(self.down_reason or "the cluster agent is not ready")
+            a.pending[rid] = (fut, time.monotonic())
+            try:
+                if fds:
+                    socket.send_fds(a.sock, [data], list(fds))
+                else:
+                    a.sock.send(data)
+            except OSError as exc:
+                a.pending.pop(rid, None)
+                raise ClusterDown(f"the cluster agent is gone ({exc.strerror})") from None
+        return fut.result()  # the agent answers, or _reap fails it once the agent is dead
+
+    def _slot(self, a: _Agent, view: memoryview) -> tuple[int, int]:
+        """(segment id, offset) of a DRAM slot view, its segment mapped by the agent."""
+        mm = view.obj
+        seg = self._by_map.get(id(mm))
+        if seg is None or seg.mm is not mm:
+            self._by_map = {id(s.mm): s for s in self._segments()}
+            seg = self._by_map.get(id(mm))
+            if seg is None:
+                raise OSError(errno.EINVAL, "cluster tier: a buffer outside the DRAM segments")
+        size = seg.layout.data_bytes
+        if os.fstat(seg.fd).st_size < size:  # a client cut it short: the agent would fault
+            raise OSError(errno.EFAULT, f"segment {os.path.basename(seg.path)} was cut short")
+        offset = _address(view) - _address(mm)
+        if seg.segment_id not in a.mapped:
+            with a.map_lock:
+                if seg.segment_id not in a.mapped:
+                    self._call("seg", seg.segment_id, size, fds=[seg.fd], agent=a)
+                    a.mapped.add(seg.segment_id)
+        return seg.segment_id, offset
+
+    def _drop_retired(self, a: _Agent) -> None:
+        """Let the agent unmap segments the daemon retired (their memory is freed only
+        when no process maps them)."""
+        now = time.monotonic()
+        if now - a.last_drop_check < DROP_CHECK_SECONDS or not a.mapped:
+            return
+        a.last_drop_check = now
+        live = {s.segment_id for s in self._segments()}
+        with a.map_lock:
+            for sid in a.mapped - live:
+                self._call("drop", sid, agent=a)
+                a.mapped.discard(sid)
+
+    # ------------------------------------------------------------ Tier
+    def held(self, namespace: str, key: bytes, geometry: Geometry | None) -> int | None:
+        return None
+
+    def present(self, namespace: str, keys: Sequence[bytes],
+                geometry: Geometry | None) -> list[bool]:
+        """One ``batch_is_exist`` per :data:`BATCH` keys (one master round trip)."""
+        if geometry is None or not keys:
+            return [False] * len(keys)
+        names = [self.naming.name(namespace, k, *geometry) for k in keys]
+        out: list[bool] = []
+        for i in range(0, len(names), BATCH):
+            rcs = self._call("exist", names[i : i + BATCH])
+            if any(rc < 0 for rc in rcs):
+                raise _rc_error(min(rcs), "existence check")
+            out.extend(rc == 1 for rc in rcs)
+        return out
+
+    def read_into(self, namespace: str, key: bytes, dst: memoryview,
+                  geometry: Geometry) -> tuple[int, int]:
+        (res,) = self.read_many(namespace, [(key, dst)], geometry)
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    def read_many(self, namespace: str, items: Sequence[tuple[bytes, memoryview]],
+                  geometry: Geometry) -> list[tuple[int, int] | BaseException]:
+        """Read each block into its slot, verified: (length, checksum), or the exception
+        ``read_into`` would raise for it.  Raises ``OSError`` when none could be tried."""
+        a = self._agent
+        if a is None or not a.ready:
+            raise ClusterDown(self.down_reason or "the cluster agent is not ready")
+        self._drop_retired(a)
+        bb = geometry.block_bytes
+        out: list[tuple[int, int] | BaseException] = []
+        for i in range(0, len(items), BATCH):
+            chunk = items[i : i + BATCH]
+            req: list[list[Any]] = []
+            names: list[str] = []
+            early: dict[int, BaseException] = {}
+            for j, (key, dst) in enumerate(chunk):
+                try:
+                    if len(dst) < bb:
+                        raise OSError(errno.EINVAL, f"slot of {len(dst)} bytes < block_bytes")
+                    sid, off = self._slot(a, dst)
+                except OSError as exc:
+                    early[j] = exc
+                    continue
+                name = self.naming.name(namespace, key, *geometry)
+                names.append(name)
+                req.append([name, sid, off, bb])
+            answers = iter(self._call("get", req, agent=a) if req else [])
+            for j, (key, dst) in enumerate(chunk):
+                if j in early:
+                    out.append(early[j])
+                    continue
+                rc, raw = next(answers)
+                out.append(self._verify(namespace, key, dst, geometry, rc, raw))
+        return out
+
+    def _verify(self, namespace: str, key: bytes, dst: memoryview, geometry: Geometry,
+                rc: int, raw: bytes | None) -> tuple[int, int] | BaseException:
+        if rc == RC_NOT_FOUND:
+            return KeyError(key)
+        if rc < 0:
+            return _rc_error(rc, f"read of {key.hex()}")
+        try:
+            if rc != geometry.block_bytes + HEADER_BYTES or raw is None:
+                raise BadObject(f"object of {rc} bytes, not {geometry.block_bytes} + "
+                                f"{HEADER_BYTES}")
+            head = self.naming.unpack(namespace, raw, key, *geometry)
+            try:
+                got = _accel.checksum(dst[: head.length])
+            except OSError as exc:
+                return exc  # EFAULT: the slot, not the copy
+            if got != head.checksum:
+                raise BadObject("data failed its checksum")
+        except BadObject as exc:
+            self.counters.checksum_failures += 1
+            held = _throttle("cluster/read/checksum")
+            if held is not None:
+                log.warning("cluster tier: block %s of %r: %s; removing it from the cluster%s",
+                            key.hex(), namespace, exc, more(held),
+                            extra=event("spill_fault", tier="cluster", op="read",
+                                        kind="checksum", namespace=namespace,
+                                        held_back=held))
+            with contextlib.suppress(OSError):
+                self._call("remove", [self.naming.name(namespace, key, *geometry)])
+            return Corrupted(f"cluster block {key.hex()} of {namespace!r}: {exc}")
+        self.counters.reads += 1
+        self.counters.read_bytes += head.length
+        return head.length, head.checksum
+
+    def write(self, namespace: str, key: bytes, src: memoryview, length: int,
+              checksum: int | None, geometry: Geometry) -> bool:
+        a = self._agent
+        if a is None or not a.ready:
+            raise ClusterDown(self.down_reason or "the cluster agent is not ready")
+        self._drop_retired(a)
+        if checksum is None:
+            checksum = _accel.checksum(src[:length])  # EFAULT: the slot's loss
+        sid, off = self._slot(a, src)
+        header = self.naming.pack(namespace, Header(key, length, checksum, geometry.block_bytes,
+                                                    geometry.model_hash, time.time_ns()))
+        name = self.naming.name(namespace, key, *geometry)
+        (rc,) = self._call("put", [[name, sid, off, length, geometry.block_bytes, header]],
+                           self.settings.replicas, agent=a)
+        if rc == RC_NO_SPACE:
+            raise SpillFull(f"the cluster has no room for {key.hex()} (-200)")
+        if rc < 0:
+            raise _rc_error(rc, f"write of {key.hex()}")
+        self.counters.writes += 1
+        self.counters.write_bytes += length
+        return True
+
+    def sync(self) -> None:
+        pass  # a put is complete when it returns
+
+    def remove(self, namespace: str, keys: Sequence[bytes]) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass
+
+    def delete(self, namespace: str, keys: Sequence[bytes],
+               geometry: Geometry | None = None) -> set[bytes]:
+        if geometry is None or not keys:
+            return set()
+        found: set[bytes] = set()
+        for i in range(0, len(keys), BATCH):
+            chunk = list(keys[i : i + BATCH])
+            rcs = self._call("remove", [self.naming.name(namespace, k, *geometry)
+                                        for k in chunk])
+            bad = [rc for rc in rcs if rc < 0 and rc != RC_NOT_FOUND]
+            if bad:
+                raise _rc_error(bad[0], "remove")
+            found.update(k for k, rc in zip(chunk, rcs, strict=True) if rc == 0)
+        self.counters.removed += len(found)
+        return found
+
+    def keys_of(self, namespace: str, geometry: Geometry | None) -> list[bytes]:
+        return []
+
+    def check(self) -> list[str]:
+        return []
+
+    def health(self) -> int:
+        """Mooncake's ``health_check``: 0 healthy, 2 the master unreachable."""
+        return int(self._call("health"))
+
+
+def _address(buf: Any) -> int:
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
