@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import pytest
 
@@ -87,13 +87,15 @@ class DaemonProc:
 
 def start_daemon(base: str, *extra: str, capacity: str = TEST_CAPACITY,
                  extent: str = TEST_EXTENT, shm_dir: str | None = None,
-                 env: Mapping[str, str] | None = None) -> DaemonProc:
-    """Start kvtierd with a clean environment (no inherited ``KVTIER_*``) plus ``env``."""
+                 env: Mapping[str, str] | None = None,
+                 prefix: Sequence[str] = ()) -> DaemonProc:
+    """Start kvtierd with a clean environment (no inherited ``KVTIER_*``) plus ``env``;
+    ``prefix``: a command that execs it (``ip netns exec NAME``: the same pid)."""
     socket_dir = os.path.join(base, "sock")
     shm_dir = shm_dir or f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}"
     log_path = os.path.join(base, f"kvtierd-{uuid.uuid4().hex[:6]}.log")
     args = [
-        sys.executable, "-m", "kvtierd",
+        *prefix, sys.executable, "-m", "kvtierd",
         "--set", f"server.socket_dir={socket_dir}",
         "--set", f"dram.shm_dir={shm_dir}",
         "--set", f"dram.capacity={capacity}",

@@ -11,7 +11,10 @@ write into it any more.
 
 While no agent is ready, every call fails at once with ``ClusterDown``
 (``OSError`` ENOTCONN): the tiering policy counts it and goes on with the
-local tiers.  Mooncake's answers become misses (-704: not there), ``SpillFull``
+local tiers.  So do calls in the :data:`COOL_SECONDS` after the master failed
+to answer one (Mooncake blocks ~4 s per call then): a lookup that misses
+locally waits for an unreachable master at most once per period, not every
+time; after it, one call tries again while the others keep failing fast.  Mooncake's answers become misses (-704: not there), ``SpillFull``
 (-200: no room), or ``OSError`` with a kind for the metrics (-900: master
 unreachable, -800: the transfer failed, e.g. the owning host is gone).
 
@@ -74,6 +77,11 @@ BATCH: Final = 256
 DROP_CHECK_SECONDS: Final = 1.0
 #: Restart back-off of the agent: from the first to the last, doubling.
 BACKOFF: Final = (0.5, 30.0)
+#: After the master failed to answer (-900: each such call blocks ~4 s in Mooncake),
+#: cluster calls fail at once for this long; then one call tries again.
+COOL_SECONDS: Final = 5.0
+#: The operations that reach the master (the breaker applies to them).
+_MASTER_OPS: Final = frozenset({"exist", "get", "put", "remove"})
 
 
 class ClusterDown(OSError):
@@ -182,6 +190,10 @@ class ClusterTier:
         self._on_fault: Callable[[str], None] = lambda kind: None
         #: Why the agent is not ready (None while it is): doctor, stats, logs.
         self.down_reason: str | None = "not started"
+        self._gate_lock = threading.Lock()
+        self._cool_until = 0.0  # 0: the master answered last time
+        self._probing = False
+        self._cool_why = ""
 
     # ------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -384,6 +396,43 @@ class ClusterTier:
 
     # ------------------------------------------------------------ requests
     def _call(self, op: str, *args: Any, fds: Sequence[int] = (),
+              agent: _Agent | None = None) -> Any:
+        if op not in _MASTER_OPS:
+            return self._send(op, *args, fds=fds, agent=agent)
+        probe = self._enter()
+        unreachable = False
+        try:
+            result = self._send(op, *args, fds=fds, agent=agent)
+            unreachable = any((r[0] if isinstance(r, list) else r) == RC_RPC for r in result)
+            return result
+        finally:
+            self._leave(probe, unreachable)
+
+    def _enter(self) -> bool:
+        """Whether this call is the one that tries the master again; raises ClusterDown
+        while the breaker is open."""
+        with self._gate_lock:
+            if not self._cool_until:
+                return False
+            left = self._cool_until - time.monotonic()
+            if left > 0 or self._probing:
+                raise ClusterDown(f"the Mooncake master did not answer ({self._cool_why}); "
+                                  f"trying again in {max(left, 0):.1f} s")
+            self._probing = True
+            return True
+
+    def _leave(self, probe: bool, unreachable: bool) -> None:
+        with self._gate_lock:
+            if probe:
+                self._probing = False
+            if unreachable:
+                if not self._cool_until:
+                    self._cool_why = time.strftime("since %H:%M:%S")
+                self._cool_until = time.monotonic() + COOL_SECONDS
+            elif probe:
+                self._cool_until = 0.0
+
+    def _send(self, op: str, *args: Any, fds: Sequence[int] = (),
               agent: _Agent | None = None) -> Any:
         a = agent or self._agent
         if a is None or not a.ready:
