@@ -329,8 +329,12 @@ class EventsConfig:
 CLUSTER_WRITE_POLICIES: Final = ("demotion", "commit")
 #: Mooncake transfer-engine protocols (``cluster.protocol``).
 CLUSTER_PROTOCOLS: Final = ("tcp", "rdma")
+#: Memory a host lends the cluster: a working set of a few long prompts per host
+#: (a 100k-token prefix of a 70B model is ~30 GiB: raise it on hosts with room).
 DEFAULT_CLUSTER_SEGMENT_BYTES: Final = 1 * GiB
+#: Mooncake's own calls give up after ~4 s when the master is gone; 30 s is a hang.
 DEFAULT_CLUSTER_REQUEST_TIMEOUT: Final = 30.0
+#: Joining takes ~0.1 s; Mooncake's setup retries for up to ~9 s (2 retries).
 DEFAULT_CLUSTER_SETUP_TIMEOUT: Final = 60.0
 
 

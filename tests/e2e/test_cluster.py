@@ -54,13 +54,13 @@ def _ip(*args: str) -> None:
 class Fleet:
     """A master and two daemons; ``a``/``b`` run in namespaces ``ns_a``/``ns_b``."""
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, *, netns: bool = True) -> None:
         self.base = base
         tag = f"{os.getpid() % 100000}"
         self.ns_a, self.ns_b = f"kvtA{tag}", f"kvtB{tag}"
         octet = os.getpid() % 250 + 1
         self.addr_a, self.addr_b = f"10.213.{octet}.1", f"10.213.{octet}.2"
-        self.netns = self._make_namespaces(tag)
+        self.netns = netns and self._make_namespaces(tag)
         if not self.netns:
             self.addr_a = self.addr_b = "127.0.0.1"
         self.rpc_port, self.http_port, self.metrics_port = (
@@ -130,7 +130,7 @@ class Fleet:
         self.master.send_signal(signal.SIGKILL)
         self.master.wait(10)
 
-    def start_daemon(self, which: str, *extra: str) -> DaemonProc:
+    def start_daemon(self, which: str, *extra: str, join: bool = True) -> DaemonProc:
         addr = self.addr_a if which == "a" else self.addr_b
         os.makedirs(os.path.join(self.base, which), exist_ok=True)
         d = start_daemon(
@@ -143,7 +143,8 @@ class Fleet:
             "--set", f"cluster.hostname={addr}",
             "--set", "cluster.write=commit",
             *extra, prefix=self.in_ns(which))
-        wait_for(lambda: "joined as" in cluster_note(d), 60, f"daemon {which} joining")
+        if join:
+            wait_for(lambda: "joined as" in cluster_note(d), 60, f"daemon {which} joining")
         return d
 
     def close(self) -> None:
@@ -345,3 +346,58 @@ def test_the_master_killed_and_restarted_mid_traffic(fleet: Fleet) -> None:
         wait_for(b_finds, 90, "cluster hits to resume after the master restart")
         assert [bytes(x) for x in b.get(kd)] == [bytes(x) for x in dd]
     assert fleet.a.check() == [] and fleet.b.check() == []
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(x) for x in f.read().split()]
+    return out
+
+
+def test_the_agent_killed_is_restarted_while_the_daemon_serves(fleet: Fleet) -> None:
+    assert fleet.a is not None and fleet.b is not None
+    keys, data = fresh_keys(3), blocks(3, 8)
+    with client(fleet.b) as b:
+        assert b.put(keys, data) == 3
+        (agent,) = _children(fleet.b.proc.pid)
+        os.kill(agent, signal.SIGKILL)
+        assert [bytes(x) for x in b.get(keys)] == [bytes(x) for x in data]  # DRAM: served
+        wait_for(lambda: "joined as" in cluster_note(fleet.b)
+                 and "agent started 2x" in cluster_note(fleet.b), 60, "B's agent to rejoin")
+        assert fleet.b.stats().spill_faults["cluster/agent"] >= 1
+        assert _children(fleet.b.proc.pid) != [agent]
+        more, mdata = fresh_keys(2), blocks(2, 9)
+        with client(fleet.a) as a:
+            assert a.put(more, mdata) == 2
+        wait_for(lambda: b.lookup(more) == 2, 20, "cluster hits on B again")
+        assert [bytes(x) for x in b.get(more)] == [bytes(x) for x in mdata]
+    assert fleet.b.check() == []
+
+
+def test_a_master_down_at_start_delays_nothing_and_is_joined_when_up() -> None:
+    base = tempfile.mkdtemp(prefix="kvt-cl-", dir="/tmp")
+    f = Fleet(base, netns=False)
+    try:
+        t0 = time.monotonic()
+        f.a = f.start_daemon("a", join=False)
+        assert time.monotonic() - t0 < 30  # serving: start_daemon waited for that
+        wait_for(lambda: f.a is not None and "unreachable" in cluster_note(f.a), 15,
+                 "the first try to fail")
+        assert "DOWN" in cluster_note(f.a)
+        keys, data = fresh_keys(2), blocks(2, 10)
+        with client(f.a) as a:
+            assert a.put(keys, data) == 2
+            assert [bytes(x) for x in a.get(keys)] == [bytes(x) for x in data]
+            assert a.lookup(fresh_keys(1)) == 0
+        wait_for(lambda: f.a is not None
+                 and f.a.stats().spill_faults["cluster/unreachable"] >= 2, 20,
+                 "a second try to join, failed and counted")
+        f.start_master()
+        wait_for(lambda: f.a is not None and "joined as" in cluster_note(f.a), 60,
+                 "the daemon to join the master once it is up")
+        assert f.a.check() == []
+    finally:
+        f.close()
+        shutil.rmtree(base, ignore_errors=True)

@@ -374,7 +374,7 @@ def test_unknown_section_key_message(tmp_path: Path) -> None:
 def test_unknown_top_level_key_message(tmp_path: Path) -> None:
     message = error_of("drams:\n  capacity: 2GiB\n", tmp_path)
     assert message.endswith(
-        "unknown key 'drams' (known: access, dram, events, instance, leases, limits, log, metrics, "
+        "unknown key 'drams' (known: access, cluster, dram, events, instance, leases, limits, log, metrics, "
             "reservations, server, spill)"
     )
 
@@ -520,7 +520,7 @@ def test_override_value_may_contain_equals() -> None:
             "drm.capacity=1",
             (
                 "override 'drm.capacity=1': unknown key 'drm.capacity' "
-                "(known: access, dram, events, instance, leases, limits, log, metrics, reservations, server, "
+                "(known: access, cluster, dram, events, instance, leases, limits, log, metrics, reservations, server, "
                 "spill)"
             ),
         ),
@@ -528,7 +528,7 @@ def test_override_value_may_contain_equals() -> None:
             "dram=1",
             (
                 "override 'dram=1': unknown key 'dram' "
-                "(known: access, dram, events, instance, leases, limits, log, metrics, reservations, server, "
+                "(known: access, cluster, dram, events, instance, leases, limits, log, metrics, reservations, server, "
                 "spill)"
             ),
         ),
@@ -1056,6 +1056,9 @@ def test_config_to_dict_prints_sizes_and_durations_as_strings() -> None:
         ["instance=x", "server.grace=250ms", "server.socket_mode=0600", "dram.capacity=1000000000"],
         ["metrics.address=", "leases.ttl=0.25", "dram.mlock=false", "log.level=error"],
         ["metrics.address=[::1]:0", "reservations.ttl=1.25", "dram.extent_size=128KiB"],
+        ["cluster.master=10.0.0.1:50051", "cluster.secret_file=/etc/kvtier/cluster.secret",
+         "cluster.segment_bytes=4GiB", "cluster.write=commit", "cluster.replicas=2",
+         "cluster.request_timeout=10s", "cluster.bind_address=10.0.0.2"],
     ],
 )
 def test_config_to_dict_round_trips_through_a_file(tmp_path: Path, overrides: list[str]) -> None:
@@ -1090,3 +1093,31 @@ def test_bad_events_settings_are_refused(overrides: list[str], message: str) -> 
     with pytest.raises(ConfigError) as ei:
         load(overrides=overrides)
     assert message in str(ei.value)
+
+
+def test_the_cluster_tier_is_off_by_default_and_needs_a_secret() -> None:
+    assert not load().cluster.enabled
+    cc = load(overrides=["cluster.master=mc-master:50051",
+                         "cluster.secret_file=/etc/kvtier/cluster.secret"]).cluster
+    assert cc.enabled and cc.protocol == "tcp" and cc.write == "demotion"
+    assert cc.segment_bytes == 1 << 30 and cc.replicas == 1
+    with pytest.raises(ConfigError, match="cluster.secret_file"):
+        load(overrides=["cluster.master=mc-master:50051"])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["cluster.master=no-port"], "cluster.master"),
+    (["cluster.master=h:99999"], "cluster.master"),
+    (["cluster.metadata_server=ftp://x"], "cluster.metadata_server"),
+    (["cluster.protocol=udp"], "cluster.protocol"),
+    (["cluster.write=always"], "cluster.write"),
+    (["cluster.replicas=0"], "cluster.replicas"),
+    (["cluster.request_timeout=0"], "cluster.request_timeout"),
+    (["cluster.master=h:1", "cluster.secret_file=/s", "cluster.protocol=rdma"], "device_name"),
+    (["cluster.master=h:1", "cluster.secret_file=/s", "spill.shared_dir=/mnt/lustre/kv"],
+     "cluster.write: commit"),
+])
+def test_bad_cluster_settings_are_refused_with_their_name(overrides: list[str],
+                                                          message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load(overrides=overrides)

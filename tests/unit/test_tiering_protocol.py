@@ -3,7 +3,9 @@
 A third implementation -- an in-memory stand-in for the cluster tier
 (Mooncake Store), cross-host and not local -- is given to ``Tiering`` as
 ``below``: demotion, SSD eviction hand-offs, promotion, Delete and Evict all
-reach it with no change to the policy.
+reach it with no change to the policy.  A ``batched`` tier is asked once per
+lookup about the whole run of keys and reads a promotion's blocks in one
+``read_many``; a tier that cannot answer is a miss and a counted fault.
 """
 
 from __future__ import annotations
@@ -16,15 +18,21 @@ from contextlib import asynccontextmanager
 
 from kvtier import _accel
 from kvtierd.spill.ssd import SsdTier
-from kvtierd.spill.tier import Geometry, HandOff, SharedAdapter, SsdAdapter, Tier
+from kvtierd.spill.tier import (
+    TIER_CLUSTER,
+    Geometry,
+    HandOff,
+    SharedAdapter,
+    SsdAdapter,
+    Tier,
+    _one_by_one,
+)
 from kvtierd.tiering import TIER_DRAM, TIER_SSD, SpillPolicy, Tiering
 
 from .conftest import make_store
 from .spill_harness import DRAM, Env, MiB, disk_dir, keys, payload
 
 __all__ = ["disk_dir"]  # a fixture
-
-TIER_CLUSTER = 4  # not on the wire yet: the policy does not care
 
 
 class DictTier:
@@ -36,10 +44,14 @@ class DictTier:
     cross_host = True
     durable_writes = True
 
-    def __init__(self) -> None:
+    def __init__(self, *, batched: bool = False) -> None:
+        self.batched = batched
         self.blocks: dict[tuple[str, bytes], tuple[bytes, int, Geometry]] = {}
         self.lock = threading.Lock()
         self.opened = self.closed = False
+        self.asked: list[int] = []  # keys per present() call
+        self.read_batches: list[int] = []  # blocks per read_many() call
+        self.down = False
 
     def open(self) -> None:
         self.opened = True
@@ -57,6 +69,18 @@ class DictTier:
     def contains(self, namespace: str, key: bytes) -> bool:
         with self.lock:
             return (namespace, key) in self.blocks
+
+    def present(self, namespace: str, keys: Sequence[bytes],
+                geometry: Geometry | None) -> list[bool]:
+        if self.down:
+            raise ConnectionRefusedError("the master is down")
+        self.asked.append(len(keys))
+        return [self.contains(namespace, k) for k in keys]
+
+    def read_many(self, namespace: str, items: Sequence[tuple[bytes, memoryview]],
+                  geometry: Geometry) -> list[tuple[int, int] | BaseException]:
+        self.read_batches.append(len(items))
+        return _one_by_one(self, namespace, items, geometry)
 
     def read_into(self, namespace: str, key: bytes, dst: memoryview,
                   geometry: Geometry) -> tuple[int, int]:
@@ -89,7 +113,8 @@ class DictTier:
     def flush(self) -> None:
         pass
 
-    def delete(self, namespace: str, keys: Sequence[bytes]) -> set[bytes]:
+    def delete(self, namespace: str, keys: Sequence[bytes],
+               geometry: Geometry | None) -> set[bytes]:
         with self.lock:
             return {k for k in keys if self.blocks.pop((namespace, k), None) is not None}
 
@@ -179,5 +204,58 @@ def test_ssd_evictions_hand_off_to_a_cluster_tier_below(shm_dir: str,
             assert len(on_ssd) == 3
             await env.t.evict("A", on_ssd, [TIER_DRAM])
             assert await env.t.lookup(s, on_ssd) == [TIER_SSD] * 3
+
+    asyncio.run(go())
+
+
+def test_a_batched_tier_is_asked_once_per_lookup_and_read_in_one_batch(shm_dir: str) -> None:
+    batched, plain = DictTier(batched=True), DictTier()
+
+    async def go() -> None:
+        for cluster in (batched, plain):
+            sub = os.path.join(shm_dir, "batched" if cluster.batched else "plain")
+            os.makedirs(sub)
+            async with tiered(sub, [cluster]) as env:
+                s = env.session()
+                ks = keys(90)
+                await env.put_all(s, ks)
+                await env.settle()
+                below = [k for k in ks if k not in s.ns.index][:12]
+                gap = [*below[:8], b"never written", *below[8:]]
+                cluster.asked.clear()
+                assert await env.t.lookup(s, gap) == [TIER_CLUSTER] * 8
+                if cluster.batched:
+                    assert cluster.asked == [len(gap)]  # one question for the whole run
+                else:
+                    assert cluster.asked == [1] * 9  # key by key, up to the first miss
+                cluster.read_batches.clear()
+                got, tiers = await env.get(s, below[:8])
+                assert got == [payload(k) for k in below[:8]]
+                assert tiers == [TIER_CLUSTER] * 8
+                if cluster.batched:
+                    assert cluster.read_batches == [8]
+                else:
+                    assert cluster.read_batches == []  # read_into, one per block
+
+    asyncio.run(go())
+
+
+def test_a_tier_that_cannot_answer_is_a_miss_and_a_counted_fault(shm_dir: str) -> None:
+    cluster = DictTier(batched=True)
+
+    async def go() -> None:
+        async with tiered(shm_dir, [cluster]) as env:
+            s = env.session()
+            ks = keys(90)
+            await env.put_all(s, ks)
+            await env.settle()
+            below = [k for k in ks if k not in s.ns.index][:4]
+            cluster.down = True
+            assert await env.t.lookup(s, below) == []
+            got, _tiers = await env.get(s, below)
+            assert got == []
+            assert env.t.counters.faults["cluster/oserror"] >= 2
+            cluster.down = False
+            assert await env.t.lookup(s, below) == [TIER_CLUSTER] * 4
 
     asyncio.run(go())

@@ -75,6 +75,7 @@ RC_RPC: Final = -900
 BATCH: Final = 256
 #: How often the segments the agent maps are compared with the live ones.
 DROP_CHECK_SECONDS: Final = 1.0
+NOT_JOINED: Final = "joining (first try)"
 #: Restart back-off of the agent: from the first to the last, doubling.
 BACKOFF: Final = (0.5, 30.0)
 #: After the master failed to answer (-900: each such call blocks ~4 s in Mooncake),
@@ -189,7 +190,7 @@ class ClusterTier:
         self._supervisor: threading.Thread | None = None
         self._on_fault: Callable[[str], None] = lambda kind: None
         #: Why the agent is not ready (None while it is): doctor, stats, logs.
-        self.down_reason: str | None = "not started"
+        self.down_reason: str | None = NOT_JOINED
         self._gate_lock = threading.Lock()
         self._cool_until = 0.0  # 0: the master answered last time
         self._probing = False
@@ -325,7 +326,7 @@ class ClusterTier:
                 was = self.down_reason
                 self.down_reason = None
                 log.info("cluster: joined %s as segment %s%s", self.settings.master,
-                         a.segment_name, f" (after: {was})" if was != "not started" else "",
+                         a.segment_name, f" (after: {was})" if was != NOT_JOINED else "",
                          extra=event("cluster_up", segment=a.segment_name))
                 return True
             self.counters.agent_failures += 1
