@@ -15,180 +15,24 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 import kvtier
 from kvtier.cli import evict
-from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.cluster.format import HEADER_BYTES, Header, Naming
 from kvtierd.spill.format import model_hash
-from tests.conftest import DaemonProc, start_daemon, stop_daemon
+from tests.conftest import DaemonProc
+from tests.fleet import MASTER_BIN, SECRET, Fleet, cluster_faults, cluster_note, wait_for
 
 pytestmark = [pytest.mark.one_transport, pytest.mark.timeout(300)]
 
 BB = 64 * 1024
 MODEL = "cluster-test-model"
-SECRET = b"kvtier-cluster-test-secret-0123456789"
-MASTER_BIN = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
-class Fleet:
-    """A master and two daemons; ``a``/``b`` run in namespaces ``ns_a``/``ns_b``."""
-
-    def __init__(self, base: str, *, netns: bool = True) -> None:
-        self.base = base
-        tag = f"{os.getpid() % 100000}"
-        self.ns_a, self.ns_b = f"kvtA{tag}", f"kvtB{tag}"
-        octet = os.getpid() % 250 + 1
-        self.addr_a, self.addr_b = f"10.213.{octet}.1", f"10.213.{octet}.2"
-        self.netns = netns and self._make_namespaces(tag)
-        if not self.netns:
-            self.addr_a = self.addr_b = "127.0.0.1"
-        self.rpc_port, self.http_port, self.metrics_port = (
-            _free_port(), _free_port(), _free_port())
-        self.secret_file = os.path.join(base, "cluster.secret")
-        fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT, 0o600)
-        os.write(fd, SECRET)
-        os.close(fd)
-        self.master: subprocess.Popen[bytes] | None = None
-        self.a: DaemonProc | None = None
-        self.b: DaemonProc | None = None
-
-    def _make_namespaces(self, tag: str) -> bool:
-        if os.geteuid() != 0 or shutil.which("ip") is None:
-            return False
-        try:
-            _ip("netns", "add", self.ns_a)
-            _ip("netns", "add", self.ns_b)
-            va, vb = f"kva{tag}", f"kvb{tag}"
-            _ip("link", "add", va, "type", "veth", "peer", "name", vb)
-            _ip("link", "set", va, "netns", self.ns_a)
-            _ip("link", "set", vb, "netns", self.ns_b)
-            for ns, dev, addr in ((self.ns_a, va, self.addr_a), (self.ns_b, vb, self.addr_b)):
-                _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
-                _ip("-n", ns, "link", "set", dev, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-        except (subprocess.CalledProcessError, OSError) as exc:
-            print(f"network namespaces unavailable ({exc}); the cluster tests run on loopback")
-            self._drop_namespaces()
-            return False
-        return True
-
-    def _drop_namespaces(self) -> None:
-        for ns in (self.ns_a, self.ns_b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-
-    def in_ns(self, which: str) -> list[str]:
-        if not self.netns:
-            return []
-        return ["ip", "netns", "exec", self.ns_a if which == "a" else self.ns_b]
-
-    @property
-    def master_address(self) -> str:
-        return f"{self.addr_a}:{self.rpc_port}"
-
-    def start_master(self) -> None:
-        log = open(os.path.join(self.base, "master.log"), "ab")  # noqa: SIM115 (the child's)
-        self.master = subprocess.Popen(
-            [*self.in_ns("a"), MASTER_BIN, f"--rpc_port={self.rpc_port}",
-             f"--rpc_address={self.addr_a}", "--enable_http_metadata_server=true",
-             f"--http_metadata_server_host={self.addr_a}",
-             f"--http_metadata_server_port={self.http_port}",
-             f"--metrics_port={self.metrics_port}", f"--metrics_host={self.addr_a}",
-             "--enable_metric_reporting=false", "--logtostderr"],
-            stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        probe = f"exec 3<>/dev/tcp/{self.addr_a}/{self.rpc_port}"
-        deadline = time.monotonic() + 30
-        while subprocess.run([*self.in_ns("a"), "bash", "-c", probe],
-                             capture_output=True).returncode != 0:
-            assert self.master.poll() is None, "mooncake_master exited"
-            assert time.monotonic() < deadline, "mooncake_master did not listen in 30 s"
-            time.sleep(0.2)
-
-    def kill_master(self) -> None:
-        assert self.master is not None
-        self.master.send_signal(signal.SIGKILL)
-        self.master.wait(10)
-
-    def start_daemon(self, which: str, *extra: str, join: bool = True) -> DaemonProc:
-        addr = self.addr_a if which == "a" else self.addr_b
-        os.makedirs(os.path.join(self.base, which), exist_ok=True)
-        d = start_daemon(
-            os.path.join(self.base, which),
-            "--set", f"cluster.master={self.master_address}",
-            "--set", f"cluster.metadata_server=http://{self.addr_a}:{self.http_port}/metadata",
-            "--set", f"cluster.secret_file={self.secret_file}",
-            "--set", "cluster.segment_bytes=64MiB",
-            "--set", f"cluster.bind_address={addr}",
-            "--set", f"cluster.hostname={addr}",
-            "--set", "cluster.write=commit",
-            *extra, prefix=self.in_ns(which))
-        if join:
-            wait_for(lambda: "joined as" in cluster_note(d), 60, f"daemon {which} joining")
-        return d
-
-    def close(self) -> None:
-        for d in (self.a, self.b):
-            if d is not None:
-                stop_daemon(d)
-        if self.master is not None and self.master.poll() is None:
-            self.kill_master()
-        if self.netns:
-            self._drop_namespaces()
-
-    def mooncake(self, script: str) -> str:
-        """Run ``script`` with a Mooncake client ``s`` joined to the cluster from host A's
-        namespace (what a process with no kvtier secret could do); returns its stdout."""
-        prelude = textwrap.dedent(f"""
-            from mooncake.store import MooncakeDistributedStore
-            s = MooncakeDistributedStore()
-            assert s.setup("{self.addr_a}", "http://{self.addr_a}:{self.http_port}/metadata",
-                           16 << 20, 16 << 20, "tcp", "", "{self.master_address}") == 0
-        """)
-        env = {**os.environ, "MC_TCP_BIND_ADDRESS": self.addr_a}
-        out = subprocess.run([*self.in_ns("a"), sys.executable, "-c",
-                              prelude + textwrap.dedent(script)],
-                             capture_output=True, text=True, timeout=120, env=env)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout
-
-
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-def cluster_note(d: DaemonProc) -> str:
-    for t in d.stats().tiers:
-        if t.tier == pb.TIER_CLUSTER:
-            return t.note
-    return ""
-
-
-def cluster_faults(d: DaemonProc) -> int:
-    return sum(v for k, v in d.stats().spill_faults.items() if k.startswith("cluster/"))
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +81,23 @@ def test_a_block_committed_on_a_is_found_on_b_promoted_and_read_byte_exact(
     assert s.promotions >= 8
     assert "read by this daemon" in cluster_note(fleet.b)
     assert fleet.a.check() == [] and fleet.b.check() == []
+
+
+def test_a_lookup_asks_the_master_once_whatever_its_length(fleet: Fleet) -> None:
+    """One batched existence check per lookup (the master's own counters say so)."""
+    assert fleet.a is not None and fleet.b is not None
+    keys, data = fresh_keys(24), blocks(24, 11)
+    with client(fleet.a) as a, client(fleet.b) as b:
+        assert a.put(keys, data) == 24
+        wait_for(lambda: b.lookup(keys) == 24, 20, "B to see the blocks")
+        before = fleet.master_metrics()
+        assert b.lookup(keys) == 24  # all in the cluster: one question for 24 keys
+        assert b.lookup([*keys[:5], b"nowhere", *keys[5:]]) == 5
+        after = fleet.master_metrics()
+    for name, want in (("master_batch_exist_key_requests_total", 2),
+                       ("master_batch_exist_key_items_total", 24 + 25),
+                       ("master_exist_key_requests_total", 0)):
+        assert after.get(name, 0) - before.get(name, 0) == want, name
 
 
 def test_a_partial_prefix_stops_at_the_first_key_no_host_has(fleet: Fleet) -> None:
