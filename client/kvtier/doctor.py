@@ -31,9 +31,11 @@ import os
 import pwd
 import re
 import resource
+import socket
 import stat
 import sys
 import threading
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, Final
 
@@ -162,6 +164,36 @@ def _numa_nodes() -> dict[int, int | None]:
     return nodes
 
 
+def _connect(host: str, port: int, timeout: float) -> str | None:
+    """None when ``host:port`` accepts a TCP connection, else why not."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def _is_local_address(address: str) -> bool:
+    """Whether ``address`` is one of this host's (a socket can bind it)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+    except OSError:
+        return False
+    return True
+
+
+def _mooncake_import() -> str | None:
+    """None when Mooncake's client imports, else the error (a missing package or
+    libibverbs.so.1)."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
 @dataclasses.dataclass
 class Host:
     """The host as the checks see it.  ``Host.current()`` reads the real one."""
@@ -181,6 +213,9 @@ class Host:
     health: Callable[[str, float], str] = _health
     fetch_stats: Callable[[str, float], pb.StatsResponse] = _fetch_stats
     client_version: str = __version__
+    connect: Callable[[str, int, float], str | None] = _connect
+    is_local_address: Callable[[str], bool] = _is_local_address
+    mooncake_import: Callable[[], str | None] = _mooncake_import
 
     @classmethod
     def current(cls) -> Host:
@@ -599,6 +634,57 @@ def check_shared(ctx: Context) -> Finding:
     return _combine(head, problems)
 
 
+def check_cluster(ctx: Context) -> Finding:
+    """The cluster tier: its secret, Mooncake's client, the master and metadata server
+    reachable from here, the advertised address, and what a running daemon says."""
+    cc = ctx.cfg.cluster
+    if not cc.enabled:
+        return Finding(Status.SKIP, "no cluster tier (cluster.master is empty)")
+    from kvtierd.cluster.format import load_secret  # the daemon's own rules for the file
+
+    problems = []
+    try:
+        load_secret(cc.secret_file)
+    except (OSError, ValueError) as exc:
+        problems.append(Finding(Status.FAIL, f"cluster.secret_file: {exc}",
+                                "give every daemon of the cluster the same secret file, mode "
+                                "0600 (`openssl rand -hex 32`)"))
+    why = ctx.host.mooncake_import()
+    if why is not None:
+        problems.append(Finding(Status.FAIL, f"Mooncake's client does not import: {why}",
+                                "pip install 'kvtier[cluster]'; on Debian/Ubuntu also "
+                                "apt-get install libibverbs1"))
+    host, _, port = cc.master.rpartition(":")
+    targets = [("master", host.strip("[]"), int(port))]
+    meta = cc.metadata_server or f"http://{host}:8080/metadata"
+    if meta.startswith("http"):
+        u = urllib.parse.urlsplit(meta)
+        targets.append(("metadata server", u.hostname or "", u.port or 80))
+    for what, h, p in targets:
+        err = ctx.host.connect(h, p, 3.0)
+        if err is None:
+            problems.append(Finding(Status.OK, f"{what} {h}:{p} reachable"))
+        else:
+            problems.append(Finding(Status.FAIL, f"{what} {h}:{p} unreachable: {err}",
+                                    "start mooncake_master (docs/deployment.md, Fleet) or fix "
+                                    "cluster.master / cluster.metadata_server"))
+    if cc.bind_address and not ctx.host.is_local_address(cc.bind_address):
+        problems.append(Finding(Status.FAIL, f"cluster.bind_address {cc.bind_address} is not "
+                                "an address of this host (Mooncake does not check: other "
+                                "hosts' reads of this host's blocks would fail)",
+                                "set cluster.bind_address to this host's address on the "
+                                "cluster network"))
+    probe = ctx.daemon()
+    row = next((t for t in probe.stats.tiers if t.tier == pb.TIER_CLUSTER), None) \
+        if probe.stats is not None else None
+    if row is not None:
+        joined = "joined as" in row.note
+        problems.append(Finding(Status.OK if joined else Status.FAIL, f"kvtierd: {row.note}",
+                                "" if joined else "`journalctl -u kvtierd | grep cluster`"))
+    return _combine(f"cluster tier via {cc.master} ({cc.protocol}, lends "
+                    f"{format_bytes(cc.segment_bytes)})", problems)
+
+
 def _owner(st: os.stat_result) -> str:
     try:
         user = pwd.getpwuid(st.st_uid).pw_name
@@ -770,6 +856,8 @@ CHECKS: Final[tuple[Check, ...]] = (
     Check("ssd", check_ssd, "spill.ssd_dir: creatable, free space vs spill.ssd_capacity, "
           "filesystem type, O_DIRECT vs spill.ssd_direct_io"),
     Check("shared", check_shared, "spill.shared_dir: exists, writable, not a local filesystem"),
+    Check("cluster", check_cluster, "cluster.*: the secret file, Mooncake's client, the master "
+          "and metadata server reachable, bind_address local, the daemon joined"),
     Check("sockets", check_sockets, "socket directory: path length, owner and mode, the "
           "sockets' modes and whether this user may connect"),
     Check("access", check_access, "access rules against the socket mode: access control on, "

@@ -18,6 +18,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -262,3 +263,28 @@ def test_a_master_down_at_start_delays_nothing_and_is_joined_when_up() -> None:
     finally:
         f.close()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_doctor_checks_the_cluster_from_a_host(fleet: Fleet, tmp_path: Path) -> None:
+    from tests.e2e.test_doctor import by_check, run_doctor, write_config
+
+    assert fleet.a is not None
+    cfg = write_config(tmp_path / "kvtier.yaml", socket_dir=fleet.a.socket_dir,
+                       shm_dir=fleet.a.shm_dir)
+    with open(cfg, "a") as f:
+        f.write(f"cluster:\n  master: {fleet.master_address}\n"
+                f"  metadata_server: http://{fleet.addr_a}:{fleet.http_port}/metadata\n"
+                f"  secret_file: {fleet.secret_file}\n  bind_address: {fleet.addr_a}\n")
+    _rc, doc = run_doctor(cfg, prefix=fleet.in_ns("a"))
+    check = by_check(doc)["cluster"]
+    assert check["status"] == "OK", check
+    assert "master" in check["message"] and "kvtierd:" in check["message"]
+    assert "joined as" in check["message"]
+    # In host A's namespace, host B's address is not one of its own.
+    if fleet.netns:
+        text = cfg.read_text().replace(f"bind_address: {fleet.addr_a}",
+                                       f"bind_address: {fleet.addr_b}")
+        cfg.write_text(text)
+        _rc, doc = run_doctor(cfg, prefix=fleet.in_ns("a"))
+        check = by_check(doc)["cluster"]
+        assert check["status"] == "FAIL" and "not an address of this host" in check["message"]

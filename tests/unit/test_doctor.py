@@ -343,6 +343,60 @@ def test_ssd_skipped_without_an_ssd_tier() -> None:
     assert f.status is Status.SKIP
 
 
+# ----------------------------------------------------------------------------- cluster
+def _secret(tmp_path: Path, mode: int = 0o600, text: bytes = b"a" * 32) -> Path:
+    p = tmp_path / "cluster.secret"
+    p.write_bytes(text)
+    os.chmod(p, mode)
+    return p
+
+
+def test_cluster_checks_secret_client_reachability_and_address(tmp_path: Path) -> None:
+    assert doctor.check_cluster(ctx(config(), host())).status is Status.SKIP
+    cfg = config(**{"cluster.master": "10.0.0.1:50051", "cluster.secret_file":
+                    _secret(tmp_path), "cluster.bind_address": "10.0.0.2"})
+    asked: list[tuple[str, int]] = []
+
+    def reach(h: str, p: int, _t: float) -> str | None:
+        asked.append((h, p))
+        return None
+
+    ok = host(connect=reach, is_local_address=lambda a: a == "10.0.0.2",
+              mooncake_import=lambda: None)
+    f = doctor.check_cluster(ctx(cfg, ok))
+    assert f.status is Status.OK, f
+    assert asked == [("10.0.0.1", 50051), ("10.0.0.1", 8080)]  # master, default metadata
+    assert "master 10.0.0.1:50051 reachable" in f.message
+    bad = host(connect=lambda h, p, t: "Connection refused", is_local_address=lambda a: False,
+               mooncake_import=lambda: "libibverbs.so.1: cannot open shared object file")
+    f = doctor.check_cluster(ctx(cfg, bad))
+    assert f.status is Status.FAIL
+    for text in ("master 10.0.0.1:50051 unreachable: Connection refused",
+                 "metadata server 10.0.0.1:8080 unreachable", "libibverbs.so.1",
+                 "10.0.0.2 is not an address of this host"):
+        assert text in f.message, f.message
+    assert "apt-get install libibverbs1" in f.fix
+
+
+def test_cluster_check_reads_the_secret_as_the_daemon_does(tmp_path: Path) -> None:
+    loose = config(**{"cluster.master": "m:1", "cluster.secret_file":
+                      _secret(tmp_path, mode=0o644)})
+    h = host(connect=lambda h, p, t: None, mooncake_import=lambda: None)
+    f = doctor.check_cluster(ctx(loose, h))
+    assert f.status is Status.FAIL and "chmod 600" in f.message
+
+
+def test_cluster_check_reports_what_the_daemon_says(tmp_path: Path) -> None:
+    cfg = config(**{"cluster.master": "m:1", "cluster.secret_file": _secret(tmp_path)})
+    down = stats()
+    down.tiers.append(pb.TierStats(tier=pb.TIER_CLUSTER, note="m:1: DOWN: the Mooncake master "
+                                   "m:1 is unreachable"))
+    h = host(connect=lambda h, p, t: None, mooncake_import=lambda: None,
+             health=lambda _s, _t: "SERVING", fetch_stats=lambda _s, _t: down)
+    f = doctor.check_cluster(ctx(cfg, h))
+    assert f.status is Status.FAIL and "kvtierd: m:1: DOWN" in f.message
+
+
 # ----------------------------------------------------------------------------- shared
 def test_shared_dir_checks(tmp_path: Path) -> None:
     assert doctor.check_shared(ctx(config(), host())).status is Status.SKIP
@@ -551,7 +605,7 @@ def test_main_exit_status_follows_the_worst_check(tmp_path: Path, shm: Path,
     assert doctor.main(["--config", str(cfg)], host=h) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"OK    config     {cfg}"
-    assert "doctor: 8 OK, 0 WARN, 0 FAIL, 3 SKIP: exit 0" in out
+    assert "doctor: 8 OK, 0 WARN, 0 FAIL, 4 SKIP: exit 0" in out
 
     h = dataclasses.replace(h, health=not_running)
     assert doctor.main(["--config", str(cfg), "--json"], host=h) == 1
