@@ -288,3 +288,29 @@ def test_doctor_checks_the_cluster_from_a_host(fleet: Fleet, tmp_path: Path) -> 
         _rc, doc = run_doctor(cfg, prefix=fleet.in_ns("a"))
         check = by_check(doc)["cluster"]
         assert check["status"] == "FAIL" and "not an address of this host" in check["message"]
+
+
+def test_a_peer_host_gone_is_a_miss_on_the_others(fleet: Fleet) -> None:
+    """Host A's daemon SIGKILLed (its agent dies with it): host B serves its own blocks,
+    and A's blocks in the cluster -- which lived in A's memory -- are misses, never an
+    error to B's clients; B counts the failed transfers."""
+    assert fleet.a is not None and fleet.b is not None
+    theirs, mine = fresh_keys(3), fresh_keys(2)
+    dt, dm = blocks(3, 12), blocks(2, 13)
+    with client(fleet.a) as a:
+        assert a.put(theirs, dt) == 3
+    with client(fleet.b) as b:
+        assert b.put(mine, dm) == 2
+        wait_for(lambda: b.lookup(theirs) == 3, 20, "B to see A's blocks")
+        (agent,) = _children(fleet.a.proc.pid)
+        fleet.a.kill()
+        # The agent dies with its daemon (PR_SET_PDEATHSIG): nothing left holding memory.
+        wait_for(lambda: not os.path.exists(f"/proc/{agent}"), 10, "A's agent to die")
+        t0 = time.monotonic()
+        got = b.get(theirs)  # the master may still list them: the transfer fails
+        assert got == [] and time.monotonic() - t0 < 10
+        assert [bytes(x) for x in b.get(mine)] == [bytes(x) for x in dm]
+        # Once the master drops A's segment (client_ttl), they are plain misses.
+        wait_for(lambda: b.lookup(theirs) == 0, 30, "A's objects to leave the cluster")
+    assert fleet.b.check() == []
+    fleet.a = fleet.start_daemon("a")  # for any test after this one

@@ -63,6 +63,9 @@ EXIT_SETUP: Final = 4
 #: A request the agent refused before any transfer (an offset outside the mapping).
 RC_BAD_REQUEST: Final = -10001
 HEADER_BYTES: Final = 256
+#: Answered on the reading thread (short: one master round trip, no transfer); the
+#: transfers run on the pool, several at once.
+_INLINE: Final = frozenset({"exist", "health"})
 
 
 def _address(buf: Any) -> int:
@@ -175,7 +178,10 @@ class Agent:
                     continue
                 for fd in fds:
                     os.close(fd)
-                self._pool.submit(self._dispatch, msg)
+                if msg[1] in _INLINE:
+                    self._dispatch(msg)  # one master round trip: no thread hop
+                else:
+                    self._pool.submit(self._dispatch, msg)
         finally:
             self._pool.shutdown(wait=True)
             try:
