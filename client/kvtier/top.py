@@ -163,6 +163,9 @@ def render(prev: Sample | None, cur: Sample, width: int = 80, height: int | None
         if t is None or not t.total_bytes:  # the shared tier: its filesystem's quota governs
             used = total = pct = "-"
             blocks = str(t.committed_blocks) if t is not None and t.committed_blocks else "-"
+        elif tier == pb.TIER_CLUSTER:  # what this host lends; its use is the master's to know
+            used = pct = blocks = "-"
+            total = format_bytes(t.total_bytes)
         else:
             in_use = t.total_bytes - t.free_bytes
             used, total = format_bytes(in_use), format_bytes(t.total_bytes)

@@ -210,3 +210,14 @@ def test_once_takes_two_samples_and_prints_plain_text(monkeypatch: pytest.Monkey
 def test_once_reports_an_unreachable_daemon(capsys: pytest.CaptureFixture[str]) -> None:
     assert top.main(["--socket", "/nonexistent/kvt-top", "--once", "--interval", "0"]) == 1
     assert "daemon unreachable" in capsys.readouterr().err
+
+
+def test_the_cluster_row_shows_what_this_host_lends_and_its_traffic() -> None:
+    s = stats(tiers=[pb.TierStats(tier=pb.TIER_DRAM, total_bytes=1 << 30, free_bytes=1 << 29),
+                     pb.TierStats(tier=pb.TIER_CLUSTER, total_bytes=4 << 30)],
+              io=[pb.TierIO(tier=pb.TIER_CLUSTER, read_bytes=0)])
+    s2 = stats(tiers=s.tiers, io=[pb.TierIO(tier=pb.TIER_CLUSTER, read_bytes=3 << 20)])
+    lines = render(Sample(0.0, s), Sample(1.0, s2), 80)
+    cells = row(lines, "cluster").split()
+    assert cells[:5] == ["cluster", "-", "4.0", "GiB", "-"], cells
+    assert "3.0 MiB/s" in row(lines, "cluster")
