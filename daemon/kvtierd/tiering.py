@@ -505,7 +505,7 @@ class Tiering:
                    and self._local_copy(ns.name, keys[j], geometry) is None
                    and (ns.name, keys[j]) not in self._deleting):
                 j += 1
-            found = await self._run(self._locate_remote, ns.name, list(keys[i:j]), geometry)
+            found = await self._locate_remote_async(ns.name, list(keys[i:j]), geometry)
             tiers.extend(found)
             if len(found) < j - i:
                 break
@@ -687,20 +687,28 @@ class Tiering:
             self.observer.spill_io(tier.name, "read", time.perf_counter() - t0, nbytes)
         return out
 
-    def _locate_remote(self, namespace: str, keys: list[bytes],
-                       geometry: Geometry) -> list[int]:
-        """Worker thread: the tier of each key of the longest prefix the remote tiers
-        hold (the first of them holding it).  A batched tier is asked about all the keys
-        in one go; the others key by key, as far as needed.  A tier that cannot answer
-        counts a fault and is a miss."""
+    async def _locate_remote_async(self, namespace: str, keys: list[bytes],
+                                   geometry: Geometry) -> list[int]:
+        """The tier of each key of the longest prefix the remote tiers hold (the first
+        of them holding it).  A batched tier is asked about all the keys in one go, from
+        the loop (``present_async``); the others key by key on a worker thread, as far
+        as needed.  A tier that cannot answer counts a fault and is a miss."""
         batched: dict[int, list[bool]] = {}
         for tier in self._remote:
             if tier.batched:
                 try:
-                    batched[tier.tier] = tier.present(namespace, keys, geometry)
+                    batched[tier.tier] = await tier.present_async(namespace, keys, geometry)
                 except OSError as exc:
                     self._fault(tier.name, fault_kind(exc))
                     batched[tier.tier] = [False] * len(keys)
+        if all(t.batched for t in self._remote):
+            return self._locate_remote(namespace, keys, geometry, batched)  # no I/O left
+        return await self._run(self._locate_remote, namespace, keys, geometry, batched)
+
+    def _locate_remote(self, namespace: str, keys: list[bytes], geometry: Geometry,
+                       batched: dict[int, list[bool]]) -> list[int]:
+        """Worker thread (or the loop when every remote tier is batched): walk the keys
+        with the batched tiers' answers, asking the others key by key."""
         out: list[int] = []
         for i, key in enumerate(keys):
             found = None

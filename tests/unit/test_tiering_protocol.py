@@ -77,6 +77,10 @@ class DictTier:
         self.asked.append(len(keys))
         return [self.contains(namespace, k) for k in keys]
 
+    async def present_async(self, namespace: str, keys: Sequence[bytes],
+                            geometry: Geometry | None) -> list[bool]:
+        return self.present(namespace, keys, geometry)
+
     def read_many(self, namespace: str, items: Sequence[tuple[bytes, memoryview]],
                   geometry: Geometry) -> list[tuple[int, int] | BaseException]:
         self.read_batches.append(len(items))

@@ -34,6 +34,7 @@ would make the agent fault (SIGBUS); its slot is the writer's loss
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import contextlib
@@ -43,6 +44,7 @@ import itertools
 import json
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -146,16 +148,29 @@ class ClusterCounters:
     removed: int = 0
 
 
+#: A request's future: a thread's (``concurrent.futures``) or the event loop's.
+_Waiter = concurrent.futures.Future[Any] | asyncio.Future[Any]
+
+
 class _Agent:
-    """One agent process and its side of the socket."""
+    """One agent process and its side of the socket.
+
+    One reader at a time: the supervisor thread, until the event loop asks the
+    agent something itself (``present_async``); then the loop reads every
+    answer (no thread hop for its own, a thread's future set from the loop for
+    the others) and the supervisor only watches for a hung or dead agent."""
 
     def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
         self.proc = proc
         self.sock = sock
         self.ready = False
         self.segment_name = ""
-        self.pending: dict[int, tuple[concurrent.futures.Future[Any], float]] = {}
+        self.pending: dict[int, tuple[_Waiter, float]] = {}
         self.lock = threading.Lock()  # pending, sends
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop wants to read
+        self.loop_reads = threading.Event()  # ... and does: the supervisor stopped
+        self.gone = threading.Event()  # the loop's reader saw the end
+        self.buffer = bytearray(agent_mod.MAX_MESSAGE)
         self.mapped: set[int] = set()
         self.map_lock = threading.Lock()
         self.last_drop_check = 0.0
@@ -336,27 +351,66 @@ class ClusterTier:
         return False
 
     def _serve(self, a: _Agent) -> None:
-        """Read answers until the agent goes; kill it if a request hangs."""
+        """Read answers until the agent goes or the event loop takes over reading; kill
+        the agent if a request hangs."""
+        a.sock.settimeout(0.05)  # short: notice the loop's wish to read soon
         while not self._stop.is_set():
+            if a.loop is not None:
+                self._hand_to_loop(a)
+                while not (self._stop.is_set() or a.gone.wait(0.5)):
+                    self._watchdog(a)
+                return
             try:
-                data = a.sock.recv(agent_mod.MAX_MESSAGE)
+                n = a.sock.recv_into(a.buffer)
             except TimeoutError:
                 self._watchdog(a)
                 continue
             except OSError:
-                data = b""
-            if not data:
+                n = 0
+            if not n:
                 return
-            msg = msgpack.unpackb(data, raw=False)
-            with a.lock:
-                entry = a.pending.pop(msg[0], None)
-            if entry is None:
-                continue
-            fut = entry[0]
+            self._dispatch(a, n)
+
+    def _dispatch(self, a: _Agent, n: int) -> None:
+        msg = msgpack.unpackb(memoryview(a.buffer)[:n], raw=False)
+        with a.lock:
+            entry = a.pending.pop(msg[0], None)
+        if entry is not None:
             if len(msg) > 2:
-                fut.set_exception(OSError(errno.EPROTO, f"cluster agent: {msg[2]}"))
+                _settle(entry[0], exc=OSError(errno.EPROTO, f"cluster agent: {msg[2]}"))
             else:
-                fut.set_result(msg[1])
+                _settle(entry[0], msg[1])
+
+    def _hand_to_loop(self, a: _Agent) -> None:
+        """Stop reading here and let the event loop read (called once, supervisor)."""
+        loop = a.loop
+        assert loop is not None
+        a.sock.settimeout(0.0)
+
+        def start() -> None:
+            loop.add_reader(a.sock.fileno(), self._loop_read, a)
+            a.loop_reads.set()
+
+        try:
+            loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop is closed: the daemon is stopping
+            a.gone.set()
+
+    def _loop_read(self, a: _Agent) -> None:
+        """Event loop: every answer waiting on the socket."""
+        while True:
+            try:
+                n = a.sock.recv_into(a.buffer)
+            except BlockingIOError:
+                return
+            except OSError:
+                n = 0
+            if not n:
+                with contextlib.suppress(OSError, ValueError):
+                    asyncio.get_running_loop().remove_reader(a.sock.fileno())
+                a.gone.set()
+                return
+            self._dispatch(a, n)
 
     def _watchdog(self, a: _Agent) -> None:
         now = time.monotonic()
@@ -375,12 +429,23 @@ class ClusterTier:
         if a.proc.poll() is None:
             a.proc.kill()
         status = a.proc.wait()
+        if a.loop_reads.is_set() and not a.gone.is_set() and a.loop is not None:
+            # The loop still watches the socket: it must let go before the fd closes.
+            loop, fd = a.loop, a.sock.fileno()
+
+            def stop_reading() -> None:
+                loop.remove_reader(fd)
+                a.gone.set()
+
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stop_reading)
+                a.gone.wait(5)
         a.sock.close()
         with a.lock:
             pending, a.pending = list(a.pending.values()), {}
         err = ClusterDown("the cluster agent exited")
         for fut, _t in pending:
-            fut.set_exception(err)
+            _settle(fut, exc=err)
         if joined and not self._stop.is_set():
             self.counters.agent_deaths += 1
             self._down(f"the cluster agent died (status {status}){a.tail()}; restarting it",
@@ -435,25 +500,42 @@ class ClusterTier:
 
     def _send(self, op: str, *args: Any, fds: Sequence[int] = (),
               agent: _Agent | None = None) -> Any:
-        a = agent or self._agent
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._post(agent or self._agent, fut, op, args, fds)
+        return fut.result()  # the agent answers, or _reap fails it once the agent is dead
+
+    def _post(self, a: _Agent | None, fut: _Waiter, op: str, args: Sequence[Any],
+              fds: Sequence[int] = ()) -> None:
+        """Send a request whose answer settles ``fut``."""
         if a is None or not a.ready:
             raise ClusterDown(self.down_reason or "the cluster agent is not ready")
         rid = next(self._ids)
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         data = msgpack.packb([rid, op, *args], use_bin_type=True)
         with a.lock:
             if not a.ready:
                 raise ClusterDown(self.down_reason or "the cluster agent is not ready")
             a.pending[rid] = (fut, time.monotonic())
             try:
-                if fds:
-                    socket.send_fds(a.sock, [data], list(fds))
-                else:
-                    a.sock.send(data)
+                _send_message(a.sock, data, fds)
             except OSError as exc:
                 a.pending.pop(rid, None)
                 raise ClusterDown(f"the cluster agent is gone ({exc.strerror})") from None
-        return fut.result()  # the agent answers, or _reap fails it once the agent is dead
+
+    async def _call_async(self, op: str, *args: Any) -> Any:
+        """``_call`` from the event loop, answered on it (no worker thread, no hop)."""
+        a = self._agent
+        if a is not None and a.loop is None:
+            a.loop = asyncio.get_running_loop()  # the supervisor hands the reading over
+        probe = self._enter()
+        unreachable = False
+        try:
+            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._post(a, fut, op, args)
+            result = await fut
+            unreachable = any((r[0] if isinstance(r, list) else r) == RC_RPC for r in result)
+            return result
+        finally:
+            self._leave(probe, unreachable)
 
     def _slot(self, a: _Agent, view: memoryview) -> tuple[int, int]:
         """(segment id, offset) of a DRAM slot view, its segment mapped by the agent."""
@@ -501,6 +583,21 @@ class ClusterTier:
         out: list[bool] = []
         for i in range(0, len(names), BATCH):
             rcs = self._call("exist", names[i : i + BATCH])
+            if any(rc < 0 for rc in rcs):
+                raise _rc_error(min(rcs), "existence check")
+            out.extend(rc == 1 for rc in rcs)
+        return out
+
+    async def present_async(self, namespace: str, keys: Sequence[bytes],
+                            geometry: Geometry | None) -> list[bool]:
+        """``present`` on the event loop: the same one query per :data:`BATCH` keys,
+        its answer read by the loop itself."""
+        if geometry is None or not keys:
+            return [False] * len(keys)
+        names = [self.naming.name(namespace, k, *geometry) for k in keys]
+        out: list[bool] = []
+        for i in range(0, len(names), BATCH):
+            rcs = await self._call_async("exist", names[i : i + BATCH])
             if any(rc < 0 for rc in rcs):
                 raise _rc_error(min(rcs), "existence check")
             out.extend(rc == 1 for rc in rcs)
@@ -641,5 +738,47 @@ class ClusterTier:
 
 def _address(buf: Any) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def _send_message(sock: socket.socket, data: bytes, fds: Sequence[int]) -> None:
+    """One message, waiting for room when the socket is full (it is non-blocking once
+    the loop reads it)."""
+    while True:
+        try:
+            if fds:
+                socket.send_fds(sock, [data], list(fds))
+            else:
+                sock.send(data)
+            return
+        except (BlockingIOError, TimeoutError):
+            select.select([], [sock], [], 1.0)
+
+
+def _settle(fut: _Waiter, result: Any = None, exc: BaseException | None = None) -> None:
+    """Complete a request's future from any thread (a loop's future on its loop)."""
+    if isinstance(fut, concurrent.futures.Future):
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+        return
+
+    def done() -> None:
+        if not fut.done():
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    loop = fut.get_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        done()
+    else:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+            loop.call_soon_threadsafe(done)
 
 
