@@ -227,7 +227,8 @@ def test_evict_by_tier_skips_leased_blocks_and_counts_metrics(
         e = error_of(d, "Evict", pb.EvictRequest(namespace=NS))
         assert str(e) == "set exactly one of keys and all (neither is set)"
         e = error_of(d, "Evict", pb.EvictRequest(namespace=NS, all=True, tiers=[7]))
-        assert str(e) == "tiers[0] = 7 is not a tier (TIER_DRAM, TIER_SSD or TIER_SHARED)"
+        assert str(e) == ("tiers[0] = 7 is not a tier (TIER_DRAM, TIER_SSD, TIER_SHARED or "
+                          "TIER_CLUSTER)")
         e = error_of(d, "Evict", pb.EvictRequest(namespace=NS, keys=[b""]))
         assert str(e) == "keys[0] is 0 bytes (1..64 allowed)"
         assert d.check() == []
