@@ -109,6 +109,29 @@ class Fleet:
             assert time.monotonic() < deadline, "mooncake_master did not listen in 30 s"
             time.sleep(0.2)
 
+    def start_owner(self, which: str) -> tuple[subprocess.Popen[bytes], str]:
+        """A standalone Mooncake client in ``which``'s namespace that lends 64 MiB as a
+        segment of a fixed name (``cluster.segment_owner``); returns it and the name."""
+        addr = self.addr_a if which == "a" else self.addr_b
+        name, service = f"{addr}:{_free_port()}", _free_port()
+        log = open(os.path.join(self.base, f"owner-{which}.log"), "ab")  # noqa: SIM115
+        owner = subprocess.Popen(
+            [*self.in_ns(which), os.path.join(os.path.dirname(MASTER_BIN), "mooncake_client"),
+             f"--host={name}", f"--port={service}", "--global_segment_size=64MB",
+             "--local_buffer_size=0", f"--master_server_address={self.master_address}",
+             f"--metadata_server=http://{self.addr_a}:{self.http_port}/metadata",
+             "--protocol=tcp"], stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "MC_TCP_BIND_ADDRESS": addr})
+        log.close()
+        deadline = time.monotonic() + 30  # its service port listens once it has joined
+        while subprocess.run([*self.in_ns(which), "bash", "-c",
+                              f"exec 3<>/dev/tcp/{addr}/{service}"],
+                             capture_output=True).returncode != 0:
+            assert owner.poll() is None, "mooncake_client exited"
+            assert time.monotonic() < deadline, "mooncake_client did not listen in 30 s"
+            time.sleep(0.2)
+        return owner, name
+
     def kill_master(self) -> None:
         assert self.master is not None
         self.master.send_signal(signal.SIGKILL)
@@ -116,11 +139,14 @@ class Fleet:
 
     def start_daemon(self, which: str, *extra: str, join: bool = True,
                      capacity: str = "32MiB", extent: str = "4MiB",
-                     segment: str = "64MiB") -> DaemonProc:
+                     segment: str = "64MiB", name: str = "") -> DaemonProc:
+        """A kvtierd in ``which``'s namespace (``name``: its directory, default
+        ``which``), joined to the cluster unless ``join`` is False."""
         addr = self.addr_a if which == "a" else self.addr_b
-        os.makedirs(os.path.join(self.base, which), exist_ok=True)
+        home = os.path.join(self.base, name or which)
+        os.makedirs(home, exist_ok=True)
         d = start_daemon(
-            os.path.join(self.base, which),
+            home,
             "--set", f"cluster.master={self.master_address}",
             "--set", f"cluster.metadata_server=http://{self.addr_a}:{self.http_port}/metadata",
             "--set", f"cluster.secret_file={self.secret_file}",

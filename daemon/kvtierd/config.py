@@ -357,6 +357,10 @@ class ClusterConfig:
     device_name: str = ""
     #: Memory this host lends the cluster (a Mooncake global segment, in the agent).
     segment_bytes: int = DEFAULT_CLUSTER_SEGMENT_BYTES
+    #: ``HOST:PORT``: the segment of a standalone ``mooncake_client --host=HOST:PORT``
+    #: on this host that lends the memory instead (the agent lends none, and this
+    #: host's blocks outlive kvtierd's restarts and its agent's crashes); "": none.
+    segment_owner: str = ""
     #: The address the transfer engine advertises to other hosts (an address of one
     #: of this host's interfaces); "" lets Mooncake pick (the first non-loopback one).
     bind_address: str = ""
@@ -447,6 +451,7 @@ _TEXT_KEYS: Final = frozenset(
         "cluster.bind_address",
         "cluster.hostname",
         "cluster.write",
+        "cluster.segment_owner",
     }
 )
 
@@ -1123,6 +1128,7 @@ def _cluster_config(take: Callable[..., Any], parse_optional_path: Callable[[obj
         device_name=take("cluster.device_name", _parse_text, ""),
         segment_bytes=take("cluster.segment_bytes", lambda v, k: _parse_size_in(v, k, 0),
                            DEFAULT_CLUSTER_SEGMENT_BYTES),
+        segment_owner=take("cluster.segment_owner", _parse_host_port, ""),
         bind_address=take("cluster.bind_address", _parse_text, ""),
         hostname=take("cluster.hostname", _parse_text, ""),
         replicas=take("cluster.replicas", lambda v, k: _parse_int(v, k, 1, 16), 1),

@@ -548,8 +548,10 @@ def _cluster_stats(cluster: ClusterTier) -> pb.TierStats:
     s = cluster.settings
     state = (f"joined as {cluster.segment_name}" if cluster.ready
              else f"DOWN: {cluster.down_reason}")
+    if s.segment_owner:
+        state += f", writing into {s.segment_owner}'s segment"
     return pb.TierStats(
-        tier=pb.TIER_CLUSTER, total_bytes=s.segment_bytes,
+        tier=pb.TIER_CLUSTER, total_bytes=0 if s.segment_owner else s.segment_bytes,
         note=(f"{s.master}: {state}; {cc.writes} written, {cc.reads} read by this daemon, "
               f"agent started {cc.agent_starts}x"))
 

@@ -27,7 +27,7 @@ import kvtier
 from kvtier.cli import evict
 from kvtierd.cluster.format import HEADER_BYTES, Header, Naming
 from kvtierd.spill.format import model_hash
-from tests.conftest import DaemonProc
+from tests.conftest import DaemonProc, stop_daemon
 from tests.fleet import MASTER_BIN, SECRET, Fleet, cluster_faults, cluster_note, wait_for
 
 pytestmark = [pytest.mark.one_transport, pytest.mark.timeout(300)]
@@ -288,6 +288,68 @@ def test_doctor_checks_the_cluster_from_a_host(fleet: Fleet, tmp_path: Path) -> 
         _rc, doc = run_doctor(cfg, prefix=fleet.in_ns("a"))
         check = by_check(doc)["cluster"]
         assert check["status"] == "FAIL" and "not an address of this host" in check["message"]
+
+
+def test_a_data_file_cut_short_by_a_client_never_reaches_the_agent(fleet: Fleet) -> None:
+    """A client truncates its namespace's DRAM data file on host B (it holds a writable
+    fd of it): a promotion from the cluster into a slot of that file is the writer's
+    loss (a slot fault, a miss), checked before the agent would write there -- the
+    agent does not die of SIGBUS, and B serves on."""
+    assert fleet.a is not None and fleet.b is not None
+    keys, data = fresh_keys(2), blocks(2, 14)
+    with client(fleet.a) as a:
+        assert a.put(keys, data) == 2
+    with client(fleet.b) as b:
+        written = int(cluster_note(fleet.b).split(" written")[0].rsplit(" ", 1)[1])
+        assert b.put(fresh_keys(1), blocks(1, 15)) == 1  # B has the namespace's extent
+        # ... and its publish is over (a transfer from a file cut short under it would
+        # still kill the agent: that window is the residual risk docs/deployment.md names)
+        wait_for(lambda: f"{written + 1} written" in cluster_note(fleet.b), 20,
+                 "B's publish")
+        wait_for(lambda: b.lookup(keys) == 2, 20, "B to see the blocks")
+        starts = cluster_note(fleet.b).split("agent started ")[1]
+        segs = [os.path.join(fleet.b.shm_dir, n) for n in os.listdir(fleet.b.shm_dir)
+                if n.endswith(".seg")]
+        assert segs
+        for path in segs:
+            os.truncate(path, 0)
+        assert b.get(keys) == []
+        assert "faulted during its promotion" in fleet.b.log()
+        assert fleet.b.alive()
+        assert cluster_note(fleet.b).split("agent started ")[1] == starts  # no restart
+        # The daemon's audit gives the files their size back; the cluster still has
+        # the blocks, so a later read is served.
+        wait_for(lambda: len(b.get(keys)) == 2, 60, "B to read the blocks again")
+    assert fleet.b.check() == []
+
+
+def test_a_separate_segment_owner_keeps_a_hosts_blocks_past_its_daemon(fleet: Fleet) -> None:
+    """``cluster.segment_owner``: a standalone Mooncake client lends host C's memory,
+    so C's blocks stay in the cluster when C's agent dies and when C's daemon stops."""
+    assert fleet.b is not None
+    owner, name = fleet.start_owner("a")
+    c = None
+    try:
+        c = fleet.start_daemon("a", "--set", f"cluster.segment_owner={name}", name="c")
+        assert f"writing into {name}'s segment" in cluster_note(c)
+        keys, data = fresh_keys(3), blocks(3, 16)
+        with client(c) as cc:
+            assert cc.put(keys, data) == 3
+        with client(fleet.b) as b:
+            wait_for(lambda: b.lookup(keys) == 3, 20, "B to see C's blocks")
+            (agent,) = _children(c.proc.pid)
+            os.kill(agent, signal.SIGKILL)
+            wait_for(lambda: c is not None and "agent started 2x" in cluster_note(c), 30,
+                     "C's agent restarting")
+            assert b.lookup(keys) == 3  # still there: the owner holds them
+            stop_daemon(c)
+            c = None
+            assert [bytes(x) for x in b.get(keys)] == [bytes(x) for x in data]
+    finally:
+        if c is not None:
+            stop_daemon(c)
+        owner.kill()
+        owner.wait(10)
 
 
 def test_a_peer_host_gone_is_a_miss_on_the_others(fleet: Fleet) -> None:

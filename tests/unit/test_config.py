@@ -1058,7 +1058,8 @@ def test_config_to_dict_prints_sizes_and_durations_as_strings() -> None:
         ["metrics.address=[::1]:0", "reservations.ttl=1.25", "dram.extent_size=128KiB"],
         ["cluster.master=10.0.0.1:50051", "cluster.secret_file=/etc/kvtier/cluster.secret",
          "cluster.segment_bytes=4GiB", "cluster.write=commit", "cluster.replicas=2",
-         "cluster.request_timeout=10s", "cluster.bind_address=10.0.0.2"],
+         "cluster.request_timeout=10s", "cluster.bind_address=10.0.0.2",
+         "cluster.segment_owner=10.0.0.2:15077"],
     ],
 )
 def test_config_to_dict_round_trips_through_a_file(tmp_path: Path, overrides: list[str]) -> None:

@@ -141,7 +141,10 @@ class Agent:
         self.hostname = store.get_hostname()
         self.config = ReplicateConfig()
         self.config.replica_num = int(self.cfg.get("replicas", 1))
-        self.config.preferred_segment = self.hostname  # keep what this host writes here
+        # Keep what this host writes in its own memory: the agent's segment, or the
+        # standalone owner's (``cluster.segment_owner``).
+        self.preferred = self.cfg.get("segment_owner") or self.hostname
+        self.config.preferred_segment = self.preferred
         self.headers = mmap.mmap(-1, HEADER_SLOTS * HEADER_BYTES)
         self.headers_base = _address(self.headers)
         self.zeros = mmap.mmap(-1, ZERO_BYTES, prot=mmap.PROT_READ)
@@ -334,7 +337,7 @@ class Agent:
 
                     config = ReplicateConfig()
                     config.replica_num = replicas
-                    config.preferred_segment = self.hostname
+                    config.preferred_segment = self.preferred
                 rcs = self.store.batch_put_from_multi_buffers(names, ptrs, sizes, config)
                 for i, rc in zip(idx, rcs, strict=True):
                     out[i] = int(rc)

@@ -116,6 +116,7 @@ class ClusterSettings:
     protocol: str = "tcp"
     device_name: str = ""
     segment_bytes: int = 1 << 30
+    segment_owner: str = ""
     local_buffer_bytes: int = 16 << 20
     local_hostname: str = ""
     bind_address: str = ""
@@ -127,7 +128,8 @@ class ClusterSettings:
     def agent_config(self) -> dict[str, Any]:
         return {"master": self.master, "metadata_server": self.metadata_server,
                 "protocol": self.protocol, "device_name": self.device_name,
-                "segment_bytes": self.segment_bytes,
+                "segment_bytes": 0 if self.segment_owner else self.segment_bytes,
+                "segment_owner": self.segment_owner,
                 "local_buffer_bytes": self.local_buffer_bytes,
                 "local_hostname": self.local_hostname or self.bind_address
                 or socket.gethostname(),
@@ -265,11 +267,14 @@ class ClusterTier:
                 delay = min(delay * 2, BACKOFF[1])
                 continue
             self._agent = a
+            joined = False
             try:
                 joined = self._handshake(a)
                 if joined:
                     delay = BACKOFF[0]
                     self._serve(a)
+            except Exception:  # noqa: BLE001 (a bug: the agent goes, the tier stays)
+                log.exception("cluster: the agent's supervisor failed; restarting the agent")
             finally:
                 self._reap(a, joined)
             if not self._stop.is_set():
@@ -313,6 +318,7 @@ class ClusterTier:
             line = raw.decode(errors="replace").rstrip()
             a.stderr_tail.append(line)
             log.debug("agent: %s", line)
+        a.proc.stderr.close()
 
     def _handshake(self, a: _Agent) -> bool:
         a.sock.settimeout(1.0)
@@ -372,9 +378,19 @@ class ClusterTier:
             self._dispatch(a, n)
 
     def _dispatch(self, a: _Agent, n: int) -> None:
-        msg = msgpack.unpackb(memoryview(a.buffer)[:n], raw=False)
+        try:
+            msg = msgpack.unpackb(memoryview(a.buffer)[:n], raw=False)
+            rid = msg[0]
+            if not isinstance(rid, int) or not 2 <= len(msg) <= 3:
+                raise ValueError(f"not an answer: {msg!r:.80}")
+        except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
+            # Not what the agent sends: it is not to be trusted any more.
+            self._down(f"the cluster agent sent a malformed message ({exc}); killed it",
+                       "protocol")
+            a.proc.kill()
+            return
         with a.lock:
-            entry = a.pending.pop(msg[0], None)
+            entry = a.pending.pop(rid, None)
         if entry is not None:
             if len(msg) > 2:
                 _settle(entry[0], exc=OSError(errno.EPROTO, f"cluster agent: {msg[2]}"))
