@@ -328,8 +328,13 @@ class _TieringCollector(Collector):
             sums.add_metric(["ssd"], t.ssd.counters.checksum_failures)
         if t.shared is not None:
             sums.add_metric(["shared"], t.shared.counters.checksum_failures)
+        joined = GaugeMetricFamily("kvtier_cluster_joined", "1 while the cluster tier's agent "
+                                   "is joined to Mooncake's master, 0 while not (no sample "
+                                   "without a cluster tier)")
         if t.cluster is not None:
             sums.add_metric(["cluster"], t.cluster.counters.checksum_failures)
+            joined.add_metric([], 1 if t.cluster.ready else 0)
+        yield joined
         yield tier_bytes
         yield tier_blocks
         yield sums

@@ -17,6 +17,7 @@ import shutil
 import signal
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -210,6 +211,15 @@ def test_the_master_killed_and_restarted_mid_traffic(fleet: Fleet) -> None:
     assert fleet.a.check() == [] and fleet.b.check() == []
 
 
+def joined_gauge(d: DaemonProc) -> float:
+    """``kvtier_cluster_joined`` from the daemon's metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port()}/metrics",
+                                timeout=10) as resp:
+        text = resp.read().decode()
+    (line,) = [x for x in text.splitlines() if x.startswith("kvtier_cluster_joined ")]
+    return float(line.split()[1])
+
+
 def _children(pid: int) -> list[int]:
     out: list[int] = []
     for task in os.listdir(f"/proc/{pid}/task"):
@@ -248,6 +258,7 @@ def test_a_master_down_at_start_delays_nothing_and_is_joined_when_up() -> None:
         wait_for(lambda: f.a is not None and "unreachable" in cluster_note(f.a), 15,
                  "the first try to fail")
         assert "DOWN" in cluster_note(f.a)
+        assert joined_gauge(f.a) == 0
         keys, data = fresh_keys(2), blocks(2, 10)
         with client(f.a) as a:
             assert a.put(keys, data) == 2
@@ -259,6 +270,7 @@ def test_a_master_down_at_start_delays_nothing_and_is_joined_when_up() -> None:
         f.start_master()
         wait_for(lambda: f.a is not None and "joined as" in cluster_note(f.a), 60,
                  "the daemon to join the master once it is up")
+        assert joined_gauge(f.a) == 1
         assert f.a.check() == []
     finally:
         f.close()
