@@ -124,12 +124,17 @@ class Fleet:
             env={**os.environ, "MC_TCP_BIND_ADDRESS": addr})
         log.close()
         deadline = time.monotonic() + 30  # its service port listens once it has joined
-        while subprocess.run([*self.in_ns(which), "bash", "-c",
-                              f"exec 3<>/dev/tcp/{addr}/{service}"],
-                             capture_output=True).returncode != 0:
-            assert owner.poll() is None, "mooncake_client exited"
-            assert time.monotonic() < deadline, "mooncake_client did not listen in 30 s"
-            time.sleep(0.2)
+        try:
+            while subprocess.run([*self.in_ns(which), "bash", "-c",
+                                  f"exec 3<>/dev/tcp/{addr}/{service}"],
+                                 capture_output=True).returncode != 0:
+                assert owner.poll() is None, "mooncake_client exited"
+                assert time.monotonic() < deadline, "mooncake_client did not listen in 30 s"
+                time.sleep(0.2)
+        except BaseException:
+            owner.kill()
+            owner.wait(10)
+            raise
         return owner, name
 
     def kill_master(self) -> None:

@@ -387,4 +387,5 @@ def test_a_peer_host_gone_is_a_miss_on_the_others(fleet: Fleet) -> None:
         # Once the master drops A's segment (client_ttl), they are plain misses.
         wait_for(lambda: b.lookup(theirs) == 0, 30, "A's objects to leave the cluster")
     assert fleet.b.check() == []
+    stop_daemon(fleet.a)  # already dead: this removes its segments
     fleet.a = fleet.start_daemon("a")  # for any test after this one
