@@ -599,29 +599,22 @@ class Tiering:
         geometry = self._geometry(ns)
         try:
             # One job per block, or per batched tier (its blocks in one read_many).
-            batches: dict[int, list[int]] = {}
-            jobs: list[Any] = []
-            slots: list[list[int]] = []
-            for i, ((key, tier), view) in enumerate(zip(wanted, views, strict=True)):
-                t = self._by_id[tier]
-                if t.batched:
-                    if tier not in batches:
-                        batches[tier] = []
-                        slots.append(batches[tier])
-                        jobs.append(None)
-                    batches[tier].append(i)
+            groups: list[list[int]] = []
+            by_tier: dict[int, list[int]] = {}
+            for i, (_key, tier) in enumerate(wanted):
+                if not self._by_id[tier].batched:
+                    groups.append([i])
+                elif tier in by_tier:
+                    by_tier[tier].append(i)
                 else:
-                    slots.append([i])
-                    jobs.append(self._run(self._read_block, ns.name, key, t, view, geometry))
-            for j, idx in enumerate(slots):
-                if jobs[j] is None:
-                    t = self._by_id[wanted[idx[0]][1]]
-                    jobs[j] = self._run(self._read_blocks, ns.name, t,
-                                        [(wanted[i][0], views[i]) for i in idx], geometry)
-            done = await asyncio.gather(*jobs)
+                    groups.append(by_tier.setdefault(tier, [i]))
+            done = await asyncio.gather(*(
+                self._run(self._read_blocks, ns.name, self._by_id[wanted[g[0]][1]],
+                          [(wanted[i][0], views[i]) for i in g], geometry)
+                for g in groups))
             outcomes: list[tuple[int, int] | None | _Copy] = [None] * len(wanted)
-            for idx, got in zip(slots, done, strict=True):
-                for i, out in zip(idx, got if isinstance(got, list) else [got], strict=True):
+            for g, got in zip(groups, done, strict=True):
+                for i, out in zip(g, got, strict=True):
                     outcomes[i] = out
         finally:
             for v in views:
@@ -662,7 +655,10 @@ class Tiering:
 
     def _read_blocks(self, namespace: str, tier: Tier, items: list[tuple[bytes, memoryview]],
                      geometry: Geometry) -> list[tuple[int, int] | None | _Copy]:
-        """Worker thread: ``_read_block`` for a batched tier's blocks, in one batch."""
+        """Worker thread: ``_read_block`` for each of ``items``: a batched tier's in one
+        ``read_many``, another tier's (always one block here) through ``_read_block``."""
+        if not tier.batched:
+            return [self._read_block(namespace, key, tier, dst, geometry) for key, dst in items]
         t0 = time.perf_counter()
         try:
             results = tier.read_many(namespace, items, geometry)
