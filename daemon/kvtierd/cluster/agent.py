@@ -15,7 +15,7 @@ to it in msgpack messages (:mod:`kvtierd.cluster.tier` has the other end):
   replicas]``: one gather write per object -- the slot's ``length`` bytes,
   zeros up to ``block_bytes`` (a registered zero mapping, never a copy), the
   header;
-* ``[id, "remove", names]``: ``batch_remove(force=True)``; ``[id, "health"]``.
+* ``[id, "remove", names]``: ``batch_remove(force=True)``.
 
 Replies are ``[id, result]`` or ``[id, None, error text]``; the agent says
 ``[0, "ready", segment_name]`` once set up, or ``[0, "failed", why]`` and exits.
@@ -65,7 +65,7 @@ RC_BAD_REQUEST: Final = -10001
 HEADER_BYTES: Final = 256
 #: Answered on the reading thread (short: one master round trip, no transfer); the
 #: transfers run on the pool, several at once.
-_INLINE: Final = frozenset({"exist", "health"})
+_INLINE: Final = frozenset({"exist"})
 
 
 def _address(buf: Any) -> int:
@@ -196,7 +196,7 @@ class Agent:
     def _dispatch(self, msg: list[Any]) -> None:
         op = msg[1]
         fn = {"drop": self._drop, "exist": self._exist, "get": self._get, "put": self._put,
-              "remove": self._remove, "health": self._health}.get(op)
+              "remove": self._remove}.get(op)
         if fn is None:
             self.send([msg[0], None, f"unknown op {op!r}"])
             return
@@ -276,9 +276,6 @@ class Agent:
 
     def _remove(self, names: list[str]) -> list[int]:
         return list(self.store.batch_remove(names, True))
-
-    def _health(self) -> int:
-        return int(self.store.health_check())
 
     def _get(self, items: list[list[Any]]) -> list[list[Any]]:
         segs = self._use({it[1] for it in items})

@@ -244,15 +244,6 @@ class ClusterTier:
         a = self._agent
         return a is not None and a.ready
 
-    def wait_ready(self, timeout: float) -> bool:
-        """Block until the agent joined (tests, ``kvtier doctor``)."""
-        deadline = time.monotonic() + timeout
-        while not self.ready:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
     def connect(self, *, on_fault: Callable[[str], None], hand_off: HandOff | None,
                 on_lost: Callable[[str, bytes], None] | None) -> None:
         self._on_fault = on_fault  # faults the supervisor sees (agent deaths, kills)
@@ -747,9 +738,6 @@ class ClusterTier:
     def check(self) -> list[str]:
         return []
 
-    def health(self) -> int:
-        """Mooncake's ``health_check``: 0 healthy, 2 the master unreachable."""
-        return int(self._call("health"))
 
 
 def _address(buf: Any) -> int:
