@@ -20,6 +20,13 @@ once: then a SIGBUS while ``copy_into``, ``prefault``, ``checksum``,
 raises ``OSError(EFAULT)`` instead of killing the process, and
 ``is_memory_fault`` recognises it.  Only the native path can guard: on the
 fallback, numpy touching such a buffer still dies of SIGBUS.
+
+Clients are such processes: any writer of a namespace can truncate the
+namespace's data files, which every client of it maps.  ``kvtier.Client``
+and ``kvtier.AsyncClient`` install the guard when they are created
+(``install_client_fault_guard``; ``KVTIER_FAULT_GUARD=0`` opts out) and touch
+slot memory only through the helpers here, so a writer's truncation costs the
+other processes of the namespace misses and errors, not their lives.
 """
 
 from __future__ import annotations
@@ -82,6 +89,33 @@ def install_fault_guard() -> bool:
         _native.install_fault_guard()
         return True
     return False
+
+
+#: ``KVTIER_FAULT_GUARD=0`` (or false/no/off): kvtier clients do not install the
+#: fault guard (``install_client_fault_guard``).  For a process whose own SIGBUS
+#: handling must see every SIGBUS first, or that wants a core dump at the fault.
+FAULT_GUARD_ENV: Final = "KVTIER_FAULT_GUARD"
+
+
+def install_client_fault_guard() -> bool:
+    """The fault guard for a kvtier client process, unless ``KVTIER_FAULT_GUARD=0``.
+
+    ``kvtier.Client`` and ``kvtier.AsyncClient`` call it when created: it
+    installs the guard (``install_fault_guard``: once per process, chaining
+    to the SIGBUS handler there was before) unless the environment opts out.
+    Returns whether the guard is in place now (installed by this call, an
+    earlier one or anyone else in the process): only then is a copy out of or
+    into a truncated slot an error instead of a SIGBUS.  False on the
+    pure-Python fallback, which cannot guard.
+    """
+    if os.environ.get(FAULT_GUARD_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return fault_guard_installed()
+    return install_fault_guard()
+
+
+def fault_guard_installed() -> bool:
+    """Whether the fault guard is in place in this process (and the native path in use)."""
+    return NATIVE and bool(_native.fault_guard_installed())
 
 
 def is_memory_fault(exc: BaseException) -> bool:

@@ -20,6 +20,19 @@ a worker thread, SendRelease awaited).  That, opening the session and the
 mapping locks are all each transport keeps of its own.  (psycopg 3 generates
 its sync connection from the async one with a script; steps give the same
 one core without generated code.)
+
+Slot memory can vanish under a copy: any writer of a namespace can truncate
+the data files every client of it maps (the daemon's audit sets them back
+within seconds), and the daemon cuts a retired extent's file to 0.  The
+client installs the fault guard (``kvtier._accel``) and touches slots only
+through its guarded helpers, so a fault is an outcome here, not a SIGBUS: a
+read whose block's memory is gone misses from that block on (the block is
+deleted as corrupted, as a checksum failure is, and recomputed by the
+caller), a write into such a slot aborts its reservation and raises
+``FailedPrecondition`` (``put`` first tries once more through a Reserve call
+when the slot was granted ahead).  A segment whose fd arrives but cannot be
+mapped is kept unmapped (``SegmentMaps``) and only matters to an operation
+that needs it: a read misses there, a write goes elsewhere or fails as above.
 """
 
 from __future__ import annotations
@@ -199,23 +212,56 @@ def as_bytes_view(block: Any, index: int, block_bytes: int) -> memoryview:
     return view
 
 
-def copy_out(views: Sequence[np.ndarray], out: Sequence[Any] | None) -> list[np.ndarray]:
-    """Copies of leased views: new arrays, or views of the caller's ``out`` buffers."""
-    if out is None:
-        return [v.copy() for v in views]
-    got = []
+def copy_out(views: Sequence[np.ndarray], out: Sequence[Any] | None
+             ) -> tuple[list[np.ndarray], int | None]:
+    """Copies of leased views (new arrays, or views of the caller's ``out`` buffers),
+    and the index of the first view whose memory was gone (None: all were copied).
+
+    Every copy is ``_accel.copy_into`` (guarded): a view whose slot faults ends the
+    copies there, and the copies of the views before it are returned.
+    """
+    got: list[np.ndarray] = []
     for i, view in enumerate(views):
-        dst = np.frombuffer(out[i], dtype=np.uint8)
-        if dst.nbytes < len(view):
-            raise InvalidArgument(f"out[{i}] holds {dst.nbytes} bytes, its block has {len(view)}")
-        _accel.copy_into(dst, view)  # streaming copy: no read-for-ownership of dst
+        if out is None:
+            dst = np.empty(len(view), dtype=np.uint8)
+        else:
+            dst = np.frombuffer(out[i], dtype=np.uint8)
+            if dst.nbytes < len(view):
+                raise InvalidArgument(f"out[{i}] holds {dst.nbytes} bytes, its block has "
+                                      f"{len(view)}")
+        try:
+            _accel.copy_into(dst, view)  # streaming copy: no read-for-ownership of dst
+        except OSError as exc:
+            if not _accel.is_memory_fault(exc):
+                raise
+            return got, i
         got.append(dst[: len(view)])
-    return got
+    return got, None
 
 
 def check_out(keys: Sequence[bytes], out: Sequence[Any] | None) -> None:
     if out is not None and len(out) != len(keys):
         raise InvalidArgument(f"keys and out differ in length ({len(keys)} != {len(out)})")
+
+
+def slot_gone(namespace: str, exc: OSError) -> FailedPrecondition:
+    """The error for a write whose slot memory vanished under it (the fault guard's
+    EFAULT: the segment's data file was cut short)."""
+    return FailedPrecondition(
+        f"a slot of namespace {namespace!r} lost its memory during the write ({exc.strerror}): "
+        "its data file was truncated, by a writer of this namespace or the daemon; the "
+        "reservation was aborted, nothing of it is committed")
+
+
+def first_hits(resp: pb.AcquireResponse, n: int) -> pb.AcquireResponse:
+    """``resp`` with only its first ``n`` hits (the lease still holds all of them: its
+    release ends it whole)."""
+    out = pb.AcquireResponse()
+    out.CopyFrom(resp)
+    del out.slots[n:]
+    del out.tiers[n:]
+    out.hits = n
+    return out
 
 
 # ----------------------------------------------------------------------------- steps
@@ -397,6 +443,9 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         self.local_leases = os.environ.get(LOCAL_LEASES_ENV, "1").strip().lower() not in _OFF
         #: Write into slots granted ahead and commit through the page (csrc/writes.c).
         self.local_writes = os.environ.get(LOCAL_WRITES_ENV, "1").strip().lower() not in _OFF
+        #: The fault guard is in place (``_accel.install_client_fault_guard``): a copy
+        #: out of or into a truncated slot is a miss or an error, not a SIGBUS.
+        self.fault_guard = _accel.install_client_fault_guard()
         self.token = ""
         self.daemon_version = ""
         self._backoff = Backoff(maximum=reconnect_max)
@@ -628,9 +677,11 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
                             here: tuple[bytes, bool] | None = None) -> Steps[list[Tier]]:
         return [Tier(t) for t in (yield from self._lookup_any_steps(keys, prefetch, here))]
 
-    def _reserve_steps(self, keys: Sequence[bytes]) -> Steps[_R]:
+    def _reserve_steps(self, keys: Sequence[bytes], here: bool = True) -> Steps[_R]:
+        """A reservation of ``keys``: from the slots granted ahead when it can (and
+        ``here``), else by a Reserve call."""
         keys = as_keys(keys)
-        local: LocalReserve | None = yield GrantHere(keys)
+        local: LocalReserve | None = (yield GrantHere(keys)) if here else None
         if local is not None:
             try:
                 yield SyncMaps(local.segments_version, local.slots)
@@ -677,39 +728,71 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
 
     def _leased_steps(self, keys: list[bytes], answer: pb.AcquireResponse | LocalAcquire,
                       verify: bool) -> Steps[_L]:
-        """The transport's Lease over an acquire's answer (its segments mapped first)."""
+        """The transport's Lease over an acquire's answer (its segments mapped first).
+
+        A block in a segment this process cannot map ends the lease's views
+        there: the blocks from it on are a miss (the lease still holds them,
+        its release ends it whole); a local lease raises FailedPrecondition
+        instead (the caller asks the daemon).  A block whose memory faults
+        while it is verified does the same, and is deleted as corrupted."""
         yield SyncMaps(answer.segments_version, answer.slots)
+        usable = self._maps.mapped_prefix(answer.slots)
+        if usable < len(answer.slots):
+            seg = answer.slots[usable].segment_id
+            if isinstance(answer, LocalAcquire):
+                raise FailedPrecondition(f"segment {seg} cannot be mapped in this process")
+            answer = first_hits(answer, usable)
         verified = sum(r.length for r in answer.slots) if self.checksum and verify else 0
         lease: _L = yield Work(functools.partial(self._new_lease, keys, answer, verify), verified)
+        if lease.gone is not None:
+            yield from self._forget_steps(lease.gone)
         return lease
+
+    def _forget_steps(self, key: bytes) -> Steps[None]:
+        """Block ``key``'s slot memory was gone under a read (its data file cut short):
+        delete it as corrupted, as a checksum failure does (the daemon counts it, later
+        reads miss there instead of reading what the audit put back).  Best effort:
+        the read has already made it a miss."""
+        try:
+            yield Call("Delete", pb.DeleteRequest(keys=[key], corrupted=True))
+        except KVTierError:
+            pass
 
     def _put_steps(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> Steps[int]:
         keys = as_keys(keys)
         if len(keys) != len(blocks):
             raise InvalidArgument(f"keys and blocks differ in length ({len(keys)} != {len(blocks)})")
         views = [as_bytes_view(b, i, self.block_bytes) for i, b in enumerate(blocks)]
-        r = yield from self._reserve_steps(keys)
-        try:
-            yield Work(functools.partial(r.write_all_hashed if self.checksum else r.write_all,
-                                         views),
-                       sum(views[i].nbytes for i in r.reserved))
-            return (yield from r._commit_steps())
-        except BaseException as exc:
-            yield from r._exit_steps(type(exc))
-            raise
+        here = True
+        while True:
+            r = yield from self._reserve_steps(keys, here)
+            try:
+                yield Work(functools.partial(r.write_all_hashed if self.checksum else r.write_all,
+                                             views),
+                           sum(views[i].nbytes for i in r.reserved))
+                return (yield from r._commit_steps())
+            except BaseException as exc:
+                yield from r._exit_steps(type(exc))
+                if here and r.local and r.fault is not None:
+                    here = False  # a slot granted ahead lost its memory: let the daemon choose
+                    continue
+                raise
 
     def _get_steps(self, keys: Sequence[bytes], out: Sequence[Any] | None
                    ) -> Steps[list[np.ndarray]]:
         check_out(keys, out)
         lease = yield from self._acquire_steps(keys)
         try:
-            got: list[np.ndarray] = yield Work(functools.partial(copy_out, lease.views, out),
-                                               sum(v.nbytes for v in lease.views))
+            got, gone = yield Work(functools.partial(copy_out, lease.views, out),
+                                   sum(v.nbytes for v in lease.views))
         except BaseException as exc:
             yield from lease._exit_steps(type(exc))
             raise
         yield from lease._release_steps(wait=False)  # every copy is done
-        return got
+        if gone is not None:  # its memory was gone: a miss from there on
+            yield from self._forget_steps(lease.keys[gone])
+        result: list[np.ndarray] = got
+        return result
 
     def _delete_steps(self, keys: Sequence[bytes]) -> Steps[int]:
         resp = yield Call("Delete", pb.DeleteRequest(keys=as_keys(keys)))
@@ -722,7 +805,15 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
 
 
 class ReservationState:
-    """A reservation's keys, statuses and writable buffers, and its operations."""
+    """A reservation's keys, statuses and writable buffers, and its operations.
+
+    A write (``write``, ``write_all``, ``write_blocks``, the commit's checksums)
+    whose slot memory vanishes under it (its segment's data file was cut
+    short) raises ``FailedPrecondition`` and spoils the reservation: it is
+    aborted (at once by the sync client; by ``commit``, which raises the
+    same error, or by leaving the ``with`` block otherwise) and nothing of it
+    is committed.
+    """
 
     def __init__(self, client: ClientCore[Any, Any], keys: list[bytes],
                  resp: pb.ReserveResponse | LocalReserve) -> None:
@@ -745,8 +836,35 @@ class ReservationState:
         #: Checksums of the reserved slots, when ``write_all_hashed`` filled them all and
         #: nothing was written since (the commit then hashes nothing again).
         self._sums: list[int] | None = None
+        #: Set when a slot's memory was gone under a write: never committed.
+        self.fault: FailedPrecondition | None = None
         if not self.done:
             self._count(+1)
+
+    @property
+    def local(self) -> bool:
+        """Made from slots granted ahead (no Reserve call)."""
+        return self._local is not None
+
+    def _spoilt(self, exc: OSError) -> FailedPrecondition:
+        """A write's slot lost its memory (the guard's EFAULT): the reservation is spoilt
+        (``_on_fault`` may abort it at once); the error to raise."""
+        self.fault = slot_gone(self._client.namespace, exc)
+        self._on_fault()
+        return self.fault
+
+    def _on_fault(self) -> None:
+        """Called when a write faulted (the sync client aborts here)."""
+
+    def _guarded(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``, a guarded copy or hash of slot memory; a memory fault spoils
+        the reservation and raises its ``FailedPrecondition``."""
+        try:
+            return fn(*args)
+        except OSError as exc:
+            if _accel.is_memory_fault(exc):
+                raise self._spoilt(exc) from None
+            raise
 
     def _count(self, delta: int) -> None:
         client = self._client
@@ -766,7 +884,7 @@ class ReservationState:
         if buf is None:
             raise InvalidArgument(f"keys[{i}] is {self.statuses[i].name}, not reserved by this call")
         view = as_bytes_view(data, i, self._block_bytes)
-        _accel.copy_into(buf, view)
+        self._guarded(_accel.copy_into, buf, view)
         self.lengths[i] = view.nbytes
         self._sums = None
 
@@ -801,7 +919,7 @@ class ReservationState:
             if buf is None:
                 raise InvalidArgument(f"keys[{i}] is not reserved by this call")
             pieces.append([buf[:views[i].nbytes]])
-        sums = _accel.scatter_hash([views[i] for i in reserved], pieces)
+        sums = self._guarded(_accel.scatter_hash, [views[i] for i in reserved], pieces)
         for i in reserved:
             self.lengths[i] = views[i].nbytes
         self._sums = sums
@@ -824,7 +942,7 @@ class ReservationState:
             if checksum and hashed is None:
                 buf = self.buffers[i]
                 assert buf is not None
-                sums.append(_accel.checksum(buf[:n]))
+                sums.append(self._guarded(_accel.checksum, buf[:n]))
         if not checksum:
             return lengths, None
         return lengths, sums if hashed is None else hashed
@@ -848,14 +966,21 @@ class ReservationState:
                 zip(self._local.grants, self.reserved, lengths, each, strict=True)]
 
     def _commit_steps(self) -> Steps[int]:
-        if self.done:
+        if self.done and self.fault is None:
             return 0
-        checksum = self._client.checksum
-        hashed = (sum(b.nbytes for b in self.buffers if b is not None)
-                  if checksum and self._sums is None else 0)
-        if self._local is not None:
-            return (yield from self._commit_here_steps(checksum, hashed))
-        req = yield Work(functools.partial(self.commit_request, checksum), hashed)
+        try:
+            if self.fault is not None:  # a write lost its slot: never committed
+                raise FailedPrecondition(str(self.fault))
+            checksum = self._client.checksum
+            hashed = (sum(b.nbytes for b in self.buffers if b is not None)
+                      if checksum and self._sums is None else 0)
+            if self._local is not None:
+                return (yield from self._commit_here_steps(checksum, hashed))
+            req = yield Work(functools.partial(self.commit_request, checksum), hashed)
+        except FailedPrecondition:
+            if self.fault is not None:
+                yield from self._exit_steps(FailedPrecondition)  # abort, quietly
+            raise
         try:
             resp = yield from self._client._bound_call("Commit", req, self.session_gen,
                                                        "reservation")
@@ -932,11 +1057,31 @@ class LeaseState:
         self.views = [client._maps.view(ref, ref.length, writable=False) for ref in resp.slots]
         self.checksums: list[int | None] = [
             int(ref.checksum) if ref.has_checksum else None for ref in resp.slots]
+        #: The key of the block whose memory was gone while it was verified (the lease's
+        #: views end before it: a miss from there on), or None.
+        self.gone: bytes | None = None
         if client.checksum and verify:
             for i, (want, view) in enumerate(zip(self.checksums, self.views, strict=True)):
-                if want is not None and _accel.checksum(view) != want:
+                if want is None:
+                    continue
+                try:
+                    got = _accel.checksum(view)
+                except OSError as exc:
+                    if not _accel.is_memory_fault(exc):
+                        raise
+                    self.gone = self.keys[i]
+                    self._first(i)
+                    break
+                if got != want:
                     raise corrupted(self.keys[i])
         self.done = self.lease_id == 0
+
+    def _first(self, n: int) -> None:
+        """Keep only the first ``n`` blocks in view (the lease still holds them all)."""
+        self.keys = self.keys[:n]
+        self.tiers = self.tiers[:n]
+        self.views = self.views[:n]
+        self.checksums = self.checksums[:n]
 
     @property
     def local(self) -> bool:
@@ -980,6 +1125,20 @@ class LeaseState:
         except KVTierError:
             if et is None:
                 raise
+
+    def _drop_gone_steps(self, i: int) -> Steps[None]:
+        """The reader's copy of block ``i`` (an index into ``views``) faulted: its slot
+        memory was gone (the data file cut short).  Ends the lease (without waiting)
+        and deletes that block as corrupted, best effort: the caller counts the
+        blocks before ``i`` as read and the rest as a miss."""
+        if not 0 <= i < len(self.keys):
+            raise InvalidArgument(f"block {i} is not in this lease of {len(self.keys)} blocks")
+        key = self.keys[i]
+        try:
+            yield from self._release_steps(wait=False)
+        except KVTierError:
+            pass  # the lease had ended (session lost): the miss stands all the same
+        yield from self._client._forget_steps(key)
 
     def _drop_corrupted_steps(self, bad: Sequence[int]) -> Steps[NoReturn]:
         """The reader found blocks ``bad`` (indices into ``views``) failing their checksum.

@@ -443,7 +443,18 @@ def _reply(method: str, resp: pb.SessionResponse, fds: list[int]) -> Any:
 
 
 class SegmentMaps:
-    """The namespace's segments mapped into this process (data areas only)."""
+    """The namespace's segments mapped into this process (data areas only).
+
+    A segment whose fd cannot be mapped when it arrives is no error: its data
+    file is shorter than the layout the daemon sent (the daemon retired the
+    extent and cut its file to 0 after sending the fd, or a writer of this
+    namespace truncated it, which the daemon's audit undoes within seconds).
+    Its fd is kept (the daemon never sends a segment's fd twice on one
+    connection) and mapped again by ``retry`` when an operation needs that
+    segment; it is closed when the segment leaves the daemon's list.  A
+    segment that still cannot be mapped then is ``unmappable``: the operation
+    treats its slots as a miss (reads) or writes elsewhere (``kvtier._core``).
+    """
 
     def __init__(self) -> None:
         self.version = 0
@@ -454,6 +465,8 @@ class SegmentMaps:
         #: The namespace's shared index, when the daemon sent one (and it is wanted).
         self.index: LocalIndex | None = None
         self._maps: dict[int, mmap.mmap] = {}
+        #: Segments listed whose fd came but could not be mapped yet: id -> (fd, info).
+        self._unmapped: dict[int, tuple[int, pb.SegmentInfo]] = {}
         # One array over each mapping (read-only, writable): a slot's view is a slice of
         # it, a fraction of what a new np.frombuffer per slot costs.
         self._arrays: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] = ({}, {})
@@ -466,42 +479,97 @@ class SegmentMaps:
         return types.MappingProxyType(self._maps)
 
     def missing(self, segment_ids: Iterable[int]) -> list[int]:
+        """The segments of ``segment_ids`` not mapped now (kept fds included), sorted."""
         return sorted({s for s in segment_ids if s not in self._maps})
+
+    def to_ask(self, segment_ids: Iterable[int]) -> list[int]:
+        """The segments of ``segment_ids`` whose fds the daemon has to send: neither
+        mapped nor kept (it sends none twice on a connection), sorted."""
+        return sorted({s for s in segment_ids if s not in self._maps and s not in self._unmapped})
+
+    def unmappable(self, segment_ids: Iterable[int]) -> list[int]:
+        """The segments of ``segment_ids`` whose fd is kept unmapped, sorted."""
+        return sorted({s for s in segment_ids if s in self._unmapped})
+
+    def mapped_prefix(self, slots: Iterable[pb.SlotRef | LocalSlot]) -> int:
+        """How many leading ``slots`` lie in segments mapped now."""
+        n = 0
+        for ref in slots:
+            if ref.segment_id not in self._maps:
+                break
+            n += 1
+        return n
 
     def update(self, version: int, segments: Sequence[pb.SegmentInfo],
                fd_ids: Sequence[int], fds: Sequence[int]) -> None:
-        """Map the segments whose fds arrived; unmap the ones no longer listed."""
+        """Take in the segment list at ``version`` and the fds that came with it: map the
+        new segments (keeping the fd of one that cannot be mapped now, for ``retry``),
+        unmap the ones no longer listed and close their kept fds.
+
+        Raises FailedPrecondition only when the fds do not match ``fd_ids`` (a
+        confused daemon; every fd is closed then), never for a segment that
+        cannot be mapped.
+        """
         if len(fd_ids) != len(fds):
             for fd in fds:
                 os.close(fd)
             raise FailedPrecondition(f"expected {len(fd_ids)} segment fds, received {len(fds)}")
         info = {s.segment_id: s for s in segments}
+        kept: set[int] = set()
         try:
-            for seg_id, fd in zip(fd_ids, fds, strict=False):
+            for seg_id, fd in zip(fd_ids, fds, strict=True):
                 seg = info.get(seg_id)
-                if seg is None or seg_id in self._maps:
+                if seg is None or seg_id in self._maps or seg_id in self._unmapped:
                     continue
-                prot = mmap.PROT_READ if self.read_only else mmap.PROT_READ | mmap.PROT_WRITE
-                try:
-                    mm = mmap.mmap(fd, seg.data_bytes, mmap.MAP_SHARED, prot,
-                                   offset=seg.data_offset)
-                except (ValueError, OSError) as exc:
-                    # A writer of this namespace shrank the data file under the daemon
-                    # (which sets it back within seconds): this namespace's problem.
-                    raise FailedPrecondition(
-                        f"segment {seg_id} of this namespace cannot be mapped ({exc}); "
-                        "was its data file truncated? retry in a few seconds") from None
-                try:
-                    mm.madvise(_MADV_POPULATE_READ if self.read_only else _MADV_POPULATE_WRITE)
-                except OSError:
-                    pass  # older kernel: pages fault in on first touch instead
-                self._maps[seg_id] = mm
+                if not self._map(seg_id, fd, seg):
+                    self._unmapped[seg_id] = (fd, seg)
+                    kept.add(fd)
         finally:
             for fd in fds:
-                os.close(fd)
+                if fd not in kept:
+                    os.close(fd)
         for seg_id in [s for s in self._maps if s not in info]:
             self._drop(seg_id)
+        for seg_id in [s for s in self._unmapped if s not in info]:
+            os.close(self._unmapped.pop(seg_id)[0])
         self.version = version
+
+    def retry(self, segment_ids: Iterable[int]) -> list[int]:
+        """Map again the kept fds of ``segment_ids`` (those that have one); returns the
+        ones that still cannot be mapped."""
+        still = []
+        for seg_id in sorted(set(segment_ids)):
+            kept = self._unmapped.get(seg_id)
+            if kept is None:
+                continue
+            fd, seg = kept
+            if self._map(seg_id, fd, seg):
+                del self._unmapped[seg_id]
+                os.close(fd)
+            else:
+                still.append(seg_id)
+        return still
+
+    def _map(self, seg_id: int, fd: int, seg: pb.SegmentInfo) -> bool:
+        """Map segment ``seg_id``'s data area from ``fd`` (not closed); False when its
+        data file is shorter than ``seg`` says, or the mapping fails otherwise.
+
+        ``mmap.mmap`` refuses a file shorter than the mapping (it checks with
+        fstat): a mapping that would fault at once is never made; one whose
+        file is cut short later faults on access, which the fault guard turns
+        into errors (``kvtier._accel``).
+        """
+        prot = mmap.PROT_READ if self.read_only else mmap.PROT_READ | mmap.PROT_WRITE
+        try:
+            mm = mmap.mmap(fd, seg.data_bytes, mmap.MAP_SHARED, prot, offset=seg.data_offset)
+        except (ValueError, OSError):
+            return False
+        try:
+            mm.madvise(_MADV_POPULATE_READ if self.read_only else _MADV_POPULATE_WRITE)
+        except OSError:
+            pass  # older kernel (pages fault in on first touch), or cut short meanwhile
+        self._maps[seg_id] = mm
+        return True
 
     def open_index(self, opened: pb.SessionOpened, fds: list[int], wanted: bool,
                    writes_wanted: bool = True) -> None:
@@ -537,11 +605,18 @@ class SegmentMaps:
             for fd in extra:
                 os.close(fd)
 
-    def fetch(self, link: SessionLink, want: Sequence[int], *, index: bool = False) -> None:
-        """Ask the daemon over ``link`` for the fds of segments ``want`` (and of the
-        current shared index) and map them (blocking: a round trip, then mmap and
-        page-table population)."""
-        resp, fds = link.request(map_request(want, index=index))
+    def fetch(self, link: SessionLink, want: Sequence[int], *, index: bool = False,
+              version: int | None = None) -> None:
+        """Map segments ``want``: map again the ones whose fds are kept, ask the daemon
+        over ``link`` for the fds of the others (and of the current shared index, with
+        ``index``) and map them (blocking: a round trip, then mmap and page-table
+        population).  No round trip when every fd is here already and the segment list
+        is at ``version`` (None: always ask)."""
+        self.retry(want)
+        ask = self.to_ask(want)
+        if not ask and not index and version is not None and version == self.version:
+            return
+        resp, fds = link.request(map_request(ask, index=index))
         self.mapped(resp, fds, asked_index=index)
 
     def view(self, ref: pb.SlotRef | LocalSlot, length: int, *, writable: bool) -> np.ndarray:
@@ -550,8 +625,10 @@ class SegmentMaps:
         if whole is None:
             mm = self._maps.get(ref.segment_id)
             if mm is None:
+                why = (" (its data file is shorter than its layout: truncated)"
+                       if ref.segment_id in self._unmapped else "")
                 raise FailedPrecondition(
-                    f"segment {ref.segment_id} is not mapped in this process")
+                    f"segment {ref.segment_id} is not mapped in this process{why}")
             whole = np.frombuffer(mm, dtype=np.uint8)
             if not writable:
                 whole.flags.writeable = False
@@ -574,6 +651,9 @@ class SegmentMaps:
     def close(self) -> None:
         for seg_id in list(self._maps):
             self._drop(seg_id)
+        for fd, _ in self._unmapped.values():
+            os.close(fd)
+        self._unmapped.clear()
         if self.index is not None:
             self.index.close()
             self.index = None

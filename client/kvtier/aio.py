@@ -83,6 +83,10 @@ class AsyncLease(LeaseState):
         """As ``Lease.drop_corrupted``: release, delete blocks ``bad``, raise ``Corrupted``."""
         await self._client._run(self._drop_corrupted_steps(bad))
 
+    async def drop_gone(self, i: int) -> None:
+        """As ``Lease.drop_gone``: release, delete block ``i`` (its memory was gone)."""
+        await self._client._run(self._drop_gone_steps(i))
+
     async def __aenter__(self) -> AsyncLease:
         return self
 
@@ -92,7 +96,9 @@ class AsyncLease(LeaseState):
 
 
 class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
-    """The asyncio twin of ``kvtier.Client``."""
+    """The asyncio twin of ``kvtier.Client`` (the fault guard included).  A write
+    whose slot lost its memory raises ``FailedPrecondition``; its reservation is
+    aborted by ``commit`` (which raises it again) or by leaving ``async with``."""
 
     _NAME = "kvtier.AsyncClient"
 
@@ -236,13 +242,19 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
             self._maps_lock = asyncio.Lock()
         async with self._maps_lock:  # one mapping update at a time
             missing = self._maps_missing(version, slots)
-            if missing is not None:
-                alink = self._alink
-                if alink is None:
-                    raise Unavailable("the session ended while the call was in flight")
-                resp, fds = await alink.request(map_request(missing))
-                # mmap + populate: off the loop
-                await asyncio.to_thread(self._maps.mapped, resp, fds)
+            if missing is None:
+                return
+            if self._maps.unmappable(missing):  # fds kept: map them again, off the loop
+                await asyncio.to_thread(self._maps.retry, missing)
+            ask = self._maps.to_ask(missing)
+            if not ask and version == self._maps.version:
+                return  # what still cannot be mapped is the operation's miss
+            alink = self._alink
+            if alink is None:
+                raise Unavailable("the session ended while the call was in flight")
+            resp, fds = await alink.request(map_request(ask))
+            # mmap + populate: off the loop
+            await asyncio.to_thread(self._maps.mapped, resp, fds)
 
     # ------------------------------------------------------------- API (as Client's)
     async def lookup(self, keys: Sequence[bytes], *, prefetch: bool = False) -> int:

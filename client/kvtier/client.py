@@ -57,10 +57,18 @@ class Reservation(ReservationState):
     ``write(i, data)``, which also records the length), then ``commit()``.
     Leaving the ``with`` block without committing aborts.  If the daemon
     restarted meanwhile, ``commit()`` raises ``SessionLost`` (nothing was
-    committed; write again).
+    committed; write again).  A write whose slot lost its memory (its data
+    file was truncated) raises ``FailedPrecondition`` and aborts the
+    reservation at once.
     """
 
     _client: Client
+
+    def _on_fault(self) -> None:
+        try:
+            self._client._run(self._abort_steps())
+        except KVTierError:
+            pass  # the session ended: so did the reservation
 
     def commit(self) -> int:
         """Make every reserved key visible (all or nothing); returns how many."""
@@ -102,6 +110,16 @@ class Lease(LeaseState):
         """
         self._client._run(self._drop_corrupted_steps(bad))
 
+    def drop_gone(self, i: int) -> None:
+        """The caller's guarded copy of block ``i`` (an index into ``views``) faulted:
+        its slot memory was gone (``kvtier._accel.is_memory_fault``).
+
+        Ends the lease (not waiting for the answer) and deletes that block as
+        corrupted, best effort; the caller treats the blocks from ``i`` on as a
+        miss (recomputes them).  Never raises a kvtier error.
+        """
+        self._client._run(self._drop_gone_steps(i))
+
     def __enter__(self) -> Lease:
         return self
 
@@ -130,6 +148,17 @@ class Client(ClientCore[Reservation, Lease]):
     Calls go on the session connection (the fast path) when the daemon offers
     it (``server.fast_path``), else over gRPC; ``fast_path=False`` (or
     ``KVTIER_FAST_PATH=0`` in the environment) always uses gRPC.
+
+    Creating a client installs the fault guard (``kvtier._accel``; chained to
+    any SIGBUS handler installed before, e.g. ``faulthandler``'s: enable that
+    first; ``KVTIER_FAULT_GUARD=0`` opts out), and the client's own copies
+    and checksums of slot memory run under it: when a writer of the
+    namespace truncates a data file, ``get``/``acquire`` return the blocks
+    before the one whose memory is gone (a miss from there on; that block
+    is deleted as corrupted) and writes raise ``FailedPrecondition`` with
+    their reservation aborted, instead of the process dying of SIGBUS.
+    Reading ``Lease.views`` or writing ``Reservation.buffers`` yourself is
+    not guarded: copy them with ``kvtier._accel`` helpers to be.
     """
 
     def __init__(
@@ -223,7 +252,7 @@ class Client(ClientCore[Reservation, Lease]):
         with self._lock:
             missing = self._maps_missing(version, slots)
             if missing is not None:
-                self._maps.fetch(self._live_link(), missing)
+                self._maps.fetch(self._live_link(), missing, version=version)
 
     def _send_release(self, lease_id: int) -> None:
         """Release without waiting for the answer; the previous one is reaped then."""
