@@ -16,7 +16,9 @@
 #define KVT_PAGE_HAZARD_HI 64  /* hazards at [0, hi) may be non-zero (the client keeps it) */
 #define KVT_PAGE_RING_HEAD 72  /* blocks read so far (the ring's next position) */
 /* 80: max_leases, 88: max_reservations (daemon-written), 96: reservations the client
- * holds from grants (client-written, a page with a write area) */
+ * holds from grants (client-written, a page with a write area), 104: 1 << 63 | the
+ * hazard entries [0, n) the session may use (daemon-written; the daemon reads no
+ * entry past n; 0 from an older daemon: all of them) */
 #define KVT_PAGE_RING 1024     /* the ring of blocks read: hazard values */
 #define KVT_PAGE_RING_N 384
 #define KVT_PAGE_HAZARDS 4096  /* one u64 per leased block, 0 when unused or expired */

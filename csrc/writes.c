@@ -8,7 +8,7 @@
  * grants the same way, never takes one a writer is filling), copies its blocks
  * into the slots, and publishes one commit record per block in the page's ring
  * (the grant, the key, the length, the checksum), then the ring's head, then
- * rings the daemon's eventfd.  The daemon copies each record out before it
+ * rings the daemon's doorbell (a pipe).  The daemon copies each record out before it
  * looks at it (the client can change the ring at any time), checks it against
  * its own list of the session's grants, commits the blocks through the store,
  * writes each record's result byte, and publishes how far it got in the u32

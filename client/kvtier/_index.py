@@ -18,7 +18,7 @@ page names, and the session's end (a SIGKILL included) drops them all.
 ``LocalWrites`` writes without a Reserve call (``csrc/writes.c``): the daemon
 keeps slots granted ahead in the page's write area; a writer takes some, fills
 them, publishes one commit record per block in the page's ring, rings the
-daemon's eventfd and waits on the page's DONE word for the results.
+daemon's doorbell (a pipe) and waits on the page's DONE word for the results.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ _HAZARD_HI: Final = 64
 _MAX_LEASES: Final = 80
 _MAX_RESERVATIONS: Final = 88
 _LOCAL_RESERVATIONS: Final = 96
+_MAX_HAZARDS: Final = 104  # daemon-written: _MAX_HAZARDS_SET | entries this session may use
+_MAX_HAZARDS_SET: Final = 1 << 63
 HAZARDS_N: Final = 768
 #: The write area (csrc/index.h's KVT_W_*): its page size, the wanted-grants word,
 #: how many grants and commit records it holds, and the results of a record.
@@ -81,13 +83,23 @@ class LocalSlot(NamedTuple):
     has_checksum: bool
 
 
+def _hazard_limit(page: mmap.mmap) -> int:
+    """The hazard entries this session may use: the daemon's word (its share of the
+    uid's and the namespace's limits), or all of them from an older daemon."""
+    word: int = struct.unpack_from("<Q", page, _MAX_HAZARDS)[0]
+    return min(word & ~_MAX_HAZARDS_SET, HAZARDS_N) if word & _MAX_HAZARDS_SET else HAZARDS_N
+
+
 class _Hazards:
     """Which of the page's hazard entries are in use (first fit, under a lock), and how
     many leases hold them; keeps the page's bound word (the daemon reads entries below
     it) up to date."""
 
-    def __init__(self, words: np.ndarray) -> None:
+    def __init__(self, words: np.ndarray, limit: int = 0) -> None:
+        """``limit``: the entries [0, limit) the daemon reads (its share for this
+        session); a lease that does not fit below it is made with the Acquire call."""
         self._used = bytearray(HAZARDS_N)
+        self._limit = limit
         self._words = words  # the page's u64s at _HAZARD_HI (the bound), _MAX_LEASES
         self._hi = 0
         self.leases = 0
@@ -97,7 +109,7 @@ class _Hazards:
         with self._lock:
             if self.leases >= self._words[2]:  # the session's lease limit: ask the daemon
                 return None
-            at = self._used.find(bytes(n))
+            at = self._used.find(bytes(n), 0, self._limit)
             if at < 0:
                 return None
             self._used[at:at + n] = b"\1" * n
@@ -130,6 +142,10 @@ class Grant(NamedTuple):
     @property
     def slot(self) -> int:
         return self.word & _GRANT_SLOT_MASK
+
+
+#: What one ring writes (an eventfd takes exactly 8 bytes: the value to add).
+_RING_BYTES: Final = struct.pack("<Q", 1)
 
 
 class LocalWrites:
@@ -176,10 +192,13 @@ class LocalWrites:
         _native.grants_untake(self._page, grants)
 
     def ring(self) -> None:
+        """Wake the daemon: 8 bytes of 1 into the doorbell (the write end of a pipe the
+        daemon reads; an older daemon's eventfd adds 1 for the same write).  A full
+        pipe (EAGAIN) is a ring already pending."""
         try:
-            os.eventfd_write(self._bell, 1)
+            os.write(self._bell, _RING_BYTES)
         except OSError:
-            pass  # closed: the session is over, and the wait says so
+            pass  # full (rung already), or closed: the session is over, and the wait says so
 
     def commit(self, records: list[tuple[int, int, bytes, int, int | None]],
                alive: Callable[[], bool], timeout: float) -> bytes:
@@ -226,7 +245,8 @@ class LocalIndex:
         self.can_lease = size >= PAGE_BYTES
         self._hazards = _Hazards(
             np.frombuffer(self._page, dtype=np.uint64, count=3, offset=_HAZARD_HI)
-            if self.can_lease else np.zeros(3, dtype=np.uint64))
+            if self.can_lease else np.zeros(3, dtype=np.uint64),
+            _hazard_limit(self._page) if self.can_lease else 0)
         self._serials = itertools.count(1)
         #: Writes without a call, when the daemon offers them (else None).
         self.writes = (LocalWrites(self._page, doorbell_fd)

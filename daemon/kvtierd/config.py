@@ -128,6 +128,12 @@ DEFAULT_MAX_SESSIONS_PER_UID: Final = 256
 DEFAULT_MAX_LEASES_PER_SESSION: Final = 1024
 #: Writers hold a reservation for one batch at a time; a few hundred covers pipelining.
 DEFAULT_MAX_RESERVATIONS_PER_SESSION: Final = 256
+#: Blocks one uid's sessions may lease without a call at once (hazards): 21 sessions
+#: with a full page (768 each), e.g. two tensor-parallel engines of 8 ranks; a session
+#: past its share leases the rest through the Acquire call.
+DEFAULT_MAX_HAZARDS_PER_UID: Final = 16384
+#: The same for one namespace, whoever its clients are.
+DEFAULT_MAX_HAZARDS_PER_NAMESPACE: Final = 65536
 #: Under 100 ms a lease ends before a client has made its round trips, let alone copied.
 MIN_TTL: Final = 0.1
 #: Over an hour, a stalled client's leases pin DRAM long after it stopped caring.
@@ -306,6 +312,10 @@ class LimitsConfig:
     max_sessions_per_uid: int = DEFAULT_MAX_SESSIONS_PER_UID
     max_leases_per_session: int = DEFAULT_MAX_LEASES_PER_SESSION
     max_reservations_per_session: int = DEFAULT_MAX_RESERVATIONS_PER_SESSION
+    #: Hazard entries (blocks leased without a call) the pages of one uid's sessions,
+    #: and of one namespace's, may use in all; a session gets its share when it opens.
+    max_hazards_per_uid: int = DEFAULT_MAX_HAZARDS_PER_UID
+    max_hazards_per_namespace: int = DEFAULT_MAX_HAZARDS_PER_NAMESPACE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -1046,6 +1056,12 @@ def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
             max_reservations_per_session=take("limits.max_reservations_per_session",
                                               lambda v, k: _parse_int(v, k, 1),
                                               DEFAULT_MAX_RESERVATIONS_PER_SESSION),
+            max_hazards_per_uid=take("limits.max_hazards_per_uid",
+                                     lambda v, k: _parse_int(v, k, 0),
+                                     DEFAULT_MAX_HAZARDS_PER_UID),
+            max_hazards_per_namespace=take("limits.max_hazards_per_namespace",
+                                           lambda v, k: _parse_int(v, k, 0),
+                                           DEFAULT_MAX_HAZARDS_PER_NAMESPACE),
         ),
         events=_events_config(take),
         cluster=_cluster_config(take, parse_optional_path, shared_dir),

@@ -23,6 +23,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from kvtierd.counters import saturating_add
+
 if TYPE_CHECKING:
     from kvtierd.events import EventCounters
     from kvtierd.store import Store
@@ -45,7 +47,8 @@ RPC_WINDOW = 1024
 
 @dataclass
 class TierIO:
-    """Bytes and blocks moved through one tier since start (what ``kvtier top`` rates)."""
+    """Bytes and blocks moved through one tier since start (what ``kvtier top`` rates);
+    each saturates (``kvtierd.counters``)."""
 
     read_bytes: int = 0
     written_bytes: int = 0
@@ -180,11 +183,11 @@ class Metrics:
         """Count ``blocks`` blocks of ``nbytes`` in all read from or written to ``tier``."""
         io = self.io.setdefault(tier, TierIO())
         if op == "read":
-            io.read_bytes += nbytes
-            io.reads += blocks
+            io.read_bytes = saturating_add(io.read_bytes, nbytes)
+            io.reads = saturating_add(io.reads, blocks)
         elif op == "write":
-            io.written_bytes += nbytes
-            io.writes += blocks
+            io.written_bytes = saturating_add(io.written_bytes, nbytes)
+            io.writes = saturating_add(io.writes, blocks)
 
     def rpc_done(self, method: str, seconds: float, error_code: str | None) -> None:
         """Record one finished call: the histogram, the error counter and the window."""

@@ -198,7 +198,7 @@ def recover(store: Store, shm_dir: str, *, check: bool = True) -> RecoveryReport
         try:
             store.check_adoptable(seg)
         except (CapacityExhausted, FailedPrecondition) as exc:
-            seg.close(unlink=True)
+            seg.close(unlink=True, free=True)
             _drop(report, seg.path, f"dropped: {exc}")
             continue
         slots, dropped = scan_slots(seg, boot_epoch=store.boot_epoch)
@@ -269,7 +269,7 @@ def _one_layout_per_namespace(
         kept.extend(winners)
         for (bb, uid), losers in ranked[1:]:
             for _, seg in losers:
-                seg.close(unlink=True)
+                seg.close(unlink=True, free=True)
                 _drop(report, seg.path,
                       f"dropped: namespace {name!r} extent {seg.index} has block_bytes={bb} "
                       f"model_uid={uid!r}, its other extents (holding more blocks) have "

@@ -441,13 +441,31 @@ class Segment:
         _unlink_quietly(self.meta_path)
         _unlink_quietly(self.path)
 
-    def close(self, *, unlink: bool) -> None:
-        """Unmap and close; with ``unlink`` also remove the files (their data is gone)."""
+    def close(self, *, unlink: bool, free: bool = False) -> None:
+        """Unmap and close; with ``unlink`` also remove the files (their data is gone).
+
+        ``free`` (a segment the store retired, or never used): the data file is cut
+        to 0 bytes before its fd is closed, so its memory goes back to the host now
+        even while clients still hold fds or mappings of it (a client that kept its
+        fd kept the pages of an unlinked file: memory beyond ``dram.capacity``,
+        charged to the daemon).  Such a client's next touch of the file faults,
+        which its library turns into a miss.  Only once the daemon's own mapping is
+        gone: a view still exported keeps the file as it is."""
+        unmapped = True
         for mm in (self.mm, self.meta):
             try:
                 mm.close()
             except BufferError:  # a view is still exported; the GC unmaps it later
-                pass
+                unmapped = False
+        if free and unmapped:
+            try:
+                os.ftruncate(self.fd, 0)
+            except OSError as exc:
+                log.warning("segment %s: its memory could not be freed: %s",
+                            os.path.basename(self.path), exc)
+        elif free:
+            log.warning("segment %s: still viewed at close, its memory is freed only when "
+                        "the last view goes", os.path.basename(self.path))
         os.close(self.fd)
         os.close(self.meta_fd)
         if unlink:

@@ -358,7 +358,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
                     counts[1] += r[3]
         elif records:
             results = bytes([CommitResult.LOST]) * len(records)
-        if writer:
+        if writer and records:  # a ring without records refills nothing: it costs a read
             self._refill(session, page)
         page.finish_commits(results)
 

@@ -75,7 +75,7 @@ from kvtierd.config import DEFAULT_MAX_KEYS_PER_CALL, LimitsConfig
 from kvtierd.metrics import Metrics
 from kvtierd.segments import UID_BYTES, Segment
 from kvtierd.service import FastCallFailed, FastContext, Method
-from kvtierd.shared_index import SessionPage
+from kvtierd.shared_index import HAZARDS_N, SessionPage
 from kvtierd.store import Peer, Session, Store
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,8 @@ class SessionChannel:
         ``commit_from_page``: the service's, run when a writing session's client rings
         its doorbell (writes without a call); None: no session gets a write area."""
         self.commit_from_page = commit_from_page
-        #: Session id -> the eventfd its client rings after publishing commit records.
+        #: Session id -> the read end of the pipe its client rings after publishing
+        #: commit records (the write end went to the client; see ``_doorbell``).
         self._doorbells: dict[int, int] = {}
         self.store = store
         self.metrics = metrics
@@ -241,8 +242,11 @@ class SessionChannel:
             self._fold(page)
 
     def _fold(self, page: SessionPage) -> None:
-        lookups, hits, misses, acquires, got, missed, nbytes = page.take()
         name = page.namespace
+        ns = self.store.namespaces.get(name)
+        # The client's counts, cut to what it could have done (SessionPage.take).
+        lookups, hits, misses, acquires, got, missed, nbytes = page.take(
+            max_keys=self.max_keys, slot_bytes=0 if ns is None else ns.slot_bytes)
         if lookups or hits or misses:
             self.metrics.lookups.labels(name).inc(lookups)
             self.metrics.hit_blocks.labels(name, "lookup").inc(hits)
@@ -251,7 +255,6 @@ class SessionChannel:
             self.metrics.tier_io("dram", "read", nbytes, got)
             self.metrics.hit_blocks.labels(name, "acquire").inc(got)
             self.metrics.missed_blocks.labels(name, "acquire").inc(missed)
-            ns = self.store.namespaces.get(name)
             if ns is not None:
                 self.store.count_reads(ns, got, missed)
 
@@ -487,6 +490,25 @@ class SessionChannel:
                 f"uid {uid} already has {n} sessions open (limits.max_sessions_per_uid is "
                 f"{limit})")
 
+    def _hazard_share(self, session: Session) -> int:
+        """Hazard entries a new session's page may use: what is left of its uid's
+        ``limits.max_hazards_per_uid`` and its namespace's ``max_hazards_per_namespace``
+        after the shares of the sessions open now (at most ``HAZARDS_N``).  A share
+        never changes while its session lives (a client relies on its hazards), so
+        the bound holds whatever order sessions come and go in."""
+        uid, name = session.peer.uid, session.ns.name
+        by_uid = by_ns = 0
+        for other in self.store.sessions.values():
+            page = self._counters.get(other.id)
+            if page is None:
+                continue
+            if other.peer.uid == uid:
+                by_uid += page.max_hazards
+            if other.ns.name == name:
+                by_ns += page.max_hazards
+        return max(0, min(HAZARDS_N, self.limits.max_hazards_per_uid - by_uid,
+                          self.limits.max_hazards_per_namespace - by_ns))
+
     # ------------------------------------------------------------- framing
     async def _read_frame(self, conn: _Conn, limit: int) -> bytes:
         """The next frame's body (frames that arrived together are read at once)."""
@@ -512,21 +534,26 @@ class SessionChannel:
                              doorbell_fd: int | None = None) -> None:
         """Send ``msg`` with the segments' fds.
 
-        The fds are duplicated now, synchronously: a segment retired by
+        The fds are opened now, synchronously: a segment retired by
         another namespace's growth while this send waits for socket space
         closes its own fd, and that number could be reused for another
-        namespace's segment before the send completes.  A read-only session
-        gets the files reopened ``O_RDONLY``: it can map them ``PROT_READ``
-        only, so it cannot write a byte of the namespace.  After them come
-        ``index_fd`` (the shared index, always reopened ``O_RDONLY``) and
-        ``counters_fd`` (the session's own lookup counters page) and ``doorbell_fd``
-        (the eventfd its writer rings), when given.
+        namespace's segment before the send completes.  Every segment fd is
+        the file reopened (``/proc/self/fd``), never a ``dup`` of the daemon's:
+        a client gets an open file description of its own, so its
+        ``fcntl(F_SETFL)`` (``O_APPEND``, which makes a writable shared mapping
+        fail, ``O_DIRECT``, ``O_NONBLOCK``) changes nothing the daemon or the
+        cluster agent use.  A read-only session gets them ``O_RDONLY``: it can
+        map them ``PROT_READ`` only, so it cannot write a byte of the namespace.
+        After them come ``index_fd`` (the shared index, always reopened
+        ``O_RDONLY``) and ``counters_fd`` (the session's own page, whose fd the
+        daemon closes once sent: it keeps only the mapping) and ``doorbell_fd``
+        (the write end of the pipe its writer rings), when given.
         """
         fds: list[int] = []
+        mode = os.O_RDONLY if read_only else os.O_RDWR
         try:
             for s in segments:
-                fds.append(os.open(f"/proc/self/fd/{s.fd}", os.O_RDONLY | os.O_CLOEXEC)
-                           if read_only else os.dup(s.fd))
+                fds.append(os.open(f"/proc/self/fd/{s.fd}", mode | os.O_CLOEXEC))
             if index_fd is not None:
                 fds.append(os.open(f"/proc/self/fd/{index_fd}", os.O_RDONLY | os.O_CLOEXEC))
             if counters_fd is not None:
@@ -583,20 +610,23 @@ class SessionChannel:
         serial = 0 if shared is None else shared.serial
         page: SessionPage | None = None
         bell: int | None = None
+        bell_w: int | None = None
         # Writes without a call: a page with a write area and a doorbell, for a writer.
         writes = (index_fd is not None and self.commit_from_page is not None
                   and bool(session.rights & Right.WRITE) and self.store.grant_limit(ns) > 0)
         if index_fd is not None:
             try:
                 page = SessionPage(ns.name, self.limits.max_leases_per_session, writes=writes,
+                                   max_hazards=self._hazard_share(session),
                                    max_reservations=self.limits.max_reservations_per_session)
                 if writes:
-                    bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                    bell, bell_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             except OSError as exc:  # out of memory or fds: this session calls Lookup
                 log.warning("no session page for session %d: %s", session.id, exc)
                 if page is not None:
                     page.close()
                 page, index_fd = None, None
+                bell = bell_w = None  # pipe2 is the last step that can fail
         msg = pb.SessionResponse(
             call_id=call_id,
             opened=pb.SessionOpened(
@@ -619,13 +649,16 @@ class SessionChannel:
             await self._send_with_fds(conn, msg, segs, read_only=not session.rights & Right.WRITE,
                                       index_fd=index_fd,
                                       counters_fd=None if page is None else page.fd,
-                                      doorbell_fd=bell)
+                                      doorbell_fd=bell_w)
         except BaseException:
             if page is not None:
                 page.close()
             if bell is not None:
                 os.close(bell)
             raise
+        finally:
+            if bell_w is not None:
+                os.close(bell_w)  # the client holds the only write end now
         if page is not None:
             page.close_fd()  # the mapping stays: the client's counts and hazards are read there
             self.store.attach_page(session, page)
@@ -637,12 +670,33 @@ class SessionChannel:
         return {seg.segment_id for seg in segs}
 
     def _doorbell(self, session: Session, page: SessionPage, bell: int) -> None:
-        """A writer rang: commit what its page holds (on the loop, from the reader)."""
+        """A writer rang: commit what its page holds (on the loop, from the reader).
+
+        The doorbell is a pipe whose read end only the daemon holds, non-blocking:
+        the client got the write end, a different open file description, so
+        nothing it does to its fd (``F_SETFL`` clearing ``O_NONBLOCK``, draining,
+        closing) can make this read block.  (It was an eventfd shared by ``dup``:
+        a client that cleared ``O_NONBLOCK`` on it and drained it hung the loop.)
+        A ring is any bytes; one read drains up to 64 KiB of them, however many
+        rings that was.  End of file (the client closed its write end) stops the
+        watching: commits the page holds then wait for the session's end."""
         try:
-            os.eventfd_read(bell)
+            data = os.read(bell, 1 << 16)
         except BlockingIOError:
             return  # rung and answered already
+        except OSError as exc:
+            log.warning("doorbell of session %d failed: %s", session.id, exc)
+            data = b""
+        if not data:
+            self._silence(session.id)
+            return
         self._ring(session, page)
+
+    def _silence(self, session_id: int) -> None:
+        """Stop watching a doorbell whose write end is gone (EOF would be ready forever)."""
+        bell = self._doorbells.get(session_id)
+        if bell is not None:
+            asyncio.get_running_loop().remove_reader(bell)
 
     def _ring(self, session: Session, page: SessionPage) -> None:
         if session.closed or self.commit_from_page is None:

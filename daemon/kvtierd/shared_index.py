@@ -36,8 +36,12 @@ import mmap
 import os
 import secrets
 import struct
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Final, TypeAlias, TypeVar
+
+import numpy as np
 
 from kvtier import _accel
 
@@ -68,6 +72,14 @@ _RING_HEAD: Final = 72
 _MAX_LEASES: Final = 80
 _MAX_RESERVATIONS: Final = 88  # daemon-written: the session's reservation limit
 _LOCAL_RESERVATIONS: Final = 96  # client-written: reservations it holds from grants
+#: Daemon-written: MAX_HAZARDS_SET | n, the hazard entries [0, n) the session may use
+#: (its share of ``limits.max_hazards_per_uid`` / ``_per_namespace``); the daemon reads
+#: no entry past it.  0 (an older daemon): all ``HAZARDS_N``.
+_MAX_HAZARDS: Final = 104
+MAX_HAZARDS_SET: Final = 1 << 63
+_HAZARDS: Final = 4096
+_SERIALS: Final = 10240
+_HAZARD_HI: Final = 64
 _RING: Final = 1024
 RING_N: Final = 384
 #: A page with a write area (``csrc/writes.c``; offsets in ``csrc/index.h``'s ``KVT_W_*``).
@@ -308,62 +320,157 @@ class SessionPage:
 
     #: Most a counter may grow between two takes and still be believed.
     MAX_STEP: Final = 1 << 40
+    #: Lookups or acquires a session may report per second: above what one process
+    #: does without a call (each is a few microseconds of searching and fencing).
+    MAX_CALLS_PER_SECOND: Final = 1 << 20
+    #: Keys a session's lookups may report per second (hit and missed).
+    MAX_KEYS_PER_SECOND: Final = 1 << 24
+    #: Blocks a session's acquires may report leasing per second (and with them,
+    #: ``slot_bytes`` each, the bytes leased: 64 GB/s of 64 KiB blocks, about a
+    #: host's memory bandwidth).
+    MAX_BLOCKS_PER_SECOND: Final = 1 << 20
 
     def __init__(self, namespace: str, max_leases: int = 1 << 32, *, writes: bool = False,
-                 max_reservations: int = 1 << 32) -> None:
+                 max_reservations: int = 1 << 32, max_hazards: int = HAZARDS_N) -> None:
         """``max_leases``: the session's lease limit, written for the client to honour
         (an Acquire call counts the page's leases against it too).  ``writes``: the
         page has a write area (grants and the commit ring, ``csrc/writes.c``), and
-        ``max_reservations`` is written for the client to honour likewise."""
+        ``max_reservations`` is written for the client to honour likewise.
+        ``max_hazards``: the hazard entries the client may use (the daemon reads
+        none past them; a client that needs more makes the Acquire call)."""
         self.namespace = namespace
+        #: Hazard entries read here: [0, max_hazards), fixed for the session's life.
+        self.max_hazards = max(0, min(max_hazards, HAZARDS_N))
         fd, self._mm = sealed_memfd("kvtier-session", WPAGE_BYTES if writes else PAGE_BYTES,
                                     _F_SEAL_SHRINK | _F_SEAL_GROW)
         struct.pack_into("<QQ", self._mm, _MAX_LEASES, max_leases, max_reservations)
+        struct.pack_into("<Q", self._mm, _MAX_HAZARDS, MAX_HAZARDS_SET | self.max_hazards)
+        # The hazards as last read (``_read``): their words, serials and what they give.
+        self._hz_raw = b""
+        self._hz_set: frozenset[int] = frozenset()
+        self._hz_leases = 0
+        # For ``expire``: the words and serials the last sweep saw, and since when
+        # each entry has held what it holds.
+        self._ex_raw = b""
+        self._ex_hz = np.zeros(0, dtype=np.uint64)
+        self._ex_serial = np.zeros(0, dtype=np.uint64)
+        self._ex_since = np.zeros(0, dtype=np.float64)
         self.fd: int | None = fd
         self.writes = writes
         #: Commit records taken so far (the daemon's own count; the page's is the client's).
         self._w_tail = 0
         self._last = (0,) * 7
+        self._taken_at: float | None = None
         self._ring_tail = 0
-        #: (index, hazard, serial) -> when the daemon first saw it (for ``expire``).
-        self._seen: dict[tuple[int, int, int], float] = {}
 
     @property
     def mapping(self) -> mmap.mmap:
         return self._mm
 
-    def take(self) -> tuple[int, ...]:
+    def take(self, *, max_keys: int | None = None, slot_bytes: int | None = None,
+             clock: Callable[[], float] = time.monotonic) -> tuple[int, ...]:
         """(lookups, lookup hits, lookup misses, acquires, acquire hits, acquire misses,
-        bytes leased) added since the last take."""
+        bytes leased) added since the last take.
+
+        The client writes these: a step that went backwards or jumped past
+        ``MAX_STEP`` is 0, and with ``max_keys`` and ``slot_bytes`` (what the daemon
+        feeds its metrics with) every step is also cut to what the client could
+        have done: the keys hit or missed to ``max_keys`` per lookup or acquire,
+        the bytes leased to ``slot_bytes`` per acquired key, and all of them to
+        rates no client reaches without a call (``MAX_*_PER_SECOND`` over the
+        time since the last take, plus a second).  So a hostile page
+        moves the host's counters no faster than a client at full speed would."""
         now = struct.unpack_from("<7Q", self._mm, 0)
-        steps = tuple(n - last if 0 <= n - last <= self.MAX_STEP else 0
-                      for n, last in zip(now, self._last, strict=True))
+        steps = [n - last if 0 <= n - last <= self.MAX_STEP else 0
+                 for n, last in zip(now, self._last, strict=True)]
         self._last = now
-        return steps
+        t = clock()
+        if max_keys is not None and slot_bytes is not None:
+            # Seconds this take covers, plus one of slack (the first take: two).
+            span = 1.0 + (min(max(t - self._taken_at, 0.0), 3600.0)
+                          if self._taken_at is not None else 1.0)
+            calls = int(self.MAX_CALLS_PER_SECOND * span)
+            lookups, hits, misses, acquires, got, missed, nbytes = steps
+            lookups, acquires = min(lookups, calls), min(acquires, calls)
+            keys = min(lookups * max_keys, int(self.MAX_KEYS_PER_SECOND * span))
+            hits = min(hits, keys)
+            misses = min(misses, keys - hits)
+            blocks = min(acquires * max_keys, int(self.MAX_BLOCKS_PER_SECOND * span))
+            got = min(got, blocks)
+            missed = min(missed, blocks - got)
+            nbytes = min(nbytes, got * slot_bytes)
+            steps = [lookups, hits, misses, acquires, got, missed, nbytes]
+        self._taken_at = t
+        return tuple(steps)
+
+    # ------------------------------------------------------------ hazards
+    # The client changes its hazards at any time, as often as it likes; the daemon
+    # reads them for every reserve of the namespace, so reading is made to cost what
+    # changed: the entries' words are copied out (one memcpy of at most 6 KiB) and
+    # parsed only when they differ from the last copy.  A copy is a plain read of
+    # aligned words; the callers fence first (``fence``), as the handshake with
+    # ``index_acquire`` needs.  Entries past ``max_hazards`` (or the client's bound
+    # word) are never read.
+    def _bound(self) -> int:
+        hi: int = struct.unpack_from("<Q", self._mm, _HAZARD_HI)[0]
+        return min(hi, self.max_hazards)
+
+    def hazards(self) -> frozenset[int]:
+        """The hazard values the page holds now (call after ``fence``)."""
+        n = self._bound()
+        raw = self._mm[_HAZARDS:_HAZARDS + 8 * n]
+        if raw != self._hz_raw:
+            words = np.frombuffer(raw, dtype="<u8")
+            live = words != 0
+            self._hz_set = frozenset(words[live].tolist())
+            serials = np.frombuffer(self._mm, dtype="<u8", count=n, offset=_SERIALS)
+            self._hz_leases = len(np.unique(serials[live]))
+            self._hz_raw = raw
+        return self._hz_set
 
     def held(self) -> list[tuple[int, int, int]]:
         """(index, hazard, serial) of each hazard the page holds now."""
-        return _native.hazards_list(self._mm)
+        n = self._bound()
+        words = np.frombuffer(self._mm, dtype="<u8", count=n, offset=_HAZARDS).copy()
+        serials = np.frombuffer(self._mm, dtype="<u8", count=n, offset=_SERIALS)
+        idx = np.flatnonzero(words)
+        return list(zip(idx.tolist(), words[idx].tolist(), serials[idx].tolist(), strict=True))
 
     def leases(self) -> int:
         """Leases the client holds without a call (distinct serials among its hazards)."""
-        return len({serial for _, _, serial in self.held()})
+        self.hazards()
+        return self._hz_leases
 
     def expire(self, now: float, ttl: float) -> int:
         """End the leases held for ``ttl`` seconds or more, as the daemon ends its own:
         their hazards go back to 0 (the client's release then says the lease expired).
         A hazard the client released and made again is a new one (a new serial).
-        Returns the number of leases ended."""
-        seen: dict[tuple[int, int, int], float] = {}
+        Returns the number of leases ended.
+
+        Vectorized over the entries: an entry holds the same lease while its word and
+        serial are those of the last sweep; a page unchanged since then, whose oldest
+        lease is not due, costs one comparison."""
+        n = self._bound()
+        raw = self._mm[_HAZARDS:_HAZARDS + 8 * n] + self._mm[_SERIALS:_SERIALS + 8 * n]
+        if raw == self._ex_raw and not (self._ex_hz != 0).any():
+            return 0
+        if raw == self._ex_raw:
+            live = self._ex_hz != 0
+            if not (now - self._ex_since[live] >= ttl).any():
+                return 0
+        words = np.frombuffer(raw, dtype="<u8", count=n)
+        serials = np.frombuffer(raw, dtype="<u8", count=n, offset=8 * n)
+        m = min(n, len(self._ex_hz))
+        since = np.full(n, now, dtype=np.float64)
+        same = (words[:m] == self._ex_hz[:m]) & (serials[:m] == self._ex_serial[:m])
+        since[:m][same] = self._ex_since[:m][same]
+        due = np.flatnonzero((words != 0) & (now - since >= ttl))
         ended: set[int] = set()
-        for entry in self.held():
-            first = self._seen.get(entry, now)
-            index, value, serial = entry
-            if now - first >= ttl and _native.hazards_expire(self._mm, index, value):
-                ended.add(serial)
-            else:
-                seen[entry] = first
-        self._seen = seen
+        for i in due.tolist():
+            if _native.hazards_expire(self._mm, i, int(words[i])):
+                ended.add(int(serials[i]))
+        self._ex_raw, self._ex_hz, self._ex_serial = raw, words, serials
+        self._ex_since = since
         return len(ended)
 
     def accessed(self) -> list[int]:
@@ -434,10 +541,76 @@ class SessionPage:
         self._mm.close()
 
 
+def fence() -> None:
+    """A full fence: the daemon's removals from a table come before its reads of the
+    pages that follow (its half of ``index_acquire``'s handshake)."""
+    _native.hazards_collect(())
+
+
 def collect_hazards(pages: Iterable[SessionPage]) -> set[int]:
     """Every hazard ``pages`` hold, read after a full fence (so after every removal
     from the table this thread made before the call)."""
-    return _native.hazards_collect([p.mapping for p in pages])
+    fence()
+    out: set[int] = set()
+    for page in pages:
+        out |= page.hazards()
+    return out
+
+
+class HazardUnion:
+    """The hazards of one namespace's pages, kept up to date from the pages that
+    changed (``SessionPage.hazards`` parses a page only when its words moved): a
+    reserve costs a comparison per page, not a read of every entry of every page.
+
+    ``refresh`` reads the pages and returns the union as a set-like view;
+    ``segments`` the segments those hazards are in, as of the last refresh."""
+
+    def __init__(self) -> None:
+        self._count: dict[int, int] = {}
+        self._segments: dict[int, int] = {}
+        self._of: dict[int, frozenset[int]] = {}
+
+    def refresh(self, pages: Mapping[int, SessionPage]) -> AbstractSet[int]:
+        fence()
+        for sid in [sid for sid in self._of if sid not in pages]:  # sessions gone
+            self._remove(self._of.pop(sid))
+        for sid, page in pages.items():
+            now = page.hazards()
+            old = self._of.get(sid)
+            if old is now:
+                continue
+            self._of[sid] = now
+            if old is None:
+                self._add(now)
+            else:
+                self._remove(old - now)
+                self._add(now - old)
+        return self._count.keys()
+
+    def segments(self) -> AbstractSet[int]:
+        return self._segments.keys()
+
+    def _add(self, values: AbstractSet[int]) -> None:
+        count, segs = self._count, self._segments
+        for v in values:
+            count[v] = count.get(v, 0) + 1
+            if count[v] == 1:
+                seg = v >> 32 & 0x7FFF_FFFF
+                segs[seg] = segs.get(seg, 0) + 1
+
+    def _remove(self, values: AbstractSet[int]) -> None:
+        count, segs = self._count, self._segments
+        for v in values:
+            left = count[v] - 1
+            if left:
+                count[v] = left
+                continue
+            del count[v]
+            seg = v >> 32 & 0x7FFF_FFFF
+            if segs[seg] == 1:
+                del segs[seg]
+            else:
+                segs[seg] -= 1
 
 
 _V = TypeVar("_V")

@@ -58,6 +58,7 @@ import operator
 import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from types import TracebackType
 from typing import Final
 
@@ -71,6 +72,7 @@ from kvtier.errors import (
     Unauthenticated,
 )
 from kvtierd.access import Identity
+from kvtierd.counters import saturating_add
 from kvtierd.logs import event
 from kvtierd.segments import (
     FLAG_HAS_CHECKSUM,
@@ -90,11 +92,11 @@ from kvtierd.shared_index import (
     GRANTS_N,
     HAS_SUM,
     LAST,
+    HazardUnion,
     KeyIndex,
     Location,
     SessionPage,
     SharedIndex,
-    collect_hazards,
     fingerprint,
     hazard_of,
 )
@@ -215,6 +217,8 @@ class Namespace:
     grow_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     #: Session id -> the page where its client leases blocks without a call (hazards).
     pages: dict[int, SessionPage] = dataclasses.field(default_factory=dict)
+    #: The union of the pages' hazards, updated from the pages that changed.
+    hazards: HazardUnion = dataclasses.field(default_factory=HazardUnion)
 
     def extent_bytes(self) -> int:
         """DRAM this namespace holds: the bytes of its extents (what a quota caps)."""
@@ -327,6 +331,11 @@ class CommitResult:
 GRANT_IDLE_SECONDS: Final = 5.0
 
 
+#: Blocks read without a call that one ``note_reads`` moves in the LRU (the pages'
+#: rings are hints the clients write: past this many the rest are dropped).
+MAX_READ_HINTS: Final = 4096
+
+
 class _Raced(Exception):
     """Internal signal: a client leased a planned victim (a hazard) while the plan was
     made; plan again (the hazard is seen then)."""
@@ -398,10 +407,11 @@ def _rewrite(segment: Segment, slot: int, rec: SlotRecord) -> None:
 
 
 def _close_quietly(segment: Segment, unlink: bool) -> None:
-    """Close a segment the store no longer holds (worker thread): nothing waits for the
-    result, so a failure is logged here."""
+    """Close a segment the store no longer holds, and free its memory whoever still
+    holds an fd (worker thread): nothing waits for the result, so a failure is logged
+    here."""
     try:
-        segment.close(unlink=unlink)
+        segment.close(unlink=unlink, free=True)
     except OSError as exc:
         log.warning("closing segment %s failed: %s", segment.path, exc)
 
@@ -796,9 +806,44 @@ class Store:
                 ext.free.append(slot)
             raise
 
-    def _hazards(self, ns: Namespace) -> set[int]:
-        """The slots of ``ns`` its clients lease without a call (see csrc/index.c)."""
-        return collect_hazards(ns.pages.values()) if ns.pages else set()
+    def _hazards(self, ns: Namespace) -> AbstractSet[int]:
+        """The slots of ``ns`` its clients lease without a call (see csrc/index.c), read
+        from the pages now, after a full fence (a live view: the next read changes it)."""
+        if not ns.pages and not ns.hazards.segments():
+            return frozenset()
+        return ns.hazards.refresh(ns.pages)
+
+    def _held_segments(self, ns: Namespace) -> set[int]:
+        """The segments of ``ns`` in which its clients lease a slot without a call."""
+        self._hazards(ns)
+        return set(ns.hazards.segments())
+
+    def _hide_for_reclaim(self, exts: Sequence[Extent]) -> None:
+        """Take the blocks of other namespaces' extents about to be reclaimed out of
+        their shared tables, then read those namespaces' pages again: a client that
+        leased one of their slots meanwhile is seen now (the blocks go back, and
+        ``_Raced``: plan again) or sees the blocks gone (the hazard handshake of
+        ``_take_slots``, across namespaces)."""
+        hidden: list[tuple[Namespace, list[Block]]] = []
+        for ext in exts:
+            owner = self.namespaces[ext.segment.namespace]
+            if not owner.pages:
+                continue
+            blocks = [b for b in owner.index.values() if b.extent is ext]
+            if owner.index.shared is not None:
+                for block in blocks:
+                    owner.index.shared.hide(block.key)
+            hidden.append((owner, blocks))
+        held: dict[str, set[int]] = {}
+        for ext in exts:
+            owner = self.namespaces[ext.segment.namespace]
+            if owner.pages:
+                if owner.name not in held:
+                    held[owner.name] = self._held_segments(owner)
+                if ext.segment.segment_id in held[owner.name]:
+                    for other, blocks in hidden:
+                        self._unhide(other, blocks)
+                    raise _Raced()
 
     def _unhide(self, ns: Namespace, blocks: Iterable[Block]) -> None:
         """Put back in the table the victims of a plan that did not go ahead."""
@@ -809,7 +854,7 @@ class Store:
                     shared.add(block.key, _locate(block))
 
     def _find_room(self, ns: Namespace, n: int, got: int, *, may_grow: bool,
-                   hazards: set[int] | None = None) -> list[Block]:
+                   hazards: AbstractSet[int] | None = None) -> list[Block]:
         """The blocks of ``ns`` to evict for the ``n - got`` slots no free list had, or raise:
         ``_NeedExtent`` to grow first (after reclaiming other namespaces' extents, if
         that funds the growth), ``NeedDemotion`` or ``CapacityExhausted``."""
@@ -833,6 +878,17 @@ class Store:
         def funded() -> bool:
             return SegmentLayout.fit(ns.block_bytes, self.budget_free + reclaim_bytes) is not None
 
+        # Extents of other namespaces whose slots their clients lease without a call
+        # (hazards) are never reclaimed: a leased block is never evicted, whoever holds it.
+        held_segments: dict[str, set[int]] = {}
+
+        def leased_in(other: Namespace, ext: Extent) -> bool:
+            if not other.pages:
+                return False
+            if other.name not in held_segments:
+                held_segments[other.name] = self._held_segments(other)
+            return ext.segment.segment_id in held_segments[other.name]
+
         if may_grow:
             # Empty extents of other namespaces cost nothing to reclaim (but never
             # take what a namespace that is growing right now just created).
@@ -840,7 +896,8 @@ class Store:
                 if other is ns or other.grow_lock.locked():
                     continue
                 for ext in other.extents:
-                    if not funded() and ext.committed == 0 and ext.reserved == 0:
+                    if (not funded() and ext.committed == 0 and ext.reserved == 0
+                            and not leased_in(other, ext)):
                         reclaim.append(ext)
                         reclaim_bytes += ext.bytes
         considered: set[int] = {id(e) for e in reclaim}
@@ -859,7 +916,8 @@ class Store:
             elif may_grow and id(block.extent) not in considered:
                 considered.add(id(block.extent))
                 ext = block.extent
-                if ext.reserved == 0 and ext.pinned == 0 and not block.ns.grow_lock.locked():
+                if (ext.reserved == 0 and ext.pinned == 0 and not block.ns.grow_lock.locked()
+                        and not leased_in(block.ns, ext)):
                     if spill and ext.dirty:
                         # In LRU order this extent goes before anything younger: it is
                         # reclaimed once its DIRTY blocks are demoted.
@@ -870,6 +928,7 @@ class Store:
                         reclaim.append(ext)
                         reclaim_bytes += ext.bytes
         if reclaim and funded():
+            self._hide_for_reclaim(reclaim)  # or _Raced: a client leased meanwhile
             try:
                 self._retire_extents(reclaim, "for another namespace")
             finally:
@@ -1288,6 +1347,8 @@ class Store:
         seen = {v for page in ns.pages.values() for v in page.accessed()}
         if not seen:
             return
+        if len(seen) > MAX_READ_HINTS:  # hints: a page full of them costs a bounded sweep
+            seen = set(itertools.islice(seen, MAX_READ_HINTS))
         exts = {e.segment.segment_id: e for e in ns.extents}
         seq = self._access_seq
         for v in seen:
@@ -1306,9 +1367,10 @@ class Store:
                 self.prefetched_reads += 1
 
     def count_reads(self, ns: Namespace, hits: int, misses: int) -> None:
-        """Add what ``ns``'s clients counted of their acquires without a call."""
-        ns.hits += hits
-        ns.misses += misses
+        """Add what ``ns``'s clients counted of their acquires without a call (bounded
+        by the caller; the totals saturate)."""
+        ns.hits = saturating_add(ns.hits, hits)
+        ns.misses = saturating_add(ns.misses, misses)
 
     def _pin(self, block: Block) -> None:
         if block.pins == 0:
@@ -1883,7 +1945,7 @@ class Store:
         """Blocks clients lease without a call, as their pages say now."""
         return sum(len(self._hazards(ns)) for ns in self.namespaces.values())
 
-    def held_slots(self, ns: Namespace) -> set[int]:
+    def held_slots(self, ns: Namespace) -> AbstractSet[int]:
         """The slots of ``ns`` clients lease without a call (``slot_of`` values)."""
         return self._hazards(ns)
 

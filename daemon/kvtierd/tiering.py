@@ -67,6 +67,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, Final, Protocol, TypeVar
 
 from kvtier.errors import CapacityExhausted, Corrupted, FailedPrecondition, NotFound
@@ -1156,7 +1157,7 @@ class Tiering:
         return out, (page[-1] if has_more and page else None)
 
     def _key_state(self, namespace: str, ns: Namespace | None, key: bytes,
-                   held: set[int]) -> KeyState | None:
+                   held: AbstractSet[int]) -> KeyState | None:
         """``held``: the slots clients lease without a call (those blocks are leased)."""
         if (namespace, key) in self._deleting:
             return None
