@@ -53,6 +53,17 @@ types at all.  ``device_put(may_alias=True)`` aliases all of them on CPU when
 the address is 64-byte aligned (slots are page aligned); where it cannot, it
 copies, which is slower but still correct.
 
+Every copy out of or into a slot that the CPU makes runs under the client's
+fault guard (``kvtier._accel``): when a writer of the namespace truncates a
+data file, ``load`` stops at the first block whose memory is gone and
+returns the pages before it (that block is deleted as corrupted), and
+``save`` raises ``FailedPrecondition`` with its reservation aborted -- the
+process lives on.  So where ``load`` would alias the slots (``donate=False``,
+caches not on one CPU device, accelerators), a guarding client first copies
+each leased block into a private host array (``_accel.copy_into``, one more
+host copy) and XLA reads that, never the slot; ``KVTIER_FAULT_GUARD=0``
+restores the zero-copy aliasing.
+
 A cache sharded over several devices (e.g. tensor parallel, heads split)
 works: ``save`` then takes the device-gather path, ``load`` places each block
 with the sharding of the cache's first array.  The page axis (axis 0) should
@@ -118,13 +129,14 @@ def save(client: Client, cache: Sequence[Layer], page_ids: Sequence[int] | npt.A
         if todo:
             pages = [ids[i] for i in todo]
             host = _host_views(arrays)
+            # (r._guarded: a slot whose memory is gone aborts, FailedPrecondition.)
             if host is not None:  # one CPU device: read the jax buffers in place
                 for i, page in zip(todo, pages, strict=True):
-                    _accel.gather(_slot(r.buffers[i]), [h[page] for h in host])
+                    r._guarded(_accel.gather, _slot(r.buffers[i]), [h[page] for h in host])
             else:  # accelerators: move only the wanted pages, one transfer per array
                 staged = _stage(arrays, pages)
                 for k, i in enumerate(todo):
-                    _accel.gather(_slot(r.buffers[i]), [s[k] for s in staged])
+                    r._guarded(_accel.gather, _slot(r.buffers[i]), [s[k] for s in staged])
                 del staged
             del host
         return r.commit()
@@ -143,6 +155,11 @@ def load(client: Client, keys: Sequence[bytes], cache: Sequence[Layer],
     own arrays are returned).  ``donate=False`` leaves them valid at the
     price of one copy of every array.  Raises as :func:`save`, and ValueError
     when a page id appears twice.
+
+    A block whose slot memory is gone under the copy (its data file truncated
+    by a writer of the namespace) ends the load there: ``n`` counts the pages
+    before it, that block is deleted as corrupted.  (Then ``n`` may be 0 with
+    the cache donated all the same: use the returned arrays, always.)
     """
     lay, arrays = _prepare(client, cache, layout)
     ids = valid_page_ids(page_ids, len(keys), int(arrays[0].shape[0]), unique=True)
@@ -153,10 +170,22 @@ def load(client: Client, keys: Sequence[bytes], cache: Sequence[Layer],
         if n == 0:
             return list(cache), 0
         if donate and _on_one_cpu(arrays):
-            arrays = _load_in_place(arrays, lease.views[:n], ids[:n], lay)
+            arrays, gone = _load_in_place(arrays, lease.views[:n], ids[:n], lay)
+            if gone is not None:
+                lease.drop_gone(gone)  # released; a miss from there on
+                return cast(list[Layer], _rebuild(arrays, lay)), gone
             lease.release(wait=False)
             return cast(list[Layer], _rebuild(arrays, lay)), n
-        blocks = _block_arrays(lease.views, lay, arrays[0].sharding)
+        views = list(lease.views)
+        if client.fault_guard:  # XLA reads private copies, never a slot (outside the guard)
+            views, gone = _private_copies(views, lay)
+            if gone is not None:
+                lease.drop_gone(gone)
+                n = gone
+                if n == 0:
+                    return list(cache), 0
+        blocks = _block_arrays(views, lay, arrays[0].sharding)
+        del views
         if not donate:  # update copies instead, so the caller's arrays stay valid
             arrays = [jnp.array(a, copy=True) for a in arrays]
         for block, page in zip(blocks, ids, strict=False):  # ids[:n]
@@ -166,7 +195,8 @@ def load(client: Client, keys: Sequence[bytes], cache: Sequence[Layer],
         for a in arrays:  # every read of the slots is done: the lease may go
             a.block_until_ready()
         del blocks
-        lease.release(wait=False)
+        if not lease.done:
+            lease.release(wait=False)
     return cast(list[Layer], _rebuild(arrays, lay)), n
 
 
@@ -262,8 +292,29 @@ def _on_one_cpu(arrays: Sequence[jax.Array]) -> bool:
 _own = jax.jit(lambda xs: xs, donate_argnums=0)
 
 
+def _private_copies(views: Sequence[np.ndarray], lay: PagedKVLayout
+                    ) -> tuple[list[np.ndarray], int | None]:
+    """Each leased block copied into a new host array (guarded), and the first block
+    whose slot memory was gone (the copies stop there), or None."""
+    out = []
+    for i, v in enumerate(views):
+        if len(v) != lay.block_bytes:
+            raise GeometryMismatch(f"block {i} holds {len(v)} bytes, a page of this cache is "
+                                   f"{lay.describe()}")
+        # 64-byte aligned (numpy's allocations are), so device_put can alias it on CPU.
+        dst = np.empty(len(v), dtype=np.uint8)
+        try:
+            _accel.copy_into(dst, v)
+        except OSError as exc:
+            if not _accel.is_memory_fault(exc):
+                raise
+            return out, i
+        out.append(dst)
+    return out, None
+
+
 def _load_in_place(arrays: list[jax.Array], views: Sequence[np.ndarray], ids: Sequence[int],
-                   lay: PagedKVLayout) -> list[jax.Array]:
+                   lay: PagedKVLayout) -> tuple[list[jax.Array], int | None]:
     """The CPU load path: scatter each block straight into the pages of the arrays.
 
     After donation through ``_own`` each array exclusively owns its host
@@ -271,7 +322,8 @@ def _load_in_place(arrays: list[jax.Array], views: Sequence[np.ndarray], ids: Se
     ``unsafe_buffer_pointer``) before anyone reads the array again is
     invisible to JAX except as the new contents: one copy per page, at memcpy
     speed, one GIL-free ``_accel.scatter`` per block -- instead of one
-    dispatched XLA update per block and array group.
+    dispatched XLA update per block and array group.  Returns the arrays and the
+    first block whose slot memory was gone (the copies stop there), or None.
     """
     owned: list[jax.Array] = _own(arrays)
     page_bytes = lay.array_page_bytes
@@ -285,8 +337,13 @@ def _load_in_place(arrays: list[jax.Array], views: Sequence[np.ndarray], ids: Se
         if len(view) != lay.block_bytes:
             raise GeometryMismatch(f"block {i} holds {len(view)} bytes, a page of this cache "
                                    f"is {lay.describe()}")
-        _accel.scatter(view, [p[page] for p in pages])
-    return owned
+        try:
+            _accel.scatter(view, [p[page] for p in pages])
+        except OSError as exc:
+            if not _accel.is_memory_fault(exc):
+                raise
+            return owned, i
+    return owned, None
 
 
 @jax.jit

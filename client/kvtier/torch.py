@@ -41,6 +41,20 @@ done: the reservation (``save``) and the lease (``load``) are held until
 then -- on CUDA the current stream is synchronized first -- so nothing is
 committed before its bytes have landed and the daemon never reuses a slot
 while it is read.  The copies run on the current CUDA stream.
+
+Every copy out of or into a slot that the CPU makes runs under the client's
+fault guard (``kvtier._accel``): when a writer of the namespace truncates a
+data file, ``load`` stops at the first block whose memory is gone and
+returns the pages before it (that block is deleted as corrupted; the caller
+prefills the rest), and ``save`` raises ``FailedPrecondition`` with its
+reservation aborted -- the process lives on.  So the slow paths copy through
+a private block (one more host copy): caches whose arrays are not
+contiguous, and device copies from pageable slots (no CUDA, or
+``cudaHostRegister`` refused), which the runtime would otherwise make from
+the slot itself, outside the guard.  Registered slots are read and written
+by DMA, which a truncation cannot make fault (the registration holds the
+pages).  With the guard off (``KVTIER_FAULT_GUARD=0``) those paths copy
+straight from and into the slots, as before.
 """
 
 from __future__ import annotations
@@ -106,10 +120,11 @@ def save(client: Client, cache: Sequence[Layer], page_ids: Sequence[int] | torch
         if todo:
             slots = [_buffer(r.buffers[i]) for i in todo]
             pages = [ids[i] for i in todo]
+            # A slot whose memory is gone: FailedPrecondition, the reservation aborted.
             if _staged(arrays[0].device):
-                _save_staged(client, arrays, lay, slots, pages)
+                r._guarded(_save_staged, client, arrays, lay, slots, pages)
             else:
-                _save_cpu(arrays, lay, slots, pages)
+                r._guarded(_save_cpu, arrays, lay, slots, pages, client.fault_guard)
             del slots
         return r.commit()
 
@@ -129,6 +144,11 @@ def load(client: Client, keys: Sequence[bytes], cache: Sequence[Layer],
     the native copy checks the blocks as it copies them (one pass over the
     slots instead of two): then the pages ``page_ids[:hits]`` may have been
     written before the error is raised, and none of them counts as loaded.
+
+    A block whose slot memory is gone under the copy (its data file truncated
+    by a writer of the namespace) ends the load there: the pages before it
+    count as loaded, that block is deleted as corrupted, and the page it was
+    copied into (and later ones) may be partly written.
     """
     lay, arrays = _prepare(client, cache, layout)
     ids = valid_page_ids(page_ids, len(keys), int(arrays[0].shape[0]), unique=True)
@@ -145,17 +165,23 @@ def load(client: Client, keys: Sequence[bytes], cache: Sequence[Layer],
                 raise GeometryMismatch(f"block {i} holds {len(v)} bytes, a page of this cache is "
                                        f"{lay.describe()}")
         bad: list[int] = []
+        gone: int | None = None  # the first block whose slot memory was gone
         if n:
             if _staged(arrays[0].device):
-                _load_staged(client, arrays, lay, views, ids[:n])
+                gone = _load_staged(client, arrays, lay, views, ids[:n])
             elif fused:
                 assert host is not None
-                bad = _load_cpu_verified(host, views, ids[:n], lease.checksums)
+                bad, gone = _load_cpu_verified(host, views, ids[:n], lease.checksums)
             else:
-                _load_cpu(arrays, lay, views, ids[:n], host)
+                gone = _load_cpu(arrays, lay, views, ids[:n], host)
         del views
+        if gone is not None:
+            bad = [i for i in bad if i < gone]
         if bad:
             lease.drop_corrupted(bad)  # raises Corrupted for the first
+        if gone is not None:
+            lease.drop_gone(gone)  # released; the block is deleted, a miss from there on
+            return gone
         lease.release(wait=False)  # every copy is done: no need to wait for the answer
     return n
 
@@ -321,70 +347,165 @@ def _torch_dtype(lay: PagedKVLayout) -> torch.dtype:
 
 
 def _save_cpu(arrays: Sequence[torch.Tensor], lay: PagedKVLayout, slots: Sequence[np.ndarray],
-              pages: Sequence[int]) -> None:
+              pages: Sequence[int], guarded: bool = True) -> None:
+    """Copy page ``pages[i]`` into slot ``slots[i]`` (guarded copies raise OSError(EFAULT)
+    for a slot whose memory is gone).  ``guarded``: arrays that are not contiguous are
+    first copied into a private block (torch), then into the slot (guarded); else
+    straight into the slot."""
     host = _host_u8(arrays)
     if host is not None:
         for slot, page in zip(slots, pages, strict=True):
             _accel.gather(slot, [h[page] for h in host])
         return
+    dtype, shape = _torch_dtype(lay), _block_shape(lay)
+    private = torch.empty(shape, dtype=dtype) if guarded else None
     for slot, page in zip(slots, pages, strict=True):
-        block = slot_tensor(slot, _torch_dtype(lay), _block_shape(lay))
+        block = private if private is not None else slot_tensor(slot, dtype, shape)
         for j, a in enumerate(arrays):
             block[j].copy_(a[page])
+        if private is not None:
+            _accel.copy_into(slot, _u8(private))
+
+
+def _u8(t: torch.Tensor) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous CPU tensor (no copy)."""
+    return t.view(torch.uint8).numpy().reshape(-1)
+
+
+def _faulted(copy: Any, *args: Any) -> bool:
+    """Run the guarded ``copy(*args)``; whether a slot's memory was gone under it."""
+    try:
+        copy(*args)
+    except OSError as exc:
+        if not _accel.is_memory_fault(exc):
+            raise
+        return True
+    return False
+
+
+def _first_gone(copy: Any, n: int) -> int | None:
+    """Run ``copy(i)`` for i in range(n), guarded copies each; the first i whose slot
+    memory was gone (the copies stop there), or None."""
+    for i in range(n):
+        try:
+            copy(i)
+        except OSError as exc:
+            if not _accel.is_memory_fault(exc):
+                raise
+            return i
+    return None
 
 
 def _load_cpu(arrays: Sequence[torch.Tensor], lay: PagedKVLayout, views: Sequence[np.ndarray],
-              pages: Sequence[int], host: Sequence[np.ndarray] | None) -> None:
-    """Copy block ``views[i]`` into page ``pages[i]``; ``host`` is ``_host_u8(arrays)``."""
+              pages: Sequence[int], host: Sequence[np.ndarray] | None) -> int | None:
+    """Copy block ``views[i]`` into page ``pages[i]``; ``host`` is ``_host_u8(arrays)``.
+    Returns the first block whose slot memory was gone (the copies stop there), or None.
+    Arrays that are not contiguous take the block through a private one (the guarded
+    copy out of the slot, then a torch copy per array page)."""
     if host is not None:
-        for view, page in zip(views, pages, strict=True):
-            _accel.scatter(view, [h[page] for h in host])
-        return
-    for view, page in zip(views, pages, strict=True):
-        block = slot_tensor(view, _torch_dtype(lay), _block_shape(lay))
+        return _first_gone(lambda i: _accel.scatter(views[i], [h[pages[i]] for h in host]),
+                           len(views))
+    dtype, shape = _torch_dtype(lay), _block_shape(lay)
+    private = torch.empty(shape, dtype=dtype)
+
+    def one(i: int) -> None:
+        _accel.copy_into(_u8(private), views[i])
         for j, a in enumerate(arrays):
-            a[page].copy_(block[j])
+            a[pages[i]].copy_(private[j])
+
+    return _first_gone(one, len(views))
 
 
 def _load_cpu_verified(host: Sequence[np.ndarray], views: Sequence[np.ndarray],
-                       pages: Sequence[int], checksums: Sequence[int | None]) -> list[int]:
+                       pages: Sequence[int], checksums: Sequence[int | None]
+                       ) -> tuple[list[int], int | None]:
     """Copy block ``views[i]`` into page ``pages[i]`` and hash it in the same pass (one
     native call for all blocks); returns the indices of the blocks whose hash is not
-    their committed ``checksums[i]`` (None: nothing to compare)."""
-    hashes = _accel.scatter_hash(views, [[h[page] for h in host] for page in pages])
-    return [i for i, (got, want) in enumerate(zip(hashes, checksums, strict=True))
-            if want is not None and got != want]
+    their committed ``checksums[i]`` (None: nothing to compare), and the first block
+    whose slot memory was gone (None: none; the blocks from it on are not loaded)."""
+    try:
+        hashes = _accel.scatter_hash(views, [[h[page] for h in host] for page in pages])
+    except OSError as exc:
+        if not _accel.is_memory_fault(exc):
+            raise
+        # Which block: again one by one (the fault's message names it, but in words).
+        hashes = []
+        for view, page in zip(views, pages, strict=True):
+            try:
+                hashes += _accel.scatter_hash([view], [[h[page] for h in host]])
+            except OSError as again:
+                if not _accel.is_memory_fault(again):
+                    raise
+                break
+    bad = [i for i, (got, want) in enumerate(zip(hashes, checksums, strict=False))
+           if want is not None and got != want]
+    return bad, (len(hashes) if len(hashes) < len(views) else None)
 
 
 # ---------------------------------------------------------------- CUDA (and other devices)
 def _save_staged(client: Client, arrays: Sequence[torch.Tensor], lay: PagedKVLayout,
                  slots: Sequence[np.ndarray], pages: Sequence[int]) -> None:
-    """Gather the pages on the device, then one device->host copy per block into its slot."""
+    """Gather the pages on the device, then one device->host copy per block into its slot
+    (into a private block first, then a guarded copy into the slot, when the slots are
+    pageable and the client guards)."""
     device = arrays[0].device
     dtype, shape = _torch_dtype(lay), _block_shape(lay)
     with _transfers(client, device, slots) as non_blocking:
+        private = (torch.empty(shape, dtype=dtype) if _bounce(client, device) else None)
         for start, stop in _chunks(len(slots), lay.block_bytes):
             idx = torch.tensor(pages[start:stop], dtype=torch.long, device=device)
             staged = torch.stack([a.index_select(0, idx) for a in arrays], dim=1)
             for k in range(stop - start):
-                slot_tensor(slots[start + k], dtype, shape).copy_(staged[k],
-                                                                  non_blocking=non_blocking)
+                if private is None:
+                    slot_tensor(slots[start + k], dtype, shape).copy_(staged[k],
+                                                                      non_blocking=non_blocking)
+                else:
+                    private.copy_(staged[k])  # synchronous: pageable memory
+                    _accel.copy_into(slots[start + k], _u8(private))
 
 
 def _load_staged(client: Client, arrays: Sequence[torch.Tensor], lay: PagedKVLayout,
-                 views: Sequence[np.ndarray], pages: Sequence[int]) -> None:
-    """One host->device copy per block into a staging buffer, then one index_copy_ per array."""
+                 views: Sequence[np.ndarray], pages: Sequence[int]) -> int | None:
+    """One host->device copy per block into a staging buffer, then one index_copy_ per
+    array.  Pageable slots of a guarding client go through a private block (a guarded
+    copy out of the slot first).  Returns the first block whose slot memory was gone
+    (the blocks before it are loaded, none after), or None."""
     device = arrays[0].device
     dtype, shape = _torch_dtype(lay), _block_shape(lay)
     with _transfers(client, device, views) as non_blocking:
+        bounce = _bounce(client, device)
         for start, stop in _chunks(len(views), lay.block_bytes):
             staged = torch.empty((stop - start, *shape), dtype=dtype, device=device)
+            done = stop - start
             for k in range(stop - start):
-                staged[k].copy_(slot_tensor(views[start + k], dtype, shape),
-                                non_blocking=non_blocking)
-            idx = torch.tensor(pages[start:stop], dtype=torch.long, device=device)
-            for j, a in enumerate(arrays):
-                a.index_copy_(0, idx, staged[:, j])
+                if not bounce:
+                    staged[k].copy_(slot_tensor(views[start + k], dtype, shape),
+                                    non_blocking=non_blocking)
+                    continue
+                private = torch.empty(shape, dtype=dtype)  # one each: copies may be in flight
+                if _faulted(_accel.copy_into, _u8(private), views[start + k]):
+                    done = k
+                    break
+                staged[k].copy_(private, non_blocking=non_blocking)
+            if done:
+                idx = torch.tensor(pages[start:start + done], dtype=torch.long, device=device)
+                for j, a in enumerate(arrays):
+                    a.index_copy_(0, idx, staged[:done, j])
+            if done < stop - start:
+                return start + done
+    return None
+
+
+def _bounce(client: Client, device: torch.device) -> bool:
+    """Whether copies between the slots and ``device`` go through a private host block:
+    the client guards, and the runtime would read or write pageable slots with the CPU
+    (not CUDA, or cudaHostRegister refused), outside the guard."""
+    if not client.fault_guard:
+        return False
+    if device.type != "cuda" and not _PIN_ON_CPU:
+        return True
+    pins = _PINS.get(client)
+    return pins is None or pins.refused is not None
 
 
 def _chunks(n: int, block_bytes: int) -> Iterator[tuple[int, int]]:

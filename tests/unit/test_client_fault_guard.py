@@ -122,11 +122,11 @@ def _put(d: DaemonProc, keys: list[bytes]) -> None:
         assert c.put(keys, [np.full(BLOCK, i + 1, np.uint8) for i in range(len(keys))]) == len(keys)
 
 
-def _truncate_all(d: DaemonProc) -> int:
+def _truncate_all(d: DaemonProc, ns: str = NS, block: int = BLOCK, model: str = "m") -> int:
     """As a hostile writer of the namespace: cut every data file of it to 0 (its own fds)."""
     link = SessionLink(os.path.join(d.socket_dir, "kvtier-session.sock"), 10)
     try:
-        resp, fds = link.request(open_request(NS, BLOCK, "m"))
+        resp, fds = link.request(open_request(ns, block, model))
         n = len(resp.opened.segments)
         assert n and not resp.opened.read_only
         for fd in fds[:n]:
@@ -238,6 +238,89 @@ def test_a_client_opens_while_its_files_are_cut_short_and_recovers(kvd: DaemonPr
         got = c.get(_keys("later", 2))
         assert [int(g[0]) for g in got] == [1, 1]
         assert not c._maps._unmapped  # mapped again on use
+
+
+# ------------------------------------------------------------------- adapters
+#: A torch or JAX serving process: saves pages, says READY (with its namespace), waits
+#: for GO (the files were cut), then loads (expecting misses) and saves again.
+ADAPTER_CHILD = r"""
+import json, sys
+import numpy as np
+import kvtier
+from kvtier import errors
+
+sock, which, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+keys_a = [b"a%d" % i for i in range(4)]
+keys_b = [b"b%d" % i for i in range(4)]
+out = {}
+if which == "torch":
+    import torch
+    import kvtier.torch as kt
+    def array():
+        if args["noncontig"]:  # each page strided: the private-block path
+            return torch.randn(8, 2, 16, 64).transpose(1, 2)
+        return torch.randn(8, 16, 2, 64)
+    cache = [(array(), array()) for _ in range(2)]
+    lay = kt.layout_of(cache)
+    c = kvtier.Client(sock, **kt.namespace_for(lay, "m"), checksum=args["checksum"])
+    assert kt.save(c, cache, [0, 1, 2, 3], keys_a) == 4
+    print("READY", json.dumps(kt.namespace_for(lay, "m")), flush=True)
+    sys.stdin.readline()
+    out["load"] = kt.load(c, keys_a, cache, [4, 5, 6, 7])
+    try:
+        out["save"] = f"ok {kt.save(c, cache, [0, 1], [b'n0', b'n1'])}"
+    except errors.FailedPrecondition:
+        out["save"] = "FailedPrecondition"
+else:
+    import jax.numpy as jnp
+    import kvtier.jax as kj
+    rng = np.random.default_rng(1)
+    cache = [(jnp.asarray(rng.standard_normal((8, 16, 2, 64), np.float32)),
+              jnp.asarray(rng.standard_normal((8, 16, 2, 64), np.float32))) for _ in range(2)]
+    lay = kj.layout_of(cache)
+    c = kvtier.Client(sock, **kj.namespace_for(lay, "m"), checksum=args["checksum"])
+    assert kj.save(c, cache, [0, 1, 2, 3], keys_a) == 4
+    assert kj.save(c, cache, [0, 1, 2, 3], keys_b) == 4
+    print("READY", json.dumps(kj.namespace_for(lay, "m")), flush=True)
+    sys.stdin.readline()
+    cache, out["load"] = kj.load(c, keys_a, cache, [4, 5, 6, 7])
+    cache, out["load_copy"] = kj.load(c, keys_b, cache, [4, 5, 6, 7], donate=False)
+    try:
+        out["save"] = f"ok {kj.save(c, cache, [0, 1], [b'n0', b'n1'])}"
+    except errors.FailedPrecondition:
+        out["save"] = "FailedPrecondition"
+out["reservations"] = int(c.stats()["reservations"])
+print("DONE", json.dumps(out), flush=True)
+c.close()
+"""
+
+
+@pytest.mark.parametrize(("which", "checksum", "noncontig"), [
+    ("torch", False, False), ("torch", True, False), ("torch", False, True),
+    ("jax", False, False), ("jax", True, False)],
+    ids=["torch", "torch-checksum", "torch-strided", "jax", "jax-checksum"])
+def test_an_adapter_load_under_a_truncation_misses_and_its_save_fails_cleanly(
+        kvd: DaemonProc, which: str, checksum: bool, noncontig: bool) -> None:
+    pytest.importorskip(which)
+    args = {"checksum": checksum, "noncontig": noncontig}
+    p = subprocess.Popen([sys.executable, "-c", ADAPTER_CHILD, kvd.socket_dir, which,
+                          json.dumps(args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdin is not None
+    line = p.stdout.readline()
+    assert line.startswith("READY"), (line, p.stderr.read() if p.stderr else "")
+    ns = json.loads(line[6:])
+    _truncate_all(kvd, ns["namespace"], ns["block_bytes"], ns["model_uid"])
+    p.stdin.write("GO\n")
+    p.stdin.flush()
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, (p.returncode, err[-3000:])
+    got = json.loads([x for x in out.splitlines() if x.startswith("DONE ")][0][5:])
+    assert got["load"] == 0, got
+    assert got.get("load_copy", 0) == 0, got
+    assert got["save"] in ("FailedPrecondition", "ok 2"), got
+    assert got["reservations"] == 0, got
+    assert kvd.alive(), kvd.log()[-3000:]
 
 
 # ------------------------------------------------------------------- SegmentMaps
