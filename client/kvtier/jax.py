@@ -296,7 +296,7 @@ def _private_copies(views: Sequence[np.ndarray], lay: PagedKVLayout
                     ) -> tuple[list[np.ndarray], int | None]:
     """Each leased block copied into a new host array (guarded), and the first block
     whose slot memory was gone (the copies stop there), or None."""
-    out = []
+    out: list[np.ndarray] = []
     for i, v in enumerate(views):
         if len(v) != lay.block_bytes:
             raise GeometryMismatch(f"block {i} holds {len(v)} bytes, a page of this cache is "
