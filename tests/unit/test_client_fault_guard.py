@@ -17,6 +17,7 @@ namespace's files are cut short opens, misses and recovers.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import mmap
 import os
@@ -58,8 +59,9 @@ block = args["block"]
 c = kvtier.Client(sock, namespace=args["ns"], block_bytes=block, model_uid="m",
                   checksum=args["checksum"])
 r = c.reserve(keys["reserve"]) if action == "write" else None
-print("READY", json.dumps({"guard": c.fault_guard}), flush=True)
-sys.stdin.readline()
+if action != "aread":  # (the AsyncClient opens first, then says READY)
+    print("READY", json.dumps({"guard": c.fault_guard}), flush=True)
+    sys.stdin.readline()
 out = {}
 if action == "read":
     out["get"] = len(c.get(keys["get"]))
@@ -81,6 +83,39 @@ if action == "read":
     else:
         lease.release()
     out["copy"] = copied
+elif action == "aread":
+    import asyncio
+
+    async def main():
+        async with kvtier.AsyncClient(sock, namespace=args["ns"], block_bytes=block,
+                                      model_uid="m", checksum=args["checksum"]) as a:
+            print("READY", json.dumps({"guard": a.fault_guard}), flush=True)
+            sys.stdin.readline()
+            out["get"] = len(await a.get(keys["get"]))
+            out["get_out"] = len(await a.get(keys["get_out"],
+                                             out=[bytearray(block) for _ in keys["get_out"]]))
+            async with await a.acquire(keys["acquire"]) as lease:
+                out["acquire"] = lease.hits
+            lease = await a.acquire(keys["copy"], verify=False)
+            out["copy"] = 0
+            for i, v in enumerate(lease.views):
+                try:
+                    _accel.copy_into(bytearray(block), v)
+                except OSError as exc:
+                    assert _accel.is_memory_fault(exc), exc
+                    await lease.drop_gone(i)
+                    break
+                out["copy"] += 1
+            else:
+                await lease.release()
+            try:
+                await a.put(keys["put"], [np.ones(block, np.uint8)] * len(keys["put"]))
+                out["put"] = "ok"
+            except errors.FailedPrecondition:
+                out["put"] = "FailedPrecondition"
+            out["reservations"] = int((await a.stats())["reservations"])
+
+    asyncio.run(main())
 else:
     data = np.full(block, 7, np.uint8)
     try:
@@ -162,13 +197,17 @@ def _cut_under(d: DaemonProc, p: subprocess.Popen[str]) -> tuple[dict[str, objec
     return (json.loads(done[0][5:]) if done else {}), err
 
 
+@pytest.mark.parametrize("action", ["read", "aread"], ids=["Client", "AsyncClient"])
 @pytest.mark.parametrize("checksum", [False, True], ids=["plain", "checksum"])
 def test_a_reader_survives_a_truncation_under_its_reads_and_misses(kvd: DaemonProc,
-                                                                   checksum: bool) -> None:
+                                                                   checksum: bool,
+                                                                   action: str) -> None:
     keys = {"get": _keys("get"), "get_out": _keys("out"), "acquire": _keys("acq"),
             "copy": _keys("copy")}
     _put(kvd, [k for ks in keys.values() for k in ks])
-    p = _child(kvd, "read", keys, checksum)
+    if action == "aread":
+        keys["put"] = _keys("aput", 2)
+    p = _child(kvd, action, keys, checksum)
     got, err = _cut_under(kvd, p)
     assert p.returncode == 0, (p.returncode, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
@@ -177,6 +216,8 @@ def test_a_reader_survives_a_truncation_under_its_reads_and_misses(kvd: DaemonPr
     assert got["copy"] == 0, got
     # A verifying acquire touches the slots (and misses); a plain one does not.
     assert got["acquire"] == (0 if checksum else N), got
+    if action == "aread":  # a write elsewhere, or the error; never left open
+        assert got["put"] in ("ok", "FailedPrecondition") and got["reservations"] == 0, got
     assert kvd.alive(), kvd.log()[-3000:]
     # The blocks whose memory was gone under a read are not served again.
     with kvtier.Client(kvd.socket_dir, namespace=NS, block_bytes=BLOCK, model_uid="m") as c:
@@ -237,7 +278,33 @@ def test_a_client_opens_while_its_files_are_cut_short_and_recovers(kvd: DaemonPr
                 time.sleep(0.2)
         got = c.get(_keys("later", 2))
         assert [int(g[0]) for g in got] == [1, 1]
-        assert not c._maps._unmapped  # mapped again on use
+        assert c._maps.mappings()  # mapped again on use
+
+
+def test_an_async_client_opens_while_its_files_are_cut_short_and_recovers(
+        kvd: DaemonProc) -> None:
+    keys = _keys("aopen")
+    _put(kvd, keys)
+    _truncate_all(kvd)
+
+    async def main() -> None:
+        async with kvtier.AsyncClient(kvd.socket_dir, namespace=NS, block_bytes=BLOCK,
+                                      model_uid="m") as c:
+            assert await c.get(keys) == []
+            deadline = time.monotonic() + 15
+            while True:
+                try:
+                    assert await c.put(_keys("alater", 2), [np.ones(BLOCK, np.uint8)] * 2) == 2
+                    break
+                except errors.FailedPrecondition as exc:
+                    assert "truncated" in str(exc) or "not mapped" in str(exc), exc
+                    assert time.monotonic() < deadline, exc
+                    await asyncio.sleep(0.2)
+            got = await c.get(_keys("alater", 2))
+            assert [int(g[0]) for g in got] == [1, 1]
+            assert c._maps.mappings()  # mapped again on use
+
+    asyncio.run(main())
 
 
 # ------------------------------------------------------------------- adapters
