@@ -116,7 +116,8 @@ class Lease(LeaseState):
 
         Ends the lease (not waiting for the answer) and deletes that block as
         corrupted, best effort; the caller treats the blocks from ``i`` on as a
-        miss (recomputes them).  Never raises a kvtier error.
+        miss (recomputes them).  Raises only InvalidArgument, for an ``i`` not
+        in the lease.
         """
         self._client._run(self._drop_gone_steps(i))
 
