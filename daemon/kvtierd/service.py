@@ -331,17 +331,18 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         self.metrics.tier_io("dram", "write", sum(request.lengths), n)
         return pb.CommitResponse(committed=n)
 
-    def commit_from_page(self, session: Session, page: SessionPage) -> None:
+    def commit_from_page(self, session: Session, page: SessionPage) -> int:
         """The writes made without a call (``csrc/writes.c``): commit the blocks the
         session's writer put in granted slots and named in its page, grant it slots
         for the next ones (as many as it asks, within the limit), then wake it.  Each
         record's result goes to the page, which the writer checks like an answer.
-        (Only writers get a page with a write area; the rights are checked again.)"""
+        (Only writers get a page with a write area; the rights are checked again.)
+        Returns how many records it found (0: the ring was empty, or impossible)."""
         records = page.take_commits()
         if records is None:  # an impossible head: only a hostile page has one
             log.warning("session %d wrote an impossible commit ring head; records skipped",
                         session.id)
-            return
+            return 0
         writer = bool(int(session.rights) & _WRITE)
         results = b""
         if records and writer:
@@ -361,6 +362,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         if writer and records:  # a ring without records refills nothing: it costs a read
             self._refill(session, page)
         page.finish_commits(results)
+        return len(records)
 
     def _refill(self, session: Session, page: SessionPage) -> None:
         # As many as the page asks for (the store clamps it to the limit).  -1: the

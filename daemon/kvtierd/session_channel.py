@@ -99,6 +99,10 @@ _NAME_RE: Final = re.compile(r"[A-Za-z0-9._/-]{1,128}")
 MAX_CALLS_IN_FLIGHT: Final = 64
 #: Room a FastCall frame needs beyond its request message (method name, ids, tags).
 _CALL_OVERHEAD: Final = 4096
+#: Rings in a row that find no commit record before a doorbell is paused, and the
+#: longest pause (``SessionChannel._doorbell``).
+EMPTY_RINGS_BEFORE_PAUSE: Final = 4
+EMPTY_RING_PAUSE_MAX: Final = 0.05
 #: Bytes asked of each recv: small frames that arrive together are read at once.
 _RECV_BYTES: Final = 64 << 10
 #: The frame format is shared with the client (kvtier._wire): a 4-byte length prefix.
@@ -204,7 +208,7 @@ class SessionChannel:
                  methods: Mapping[str, Method] | None = None,
                  max_message_bytes: int = MAX_REQUEST_FRAME,
                  max_keys: int = DEFAULT_MAX_KEYS_PER_CALL,
-                 commit_from_page: Callable[[Session, SessionPage], None] | None = None) -> None:
+                 commit_from_page: Callable[[Session, SessionPage], int] | None = None) -> None:
         """``methods``: the service's (``service.methods``), served as FastCalls; None
         turns the fast path off (``server.fast_path: false``).  A FastCall's request
         may be ``max_message_bytes`` long (as a gRPC one), within the frame limit.
@@ -214,6 +218,8 @@ class SessionChannel:
         #: Session id -> the read end of the pipe its client rings after publishing
         #: commit records (the write end went to the client; see ``_doorbell``).
         self._doorbells: dict[int, int] = {}
+        #: Session id -> rings in a row that found no record (see ``_doorbell``).
+        self._empty_rings: dict[int, int] = {}
         self.store = store
         self.metrics = metrics
         self.methods = methods
@@ -402,6 +408,7 @@ class SessionChannel:
             if session is not None:
                 page = self._counters.pop(session.id, None)
                 bell = self._doorbells.pop(session.id, None)
+                self._empty_rings.pop(session.id, None)
                 if bell is not None:
                     asyncio.get_running_loop().remove_reader(bell)
                     os.close(bell)
@@ -690,7 +697,25 @@ class SessionChannel:
         if not data:
             self._silence(session.id)
             return
-        self._ring(session, page)
+        if self._ring(session, page):
+            self._empty_rings.pop(session.id, None)
+            return
+        # A client rings after publishing records, so a ring that finds none is rare
+        # for an honest one (its records went with the ring before).  Rings in a row
+        # that find none are a client ringing for nothing: its doorbell is left
+        # unwatched for a while (1 ms, doubling to EMPTY_RING_PAUSE_MAX), so ringing
+        # in a loop costs the daemon a bounded number of wakeups per second.
+        empty = self._empty_rings.get(session.id, 0) + 1
+        self._empty_rings[session.id] = empty
+        if empty >= EMPTY_RINGS_BEFORE_PAUSE:
+            loop = asyncio.get_running_loop()
+            loop.remove_reader(bell)
+            pause = min(0.001 * 2 ** (empty - EMPTY_RINGS_BEFORE_PAUSE), EMPTY_RING_PAUSE_MAX)
+            loop.call_later(pause, self._rewatch, session, page, bell)
+
+    def _rewatch(self, session: Session, page: SessionPage, bell: int) -> None:
+        if self._doorbells.get(session.id) == bell and not session.closed:
+            asyncio.get_running_loop().add_reader(bell, self._doorbell, session, page, bell)
 
     def _silence(self, session_id: int) -> None:
         """Stop watching a doorbell whose write end is gone (EOF would be ready forever)."""
@@ -698,13 +723,15 @@ class SessionChannel:
         if bell is not None:
             asyncio.get_running_loop().remove_reader(bell)
 
-    def _ring(self, session: Session, page: SessionPage) -> None:
+    def _ring(self, session: Session, page: SessionPage) -> int:
+        """Commit what the page holds; the number of records found."""
         if session.closed or self.commit_from_page is None:
-            return
+            return 0
         try:
-            self.commit_from_page(session, page)
+            return self.commit_from_page(session, page)
         except Exception:  # never the loop's end: the page is the client's input
             log.exception("commits from session %d's page failed", session.id)
+            return 1
 
     async def _send_mapped(self, conn: _Conn, session: Session,
                            want: set[int], call_id: int, want_index: bool = False) -> set[int]:

@@ -37,7 +37,7 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Final, TypeAlias, TypeVar
 
@@ -417,28 +417,25 @@ class SessionPage:
 
     def hazards(self) -> frozenset[int]:
         """The hazard values the page holds now (call after ``fence``)."""
+        if not self.max_hazards:
+            return self._hz_set
         n = self._bound()
         raw = self._mm[_HAZARDS:_HAZARDS + 8 * n]
         if raw != self._hz_raw:
             words = np.frombuffer(raw, dtype="<u8")
-            live = words != 0
-            self._hz_set = frozenset(words[live].tolist())
-            serials = np.frombuffer(self._mm, dtype="<u8", count=n, offset=_SERIALS)
-            self._hz_leases = len(np.unique(serials[live]))
+            self._hz_set = frozenset(words[words != 0].tolist())
             self._hz_raw = raw
+            self._hz_leases = -1  # counted when asked
         return self._hz_set
-
-    def held(self) -> list[tuple[int, int, int]]:
-        """(index, hazard, serial) of each hazard the page holds now."""
-        n = self._bound()
-        words = np.frombuffer(self._mm, dtype="<u8", count=n, offset=_HAZARDS).copy()
-        serials = np.frombuffer(self._mm, dtype="<u8", count=n, offset=_SERIALS)
-        idx = np.flatnonzero(words)
-        return list(zip(idx.tolist(), words[idx].tolist(), serials[idx].tolist(), strict=True))
 
     def leases(self) -> int:
         """Leases the client holds without a call (distinct serials among its hazards)."""
+        fence()
         self.hazards()
+        if self._hz_leases < 0:
+            words = np.frombuffer(self._hz_raw, dtype="<u8")
+            serials = np.frombuffer(self._mm, dtype="<u8", count=len(words), offset=_SERIALS)
+            self._hz_leases = len(np.unique(serials[words != 0]))
         return self._hz_leases
 
     def expire(self, now: float, ttl: float) -> int:
@@ -558,59 +555,75 @@ def collect_hazards(pages: Iterable[SessionPage]) -> set[int]:
 
 
 class HazardUnion:
-    """The hazards of one namespace's pages, kept up to date from the pages that
-    changed (``SessionPage.hazards`` parses a page only when its words moved): a
-    reserve costs a comparison per page, not a read of every entry of every page.
+    """The hazards of one namespace's pages, read again only where they changed
+    (``SessionPage.hazards`` parses a page only when its words moved, and returns the
+    very same set when they did not), and never where the session's share is 0: a
+    reserve costs a comparison per page that may hold hazards.
 
-    ``refresh`` reads the pages and returns the union as a set-like view;
-    ``segments`` the segments those hazards are in, as of the last refresh."""
+    ``refresh`` reads the pages and returns a set-like view of their union:
+    membership asks each page's set (no union is built on the reserve path); size,
+    iteration and ``segments`` build the union once per change."""
 
     def __init__(self) -> None:
-        self._count: dict[int, int] = {}
-        self._segments: dict[int, int] = {}
         self._of: dict[int, frozenset[int]] = {}
+        self._union: frozenset[int] | None = frozenset()
+        self._segments: frozenset[int] | None = frozenset()
 
-    def refresh(self, pages: Mapping[int, SessionPage]) -> AbstractSet[int]:
+    def refresh(self, pages: Mapping[int, SessionPage]) -> _Held:
         fence()
-        for sid in [sid for sid in self._of if sid not in pages]:  # sessions gone
-            self._remove(self._of.pop(sid))
+        of = self._of
+        changed = False
+        if any(sid not in pages for sid in of):  # sessions gone
+            self._of = of = {sid: v for sid, v in of.items() if sid in pages}
+            changed = True
         for sid, page in pages.items():
+            if not page.max_hazards:
+                continue
             now = page.hazards()
-            old = self._of.get(sid)
-            if old is now:
-                continue
-            self._of[sid] = now
-            if old is None:
-                self._add(now)
-            else:
-                self._remove(old - now)
-                self._add(now - old)
-        return self._count.keys()
+            if of.get(sid) is not now:
+                if now or sid in of:
+                    of[sid] = now
+                    changed = True
+        if changed:
+            self._union = self._segments = None
+        return _Held(self)
 
-    def segments(self) -> AbstractSet[int]:
-        return self._segments.keys()
+    def union(self) -> frozenset[int]:
+        if self._union is None:
+            self._union = frozenset().union(*self._of.values())
+        return self._union
 
-    def _add(self, values: AbstractSet[int]) -> None:
-        count, segs = self._count, self._segments
-        for v in values:
-            count[v] = count.get(v, 0) + 1
-            if count[v] == 1:
-                seg = v >> 32 & 0x7FFF_FFFF
-                segs[seg] = segs.get(seg, 0) + 1
+    def segments(self) -> frozenset[int]:
+        if self._segments is None:
+            self._segments = frozenset(v >> 32 & 0x7FFF_FFFF for v in self.union())
+        return self._segments
 
-    def _remove(self, values: AbstractSet[int]) -> None:
-        count, segs = self._count, self._segments
-        for v in values:
-            left = count[v] - 1
-            if left:
-                count[v] = left
-                continue
-            del count[v]
-            seg = v >> 32 & 0x7FFF_FFFF
-            if segs[seg] == 1:
-                del segs[seg]
-            else:
-                segs[seg] -= 1
+
+class _Held(AbstractSet[int]):
+    """The union of a namespace's page hazards as of one ``HazardUnion.refresh``."""
+
+    __slots__ = ("_sets", "_union")
+
+    def __init__(self, owner: HazardUnion) -> None:
+        self._sets = [v for v in owner._of.values() if v]
+        self._union: frozenset[int] | None = None
+
+    def __contains__(self, value: object) -> bool:
+        return any(value in s for s in self._sets)
+
+    def __bool__(self) -> bool:
+        return bool(self._sets)
+
+    def _all(self) -> frozenset[int]:
+        if self._union is None:
+            self._union = frozenset().union(*self._sets)
+        return self._union
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._all())
 
 
 _V = TypeVar("_V")

@@ -809,8 +809,6 @@ class Store:
     def _hazards(self, ns: Namespace) -> AbstractSet[int]:
         """The slots of ``ns`` its clients lease without a call (see csrc/index.c), read
         from the pages now, after a full fence (a live view: the next read changes it)."""
-        if not ns.pages and not ns.hazards.segments():
-            return frozenset()
         return ns.hazards.refresh(ns.pages)
 
     def _held_segments(self, ns: Namespace) -> set[int]:
