@@ -194,7 +194,10 @@ def slot_tensor(buf: np.ndarray, dtype: torch.dtype = torch.uint8,
     ``Lease.views`` (read-only); ``tensor.data_ptr()`` is its address.  The
     tensor keeps the view (so the mapping) alive.  torch has no read-only
     tensors: never write into one over a leased view (it is the stored block),
-    nor use either after its lease or reservation has ended.
+    nor use either after its lease or reservation has ended.  torch's own
+    copies from or into such a tensor are not fault-guarded: a writer of the
+    namespace truncating the data file under them kills the process with
+    SIGBUS (``save`` and ``load`` copy with the guarded helpers instead).
     """
     if buf.ndim != 1 or buf.dtype != np.uint8 or not buf.flags.c_contiguous:
         raise ValueError(f"a slot view is a flat C-contiguous uint8 array, got {buf.dtype} "
