@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -202,7 +203,7 @@ def summarize_requests(run: dict[str, Any]) -> dict[str, Any]:
     recs = run["records"]
     ok = [r for r in recs if not r["error"]]
     ttft = [r["chunk_times"][0] - r["start"] for r in ok if r["chunk_times"]]
-    itl = [b - a for r in ok for a, b in zip(r["chunk_times"], r["chunk_times"][1:])]
+    itl = [b - a for r in ok for a, b in itertools.pairwise(r["chunk_times"])]
     e2e = [r["end"] - r["start"] for r in ok]
     out_tokens = sum(len(r["token_ids"]) for r in ok)
     span = max(r["end"] for r in recs) - run["start"] if recs else float("nan")
@@ -249,25 +250,30 @@ def scrape(port: int) -> dict[str, float]:
 class Server:
     """One vLLM OpenAI server process (its own process group)."""
 
-    def __init__(self, bench: Bench, tag: str, ktc: dict[str, Any] | None,
-                 env_extra: dict[str, str] | None = None) -> None:
+    def __init__(self, base: str, tag: str, model_dir: str, *, max_model_len: int,
+                 engine_blocks: int, ktc: dict[str, Any] | None,
+                 env_extra: dict[str, str] | None = None, dtype: str = "bfloat16",
+                 reserved_cpus: str = "1", max_num_batched_tokens: int = 0,
+                 start_timeout: float = 300, keep_logs: str | None = None,
+                 prefix_caching: bool = True) -> None:
         self.port = free_port()
-        self.log_path = os.path.join(bench.base, f"{tag}.log")
-        a = bench.args
+        self.log_path = os.path.join(base, f"{tag}.log")
+        self.keep_logs = keep_logs
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", bench.model_dir, "--served-model-name", "m",
-               "--enforce-eager", "--dtype", "bfloat16",
-               "--max-model-len", str(bench.max_model_len), "--enable-prefix-caching",
-               "--num-gpu-blocks-override", str(bench.engine_blocks),
+               "--model", model_dir, "--served-model-name", "m",
+               "--enforce-eager", "--dtype", dtype,
+               "--max-model-len", str(max_model_len),
+               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+               "--num-gpu-blocks-override", str(engine_blocks),
                "--host", "127.0.0.1", "--port", str(self.port),
                "--enable-prompt-tokens-details", "--seed", "0"]
-        if a.max_num_batched_tokens:
-            cmd += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+        if max_num_batched_tokens:
+            cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
         if ktc is not None:
             cmd += ["--kv-transfer-config", json.dumps(ktc)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = a.reserved_cpus
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = reserved_cpus
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
         env.update(env_extra or {})
@@ -276,18 +282,18 @@ class Server:
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        deadline = time.monotonic() + a.start_timeout
+        deadline = time.monotonic() + start_timeout
         while True:
             if self.proc.poll() is not None:
                 self._log.close()
-                if a.keep_logs:
-                    shutil.copy(self.log_path, a.keep_logs)
+                if keep_logs:
+                    shutil.copy(self.log_path, keep_logs)
                 errs = [ln for ln in self.tail(400).splitlines() if "Error" in ln]
                 raise RuntimeError(f"server {tag} exited (rc {self.proc.returncode}): "
                                    f"{errs[-1] if errs else self.tail()}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"server {tag} not up in {a.start_timeout} s:\n{self.tail()}")
+                raise RuntimeError(f"server {tag} not up in {start_timeout} s:\n{self.tail()}")
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
                 break
@@ -319,6 +325,8 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self._log.close()
+        if self.keep_logs:
+            shutil.copy(self.log_path, self.keep_logs)
 
 
 class LMCacheServer:
@@ -458,6 +466,14 @@ class Bench:
         env.update(json.loads(self.args.lmcache_env or "{}"))
         return env
 
+    def server(self, tag: str, ktc: dict[str, Any] | None, config: str) -> Server:
+        a = self.args
+        return Server(self.base, tag, self.model_dir, max_model_len=self.max_model_len,
+                      engine_blocks=self.engine_blocks, ktc=ktc, env_extra=self.server_env(config),
+                      reserved_cpus=a.reserved_cpus,
+                      max_num_batched_tokens=a.max_num_batched_tokens,
+                      start_timeout=a.start_timeout, keep_logs=a.keep_logs)
+
     def cleanup_config(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         stats = self.stop_daemon()
@@ -477,7 +493,7 @@ class Bench:
         try:
             ktc = self.ktc(config)
             res["kv_transfer_config"] = ktc
-            server = Server(self, tag, ktc, self.server_env(config))
+            server = self.server(tag, ktc, config)
             res["startup_s"] = server.startup_s
             # One unrelated request first (the first step's one-time costs).
             asyncio.run(_warmup(server.url, self.wl))
@@ -512,8 +528,6 @@ class Bench:
             if server is not None:
                 res["log_notes"] = server.notes()
                 server.stop()
-                if self.args.keep_logs:
-                    shutil.copy(server.log_path, self.args.keep_logs)
             res.update(self.cleanup_config())
         return res
 
@@ -524,7 +538,7 @@ class Bench:
         server = None
         try:
             ktc = self.ktc(config)
-            server = Server(self, tag, ktc, self.server_env(config))
+            server = self.server(tag, ktc, config)
             out_dir = os.path.join(self.base, f"{tag}-result")
             os.makedirs(out_dir, exist_ok=True)
             cmd = [sys.executable, "-c", _VLLM_CLI, "bench", "serve",
@@ -568,8 +582,6 @@ class Bench:
             if server is not None:
                 res["log_notes"] = server.notes()
                 server.stop()
-                if self.args.keep_logs:
-                    shutil.copy(server.log_path, self.args.keep_logs)
             res.update(self.cleanup_config())
         return res
 
@@ -797,7 +809,7 @@ def main() -> int:
     args = p.parse_args()
     defaults = ({"users": 2, "rounds": 3, "system_tokens": 256, "message_tokens": 200,
                  "answer_tokens": 8, "rate": 4.0} if args.small else
-                {"users": 12, "rounds": 4, "system_tokens": 1024, "message_tokens": 256,
+                {"users": 12, "rounds": 5, "system_tokens": 1024, "message_tokens": 256,
                  "answer_tokens": 16, "rate": 2.0})
     for k, v in defaults.items():
         if getattr(args, k) is None:
