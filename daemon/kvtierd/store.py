@@ -811,6 +811,47 @@ class Store:
         from the pages now, after a full fence (a live view: the next read changes it)."""
         return ns.hazards.refresh(ns.pages)
 
+    def _idle_grants_in(self, ext: Extent) -> list[tuple[Session, int]]:
+        """The grants of ``ext``'s namespace's sessions in ``ext`` that no writer took
+        (session, grant entry)."""
+        owner = self.namespaces.get(ext.segment.namespace)
+        if owner is None or not ext.reserved:
+            return []
+        out: list[tuple[Session, int]] = []
+        for session in self.sessions.values():
+            if session.ns is not owner or not session.grants:
+                continue
+            page = owner.pages.get(session.id)
+            for g, (e, slot, _gen) in session.grants.items():
+                if e is ext and (page is None or page.grant_word(g) == _grant_word(e, slot)):
+                    out.append((session, g))
+        return out
+
+    def _revoke_idle_grants(self, exts: Sequence[Extent]) -> None:
+        """Take back the untaken grants in extents about to be reclaimed, all or none:
+        a writer that took one meanwhile (the page's compare-and-swap says so) puts
+        back the ones already taken back, and ``_Raced``."""
+        revoked: list[tuple[Session, int, int]] = []
+        for ext in exts:
+            for session, g in self._idle_grants_in(ext):
+                page = session.ns.pages.get(session.id)
+                e, slot, _gen = session.grants[g]
+                word = _grant_word(e, slot)
+                if page is not None and not page.revoke_grant(g, word):
+                    for s2, g2, w2 in revoked:
+                        page2 = s2.ns.pages.get(s2.id)
+                        if page2 is not None:
+                            page2.set_grant(g2, w2)
+                    raise _Raced()
+                revoked.append((session, g, word))
+        # Applied: the slots go back (the extents' reserved counts drop to their
+        # quarantine, which retirement drops with them).
+        by_session: dict[int, tuple[Session, list[int]]] = {}
+        for session, g, _word in revoked:
+            by_session.setdefault(session.id, (session, []))[1].append(g)
+        for session, entries in by_session.values():
+            self._end_grants(session, entries)
+
     def _held_segments(self, ns: Namespace) -> set[int]:
         """The segments of ``ns`` in which its clients lease a slot without a call."""
         self._hazards(ns)
@@ -887,6 +928,11 @@ class Store:
                 held_segments[other.name] = self._held_segments(other)
             return ext.segment.segment_id in held_segments[other.name]
 
+        def unreserved(ext: Extent) -> bool:
+            # Reserved slots that are only grants no writer took can be taken back
+            # (``_revoke_idle_grants``): they do not hold an extent against reclaim.
+            return ext.reserved == 0 or ext.reserved == len(self._idle_grants_in(ext))
+
         if may_grow:
             # Empty extents of other namespaces cost nothing to reclaim (but never
             # take what a namespace that is growing right now just created).
@@ -894,7 +940,7 @@ class Store:
                 if other is ns or other.grow_lock.locked():
                     continue
                 for ext in other.extents:
-                    if (not funded() and ext.committed == 0 and ext.reserved == 0
+                    if (not funded() and ext.committed == 0 and unreserved(ext)
                             and not leased_in(other, ext)):
                         reclaim.append(ext)
                         reclaim_bytes += ext.bytes
@@ -914,7 +960,7 @@ class Store:
             elif may_grow and id(block.extent) not in considered:
                 considered.add(id(block.extent))
                 ext = block.extent
-                if (ext.reserved == 0 and ext.pinned == 0 and not block.ns.grow_lock.locked()
+                if (ext.pinned == 0 and not block.ns.grow_lock.locked() and unreserved(ext)
                         and not leased_in(block.ns, ext)):
                     if spill and ext.dirty:
                         # In LRU order this extent goes before anything younger: it is
@@ -927,6 +973,13 @@ class Store:
                         reclaim_bytes += ext.bytes
         if reclaim and funded():
             self._hide_for_reclaim(reclaim)  # or _Raced: a client leased meanwhile
+            try:
+                self._revoke_idle_grants(reclaim)  # or _Raced: a writer took one
+            except _Raced:
+                for ext in reclaim:
+                    owner = self.namespaces[ext.segment.namespace]
+                    self._unhide(owner, [b for b in owner.index.values() if b.extent is ext])
+                raise
             try:
                 self._retire_extents(reclaim, "for another namespace")
             finally:

@@ -410,3 +410,34 @@ def test_any_write_area_leaves_the_store_consistent(
         close_store(env.store)
         for name in os.listdir(shm_dir):
             os.unlink(os.path.join(shm_dir, name))
+
+
+def test_another_namespace_reclaims_an_extent_whose_only_reservations_are_idle_grants(
+        granting: StoreEnv) -> None:
+    """Grants no writer took do not hold an extent: reclaim takes them back first (the
+    page's entries go to 0); a grant a writer took does hold it, and then the other
+    namespace evicts its own blocks instead."""
+    env = granting
+    a, b = session(env, "A"), session(env, "B")
+    put(env, a, keys(3, "a"))  # A's one extent
+    page, writes, bell = _attach(env, a)
+    assert env.store.refill_grants(a, GRANTS) == GRANTS
+    entries = sorted(a.grants)
+    put(env, b, keys(15, "b"))  # B's extent: the budget is spent
+    # B needs a second extent: A's (3 blocks, 4 idle grants) is reclaimed.
+    put(env, b, keys(4, "b2"))
+    assert a.grants == {} and all(page.grant_word(e) == 0 for e in entries)
+    assert a.ns.extents == [] and a.ns.reserved == 0
+    assert env.store.lookup(b, keys(15, "b")) == 15 and env.store.lookup(b, keys(4, "b2")) == 4
+    assert env.store.check() == []
+    # Again, with one grant taken by a writer: A's extent stays, B evicts its own.
+    put(env, a, keys(3, "a3"))
+    assert env.store.refill_grants(a, GRANTS) == GRANTS
+    held = writes.take(1)
+    assert held is not None
+    a_extents = list(a.ns.extents)
+    put(env, b, keys(4, "b3"))
+    assert a.ns.extents == a_extents and held[0].entry in a.grants
+    assert env.store.lookup(b, keys(4, "b3")) == 4
+    assert env.store.check() == []
+    _detach(env, a, page, writes, bell)
