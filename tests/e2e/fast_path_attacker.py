@@ -107,6 +107,10 @@ def doorbell(sock: str, seconds: float, out: dict[str, Any]) -> None:
                 return
 
     def ring() -> None:
+        # Now and then, so that a drainer sharing the daemon's open file description
+        # (the eventfd there was) would empty it between the daemon's wakeup and read;
+        # and then in bursts that fill a pipe.
+        n = 0
         while not stop.is_set():
             try:
                 os.write(bell, struct.pack("<Q", 1))
@@ -114,6 +118,9 @@ def doorbell(sock: str, seconds: float, out: dict[str, Any]) -> None:
             except OSError as exc:
                 out["ring_error"] = exc.strerror
                 return
+            n += 1
+            if n % 1000 < 100:
+                time.sleep(0.001)
 
     threads = [threading.Thread(target=drain, daemon=True),
                threading.Thread(target=ring, daemon=True),
