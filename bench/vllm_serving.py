@@ -430,6 +430,9 @@ class Bench:
     def ktc(self, config: str, extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """The kv_transfer_config of a configuration (starting what it needs)."""
         a = self.args
+        if config in a.variants:  # NAME=BASE:{extra config}
+            base, more = a.variants[config]
+            return self.ktc(base, {**(extra or {}), **more})
         if config == "none":
             return None
         if config in KVTIER_CONFIGS:
@@ -768,7 +771,11 @@ def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--configs", nargs="+", choices=KNOWN_CONFIGS, default=ALL_CONFIGS)
+    p.add_argument("--configs", nargs="+", default=ALL_CONFIGS,
+                   help=f"of {', '.join(KNOWN_CONFIGS)} and --variant names")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:JSON",
+                   help="a configuration BASE with JSON merged into its connector's "
+                   "kv_connector_extra_config, e.g. 'kvtier_asave=kvtier:{\"async_save\":true}'")
     p.add_argument("--repeat", type=int, default=1, help="rounds of every configuration "
                    "(the order rotates)")
     p.add_argument("--small", action="store_true", help="2-layer model, short workload")
@@ -814,6 +821,16 @@ def main() -> int:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    args.variants = {}
+    for v in args.variant:
+        name, _, rest = v.partition("=")
+        vbase, _, extra = rest.partition(":")
+        if not name or vbase not in KNOWN_CONFIGS:
+            p.error(f"--variant {v!r}: want NAME=BASE:JSON with BASE one of {KNOWN_CONFIGS}")
+        args.variants[name] = (vbase, json.loads(extra or "{}"))
+    unknown = [c for c in args.configs if c not in KNOWN_CONFIGS and c not in args.variants]
+    if unknown:
+        p.error(f"unknown configurations {unknown}")
     if args.keep_logs:
         os.makedirs(args.keep_logs, exist_ok=True)
     base = tempfile.mkdtemp(prefix="kvt-serving-", dir="/tmp")

@@ -23,7 +23,8 @@ What it does, per request:
   is copied whole into its vLLM block of every layer (``kvtier.torch.load``: one copy per
   byte on CPU, one DMA from page-locked slots on CUDA), before the step's forward pass;
   with ``load_mode: "async"`` in a background thread instead, the request waiting in
-  ``WAITING_FOR_REMOTE_KVS`` until ``get_finished`` reports it.  ``wait_for_save``: every block of
+  ``WAITING_FOR_REMOTE_KVS`` until ``get_finished`` reports it (``"auto"``: in the
+  background only when a block to load was below DRAM at the lookup).  ``wait_for_save``: every block of
   the step that became full is gathered from all layers into reserved slots and committed
   in one ``Reserve`` + ``Commit`` for the whole step (blocks already stored are skipped).
 * **Failure is a recompute**: kvtierd down (at start or later), restarted, a block evicted
@@ -91,7 +92,7 @@ if TYPE_CHECKING:
 # A name under "vllm." so the engine's log handlers (and format) apply.
 logger = init_logger("vllm.kvtier")
 
-LOAD_MODES: Final = ("sync", "async", "off")
+LOAD_MODES: Final = ("sync", "async", "off", "auto")
 #: Background saves queued at most before wait_for_save waits for them.
 _MAX_PENDING_SAVES: Final = 8
 FAILURE_POLICIES: Final = ("recompute", "fail")
@@ -136,7 +137,9 @@ class ConnectorConfig:
     salt: str = ""
     #: ``sync``: load in the step that computes the request's tail, before its forward pass;
     #: ``async``: load in a background thread while other requests' steps run (the request
-    #: waits in ``WAITING_FOR_REMOTE_KVS``); ``off``: save only.
+    #: waits in ``WAITING_FOR_REMOTE_KVS``); ``auto``: ``sync`` when every block to load was
+    #: in DRAM at the lookup, ``async`` when one was below it (SSD, shared or cluster tier:
+    #: a read from disk does not hold up the other requests' step); ``off``: save only.
     load_mode: str = "sync"
     #: Store the blocks this engine computes.
     save: bool = True
@@ -460,6 +463,9 @@ class LoadSpec:
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    #: Load in the background (vLLM was told the load is asynchronous); None: as the
+    #: worker's ``load_mode`` says.
+    background: bool | None = None
 
 
 @dataclasses.dataclass
@@ -486,6 +492,7 @@ class _Request:
     hits: int | None = None  # claimable blocks found by the last lookup (None: not looked up)
     tiers: list[Tier] = dataclasses.field(default_factory=list)
     local_tokens: int = 0  # tokens vLLM's own prefix cache had at the lookup
+    background: bool = False  # vLLM was told this request's load is asynchronous
 
     def keys_upto(self, blocks: int, block_tokens: int) -> list[bytes]:
         if blocks <= len(self.prompt_keys):
@@ -568,9 +575,18 @@ class _Scheduler:
         st.local_tokens = num_computed_tokens
         return max(0, st.hits * self._block - num_computed_tokens)
 
-    @property
-    def load_async(self) -> bool:
-        return self._cfg.load_mode == "async"
+    def load_async(self, request: Request) -> bool:
+        """Whether the request's claimed blocks load in the background (``async``, or
+        ``auto`` with a block below DRAM at the lookup); remembered for its load."""
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return False
+        if self._cfg.load_mode == "auto":
+            first = st.local_tokens // self._block
+            st.background = any(t != Tier.DRAM for t in st.tiers[first:])
+        else:
+            st.background = self._cfg.load_mode == "async"
+        return st.background
 
     def hit_sources(self, request: Request, tokens: int) -> dict[CacheHitSource, int]:
         st = self._reqs.get(request.request_id)
@@ -597,7 +613,7 @@ class _Scheduler:
         stop = min(start + math.ceil(num_external / self._block), hits, len(ids))
         if stop > start:
             self._loads.append(LoadSpec(request.request_id, st.prompt_keys[start:stop],
-                                        ids[start:stop]))
+                                        ids[start:stop], st.background))
             self._counters.add("hit_tokens", num_external)
 
     def build_meta(self, out: SchedulerOutput) -> KVTierMetadata:
@@ -744,7 +760,7 @@ class _Worker:
                         "per-page torch copies (a page is not contiguous)")
         if self._cfg.async_save and on_cpu:
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
-        if self._cfg.load_mode == "async":
+        if self._cfg.load_mode in ("async", "auto"):
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._link = _Link(self._cfg, namespace_args(self._cfg.namespace_prefix, identity, digest,
                                                      geometry, rank, tp),
@@ -763,15 +779,21 @@ class _Worker:
         """Copy the step's hits into their blocks: now, or in the background (async)."""
         if not meta.loads:
             return
-        if self._loader is None:
-            for spec in meta.loads:
-                self._load_errors.update(self._load_spec(spec))
-            return
-        if not self._loaded_async:
-            self._loaded_async = True
-            logger.info("kvtier: loading in the background (load_mode async); requests wait "
-                        "for their blocks in WAITING_FOR_REMOTE_KVS")
         for spec in meta.loads:
+            background = spec.background if spec.background is not None else \
+                self._loader is not None
+            if not background:
+                self._load_errors.update(self._load_spec(spec))
+                continue
+            if self._loader is None:  # vLLM waits for get_finished to name it: load it now
+                fut: Future[list[int]] = Future()
+                fut.set_result(self._load_spec(spec))
+                self._loading[spec.req_id] = fut
+                continue
+            if not self._loaded_async:
+                self._loaded_async = True
+                logger.info("kvtier: loading in the background (load_mode %s); requests wait "
+                            "for their blocks in WAITING_FOR_REMOTE_KVS", self._cfg.load_mode)
             self._loading[spec.req_id] = self._loader.submit(self._load_spec, spec)
 
     def finished_loads(self) -> set[str]:
@@ -984,7 +1006,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return 0, False
         n = self._scheduler.matched(request, num_computed_tokens)
-        return n, n > 0 and self._scheduler.load_async
+        return n, n > 0 and self._scheduler.load_async(request)
 
     def get_external_cache_hit_sources(self, request: Request,
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:

@@ -226,7 +226,7 @@ class FakeRequest:
         return self.prompt_token_ids
 
 
-def _scheduler(daemon: DaemonProc, tp: int) -> tuple[_Scheduler, _Counters]:
+def _scheduler(daemon: DaemonProc, tp: int, **extra: Any) -> tuple[_Scheduler, _Counters]:
     spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32,
                            page_size_bytes=GEOM.page_bytes)
     kv = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["a", "b"],
@@ -234,7 +234,7 @@ def _scheduler(daemon: DaemonProc, tp: int) -> tuple[_Scheduler, _Counters]:
     vc = _vllm_config()
     vc.parallel_config.tensor_parallel_size = tp
     counters = _Counters()
-    cfg = ConnectorConfig.from_extra({"socket_dir": daemon.socket_dir})
+    cfg = ConnectorConfig.from_extra({"socket_dir": daemon.socket_dir, **extra})
     return _Scheduler(vc, kv, cfg, counters, _Throttle()), counters  # type: ignore[arg-type]
 
 
@@ -510,3 +510,67 @@ def test_blocks_from_vllms_own_prefix_cache_are_not_saved_again(daemon: DaemonPr
     assert meta.save_keys == [more[3]] and meta.save_block_ids == [8]
     assert more[:3] == keys[:3]
     sched.close()
+
+
+def test_auto_load_mode_loads_dram_hits_in_the_step_and_ssd_hits_in_the_background(
+        workdir: str) -> None:
+    """load_mode auto: a hit all in DRAM is loaded synchronously (vLLM is told so), one with
+    a block on the SSD tier in the background; the worker follows each request's flag."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import start_daemon, stop_daemon
+
+    d = start_daemon(workdir, "--set", f"spill.ssd_dir={os.path.join(workdir, 'ssd')}",
+                     "--set", "spill.ssd_capacity=64MiB")
+    try:
+        sched, _ = _scheduler(d, tp=1, load_mode="auto")
+        tokens = list(range(3, 3 + 3 * BLOCK + 3))
+        keys = block_keys(tokens, BLOCK, request_salt("", None, None))
+        _store(d, sched, 0, keys[:3])
+        conn = SimpleNamespace(_scheduler=sched)
+        blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))
+        req = FakeRequest("dram", tokens)
+        n, background = KVTierConnector.get_num_new_matched_tokens(conn, req, 0)  # type: ignore[arg-type]
+        assert (n, background) == (3 * BLOCK, False)
+        sched.after_alloc(req, blocks, n)  # type: ignore[arg-type]
+        # Copy every block to SSD, then drop the DRAM copies: the next lookup finds them on SSD.
+        ns = sched._links[0].args["namespace"]
+        cli = [os.path.join(os.path.dirname(sys.executable), "kvtier"), "--socket", d.socket_dir]
+        subprocess.run([*cli, "drain", "--timeout", "60"], check=True, capture_output=True)
+        subprocess.run([*cli, "evict", "--namespace", ns, "--all", "--tier", "dram"], check=True,
+                       capture_output=True)
+        req2 = FakeRequest("ssd", tokens)
+        n, background = KVTierConnector.get_num_new_matched_tokens(conn, req2, 0)  # type: ignore[arg-type]
+        assert (n, background) == (3 * BLOCK, True)
+        sched.after_alloc(req2, blocks, n)  # type: ignore[arg-type]
+        meta = sched.build_meta(SimpleNamespace(  # type: ignore[arg-type]
+            scheduled_new_reqs=[], num_scheduled_tokens={},
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                                  resumed_req_ids=set(),
+                                                  num_computed_tokens=[])))
+        assert [(s.req_id, s.background) for s in meta.loads] == [("dram", False), ("ssd", True)]
+        sched.close()
+        # The worker: the sync one is in place when load() returns, the other one is reported
+        # by finished_loads() (vLLM waits for it), never the sync one.
+        src = [_filled(CPU_SHAPE, i) for i in range(LAYERS)]
+        w, _ = _worker(d.socket_dir, src)
+        _save(w, [b"k0", b"k1"], [0, 1])
+        dst = [torch.zeros(CPU_SHAPE) for _ in range(LAYERS)]
+        w2, _ = _worker(d.socket_dir, dst, load_mode="auto")
+        w2.load(KVTierMetadata(loads=[LoadSpec("now", [b"k0"], [5], False),
+                                      LoadSpec("later", [b"k1"], [6], True)]))
+        assert torch.equal(dst[0][5], src[0][0])
+        deadline = time.monotonic() + 10
+        done: set[str] = set()
+        while "later" not in done:
+            assert time.monotonic() < deadline
+            done |= w2.finished_loads()
+            time.sleep(0.01)
+        assert done == {"later"} and torch.equal(dst[1][6], src[1][1])
+        w.close()
+        w2.close()
+        assert d.check() == []
+    finally:
+        stop_daemon(d)
