@@ -441,35 +441,37 @@ class Segment:
         _unlink_quietly(self.meta_path)
         _unlink_quietly(self.path)
 
-    def close(self, *, unlink: bool, free: bool = False) -> None:
+    def close(self, *, unlink: bool, free: bool = False, keep_fd: bool = False) -> int | None:
         """Unmap and close; with ``unlink`` also remove the files (their data is gone).
 
-        ``free`` (a segment the store retired, or never used): the data file is cut
-        to 0 bytes before its fd is closed, so its memory goes back to the host now
-        even while clients still hold fds or mappings of it (a client that kept its
-        fd kept the pages of an unlinked file: memory beyond ``dram.capacity``,
-        charged to the daemon).  Such a client's next touch of the file faults,
-        which its library turns into a miss.  Only once the daemon's own mapping is
-        gone: a view still exported keeps the file as it is."""
-        unmapped = True
+        ``free`` (a segment the store retired or dropped): the data file's memory
+        goes back to the host now, even while clients still hold fds or mappings of
+        it (a client that kept its fd kept the pages of an unlinked file: memory
+        beyond ``dram.capacity``).  It is freed by punching the whole file: a
+        client's stale mapping then reads zeros, and a page it writes is a new one,
+        charged to the client.  No fault: a writer stalled past its reservation,
+        or a reader past its lease, is slow, not hostile.  ``keep_fd``: return a
+        duplicate of the data file's fd (None if it could not be made), which the
+        store cuts to 0 bytes later (``cut_data_file``), when no honest client can
+        still be touching it."""
         for mm in (self.mm, self.meta):
             try:
                 mm.close()
             except BufferError:  # a view is still exported; the GC unmaps it later
-                unmapped = False
-        if free and unmapped:
-            try:
-                os.ftruncate(self.fd, 0)
-            except OSError as exc:
-                log.warning("segment %s: its memory could not be freed: %s",
-                            os.path.basename(self.path), exc)
-        elif free:
-            log.warning("segment %s: still viewed at close, its memory is freed only when "
-                        "the last view goes", os.path.basename(self.path))
+                pass
+        kept = None
+        if free:
+            punch_data_file(self.fd, os.path.basename(self.path))
+            if keep_fd:
+                try:
+                    kept = os.dup(self.fd)
+                except OSError:
+                    kept = None
         os.close(self.fd)
         os.close(self.meta_fd)
         if unlink:
             self.unlink()
+        return kept
 
     # ----------------------------------------------------------- header
     def _write_header(self, boot_epoch: int) -> None:
@@ -612,6 +614,34 @@ def _check_header_fields(namespace: str, model_uid: str) -> tuple[bytes, bytes]:
         raise ValueError(f"namespace ({len(name)} B) or model_uid ({len(uid)} B) too long "
                          f"for the header ({NAME_BYTES}/{UID_BYTES} B)")
     return name, uid
+
+
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+_libc.fallocate.restype = ctypes.c_int
+_FALLOC_FL_KEEP_SIZE: Final = 0x01
+_FALLOC_FL_PUNCH_HOLE: Final = 0x02
+
+
+def punch_data_file(fd: int, name: str) -> None:
+    """Give a data file's memory back (its size stays; it reads as zeros)."""
+    try:
+        size = os.fstat(fd).st_size
+        if size and _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                                    0, size) != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    except OSError as exc:
+        log.warning("segment %s: its memory could not be freed: %s", name, exc)
+
+
+def cut_data_file(fd: int) -> None:
+    """Cut a retired data file to 0 bytes and close the fd the store kept of it: what a
+    client re-touched of it since it was punched goes too (a touch faults from now)."""
+    try:
+        os.ftruncate(fd, 0)
+    except OSError as exc:
+        log.warning("a retired data file could not be cut to 0 bytes: %s", exc)
+    finally:
+        os.close(fd)
 
 
 def _create_file(path: str, size: int, undo: contextlib.ExitStack) -> int:

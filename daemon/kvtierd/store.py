@@ -85,6 +85,7 @@ from kvtierd.segments import (
     SegmentLayout,
     SlotRecord,
     SlotState,
+    cut_data_file,
 )
 from kvtierd.shared_index import (
     GRANT_TAKEN,
@@ -331,6 +332,9 @@ class CommitResult:
 GRANT_IDLE_SECONDS: Final = 5.0
 
 
+#: Retired data files kept (an fd each) until their grace is over; past this many the
+#: oldest is cut at once.
+MAX_KEPT_RETIRED: Final = 256
 #: Blocks read without a call that one ``note_reads`` moves in the LRU (the pages'
 #: rings are hints the clients write: past this many the rest are dropped).
 MAX_READ_HINTS: Final = 4096
@@ -406,14 +410,15 @@ def _rewrite(segment: Segment, slot: int, rec: SlotRecord) -> None:
                            epoch=rec.epoch)
 
 
-def _close_quietly(segment: Segment, unlink: bool) -> None:
+def _close_quietly(segment: Segment, unlink: bool, keep_fd: bool = False) -> int | None:
     """Close a segment the store no longer holds, and free its memory whoever still
     holds an fd (worker thread): nothing waits for the result, so a failure is logged
-    here."""
+    here.  ``keep_fd``: a duplicate of its data fd, to cut the file to 0 later."""
     try:
-        segment.close(unlink=unlink, free=True)
+        return segment.close(unlink=unlink, free=True, keep_fd=keep_fd)
     except OSError as exc:
         log.warning("closing segment %s failed: %s", segment.path, exc)
+        return None
 
 
 #: The mutable fields of a block (``check_snapshot`` copies them on the loop).
@@ -474,7 +479,9 @@ class Store:
         self._adopted_at: list[int] = []
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, Lease] = {}
-        self._retiring: set[asyncio.Future[None]] = set()
+        self._retiring: set[asyncio.Future[int | None]] = set()
+        #: Retired data files to cut to 0 bytes, in order: (when, a duplicate of its fd).
+        self._to_cut: collections.deque[tuple[float, int]] = collections.deque()
         # event counters (read by metrics at scrape time)
         self.evictions = 0
         #: Namespace name -> its DRAM quota in bytes (0: none); the daemon sets it from
@@ -832,16 +839,24 @@ class Store:
         a writer that took one meanwhile (the page's compare-and-swap says so) puts
         back the ones already taken back, and ``_Raced``."""
         revoked: list[tuple[Session, int, int]] = []
+
+        def put_back() -> None:
+            for s2, g2, w2 in revoked:
+                page2 = s2.ns.pages.get(s2.id)
+                if page2 is not None:
+                    page2.set_grant(g2, w2)
+
         for ext in exts:
-            for session, g in self._idle_grants_in(ext):
+            idle = self._idle_grants_in(ext)
+            if len(idle) != ext.reserved - len(ext.quarantine):
+                put_back()  # a writer took one since the plan was made
+                raise _Raced()
+            for session, g in idle:
                 page = session.ns.pages.get(session.id)
                 e, slot, _gen = session.grants[g]
                 word = _grant_word(e, slot)
                 if page is not None and not page.revoke_grant(g, word):
-                    for s2, g2, w2 in revoked:
-                        page2 = s2.ns.pages.get(s2.id)
-                        if page2 is not None:
-                            page2.set_grant(g2, w2)
+                    put_back()
                     raise _Raced()
                 revoked.append((session, g, word))
         # Applied: the slots go back (the extents' reserved counts drop to their
@@ -1713,7 +1728,9 @@ class Store:
         evicted).  The slot tables of a removed file are not written any more.
         """
         for ext in exts:
-            assert ext.pinned == 0 and ext.reserved == len(ext.quarantine), "extent in use"
+            assert ext.pinned == 0 and ext.reserved == len(ext.quarantine), (
+                f"extent in use: {ext.pinned} pinned, {ext.reserved} reserved, "
+                f"{len(ext.quarantine)} quarantined")
         for ext in exts:
             ext.segment.unlink()
         # Applied: nothing below can fail.
@@ -1736,15 +1753,39 @@ class Store:
         self._report_evicted(evicted)
 
     def _close_later(self, segment: Segment) -> None:
-        """Unmap a retired segment off the loop (``drain`` waits for it)."""
+        """Unmap a retired segment and free its memory off the loop (``drain`` waits for
+        it); its data file is cut to 0 bytes ``retired_grace`` later (``_cut_retired``)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             _close_quietly(segment, False)
             return
-        fut = loop.run_in_executor(None, _close_quietly, segment, False)
+        fut = loop.run_in_executor(None, _close_quietly, segment, False, True)
         self._retiring.add(fut)
         fut.add_done_callback(self._retiring.discard)
+        fut.add_done_callback(self._kept)
+
+    def _kept(self, fut: asyncio.Future[int | None]) -> None:
+        if fut.cancelled() or fut.exception() is not None or fut.result() is None:
+            return
+        fd = fut.result()
+        assert fd is not None
+        self._to_cut.append((self._clock() + self.retired_grace, fd))
+        while len(self._to_cut) > MAX_KEPT_RETIRED:  # fds are finite: the oldest go now
+            cut_data_file(self._to_cut.popleft()[1])
+
+    @property
+    def retired_grace(self) -> float:
+        """How long a retired data file keeps its size (punched: it reads as zeros)
+        before it is cut to 0 bytes: past a reservation's and a lease's TTL, no honest
+        client still writes or reads it, so only then does a touch fault."""
+        return max(self.reservation_ttl, self.lease_ttl)
+
+    def _cut_retired(self, *, everything: bool = False) -> None:
+        """Cut the retired data files whose grace is over (all, with ``everything``)."""
+        now = self._clock()
+        while self._to_cut and (everything or self._to_cut[0][0] <= now):
+            cut_data_file(self._to_cut.popleft()[1])
 
     def _reformat(self, ns: Namespace, why: str) -> None:
         """Drop a namespace nobody uses yet: every extent retired, its files removed.
@@ -1918,9 +1959,12 @@ class Store:
         """Wait for extents being retired in the background."""
         if self._retiring:
             await asyncio.gather(*self._retiring, return_exceptions=True)
+        self._cut_retired(everything=True)
 
     def close_all(self) -> None:
-        """Unmap every segment, keeping the files (the warm-restart path re-attaches them)."""
+        """Unmap every segment, keeping the files (the warm-restart path re-attaches them);
+        retired files still in their grace are cut now."""
+        self._cut_retired(everything=True)
         for ns in self.namespaces.values():
             self._unpublish(ns)
             for ext in ns.extents:
@@ -1934,6 +1978,7 @@ class Store:
         Returns (reserved slots returned per namespace, leases released).
         """
         now = self._clock()
+        self._cut_retired()
         for ns in self.namespaces.values():
             self.note_reads(ns)  # the LRU hears of the reads made without a call
         stale_res = [r for r in self._reservations.values()

@@ -441,3 +441,35 @@ def test_another_namespace_reclaims_an_extent_whose_only_reservations_are_idle_g
     assert env.store.lookup(b, keys(4, "b3")) == 4
     assert env.store.check() == []
     _detach(env, a, page, writes, bell)
+
+
+def test_a_grant_taken_while_its_extent_is_being_reclaimed_keeps_the_extent(
+        granting: StoreEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race the compare-and-swap settles: a writer takes a grant after the reclaim
+    was planned and before its grants are taken back.  The plan is dropped (none of
+    the grants is taken back, the blocks are in the table again) and made again."""
+    env = granting
+    a, b = session(env, "A"), session(env, "B")
+    put(env, a, keys(3, "a"))
+    page, writes, bell = _attach(env, a)
+    assert env.store.refill_grants(a, GRANTS) == GRANTS
+    put(env, b, keys(15, "b"))
+    revoke = env.store._revoke_idle_grants
+    taken: list[object] = []
+
+    def racing(exts: list[object]) -> None:
+        if not taken:
+            got = writes.take(1)  # the writer, between the plan and the take-back
+            assert got is not None
+            taken.extend(got)
+        revoke(exts)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(env.store, "_revoke_idle_grants", racing)
+    a_extents = list(a.ns.extents)
+    put(env, b, keys(4, "b2"))  # B evicts its own blocks instead
+    assert taken and a.ns.extents == a_extents
+    assert len(a.grants) == GRANTS  # none taken back
+    assert all(page.grant_word(e) != 0 for e in a.grants)
+    assert env.store.lookup(a, keys(3, "a")) == 3 and env.store.lookup(b, keys(4, "b2")) == 4
+    assert env.store.check() == []
+    _detach(env, a, page, writes, bell)
