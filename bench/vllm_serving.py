@@ -769,7 +769,76 @@ def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     return out
 
 
+def markdown(results: dict[str, Any]) -> str:
+    """The tables of a results file, as Markdown (medians over rounds, and each round)."""
+    lines = []
+    conv = results["conversations"]
+    table = {c: aggregate(rs) for c, rs in conv.items()}
+    base = table.get("none", {})
+
+    def cell(s: dict[str, Any], k: str, ms: bool = True) -> str:
+        v = s.get(k)
+        if v is None:
+            return "-"
+        b = base.get(k)
+        x = f" ({v / b:.2f}x)" if b else ""
+        return f"{v * 1e3:.0f}{x}" if ms else f"{v:.3f}{x}"
+
+    lines.append("| config | req/s (x none) | out tok/s | TTFT p50 ms (x none) | TTFT p99 ms | "
+                 "ITL p50 ms | ITL p99 ms (x none) | external hit rate | vLLM prefix hit "
+                 "rate |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for c, s in table.items():
+        if "error" in s:
+            lines.append(f"| {c} | failed: {s['error'][:120]} | | | | | | | |")
+            continue
+        lines.append(f"| {c} | {cell(s, 'req_per_s', False)} | {s['out_tok_per_s']:.1f} | "
+                     f"{cell(s, 'ttft_p50_s')} | {s['ttft_p99_s'] * 1e3:.0f} | "
+                     f"{s['itl_p50_s'] * 1e3:.0f} | {cell(s, 'itl_p99_s')} | "
+                     f"{_rate(s.get('hit_external'))} | {_rate(s.get('hit_local'))} |")
+    lines += ["", "Each round (req/s, TTFT p50 ms, ITL p99 ms; connector counters for kvtier):",
+              ""]
+    lines.append("| config | round | req/s | TTFT p50 | ITL p99 | kvtier: loaded / failed blocks, "
+                 "load s, lookup s, saved blocks, save s |")
+    lines.append("|---|---:|---:|---:|---:|---|")
+    for c, rs in conv.items():
+        for i, r in enumerate(rs):
+            if "summary" not in r:
+                lines.append(f"| {c} | {i + 1} | failed | | | |")
+                continue
+            s, m = r["summary"], r["metrics"]
+
+            def g(k: str, m: dict[str, float] = m) -> float:
+                return m.get(f"vllm:kvtier_{k}_total", 0.0)
+
+            kv = (f"{g('loaded_blocks'):.0f} / {g('failed_blocks'):.0f}, {g('load_seconds'):.2f}, "
+                  f"{g('lookup_seconds'):.2f}, {g('saved_blocks'):.0f}, {g('save_seconds'):.2f}"
+                  if g("lookups") else "")
+            lines.append(f"| {c} | {i + 1} | {s['req_per_s']:.3f} | {s['ttft_p50_s'] * 1e3:.0f} | "
+                         f"{s['itl_p99_s'] * 1e3:.0f} | {kv} |")
+    bs = results.get("bench_serve") or {}
+    if bs:
+        lines += ["", "| `vllm bench serve` prefix_repetition | req/s | out tok/s | TTFT p50 ms | "
+                  "TTFT p99 ms | ITL p50 ms | ITL p99 ms | external hit rate | vLLM prefix hit "
+                  "rate |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for c, rs in bs.items():
+            s = aggregate(rs)
+            if "error" in s:
+                lines.append(f"| {c} | failed: {s['error'][:120]} | | | | | | | |")
+                continue
+            lines.append(f"| {c} (median of {s['runs']}) | {s['request_throughput']:.3f} | "
+                         f"{s['output_throughput']:.1f} | {s['median_ttft_ms']:.0f} | "
+                         f"{s['p99_ttft_ms']:.0f} | {s['median_itl_ms']:.0f} | "
+                         f"{s['p99_itl_ms']:.0f} | {_rate(s.get('hit_external'))} | "
+                         f"{_rate(s.get('hit_local'))} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--markdown":
+        with open(sys.argv[2]) as f:
+            print(markdown(json.load(f)))
+        return 0
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--configs", nargs="+", default=ALL_CONFIGS,
                    help=f"of {', '.join(KNOWN_CONFIGS)} and --variant names")
