@@ -4,7 +4,8 @@
 in and out) against a server whose own KV cache holds less than the users' histories.  Here
 the same driver runs two users for two rounds against a server without a connector and one
 with the kvtier connector and a real kvtierd: the second round must load what the first
-saved (the engine evicted it in between), and every answer must be the same token for token.
+saved (vLLM's own prefix cache is off here, see ``_serve``), and every answer must be the
+same token for token.
 """
 
 from __future__ import annotations
