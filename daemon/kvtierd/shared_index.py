@@ -561,13 +561,12 @@ class HazardUnion:
     reserve costs a comparison per page that may hold hazards.
 
     ``refresh`` reads the pages and returns a set-like view of their union:
-    membership asks each page's set (no union is built on the reserve path); size,
-    iteration and ``segments`` build the union once per change."""
+    membership asks each page's set (no union is built on the reserve path); size
+    and iteration build the union once per change."""
 
     def __init__(self) -> None:
         self._of: dict[int, frozenset[int]] = {}
         self._union: frozenset[int] | None = frozenset()
-        self._segments: frozenset[int] | None = frozenset()
 
     def refresh(self, pages: Mapping[int, SessionPage]) -> _Held:
         fence()
@@ -585,18 +584,13 @@ class HazardUnion:
                     of[sid] = now
                     changed = True
         if changed:
-            self._union = self._segments = None
+            self._union = None
         return _Held(self)
 
     def union(self) -> frozenset[int]:
         if self._union is None:
             self._union = frozenset().union(*self._of.values())
         return self._union
-
-    def segments(self) -> frozenset[int]:
-        if self._segments is None:
-            self._segments = frozenset(v >> 32 & 0x7FFF_FFFF for v in self.union())
-        return self._segments
 
 
 class _Held(AbstractSet[int]):

@@ -868,9 +868,15 @@ class Store:
             self._end_grants(session, entries)
 
     def _held_segments(self, ns: Namespace) -> set[int]:
-        """The segments of ``ns`` in which its clients lease a slot without a call."""
-        self._hazards(ns)
-        return set(ns.hazards.segments())
+        """The segments of ``ns`` in which its clients lease a slot without a call: a
+        hazard counts only where it names a slot the extent has (a page's garbage,
+        say random slot numbers in real segments, pins no extent against reclaim)."""
+        held = self._hazards(ns)
+        if not held:
+            return set()
+        slots = {e.segment.segment_id: e.n_slots for e in ns.extents}
+        return {sid for v in held
+                if (sid := v >> 32 & 0x7FFF_FFFF) in slots and v & 0xFFFF_FFFF < slots[sid]}
 
     def _hide_for_reclaim(self, exts: Sequence[Extent]) -> None:
         """Take the blocks of other namespaces' extents about to be reclaimed out of

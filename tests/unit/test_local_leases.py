@@ -404,3 +404,41 @@ def test_any_page_content_leaves_the_store_consistent(
         close_store(env.store)
         for name in os.listdir(shm_dir):
             os.unlink(os.path.join(shm_dir, name))
+
+
+def test_a_hazard_pins_its_extent_against_reclaim_only_where_it_names_a_real_slot(
+        shm_dir: str) -> None:
+    """Another namespace's reclaim skips an extent a client leases a block of without a
+    call (a leased block is never evicted); hazards naming slots the extent does not
+    have (a page's garbage) pin nothing, or a tenant could hold its DRAM forever."""
+    env = make_store(shm_dir, capacity=CAPACITY, extent_size=1 << 20)
+    try:
+        a, b = session(env, "A"), session(env, "B")
+        put(env, a, keys(12, "a"))
+        (ext,) = a.ns.extents
+        sid = ext.segment.segment_id
+        page = SessionPage("A")
+        env.store.attach_page(a, page)
+        view = np.frombuffer(page.mapping, dtype=np.uint64)
+        view[8] = 4  # the bound word: entries [0, 4)
+        view[512:516] = [hazard_of(sid, ext.n_slots + i) for i in range(3)] + [hazard_of(999, 1)]
+        put(env, b, keys(12, "b"))  # B's extent: the budget is spent
+        put(env, b, keys(12, "b2"))  # reclaims A's extent: the hazards name no slot of it
+        assert a.ns.extents == [] and env.store.lookup(b, keys(12, "b2")) == 12
+        assert env.store.check() == []
+        # A real lease pins: A again, leased by a hazard on a committed slot.
+        put(env, a, keys(3, "a3"))
+        (ext,) = a.ns.extents
+        blk = a.ns.index[keys(3, "a3")[0]]
+        view[512] = env.store.slot_of(blk)
+        put(env, b, keys(12, "b3"))  # B evicts its own blocks instead
+        assert a.ns.extents == [ext] and a.ns.index.get(blk.key) is blk
+        assert env.store.check() == []
+        del view
+        env.store.close_session(a)
+        env.store.close_session(b)
+        page.close()
+    finally:
+        close_store(env.store)
+        for name in os.listdir(shm_dir):
+            os.unlink(os.path.join(shm_dir, name))
