@@ -731,7 +731,7 @@ class SessionChannel:
             return self.commit_from_page(session, page)
         except Exception:  # never the loop's end: the page is the client's input
             log.exception("commits from session %d's page failed", session.id)
-            return 1
+            return 1  # not an empty ring: its doorbell is not paused for it
 
     async def _send_mapped(self, conn: _Conn, session: Session,
                            want: set[int], call_id: int, want_index: bool = False) -> set[int]:

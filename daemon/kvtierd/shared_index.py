@@ -37,7 +37,7 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from typing import Final, TypeAlias, TypeVar
 
@@ -449,12 +449,8 @@ class SessionPage:
         lease is not due, costs one comparison."""
         n = self._bound()
         raw = self._mm[_HAZARDS:_HAZARDS + 8 * n] + self._mm[_SERIALS:_SERIALS + 8 * n]
-        if raw == self._ex_raw and not (self._ex_hz != 0).any():
+        if raw == self._ex_raw and not (now - self._ex_since[self._ex_hz != 0] >= ttl).any():
             return 0
-        if raw == self._ex_raw:
-            live = self._ex_hz != 0
-            if not (now - self._ex_since[live] >= ttl).any():
-                return 0
         words = np.frombuffer(raw, dtype="<u8", count=n)
         serials = np.frombuffer(raw, dtype="<u8", count=n, offset=8 * n)
         m = min(n, len(self._ex_hz))
@@ -544,62 +540,24 @@ def fence() -> None:
     _native.hazards_collect(())
 
 
-def collect_hazards(pages: Iterable[SessionPage]) -> set[int]:
+def collect_hazards(pages: Iterable[SessionPage]) -> HazardSet:
     """Every hazard ``pages`` hold, read after a full fence (so after every removal
-    from the table this thread made before the call)."""
+    from the table this thread made before the call).  Pages whose words did not
+    move since they were last read cost a comparison (``SessionPage.hazards``), and
+    those with no share are not read at."""
     fence()
-    out: set[int] = set()
-    for page in pages:
-        out |= page.hazards()
-    return out
+    return HazardSet([s for p in pages if p.max_hazards and (s := p.hazards())])
 
 
-class HazardUnion:
-    """The hazards of one namespace's pages, read again only where they changed
-    (``SessionPage.hazards`` parses a page only when its words moved, and returns the
-    very same set when they did not), and never where the session's share is 0: a
-    reserve costs a comparison per page that may hold hazards.
-
-    ``refresh`` reads the pages and returns a set-like view of their union:
-    membership asks each page's set (no union is built on the reserve path); size
-    and iteration build the union once per change."""
-
-    def __init__(self) -> None:
-        self._of: dict[int, frozenset[int]] = {}
-        self._union: frozenset[int] | None = frozenset()
-
-    def refresh(self, pages: Mapping[int, SessionPage]) -> _Held:
-        fence()
-        of = self._of
-        changed = False
-        if any(sid not in pages for sid in of):  # sessions gone
-            self._of = of = {sid: v for sid, v in of.items() if sid in pages}
-            changed = True
-        for sid, page in pages.items():
-            if not page.max_hazards:
-                continue
-            now = page.hazards()
-            if of.get(sid) is not now:
-                if now or sid in of:
-                    of[sid] = now
-                    changed = True
-        if changed:
-            self._union = None
-        return _Held(self)
-
-    def union(self) -> frozenset[int]:
-        if self._union is None:
-            self._union = frozenset().union(*self._of.values())
-        return self._union
-
-
-class _Held(AbstractSet[int]):
-    """The union of a namespace's page hazards as of one ``HazardUnion.refresh``."""
+class HazardSet(AbstractSet[int]):
+    """The union of some pages' hazards as of one ``collect_hazards``: membership asks
+    each page's set (no union is built on the reserve path); size and iteration
+    build the union, once."""
 
     __slots__ = ("_sets", "_union")
 
-    def __init__(self, owner: HazardUnion) -> None:
-        self._sets = [v for v in owner._of.values() if v]
+    def __init__(self, sets: list[frozenset[int]]) -> None:
+        self._sets = sets
         self._union: frozenset[int] | None = None
 
     def __contains__(self, value: object) -> bool:

@@ -93,11 +93,11 @@ from kvtierd.shared_index import (
     GRANTS_N,
     HAS_SUM,
     LAST,
-    HazardUnion,
     KeyIndex,
     Location,
     SessionPage,
     SharedIndex,
+    collect_hazards,
     fingerprint,
     hazard_of,
 )
@@ -218,8 +218,6 @@ class Namespace:
     grow_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     #: Session id -> the page where its client leases blocks without a call (hazards).
     pages: dict[int, SessionPage] = dataclasses.field(default_factory=dict)
-    #: The union of the pages' hazards, updated from the pages that changed.
-    hazards: HazardUnion = dataclasses.field(default_factory=HazardUnion)
 
     def extent_bytes(self) -> int:
         """DRAM this namespace holds: the bytes of its extents (what a quota caps)."""
@@ -815,8 +813,8 @@ class Store:
 
     def _hazards(self, ns: Namespace) -> AbstractSet[int]:
         """The slots of ``ns`` its clients lease without a call (see csrc/index.c), read
-        from the pages now, after a full fence (a live view: the next read changes it)."""
-        return ns.hazards.refresh(ns.pages)
+        from the pages now, after a full fence."""
+        return collect_hazards(ns.pages.values())
 
     def _idle_grants_in(self, ext: Extent) -> list[tuple[Session, int]]:
         """The grants of ``ext``'s namespace's sessions in ``ext`` that no writer took
@@ -878,12 +876,12 @@ class Store:
         return {sid for v in held
                 if (sid := v >> 32 & 0x7FFF_FFFF) in slots and v & 0xFFFF_FFFF < slots[sid]}
 
-    def _hide_for_reclaim(self, exts: Sequence[Extent]) -> None:
+    def _hide_for_reclaim(self, exts: Sequence[Extent]) -> list[tuple[Namespace, list[Block]]]:
         """Take the blocks of other namespaces' extents about to be reclaimed out of
         their shared tables, then read those namespaces' pages again: a client that
         leased one of their slots meanwhile is seen now (the blocks go back, and
         ``_Raced``: plan again) or sees the blocks gone (the hazard handshake of
-        ``_take_slots``, across namespaces)."""
+        ``_take_slots``, across namespaces).  Returns what it hid, for ``_unhide``."""
         hidden: list[tuple[Namespace, list[Block]]] = []
         for ext in exts:
             owner = self.namespaces[ext.segment.namespace]
@@ -904,6 +902,7 @@ class Store:
                     for other, blocks in hidden:
                         self._unhide(other, blocks)
                     raise _Raced()
+        return hidden
 
     def _unhide(self, ns: Namespace, blocks: Iterable[Block]) -> None:
         """Put back in the table the victims of a plan that did not go ahead."""
@@ -993,13 +992,12 @@ class Store:
                         reclaim.append(ext)
                         reclaim_bytes += ext.bytes
         if reclaim and funded():
-            self._hide_for_reclaim(reclaim)  # or _Raced: a client leased meanwhile
+            hidden = self._hide_for_reclaim(reclaim)  # or _Raced: a client leased meanwhile
             try:
                 self._revoke_idle_grants(reclaim)  # or _Raced: a writer took one
             except _Raced:
-                for ext in reclaim:
-                    owner = self.namespaces[ext.segment.namespace]
-                    self._unhide(owner, [b for b in owner.index.values() if b.extent is ext])
+                for owner, blocks in hidden:
+                    self._unhide(owner, blocks)
                 raise
             try:
                 self._retire_extents(reclaim, "for another namespace")
@@ -1965,7 +1963,6 @@ class Store:
         """Wait for extents being retired in the background."""
         if self._retiring:
             await asyncio.gather(*self._retiring, return_exceptions=True)
-        self._cut_retired(everything=True)
 
     def close_all(self) -> None:
         """Unmap every segment, keeping the files (the warm-restart path re-attaches them);

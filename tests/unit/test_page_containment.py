@@ -3,7 +3,7 @@
 The page is the client's to write at any time.  These tests write it as a hostile
 client would, through the same mapping the client library uses, and check the
 daemon's side: its hazard reads follow the page exactly however the words change
-(``SessionPage.hazards``, ``HazardUnion``: parsed only when they moved), only the
+(``SessionPage.hazards``: parsed only when they moved), only the
 entries of the session's share are read, the expiry sweep ends exactly the leases
 held past the TTL, and the counters it reports are cut to what a client could have
 done and never overflow the daemon's totals.
@@ -27,7 +27,6 @@ from kvtierd.counters import COUNTER_CAP, saturating_add
 from kvtierd.metrics import Metrics
 from kvtierd.shared_index import (
     HAZARDS_N,
-    HazardUnion,
     SessionPage,
     SharedIndex,
     collect_hazards,
@@ -70,7 +69,6 @@ def test_the_union_follows_every_change_of_every_page(
     rng = random.Random(seed)
     pages = {sid: SessionPage("ns", max_hazards=rng.choice([HAZARDS_N, 40, 8]))
              for sid in range(4)}
-    union = HazardUnion()
     try:
         live = dict(pages)
         for changes in rounds:
@@ -79,7 +77,7 @@ def test_the_union_follows_every_change_of_every_page(
                 _write(page, {entry: (hazard_of(1 + value, entry % 3) if value else 0, 9)})
             if rng.random() < 0.2 and live:  # a session ends
                 live.pop(rng.choice(list(live)))
-            got = union.refresh(live)
+            got = collect_hazards(live.values())
             want = set().union(*(_truth(p, p.max_hazards) for p in live.values()))
             assert set(got) == want and len(got) == len(want) and bool(got) == bool(want)
             assert all(v in got for v in want) and hazard_of(99, 1) not in got
