@@ -95,6 +95,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def log_tail(path: str, n: int = 40) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-n:])
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGINT a server's process group, SIGKILL it if it is not gone within ``grace``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 # --------------------------------------------------------------------------- workload
 class Workload:
     """The seeded token ids of the conversation workload (answers come from the server)."""
@@ -306,8 +322,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def tail(self, n: int = 40) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
+        return log_tail(self.log_path, n)
 
     def notes(self) -> list[str]:
         words = ("core ids", "num_gpu_blocks", "GPU KV cache size", "KV cache", "chunked",
@@ -317,13 +332,7 @@ class Server:
             return [ln.rstrip()[:300] for ln in f if any(w in ln for w in words)][:60]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_group(self.proc, 60)
         self._log.close()
         if self.keep_logs:
             shutil.copy(self.log_path, self.keep_logs)
@@ -359,17 +368,10 @@ class LMCacheServer:
             time.sleep(0.5)
 
     def tail(self, n: int = 40) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
+        return log_tail(self.log_path, n)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_group(self.proc, 30)
         self._log.close()
 
 
