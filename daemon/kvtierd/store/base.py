@@ -1,0 +1,461 @@
+"""The store's state and the primitives every layer uses: namespaces and their shared
+indexes, pins and their accounting, the one exit of DRAM blocks, what clients hold
+without a call (hazards, grants), and ``_Undo`` (the all-or-nothing persist phase)."""
+
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import itertools
+import logging
+import operator
+import time
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from types import TracebackType
+from typing import Final
+
+from kvtierd.segments import (
+    Segment,
+    SegmentLayout,
+    SlotRecord,
+)
+from kvtierd.shared_index import (
+    GRANT_TAKEN,
+    GRANT_VALID,
+    Location,
+    SharedIndex,
+    collect_hazards,
+    hazard_of,
+)
+from kvtierd.store.types import (
+    MAX_READ_HINTS,
+    Block,
+    Extent,
+    Lease,
+    Lower,
+    Namespace,
+    Peer,
+    Reservation,
+    Session,
+)
+
+log = logging.getLogger(__name__)
+
+
+
+class _Raced(Exception):
+    """Internal signal: a client leased a planned victim (a hazard) while the plan was
+    made; plan again (the hazard is seen then)."""
+
+
+def _grant_word(ext: Extent, slot: int) -> int:
+    """How a client's page names a granted slot (``csrc/writes.c``)."""
+    return GRANT_VALID | ext.segment.segment_id << 32 | slot
+
+
+def _locate(block: Block) -> Location:
+    """Where the shared index says ``block`` is (what a client leases without a call)."""
+    seg = block.extent.segment
+    return (seg.segment_id, block.slot, seg.slot_offset(block.slot), block.length,
+            block.checksum)
+
+
+class _NeedExtent(Exception):
+    """Internal signal: the reserve fits only after growing ``slots`` more free slots."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__(slots)
+        self.slots = slots
+
+
+class _Undo:
+    """The slot-table writes of one store call so far, and how to take each back.
+
+    ``with _Undo() as undo:`` around a call's persist phase; each write first
+    adds its inverse (so a write that fails half-way is taken back too), and
+    when anything in the block raises, the inverses run newest first and the
+    error goes on.  An inverse that fails itself is logged (``check()`` will
+    then report that slot) and the others still run.
+    """
+
+    __slots__ = ("_steps",)
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[Callable[..., object], tuple[object, ...]]] = []
+
+    def add(self, fn: Callable[..., object], *args: object) -> None:
+        self._steps.append((fn, args))
+
+    def __enter__(self) -> _Undo:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is None:
+            return
+        for fn, args in reversed(self._steps):
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("could not take back a slot-table write (%s%r) after %r; "
+                              "check() reports that slot until it is freed", fn, args, exc)
+
+
+def _recommit(segment: Segment, slot: int) -> None:
+    """Write a freed or doomed COMMITTED entry back (its fields are still in the table)."""
+    _rewrite(segment, slot, segment.read_slot(slot))
+
+
+def _rewrite(segment: Segment, slot: int, rec: SlotRecord) -> None:
+    """Put a COMMITTED entry back as ``rec`` read it (the entry checksum comes out equal)."""
+    segment.mark_committed(slot, key=rec.key, length=rec.length, checksum=rec.checksum,
+                           last_access=rec.last_access, generation=rec.generation,
+                           epoch=rec.epoch)
+
+
+def _close_quietly(segment: Segment, unlink: bool, keep_fd: bool = False) -> int | None:
+    """Close a segment the store no longer holds, and free its memory whoever still
+    holds an fd (worker thread): nothing waits for the result, so a failure is logged
+    here.  ``keep_fd``: a duplicate of its data fd, to cut the file to 0 later."""
+    try:
+        return segment.close(unlink=unlink, free=True, keep_fd=keep_fd)
+    except OSError as exc:
+        log.warning("closing segment %s failed: %s", segment.path, exc)
+        return None
+
+
+#: The mutable fields of a block (``check_snapshot`` copies them on the loop).
+_BLOCK_STATE: Final = operator.attrgetter("pins", "doomed", "lower")
+
+
+#: Creates a segment file for (namespace, extent index, layout, segment id); blocking I/O.
+ExtentFactory = Callable[[Namespace, int, SegmentLayout, int], Segment]
+
+
+class StoreBase:
+    """The store's state and primitives (``kvtierd.store``'s docstring tells the whole).
+
+    All methods run on the event loop thread; the only awaits are extent
+    creation/retirement (blocking I/O sent to an executor).
+    """
+
+    def __init__(
+        self,
+        *,
+        capacity: int,
+        extent_size: int,
+        extent_factory: ExtentFactory,
+        lease_ttl: float,
+        reservation_ttl: float,
+        boot_epoch: int,
+        clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[Block], None] | None = None,
+        publish: bool = False,
+        grant_bytes: int = 0,
+    ) -> None:
+        self.capacity = capacity
+        #: Bytes of slots each session with a write page may hold reserved ahead.
+        self.grant_bytes = grant_bytes
+        self.extent_size = extent_size
+        self.lease_ttl = lease_ttl
+        self.reservation_ttl = reservation_ttl
+        self.boot_epoch = boot_epoch
+        self._factory = extent_factory
+        self._clock = clock
+        self._on_evict = on_evict
+        #: Prefetched blocks first read without a call (tiering counts those read by calls).
+        self.prefetched_reads = 0
+        #: Publish each namespace's keys in a shared index its clients search.
+        self.publish = publish
+        self.namespaces: dict[str, Namespace] = {}
+        self.sessions: dict[int, Session] = {}
+        self._system_sessions: dict[str, Session] = {}
+        self._spill_enabled = False
+        self._by_token: dict[str, Session] = {}
+        self.lru: collections.OrderedDict[Block, None] = collections.OrderedDict()
+        self.budget_free = capacity
+        self._ids = itertools.count(1)
+        self._segment_ids = itertools.count(1)
+        self._access_seq = itertools.count(1)
+        # Adopted blocks and their persisted last access, until finish_recovery.
+        self._adopted: list[Block] = []
+        self._adopted_at: list[int] = []
+        self._reservations: dict[int, Reservation] = {}
+        self._leases: dict[int, Lease] = {}
+        self._retiring: set[asyncio.Future[int | None]] = set()
+        #: Retired data files to cut to 0 bytes, in order: (when, a duplicate of its fd).
+        self._to_cut: collections.deque[tuple[float, int]] = collections.deque()
+        # event counters (read by metrics at scrape time)
+        self.evictions = 0
+        #: Namespace name -> its DRAM quota in bytes (0: none); the daemon sets it from
+        #: the access rules.  Consulted only when a reserve finds no free slot.
+        self.dram_quota_of: Callable[[str], int] = lambda name: 0
+        #: Called with the name of a namespace the store forgot (metrics drop its series).
+        self.on_forget: Callable[[str], None] = lambda name: None
+        self.mlock_errors: list[str] = []
+        self.prefault_seconds = 0.0
+        self.recovery_seconds = 0.0
+        self.dropped_segments: list[str] = []
+        #: Hears every key that comes into or goes out of DRAM (``watch``).
+        self._watch: Callable[[str, str, list[bytes], bool], None] | None = None
+
+    @property
+    def spill_enabled(self) -> bool:
+        """Set by the tiering layer when a spill tier exists: evict only non-DIRTY blocks
+        (and a miss in a shared index is not final: the key may be below DRAM)."""
+        return self._spill_enabled
+
+    @spill_enabled.setter
+    def spill_enabled(self, on: bool) -> None:
+        self._spill_enabled = on
+        for ns in self.namespaces.values():
+            if ns.index.shared is not None:
+                ns.index.shared.set_lower_tiers(on)
+
+    def _new_namespace(self, name: str, block_bytes: int, model_uid: str,
+                       slot_bytes: int, *, publish: bool = True) -> Namespace:
+        ns = Namespace(name, block_bytes, model_uid, slot_bytes)
+        if publish:
+            self._publish(ns)
+        self._watch_namespace(ns)
+        self.namespaces[name] = ns
+        return ns
+
+    def watch(self, changed: Callable[[str, str, list[bytes], bool], None] | None) -> None:
+        """Tell ``changed(namespace, "dram", keys, stored)`` every key that comes into
+        (stored) or goes out of DRAM from now on: the KV events (``kvtierd.events``)."""
+        self._watch = changed
+        for ns in self.namespaces.values():
+            self._watch_namespace(ns)
+
+    def _watch_namespace(self, ns: Namespace) -> None:
+        changed = self._watch
+        ns.index.watch = None if changed is None else functools.partial(changed, ns.name, "dram")
+
+    def _publish(self, ns: Namespace) -> None:
+        """Give ``ns`` a shared index holding its keys (on failure it has none)."""
+        if self.publish:
+            try:
+                ns.index.publish(SharedIndex(ns.name, lower_tiers=self._spill_enabled), _locate)
+            except OSError as exc:  # out of memory or fds: lookups go to the daemon
+                log.warning("namespace %r: no shared index (%s); its clients' lookups go "
+                            "to the daemon", ns.name, exc)
+
+    @staticmethod
+    def _unpublish(ns: Namespace) -> None:
+        if ns.index.shared is not None:
+            ns.index.shared.close()  # its clients see SUPERSEDED and ask the daemon
+            ns.index.shared = None
+
+    def _drop_namespace(self, ns: Namespace) -> None:
+        del self.namespaces[ns.name]
+        self._unpublish(ns)
+
+    def _forget_if_unused(self, ns: Namespace) -> None:
+        """Drop a namespace that holds nothing and that nobody uses (no sessions, extents,
+        blocks or reservations): thousands of declared-and-abandoned namespaces must not
+        grow the index, Stats or /metrics without bound.  Declaring it again starts fresh."""
+        if (ns.sessions or ns.extents or ns.committed or ns.reserved or ns.in_flight
+                or self.namespaces.get(ns.name) is not ns):
+            return
+        system = self._system_sessions.get(ns.name)
+        if system is not None and (system.leases or system.reservations):
+            return
+        self._system_sessions.pop(ns.name, None)
+        self._drop_namespace(ns)
+        self.on_forget(ns.name)
+
+    def _hazards(self, ns: Namespace) -> AbstractSet[int]:
+        """The slots of ``ns`` its clients lease without a call (see csrc/index.c), read
+        from the pages now, after a full fence."""
+        return collect_hazards(ns.pages.values())
+
+    def _idle_grants_in(self, ext: Extent) -> list[tuple[Session, int]]:
+        """The grants of ``ext``'s namespace's sessions in ``ext`` that no writer took
+        (session, grant entry)."""
+        owner = self.namespaces.get(ext.segment.namespace)
+        if owner is None or not ext.reserved:
+            return []
+        out: list[tuple[Session, int]] = []
+        for session in self.sessions.values():
+            if session.ns is not owner or not session.grants:
+                continue
+            page = owner.pages.get(session.id)
+            for g, (e, slot, _gen) in session.grants.items():
+                if e is ext and (page is None or page.grant_word(g) == _grant_word(e, slot)):
+                    out.append((session, g))
+        return out
+
+    def _held_segments(self, ns: Namespace) -> set[int]:
+        """The segments of ``ns`` in which its clients lease a slot without a call: a
+        hazard counts only where it names a slot the extent has (a page's garbage,
+        say random slot numbers in real segments, pins no extent against reclaim)."""
+        held = self._hazards(ns)
+        if not held:
+            return set()
+        slots = {e.segment.segment_id: e.n_slots for e in ns.extents}
+        return {sid for v in held
+                if (sid := v >> 32 & 0x7FFF_FFFF) in slots and v & 0xFFFF_FFFF < slots[sid]}
+
+    def held_seconds(self, started: float) -> float:
+        """Seconds since ``started`` (a lease's or reservation's), on the store's clock."""
+        return self._clock() - started
+
+    def _end_grants(self, session: Session, entries: Iterable[int], *,
+                    quarantine: float | None = None) -> None:
+        """Take back grants: their slots are freed (or, with ``quarantine``, stay
+        RESERVED until then: a writer may still be copying into them)."""
+        page = session.ns.pages.get(session.id)
+        ns = session.ns
+        for g in list(entries):
+            ext, slot, gen = session.grants[g]
+            if quarantine is None:
+                try:
+                    ext.segment.mark_free(slot)
+                except (OSError, ValueError) as exc:
+                    log.warning("could not free granted slot %d: %s", slot, exc)
+                    continue
+            del session.grants[g]
+            session.grant_seen.pop(g, None)
+            if page is not None:
+                page.set_grant(g, 0)
+            if quarantine is None:
+                ext.reserved -= 1
+                ns.reserved -= 1
+                ext.free.append(slot)
+            else:
+                ext.quarantine[slot] = quarantine  # still counted as reserved
+
+    @staticmethod
+    def _taken_grants(session: Session) -> int:
+        """How many of ``session``'s grants its writer has taken (its page says)."""
+        if not session.grants:
+            return 0
+        page = session.ns.pages.get(session.id)
+        if page is None:
+            return 0
+        return sum(1 for g, (ext, slot, _gen) in session.grants.items()
+                   if page.grant_word(g) == _grant_word(ext, slot) | GRANT_TAKEN)
+
+    def note_reads(self, ns: Namespace) -> None:
+        """Move the blocks ``ns``'s clients read without a call to the LRU's young end
+        (and persist their last access), from the pages' rings: hints, checked here."""
+        if not ns.pages:
+            return
+        seen = {v for page in ns.pages.values() for v in page.accessed()}
+        if not seen:
+            return
+        if len(seen) > MAX_READ_HINTS:  # hints: a page full of them costs a bounded sweep
+            seen = set(itertools.islice(seen, MAX_READ_HINTS))
+        exts = {e.segment.segment_id: e for e in ns.extents}
+        seq = self._access_seq
+        for v in seen:
+            ext = exts.get(v >> 32 & 0x7FFF_FFFF)
+            slot = v & 0xFFFF_FFFF
+            if ext is None or slot >= ext.n_slots:
+                continue
+            block = ns.index.get(ext.segment.read_slot(slot).key)
+            if block is None or block.extent is not ext or block.slot != slot:
+                continue
+            ext.segment.touch(slot, next(seq))
+            if block in self.lru:
+                self.lru.move_to_end(block)
+            if block.prefetched:  # as tiering's acquire counts it
+                block.prefetched = False
+                self.prefetched_reads += 1
+
+    def _pin(self, block: Block) -> None:
+        if block.pins == 0:
+            self.lru.pop(block, None)
+            block.extent.pinned += 1
+            block.ns.leased += 1
+        block.pins += 1
+
+    def _end_leases(self, leases: Sequence[Lease]) -> None:
+        with _Undo() as undo:
+            self._persist_unpins(leases, undo)
+        for lease in leases:
+            self._apply_end_lease(lease)
+
+    def _persist_unpins(self, leases: Iterable[Lease], undo: _Undo) -> None:
+        """Free the slots of the doomed blocks whose last pins ``leases`` hold."""
+        doomed = [b for lease in leases for b in lease.blocks if b.doomed]
+        if not doomed:
+            return
+        for block, n in collections.Counter(doomed).items():
+            if block.pins == n:
+                seg = block.extent.segment
+                undo.add(seg.mark_doomed, block.slot)
+                seg.mark_free(block.slot)
+
+    def _apply_end_lease(self, lease: Lease) -> None:
+        """The in-memory part of ending a lease (``_persist_unpins`` freed doomed slots)."""
+        for block in lease.blocks:
+            block.pins -= 1
+            if block.pins:
+                continue
+            block.extent.pinned -= 1
+            block.ns.leased -= 1
+            if block.doomed:
+                self._unaccount(block)
+                block.extent.free.append(block.slot)
+            else:
+                self.lru[block] = None  # most recently used
+        del lease.session.leases[lease.id]
+        del self._leases[lease.id]
+
+    def _drop_from_index(self, block: Block) -> None:
+        """The in-memory part of an eviction (the one exit of DRAM blocks; the spill tiers
+        turn it into demotion), but for the free list: the caller puts the slot where
+        it goes.  Its slot-table write is done."""
+        assert block.pins == 0 and not block.doomed
+        del block.ns.index[block.key]
+        self.lru.pop(block, None)
+        self._unaccount(block)
+        self.evictions += 1
+
+    def _report_evicted(self, blocks: Iterable[Block]) -> None:
+        """Tell ``on_evict`` of applied evictions; a hook that raises is a bug logged here,
+        it never fails (or half-undoes) the call that evicted."""
+        if self._on_evict is None:
+            return
+        for block in blocks:
+            try:
+                self._on_evict(block)
+            except Exception:
+                log.exception("on_evict hook failed for a block of %r", block.ns.name)
+
+    def _unaccount(self, block: Block) -> None:
+        """Take a block's slot out of the committed (and dirty) counters."""
+        ext = block.extent
+        ext.committed -= 1
+        if block.lower == Lower.DIRTY:
+            ext.dirty -= 1
+        block.ns.committed -= 1
+
+    def system_session(self, ns: Namespace) -> Session:
+        """The tiering layer's session in ``ns`` (created on first use; never expires)."""
+        session = self._system_sessions.get(ns.name)
+        if session is None or session.ns is not ns:
+            session = Session(next(self._ids), "", ns, Peer(0, 0, 0), self._clock(), system=True)
+            self._system_sessions[ns.name] = session
+        return session
+
+    def live_segments(self) -> list[Segment]:
+        """Every DRAM segment in use now (any thread: a snapshot taken under the GIL;
+        the cluster tier's agent maps these and lets go of the others)."""
+        return [e.segment for ns in list(self.namespaces.values()) for e in list(ns.extents)]
+
+    def new_segment_id(self) -> int:
+        return next(self._segment_ids)
+
+    def segments(self, ns: Namespace) -> list[Segment]:
+        return [e.segment for e in ns.extents]
+
+    @staticmethod
+    def slot_of(block: Block) -> int:
+        """``block``'s slot as a client's page names it."""
+        return hazard_of(block.extent.segment.segment_id, block.slot)

@@ -1,0 +1,200 @@
+"""The store put together, and what spans every layer: expiry, accounting, check."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Set as AbstractSet
+
+from kvtierd.logs import event
+from kvtierd.store.adoption import Adoption
+from kvtierd.store.base import _BLOCK_STATE, _Undo
+from kvtierd.store.check import CheckSnapshot, _cross_check, _ExtentView, _NamespaceView
+from kvtierd.store.types import Namespace, Session
+
+log = logging.getLogger(__name__)
+
+
+class Store(Adoption):
+    """Index, LRU, reservations and leases over the DRAM extents (see the package docstring)."""
+
+    async def drain(self) -> None:
+        """Wait for extents being retired in the background."""
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
+
+    def close_all(self) -> None:
+        """Unmap every segment, keeping the files (the warm-restart path re-attaches them);
+        retired files still in their grace are cut now."""
+        self._cut_retired(everything=True)
+        for ns in self.namespaces.values():
+            self._unpublish(ns)
+            for ext in ns.extents:
+                ext.segment.close(unlink=False)
+
+    def expire(self) -> tuple[collections.Counter[str], int]:
+        """Abort reservations and release leases past their deadline, and free the
+        quarantined slots whose time is up; all of it or (raising) nothing.
+
+        Returns (reserved slots returned per namespace, leases released).
+        """
+        now = self._clock()
+        self._cut_retired()
+        for ns in self.namespaces.values():
+            self.note_reads(ns)  # the LRU hears of the reads made without a call
+        stale_res = [r for r in self._reservations.values()
+                     if r.expires <= now and not r.session.system]
+        due = [(ns, ext, slot) for ns in self.namespaces.values() for ext in ns.extents
+               if ext.quarantine for slot, until in ext.quarantine.items() if until <= now]
+        stale_leases = [lease for lease in self._leases.values()
+                        if lease.expires <= now and not lease.session.system]
+        with _Undo() as undo:
+            for _ns, ext, slot in due:
+                seg = ext.segment
+                undo.add(seg.mark_reserved, slot, ext.generations[slot])
+                seg.mark_free(slot)
+            self._persist_unpins(stale_leases, undo)
+        # Applied: nothing below can fail.
+        if stale_res:  # one line per sweep, however many expired (an expiry storm)
+            log.warning("%d reservations expired (ids %s%s); their %d slots are quarantined "
+                        "for %.0f s", len(stale_res), ", ".join(str(r.id) for r in stale_res[:5]),
+                        ", ..." if len(stale_res) > 5 else "",
+                        sum(len(r.keys) for r in stale_res), self.reservation_ttl,
+                        extra=event("reservations_expired", count=len(stale_res)))
+        for res in stale_res:
+            self._expire_reservation(res, now + self.reservation_ttl)
+        for ns, ext, slot in due:
+            del ext.quarantine[slot]
+            ext.reserved -= 1
+            ns.reserved -= 1
+            ext.free.append(slot)
+        if stale_leases:
+            log.warning("%d leases expired after %.0f s (ids %s%s)", len(stale_leases),
+                        self.lease_ttl, ", ".join(str(x.id) for x in stale_leases[:5]),
+                        ", ..." if len(stale_leases) > 5 else "",
+                        extra=event("leases_expired", count=len(stale_leases)))
+        for lease in stale_leases:
+            self._apply_end_lease(lease)
+        for session in self.sessions.values():
+            if session.grants:
+                self._expire_grants(session, now)
+        # Leases made without a call: their hazards are zeroed (the slots are free to reuse).
+        local = sum(page.expire(now, self.lease_ttl) for ns in self.namespaces.values()
+                    for page in ns.pages.values())
+        if local:
+            log.warning("%d leases made without a call expired after %.0f s", local,
+                        self.lease_ttl, extra=event("leases_expired", count=local))
+        aborted: collections.Counter[str] = collections.Counter()
+        for res in stale_res:
+            aborted[res.session.ns.name] += len(res.keys)
+        return (aborted, len(stale_leases) + local)
+
+    @property
+    def lease_count(self) -> int:
+        """Leases held by clients, with or without a call (the tiering layer's own pins
+        are not counted)."""
+        local = sum(page.leases() for ns in self.namespaces.values()
+                    for page in ns.pages.values())
+        return local + sum(1 for lease in self._leases.values() if not lease.session.system)
+
+    def hazard_count(self) -> int:
+        """Blocks clients lease without a call, as their pages say now."""
+        return sum(len(self._hazards(ns)) for ns in self.namespaces.values())
+
+    def held_slots(self, ns: Namespace) -> AbstractSet[int]:
+        """The slots of ``ns`` clients lease without a call (``slot_of`` values)."""
+        return self._hazards(ns)
+
+    def leased_blocks(self, ns: Namespace) -> int:
+        """Blocks of ``ns`` leased, by calls or without (hazards)."""
+        return ns.leased + len(self._hazards(ns))
+
+    def local_reservations(self, session: Session) -> int:
+        """Reservations ``session``'s client holds from grants (its page says; at most
+        as many as it has grants taken)."""
+        page = session.ns.pages.get(session.id)
+        if page is None or not session.grants:
+            return 0
+        return min(page.local_reservations(), self._taken_grants(session))
+
+    def local_leases(self, session: Session) -> int:
+        """Leases ``session``'s client holds without a call."""
+        page = session.ns.pages.get(session.id)
+        return 0 if page is None else page.leases()
+
+    @property
+    def reservation_count(self) -> int:
+        """Reservations open by clients, by call and from grants (promotions in flight
+        are not counted)."""
+        calls = sum(1 for r in self._reservations.values() if not r.session.system)
+        return calls + sum(self.local_reservations(s) for s in self.sessions.values()
+                           if s.grants)
+
+    def dram_bytes(self, idle: dict[str, int] | None = None) -> dict[str, int]:
+        """Tier accounting: total = free + reserved + granted + committed (bytes of
+        slots); ``granted`` is the slots granted ahead and not taken (``idle_grants``,
+        or ``idle`` when the caller has it), ``reserved`` the other reserved slots."""
+        if idle is None:
+            idle = self.idle_grants()
+        spaces = self.namespaces
+        granted = sum(n * spaces[name].slot_bytes for name, n in idle.items() if name in spaces)
+        reserved = sum(ns.reserved * ns.slot_bytes for ns in spaces.values()) - granted
+        committed = sum(ns.committed * ns.slot_bytes for ns in spaces.values())
+        return {
+            "total": self.capacity,
+            "reserved": reserved,
+            "granted": granted,
+            "committed": committed,
+            "free": self.capacity - reserved - granted - committed,
+        }
+
+    def check(self) -> list[str]:
+        """Cross-check the index against the segments' slot tables; the problems found.
+
+        An empty list means: every tier balances (free + reserved + committed ==
+        total per extent and for the budget), every indexed block is committed
+        on its segment under its key and generation, every committed or
+        reserved slot is known to the index or a reservation, the LRU holds
+        exactly the unleased visible blocks, and pin counts equal the leases.
+        (``check_from(check_snapshot())``: the same, with the work off the loop.)
+        """
+        return _cross_check(self.check_snapshot())
+
+    @staticmethod
+    def check_from(snapshot: CheckSnapshot) -> list[str]:
+        """``check()`` of a ``check_snapshot()``: reads nothing the store changes, so it
+        runs in a worker thread (``loop.run_in_executor(None, store.check_from, snap)``)
+        while the loop keeps serving; what it reports held when the snapshot was taken."""
+        return _cross_check(snapshot)
+
+    def check_snapshot(self) -> CheckSnapshot:
+        """Copy what ``check_from`` cross-checks (on the loop: copies of lists, dicts and
+        slot tables, no per-slot work), so the check itself can run in a worker thread
+        while the store keeps changing."""
+        leases = [(lease.blocks, list(map(_BLOCK_STATE, lease.blocks)))
+                  for lease in self._leases.values()]
+        reservations = [(r.session.ns, r.keys, r.places) for r in self._reservations.values()]
+        reservations += [(s.ns, [], list(s.grants.values())) for s in self.sessions.values()
+                         if s.grants]
+        namespaces = []
+        for ns in self.namespaces.values():
+            items = list(ns.index.items())
+            shared = ns.index.shared
+            published = None if shared is None or shared.fd is None else (
+                shared.fingerprints(), set(shared.unpublished))
+            namespaces.append(_NamespaceView(
+                ns=ns, name=ns.name, slot_bytes=ns.slot_bytes, reserved=ns.reserved,
+                committed=ns.committed, leased=ns.leased, index=items,
+                states=[_BLOCK_STATE(b) for _, b in items], in_flight=list(ns.in_flight),
+                extents=[_ExtentView(
+                    ext=ext, index=ext.segment.index, n_slots=ext.n_slots, file_bytes=ext.bytes,
+                    free=list(ext.free), quarantine=set(ext.quarantine),
+                    reserved=ext.reserved, committed=ext.committed, pinned=ext.pinned,
+                    dirty=ext.dirty, table=ext.segment.raw_table(),
+                ) for ext in ns.extents],
+                published=published,
+            ))
+        return CheckSnapshot(namespaces=namespaces, leases=leases, reservations=reservations,
+                             lru=list(self.lru), budget_free=self.budget_free,
+                             capacity=self.capacity)
