@@ -40,6 +40,7 @@ from kvtierd.store.types import (
     Peer,
     Reservation,
     Session,
+    SlotCommit,
 )
 
 log = logging.getLogger(__name__)
@@ -366,6 +367,37 @@ class StoreBase:
             if block.prefetched:  # as tiering's acquire counts it
                 block.prefetched = False
                 self.prefetched_reads += 1
+
+    def _persist_commits(self, commits: Sequence[SlotCommit], undo: _Undo) -> None:
+        """The slot-table writes of the one commit transition (RESERVED -> COMMITTED),
+        for a Commit call and for a page's commit records alike; each is taken back to
+        RESERVED."""
+        seq = self._access_seq
+        epoch = self.boot_epoch
+        for c in commits:
+            seg = c.ext.segment
+            undo.add(seg.mark_reserved, c.slot, c.gen)
+            seg.mark_committed(c.slot, key=c.key, length=c.length, checksum=c.checksum,
+                               last_access=next(seq), generation=c.gen, epoch=epoch)
+
+    def _apply_commits(self, ns: Namespace, commits: Sequence[SlotCommit]) -> list[Block]:
+        """The in-memory part of the commit transition (``_persist_commits`` is done): each
+        slot leaves the reserved count and becomes a visible block, DIRTY, at the LRU's
+        young end, in the index (and the shared index) -- the moment a reader can find it."""
+        lru = self.lru
+        made: list[Block] = []
+        for c in commits:
+            ext = c.ext
+            ext.reserved -= 1
+            ext.committed += 1
+            ext.dirty += 1
+            block = Block(ns, c.key, ext, c.slot, c.length, c.checksum, c.gen)
+            lru[block] = None
+            made.append(block)
+        ns.reserved -= len(made)
+        ns.committed += len(made)
+        ns.index.update([(b.key, b) for b in made])
+        return made
 
     def _pin(self, block: Block) -> None:
         if block.pins == 0:

@@ -26,7 +26,15 @@ from kvtierd.shared_index import (
 )
 from kvtierd.store.base import _grant_word, _NeedExtent, _Raced, _Undo
 from kvtierd.store.operations import Operations
-from kvtierd.store.types import GRANT_IDLE_SECONDS, Block, CommitResult, Extent, Namespace, Session
+from kvtierd.store.types import (
+    GRANT_IDLE_SECONDS,
+    Block,
+    CommitResult,
+    Extent,
+    Namespace,
+    Session,
+    SlotCommit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -139,35 +147,18 @@ class FastPath(Operations):
             else:
                 codes[i] = CommitResult.COMMITTED
                 todo.append((g, key, length, raw_sum if flags & HAS_SUM else None))
-        seq = self._access_seq
-        epoch = self.boot_epoch
+        commits = [SlotCommit(*grants[g], key, length, checksum)
+                   for g, key, length, checksum in todo]
         with _Undo() as undo:
-            for g, key, length, checksum in todo:
-                ext, slot, gen = grants[g]
-                seg = ext.segment
-                undo.add(seg.mark_reserved, slot, gen)
-                seg.mark_committed(slot, key=key, length=length, checksum=checksum,
-                                   last_access=next(seq), generation=gen, epoch=epoch)
+            self._persist_commits(commits, undo)
         # Applied: nothing below can fail.
         page = ns.pages.get(session.id)
-        made: list[Block] = []
-        lru = self.lru
-        for g, key, length, checksum in todo:
-            ext, slot, gen = grants.pop(g)
+        for g, _key, _length, _sum in todo:
+            del grants[g]
+            session.grant_seen.pop(g, None)
             if page is not None:
                 page.set_grant(g, 0)  # before DONE: the writer never sees it as its own again
-            ext.reserved -= 1
-            ext.committed += 1
-            ext.dirty += 1
-            block = Block(ns, key, ext, slot, length, checksum, gen)
-            lru[block] = None
-            made.append(block)
-        if session.grant_seen:
-            for g, _key, _length, _sum in todo:
-                session.grant_seen.pop(g, None)
-        ns.reserved -= len(made)
-        ns.committed += len(made)
-        index.update([(b.key, b) for b in made])
+        made = self._apply_commits(ns, commits)
         session.grants_used = self._clock()
         return bytes(codes), made
 

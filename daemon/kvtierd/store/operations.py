@@ -28,6 +28,7 @@ from kvtierd.store.types import (
     MAX_GROW_ROUNDS,
     AcquireResult,
     Block,
+    Extent,
     Lease,
     Lower,
     Peer,
@@ -35,6 +36,7 @@ from kvtierd.store.types import (
     ReserveResult,
     ReserveStatus,
     Session,
+    SlotCommit,
     SlotGrant,
 )
 
@@ -270,48 +272,53 @@ class Operations(Room):
         undo: _Undo,
     ) -> None:
         """The slot-table writes of ending ``res``; each is taken back to RESERVED."""
-        seq = self._access_seq
-        for i, (key, (ext, slot, gen)) in enumerate(zip(res.keys, res.places, strict=True)):
+        freed, commits = self._split_end(res, commit)
+        for ext, slot, gen in freed:
             seg = ext.segment
             undo.add(seg.mark_reserved, slot, gen)
-            if commit is None or commit[0][i] == 0:
-                seg.mark_free(slot)
-                continue
-            lengths, checksums = commit
-            seg.mark_committed(
-                slot, key=key, length=lengths[i],
-                checksum=checksums[i] if checksums is not None else None,
-                last_access=next(seq), generation=gen, epoch=self.boot_epoch,
-            )
+            seg.mark_free(slot)
+        self._persist_commits(commits, undo)
 
     def _apply_end_reservation(
         self,
         res: Reservation,
         commit: tuple[Sequence[int], Sequence[int | None] | None] | None,
     ) -> list[Block | None]:
-        """The in-memory part of ending ``res`` (its slot-table writes are done)."""
+        """The in-memory part of ending ``res`` (its slot-table writes are done): the
+        block made for each key, None for a slot freed."""
         ns = res.session.ns
-        made: list[Block | None] = []
-        for i, (key, (ext, slot, gen)) in enumerate(zip(res.keys, res.places, strict=True)):
+        freed, commits = self._split_end(res, commit)
+        for key in res.keys:
             del ns.in_flight[key]
+        for ext, slot, _gen in freed:
             ext.reserved -= 1
-            if commit is None or commit[0][i] == 0:
-                ext.free.append(slot)
-                made.append(None)
-                continue
-            lengths, checksums = commit
-            checksum = checksums[i] if checksums is not None else None
-            block = Block(ns, key, ext, slot, lengths[i], checksum, gen)
-            ext.committed += 1
-            ext.dirty += 1
-            ns.committed += 1
-            ns.index[key] = block
-            self.lru[block] = None
-            made.append(block)
-        ns.reserved -= len(res.keys)
+            ext.free.append(slot)
+        ns.reserved -= len(freed)
+        made = iter(self._apply_commits(ns, commits))
         del res.session.reservations[res.id]
         del self._reservations[res.id]
-        return made
+        if commit is None:
+            return [None] * len(res.keys)
+        return [next(made) if length else None for length in commit[0]]
+
+    @staticmethod
+    def _split_end(
+        res: Reservation,
+        commit: tuple[Sequence[int], Sequence[int | None] | None] | None,
+    ) -> tuple[list[tuple[Extent, int, int]], list[SlotCommit]]:
+        """Ending ``res``: the places freed (all, or those of length 0) and the commits."""
+        if commit is None:
+            return list(res.places), []
+        lengths, checksums = commit
+        freed: list[tuple[Extent, int, int]] = []
+        commits: list[SlotCommit] = []
+        for i, (key, place) in enumerate(zip(res.keys, res.places, strict=True)):
+            if lengths[i] == 0:
+                freed.append(place)
+            else:
+                commits.append(SlotCommit(*place, key, lengths[i],
+                                          checksums[i] if checksums is not None else None))
+        return freed, commits
 
     def acquire(self, session: Session, keys: Sequence[bytes]) -> AcquireResult:
         """Lease the longest present prefix of ``keys``."""
@@ -461,7 +468,7 @@ class Operations(Room):
         if lease.id in self._leases:
             self._end_leases([lease])
 
-    def set_lower(self, block: Block, lower: int) -> None:
+    def set_lower(self, block: Block, lower: Lower) -> None:
         """Record what the spill tiers hold of a live block."""
         if block.doomed or block.ns.index.get(block.key) is not block or block.lower == lower:
             return

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
-from typing import Final
+from typing import Final, NamedTuple
 
 from kvtier.errors import (
     CapacityExhausted,
@@ -33,12 +34,12 @@ EVICTION_SCAN_LIMIT: Final = 4096
 MAX_GROW_ROUNDS: Final = 64
 
 
-class Lower:
+class Lower(enum.IntEnum):
     """What the tiers below DRAM hold of a block (``Block.lower``)."""
 
-    DIRTY: Final = 0  # DRAM is the only copy
-    CLEAN: Final = 1  # a spill tier holds a durable copy: eviction loses nothing
-    UNSPILLABLE: Final = 2  # spilling failed: evicted like a block without spill tiers
+    DIRTY = 0  # DRAM is the only copy
+    CLEAN = 1  # a spill tier holds a durable copy: eviction loses nothing
+    UNSPILLABLE = 2  # spilling failed: evicted like a block without spill tiers
 
 
 class NeedDemotion(CapacityExhausted):
@@ -53,12 +54,12 @@ class NeedDemotion(CapacityExhausted):
         self.blocks = blocks
 
 
-class ReserveStatus:
+class ReserveStatus(enum.IntEnum):
     """Per-key outcome of a reserve (values match the wire enum)."""
 
-    RESERVED: Final = 1
-    EXISTS: Final = 2
-    IN_FLIGHT: Final = 3
+    RESERVED = 1
+    EXISTS = 2
+    IN_FLIGHT = 3
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,7 +109,7 @@ class Block:
     generation: int
     pins: int = 0
     doomed: bool = False
-    lower: int = Lower.DIRTY
+    lower: Lower = Lower.DIRTY
     prefetched: bool = False  # promoted by a Lookup prefetch, not yet acquired
 
 
@@ -192,6 +193,17 @@ class Session:
     grants_used: float = 0.0  # the store's clock when a grant was last made or committed
 
 
+class SlotCommit(NamedTuple):
+    """One slot of the commit transition: a reserved (or granted) slot becoming a block."""
+
+    ext: Extent
+    slot: int
+    gen: int  # the generation the reserve gave the slot
+    key: bytes
+    length: int
+    checksum: int | None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class SlotGrant:
     """Where a reserved or leased block's bytes are, for the wire."""
@@ -237,14 +249,14 @@ class AdoptedSlots:
     generations: list[int]
 
 
-class CommitResult:
+class CommitResult(enum.IntEnum):
     """A commit record's result byte in the page (``csrc/writes.c``)."""
 
-    COMMITTED: Final = 1
-    EXISTS: Final = 2  # the key was present (or being written): the grant stays
-    INVALID: Final = 3  # the record's batch was malformed: nothing of it committed
-    LOST: Final = 4  # a grant of the batch is no longer this session's (expired)
-    FAILED: Final = 5  # the daemon could not write the slot table: nothing committed
+    COMMITTED = 1
+    EXISTS = 2  # the key was present (or being written): the grant stays
+    INVALID = 3  # the record's batch was malformed: nothing of it committed
+    LOST = 4  # a grant of the batch is no longer this session's (expired)
+    FAILED = 5  # the daemon could not write the slot table: nothing committed
 
 
 #: Grants nobody committed into for this long go back (an idle writer holds no room).
