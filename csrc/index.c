@@ -1045,3 +1045,40 @@ kvt_py_index_fingerprints(PyObject *Py_UNUSED(m), PyObject *args)
     PyBuffer_Release(&buf);
     return ret;
 }
+
+/* page_layout(): every offset, size and flag of index.h's session page, by name (the
+ * KVT_ prefix dropped): Python's one source for them (client/kvtier/_page.py). */
+PyObject *
+kvt_py_page_layout(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(args))
+{
+    static const struct {
+        const char *name;
+        unsigned long long value;
+    } fields[] = {
+#define F(x) {#x, (unsigned long long)(KVT_##x)}
+        F(IDX_SUPERSEDED), F(IDX_MISS_NOT_FINAL),
+        F(PAGE_BYTES), F(PAGE_COUNTERS), F(PAGE_COUNTERS_N), F(PAGE_HAZARD_HI),
+        F(PAGE_RING_HEAD), F(PAGE_MAX_LEASES), F(PAGE_MAX_RESERVATIONS),
+        F(PAGE_LOCAL_RESERVATIONS), F(PAGE_MAX_HAZARDS), F(MAX_HAZARDS_SET), F(PAGE_RING),
+        F(PAGE_RING_N), F(PAGE_HAZARDS), F(PAGE_SERIALS), F(PAGE_HAZARDS_N), F(HAZARD_BIT),
+        F(WPAGE_BYTES), F(W_HEAD), F(W_DONE), F(W_WAITERS), F(W_WANT), F(W_GRANTS),
+        F(W_GRANTS_N), F(GRANT_VALID), F(GRANT_TAKEN), F(W_RING), F(W_RECORD), F(W_RING_N),
+        F(W_KEY_MAX), F(R_GRANT), F(R_LENGTH), F(R_CHECKSUM), F(R_KEYLEN), F(R_FLAGS),
+        F(R_RESULT), F(R_KEY), F(R_WORD), F(W_HAS_SUM), F(W_LAST), F(W_COMMITTED),
+        F(W_EXISTS), F(W_INVALID), F(W_LOST), F(W_FAILED),
+#undef F
+    };
+    PyObject *out = PyDict_New();
+    if (out == NULL)
+        return NULL;
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(fields[i].value);
+        if (v == NULL || PyDict_SetItemString(out, fields[i].name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return out;
+}

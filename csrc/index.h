@@ -9,16 +9,23 @@
 #define KVT_IDX_MISS_NOT_FINAL 2u /* a miss here may be a hit below DRAM: ask the daemon */
 
 /* A session's page: written by its client, read (and expired) by the daemon
- * (index.c's leases).  Byte offsets of little-endian u64s. */
+ * (index.c's leases).  Byte offsets of little-endian u64s.  This header is the one
+ * definition of the page: Python reads it through _native.page_layout()
+ * (client/kvtier/_page.py), never from numbers of its own. */
 #define KVT_PAGE_BYTES 16384
-/* 0..55: lookups, lookup hit keys, lookup missed keys, acquires, acquire hit keys,
- * acquire missed keys, bytes leased */
+#define KVT_PAGE_COUNTERS 0    /* the client's counters, KVT_PAGE_COUNTERS_N u64s: */
+#define KVT_PAGE_COUNTERS_N 7  /* lookups, lookup hit keys, lookup missed keys, acquires,
+                                * acquire hit keys, acquire missed keys, bytes leased */
 #define KVT_PAGE_HAZARD_HI 64  /* hazards at [0, hi) may be non-zero (the client keeps it) */
 #define KVT_PAGE_RING_HEAD 72  /* blocks read so far (the ring's next position) */
-/* 80: max_leases, 88: max_reservations (daemon-written), 96: reservations the client
- * holds from grants (client-written, a page with a write area), 104: 1 << 63 | the
- * hazard entries [0, n) the session may use (daemon-written; the daemon reads no
- * entry past n; 0 from an older daemon: all of them) */
+#define KVT_PAGE_MAX_LEASES 80 /* daemon-written: the session's lease limit */
+#define KVT_PAGE_MAX_RESERVATIONS 88   /* daemon-written: its reservation limit */
+#define KVT_PAGE_LOCAL_RESERVATIONS 96 /* client-written: reservations it holds from
+                                        * grants (a page with a write area) */
+#define KVT_PAGE_MAX_HAZARDS 104 /* daemon-written: KVT_MAX_HAZARDS_SET | n, the hazard
+                                  * entries [0, n) the session may use (the daemon reads
+                                  * no entry past n; 0 from an older daemon: all) */
+#define KVT_MAX_HAZARDS_SET (1ull << 63)
 #define KVT_PAGE_RING 1024     /* the ring of blocks read: hazard values */
 #define KVT_PAGE_RING_N 384
 #define KVT_PAGE_HAZARDS 4096  /* one u64 per leased block, 0 when unused or expired */
@@ -41,8 +48,23 @@
 #define KVT_W_RECORD 96
 #define KVT_W_RING_N 128
 #define KVT_W_KEY_MAX 64
+/* A commit record: byte offsets of its fields. */
+#define KVT_R_GRANT 0         /* u32: the grant entry */
+#define KVT_R_LENGTH 4        /* u32 */
+#define KVT_R_CHECKSUM 8      /* u64 */
+#define KVT_R_KEYLEN 16       /* u8 */
+#define KVT_R_FLAGS 17        /* u8: KVT_W_HAS_SUM | KVT_W_LAST */
+#define KVT_R_RESULT 18       /* u8: the daemon's answer, KVT_W_COMMITTED .. */
+#define KVT_R_KEY 24          /* KVT_W_KEY_MAX bytes */
+#define KVT_R_WORD 88         /* u64: the grant's word as the writer took it */
 #define KVT_W_HAS_SUM 1       /* a record's flags */
 #define KVT_W_LAST 2          /* the last record of a commit (all or nothing up to it) */
+/* A record's result byte. */
+#define KVT_W_COMMITTED 1
+#define KVT_W_EXISTS 2        /* the key was present (or being written): the grant stays */
+#define KVT_W_INVALID 3       /* the batch was malformed: nothing of it committed */
+#define KVT_W_LOST 4          /* a grant of the batch is no longer the session's */
+#define KVT_W_FAILED 5        /* the daemon could not write the slot table */
 
 PyObject *kvt_py_index_format(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_set(PyObject *m, PyObject *args);
@@ -70,5 +92,6 @@ PyObject *kvt_py_index_info(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_set_flags(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_fingerprint(PyObject *m, PyObject *arg);
 PyObject *kvt_py_index_fingerprints(PyObject *m, PyObject *args);
+PyObject *kvt_py_page_layout(PyObject *m, PyObject *args);
 
 #endif

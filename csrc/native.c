@@ -1945,6 +1945,8 @@ static PyMethodDef native_methods[] = {
      "page_cas(page, offset, old, new): compare-and-swap of the u64 at offset; True if swapped."},
     {"page_store", kvt_py_page_store, METH_VARARGS,
      "page_store(page, offset, value): an atomic store of the u64 at offset."},
+    {"page_layout", kvt_py_page_layout, METH_NOARGS,
+     "page_layout(): {name: value} of csrc/index.h's session page layout (KVT_ dropped)."},
     {"index_copy", kvt_py_index_copy, METH_VARARGS,
      "index_copy(dst, src): put src's live entries into dst; (copied, skipped)."},
     {"index_info", kvt_py_index_info, METH_VARARGS,

@@ -61,17 +61,8 @@
 #define W_U32(p, off) ((uint32_t *)((char *)(p)->buf + (off)))
 #define RECORD(p, i) ((unsigned char *)(p)->buf + KVT_W_RING + (size_t)(i) * KVT_W_RECORD)
 
-/* Record layout: u32 grant, u32 length, u64 checksum, u8 key length, u8 flags,
- * u8 result (the daemon's), 5 bytes of padding, the key (up to 64 bytes). */
-#define R_GRANT 0
-#define R_LENGTH 4
-#define R_CHECKSUM 8
-#define R_KEYLEN 16
-#define R_FLAGS 17
-#define R_RESULT 18
-#define R_KEY 24
-#define R_WORD 88 /* the grant's word as the writer took it: which slot it filled */
-_Static_assert(R_KEY + KVT_W_KEY_MAX <= R_WORD && R_WORD + 8 <= KVT_W_RECORD,
+/* Record layout: csrc/index.h's KVT_R_* offsets. */
+_Static_assert(KVT_R_KEY + KVT_W_KEY_MAX <= KVT_R_WORD && KVT_R_WORD + 8 <= KVT_W_RECORD,
                "a record holds its key and the grant word");
 
 static int
@@ -227,15 +218,15 @@ kvt_py_commits_put(PyObject *Py_UNUSED(m), PyObject *args)
         unsigned char *r = RECORD(&page, (head + (unsigned long long)i) % KVT_W_RING_N);
         uint32_t g32 = grant, l32 = (uint32_t)length;
         uint64_t s64 = s, w64 = word;
-        memcpy(r + R_GRANT, &g32, 4);
-        memcpy(r + R_WORD, &w64, 8);
-        memcpy(r + R_LENGTH, &l32, 4);
-        memcpy(r + R_CHECKSUM, &s64, 8);
-        r[R_KEYLEN] = (unsigned char)key.len;
-        r[R_FLAGS] = (unsigned char)((sum != Py_None ? KVT_W_HAS_SUM : 0)
+        memcpy(r + KVT_R_GRANT, &g32, 4);
+        memcpy(r + KVT_R_WORD, &w64, 8);
+        memcpy(r + KVT_R_LENGTH, &l32, 4);
+        memcpy(r + KVT_R_CHECKSUM, &s64, 8);
+        r[KVT_R_KEYLEN] = (unsigned char)key.len;
+        r[KVT_R_FLAGS] = (unsigned char)((sum != Py_None ? KVT_W_HAS_SUM : 0)
                                      | (i == n - 1 ? KVT_W_LAST : 0));
-        r[R_RESULT] = 0;
-        memcpy(r + R_KEY, key.buf, (size_t)key.len);
+        r[KVT_R_RESULT] = 0;
+        memcpy(r + KVT_R_KEY, key.buf, (size_t)key.len);
         PyBuffer_Release(&key);
     }
     /* The records before the head that publishes them. */
@@ -350,16 +341,16 @@ kvt_py_commits_take(PyObject *Py_UNUSED(m), PyObject *args)
         memcpy(r, RECORD(&page, (tail + (uint64_t)i) % KVT_W_RING_N), KVT_W_RECORD);
         uint32_t grant, length;
         uint64_t sum, word;
-        memcpy(&grant, r + R_GRANT, 4);
-        memcpy(&word, r + R_WORD, 8);
-        memcpy(&length, r + R_LENGTH, 4);
-        memcpy(&sum, r + R_CHECKSUM, 8);
-        unsigned klen = r[R_KEYLEN];
+        memcpy(&grant, r + KVT_R_GRANT, 4);
+        memcpy(&word, r + KVT_R_WORD, 8);
+        memcpy(&length, r + KVT_R_LENGTH, 4);
+        memcpy(&sum, r + KVT_R_CHECKSUM, 8);
+        unsigned klen = r[KVT_R_KEYLEN];
         if (klen > KVT_W_KEY_MAX)
             klen = 0; /* refused by the daemon: keys are 1..64 bytes */
         PyObject *t = Py_BuildValue("(IKy#IKB)", grant, (unsigned long long)word,
-                                    (const char *)r + R_KEY, (Py_ssize_t)klen, length,
-                                    (unsigned long long)sum, r[R_FLAGS]);
+                                    (const char *)r + KVT_R_KEY, (Py_ssize_t)klen, length,
+                                    (unsigned long long)sum, r[KVT_R_FLAGS]);
         if (t == NULL) {
             Py_CLEAR(list);
             goto done;
@@ -394,7 +385,7 @@ kvt_py_commits_done(PyObject *Py_UNUSED(m), PyObject *args)
     }
     const unsigned char *res = results.buf;
     for (Py_ssize_t i = 0; i < results.len; i++)
-        __atomic_store_n(RECORD(&page, (tail + (uint64_t)i) % KVT_W_RING_N) + R_RESULT, res[i],
+        __atomic_store_n(RECORD(&page, (tail + (uint64_t)i) % KVT_W_RING_N) + KVT_R_RESULT, res[i],
                          __ATOMIC_RELAXED);
     uint32_t *word = W_U32(&page, KVT_W_DONE);
     __atomic_store_n(word, (uint32_t)(tail + (uint64_t)results.len), __ATOMIC_SEQ_CST);
@@ -429,7 +420,7 @@ kvt_py_commit_results(PyObject *Py_UNUSED(m), PyObject *args)
         goto done;
     char *out = PyBytes_AS_STRING(ret);
     for (Py_ssize_t i = 0; i < n; i++)
-        out[i] = (char)__atomic_load_n(RECORD(&page, (at + (uint64_t)i) % KVT_W_RING_N) + R_RESULT,
+        out[i] = (char)__atomic_load_n(RECORD(&page, (at + (uint64_t)i) % KVT_W_RING_N) + KVT_R_RESULT,
                                        __ATOMIC_ACQUIRE);
 done:
     PyBuffer_Release(&page);

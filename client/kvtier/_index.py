@@ -33,7 +33,7 @@ from typing import Final, NamedTuple
 
 import numpy as np
 
-from kvtier import _accel
+from kvtier import _accel, _page
 
 try:
     from kvtier import _native
@@ -42,33 +42,31 @@ except ImportError:  # not built: the client calls Lookup
 
 #: Whether this build can search a shared index.
 AVAILABLE: Final = _native is not None and _accel.NATIVE
-#: The header's flags word (csrc/index.h).
-SUPERSEDED: Final = 1
-#: The session page (csrc/index.h's KVT_PAGE_*): its size, the hazards' bound word,
-#: how many hazards it holds.
-PAGE_BYTES: Final = 16384
-_HAZARD_HI: Final = 64
-_MAX_LEASES: Final = 80
-_MAX_RESERVATIONS: Final = 88
-_LOCAL_RESERVATIONS: Final = 96
-_MAX_HAZARDS: Final = 104  # daemon-written: _MAX_HAZARDS_SET | entries this session may use
-_MAX_HAZARDS_SET: Final = 1 << 63
-HAZARDS_N: Final = 768
-#: The write area (csrc/index.h's KVT_W_*): its page size, the wanted-grants word,
-#: how many grants and commit records it holds, and the results of a record.
-WPAGE_BYTES: Final = 32768
-_W_WANT: Final = 16400
-GRANTS_N: Final = 256
-RING_RECORDS: Final = 128
+#: The page's layout (csrc/index.h, read through ``kvtier._page``): the header's flags
+#: word; the session page, its hazards' bound word, how many hazards it holds; the write
+#: area, its wanted-grants word, how many grants and records it holds; a record's results.
+SUPERSEDED: Final = _page.SUPERSEDED
+PAGE_BYTES: Final = _page.PAGE_BYTES
+_HAZARD_HI: Final = _page.HAZARD_HI
+_MAX_LEASES: Final = _page.MAX_LEASES
+_MAX_RESERVATIONS: Final = _page.MAX_RESERVATIONS
+_LOCAL_RESERVATIONS: Final = _page.LOCAL_RESERVATIONS
+_MAX_HAZARDS: Final = _page.MAX_HAZARDS  # daemon-written: SET | entries this session may use
+_MAX_HAZARDS_SET: Final = _page.MAX_HAZARDS_SET
+HAZARDS_N: Final = _page.HAZARDS_N
+WPAGE_BYTES: Final = _page.WPAGE_BYTES
+_W_WANT: Final = _page.W_WANT
+GRANTS_N: Final = _page.GRANTS_N
+RING_RECORDS: Final = _page.RING_RECORDS
 #: Longest key (a commit record's, as the slot table's).
-MAX_KEY_BYTES: Final = 64
+MAX_KEY_BYTES: Final = _page.KEY_MAX
 _GRANT_SLOT_MASK: Final = 0xFFFF_FFFF
 _GRANT_SEGMENT_MASK: Final = 0x3FFF_FFFF
-COMMITTED: Final = 1
-EXISTS: Final = 2
-INVALID: Final = 3
-LOST: Final = 4
-FAILED: Final = 5
+COMMITTED: Final = _page.COMMITTED
+EXISTS: Final = _page.EXISTS
+INVALID: Final = _page.INVALID
+LOST: Final = _page.LOST
+FAILED: Final = _page.FAILED
 #: How long a writer waits for the daemon between checks that the session lives.
 _WAIT_SLICE: Final = 0.5
 

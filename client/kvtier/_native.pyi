@@ -145,3 +145,4 @@ def index_fingerprint(key: bytes) -> bytes:
 
 def index_fingerprints(buf: _Buffer) -> list[bytes]:
     """The fingerprints of every live entry."""
+def page_layout() -> dict[str, int]: ...

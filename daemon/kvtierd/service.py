@@ -39,12 +39,11 @@ from kvtierd.config import LimitsConfig
 from kvtierd.metrics import Metrics
 from kvtierd.segments import MAX_KEY_BYTES
 from kvtierd.shared_index import SessionPage
-from kvtierd.store import CommitResult, Session, SlotGrant
+from kvtierd.store import Session, SlotGrant
 from kvtierd.tiering import Tiering
 
 log = logging.getLogger(__name__)
 #: Right.WRITE as a plain int (an enum.Flag operation costs microseconds on a hot path).
-_WRITE = int(Right.WRITE)
 
 #: The longest a Drain call waits before answering: a minute keeps the call
 #: well inside any client deadline; a longer drain is followed by calling again.
@@ -332,37 +331,16 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         return pb.CommitResponse(committed=n)
 
     def commit_from_page(self, session: Session, page: SessionPage) -> int:
-        """The writes made without a call (``csrc/writes.c``): commit the blocks the
-        session's writer put in granted slots and named in its page, grant it slots
-        for the next ones (as many as it asks, within the limit), then wake it.  Each
-        record's result goes to the page, which the writer checks like an answer.
-        (Only writers get a page with a write area; the rights are checked again.)
-        Returns how many records it found (0: the ring was empty, or impossible)."""
-        records = page.take_commits()
-        if records is None:  # an impossible head: only a hostile page has one
-            log.warning("session %d wrote an impossible commit ring head; records skipped",
-                        session.id)
-            return 0
-        writer = bool(int(session.rights) & _WRITE)
-        results = b""
-        if records and writer:
-            try:
-                results = self.tiering.commit_granted(session, records)
-            except Exception:  # a bug, not the client's input: it still gets its answer
-                log.exception("commit of %d records from session %d's page failed",
-                              len(records), session.id)
-                results = bytes([CommitResult.FAILED]) * len(records)
+        """A writing session's client rang: the tiering layer commits what its page
+        holds (``Store.commit_from_page``); this counts it for the metrics.  Returns how
+        many records it found (0: the ring was empty, or impossible)."""
+        out = self.tiering.commit_from_page(session, page)
+        if out.blocks or out.granted:
             counts = self._counts(session.ns.name)
-            for r, code in zip(records, results, strict=True):
-                if code == CommitResult.COMMITTED:
-                    counts[0] += 1
-                    counts[1] += r[3]
-        elif records:
-            results = bytes([CommitResult.LOST]) * len(records)
-        if writer and records:  # a ring without records refills nothing: it costs a read
-            self._refill(session, page)
-        page.finish_commits(results)
-        return len(records)
+            counts[0] += len(out.blocks)
+            counts[1] += out.nbytes
+            counts[2] += out.granted
+        return out.records
 
     def _refill(self, session: Session, page: SessionPage) -> None:
         # As many as the page asks for (the store clamps it to the limit).  -1: the

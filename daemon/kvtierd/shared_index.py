@@ -39,11 +39,11 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
-from typing import Final, TypeAlias, TypeVar
+from typing import Final, NamedTuple, TypeAlias, TypeVar
 
 import numpy as np
 
-from kvtier import _accel
+from kvtier import _accel, _page
 
 log = logging.getLogger(__name__)
 
@@ -61,42 +61,54 @@ ENTRY_BYTES: Final = 64
 MIN_CAPACITY: Final = 1024
 #: Entries a probe may visit (csrc/index.c's limit): honest keys never need that many.
 MAX_PROBE: Final = 1024
-#: The header's flags word (csrc/index.h).
-SUPERSEDED: Final = 1
-MISS_NOT_FINAL: Final = 2
+#: The header's flags word, and the session page's layout: ``csrc/index.h``, read
+#: through ``kvtier._page`` (its one definition).
+SUPERSEDED: Final = _page.SUPERSEDED
+MISS_NOT_FINAL: Final = _page.MISS_NOT_FINAL
 #: The tier a published key is in (the wire's TIER_DRAM).
 TIER_DRAM: Final = 1
-#: Bytes of a session's page (csrc/index.h's KVT_PAGE_*): counters, hazards, access ring.
-PAGE_BYTES: Final = 16384
-_RING_HEAD: Final = 72
-_MAX_LEASES: Final = 80
-_MAX_RESERVATIONS: Final = 88  # daemon-written: the session's reservation limit
-_LOCAL_RESERVATIONS: Final = 96  # client-written: reservations it holds from grants
+PAGE_BYTES: Final = _page.PAGE_BYTES
+_RING_HEAD: Final = _page.RING_HEAD
+_MAX_LEASES: Final = _page.MAX_LEASES
+_MAX_RESERVATIONS: Final = _page.MAX_RESERVATIONS  # daemon-written: the reservation limit
+_LOCAL_RESERVATIONS: Final = _page.LOCAL_RESERVATIONS  # client-written: from grants
 #: Daemon-written: MAX_HAZARDS_SET | n, the hazard entries [0, n) the session may use
 #: (its share of ``limits.max_hazards_per_uid`` / ``_per_namespace``); the daemon reads
 #: no entry past it.  0 (an older daemon): all ``HAZARDS_N``.
-_MAX_HAZARDS: Final = 104
-MAX_HAZARDS_SET: Final = 1 << 63
-_HAZARDS: Final = 4096
-_SERIALS: Final = 10240
-_HAZARD_HI: Final = 64
-_RING: Final = 1024
-RING_N: Final = 384
-#: A page with a write area (``csrc/writes.c``; offsets in ``csrc/index.h``'s ``KVT_W_*``).
-WPAGE_BYTES: Final = 32768
-_W_WANT: Final = 16400
-_W_GRANTS: Final = 16896
-GRANTS_N: Final = 256
-GRANT_VALID: Final = 1 << 63
-GRANT_TAKEN: Final = 1 << 62
-#: A commit record's flags and results (``csrc/writes.c``).
-HAS_SUM: Final = 1
-LAST: Final = 2
-HAZARDS_N: Final = 768
-HAZARD_BIT: Final = 1 << 63
+_MAX_HAZARDS: Final = _page.MAX_HAZARDS
+MAX_HAZARDS_SET: Final = _page.MAX_HAZARDS_SET
+_HAZARDS: Final = _page.HAZARDS
+_SERIALS: Final = _page.SERIALS
+_HAZARD_HI: Final = _page.HAZARD_HI
+_RING: Final = _page.RING
+RING_N: Final = _page.RING_N
+#: A page with a write area (``csrc/writes.c``).
+WPAGE_BYTES: Final = _page.WPAGE_BYTES
+_W_WANT: Final = _page.W_WANT
+_W_GRANTS: Final = _page.W_GRANTS
+GRANTS_N: Final = _page.GRANTS_N
+GRANT_VALID: Final = _page.GRANT_VALID
+GRANT_TAKEN: Final = _page.GRANT_TAKEN
+#: A commit record's flags.
+HAS_SUM: Final = _page.HAS_SUM
+LAST: Final = _page.LAST
+HAZARDS_N: Final = _page.HAZARDS_N
+HAZARD_BIT: Final = _page.HAZARD_BIT
 
 #: Where a published block is: (segment id, slot, offset, length, checksum or None).
 Location: TypeAlias = tuple[int, int, int, int, "int | None"]
+
+
+class CommitRecord(NamedTuple):
+    """A commit record as the daemon copies it out of a page (``csrc/writes.c``): the
+    writer filled the slot of grant entry ``grant`` (whose word it read as ``word``)."""
+
+    grant: int  # the grant entry, 0 .. GRANTS_N - 1
+    word: int  # the grant word the writer took (VALID | segment << 32 | slot)
+    key: bytes
+    length: int
+    checksum: int  # meaningful with HAS_SUM in flags
+    flags: int  # HAS_SUM, LAST
 
 
 def hazard_of(segment_id: int, slot: int) -> int:
@@ -507,17 +519,16 @@ class SessionPage:
         value: int = struct.unpack_from("<Q", self._mm, _W_WANT)[0]
         return value
 
-    def take_commits(self) -> list[tuple[int, int, bytes, int, int, int]] | None:
-        """The commit records published since the last call, copied out of the page:
-        (grant, word, key, length, checksum, flags) each; None when the client's head is
-        impossible (behind, or more than the ring holds), which ends this page's
-        writes: the records are skipped."""
+    def take_commits(self) -> list[CommitRecord] | None:
+        """The commit records published since the last call, copied out of the page;
+        None when the client's head is impossible (behind, or more than the ring holds),
+        which ends this page's writes: the records are skipped."""
         head, records = _native.commits_take(self._mm, self._w_tail)
         if records is None:
             self._w_tail = head
             _native.commits_done(self._mm, head, b"")  # its waiters wake up to nothing
             return None
-        return records
+        return list(map(CommitRecord._make, records))
 
     def finish_commits(self, results: bytes) -> None:
         """Each taken record's result, then DONE (the writers waiting wake up)."""

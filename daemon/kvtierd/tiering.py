@@ -73,6 +73,7 @@ from typing import Any, Final, Protocol, TypeVar
 from kvtier.errors import CapacityExhausted, Corrupted, FailedPrecondition, NotFound
 from kvtierd.cluster.tier import ClusterTier
 from kvtierd.logs import Throttle, event, more
+from kvtierd.shared_index import SessionPage
 from kvtierd.spill.blockio import fault_kind, memory_fault
 from kvtierd.spill.format import model_hash
 from kvtierd.spill.shared import SharedTier
@@ -90,6 +91,7 @@ from kvtierd.store import (
     Lower,
     Namespace,
     NeedDemotion,
+    PageCommits,
     ReserveResult,
     ReserveStatus,
     Session,
@@ -777,15 +779,13 @@ class Tiering:
             self._committed([index[k] for k in keys if k in index])
         return n
 
-    def commit_granted(self, session: Session,
-                       records: Sequence[tuple[int, int, bytes, int, int, int]]
-                       ) -> bytes:
-        """``Store.commit_granted`` (keys a lower tier holds are EXISTS, as for a
+    def commit_from_page(self, session: Session, page: SessionPage) -> PageCommits:
+        """``Store.commit_from_page`` (keys a lower tier holds are EXISTS, as for a
         reserve), then wake the demoter and publish when write-through."""
-        results, made = self.store.commit_granted(session, records, self._exists_below(session))
-        if self.enabled and made:
-            self._committed(made)
-        return results
+        out = self.store.commit_from_page(session, page, self._exists_below(session))
+        if self.enabled and out.blocks:
+            self._committed(out.blocks)
+        return out
 
     def _committed(self, blocks: Sequence[Block]) -> None:
         if self._write_through and blocks:

@@ -41,13 +41,13 @@ import numpy as np
 import numpy.random  # noqa: F401  (imported before the uid drop: the stdlib may be unreadable after)
 
 import kvtier
-from kvtier import errors
+from kvtier import _page, errors
 from kvtier._session import SessionLink, open_request
 
 BLOCK = 64 << 10
 UID = 65534
-_HAZARDS = 4096
-_HI = 64
+_HAZARDS = _page.HAZARDS
+_HI = _page.HAZARD_HI
 
 
 def _client(sock: str) -> kvtier.Client:
@@ -149,7 +149,7 @@ def hazards(sock: str, seconds: float, out: dict[str, Any]) -> None:
     pages = [c._maps.index._page for c in clients if c._maps.index is not None]
     segs = sorted(clients[0]._maps.mappings().keys())[:4] if clients else [1]
     segs = segs or [1]
-    words = [np.frombuffer(p, dtype=np.uint64, count=768, offset=_HAZARDS) for p in pages]
+    words = [np.frombuffer(p, dtype=np.uint64, count=_page.HAZARDS_N, offset=_HAZARDS) for p in pages]
     bells = [c._maps.index.writes for c in clients
              if c._maps.index is not None and c._maps.index.writes is not None]
     stop = threading.Event()

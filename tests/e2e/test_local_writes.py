@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kvtier
-from kvtier import errors
+from kvtier import _page, errors
 from tests.conftest import DaemonProc, start_daemon, stop_daemon
 
 pytestmark = pytest.mark.one_transport  # each test picks its clients' transports
@@ -229,7 +229,8 @@ def test_a_writer_scribbling_its_write_area_costs_only_itself(daemon: DaemonProc
             assert index is not None and index.writes is not None
             page = np.frombuffer(index._page, dtype=np.uint8)
             for _ in range(50):
-                page[16384:] = rng.integers(0, 256, 16384, dtype=np.uint8)
+                page[_page.PAGE_BYTES:] = rng.integers(0, 256, _page.WPAGE_BYTES - _page.PAGE_BYTES,
+                                                        dtype=np.uint8)
                 index.writes.ring()
             time.sleep(0.2)
             assert other.get([b"safe"])[0].tobytes() == b"kept"

@@ -21,8 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier import _index, _native
+from kvtier import _index, _native, _page
 from kvtier._index import LocalWrites
+from kvtierd.access import Right
 from kvtierd.segments import SlotState
 from kvtierd.shared_index import GRANT_TAKEN, GRANT_VALID, HAS_SUM, LAST, SessionPage
 from kvtierd.store import GRANT_IDLE_SECONDS, CommitResult, Session
@@ -32,13 +33,13 @@ from .test_store import BLOCK, CAPACITY, keys, payload, put, session
 
 pytestmark = pytest.mark.skipif(not hasattr(_native, "grants_take"), reason="no native build")
 
-_W_HEAD = 16384
-_W_DONE = 16392
-_W_GRANTS = 16896
-_W_RING = 18944
+_W_HEAD = _page.W_HEAD
+_W_DONE = _page.W_DONE
+_W_GRANTS = _page.W_GRANTS
+_W_RING = _page.W_RING
 #: The word of a grant of slot 9 in segment 7.
 W9 = GRANT_VALID | 7 << 32 | 9
-_RECORD = 96
+_RECORD = _page.RECORD_BYTES
 
 
 def _writer(page: SessionPage) -> tuple[LocalWrites, int]:
@@ -145,7 +146,7 @@ def test_record_fields_out_of_range_are_bounded() -> None:
     struct.pack_into("<Q", page.mapping, _W_HEAD, 1)
     assert page.take_commits() == [(1, 0, b"", 10, 5, LAST)]
     with pytest.raises(ValueError):
-        _native.commits_take(bytearray(16384), 0)  # a page without a write area
+        _native.commits_take(bytearray(_page.PAGE_BYTES), 0)  # a page without a write area
     page.close()
 
 
@@ -237,6 +238,46 @@ def test_granted_slots_are_reserved_and_commit_without_a_call(granting: StoreEnv
     assert env.store.check() == []
     _detach(env, s, page, writes, bell)
     assert s.ns.reserved == 0  # the session's end frees its grants
+
+
+def test_a_ring_commits_counts_refills_and_answers(granting: StoreEnv) -> None:
+    """``commit_from_page``, the daemon's whole answer to a ring: the records commit,
+    their count and bytes come back for the metrics, the grants used are refilled as
+    the page asks, and each record's result is in the page; a session that lost its
+    write right gets LOST for every record, and nothing is committed."""
+    env = granting
+    s = session(env)
+    put(env, s, [b"first"])
+    page, writes, bell = _attach(env, s)
+    assert env.store.refill_grants(s, GRANTS) == GRANTS
+    got = writes.take(2)
+    assert got is not None
+    ks = keys(2, "r")
+    for g, k in zip(got, ks, strict=True):
+        _fill(env, g, payload(k))
+    head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
+    _native.commits_put(page.mapping, head, _as_taken(
+        page, [(g.entry, k, len(payload(k)), None) for g, k in zip(got, ks, strict=True)]))
+    struct.pack_into("<Q", page.mapping, _page.W_WANT, GRANTS)
+    out = env.store.commit_from_page(s, page)
+    assert (out.records, len(out.blocks), out.nbytes, out.granted) == (
+        2, 2, sum(len(payload(k)) for k in ks), 2)
+    assert [b.key for b in out.blocks] == ks and env.store.lookup(s, ks) == 2
+    assert _native.commit_results(page.mapping, head, 2) == bytes([CommitResult.COMMITTED]) * 2
+    assert len(s.grants) == GRANTS  # refilled
+    # An empty ring: nothing found, nothing refilled.
+    assert env.store.commit_from_page(s, page).records == 0
+    # Rights are what the session holds now.
+    got = writes.take(1)
+    assert got is not None
+    s.rights &= ~int(Right.WRITE)
+    _native.commits_put(page.mapping, head + 2, _as_taken(page, [(got[0].entry, b"no", 5, None)]))
+    out = env.store.commit_from_page(s, page)
+    assert (out.records, out.blocks, out.granted) == (1, [], 0)
+    assert _native.commit_results(page.mapping, head + 2, 1) == bytes([CommitResult.LOST])
+    assert env.store.lookup(s, [b"no"]) == 0
+    assert env.store.check() == []
+    _detach(env, s, page, writes, bell)
 
 
 def test_a_present_key_keeps_its_grant_and_a_bad_batch_commits_nothing(
@@ -362,7 +403,7 @@ def test_a_read_only_or_closed_session_gets_no_grants(granting: StoreEnv) -> Non
 
 @settings(max_examples=60, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(words=st.lists(st.tuples(st.integers(16384 // 8, 32768 // 8 - 1),
+@given(words=st.lists(st.tuples(st.integers(_page.PAGE_BYTES // 8, _page.WPAGE_BYTES // 8 - 1),
                                 st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 300),
                                           st.sampled_from(range(8)).map(lambda i: -1 - i))),
                       max_size=120),

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from kvtier import _native
+from kvtier import _native, _page
 from kvtier._index import LocalIndex, _hazard_limit
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.counters import COUNTER_CAP, saturating_add
@@ -35,9 +35,9 @@ from kvtierd.shared_index import (
 
 pytestmark = pytest.mark.skipif(not hasattr(_native, "index_acquire"), reason="no native build")
 
-_HI = 64
-_HAZARDS = 4096
-_SERIALS = 10240
+_HI = _page.HAZARD_HI
+_HAZARDS = _page.HAZARDS
+_SERIALS = _page.SERIALS
 
 
 def _write(page: SessionPage, values: dict[int, tuple[int, int]]) -> None:

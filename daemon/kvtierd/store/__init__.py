@@ -80,6 +80,7 @@ from kvtierd.store.types import (
     Lower,
     Namespace,
     NeedDemotion,
+    PageCommits,
     Peer,
     Reservation,
     ReserveResult,
@@ -91,6 +92,6 @@ from kvtierd.store.types import (
 __all__ = [
     "EVICTION_SCAN_LIMIT", "GRANT_IDLE_SECONDS", "MAX_GROW_ROUNDS", "MAX_KEPT_RETIRED",
     "MAX_READ_HINTS", "AcquireResult", "AdoptedSlots", "Block", "CheckSnapshot",
-    "CommitResult", "Extent", "ExtentFactory", "Lease", "Lower", "Namespace", "NeedDemotion",
+    "CommitResult", "Extent", "ExtentFactory", "Lease", "Lower", "Namespace", "NeedDemotion", "PageCommits",
     "Peer", "Reservation", "ReserveResult", "ReserveStatus", "Session", "SlotGrant", "Store",
 ]

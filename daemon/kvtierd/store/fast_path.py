@@ -12,6 +12,7 @@ from kvtier.errors import (
     CapacityExhausted,
     Unauthenticated,
 )
+from kvtierd.access import Right
 from kvtierd.counters import saturating_add
 from kvtierd.logs import event
 from kvtierd.segments import (
@@ -22,6 +23,7 @@ from kvtierd.shared_index import (
     GRANTS_N,
     HAS_SUM,
     LAST,
+    CommitRecord,
     SessionPage,
 )
 from kvtierd.store.base import _grant_word, _NeedExtent, _Raced, _Undo
@@ -32,6 +34,7 @@ from kvtierd.store.types import (
     CommitResult,
     Extent,
     Namespace,
+    PageCommits,
     Session,
     SlotCommit,
 )
@@ -91,10 +94,45 @@ class FastPath(Operations):
             session.grants_used = self._clock()
         return len(places)
 
+    def commit_from_page(self, session: Session, page: SessionPage,
+                         exists: Callable[[bytes], bool] | None = None) -> PageCommits:
+        """The writes made without a call (``csrc/writes.c``), when ``session``'s client
+        rings: commit the blocks its writer put in granted slots and named in its page
+        (``commit_granted``), grant it slots for the next ones (as many as it asks,
+        within the limit), then wake it.  Each record's result goes to the page, which
+        the writer checks like an answer.  The rights are checked again: only writers
+        get a page with a write area, but a session's rights are what it holds now."""
+        out = PageCommits()
+        records = page.take_commits()
+        if records is None:  # an impossible head: only a hostile page has one
+            log.warning("session %d wrote an impossible commit ring head; records skipped",
+                        session.id)
+            return out
+        out.records = len(records)
+        if not records:
+            page.finish_commits(b"")
+            return out
+        if not int(session.rights) & Right.WRITE:
+            page.finish_commits(bytes([CommitResult.LOST]) * len(records))
+            return out
+        try:
+            results, out.blocks = self.commit_granted(session, records, exists)
+        except Exception:  # a bug, not the client's input: it still gets its answer
+            log.exception("commit of %d records from session %d's page failed",
+                          len(records), session.id)
+            results = bytes([CommitResult.FAILED]) * len(records)
+        out.nbytes = sum(r.length for r, code in zip(records, results, strict=True)
+                         if code == CommitResult.COMMITTED)
+        # A ring without records refills nothing (it costs a read); -1 (the namespace
+        # may grow: the writer's next Reserve call grows it) counts as none.
+        out.granted = max(self.refill_grants(session, page.wanted()), 0)
+        page.finish_commits(results)
+        return out
+
     def commit_granted(
         self,
         session: Session,
-        records: Sequence[tuple[int, int, bytes, int, int, int]],
+        records: Sequence[CommitRecord],
         exists: Callable[[bytes], bool] | None = None,
     ) -> tuple[bytes, list[Block]]:
         """Commit the blocks ``session``'s writer put in granted slots: ``records`` as
@@ -123,7 +161,7 @@ class FastPath(Operations):
     def _commit_batch(
         self,
         session: Session,
-        batch: Sequence[tuple[int, int, bytes, int, int, int]],
+        batch: Sequence[CommitRecord],
         exists: Callable[[bytes], bool] | None,
     ) -> tuple[bytes, list[Block]]:
         ns = session.ns

@@ -10,6 +10,7 @@ import enum
 import logging
 from typing import Final, NamedTuple
 
+from kvtier import _page
 from kvtier.errors import (
     CapacityExhausted,
 )
@@ -250,13 +251,23 @@ class AdoptedSlots:
 
 
 class CommitResult(enum.IntEnum):
-    """A commit record's result byte in the page (``csrc/writes.c``)."""
+    """A commit record's result byte in the page (``csrc/index.h``'s ``KVT_W_*``)."""
 
-    COMMITTED = 1
-    EXISTS = 2  # the key was present (or being written): the grant stays
-    INVALID = 3  # the record's batch was malformed: nothing of it committed
-    LOST = 4  # a grant of the batch is no longer this session's (expired)
-    FAILED = 5  # the daemon could not write the slot table: nothing committed
+    COMMITTED = _page.COMMITTED
+    EXISTS = _page.EXISTS  # the key was present (or being written): the grant stays
+    INVALID = _page.INVALID  # the record's batch was malformed: nothing of it committed
+    LOST = _page.LOST  # a grant of the batch is no longer this session's (expired)
+    FAILED = _page.FAILED  # the daemon could not write the slot table: nothing committed
+
+
+@dataclasses.dataclass(slots=True)
+class PageCommits:
+    """What one ring of a session's page did (``FastPath.commit_from_page``)."""
+
+    records: int = 0  # commit records found (0: an empty ring, or an impossible head)
+    blocks: list[Block] = dataclasses.field(default_factory=list)  # the blocks made
+    nbytes: int = 0  # their bytes
+    granted: int = 0  # slots granted ahead for the next writes
 
 
 #: Grants nobody committed into for this long go back (an idle writer holds no room).
