@@ -9,7 +9,6 @@ gives them, applied in one place (``_rpc``).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import logging
@@ -307,9 +306,6 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
             self.metrics.refused_blocks.labels(session.ns.name).inc(len(request.keys))
             raise
         self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.slots))
-        page = session.ns.pages.get(session.id)
-        if page is not None and page.writes:  # a writer that had too few grants: more next time
-            asyncio.get_running_loop().call_soon(self._refill, session, page)
         return pb.ReserveResponse(
             reservation_id=result.reservation_id,
             statuses=cast(Any, result.statuses),
@@ -335,37 +331,22 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         holds (``Store.commit_from_page``); this counts it for the metrics.  Returns how
         many records it found (0: the ring was empty, or impossible)."""
         out = self.tiering.commit_from_page(session, page)
-        if out.blocks or out.granted:
-            counts = self._counts(session.ns.name)
+        if out.blocks:
+            counts = self._page_counts.setdefault(session.ns.name, [0, 0])
             counts[0] += len(out.blocks)
             counts[1] += out.nbytes
-            counts[2] += out.granted
         return out.records
 
-    def _refill(self, session: Session, page: SessionPage) -> None:
-        # As many as the page asks for (the store clamps it to the limit).  -1: the
-        # namespace may grow; the writer's next Reserve call grows it (grants never
-        # grow a namespace by themselves: room ahead of use is taken only from what
-        # exists).
-        granted = self.store.refill_grants(session, page.wanted())
-        if granted > 0:
-            self._counts(session.ns.name)[2] += granted
-
-    def _counts(self, ns: str) -> list[int]:
-        counts = self._page_counts.get(ns)
-        if counts is None:
-            counts = self._page_counts[ns] = [0, 0, 0]
-        return counts
-
     def _fold_page_counts(self) -> None:
+        """Before a scrape: the blocks committed from pages, and the slots granted ahead
+        (counted as reserved), since the last one."""
         counts, self._page_counts = self._page_counts, {}
-        for ns, (blocks, nbytes, granted) in counts.items():
-            if ns not in self.store.namespaces:
-                continue  # forgotten meanwhile: its series are gone
-            if blocks:
+        for ns, (blocks, nbytes) in counts.items():
+            if ns in self.store.namespaces:  # else forgotten meanwhile: its series are gone
                 self.metrics.committed_blocks.labels(ns).inc(blocks)
                 self.metrics.tier_io("dram", "write", nbytes, blocks)
-            if granted:
+        for ns, granted in self.store.take_granted().items():
+            if ns in self.store.namespaces:
                 self.metrics.reserved_blocks.labels(ns).inc(granted)
 
     @_rpc("Abort")

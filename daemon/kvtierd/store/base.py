@@ -191,6 +191,8 @@ class StoreBase:
         self._to_cut: collections.deque[tuple[float, int]] = collections.deque()
         # event counters (read by metrics at scrape time)
         self.evictions = 0
+        #: Slots granted ahead per namespace, since metrics last took them (``take_granted``).
+        self.granted: collections.Counter[str] = collections.Counter()
         #: Namespace name -> its DRAM quota in bytes (0: none); the daemon sets it from
         #: the access rules.  Consulted only when a reserve finds no free slot.
         self.dram_quota_of: Callable[[str], int] = lambda name: 0

@@ -4,6 +4,8 @@ committed from its commit records) and what clients count without a call."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -35,6 +37,7 @@ from kvtierd.store.types import (
     Extent,
     Namespace,
     PageCommits,
+    ReserveResult,
     Session,
     SlotCommit,
 )
@@ -92,7 +95,31 @@ class FastPath(Operations):
             page.set_grant(i, _grant_word(ext, slot))
         if places:
             session.grants_used = self._clock()
+            self.granted[ns.name] += len(places)
         return len(places)
+
+    async def reserve(
+        self,
+        session: Session,
+        keys: Sequence[bytes],
+        exists: Callable[[bytes], bool] | None = None,
+    ) -> ReserveResult:
+        """``Operations.reserve``; a writer with a page that had too few grants to write
+        without this call gets more, right after (as many as its page asks for; never
+        by growing the namespace: room ahead of use is taken only from what exists)."""
+        result = await super().reserve(session, keys, exists)
+        page = session.ns.pages.get(session.id)
+        if page is not None and page.writes:
+            asyncio.get_running_loop().call_soon(self._refill, session, page)
+        return result
+
+    def _refill(self, session: Session, page: SessionPage) -> None:
+        self.refill_grants(session, page.wanted())
+
+    def take_granted(self) -> collections.Counter[str]:
+        """The slots granted ahead per namespace since the last call (metrics)."""
+        granted, self.granted = self.granted, collections.Counter()
+        return granted
 
     def commit_from_page(self, session: Session, page: SessionPage,
                          exists: Callable[[bytes], bool] | None = None) -> PageCommits:
@@ -123,9 +150,8 @@ class FastPath(Operations):
             results = bytes([CommitResult.FAILED]) * len(records)
         out.nbytes = sum(r.length for r, code in zip(records, results, strict=True)
                          if code == CommitResult.COMMITTED)
-        # A ring without records refills nothing (it costs a read); -1 (the namespace
-        # may grow: the writer's next Reserve call grows it) counts as none.
-        out.granted = max(self.refill_grants(session, page.wanted()), 0)
+        # A ring without records refills nothing (it costs a read).
+        self.refill_grants(session, page.wanted())
         page.finish_commits(results)
         return out
 

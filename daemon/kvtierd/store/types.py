@@ -267,7 +267,6 @@ class PageCommits:
     records: int = 0  # commit records found (0: an empty ring, or an impossible head)
     blocks: list[Block] = dataclasses.field(default_factory=list)  # the blocks made
     nbytes: int = 0  # their bytes
-    granted: int = 0  # slots granted ahead for the next writes
 
 
 #: Grants nobody committed into for this long go back (an idle writer holds no room).
