@@ -67,7 +67,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from typing import Any, Final, Protocol, TypeVar
 
 from kvtier.errors import CapacityExhausted, Corrupted, FailedPrecondition, NotFound
@@ -92,6 +91,7 @@ from kvtierd.store import (
     Namespace,
     NeedDemotion,
     PageCommits,
+    Pinned,
     ReserveResult,
     ReserveStatus,
     Session,
@@ -1151,20 +1151,19 @@ class Tiering:
         page = await asyncio.to_thread(_smallest_after, dram, below, after, page_size + 1)
         has_more = len(page) > page_size  # (not ``more``: that is the log helper)
         page = page[:page_size]
-        held = self.store.held_slots(ns) if ns is not None else set()
+        pinned = self.store.pinned(ns) if ns is not None else None
         out = [st for key in page
-               if (st := self._key_state(namespace, ns, key, held)) is not None]
+               if (st := self._key_state(namespace, ns, key, pinned)) is not None]
         return out, (page[-1] if has_more and page else None)
 
     def _key_state(self, namespace: str, ns: Namespace | None, key: bytes,
-                   held: AbstractSet[int]) -> KeyState | None:
-        """``held``: the slots clients lease without a call (those blocks are leased)."""
+                   pinned: Pinned | None) -> KeyState | None:
         if (namespace, key) in self._deleting:
             return None
         moving = self._moving(namespace, key)
         block = ns.index.get(key) if ns is not None else None
         if block is not None:
-            leased = block.pins > 0 or self.store.slot_of(block) in held
+            leased = pinned is not None and pinned.block(block)
             return KeyState(key, TIER_DRAM, block.length, leased or moving,
                             block.lower == Lower.CLEAN)
         local = self._local_copy(namespace, key, self._geometry_of(ns))
@@ -1227,11 +1226,11 @@ class Tiering:
         geometry = self._geometry_of(ns)
         # Blocks clients lease without a call count as leased (their slots would be kept
         # from reuse anyway; the admin is told they were skipped, as for pinned ones).
-        held = self.store.held_slots(ns) if ns is not None else set()
+        pinned = self.store.pinned(ns) if ns is not None else None
         # -- in one loop step: each key's DRAM and local copies, all or nothing per key
         for key in keys:
             block = ns.index.get(key) if ns is not None else None
-            if ((block is not None and (block.pins or self.store.slot_of(block) in held))
+            if ((block is not None and pinned is not None and pinned.block(block))
                     or self._moving(namespace, key)
                     or (namespace, key) in self._deleting):
                 skipped += 1

@@ -32,18 +32,32 @@ through the one exit); a failed reclaim or reformat may have removed the
 files of extents it still holds (they serve on, and at the next restart their
 blocks are gone like evicted ones).
 
-Pins (the three workflows; each pin is granted by exactly one call and
-released by exactly one call):
+Pins (each pin is granted by exactly one call and released by exactly one call;
+``Pinned`` is the one answer to "is this pinned?", whichever way it was granted):
 
-1. **write**: ``reserve`` grants a reservation (slot state RESERVED, key
-   IN_FLIGHT); exactly one of ``commit`` / ``abort`` / reservation expiry /
-   session close ends it.
-2. **read**: ``acquire`` grants a lease (each block's pin count +1, the block
-   leaves the LRU); exactly one of ``release`` / lease expiry / session close
+1. **write with a call**: ``reserve`` grants a reservation (slot state RESERVED,
+   key IN_FLIGHT); exactly one of ``commit`` / ``abort`` / reservation expiry
+   (the slots are quarantined for the TTL) / session close ends it.
+2. **write without a call** (``csrc/writes.c``): ``refill_grants`` reserves a slot
+   ahead and names it in the session's page (a grant); exactly one of a page commit
+   (``commit_from_page``), its take-back while no writer took it (idle, or its
+   extent reclaimed: ``_revoke_idle_grants``, by the page's compare-and-swap),
+   quarantine once a writer held it taken for the reservation TTL, or session
+   close ends it.  A commit from a page and a Commit call are one transition
+   (``_persist_commits`` / ``_apply_commits``).
+3. **read with a call**: ``acquire`` grants a lease (each block's pin count +1, the
+   block leaves the LRU); exactly one of ``release`` / lease expiry / session close
    ends it.
-3. **delete of a leased block**: ``delete`` hides the block at once (it is
-   *doomed*); its slot is freed by whichever workflow-2 ending drops the last
-   pin.
+4. **read without a call** (``csrc/index.c``): the client writes a hazard naming
+   the slot in its page, then checks the shared index still holds the block; the
+   daemon reads the pages after a full fence before it reuses a slot.  Exactly one
+   of the client clearing it, the page's TTL sweep (``SessionPage.expire``) or
+   session close ends it.
+5. **the tiering layer's pins**: ``pin_blocks`` (demotion, publication) grants a
+   lease of the system session without a TTL; ``unpin`` ends it.
+
+And a **delete of a leased block** (by 3 or 5) hides it at once (it is *doomed*);
+its slot is freed by whichever ending drops the last pin.
 
 Capacity: one global DRAM budget (``dram.capacity``) from which namespaces
 grow in extents.  A reserve that finds no free slot evicts the host-wide
@@ -62,7 +76,7 @@ waits for the demoter (back-pressure) and retries.
 
 from __future__ import annotations
 
-from kvtierd.store.base import ExtentFactory
+from kvtierd.store.base import ExtentFactory, Pinned
 from kvtierd.store.check import CheckSnapshot
 from kvtierd.store.store import Store
 from kvtierd.store.types import (
@@ -93,5 +107,5 @@ __all__ = [
     "EVICTION_SCAN_LIMIT", "GRANT_IDLE_SECONDS", "MAX_GROW_ROUNDS", "MAX_KEPT_RETIRED",
     "MAX_READ_HINTS", "AcquireResult", "AdoptedSlots", "Block", "CheckSnapshot",
     "CommitResult", "Extent", "ExtentFactory", "Lease", "Lower", "Namespace", "NeedDemotion", "PageCommits",
-    "Peer", "Reservation", "ReserveResult", "ReserveStatus", "Session", "SlotGrant", "Store",
+    "Peer", "Pinned", "Reservation", "ReserveResult", "ReserveStatus", "Session", "SlotGrant", "Store",
 ]

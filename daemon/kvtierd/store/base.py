@@ -136,6 +136,51 @@ _BLOCK_STATE: Final = operator.attrgetter("pins", "doomed", "lower")
 ExtentFactory = Callable[[Namespace, int, SegmentLayout, int], Segment]
 
 
+class Pinned:
+    """The one answer to "is it pinned?" in a namespace, as of when it was made.
+
+    A block is pinned by a lease made with a call (its pin count, ``Block.pins``,
+    and its extent's ``pinned`` count) or without one (a hazard naming its slot in
+    a client's page, read after a full fence when this is made).  A free slot can
+    be named by a hazard too (a client that leased its block just before it was
+    freed): it is not reused while it is.  Nothing pinned is evicted, reclaimed or
+    reused.
+    """
+
+    __slots__ = ("_ns", "hazards", "_segments")
+
+    def __init__(self, ns: Namespace, hazards: AbstractSet[int]) -> None:
+        self._ns = ns
+        #: The hazards of ``ns``'s pages (``hazard_of`` values).
+        self.hazards = hazards
+        self._segments: set[int] | None = None
+
+    def slot(self, ext: Extent, slot: int) -> bool:
+        """A client leases ``slot`` of ``ext`` without a call."""
+        return bool(self.hazards) and hazard_of(ext.segment.segment_id, slot) in self.hazards
+
+    def block(self, block: Block) -> bool:
+        return block.pins > 0 or self.slot(block.extent, block.slot)
+
+    def extent(self, ext: Extent) -> bool:
+        """Some block of ``ext`` is pinned.  A hazard counts only where it names a slot
+        the extent has (a page's garbage, say random slot numbers in real segments,
+        pins no extent)."""
+        if ext.pinned:
+            return True
+        if not self.hazards:
+            return False
+        if self._segments is None:
+            slots = {e.segment.segment_id: e.n_slots for e in self._ns.extents}
+            self._segments = {sid for v in self.hazards if (sid := v >> 32 & 0x7FFF_FFFF)
+                              in slots and v & 0xFFFF_FFFF < slots[sid]}
+        return ext.segment.segment_id in self._segments
+
+    def blocks(self) -> int:
+        """Blocks leased, by calls or without (a hazard is a block)."""
+        return self._ns.leased + len(self.hazards)
+
+
 class StoreBase:
     """The store's state and primitives (``kvtierd.store``'s docstring tells the whole).
 
@@ -292,16 +337,9 @@ class StoreBase:
                     out.append((session, g))
         return out
 
-    def _held_segments(self, ns: Namespace) -> set[int]:
-        """The segments of ``ns`` in which its clients lease a slot without a call: a
-        hazard counts only where it names a slot the extent has (a page's garbage,
-        say random slot numbers in real segments, pins no extent against reclaim)."""
-        held = self._hazards(ns)
-        if not held:
-            return set()
-        slots = {e.segment.segment_id: e.n_slots for e in ns.extents}
-        return {sid for v in held
-                if (sid := v >> 32 & 0x7FFF_FFFF) in slots and v & 0xFFFF_FFFF < slots[sid]}
+    def pinned(self, ns: Namespace) -> Pinned:
+        """What is pinned in ``ns`` now, by calls and without (``Pinned``)."""
+        return Pinned(ns, self._hazards(ns))
 
     def held_seconds(self, started: float) -> float:
         """Seconds since ``started`` (a lease's or reservation's), on the store's clock."""

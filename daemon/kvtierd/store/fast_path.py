@@ -16,7 +16,6 @@ from kvtier.errors import (
 )
 from kvtierd.access import Right
 from kvtierd.counters import saturating_add
-from kvtierd.logs import event
 from kvtierd.segments import (
     MAX_KEY_BYTES,
 )
@@ -226,9 +225,10 @@ class FastPath(Operations):
         session.grants_used = self._clock()
         return bytes(codes), made
 
-    def _expire_grants(self, session: Session, now: float) -> None:
-        """Grants idle for ``GRANT_IDLE_SECONDS`` go back; one a writer has held taken
-        for the reservation TTL is quarantined like an expired reservation's slot."""
+    def _sweep_grants(self, session: Session, now: float) -> list[int]:
+        """Grants idle for ``GRANT_IDLE_SECONDS`` go back now.  Returns those a writer
+        has held taken for the reservation TTL: expired like a reservation (the caller,
+        ``expire``, quarantines them with the reservations)."""
         page = session.ns.pages.get(session.id)
         idle = now - session.grants_used >= GRANT_IDLE_SECONDS
         back: list[int] = []
@@ -244,12 +244,8 @@ class FastPath(Operations):
             session.grant_seen.pop(g, None)
             if idle and (page is None or page.revoke_grant(g, current)):
                 back.append(g)
-        if stale:
-            log.warning("%d granted slots were held for %.0f s without a commit; they are "
-                        "quarantined", len(stale), self.reservation_ttl,
-                        extra=event("reservations_expired", count=len(stale)))
-            self._end_grants(session, stale, quarantine=now + self.reservation_ttl)
         self._end_grants(session, back)
+        return stale
 
     def idle_grants(self) -> dict[str, int]:
         """Per namespace, the slots granted ahead that no writer has taken yet: room held

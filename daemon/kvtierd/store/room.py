@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable, Sequence
-from collections.abc import Set as AbstractSet
 
 from kvtier.errors import (
     CapacityExhausted,
@@ -18,10 +17,8 @@ from kvtierd.segments import (
     SegmentLayout,
     cut_data_file,
 )
-from kvtierd.shared_index import (
-    hazard_of,
-)
 from kvtierd.store.base import (
+    Pinned,
     StoreBase,
     _close_quietly,
     _grant_word,
@@ -104,14 +101,13 @@ class Room(StoreBase):
         # Slots that clients read without a call stay as they are (csrc/index.c): a
         # free slot's block left the shared index when it was freed, so what the pages
         # hold now is all that can still read it.
-        hazards = self._hazards(ns)
+        pinned = self.pinned(ns)
         for ext in ns.extents:
-            if hazards:
-                sid = ext.segment.segment_id
+            if pinned.hazards:
                 kept = []
                 while ext.free and len(taken) < n:
                     slot = ext.free.pop()
-                    if hazard_of(sid, slot) in hazards:
+                    if pinned.slot(ext, slot):
                         kept.append(slot)
                     else:
                         taken.append((ext, slot))
@@ -123,7 +119,7 @@ class Room(StoreBase):
                 return taken, []
         try:
             try:
-                victims = self._find_room(ns, n, len(taken), may_grow=may_grow, hazards=hazards)
+                victims = self._find_room(ns, n, len(taken), may_grow=may_grow, pinned=pinned)
             except CapacityExhausted:
                 if partial:
                     return taken, []
@@ -133,8 +129,8 @@ class Room(StoreBase):
                 # that leased one meanwhile is seen now, or sees it gone.
                 for block in victims:
                     ns.index.shared.hide(block.key)
-                now = self._hazards(ns)
-                if any(self.slot_of(b) in now for b in victims):
+                now = self.pinned(ns)
+                if any(now.slot(b.extent, b.slot) for b in victims):
                     self._unhide(ns, victims)
                     raise _Raced()
             return taken, victims
@@ -192,13 +188,13 @@ class Room(StoreBase):
                 for block in blocks:
                     owner.index.shared.hide(block.key)
             hidden.append((owner, blocks))
-        held: dict[str, set[int]] = {}
+        pins: dict[str, Pinned] = {}
         for ext in exts:
             owner = self.namespaces[ext.segment.namespace]
             if owner.pages:
-                if owner.name not in held:
-                    held[owner.name] = self._held_segments(owner)
-                if ext.segment.segment_id in held[owner.name]:
+                if owner.name not in pins:
+                    pins[owner.name] = self.pinned(owner)
+                if pins[owner.name].extent(ext):
                     for other, blocks in hidden:
                         self._unhide(other, blocks)
                     raise _Raced()
@@ -213,7 +209,7 @@ class Room(StoreBase):
                     shared.add(block.key, _locate(block))
 
     def _find_room(self, ns: Namespace, n: int, got: int, *, may_grow: bool,
-                   hazards: AbstractSet[int] | None = None) -> list[Block]:
+                   pinned: Pinned) -> list[Block]:
         """The blocks of ``ns`` to evict for the ``n - got`` slots no free list had, or raise:
         ``_NeedExtent`` to grow first (after reclaiming other namespaces' extents, if
         that funds the growth), ``NeedDemotion`` or ``CapacityExhausted``."""
@@ -237,16 +233,18 @@ class Room(StoreBase):
         def funded() -> bool:
             return SegmentLayout.fit(ns.block_bytes, self.budget_free + reclaim_bytes) is not None
 
-        # Extents of other namespaces whose slots their clients lease without a call
-        # (hazards) are never reclaimed: a leased block is never evicted, whoever holds it.
-        held_segments: dict[str, set[int]] = {}
+        # Extents of other namespaces holding a pinned block (by a call or without one)
+        # are never reclaimed: a leased block is never evicted, whoever holds it.
+        pins: dict[str, Pinned] = {}
 
         def leased_in(other: Namespace, ext: Extent) -> bool:
+            if ext.pinned:
+                return True
             if not other.pages:
                 return False
-            if other.name not in held_segments:
-                held_segments[other.name] = self._held_segments(other)
-            return ext.segment.segment_id in held_segments[other.name]
+            if other.name not in pins:
+                pins[other.name] = self.pinned(other)
+            return pins[other.name].extent(ext)
 
         def unreserved(ext: Extent) -> bool:
             # Reserved slots that are only grants no writer took can be taken back
@@ -270,7 +268,7 @@ class Room(StoreBase):
             if scanned >= EVICTION_SCAN_LIMIT or len(same_ns) >= short or (reclaim and funded()):
                 break
             if block.ns is ns:
-                if hazards and self.slot_of(block) in hazards:
+                if pinned.block(block):  # the LRU holds no block pinned by a call
                     continue
                 if spill and block.lower == Lower.DIRTY:
                     if len(dirty_ns) < short:
@@ -280,7 +278,7 @@ class Room(StoreBase):
             elif may_grow and id(block.extent) not in considered:
                 considered.add(id(block.extent))
                 ext = block.extent
-                if (ext.pinned == 0 and not block.ns.grow_lock.locked() and unreserved(ext)
+                if (not block.ns.grow_lock.locked() and unreserved(ext)
                         and not leased_in(block.ns, ext)):
                     if spill and ext.dirty:
                         # In LRU order this extent goes before anything younger: it is
@@ -382,11 +380,10 @@ class Room(StoreBase):
 
     def _usable_free(self, ns: Namespace) -> int:
         """Free slots of ``ns`` a reserve may take now (those under no hazard)."""
-        hazards = self._hazards(ns)
-        if not hazards:
+        pinned = self.pinned(ns)
+        if not pinned.hazards:
             return ns.free_slots()
-        return sum(1 for ext in ns.extents for slot in ext.free
-                   if hazard_of(ext.segment.segment_id, slot) not in hazards)
+        return sum(1 for ext in ns.extents for slot in ext.free if not pinned.slot(ext, slot))
 
     def _discard_made(self, made: asyncio.Future[Segment]) -> None:
         """Remove a segment made for a reserve that was cancelled meanwhile."""

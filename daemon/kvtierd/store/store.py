@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Set as AbstractSet
 
 from kvtierd.logs import event
 from kvtierd.store.adoption import Adoption
@@ -34,8 +33,14 @@ class Store(Adoption):
                 ext.segment.close(unlink=False)
 
     def expire(self) -> tuple[collections.Counter[str], int]:
-        """Abort reservations and release leases past their deadline, and free the
-        quarantined slots whose time is up; all of it or (raising) nothing.
+        """The one expiry sweep (the daemon runs it every second).  Write pins past the
+        reservation TTL -- reservations made by calls, and grants a writer has held
+        taken that long -- end alike: their slots stay RESERVED (quarantined: the
+        writer may still be copying) for another TTL, then are freed here.  Read pins
+        past the lease TTL -- leases made by calls, and hazards in pages
+        (``SessionPage.expire``) -- end alike: their slots may be reused.  The slot-table
+        writes of these are all or (raising) nothing; idle grants go back first, each
+        on its own (``_end_grants``).
 
         Returns (reserved slots returned per namespace, leases released).
         """
@@ -45,6 +50,8 @@ class Store(Adoption):
             self.note_reads(ns)  # the LRU hears of the reads made without a call
         stale_res = [r for r in self._reservations.values()
                      if r.expires <= now and not r.session.system]
+        stale_grants = [(s, stale) for s in list(self.sessions.values())
+                        if s.grants and (stale := self._sweep_grants(s, now))]
         due = [(ns, ext, slot) for ns in self.namespaces.values() for ext in ns.extents
                if ext.quarantine for slot, until in ext.quarantine.items() if until <= now]
         stale_leases = [lease for lease in self._leases.values()
@@ -56,35 +63,35 @@ class Store(Adoption):
                 seg.mark_free(slot)
             self._persist_unpins(stale_leases, undo)
         # Applied: nothing below can fail.
-        if stale_res:  # one line per sweep, however many expired (an expiry storm)
-            log.warning("%d reservations expired (ids %s%s); their %d slots are quarantined "
-                        "for %.0f s", len(stale_res), ", ".join(str(r.id) for r in stale_res[:5]),
-                        ", ..." if len(stale_res) > 5 else "",
-                        sum(len(r.keys) for r in stale_res), self.reservation_ttl,
-                        extra=event("reservations_expired", count=len(stale_res)))
+        granted = sum(len(stale) for _s, stale in stale_grants)
+        if stale_res or granted:  # one line per sweep, however many expired (a storm)
+            log.warning("%d reservations expired (ids %s%s) and %d granted slots were held "
+                        "taken without a commit; their %d slots are quarantined for %.0f s",
+                        len(stale_res), ", ".join(str(r.id) for r in stale_res[:5]),
+                        ", ..." if len(stale_res) > 5 else "", granted,
+                        sum(len(r.keys) for r in stale_res) + granted, self.reservation_ttl,
+                        extra=event("reservations_expired", count=len(stale_res) + granted))
+        until = now + self.reservation_ttl
         for res in stale_res:
-            self._expire_reservation(res, now + self.reservation_ttl)
+            self._expire_reservation(res, until)
+        for session, stale in stale_grants:
+            self._end_grants(session, stale, quarantine=until)
         for ns, ext, slot in due:
             del ext.quarantine[slot]
             ext.reserved -= 1
             ns.reserved -= 1
             ext.free.append(slot)
-        if stale_leases:
-            log.warning("%d leases expired after %.0f s (ids %s%s)", len(stale_leases),
-                        self.lease_ttl, ", ".join(str(x.id) for x in stale_leases[:5]),
-                        ", ..." if len(stale_leases) > 5 else "",
-                        extra=event("leases_expired", count=len(stale_leases)))
         for lease in stale_leases:
             self._apply_end_lease(lease)
-        for session in self.sessions.values():
-            if session.grants:
-                self._expire_grants(session, now)
         # Leases made without a call: their hazards are zeroed (the slots are free to reuse).
         local = sum(page.expire(now, self.lease_ttl) for ns in self.namespaces.values()
                     for page in ns.pages.values())
-        if local:
-            log.warning("%d leases made without a call expired after %.0f s", local,
-                        self.lease_ttl, extra=event("leases_expired", count=local))
+        if stale_leases or local:
+            log.warning("%d leases expired after %.0f s (%d made by calls: ids %s%s; %d "
+                        "without a call)", len(stale_leases) + local, self.lease_ttl,
+                        len(stale_leases), ", ".join(str(x.id) for x in stale_leases[:5]),
+                        ", ..." if len(stale_leases) > 5 else "", local,
+                        extra=event("leases_expired", count=len(stale_leases) + local))
         aborted: collections.Counter[str] = collections.Counter()
         for res in stale_res:
             aborted[res.session.ns.name] += len(res.keys)
@@ -100,15 +107,11 @@ class Store(Adoption):
 
     def hazard_count(self) -> int:
         """Blocks clients lease without a call, as their pages say now."""
-        return sum(len(self._hazards(ns)) for ns in self.namespaces.values())
-
-    def held_slots(self, ns: Namespace) -> AbstractSet[int]:
-        """The slots of ``ns`` clients lease without a call (``slot_of`` values)."""
-        return self._hazards(ns)
+        return sum(len(self.pinned(ns).hazards) for ns in self.namespaces.values())
 
     def leased_blocks(self, ns: Namespace) -> int:
         """Blocks of ``ns`` leased, by calls or without (hazards)."""
-        return ns.leased + len(self._hazards(ns))
+        return self.pinned(ns).blocks()
 
     def local_reservations(self, session: Session) -> int:
         """Reservations ``session``'s client holds from grants (its page says; at most
