@@ -12,8 +12,16 @@ measure
 * a lookup of 4096 present keys, p50 of --rounds, from a client answering from
   the shared index (fast path) and from a client calling Lookup over gRPC, with
   the empty gRPC call (Health/Check) as the floor;
+* the daemon's CPU (user + system, /proc) per committed block, filling in batches
+  of 4096 keys and then committing SMALL_BLOCKS more in batches of 32;
 * a warm restart after SIGKILL: process start to READY=1 (a real NOTIFY_SOCKET),
-  every block re-adopted.
+  every block re-adopted; and, as a user sees it, process start until a client has
+  found every block again (lookups of 4096 keys), against an empty daemon's start to
+  its first answer, measured in the same run (``found_after_empty_s``: how much later
+  than an empty daemon a warm one serves all of its cache).
+
+The table ends with what a host of 16M blocks would need, extrapolated linearly from
+the largest two runs.
 
     .venv/bin/python bench/index_scale.py --blocks 1M,4M --json bench/results/x.json
 
@@ -25,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -54,6 +63,17 @@ def rss_anon_kib(pid: int) -> int:
     raise RuntimeError("no RssAnon")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+#: Blocks committed in batches of 32 after the fill (the small-batch CPU figure).
+SMALL_BLOCKS = 32768
+
+
 def keys_of(start: int, n: int) -> list[bytes]:
     return [b"%016d" % i for i in range(start, start + n)]  # 16 bytes, as block_keys makes
 
@@ -72,6 +92,32 @@ def p50_us(fn: object, rounds: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def fill(c: kvtier.Client, start: int, n: int, batch: int, data: np.ndarray) -> None:
+    for at in range(start, start + n, batch):
+        keys = keys_of(at, min(batch, start + n - at))
+        with c.reserve(keys) as r:
+            for i in r.reserved:
+                buf = r.buffers[i]
+                assert buf is not None
+                buf[: len(data)] = data
+            r.commit()
+
+
+def found_all(sock_dir: str, block: int, n: int) -> None:
+    """Return once a new client finds every one of the ``n`` blocks (retrying while the
+    daemon is not serving yet)."""
+    while True:
+        try:
+            with client(sock_dir, block, True) as c:
+                for at in range(0, n, BATCH):
+                    keys = keys_of(at, min(BATCH, n - at))
+                    while c.lookup(keys) != len(keys):
+                        time.sleep(0.001)
+                return
+        except kvtier.errors.KVTierError:
+            time.sleep(0.01)
+
+
 def run_one(n: int, block: int, rounds: int) -> dict[str, float]:
     tmp = tempfile.mkdtemp(prefix="kvt-index-", dir="/tmp")
     shm_dir = f"/dev/shm/kvtier-bench-index-{uuid.uuid4().hex[:8]}"
@@ -80,8 +126,10 @@ def run_one(n: int, block: int, rounds: int) -> dict[str, float]:
     notify.bind(notify_path)
     sock_dir = os.path.join(tmp, "sock")
     slot = -(-block // 4096) * 4096
-    # The pool: N slots plus the slot tables (<= 256 B per slot) and a spare extent.
-    capacity = -(-(n * (slot + 256) + (256 << 20)) // (1 << 20)) << 20
+    # The pool: N + SMALL_BLOCKS slots plus the slot tables (<= 256 B per slot) and a
+    # spare extent.
+    total = n + SMALL_BLOCKS
+    capacity = -(-(total * (slot + 256) + (256 << 20)) // (1 << 20)) << 20
     procs: list[subprocess.Popen[bytes]] = []
     row: dict[str, float] = {"blocks": n, "block_bytes": block, "pool_bytes": capacity}
     try:
@@ -91,16 +139,11 @@ def run_one(n: int, block: int, rounds: int) -> dict[str, float]:
         with client(sock_dir, block, True) as c:
             c.lookup([b"warmup"])  # the namespace exists: its fixed costs are in the baseline
             before = rss_anon_kib(proc.pid)
+            cpu0 = cpu_seconds(proc.pid)
             t0 = time.perf_counter()
-            for at in range(0, n, BATCH):
-                keys = keys_of(at, min(BATCH, n - at))
-                with c.reserve(keys) as r:
-                    for i in r.reserved:
-                        buf = r.buffers[i]
-                        assert buf is not None
-                        buf[: len(data)] = data
-                    r.commit()
+            fill(c, 0, n, BATCH, data)
             row["fill_s"] = time.perf_counter() - t0
+            row["cpu_us_per_block_4096"] = (cpu_seconds(proc.pid) - cpu0) / n * 1e6
             time.sleep(1.0)
             after = rss_anon_kib(proc.pid)
             st = fetch_stats(sock_dir)
@@ -108,6 +151,10 @@ def run_one(n: int, block: int, rounds: int) -> dict[str, float]:
             committed = ns.committed_blocks
             assert committed == n, (committed, n)
             row["anon_bytes_per_block"] = (after - before) * 1024 / committed
+            cpu0 = cpu_seconds(proc.pid)
+            fill(c, n, SMALL_BLOCKS, 32, data)
+            row["cpu_us_per_block_32"] = (cpu_seconds(proc.pid) - cpu0) / SMALL_BLOCKS * 1e6
+            n = total
             probe = keys_of(n - BATCH, BATCH) if n >= BATCH else keys_of(0, n)
             assert c.lookup(probe) == len(probe)  # (and maps the table's latest version)
             index = c._maps.index
@@ -124,8 +171,24 @@ def run_one(n: int, block: int, rounds: int) -> dict[str, float]:
             row["empty_grpc_call_us"] = p50_us(lambda: health.Check(req), rounds)
         proc.send_signal(signal.SIGKILL)
         proc.wait(60)
+        # An empty daemon (its own pool directory) as the baseline: start to first answer.
+        empty_shm = shm_dir + "-empty"
+        t0 = time.perf_counter()
+        empty, _ = start(sock_dir, empty_shm, capacity, notify, notify_path)
+        try:
+            found_all(sock_dir, block, 0)  # a session opened: it serves
+            row["empty_start_to_serving_s"] = time.perf_counter() - t0
+        finally:
+            empty.terminate()
+            empty.wait(60)
+            shutil.rmtree(empty_shm, ignore_errors=True)
+        t0 = time.perf_counter()
         proc, warm = start(sock_dir, shm_dir, capacity, notify, notify_path)
         procs.append(proc)
+        found_all(sock_dir, block, n)
+        row["warm_start_to_all_found_s"] = time.perf_counter() - t0
+        row["found_after_empty_s"] = (row["warm_start_to_all_found_s"]
+                                      - row["empty_start_to_serving_s"])
         st = fetch_stats(sock_dir)
         assert st.recovered_blocks == n, (st.recovered_blocks, n)
         row["warm_start_to_ready_s"] = warm
@@ -151,13 +214,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n} blocks of {block} bytes: filling ...", file=sys.stderr, flush=True)
         rows.append(run_one(n, block, args.rounds))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print(f"{'blocks':>9} {'anon B/blk':>10} {'table B/blk':>11} {'lookup4096 fast us':>18} "
-          f"{'grpc us':>9} {'empty call us':>13} {'warm READY s':>12} {'recovery s':>10}")
+    print(f"{'blocks':>9} {'anon B/blk':>10} {'table B/blk':>11} {'cpu us/blk 4096':>15} "
+          f"{'cpu us/blk 32':>13} {'lookup4096 fast us':>18} {'grpc us':>9} "
+          f"{'empty call us':>13} {'warm READY s':>12} {'all found s':>11} "
+          f"{'after empty s':>13}")
     for r in rows:
         print(f"{r['blocks']:>9.0f} {r['anon_bytes_per_block']:>10.0f} "
-              f"{r['table_bytes_per_block']:>11.1f} {r['lookup_4096_fast_us']:>18.0f} "
+              f"{r['table_bytes_per_block']:>11.1f} {r['cpu_us_per_block_4096']:>15.1f} "
+              f"{r['cpu_us_per_block_32']:>13.1f} {r['lookup_4096_fast_us']:>18.0f} "
               f"{r['lookup_4096_grpc_us']:>9.0f} {r['empty_grpc_call_us']:>13.0f} "
-              f"{r['warm_start_to_ready_s']:>12.3f} {r['warm_recovery_s']:>10.3f}")
+              f"{r['warm_start_to_ready_s']:>12.3f} {r['warm_start_to_all_found_s']:>11.3f} "
+              f"{r['found_after_empty_s']:>13.3f}")
+    if len(rows) >= 2:  # a 16M-block host, extrapolated from the largest two runs
+        a, b = sorted(rows, key=lambda r: r["blocks"])[-2:]
+        big = 16 << 20
+
+        def at(name: str) -> float:
+            slope = (b[name] - a[name]) / (b["blocks"] - a["blocks"])
+            return b[name] + slope * (big - b["blocks"])
+
+        extra = {"blocks": big, "anon_bytes": b["anon_bytes_per_block"] * big,
+                 "warm_start_to_all_found_s": at("warm_start_to_all_found_s"),
+                 "found_after_empty_s": at("found_after_empty_s")}
+        print(f"16M blocks (extrapolated): daemon heap {extra['anon_bytes'] / 2**30:.1f} GiB, "
+              f"all found {extra['warm_start_to_all_found_s']:.1f} s after start "
+              f"({extra['found_after_empty_s']:.1f} s after an empty daemon serves)")
+        rows.append({"extrapolated": 1.0, **extra})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(["bench/index_scale.py", *sys.argv[1:]]),
