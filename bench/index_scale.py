@@ -202,7 +202,7 @@ def run_one(n: int, block: int, rounds: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--blocks", default="1M", help="block counts, comma-separated (1M = 2**20)")
+    p.add_argument("--blocks", default="1M", help="block counts, comma-separated (256K = 2**18, 1M = 2**20)")
     p.add_argument("--block", default="4KiB", help="bytes per block")
     p.add_argument("--rounds", type=int, default=200, help="lookups per p50")
     p.add_argument("--json", metavar="FILE")
@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     block = parse_size(args.block)
     rows = []
     for count in args.blocks.split(","):
-        n = int(count[:-1]) << 20 if count.endswith("M") else int(count)
+        shift = {"K": 10, "M": 20}.get(count[-1:], 0)
+        n = int(count[:-1] if shift else count) << shift
         print(f"{n} blocks of {block} bytes: filling ...", file=sys.stderr, flush=True)
         rows.append(run_one(n, block, args.rounds))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
