@@ -58,6 +58,7 @@
 #define XXH_INLINE_ALL
 #include "xxhash.h"
 #include "index.h"
+#include "blocks.h"
 #ifdef KVT_XXH_X86_DISPATCH
 #include "xxh_x86dispatch.h" /* XXH3_64bits is now XXH3_64bits_dispatch */
 #endif
@@ -1962,6 +1963,8 @@ static PyMethodDef native_methods[] = {
  * per thread, not per interpreter), so it is safe in subinterpreters and
  * without a GIL. */
 static PyModuleDef_Slot native_slots[] = {
+    /* BlockTable and SLOT_LAYOUT (csrc/blocks.c) */
+    {Py_mod_exec, (void *)kvt_blocks_init},
 #ifdef Py_mod_multiple_interpreters
     {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
 #endif
