@@ -528,7 +528,7 @@ ready(BlockTable *t)
 /* ------------------------------------------------------------------------- */
 
 PyDoc_STRVAR(bt_add_extent_doc,
-"add_extent($self, extent_id, n_slots, meta, created_unix_ns)\n--\n\n"
+"add_extent($self, extent_id, n_slots, meta, created_unix_ns, /)\n--\n\n"
 "Add a freshly formatted extent: every slot FREE (its table all zeros).\n"
 "meta is a writable buffer over the extent's slot table (n_slots entries of\n"
 "128 bytes: the .meta mapping from the table offset); the table keeps it\n"
@@ -557,7 +557,13 @@ bt_add_extent(BlockTable *t, PyObject *args)
     e = PyMem_RawCalloc(1, sizeof *e);
     if (e == NULL)
         return PyErr_NoMemory();
-    if (PyObject_GetBuffer(meta, &e->view, PyBUF_WRITABLE) < 0) {
+    if (PyObject_GetBuffer(meta, &e->view, PyBUF_STRIDES) < 0) {
+        PyMem_RawFree(e);
+        return NULL;
+    }
+    if (e->view.readonly) {
+        PyErr_SetString(PyExc_TypeError, "meta is read-only");
+        PyBuffer_Release(&e->view);
         PyMem_RawFree(e);
         return NULL;
     }
@@ -775,7 +781,7 @@ adopt_run(adopt_job *j)
 }
 
 PyDoc_STRVAR(bt_adopt_doc,
-"adopt($self, extent_id, boot_epoch, intact_bytes)\n--\n\n"
+"adopt($self, extent_id, boot_epoch, intact_bytes, /)\n--\n\n"
 "Take over a previous run's slot table (recovery.scan_slots, in C): every\n"
 "field of every COMMITTED entry is checked (key length, length against\n"
 "block_bytes, flags, checksum flag, generation and access bounds, commit\n"
@@ -1034,7 +1040,7 @@ free_slots(BlockTable *t, const kvt_loc *locs, Py_ssize_t n)
 }
 
 PyDoc_STRVAR(bt_release_claims_doc,
-"release_claims($self, refs)\n--\n\n"
+"release_claims($self, refs, /)\n--\n\n"
 "Free RESERVED slots (abort, a length-0 commit, an expired quarantine, a\n"
 "grant taken back), all or nothing.  Raises ValueError when a ref names no\n"
 "slot, a slot that is not RESERVED, or one slot twice.");
@@ -1096,7 +1102,7 @@ commit_run(commit_job *j)
 }
 
 PyDoc_STRVAR(bt_commit_doc,
-"commit($self, refs, keys, lengths, checksums, has_checksum, first_access, epoch)\n--\n\n"
+"commit($self, refs, keys, lengths, checksums, has_checksum, first_access, epoch, /)\n--\n\n"
 "Make RESERVED slots COMMITTED, all or nothing: each slot-table entry gets\n"
 "keys[i] (bytes, 1..64), lengths[i] (uint64, 1..block_bytes), checksums[i]\n"
 "when has_checksum[i] (uint64 buffer and uint8 buffer, or None: no\n"
@@ -1249,7 +1255,7 @@ fail:
 /* ------------------------------------------------------------------------- */
 
 PyDoc_STRVAR(bt_pin_doc,
-"pin($self, refs)\n--\n\n"
+"pin($self, refs, /)\n--\n\n"
 "Pin COMMITTED blocks (a lease, a hazard, a demotion in flight): each ref's\n"
 "pin count + 1 (a ref twice: + 2); a pinned block is never a victim.  All or\n"
 "nothing: ValueError when a ref names no COMMITTED slot (DOOMED ones are\n"
@@ -1299,7 +1305,7 @@ bt_pin(BlockTable *t, PyObject *arg)
 }
 
 PyDoc_STRVAR(bt_unpin_doc,
-"unpin($self, refs)\n--\n\n"
+"unpin($self, refs, /)\n--\n\n"
 "End pins granted by pin(): each ref's count - 1.  A DOOMED block whose last\n"
 "pin ends is freed here (the slot table too).  Returns the refs freed (bytes\n"
 "of uint64).  All or nothing: ValueError when a ref names a slot that is not\n"
@@ -1387,7 +1393,7 @@ delete_run(BlockTable *t, const kvt_loc *locs, Py_ssize_t n, Py_ssize_t *doomed)
 }
 
 PyDoc_STRVAR(bt_delete_doc,
-"delete($self, refs)\n--\n\n"
+"delete($self, refs, /)\n--\n\n"
 "Delete COMMITTED blocks: an unpinned one is freed now, a pinned one becomes\n"
 "DOOMED (persisted: a restart never brings it back) and is freed by the unpin\n"
 "that ends its last pin.  Returns how many were doomed.  All or nothing:\n"
@@ -1609,7 +1615,7 @@ bt_touch(BlockTable *t, PyObject *args, PyObject *kwargs)
 }
 
 PyDoc_STRVAR(bt_set_prefetched_doc,
-"set_prefetched($self, refs)\n--\n\n"
+"set_prefetched($self, refs, /)\n--\n\n"
 "Mark COMMITTED blocks as promoted by a prefetch (touch() clears the mark and\n"
 "counts it).  Others are skipped; returns how many were marked.  ValueError\n"
 "(nothing changed) for a ref naming no slot.");
@@ -2027,7 +2033,7 @@ counts_dict(const kvt_counts *c, long long n_slots)
 }
 
 PyDoc_STRVAR(bt_counts_doc,
-"counts($self, extent_id=None)\n--\n\n"
+"counts($self, extent_id=None, /)\n--\n\n"
 "The slots of one extent (or of the whole table) by category, in O(1):\n"
 "{'slots', 'free', 'reserved', 'committed' (DOOMED included), 'pinned',\n"
 "'dirty' (committed and DIRTY), 'doomed', 'evictable' (COMMITTED, unpinned),\n"
@@ -2073,7 +2079,7 @@ bt_counts(BlockTable *t, PyObject *args)
 }
 
 PyDoc_STRVAR(bt_inspect_doc,
-"inspect($self, refs)\n--\n\n"
+"inspect($self, refs, /)\n--\n\n"
 "The native record and persisted generation of each ref, as bytes of\n"
 "16-byte rows: u8 state, u8 lower, u8 flags (1 prefetched, 2 CLOCK bit),\n"
 "u8 0, u32 pins, u64 generation (block_table.RECORD_DTYPE).  ValueError for a\n"
@@ -2116,7 +2122,7 @@ bt_inspect(BlockTable *t, PyObject *arg)
 }
 
 PyDoc_STRVAR(bt_committed_doc,
-"committed($self, extent_id)\n--\n\n"
+"committed($self, extent_id, /)\n--\n\n"
 "The refs (bytes of uint64, ascending) of an extent's COMMITTED slots: what a\n"
 "warm start indexes after adopt().  ValueError for an unknown extent.");
 
@@ -2155,7 +2161,7 @@ bt_committed(BlockTable *t, PyObject *arg)
 }
 
 PyDoc_STRVAR(bt_extents_doc,
-"extents($self)\n--\n\n"
+"extents($self, /)\n--\n\n"
 "The ids of the table's extents, ascending.");
 
 static PyObject *
@@ -2320,7 +2326,7 @@ check_run(BlockTable *t, problems *p, uint8_t *seen_buf)
 }
 
 PyDoc_STRVAR(bt_check_doc,
-"check($self)\n--\n\n"
+"check($self, /)\n--\n\n"
 "Cross-check the native records against the slot tables: each slot's state\n"
 "equals its persisted state byte, committed entries verify (key length,\n"
 "length, entry checksum), the free lists hold exactly the FREE slots once,\n"
