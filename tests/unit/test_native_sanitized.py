@@ -49,6 +49,14 @@ def test_native_unit_tests_pass_under_address_and_undefined_behaviour_sanitizers
     assert Path(so).parent == ROOT / "build" / "sanitized" / "lib" / "kvtier"
     image = Path(so).read_bytes()
     assert b"__asan_init" in image and b"__ubsan_handle_" in image  # really instrumented
+    # The runtime is live in such a child: an overflow past a heap buffer is reported.
+    overflow = ("import ctypes; b = bytearray(16); src = bytes(64); "
+                "ctypes.memmove((ctypes.c_char * 16).from_buffer(b), src, 64)")
+    live = subprocess.run([sys.executable, "-c", overflow], capture_output=True, text=True,
+                          timeout=60, check=False,
+                          env={**os.environ, "LD_PRELOAD": libasan, "PYTHONMALLOC": "malloc",
+                               "ASAN_OPTIONS": "detect_leaks=0"})
+    assert live.returncode != 0 and "heap-buffer-overflow" in live.stderr, live.stderr[-2000:]
     path = os.pathsep.join(filter(None, [str(ROOT / "client"), str(ROOT / "daemon"),
                                          os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "LD_PRELOAD": libasan, "ASAN_OPTIONS": "detect_leaks=0",
