@@ -29,7 +29,7 @@
  *   sampled LRU (Redis' approximation): each victim is the oldest by the
  *     persisted last access of `sample` random evictable slots, with a pool of
  *     KVT_POOL_N good candidates kept across calls (optional);
- *   CLOCK: a reference bit set at commit and at every access, a hand per table
+ *   CLOCK: a reference bit set at every access (not at commit), a hand per table
  *     that clears set bits and takes the first unset evictable slot.
  */
 #define PY_SSIZE_T_CLEAN
@@ -1096,7 +1096,10 @@ commit_run(commit_job *j)
                         j->first_access + (uint64_t)i);
         r->state = KVT_ST_COMMITTED;
         r->pins = 0;
-        r->bits = KVT_LOWER_DIRTY | R_REF; /* CLOCK: a new block counts as just read */
+        /* CLOCK: no reference bit until a block is read again.  Set at commit, a table
+         * that just filled has every bit set and the hand needs a revolution to find a
+         * victim; the hit ratio was the same either way (docs/benchmarks.md). */
+        r->bits = KVT_LOWER_DIRTY;
         account(j->t, e, r, 1);
     }
 }
@@ -1108,7 +1111,7 @@ PyDoc_STRVAR(bt_commit_doc,
 "when has_checksum[i] (uint64 buffer and uint8 buffer, or None: no\n"
 "checksums / all of them), the generation its reservation wrote, epoch, the\n"
 "entry checksum and last access first_access + i, and then its state byte.\n"
-"The blocks are DIRTY, unpinned, with their CLOCK bit set.  Raises\n"
+"The blocks are DIRTY, unpinned, their CLOCK bit clear.  Raises\n"
 "ValueError (nothing written) when a column's length differs, a ref names no\n"
 "RESERVED slot or one twice, a key or length is out of range, or\n"
 "first_access + n reaches 2**48; TypeError when a key is not bytes.");

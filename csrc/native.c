@@ -14,6 +14,10 @@
  *   install_fault_guard()            turn a SIGBUS in the calls above into OSError
  *   fault_guard_installed()          whether install_fault_guard() has run
  *
+ *   The shared index's functions (csrc/index.c, csrc/writes.c) and BlockTable with
+ *   SLOT_LAYOUT (csrc/blocks.c: a namespace's blocks as native records, added to
+ *   the module by its exec slot) are listed here too.
+ *
  * All take buffer-protocol objects (mmap, memoryview, bytearray, numpy array).
  *
  * Why native code: the KV blocks live in /dev/shm segments and are hundreds of

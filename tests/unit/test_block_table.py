@@ -297,7 +297,7 @@ def test_touch_writes_last_access_sets_the_clock_bit_and_skips_garbage_hints() -
     refs = claimed(t, 2)
     commit(t, refs, first=1)
     t.set_prefetched(refs[:1])
-    assert t.inspect(refs)["flags"].tolist() == [bt.PREFETCHED | bt.REFERENCED, bt.REFERENCED]
+    assert t.inspect(refs)["flags"].tolist() == [bt.PREFETCHED, 0]  # no CLOCK bit at commit
     garbage = [2**64 - 1, int(refs_of(1, [3])[0]), int(refs_of(77, [0])[0]),
                (1 << 63) | int(refs[1])]
     assert t.touch(garbage, 10, hints=True) == (1, 0)
@@ -383,11 +383,13 @@ def test_clock_gives_recently_read_blocks_a_second_chance() -> None:
     t, _ = table(8)
     refs = claimed(t, 8)
     commit(t, refs)
-    first = t.victims(2, Policy.CLOCK)  # all bits set at commit: one sweep clears them
-    assert split(first)[1].tolist() == [0, 1]
+    t.touch(refs[:3], 50)  # read since their commit
+    first = t.victims(2, Policy.CLOCK)  # the hand clears 0..2 and takes 3, 4
+    assert split(first)[1].tolist() == [3, 4]
     t.evict(first)
-    t.touch(refs[2:4], 100)  # read again: skipped on the next pass
-    assert split(t.victims(2, Policy.CLOCK))[1].tolist() == [4, 5]
+    t.touch(refs[5:6], 100)  # read again: skipped on the next pass, its bit cleared
+    assert split(t.victims(3, Policy.CLOCK))[1].tolist() == [6, 7, 0]
+    assert t.inspect(refs[5:6])["flags"].tolist() == [0]
 
 
 def test_dirty_candidates_are_unpinned_dirty_blocks() -> None:
