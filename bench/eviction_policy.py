@@ -28,7 +28,9 @@ Then the cost of choosing: a full table of ``--cost-slots`` slots (random
 ages), ``--cost-rounds`` rounds of choosing 64 victims, evicting them into new
 blocks and reading 256 random blocks; the ns per victim of the ``victims``
 calls alone (the median call's, and the mean), the p99 call, and the native
-bytes per slot.
+bytes per slot.  Last, what the store's batch calls cost per block from Python
+(``--ops-batch`` blocks a call) and adoption and ``check`` per slot, at the same
+table sizes.
 
     .venv/bin/python bench/eviction_policy.py --json bench/results/eviction-policy.json
 """
@@ -195,6 +197,61 @@ def victim_cost(slots: int, policy: Policy, sample: int, pool: bool, rounds: int
             "native_bytes_per_slot": t.native_bytes / slots}
 
 
+def op_costs(slots: int, batch: int, seed: int) -> dict[str, float]:
+    """ns per block of the store's batch calls on a table of ``slots`` slots, from Python
+    (numpy refs in): claim + commit, touch + pin + unpin, victims + evict (reserve),
+    delete; and ns per slot of adopt (a full table, every entry checksum verified)
+    and of check."""
+    rng = np.random.default_rng(seed)
+    t = BlockTable(BLOCK, BLOCK, seed=seed)
+    meta = bytearray(slots * 128)
+    t.add_extent(1, slots, meta, 1)
+    keys, lengths = [b"%016d" % i for i in range(batch)], np.full(batch, BLOCK)
+    seq = 1
+    out: dict[str, float] = {}
+    t0 = time.perf_counter_ns()
+    for _ in range(slots // batch):
+        refs = t.claim(batch)[0]
+        t.commit(refs, keys, lengths, None, first_access=seq, epoch=1)
+        seq += batch
+    out["claim_commit_ns"] = (time.perf_counter_ns() - t0) / (slots // batch * batch)
+    every = t.committed(1)
+    picks = [every[rng.integers(0, len(every), batch)] for _ in range(2000)]
+    picks = [np.unique(p) for p in picks]
+    n = sum(len(p) for p in picks)
+    t0 = time.perf_counter_ns()
+    for p in picks:
+        t.touch(p, seq)
+        seq += len(p)
+        t.pin(p)
+        t.unpin(p)
+    out["touch_pin_unpin_ns"] = (time.perf_counter_ns() - t0) / n
+    t0 = time.perf_counter_ns()
+    for _ in range(2000):
+        got = t.victims(batch, Policy.LRU, sample=5, pool=True)
+        t.evict(got, reserve=True)
+        t.commit(got, keys[:len(got)], lengths[:len(got)], None, first_access=seq, epoch=1)
+        seq += len(got)
+    out["victims_evict_commit_ns"] = (time.perf_counter_ns() - t0) / (2000 * batch)
+    t0 = time.perf_counter_ns()
+    problems = t.check()
+    out["check_ns_per_slot"] = (time.perf_counter_ns() - t0) / slots
+    if problems:
+        raise RuntimeError(f"check(): {problems[:3]}")
+    t.remove_extent(1)
+    again = BlockTable(BLOCK, BLOCK)
+    again.add_extent(1, slots, meta, 1)
+    t0 = time.perf_counter_ns()
+    got_adopt = again._t.adopt(1, 1, slots * BLOCK)
+    out["adopt_ns_per_slot"] = (time.perf_counter_ns() - t0) / slots
+    if got_adopt["adopted"] != slots:
+        raise RuntimeError(f"adopt: {got_adopt}")
+    t0 = time.perf_counter_ns()
+    again.delete(again.committed(1))
+    out["delete_ns"] = (time.perf_counter_ns() - t0) / slots
+    return out
+
+
 POLICIES: list[tuple[str, Policy, int, bool]] = [
     ("sampled LRU K=5 + pool", Policy.LRU, 5, True),
     ("sampled LRU K=10 + pool", Policy.LRU, 10, True),
@@ -226,8 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=parse_sizes, default=[0.10, 0.25, 0.50],
                     help="cache sizes as fractions of the trace's distinct blocks")
     ap.add_argument("--seed", type=int, default=26)
-    ap.add_argument("--cost-slots", default="256k,1M")
+    ap.add_argument("--cost-slots", default="256k,1M", help="table sizes of the cost "
+                    "measurements ('none': skip them)")
     ap.add_argument("--cost-rounds", type=int, default=2000)
+    ap.add_argument("--ops-batch", type=int, default=64, help="blocks per call of the batch "
+                    "call costs")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
@@ -267,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "victims_seconds": [g[2] for g in got],
                                  "empty_victims_calls": [g[3] for g in got]})
     print("\nnative cost of choosing victims (victims(64) calls, full table, steady eviction)")
-    slot_counts = [parse_count(x) for x in args.cost_slots.split(",")]
+    slot_counts = [parse_count(x) for x in args.cost_slots.split(",") if x not in ("", "none")]
     print("ns per victim: of the median call (and the mean over all calls); p99 of a call")
     print(f"{'policy':<26}" + "".join(f"{f'{n >> 10}k slots: ns/victim (mean), p99 call':>40}"
                                       for n in slot_counts))
@@ -280,8 +340,16 @@ def main(argv: list[str] | None = None) -> int:
             out["cost"].append({"policy": name, "slots": n, **c})
         print(f"{name:<26}" + "".join(f"{c:>40}" for c in cells))
     per_slot = {c["slots"]: c["native_bytes_per_slot"] for c in out["cost"]}
-    print("\nnative memory: " + ", ".join(f"{n >> 10}k slots {b:.2f} B/slot"
-                                         for n, b in per_slot.items()))
+    if per_slot:
+        print("\nnative memory: " + ", ".join(f"{n >> 10}k slots {b:.2f} B/slot"
+                                             for n, b in per_slot.items()))
+    print(f"\nbatch calls, {args.ops_batch} blocks a call (ns per block; adopt and check: "
+          "per slot)")
+    out["ops"] = []
+    for n in slot_counts:
+        ops = op_costs(n, args.ops_batch, args.seed)
+        out["ops"].append({"slots": n, "batch": args.ops_batch, **ops})
+        print(f"{n >> 10}k slots: " + ", ".join(f"{k} {v:.0f}" for k, v in ops.items()))
     print(f"total {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

@@ -1954,14 +1954,13 @@ victims_common(BlockTable *t, PyObject *args, PyObject *kwargs, int want)
     }
     if (get_skip(skip_obj, &skip, &n_skip) < 0)
         return NULL;
-    c.out = PyMem_Malloc((size_t)(c.n > 0 ? c.n : 1) * 8);
-    if (c.out == NULL) {
-        PyMem_Free(skip);
-        return PyErr_NoMemory();
-    }
     tlock(t);
+    if (c.n > t->c.evictable) /* no more can be eligible, whatever n asks */
+        c.n = (Py_ssize_t)t->c.evictable;
+    c.out = PyMem_Malloc((size_t)(c.n > 0 ? c.n : 1) * 8);
     c.v.weights = PyMem_RawMalloc((size_t)(t->n_ext + 1) * sizeof(int64_t));
-    if (c.v.weights == NULL) {
+    if (c.out == NULL || c.v.weights == NULL) {
+        PyMem_RawFree(c.v.weights);
         tunlock(t);
         PyErr_NoMemory();
         goto done;
