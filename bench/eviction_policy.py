@@ -326,12 +326,14 @@ def main(argv: list[str] | None = None) -> int:
                                                         zip(ratios, ref, strict=True)],
                                  "victims_seconds": [g[2] for g in got],
                                  "empty_victims_calls": [g[3] for g in got]})
-    print("\nnative cost of choosing victims (victims(64) calls, full table, steady eviction)")
     slot_counts = [parse_count(x) for x in args.cost_slots.split(",") if x not in ("", "none")]
-    print("ns per victim: of the median call (and the mean over all calls); p99 of a call")
-    print(f"{'policy':<26}" + "".join(f"{f'{n >> 10}k slots: ns/victim (mean), p99 call':>40}"
-                                      for n in slot_counts))
-    for name, policy, sample, pool in POLICIES:
+    if slot_counts:
+        print("\nnative cost of choosing victims (victims(64) calls, full table, steady "
+              "eviction)\nns per victim: of the median call (and the mean over all calls); "
+              "p99 of a call")
+        print(f"{'policy':<26}" + "".join(
+            f"{f'{n >> 10}k slots: ns/victim (mean), p99 call':>40}" for n in slot_counts))
+    for name, policy, sample, pool in POLICIES if slot_counts else []:
         cells = []
         for n in slot_counts:
             c = victim_cost(n, policy, sample, pool, args.cost_rounds, args.seed)
@@ -343,8 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     if per_slot:
         print("\nnative memory: " + ", ".join(f"{n >> 10}k slots {b:.2f} B/slot"
                                              for n, b in per_slot.items()))
-    print(f"\nbatch calls, {args.ops_batch} blocks a call (ns per block; adopt and check: "
-          "per slot)")
+    if slot_counts:
+        print(f"\nbatch calls, {args.ops_batch} blocks a call (ns per block; adopt and check: "
+              "per slot)")
     out["ops"] = []
     for n in slot_counts:
         ops = op_costs(n, args.ops_batch, args.seed)
