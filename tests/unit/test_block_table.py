@@ -837,3 +837,59 @@ def test_adoption_fuzzing_saw_adopted_and_dropped_slots() -> None:
     if not ADOPTED:
         pytest.skip("the fuzzing test did not run in this session")
     assert ADOPTED["adopted"] > 100 and ADOPTED["dropped"] > 100, ADOPTED
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_native_adopt_matches_scan_slots_on_tables_of_random_bytes(
+        fuzz_segment: Segment, seed: int) -> None:
+    from kvtierd.recovery import scan_slots
+
+    seg = fuzz_segment
+    rng = np.random.default_rng(seed)
+    raw = bytearray(rng.integers(0, 256, N_FUZZ * SLOT_ENTRY_BYTES, dtype=np.uint8).tobytes())
+    for slot in range(0, N_FUZZ, 3):  # a third of them plausible but for the checksum
+        raw[slot * 128] = COMMITTED
+        raw[slot * 128 + 1] = 1 + slot
+    seg.meta[TABLE_OFFSET : TABLE_OFFSET + len(raw)] = raw
+    seg.intact_bytes = seg.layout.data_bytes
+    meta = bytearray(raw)
+    t = BlockTable(BLOCK, SLOT)
+    t.add_extent(seg.segment_id, N_FUZZ, meta, seg.created_unix_ns)
+    got = t.adopt(seg, EPOCH)
+    adopted, dropped = scan_slots(seg, boot_epoch=EPOCH)
+    assert got.dropped == dict(dropped) and got.adopted == len(adopted.slots) == 0
+    expect = bytearray(seg.raw_table())
+    np.frombuffer(expect, dtype=SLOT_DTYPE)["generation"] = adopted.generations
+    assert bytes(meta) == bytes(expect)
+    assert t.check() == []
+
+
+def test_check_from_another_thread_always_sees_whole_batches() -> None:
+    import threading
+
+    n = 4096
+    t, _ = table(n)
+    stop = threading.Event()
+    seen: list[list[str]] = []
+
+    def checker() -> None:
+        while not stop.is_set():
+            seen.append(t.check())
+
+    worker = threading.Thread(target=checker)
+    worker.start()
+    try:
+        seq = 1
+        for _ in range(30):  # batches above the GIL-release threshold
+            refs = claimed(t, 2048)
+            commit(t, refs, first=seq)
+            seq += 2048
+            t.pin(refs[:1024])
+            t.evict(t.victims(1024, Policy.CLOCK))
+            t.unpin(refs[:1024])
+            t.delete(refs[:1024])
+    finally:
+        stop.set()
+        worker.join()
+    assert seen and all(problems == [] for problems in seen)
+    assert t.counts().free == n and t.check() == []
