@@ -775,6 +775,43 @@ class BlockTableMachine(RuleBasedStateMachine):
         assert touched == sum(1 for r in refs if self.model[r].state == COMMITTED)
         self.seq += len(refs) + 1
 
+    @rule(data=st.data(), n=st.integers(1, 4))
+    def claim_skipping(self, data: st.DataObject, n: int) -> None:
+        free = self._in(FREE)
+        skip = self._some(data, free)
+        refs, short = self.t.claim(n, skip=[r | 1 << 63 for r in skip])  # hazard words
+        usable = [r for r in free if r not in skip]
+        if n > len(usable):
+            assert (len(refs), short) == (0, n - len(usable) if n <= len(free) else n - len(free))
+            return
+        assert short == 0 and not set(refs.tolist()) & set(skip)
+        for r in refs.tolist():
+            self.model[r].state, self.model[r].generation = RESERVED, self.model[r].generation + 1
+
+    @rule()
+    def restart(self) -> None:
+        """A new daemon adopts the slot tables the old one wrote (pins are gone)."""
+        self.t = BlockTable(BLOCK, SLOT, seed=8)
+        for eid, meta in sorted(self.metas.items()):
+            n = len(meta) // SLOT_ENTRY_BYTES
+            self.t.add_extent(eid, n, meta, CREATED + eid)
+            got = self.t._t.adopt(eid, EPOCH, n * SLOT)
+            assert got["dropped"] == {}
+        for m in self.model.values():
+            m.pins = 0
+            if m.state == DOOMED:
+                m.state = FREE  # deleted while leased: never comes back
+            m.lower = DIRTY  # adopted blocks are DIRTY until the tiers say otherwise
+
+    @rule(data=st.data(), policy=st.sampled_from(list(Policy)))
+    def demotion_candidates(self, data: st.DataObject, policy: Policy) -> None:
+        n = data.draw(st.integers(0, 8))
+        got = self.t.dirty(n, policy).tolist()
+        eligible = {r for r in self._in(COMMITTED)
+                    if self.model[r].pins == 0 and self.model[r].lower == DIRTY}
+        assert len(set(got)) == len(got) and set(got) <= eligible
+        assert len(got) == min(n, len(eligible))
+
     @rule(data=st.data())
     def remove_extent(self, data: st.DataObject) -> None:
         if len(self.metas) < 2:
