@@ -2123,6 +2123,81 @@ bt_inspect(BlockTable *t, PyObject *arg)
     return out;
 }
 
+PyDoc_STRVAR(bt_match_keys_doc,
+"match_keys($self, refs, keys, /)\n--\n\n"
+"Whether each refs[i] holds a COMMITTED block whose persisted key is keys[i]\n"
+"(bytes): one byte each, 1 or 0.  What a lookup through the shared index\n"
+"checks when the index holds a key's hash, not the key.  ValueError for a ref\n"
+"naming no slot or columns of different lengths; TypeError for a key that is\n"
+"not bytes.");
+
+static PyObject *
+bt_match_keys(BlockTable *t, PyObject *args)
+{
+    PyObject *refs_obj, *keys_obj, *seq = NULL, *out = NULL;
+    kvt_batch b;
+    uint8_t *keys = NULL, *klens = NULL;
+    Py_ssize_t i;
+
+    if (!PyArg_ParseTuple(args, "OO:match_keys", &refs_obj, &keys_obj))
+        return NULL;
+    if (ready(t) < 0 || batch_copy(refs_obj, &b) < 0)
+        return NULL;
+    seq = PySequence_Fast(keys_obj, "keys must be a sequence of bytes");
+    if (seq == NULL)
+        goto done;
+    if (PySequence_Fast_GET_SIZE(seq) != b.n) {
+        PyErr_Format(PyExc_ValueError, "refs and keys differ in length (%zd != %zd)", b.n,
+                     PySequence_Fast_GET_SIZE(seq));
+        goto done;
+    }
+    keys = PyMem_Calloc((size_t)(b.n > 0 ? b.n : 1), KVT_SLOT_MAX_KEY);
+    klens = PyMem_Calloc((size_t)(b.n > 0 ? b.n : 1), 1);
+    if (keys == NULL || klens == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (i = 0; i < b.n; i++) {
+        PyObject *k = PySequence_Fast_GET_ITEM(seq, i);
+        Py_ssize_t kl;
+        if (!PyBytes_Check(k)) {
+            PyErr_Format(PyExc_TypeError, "keys[%zd] is %s, not bytes", i, Py_TYPE(k)->tp_name);
+            goto done;
+        }
+        kl = PyBytes_GET_SIZE(k);
+        if (kl >= 1 && kl <= KVT_SLOT_MAX_KEY) { /* else no slot can hold it: 0 */
+            memcpy(keys + (size_t)i * KVT_SLOT_MAX_KEY, PyBytes_AS_STRING(k), (size_t)kl);
+            klens[i] = (uint8_t)kl;
+        }
+    }
+    out = PyBytes_FromStringAndSize(NULL, b.n);
+    if (out == NULL)
+        goto done;
+    tlock(t);
+    if (resolve(t, b.refs, b.n, b.locs, "refs") < 0) {
+        tunlock(t);
+        Py_CLEAR(out);
+        goto done;
+    }
+    for (i = 0; i < b.n; i++) {
+        const kvt_extent *e = b.locs[i].e;
+        const uint8_t *p = entry_of(e, b.locs[i].slot);
+        uint8_t kl = klens[i];
+        PyBytes_AS_STRING(out)[i] = (char)(e->rec[b.locs[i].slot].state == KVT_ST_COMMITTED
+                                           && kl != 0 && p[KVT_SLOT_KEY_LEN] == kl
+                                           && memcmp(p + KVT_SLOT_KEY,
+                                                     keys + (size_t)i * KVT_SLOT_MAX_KEY,
+                                                     kl) == 0);
+    }
+    tunlock(t);
+done:
+    Py_XDECREF(seq);
+    PyMem_Free(keys);
+    PyMem_Free(klens);
+    batch_free(&b);
+    return out;
+}
+
 PyDoc_STRVAR(bt_committed_doc,
 "committed($self, extent_id, /)\n--\n\n"
 "The refs (bytes of uint64, ascending) of an extent's COMMITTED slots: what a\n"
@@ -2430,6 +2505,7 @@ static PyMethodDef bt_methods[] = {
     M("counts", bt_counts, METH_VARARGS),
     M("inspect", bt_inspect, METH_O),
     M("committed", bt_committed, METH_O),
+    M("match_keys", bt_match_keys, METH_VARARGS),
     M("extents", bt_extents, METH_NOARGS),
     M("check", bt_check, METH_NOARGS),
     {NULL, NULL, 0, NULL},

@@ -204,6 +204,8 @@ class BlockTable:
         """Slots by category, of one extent or the table, in O(1)."""
     def inspect(self, refs: _Buffer, /) -> bytes:
         """16-byte rows: state, lower, flags, 0, pins (u32), generation (u64)."""
+    def match_keys(self, refs: _Buffer, keys: Sequence[bytes], /) -> bytes:
+        """1 or 0 per ref: whether it holds a COMMITTED block whose persisted key is keys[i]."""
     def committed(self, extent_id: int, /) -> bytes:
         """The refs of an extent's COMMITTED slots, ascending."""
     def extents(self, /) -> list[int]:

@@ -19,6 +19,8 @@ Operations (each one native call):
 * extents: ``add_segment`` / ``add_extent`` (fresh, all FREE),
   ``remove_extent``, ``adopt`` (a previous run's table, validated exactly as
   ``recovery.scan_slots`` does), ``committed`` (an extent's block refs);
+* keys: ``match_keys`` (refs against keys, from the slot entries: the check
+  of a shared-index hit whose entry holds the key's hash);
 * write path: ``claim(n, skip)`` (FREE -> RESERVED, all or nothing; says how
   many slots are short), ``release_claims`` (RESERVED -> FREE), ``commit``
   (RESERVED -> COMMITTED with key, length, checksum);
@@ -59,6 +61,8 @@ ref):
   ``finish_recovery``: the access sequence goes on from ``max_last_access``;
 * ``_retire_extents``/``_reformat``: ``remove_extent`` (before the segment
   is closed: the table holds its mapping exported until then);
+* ``lookup``/``acquire`` through the shared index: ``match_keys(refs, keys)``
+  for the hits whose keys the index holds hashed (not 16 bytes);
 * ``check``: ``check()`` plus the shared index against ``committed`` refs.
 
 Eviction is not exact LRU: DESIGN 7a asks for constant memory per block.
@@ -203,6 +207,11 @@ class BlockTable:
     def committed(self, extent_id: int) -> Refs:
         """The refs of an extent's COMMITTED slots, ascending."""
         return _refs(self._t.committed(extent_id))
+
+    def match_keys(self, refs: npt.ArrayLike, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        """Whether each ref holds a COMMITTED block whose persisted key is ``keys[i]``: the
+        check of a shared-index hit whose entry holds the key's hash, not the key."""
+        return np.frombuffer(self._t.match_keys(_u64(refs), keys), dtype=np.bool_)
 
     def extents(self) -> list[int]:
         return self._t.extents()

@@ -337,6 +337,21 @@ def test_evict_frees_or_reserves_unpinned_blocks_only() -> None:
     assert t.counts() == bt.Counts(4, 2, 1, 1, 1, 1, 0, 0, 0) and t.check() == []
 
 
+def test_match_keys_compares_persisted_keys_of_committed_blocks() -> None:
+    t, _ = table(4)
+    refs = claimed(t, 3)
+    t.commit(refs[:2], [b"a" * 64, b"bb"], [1, 1], None, first_access=1, epoch=EPOCH)
+    got = t.match_keys(refs[[0, 1, 1, 2, 0]], [b"a" * 64, b"bb", b"b", b"", b"a" * 65])
+    assert got.tolist() == [True, True, False, False, False]  # RESERVED slot 2: never
+    t.pin(refs[1:2])
+    t.delete(refs[1:2])
+    assert t.match_keys(refs[1:2], [b"bb"]).tolist() == [False]  # deleted (DOOMED)
+    with pytest.raises(ValueError, match="differ in length"):
+        t.match_keys(refs, [b"a"])
+    with pytest.raises(TypeError, match="not bytes"):
+        t.match_keys(refs[:1], ["a"])  # type: ignore[list-item]
+
+
 # ------------------------------------------------------------------ victims
 
 
