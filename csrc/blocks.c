@@ -695,7 +695,7 @@ static const char *const drop_reason[D_N] = {
 typedef struct {
     BlockTable *t;
     kvt_extent *e;
-    uint64_t boot_epoch, intact;
+    uint64_t boot_epoch, intact, referenced_from;
     uint64_t dropped[D_N];
     uint64_t adopted, reserved, freed, max_last;
 } adopt_job;
@@ -750,7 +750,8 @@ adopt_run(adopt_job *j)
         memset(r, 0, sizeof *r);
         if (ok) {
             r->state = KVT_ST_COMMITTED;
-            r->bits = KVT_LOWER_DIRTY;
+            /* CLOCK after a restart: the recently used blocks keep a second chance */
+            r->bits = KVT_LOWER_DIRTY | (last >= j->referenced_from ? R_REF : 0);
             j->adopted++;
             if (last > j->max_last)
                 j->max_last = last;
@@ -781,7 +782,7 @@ adopt_run(adopt_job *j)
 }
 
 PyDoc_STRVAR(bt_adopt_doc,
-"adopt($self, extent_id, boot_epoch, intact_bytes, /)\n--\n\n"
+"adopt($self, extent_id, boot_epoch, intact_bytes, referenced_from=2**64-1, /)\n--\n\n"
 "Take over a previous run's slot table (recovery.scan_slots, in C): every\n"
 "field of every COMMITTED entry is checked (key length, length against\n"
 "block_bytes, flags, checksum flag, generation and access bounds, commit\n"
@@ -789,7 +790,10 @@ PyDoc_STRVAR(bt_adopt_doc,
 "entry checksum); those that pass become unpinned DIRTY blocks, RESERVED\n"
 "slots stay RESERVED (quarantined: release_claims frees them), everything\n"
 "else is freed in the table too; generations in the upper half of their\n"
-"range restart at 0.  Returns {'adopted', 'reserved', 'free',\n"
+"range restart at 0.  Adopted blocks whose last access is at least\n"
+"referenced_from get their CLOCK bit (the store passes, say, the median last\n"
+"access of all extents: the hand then takes the older half first).\n"
+"Returns {'adopted', 'reserved', 'free',\n"
 "'max_last_access', 'dropped': {reason: count}} with recovery's reasons.\n"
 "Raises ValueError unless the extent is in the table and all FREE (as\n"
 "add_extent left it).  The GIL is released during the scan.");
@@ -797,11 +801,11 @@ PyDoc_STRVAR(bt_adopt_doc,
 static PyObject *
 bt_adopt(BlockTable *t, PyObject *args)
 {
-    unsigned long long id, boot_epoch, intact;
+    unsigned long long id, boot_epoch, intact, referenced_from = UINT64_MAX;
     adopt_job j;
     PyObject *dropped, *out;
 
-    if (!PyArg_ParseTuple(args, "KKK:adopt", &id, &boot_epoch, &intact))
+    if (!PyArg_ParseTuple(args, "KKK|K:adopt", &id, &boot_epoch, &intact, &referenced_from))
         return NULL;
     if (ready(t) < 0)
         return NULL;
@@ -809,6 +813,7 @@ bt_adopt(BlockTable *t, PyObject *args)
     j.t = t;
     j.boot_epoch = boot_epoch;
     j.intact = intact;
+    j.referenced_from = referenced_from;
     tlock(t);
     j.e = find_ext(t, id, NULL);
     if (j.e == NULL || j.e->c.free != j.e->n_slots) {

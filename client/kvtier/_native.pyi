@@ -170,7 +170,8 @@ class BlockTable:
         """Add a freshly formatted extent (all FREE) over its writable slot table."""
     def remove_extent(self, extent_id: int, force: bool = False) -> tuple[int, int]:
         """Drop an extent (refused while a slot is pinned, unless force): (committed, reserved)."""
-    def adopt(self, extent_id: int, boot_epoch: int, intact_bytes: int, /) -> dict[str, Any]:
+    def adopt(self, extent_id: int, boot_epoch: int, intact_bytes: int,
+              referenced_from: int = ..., /) -> dict[str, Any]:
         """Validate and take over a previous run's slot table (recovery.scan_slots in C)."""
     def claim(self, n: int, skip: _Buffer | None = None) -> tuple[bytes, int]:
         """Take n free slots into RESERVED, all or nothing: (refs, 0) or (b'', short)."""

@@ -56,8 +56,9 @@ ref):
 * ``note_reads``: ``touch(hazard_words, seq, hints=True)`` (garbage skipped);
 * ``set_lower``: ``set_lower(refs, lower, generations)``;
   ``demotion_candidates``: ``dirty(limit, policy)``;
-* ``adopt_extent``: ``add_segment`` + ``adopt(seg, boot_epoch)`` +
-  ``committed(extent)`` for the shared index (keys read from the table);
+* ``adopt_extent``: ``add_segment`` + ``adopt(seg, boot_epoch,
+  referenced_from=<median last access of all extents>)`` + ``committed(extent)``
+  for the shared index (keys read from the table);
   ``finish_recovery``: the access sequence goes on from ``max_last_access``;
 * ``_retire_extents``/``_reformat``: ``remove_extent`` (before the segment
   is closed: the table holds its mapping exported until then);
@@ -195,12 +196,15 @@ class BlockTable:
         its slots is pinned (unless ``force``).  Call before closing its segment."""
         return self._t.remove_extent(extent_id, force)
 
-    def adopt(self, seg: Segment, boot_epoch: int) -> Adoption:
+    def adopt(self, seg: Segment, boot_epoch: int, *, referenced_from: int = 2**64 - 1
+              ) -> Adoption:
         """Validate a previous run's slot table of an extent just added (``add_segment``),
         as ``recovery.scan_slots``: valid COMMITTED entries become unpinned DIRTY blocks,
         RESERVED ones stay reserved (quarantine: ``release_claims`` them later), the rest
-        are freed in the table too."""
-        got = self._t.adopt(seg.segment_id, boot_epoch, seg.intact_bytes)
+        are freed in the table too.  Blocks last accessed at ``referenced_from`` or later
+        get their CLOCK bit (pass the median last access of every extent, from
+        ``recovery``'s first pass: the hand then evicts the older half first)."""
+        got = self._t.adopt(seg.segment_id, boot_epoch, seg.intact_bytes, referenced_from)
         return Adoption(adopted=got["adopted"], reserved=got["reserved"], free=got["free"],
                         max_last_access=got["max_last_access"], dropped=dict(got["dropped"]))
 

@@ -602,6 +602,7 @@ def test_adopted_blocks_serve_the_same_operations(shm_dir: str) -> None:
     got = again.adopt(seg, EPOCH)
     assert (got.adopted, got.reserved, got.free, got.max_last_access) == (5, 1, 2, 104)
     assert again.committed(seg.segment_id).tolist() == refs[:5].tolist()
+    assert again.inspect(refs[:5])["flags"].tolist() == [0] * 5  # no CLOCK bit by default
     again.release_claims(quarantined)
     again.pin(refs[:2])
     assert len(again.victims(8, Policy.LRU)) == 3
@@ -945,3 +946,20 @@ def test_check_from_another_thread_always_sees_whole_batches() -> None:
         worker.join()
     assert seen and all(problems == [] for problems in seen)
     assert t.counts().free == n and t.check() == []
+
+
+def test_adopt_gives_recently_used_blocks_their_clock_bit(shm_dir: str) -> None:
+    seg = make_segment(shm_dir, 8)
+    t = BlockTable(BLOCK, SLOT)
+    t.add_segment(seg)
+    refs = claimed(t, 8)
+    commit(t, refs, first=10)  # slot i last accessed at 10 + i
+    t.remove_extent(seg.segment_id)
+    again = BlockTable(BLOCK, SLOT)
+    again.add_segment(seg)
+    again.adopt(seg, EPOCH, referenced_from=14)
+    assert again.inspect(refs)["flags"].tolist() == [0] * 4 + [bt.REFERENCED] * 4
+    # the hand takes the older half first
+    assert sorted(split(again.victims(4, Policy.CLOCK))[1].tolist()) == [0, 1, 2, 3]
+    again.remove_extent(seg.segment_id)
+    seg.close(unlink=True)
