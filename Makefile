@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run daemon test install lint typecheck bench proto clean
 
-$(STAMP): pyproject.toml setup.py csrc/native.c csrc/index.c csrc/writes.c csrc/index.h $(wildcard csrc/third_party/xxhash/*) scripts/install.sh
+$(STAMP): pyproject.toml setup.py csrc/native.c csrc/index.c csrc/writes.c csrc/blocks.c csrc/index.h csrc/blocks.h $(wildcard csrc/third_party/xxhash/*) scripts/install.sh
 	VENV=$(VENV) TORCH=$(TORCH) VLLM=$(VLLM) scripts/install.sh
 	touch $(STAMP)
 

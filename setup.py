@@ -1,5 +1,6 @@
 """Build hook for the native helpers in csrc/ (everything else is in pyproject.toml)."""
 
+import os
 import re
 import sysconfig
 
@@ -17,19 +18,28 @@ XXHASH = "csrc/third_party/xxhash"
 X86 = re.search(r"x86_64|amd64|i[3-6]86", sysconfig.get_platform().lower()) is not None
 XXH_DISPATCH = [("KVT_XXH_X86_DISPATCH", "1"), ("XXH_DISPATCH_AVX512", "0")]
 
+# KVTIER_SANITIZE=1: an AddressSanitizer + UndefinedBehaviorSanitizer build for the tests
+# (scripts/build_sanitized.sh builds it into build/sanitized, never over the normal
+# module; tests/unit/test_native_sanitized.py runs the native unit tests on it).  -O1:
+# readable reports and a quick build; every UB report aborts.
+SANITIZE = os.environ.get("KVTIER_SANITIZE") == "1"
+SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+             "-fno-sanitize-recover=undefined"]
+
 setup(
     ext_modules=[
         Extension(
             "kvtier._native",
-            sources=["csrc/native.c", "csrc/index.c", "csrc/writes.c"] + ([f"{XXHASH}/xxh_x86dispatch.c"] if X86 else []),
+            sources=["csrc/native.c", "csrc/index.c", "csrc/writes.c", "csrc/blocks.c"] + ([f"{XXHASH}/xxh_x86dispatch.c"] if X86 else []),
             include_dirs=[XXHASH, "csrc"],
             define_macros=XXH_DISPATCH if X86 else [],
-            depends=["csrc/index.h"] + [f"{XXHASH}/{name}" for name in
+            depends=["csrc/index.h", "csrc/blocks.h"] + [f"{XXHASH}/{name}" for name in
                      ("xxhash.h", "xxh_x86dispatch.h", "xxh_x86dispatch.c", "LICENSE")],
             # Hidden by default: only PyInit__native is exported, not xxHash's symbols.
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-pthread",
-                                "-fvisibility=hidden"],
-            extra_link_args=["-pthread"],
+                                "-fvisibility=hidden"] + (SAN_FLAGS + ["-O1", "-g"] if SANITIZE
+                                                          else []),
+            extra_link_args=["-pthread"] + (SAN_FLAGS if SANITIZE else []),
         )
     ]
 )

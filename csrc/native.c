@@ -14,6 +14,10 @@
  *   install_fault_guard()            turn a SIGBUS in the calls above into OSError
  *   fault_guard_installed()          whether install_fault_guard() has run
  *
+ *   The shared index's functions (csrc/index.c, csrc/writes.c) and BlockTable with
+ *   SLOT_LAYOUT (csrc/blocks.c: a namespace's blocks as native records, added to
+ *   the module by its exec slot) are listed here too.
+ *
  * All take buffer-protocol objects (mmap, memoryview, bytearray, numpy array).
  *
  * Why native code: the KV blocks live in /dev/shm segments and are hundreds of
@@ -58,6 +62,7 @@
 #define XXH_INLINE_ALL
 #include "xxhash.h"
 #include "index.h"
+#include "blocks.h"
 #ifdef KVT_XXH_X86_DISPATCH
 #include "xxh_x86dispatch.h" /* XXH3_64bits is now XXH3_64bits_dispatch */
 #endif
@@ -1964,6 +1969,8 @@ static PyMethodDef native_methods[] = {
  * per thread, not per interpreter), so it is safe in subinterpreters and
  * without a GIL. */
 static PyModuleDef_Slot native_slots[] = {
+    /* BlockTable and SLOT_LAYOUT (csrc/blocks.c) */
+    {Py_mod_exec, (void *)kvt_blocks_init},
 #ifdef Py_mod_multiple_interpreters
     {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
 #endif

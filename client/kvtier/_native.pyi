@@ -8,7 +8,7 @@ Checked by ``python -m mypy.stubtest kvtier._native``.
 """
 
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, final
 
 # Any object exporting the buffer protocol (mmap, memoryview, bytearray,
 # numpy array); Python 3.11 has no collections.abc.Buffer to say so.
@@ -146,3 +146,72 @@ def index_fingerprint(key: bytes) -> bytes:
 def index_fingerprints(buf: _Buffer) -> list[bytes]:
     """The fingerprints of every live entry."""
 def page_layout() -> dict[str, int]: ...
+
+
+# The block table (csrc/blocks.c): a namespace's DRAM blocks as native records over the
+# persisted slot tables; kvtierd.block_table wraps it.  Refs are uint64 extent_id << 32 |
+# slot, passed and returned as buffers of native uint64 (numpy arrays, bytes).
+
+#: The slot entry's layout (csrc/blocks.h): byte offsets, sizes and bounds.
+SLOT_LAYOUT: dict[str, int]
+
+@final
+class BlockTable:
+    """One namespace's blocks: 12 bytes of native state per slot, batched calls."""
+
+    def __init__(self, block_bytes: int, slot_bytes: int, seed: int = 0) -> None: ...
+    @property
+    def native_bytes(self) -> int:
+        """Bytes of native memory the table holds."""
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def slot_bytes(self) -> int: ...
+    def add_extent(self, extent_id: int, n_slots: int, meta: _Buffer, created_unix_ns: int,
+                   /) -> None:
+        """Add a freshly formatted extent (all FREE) over its writable slot table."""
+    def remove_extent(self, extent_id: int, force: bool = False) -> tuple[int, int]:
+        """Drop an extent (refused while a slot is pinned, unless force): (committed, reserved)."""
+    def adopt(self, extent_id: int, boot_epoch: int, intact_bytes: int,
+              referenced_from: int = ..., /) -> dict[str, Any]:
+        """Validate and take over a previous run's slot table (recovery.scan_slots in C)."""
+    def claim(self, n: int, skip: _Buffer | None = None) -> tuple[bytes, int]:
+        """Take n free slots into RESERVED, all or nothing: (refs, 0) or (b'', short)."""
+    def release_claims(self, refs: _Buffer, /) -> None:
+        """Free RESERVED slots."""
+    def commit(self, refs: _Buffer, keys: Sequence[bytes], lengths: _Buffer,
+               checksums: _Buffer | None, has_checksum: _Buffer | None, first_access: int,
+               epoch: int, /) -> None:
+        """Make RESERVED slots COMMITTED (the slot table's entries, state byte last)."""
+    def pin(self, refs: _Buffer, /) -> None:
+        """Pin COMMITTED blocks (count + 1 per ref)."""
+    def unpin(self, refs: _Buffer, /) -> bytes:
+        """End pins; the DOOMED blocks whose last pin ended are freed: their refs."""
+    def delete(self, refs: _Buffer, /) -> int:
+        """Free unpinned COMMITTED blocks, doom pinned ones: how many were doomed."""
+    def evict(self, refs: _Buffer, reserve: bool = False) -> None:
+        """Free (or with reserve, take into RESERVED) unpinned COMMITTED blocks."""
+    def set_lower(self, refs: _Buffer, lower: int, generations: _Buffer | None = None) -> int:
+        """Record the spill tiers' state of COMMITTED blocks: how many changed."""
+    def touch(self, refs: _Buffer, first_access: int, hints: bool = False) -> tuple[int, int]:
+        """Record reads (last access, CLOCK bit): (touched, were prefetched)."""
+    def set_prefetched(self, refs: _Buffer, /) -> int:
+        """Mark COMMITTED blocks as prefetched: how many were marked."""
+    def victims(self, n: int, policy: int, sample: int = 5, pool: bool = True,
+                spill: bool = False, skip: _Buffer | None = None) -> bytes:
+        """Up to n blocks to evict, chosen by sampled LRU (0) or CLOCK (1)."""
+    def dirty(self, n: int, policy: int, sample: int = 5, pool: bool = True,
+              spill: bool = False, skip: _Buffer | None = None) -> bytes:
+        """Up to n unpinned DIRTY blocks the policy would evict first (demotion candidates)."""
+    def counts(self, extent_id: int | None = None, /) -> dict[str, int]:
+        """Slots by category, of one extent or the table, in O(1)."""
+    def inspect(self, refs: _Buffer, /) -> bytes:
+        """16-byte rows: state, lower, flags, 0, pins (u32), generation (u64)."""
+    def match_keys(self, refs: _Buffer, keys: Sequence[bytes], /) -> bytes:
+        """1 or 0 per ref: whether it holds a COMMITTED block whose persisted key is keys[i]."""
+    def committed(self, extent_id: int, /) -> bytes:
+        """The refs of an extent's COMMITTED slots, ascending."""
+    def extents(self, /) -> list[int]:
+        """The extents' ids, ascending."""
+    def check(self, /) -> list[str]:
+        """Cross-check the records against the slot tables: the problems found."""

@@ -1,0 +1,313 @@
+"""A namespace's DRAM blocks in native records: ``kvtier._native.BlockTable`` (csrc/blocks.c).
+
+Issue 26: no Python object per block.  A block's durable fields stay where
+they are, in its extent's persisted slot table (``segments``: state, key,
+length, checksum, generation, epoch, last access); the table keeps only
+what is volatile, 12 bytes a slot: a copy of the state, the pin count, the
+lower-tier state (DIRTY / CLEAN / UNSPILLABLE), the prefetched and CLOCK
+bits and the free-list link.  It writes the slot-table entries itself, in
+segments.py's crash-safe order and byte for byte its format.
+
+Blocks are named by **refs**, ``extent_id << 32 | slot`` (the segment id;
+``refs_of``), passed in and out as numpy ``uint64`` arrays: one call per
+batch, never an object per block.  Every call validates its whole batch
+first and changes nothing when one item is invalid (``ValueError`` naming
+the index); large batches apply with the GIL released.
+
+Operations (each one native call):
+
+* extents: ``add_segment`` / ``add_extent`` (fresh, all FREE),
+  ``remove_extent``, ``adopt`` (a previous run's table, validated exactly as
+  ``recovery.scan_slots`` does), ``committed`` (an extent's block refs);
+* keys: ``match_keys`` (refs against keys, from the slot entries: the check
+  of a shared-index hit whose entry holds the key's hash);
+* write path: ``claim(n, skip)`` (FREE -> RESERVED, all or nothing; says how
+  many slots are short), ``release_claims`` (RESERVED -> FREE), ``commit``
+  (RESERVED -> COMMITTED with key, length, checksum);
+* read path: ``pin`` / ``unpin`` (pin counts; unpin frees the DOOMED blocks
+  whose last pin ended and returns them), ``touch`` (persisted last access
+  and CLOCK bit), ``set_prefetched``;
+* leaving DRAM: ``delete`` (free, or DOOMED while pinned), ``victims`` (the
+  policy's choice of evictable blocks: sampled LRU or CLOCK, bounded work),
+  ``evict`` (free them, or take them into RESERVED), ``dirty`` (demotion
+  candidates), ``set_lower`` (what the spill tiers hold);
+* reading: ``counts`` (per extent or table, O(1)), ``inspect``, ``check``
+  (records against slot tables), ``native_bytes``.
+
+How ``store.Store`` maps onto it (the next step; one table per namespace,
+the shared index as the key index, whose ``ref`` field holds the block's
+ref):
+
+* ``_take_slots``/``_claim``: ``claim(n, skip=hazards)``; when short,
+  ``victims(short, policy, skip=hazards, spill=spill_enabled)`` then
+  ``evict(victims, reserve=True)`` (victims leave the shared index first;
+  a short answer with ``counts()['dirty']`` blocks left is ``NeedDemotion``);
+  ``_find_room``'s reclaim of other namespaces' extents reads their
+  ``counts(extent)`` (committed, pinned, dirty) instead of walking an LRU;
+* ``_commit_batch`` / ``_apply_end_reservation``: ``commit(refs, keys,
+  lengths, checksums, first_access, epoch)`` for the committed ones and
+  ``release_claims`` for the length-0 ones and for ``abort``; expiry keeps
+  the refs quarantined (still RESERVED) and releases them later;
+* ``acquire``/``_pin``: ``touch(refs, seq)`` then ``pin(refs)``;
+  ``release``/``_apply_end_lease``: ``unpin(refs)`` (its result: the doomed
+  blocks just freed); ``pin_blocks``/``unpin`` for tiering the same;
+* ``delete``/``_delete_blocks``/``drop_lost``: ``delete(refs)`` after the keys
+  left the shared index; ``evict_block``: ``evict(refs)``;
+* ``note_reads``: ``touch(hazard_words, seq, hints=True)`` (garbage skipped);
+* ``set_lower``: ``set_lower(refs, lower, generations)``;
+  ``demotion_candidates``: ``dirty(limit, policy)``;
+* ``adopt_extent``: ``add_segment`` + ``adopt(seg, boot_epoch,
+  referenced_from=<median last access of all extents>)`` + ``committed(extent)``
+  for the shared index (keys read from the table);
+  ``finish_recovery``: the access sequence goes on from ``max_last_access``;
+* ``_retire_extents``/``_reformat``: ``remove_extent`` (before the segment
+  is closed: the table holds its mapping exported until then);
+* ``lookup``/``acquire`` through the shared index: ``match_keys(refs, keys)``
+  for the hits whose keys the index holds hashed (not 16 bytes);
+* ``check``: ``check()`` plus the shared index against ``committed`` refs.
+
+Eviction is not exact LRU: DESIGN 7a asks for constant memory per block.
+``Policy.LRU`` is Redis' sampled approximation on the persisted last access
+(``sample`` random evictable slots per victim, the oldest goes, with a pool of
+16 candidates kept across calls); ``Policy.CLOCK`` sets a bit at every access
+and sweeps a hand.  ``bench/eviction_policy.py`` measures both against exact
+LRU; docs/decisions.md says which the store uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from typing import Final, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtierd.segments import SLOT_ENTRY_BYTES, TABLE_OFFSET, Segment
+
+try:
+    from kvtier import _native
+except ImportError:  # not built: the store keeps its Python bookkeeping
+    _native = None  # type: ignore[assignment]
+
+#: Whether this build has the native block table.
+AVAILABLE: Final = _native is not None
+
+Refs: TypeAlias = npt.NDArray[np.uint64]
+_RefsIn: TypeAlias = "npt.ArrayLike"
+
+#: ``inspect``'s rows: the native record and the persisted generation of a slot.
+RECORD_DTYPE: Final = np.dtype([("state", "u1"), ("lower", "u1"), ("flags", "u1"),
+                                ("pad", "u1"), ("pins", "<u4"), ("generation", "<u8")])
+#: ``RECORD_DTYPE``'s flags.
+PREFETCHED: Final = 1
+REFERENCED: Final = 2  # CLOCK's bit
+
+
+class Policy(enum.IntEnum):
+    """How ``victims`` chooses (csrc/blocks.h ``KVT_POLICY_*``)."""
+
+    LRU = 0  # sampled LRU on the persisted last access
+    CLOCK = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Counts:
+    """Slots by category (``counts``): committed includes DOOMED; evictable is
+    COMMITTED and unpinned; clean is evictable and not DIRTY."""
+
+    slots: int
+    free: int
+    reserved: int
+    committed: int
+    pinned: int
+    dirty: int
+    doomed: int
+    evictable: int
+    clean: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Adoption:
+    """What ``adopt`` found in a previous run's slot table."""
+
+    adopted: int
+    reserved: int
+    free: int
+    max_last_access: int
+    #: Dropped COMMITTED slots (and invalid state bytes), by ``recovery``'s reasons.
+    dropped: dict[str, int]
+
+
+def refs_of(extent_id: int, slots: npt.ArrayLike) -> Refs:
+    """The refs of ``slots`` of one extent."""
+    return (np.uint64(extent_id) << np.uint64(32)) | np.asarray(slots, dtype=np.uint64)
+
+
+def split(refs: Refs) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """(extent ids, slots) of refs."""
+    return refs >> np.uint64(32), refs & np.uint64(0xFFFF_FFFF)
+
+
+def _u64(values: npt.ArrayLike) -> npt.NDArray[np.uint64]:
+    out = np.ascontiguousarray(values, dtype=np.uint64)
+    return out.reshape(-1)
+
+
+def _refs(raw: bytes) -> Refs:
+    return np.frombuffer(raw, dtype=np.uint64)
+
+
+class BlockTable:
+    """One namespace's blocks (see the module docstring for the operations).
+
+    Raises ``RuntimeError`` when the native module is not built.
+    """
+
+    __slots__ = ("_t",)
+
+    def __init__(self, block_bytes: int, slot_bytes: int, *, seed: int = 0) -> None:
+        if _native is None:
+            raise RuntimeError("kvtier._native is not built: no native block table")
+        self._t = _native.BlockTable(block_bytes, slot_bytes, seed)
+
+    @property
+    def native_bytes(self) -> int:
+        """Native memory the table holds (records, extents, the object)."""
+        return self._t.native_bytes
+
+    # ------------------------------------------------------------ extents
+    def add_segment(self, seg: Segment) -> None:
+        """``add_extent`` of a segment, named by its ``segment_id``, over its slot table."""
+        n = seg.layout.n_slots
+        # The table holds an export of this view (and so of the mapping) until
+        # remove_extent: the segment cannot unmap it while the table may write.
+        view = memoryview(seg.meta)[TABLE_OFFSET : TABLE_OFFSET + n * SLOT_ENTRY_BYTES]
+        self._t.add_extent(seg.segment_id, n, view, seg.created_unix_ns)
+
+    def add_extent(self, extent_id: int, n_slots: int, meta: object, created_unix_ns: int) -> None:
+        """Add a fresh extent: every slot FREE.  ``meta``: a writable buffer of its slot
+        table (``n_slots`` entries of 128 bytes).  ValueError for an id taken."""
+        self._t.add_extent(extent_id, n_slots, meta, created_unix_ns)
+
+    def remove_extent(self, extent_id: int, *, force: bool = False) -> tuple[int, int]:
+        """Drop an extent, (committed, reserved) slots it held; ValueError while one of
+        its slots is pinned (unless ``force``).  Call before closing its segment."""
+        return self._t.remove_extent(extent_id, force)
+
+    def adopt(self, seg: Segment, boot_epoch: int, *, referenced_from: int = 2**64 - 1
+              ) -> Adoption:
+        """Validate a previous run's slot table of an extent just added (``add_segment``),
+        as ``recovery.scan_slots``: valid COMMITTED entries become unpinned DIRTY blocks,
+        RESERVED ones stay reserved (quarantine: ``release_claims`` them later), the rest
+        are freed in the table too.  Blocks last accessed at ``referenced_from`` or later
+        get their CLOCK bit (pass the median last access of every extent, from
+        ``recovery``'s first pass: the hand then evicts the older half first)."""
+        got = self._t.adopt(seg.segment_id, boot_epoch, seg.intact_bytes, referenced_from)
+        return Adoption(adopted=got["adopted"], reserved=got["reserved"], free=got["free"],
+                        max_last_access=got["max_last_access"], dropped=dict(got["dropped"]))
+
+    def committed(self, extent_id: int) -> Refs:
+        """The refs of an extent's COMMITTED slots, ascending."""
+        return _refs(self._t.committed(extent_id))
+
+    def match_keys(self, refs: npt.ArrayLike, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        """Whether each ref holds a COMMITTED block whose persisted key is ``keys[i]``: the
+        check of a shared-index hit whose entry holds the key's hash, not the key."""
+        return np.frombuffer(self._t.match_keys(_u64(refs), keys), dtype=np.bool_)
+
+    def extents(self) -> list[int]:
+        return self._t.extents()
+
+    # ------------------------------------------------------------ write path
+    def claim(self, n: int, skip: npt.ArrayLike | None = None) -> tuple[Refs, int]:
+        """Take ``n`` free slots into RESERVED (generation + 1), all or nothing:
+        (refs, 0), or (empty, how many more slots are needed) with nothing changed.
+        ``skip``: refs or hazard words of free slots clients still read."""
+        raw, short = self._t.claim(n, None if skip is None else _u64(skip))
+        return _refs(raw), short
+
+    def release_claims(self, refs: npt.ArrayLike) -> None:
+        """Free RESERVED slots (abort, length 0, quarantine over, grant taken back)."""
+        self._t.release_claims(_u64(refs))
+
+    def commit(self, refs: npt.ArrayLike, keys: Sequence[bytes], lengths: npt.ArrayLike,
+               checksums: Sequence[int | None] | npt.ArrayLike | None, *, first_access: int,
+               epoch: int) -> None:
+        """Make RESERVED slots COMMITTED with their keys, lengths and checksums (None: no
+        checksum; per block or for all), last access ``first_access + i``.  ValueError
+        (nothing written) for a slot not RESERVED, a key or length out of range, columns
+        of different lengths."""
+        sums: npt.NDArray[np.uint64] | None = None
+        has: npt.NDArray[np.uint8] | None = None
+        if checksums is not None:
+            items = list(checksums) if isinstance(checksums, Sequence) else None
+            if items is not None and any(c is None for c in items):
+                has = np.array([c is not None for c in items], dtype=np.uint8)
+                sums = np.array([0 if c is None else c for c in items], dtype=np.uint64)
+            else:
+                sums = _u64(items if items is not None else checksums)  # type: ignore[arg-type]
+        self._t.commit(_u64(refs), keys, _u64(lengths), sums, has, first_access, epoch)
+
+    # ------------------------------------------------------------ read path
+    def pin(self, refs: npt.ArrayLike) -> None:
+        """Pin COMMITTED blocks (+1 per ref)."""
+        self._t.pin(_u64(refs))
+
+    def unpin(self, refs: npt.ArrayLike) -> Refs:
+        """End pins; returns the DOOMED blocks this freed (their last pin ended)."""
+        return _refs(self._t.unpin(_u64(refs)))
+
+    def touch(self, refs: npt.ArrayLike, first_access: int, *, hints: bool = False
+              ) -> tuple[int, int]:
+        """Record reads: (touched, were prefetched).  ``hints``: refs from clients' pages,
+        those naming no slot are skipped instead of raising."""
+        return self._t.touch(_u64(refs), first_access, hints)
+
+    def set_prefetched(self, refs: npt.ArrayLike) -> int:
+        return self._t.set_prefetched(_u64(refs))
+
+    # ------------------------------------------------------------ leaving DRAM
+    def delete(self, refs: npt.ArrayLike) -> int:
+        """Free unpinned blocks, doom pinned ones (freed by their last ``unpin``); returns
+        how many were doomed."""
+        return self._t.delete(_u64(refs))
+
+    def victims(self, n: int, policy: Policy = Policy.LRU, *, sample: int = 5,
+                pool: bool = True, spill: bool = False,
+                skip: npt.ArrayLike | None = None) -> Refs:
+        """Up to ``n`` distinct evictable blocks chosen by ``policy`` (bounded work: fewer
+        when fewer are eligible, or call again).  Changes nothing but the policy's state."""
+        return _refs(self._t.victims(n, int(policy), sample, pool, spill,
+                                     None if skip is None else _u64(skip)))
+
+    def evict(self, refs: npt.ArrayLike, *, reserve: bool = False) -> None:
+        """Evict unpinned COMMITTED blocks: freed, or with ``reserve`` RESERVED for the
+        claim that needed the room."""
+        self._t.evict(_u64(refs), reserve)
+
+    def dirty(self, n: int, policy: Policy = Policy.LRU, *, sample: int = 5,
+              skip: npt.ArrayLike | None = None) -> Refs:
+        """Demotion candidates: up to ``n`` unpinned DIRTY blocks the policy takes first."""
+        return _refs(self._t.dirty(n, int(policy), sample, False, False,
+                                   None if skip is None else _u64(skip)))
+
+    def set_lower(self, refs: npt.ArrayLike, lower: int,
+                  generations: npt.ArrayLike | None = None) -> int:
+        """Set the lower-tier state of COMMITTED blocks (with ``generations``, only where
+        the slot still holds that generation); returns how many changed."""
+        return self._t.set_lower(_u64(refs), lower,
+                                 None if generations is None else _u64(generations))
+
+    # ------------------------------------------------------------ reading
+    def counts(self, extent_id: int | None = None) -> Counts:
+        return Counts(**self._t.counts(extent_id))
+
+    def inspect(self, refs: npt.ArrayLike) -> npt.NDArray[np.void]:
+        """Each ref's record (``RECORD_DTYPE``)."""
+        return np.frombuffer(self._t.inspect(_u64(refs)), dtype=RECORD_DTYPE)
+
+    def check(self) -> list[str]:
+        """Records against slot tables, free lists and counters: the problems found."""
+        return self._t.check()
