@@ -145,7 +145,9 @@ def index_fingerprint(key: bytes) -> bytes:
 
 def index_fingerprints(buf: _Buffer) -> list[bytes]:
     """The fingerprints of every live entry."""
-def page_layout() -> dict[str, int]: ...
+
+def page_layout() -> dict[str, int]:
+    """csrc/index.h's session page layout, by name (KVT_ dropped)."""
 
 
 # The block table (csrc/blocks.c): a namespace's DRAM blocks as native records over the
