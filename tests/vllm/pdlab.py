@@ -214,7 +214,8 @@ class VllmServer(Proc):
     def __init__(self, base: str, tag: str, model: str, ktc: dict[str, Any] | None, *,
                  ns: str | None = None, prefix: Sequence[str] = (), host: str = "127.0.0.1",
                  max_model_len: int = 4096, engine_blocks: int = 0, dtype: str = "float32",
-                 prefix_caching: bool = True, start: bool = True) -> None:
+                 prefix_caching: bool = True, extra_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None, start: bool = True) -> None:
         self.tag, self.ns, self.host, self.port = tag, ns, host, free_port()
         self.log_path = os.path.join(base, f"{tag}.log")
         self.cmd = [*prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -228,12 +229,14 @@ class VllmServer(Proc):
             self.cmd += ["--num-gpu-blocks-override", str(engine_blocks)]
         if ktc is not None:
             self.cmd += ["--kv-transfer-config", json.dumps(ktc)]
+        self.cmd += list(extra_args)
+        self.env = child_env(env)
         if start:
             self.start()
 
     def start(self) -> None:
         self.t0 = time.perf_counter()
-        self._spawn(self.cmd, child_env())
+        self._spawn(self.cmd, self.env)
 
     def wait(self, timeout: float = 300) -> None:
         self._wait_up(f"vLLM server {self.tag}", timeout, "/health", (200,))
