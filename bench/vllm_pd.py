@@ -276,8 +276,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["two_hosts"] = None if args.one_host_only else f"{MASTER_BIN} missing"
             return result
 
+        os.makedirs(os.path.join(base, "fleet"))
         fleet = Fleet(os.path.join(base, "fleet"))
-        os.makedirs(fleet.base, exist_ok=True)
         fleet.start_master()
         fleet.a = fleet.start_daemon("a", capacity=args.dram, extent="64MiB",
                                      segment=args.segment)
