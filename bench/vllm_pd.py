@@ -105,7 +105,8 @@ def prefill(url: str, tokens: list[int], ns: str | None = None) -> float:
 
 def counters(server: VllmServer) -> dict[str, float]:
     return {k.removeprefix("vllm:kvtier_").removesuffix("_total"): v
-            for k, v in server.metrics().items() if k.startswith("vllm:kvtier_")}
+            for k, v in server.metrics().items()
+            if k.startswith("vllm:kvtier_") and not k.endswith("_created")}
 
 
 def summary(xs: list[float]) -> dict[str, float]:
