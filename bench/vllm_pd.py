@@ -79,11 +79,13 @@ class Prompts:
         return [self._rng.randrange(3, 32000) for _ in range(n)]
 
 
-def ttft(url: str, tokens: list[int], answer: int, ns: str | None = None) -> dict[str, Any]:
+def ttft(url: str, tokens: list[int], answer: int, ns: str | None = None,
+         params: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streaming request: seconds to the first token, cached tokens, the token ids."""
+    extra: dict[str, Any] = {"kv_transfer_params": params} if params else {}
     res = stream(url + "/v1/completions",
-                 completion(tokens, answer, stream=True, stream_options={"include_usage": True}),
-                 ns=ns, timeout=600)
+                 completion(tokens, answer, stream=True, stream_options={"include_usage": True},
+                            **extra), ns=ns, timeout=600)
     if res["status"] != 200 or not res["done"]:
         raise RuntimeError(f"request to {url} failed: {res}")
     first = next(t for t, e in zip(res["times"], res["events"], strict=False)
@@ -95,12 +97,12 @@ def ttft(url: str, tokens: list[int], answer: int, ns: str | None = None) -> dic
     return {"ttft_s": first, "cached": int(cached), "ids": ids}
 
 
-def prefill(url: str, tokens: list[int], ns: str | None = None) -> float:
-    t0 = time.perf_counter()
+def prefill(url: str, tokens: list[int], ns: str | None = None) -> dict[str, Any]:
+    """A producer's one-token request, as the proxy sends it; its ``kv_transfer_params``."""
     status, out = call(url + "/v1/completions", completion(tokens, 1), ns=ns, timeout=600)
     if status != 200:
         raise RuntimeError(f"prefill at {url}: {status} {out}")
-    return time.perf_counter() - t0
+    return dict(out.get("kv_transfer_params") or {})
 
 
 def counters(server: VllmServer) -> dict[str, float]:
@@ -164,8 +166,8 @@ def tail_rounds(args: argparse.Namespace, prompts: Prompts, prefill_srv: VllmSer
     for _ in range(args.rounds):
         for tail in TAILS:
             tokens = prompts(base + tail)
-            prefill(prefill_srv.url, tokens)
-            per[tail].append(ttft(decode.url, tokens, args.answer)["ttft_s"])
+            params = prefill(prefill_srv.url, tokens)
+            per[tail].append(ttft(decode.url, tokens, args.answer, params=params)["ttft_s"])
     for tail in TAILS:
         computed = tail if tail < BLOCK else BLOCK
         rows.append({"prompt_tokens": base + tail, "tail": tail, "recomputed_tokens": computed,
@@ -187,12 +189,15 @@ def transfer(args: argparse.Namespace, fleet: Fleet, prompts: Prompts, prefill_s
     tokens: list[int] = []
     for _ in range(args.rounds):
         tokens = prompts(size)
-        prefill(prefill_srv.url, tokens, ns_a)
+        # The producer's kv_transfer_params, as the proxy passes them: the decode server
+        # waits for blocks still on their way to the cluster instead of recomputing them.
+        params = prefill(prefill_srv.url, tokens, ns_a)
         before = counters(decode)
-        res = ttft(decode.url, tokens, 1, ns_b)
+        res = ttft(decode.url, tokens, 1, ns_b, params)
         after = counters(decode)
         d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         d["cached"] = res["cached"]
+        d["ttft_s"] = res["ttft_s"]
         engine.append(d)
     found = [(n.name, n.block_bytes, n.model_uid) for n in fleet.a.stats().namespaces
              if n.name.startswith("vllm/")]
@@ -256,23 +261,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     intermediate=2 * args.hidden, dtype=args.dtype))
         result["model"] = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                            "kv_heads": args.kv_heads, "dtype": args.dtype}
-        daemon = start_daemon(base, capacity=args.dram, extent="64MiB")
-        sock = daemon.socket_dir
         colocated = VllmServer(base, "colocated", model, None, **sargs)
-        pre = VllmServer(base, "prefill", model, kvtier_ktc("kv_producer", sock), **sargs)
-        dec = VllmServer(base, "decode", model, kvtier_ktc("kv_consumer", sock), **sargs)
-        servers += [colocated, pre, dec]
-        start_all(servers, 600)
-        proxy = ProxyProc(base, "proxy", [pre.url], [dec.url], timeout=600)
-        proxies.append(proxy)
-        for s in (colocated, proxy):  # warm-up: the first request of an engine is slow
-            ttft(s.url, prompts(min(args.sizes)), 2)
-        result["one_host"] = ttft_rounds(args, prompts, colocated, proxy, dec, None, "one host")
-        result["partial_block"] = tail_rounds(args, prompts, pre, dec)
-        for s in (pre, dec):
-            s.stop()
-        proxy.stop()
-        servers = [colocated]
+        servers.append(colocated)
+        if args.skip_one_host:
+            start_all(servers, 600)
+        else:
+            daemon = start_daemon(base, capacity=args.dram, extent="64MiB")
+            sock = daemon.socket_dir
+            pre = VllmServer(base, "prefill", model, kvtier_ktc("kv_producer", sock), **sargs)
+            dec = VllmServer(base, "decode", model, kvtier_ktc("kv_consumer", sock), **sargs)
+            servers += [pre, dec]
+            start_all(servers, 600)
+            proxy = ProxyProc(base, "proxy", [pre.url], [dec.url], timeout=600)
+            proxies.append(proxy)
+            ttft(proxy.url, prompts(min(args.sizes)), 2)  # warm-up: an engine's first request
+            result["one_host"] = ttft_rounds(args, prompts, colocated, proxy, dec, None,
+                                             "one host")
+            result["partial_block"] = tail_rounds(args, prompts, pre, dec)
+            for s in (pre, dec):
+                s.stop()
+            proxy.stop()
+            servers = [colocated]
+        ttft(colocated.url, prompts(min(args.sizes)), 2)
         if args.one_host_only or not os.path.exists(MASTER_BIN):
             result["two_hosts"] = None if args.one_host_only else f"{MASTER_BIN} missing"
             return result
@@ -297,6 +307,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         proxies.append(proxy)
         ttft(proxy.url, prompts(min(args.sizes)), 2, ns_a)
         result["netns"] = fleet.netns
+        result["load_mode"] = args.load_mode
         result["two_hosts"] = ttft_rounds(args, prompts, colocated, proxy, dec, ns_a,
                                           "two hosts")
         result["transfer"] = transfer(args, fleet, prompts, pre, dec)
@@ -337,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-answers", action="store_true",
                    help="also compare every P/D answer with the colocated server's")
     p.add_argument("--one-host-only", action="store_true")
+    p.add_argument("--skip-one-host", action="store_true", help="the two-host part alone")
     p.add_argument("--keep-logs", help="copy the servers' logs here")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
