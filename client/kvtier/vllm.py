@@ -501,6 +501,7 @@ class _Request:
     hits: int | None = None  # claimable blocks found by the last lookup (None: not looked up)
     tiers: list[Tier] = dataclasses.field(default_factory=list)
     local_tokens: int = 0  # tokens vLLM's own prefix cache had at the lookup
+    lookup_failed: bool = False  # the last lookup did not reach kvtierd (on some rank)
     background: bool = False  # vLLM was told this request's load is asynchronous
 
     def keys_upto(self, blocks: int, block_tokens: int) -> list[bytes]:
@@ -542,10 +543,11 @@ class _Scheduler:
                              why)
         return st
 
-    def _lookup_one(self, link: _Link, keys: list[bytes]) -> list[Tier]:
+    def _lookup_one(self, link: _Link, keys: list[bytes]) -> list[Tier] | None:
+        """The tiers of the leading present keys; None when kvtierd could not be asked."""
         client = link.client()
         if client is None:
-            return []
+            return None
         try:
             return client.lookup_tiers(keys, prefetch=self._cfg.prefetch)
         except Exception as exc:  # noqa: BLE001 (a cache lookup never takes the engine down)
@@ -553,7 +555,7 @@ class _Scheduler:
             self._counters.add(f"failures_{kind}")
             self._throttle.warn(f"lookup-{kind}", "lookup in %s failed (%s: %s); the prompt is "
                                 "computed", link.args["namespace"], type(exc).__name__, exc)
-            return []
+            return None
 
     def matched(self, request: Request, num_computed_tokens: int) -> int:
         st = self._state(request)
@@ -573,11 +575,13 @@ class _Scheduler:
             self._counters.add("lookups")
             t0 = time.perf_counter()
             if self._pool is None:
-                per_rank = [self._lookup_one(self._links[0], keys)]
+                answers = [self._lookup_one(self._links[0], keys)]
             else:
-                per_rank = list(self._pool.map(lambda link: self._lookup_one(link, keys),
-                                               self._links))
+                answers = list(self._pool.map(lambda link: self._lookup_one(link, keys),
+                                              self._links))
             self._counters.add("lookup_seconds", time.perf_counter() - t0)
+            st.lookup_failed = any(a is None for a in answers)
+            per_rank = [a or [] for a in answers]
             st.hits = claimable_blocks([len(t) for t in per_rank], prompt, self._block)
             st.tiers = per_rank[0][: st.hits]
             st.stored = max(st.stored, min(len(t) for t in per_rank))
@@ -684,8 +688,8 @@ class _Scheduler:
         (``kv_transfer_params``) that the lookup did not find yet; the next attempt
         looks up afresh."""
         st = self._reqs.get(request.request_id)
-        if st is None or st.refused or st.hits is None:
-            return False
+        if st is None or st.refused or st.hits is None or st.lookup_failed:
+            return False  # (kvtierd unreachable: waiting would only delay the recompute)
         usable = max(0, len(request.prompt_token_ids or ()) - 1) // self._block
         wanted = min(announced_blocks(getattr(request, "kv_transfer_params", None)), usable)
         if not waits.hold(request.request_id, st.hits, wanted):
