@@ -90,7 +90,7 @@ def ttft(url: str, tokens: list[int], answer: int, ns: str | None = None,
         raise RuntimeError(f"request to {url} failed: {res}")
     first = next(t for t, e in zip(res["times"], res["events"], strict=False)
                  if any(c.get("token_ids") for c in e.get("choices") or []))
-    usage = next((e["usage"] for e in reversed(res["events"]) if e.get("usage")), {})
+    usage: dict[str, Any] = next((e["usage"] for e in reversed(res["events"]) if e.get("usage")), {})
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     ids = [t for e in res["events"] for c in e.get("choices") or [] for t in c.get("token_ids")
            or []]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -64,7 +64,7 @@ async def _proxy(prefill: list[str], decode: list[str]) -> tuple[web.AppRunner, 
     return runner, f"http://127.0.0.1:{port}"
 
 
-def run(coro: Callable[[], Awaitable[None]]) -> None:
+def run(coro: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(coro())
 
 
