@@ -226,7 +226,9 @@ class TestOneHost:
         # (tests/unit/test_pd_proxy.py times this against a server with set pauses).
         token_times = [t for t, e in zip(res["times"], res["events"], strict=False)
                        if any(c.get("token_ids") for c in e.get("choices") or [])]
-        assert len(token_times) >= n // 2
+        # (vLLM merges the tokens of several steps into one event when its server falls
+        # behind on a busy machine, so the count of events varies; there are many.)
+        assert len(token_times) >= 8, token_times
         assert token_times[-1] - token_times[0] > 0.1, token_times
 
     def test_a_dead_server_is_a_502_naming_it(self, one_host: dict[str, Any]) -> None:
