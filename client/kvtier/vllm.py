@@ -955,7 +955,7 @@ class KVTierConnector(KVConnectorBase_V1):
         cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         # kv_role (P/D): a consumer never saves, a producer saves within the step.
         self._kv_role = Role.of(self._kv_transfer_config.kv_role, save=cfg.save,
-                             load=cfg.load_mode != "off", async_save=cfg.async_save)
+                                load=cfg.load_mode != "off", async_save=cfg.async_save)
         self._cfg = dataclasses.replace(cfg, save=self._kv_role.save,
                                         async_save=self._kv_role.async_save)
         self._waits = Waits(cfg.producer_wait) if self._kv_role.consumer else None
