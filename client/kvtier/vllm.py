@@ -27,6 +27,11 @@ What it does, per request:
   background only when a block to load was below DRAM at the lookup).  ``wait_for_save``: every block of
   the step that became full is gathered from all layers into reserved slots and committed
   in one ``Reserve`` + ``Commit`` for the whole step (blocks already stored are skipped).
+* **Roles** (``kv_role``, for disaggregated prefill/decode): ``kv_both`` saves and loads;
+  ``kv_producer`` saves within the step (its HTTP answer leaves after its blocks are
+  committed) and announces them in ``kv_transfer_params``; ``kv_consumer`` loads and never
+  saves, waiting up to ``producer_wait`` for announced blocks still in flight
+  (:mod:`kvtier._vllm_roles`; ``kvtier pd-proxy`` in front, :mod:`kvtier.pd_proxy`).
 * **Failure is a recompute**: kvtierd down (at start or later), restarted, a block evicted
   between lookup and load, a checksum failure, a full cache: the request is served all the
   same.  Blocks that did not load are reported through ``get_block_ids_with_load_errors``
@@ -75,6 +80,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier import errors
 from kvtier import torch as kt
 from kvtier._core import Tier
+from kvtier._vllm_roles import Role, Waits, announced_blocks, producer_params
 from kvtier.client import Client
 from kvtier.hashing import block_keys
 from kvtier.paged import NamespaceArgs, PagedKVLayout
@@ -157,6 +163,9 @@ class ConnectorConfig:
     prefetch: bool = True
     #: What vLLM does with blocks that failed to load: ``recompute`` them, or ``fail`` the request.
     load_failure_policy: str = "recompute"
+    #: ``kv_consumer``: seconds a request waits for blocks its producer announced (in
+    #: ``kv_transfer_params``) that kvtierd does not show yet, before recomputing them.
+    producer_wait: float = 5.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -492,6 +501,7 @@ class _Request:
     hits: int | None = None  # claimable blocks found by the last lookup (None: not looked up)
     tiers: list[Tier] = dataclasses.field(default_factory=list)
     local_tokens: int = 0  # tokens vLLM's own prefix cache had at the lookup
+    lookup_failed: bool = False  # the last lookup did not reach kvtierd (on some rank)
     background: bool = False  # vLLM was told this request's load is asynchronous
 
     def keys_upto(self, blocks: int, block_tokens: int) -> list[bytes]:
@@ -533,10 +543,11 @@ class _Scheduler:
                              why)
         return st
 
-    def _lookup_one(self, link: _Link, keys: list[bytes]) -> list[Tier]:
+    def _lookup_one(self, link: _Link, keys: list[bytes]) -> list[Tier] | None:
+        """The tiers of the leading present keys; None when kvtierd could not be asked."""
         client = link.client()
         if client is None:
-            return []
+            return None
         try:
             return client.lookup_tiers(keys, prefetch=self._cfg.prefetch)
         except Exception as exc:  # noqa: BLE001 (a cache lookup never takes the engine down)
@@ -544,7 +555,7 @@ class _Scheduler:
             self._counters.add(f"failures_{kind}")
             self._throttle.warn(f"lookup-{kind}", "lookup in %s failed (%s: %s); the prompt is "
                                 "computed", link.args["namespace"], type(exc).__name__, exc)
-            return []
+            return None
 
     def matched(self, request: Request, num_computed_tokens: int) -> int:
         st = self._state(request)
@@ -564,11 +575,13 @@ class _Scheduler:
             self._counters.add("lookups")
             t0 = time.perf_counter()
             if self._pool is None:
-                per_rank = [self._lookup_one(self._links[0], keys)]
+                answers = [self._lookup_one(self._links[0], keys)]
             else:
-                per_rank = list(self._pool.map(lambda link: self._lookup_one(link, keys),
-                                               self._links))
+                answers = list(self._pool.map(lambda link: self._lookup_one(link, keys),
+                                              self._links))
             self._counters.add("lookup_seconds", time.perf_counter() - t0)
+            st.lookup_failed = any(a is None for a in answers)
+            per_rank = [a or [] for a in answers]
             st.hits = claimable_blocks([len(t) for t in per_rank], prompt, self._block)
             st.tiers = per_rank[0][: st.hits]
             st.stored = max(st.stored, min(len(t) for t in per_rank))
@@ -670,8 +683,26 @@ class _Scheduler:
                     st.stored = i
                     break
 
-    def finished(self, request: Request) -> None:
-        self._reqs.pop(request.request_id, None)
+    def hold(self, request: Request, waits: Waits) -> bool:
+        """Whether a consumer's request waits for blocks its producer announced
+        (``kv_transfer_params``) that the lookup did not find yet; the next attempt
+        looks up afresh."""
+        st = self._reqs.get(request.request_id)
+        if st is None or st.refused or st.hits is None or st.lookup_failed:
+            return False  # (kvtierd unreachable: waiting would only delay the recompute)
+        usable = max(0, len(request.prompt_token_ids or ()) - 1) // self._block
+        wanted = min(announced_blocks(getattr(request, "kv_transfer_params", None)), usable)
+        if not waits.hold(request.request_id, st.hits, wanted):
+            return False
+        st.hits = None
+        return True
+
+    def finished(self, request: Request) -> int:
+        """Forget a request; returns the leading prompt blocks kvtier holds for it."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return 0
+        return min(st.stored, len(request.prompt_token_ids or ()) // self._block)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -921,7 +952,17 @@ class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        # kv_role (P/D): a consumer never saves, a producer saves within the step.
+        self._kv_role = Role.of(self._kv_transfer_config.kv_role, save=cfg.save,
+                                load=cfg.load_mode != "off", async_save=cfg.async_save)
+        self._cfg = dataclasses.replace(cfg, save=self._kv_role.save,
+                                        async_save=self._kv_role.async_save)
+        self._waits = Waits(cfg.producer_wait) if self._kv_role.consumer else None
+        if role == KVConnectorRole.SCHEDULER and self._kv_role.role != "kv_both":
+            logger.info("kvtier: %s: %s", self._kv_role.role,
+                        "loads, never saves" if self._kv_role.consumer else
+                        "saves within the step, announces its blocks in kv_transfer_params")
         if self._cfg.load_failure_policy == "recompute":
             # vLLM fails a request whose blocks did not load unless told otherwise; for a
             # cache a failed load is a miss.
@@ -1005,7 +1046,12 @@ class KVTierConnector(KVConnectorBase_V1):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._scheduler is None:
             return 0, False
+        waits = self._waits
+        if waits is not None and not waits.recheck(request.request_id):
+            return None, False  # held back, and looked up a moment ago
         n = self._scheduler.matched(request, num_computed_tokens)
+        if waits is not None and self._scheduler.hold(request, waits):
+            return None, False  # vLLM asks again next step
         return n, n > 0 and self._scheduler.load_async(request)
 
     def get_external_cache_hit_sources(self, request: Request,
@@ -1030,8 +1076,11 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._scheduler is not None:
-            self._scheduler.finished(request)
+        stored = self._scheduler.finished(request) if self._scheduler is not None else 0
+        if self._waits is not None:
+            self._waits.forget(request.request_id)
+        if self._kv_role.producer:  # committed already: a producer saves within the step
+            return False, producer_params(stored)
         # Saves are done by the end of each step: free the blocks now.  (A request aborted
         # while its background load runs keeps them until the worker reports the load
         # done: vLLM itself holds the blocks of requests in WAITING_FOR_REMOTE_KVS.)

@@ -529,7 +529,7 @@ def test_auto_load_mode_loads_dram_hits_in_the_step_and_ssd_hits_in_the_backgrou
         tokens = list(range(3, 3 + 3 * BLOCK + 3))
         keys = block_keys(tokens, BLOCK, request_salt("", None, None))
         _store(d, sched, 0, keys[:3])
-        conn = SimpleNamespace(_scheduler=sched)
+        conn = SimpleNamespace(_scheduler=sched, _waits=None)  # a kv_both connector
         blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))
         req = FakeRequest("dram", tokens)
         n, background = KVTierConnector.get_num_new_matched_tokens(conn, req, 0)  # type: ignore[arg-type]
