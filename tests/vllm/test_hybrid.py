@@ -15,19 +15,43 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need kvtier[vllm] (make install)")
 
+import torch  # noqa: E402
+from vllm.distributed import parallel_state  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
 import kvtier  # noqa: E402
-from kvtier._kv_groups import GroupPlan  # noqa: E402
+import kvtier.v1.kvtier_pb2 as pb  # noqa: E402
+from kvtier._kv_groups import GroupPlan, plan_groups  # noqa: E402
 from kvtier.hashing import block_keys  # noqa: E402
-from kvtier.vllm import CacheGeometry, request_salt  # noqa: E402
+from kvtier.vllm import (  # noqa: E402
+    CacheGeometry,
+    ConnectorConfig,
+    KVTierMetadata,
+    LoadSpec,
+    _Counters,
+    _Scheduler,
+    _Throttle,
+    _Worker,
+    request_salt,
+)
 from tests.conftest import DaemonProc, start_daemon, stop_daemon  # noqa: E402
 from tests.vllm import tinyhybrid  # noqa: E402
+from tests.vllm.test_connector import FakeRequest, _vllm_config  # noqa: E402
 from tests.vllm.test_engine import Engine  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU block size (attention); its CPU MLA backend uses 16
@@ -121,6 +145,8 @@ def _gemma_plans(ns_block_bytes: int) -> tuple[GroupPlan, GroupPlan]:
     return sw, full
 
 
+# Three engine starts of 30-80 s each on a shared 2-core host: past the default 300 s.
+@pytest.mark.timeout(900)
 def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
         lab: Lab) -> None:
     model = str(tinyhybrid.build(os.path.join(lab.base, "gemma3"), "gemma3", window=WINDOW))
@@ -175,12 +201,12 @@ def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
         # request's load as a whole and vLLM computes it again; the answer is the same.
         with lab.client(ns) as c:
             key = full.keys(plain)[3]
-            resp = c._call("Acquire", kvtier.v1.kvtier_pb2.AcquireRequest(keys=[key]))
+            resp = c._call("Acquire", pb.AcquireRequest(keys=[key]))
             c._sync_maps(resp.segments_version, resp.slots)
             view = c._maps.view(resp.slots[0], resp.slots[0].length, writable=True)
             view[100] ^= 0xFF
             del view
-            c._call("Release", kvtier.v1.kvtier_pb2.ReleaseRequest(lease_id=resp.lease_id))
+            c._call("Release", pb.ReleaseRequest(lease_id=resp.lease_id))
         before = out
         b.next()
         out = b.result()
@@ -195,6 +221,7 @@ def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
     assert lab.daemon is not None and lab.daemon.check() == []
 
 
+@pytest.mark.timeout(900)
 def test_mla_latent_is_saved_once_and_loaded_by_a_fresh_engine(lab: Lab) -> None:
     model = str(tinyhybrid.build(os.path.join(lab.base, "dsv2"), "deepseek-v2"))
     prompt = P[:900]
@@ -213,3 +240,158 @@ def test_mla_latent_is_saved_once_and_loaded_by_a_fresh_engine(lab: Lab) -> None
     assert out["prompts"][0]["tokens"] == ref
     assert _count(out, "loaded_blocks") == full and _count(out, "failed_blocks") == 0
     assert lab.daemon is not None and lab.daemon.check() == []
+
+
+# ---------------------------------------------------------------- without an engine
+SB = 16  # block tokens of the engine-less tests
+
+
+def _hybrid_config() -> KVCacheConfig:
+    sw = SlidingWindowSpec(block_size=SB, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                           sliding_window=48)
+    full = FullAttentionSpec(block_size=SB, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["s0", "s1"], sw), KVCacheGroupSpec(["f0", "f1"], full)])
+
+
+def _no_cached() -> Any:
+    return SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                           num_computed_tokens=[])
+
+
+def test_hybrid_scheduler_claims_what_every_group_holds_and_saves_every_group(
+        daemon: DaemonProc) -> None:
+    kv = _hybrid_config()
+    sw, full = plan_groups(kv)
+    counters = _Counters()
+    cfg = ConnectorConfig.from_extra({"socket_dir": daemon.socket_dir})
+    sched = _Scheduler(_vllm_config(), kv, cfg, counters, _Throttle())  # type: ignore[arg-type]
+    assert len(sched._links) == 1  # one layout: one namespace for both groups
+    tokens = list(range(3, 3 + 10 * SB + 5))
+    plain = block_keys(tokens, SB, request_salt("", None, None))
+    with kvtier.Client(daemon.socket_dir, **sched._links[0].args) as c:
+        c.put(full.keys(plain[:8]), [b"f"] * 8)
+        c.put([k for i, k in enumerate(sw.keys(plain[:9])) if i != 6], [b"s"] * 8)
+    req = FakeRequest("r", tokens)
+    # Full attention holds 8 blocks; the window of an 8-block hit (blocks 5..7: 48 tokens
+    # back from token 128) misses block 6, so the longest hit whose window is whole is 6.
+    assert sched.matched(req, 0) == 6 * SB  # type: ignore[arg-type]
+    assert sched.load_async(req) is True  # type: ignore[arg-type]  # hybrid: always
+    ids = ([0, 0, 0, 104, 105, 106, 107, 108, 109, 110, 111],
+           [201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211])
+    sched.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ids), 6 * SB)  # type: ignore[arg-type]
+    new = SimpleNamespace(req_id="r", block_ids=ids, num_computed_tokens=6 * SB)
+    out = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=_no_cached(),
+                          num_scheduled_tokens={"r": len(tokens) - 6 * SB})
+    meta = sched.build_meta(out)  # type: ignore[arg-type]
+    # Loads: the window of the sliding-window group (blocks 3..5), every block of the other.
+    assert [(s.group, s.keys, s.block_ids, s.background) for s in meta.loads] == [
+        (0, sw.keys(plain[3:6]), [104, 105, 106], True),
+        (1, full.keys(plain[:6]), [201, 202, 203, 204, 205, 206], True)]
+    # Saves: blocks 6..9 of both groups, each under its group's keys.
+    assert list(zip(meta.save_groups, meta.save_keys, meta.save_block_ids, strict=True)) == [
+        *((0, k, b) for k, b in zip(sw.keys(plain[6:10]), [107, 108, 109, 110], strict=True)),
+        *((1, k, b) for k, b in zip(full.keys(plain[6:10]), [207, 208, 209, 210],
+                                    strict=True))]
+    assert set(meta.new_block_ids) == set(ids[0]) | set(ids[1])
+    # A request whose load failed as a whole is looked up again and saved from scratch.
+    sched.connector_output(SimpleNamespace(failed_recving={"r"},  # type: ignore[arg-type]
+                                           invalid_block_ids=set()))
+    assert (sched._reqs["r"].stored, sched._reqs["r"].hits) == (0, None)
+    # A block vLLM already dropped from a window (the null block) is never saved.
+    other = FakeRequest("o", [7] * (3 * SB + 1))
+    assert sched.matched(other, 0) == 0  # type: ignore[arg-type]
+    new = SimpleNamespace(req_id="o", block_ids=([0, 302, 303, 304], [401, 402, 403, 404]),
+                          num_computed_tokens=0)
+    out = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=_no_cached(),
+                          num_scheduled_tokens={"o": 3 * SB + 1})
+    meta = sched.build_meta(out)  # type: ignore[arg-type]
+    assert [(g, b) for g, b in zip(meta.save_groups, meta.save_block_ids, strict=True)] == [
+        (0, 302), (0, 303), (1, 401), (1, 402), (1, 403)]
+    sched.close()
+
+
+def test_hybrid_worker_fails_a_request_as_a_whole_not_by_block(daemon: DaemonProc) -> None:
+    """vLLM raises on block-level load errors of a multi-group model: the worker reports
+    the request as a failed receive (recomputed), and no block ids."""
+    kv = _hybrid_config()
+    cfg = ConnectorConfig.from_extra({"socket_dir": daemon.socket_dir})
+    shape = (16, 2, SB, 64)  # vLLM's CPU layout: [blocks, kv_heads, block, 2*head]
+    src = {n: torch.randn(shape) for n in ("s0", "s1", "f0", "f1")}
+    w = _Worker(_vllm_config(), kv, cfg, _Counters(), _Throttle())  # type: ignore[arg-type]
+    w.register(src)
+    w.save(KVTierMetadata(save_keys=[b"s-a", b"f-a"], save_block_ids=[1, 2],
+                          save_groups=[0, 1]))
+    w.settle()
+    dst = {n: torch.zeros(shape) for n in src}
+    counters = _Counters()
+    w2 = _Worker(_vllm_config(), kv, cfg, counters, _Throttle())  # type: ignore[arg-type]
+    w2.register(dst)
+    w2.load(KVTierMetadata(loads=[LoadSpec("ok", [b"s-a"], [5], True, 0),
+                                  LoadSpec("ok", [b"f-a"], [6], True, 1),
+                                  LoadSpec("bad", [b"f-a", b"gone"], [7, 8], True, 1)]))
+    deadline = time.monotonic() + 10
+    done: set[str] = set()
+    while done != {"ok", "bad"}:
+        assert time.monotonic() < deadline, done
+        done |= w2.finished_loads()
+    assert w2.failed_loads() == {"bad"} and w2.failed_loads() == set()
+    assert w2.load_errors() == set()  # never block ids for a hybrid model
+    assert torch.equal(dst["s1"][5], src["s1"][1]) and torch.equal(dst["f0"][6], src["f0"][2])
+    assert not dst["s0"][6].any()  # the full group's block went to the full group's layers
+    got = counters.take()
+    assert (got["loaded_blocks"], got["failed_blocks"]) == (3, 1)
+    w.close()
+    w2.close()
+    assert daemon.check() == []
+
+
+def test_mla_ranks_share_one_copy_that_one_rank_writes(
+        daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP=2 with a replicated latent, two workers as two ranks: one namespace without a
+    rank, rank 0 stores each block once, rank 1 stores nothing, both load every block;
+    the scheduler looks it up once, not once per rank."""
+    spec = MLAAttentionSpec(block_size=SB, num_kv_heads=1, head_size=576, dtype=torch.float32,
+                            max_tp_shards=1)
+    kv = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["l0", "l1"], spec)])
+    vc = _vllm_config()
+    vc.parallel_config.tensor_parallel_size = 2
+    cfg = ConnectorConfig.from_extra({"socket_dir": daemon.socket_dir})
+    latent = [torch.randn(8, SB, 576) for _ in range(2)]  # the same on every rank
+    keys = block_keys(list(range(3, 3 + 3 * SB + 1)), SB, request_salt("", None, None))
+    workers, counters = [], []
+    for rank in (0, 1):
+        monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda r=rank: r)
+        c = _Counters()
+        w = _Worker(vc, kv, cfg, c, _Throttle())  # type: ignore[arg-type]
+        w.register({"l0": latent[0].clone(), "l1": latent[1].clone()})
+        workers.append(w)
+        counters.append(c)
+    assert workers[0]._link is not None and workers[1]._link is not None
+    name = workers[0]._link.args["namespace"]
+    assert name == workers[1]._link.args["namespace"] and "/tp0-1of2/" in name
+    for w in workers:  # every rank runs the same step
+        w.save(KVTierMetadata(save_keys=keys, save_block_ids=[4, 5, 6]))
+        w.settle()
+    assert counters[0].take()["saved_blocks"] == 3
+    assert counters[1].take() == {}  # not even a Reserve
+    (ns,) = [n for n in daemon.stats().namespaces if n.name == name]
+    assert ns.committed_blocks == 3  # once, not once per rank
+    assert len(daemon.stats().namespaces) == 1
+    for w in workers:
+        for t in w._cache:
+            t.zero_()
+        w.load(KVTierMetadata(loads=[LoadSpec("r", keys, [0, 1, 2])]))
+        assert w.load_errors() == set()
+        for layer, t in enumerate(w._cache):
+            assert torch.equal(t.view(8, SB, 576)[:3], latent[layer][4:7])
+    sc = _Counters()
+    sched = _Scheduler(vc, kv, cfg, sc, _Throttle())  # type: ignore[arg-type]
+    assert [link.args["namespace"] for link in sched._links] == [name]
+    assert sched.matched(FakeRequest("r", list(range(3, 3 + 3 * SB + 1))), 0) == 3 * SB  # type: ignore[arg-type]
+    assert sc.take()["lookups"] == 1
+    sched.close()
+    for w in workers:
+        w.close()
+    assert daemon.check() == []
