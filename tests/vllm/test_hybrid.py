@@ -63,6 +63,9 @@ FULL = (len(P) - 1) // BLOCK  # 11 blocks
 #: Shares P's first 6 blocks (768 tokens), then differs.
 Q = P[:768] + [3 + (i * 104729) % 991 for i in range(732)]
 SHARED = 768 // BLOCK
+#: Two more prompts of their own (nothing shared with P, Q or each other).
+R = [3 + (i * 31337 + 11) % 983 for i in range(1500)]
+S = [3 + (i * 7901 + 29) % 991 for i in range(1500)]
 SALT = request_salt("", None, None)
 
 
@@ -91,9 +94,10 @@ class Lab:
         return self.daemon
 
     def engine(self, name: str, model: str, phases: list[list[dict[str, Any]]], *,
-               connector: bool = True) -> Engine:
+               connector: bool = True, prefix_caching: bool = False) -> Engine:
         spec: dict[str, Any] = {
-            "model": model, "phases": phases, "prefix_caching": False, "max_model_len": 2048,
+            "model": model, "phases": phases, "prefix_caching": prefix_caching,
+            "max_model_len": 2048,
             "connector": {"socket_dir": self.socket_dir, "timeout": 5.0} if connector else None}
         e = Engine(self.base, spec, name)
         self.engines.append(e)
@@ -150,57 +154,62 @@ def _gemma_plans(ns_block_bytes: int) -> tuple[GroupPlan, GroupPlan]:
 def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
         lab: Lab) -> None:
     model = str(tinyhybrid.build(os.path.join(lab.base, "gemma3"), "gemma3", window=WINDOW))
-    ref = lab.run("gemma-ref", model, [P, Q], connector=False)
-    ref_p, ref_q = (r["tokens"] for r in ref["prompts"])
-    assert ref_p != ref_q
+    ref = lab.run("gemma-ref", model, [P, Q, R, S], connector=False)
+    ref_p, ref_q, ref_r, ref_s = (r["tokens"] for r in ref["prompts"])
+    assert len({str(ref_p), str(ref_q), str(ref_r), str(ref_s)}) == 4
 
-    # A: computes P and saves every full block of both groups, once.
-    a = lab.run("gemma-a", model, [P])
-    assert a["prompts"][0]["tokens"] == ref_p and a["prompts"][0]["cached"] == 0
-    assert _count(a, "saved_blocks") == 2 * (len(P) // BLOCK)
+    # A: computes P, R and S and saves every full block of both groups, once.
+    a = lab.run("gemma-a", model, [P, R, S])
+    assert [p["tokens"] for p in a["prompts"]] == [ref_p, ref_r, ref_s]
+    assert _count(a, "saved_blocks") == 3 * 2 * (len(P) // BLOCK)
     (ns,) = lab.namespaces("/L2-p128-h2-d32-float32")  # both groups: one layout, one namespace
-    assert "/tp0of1/" in ns.name and ns.committed_blocks == 2 * (len(P) // BLOCK)
+    assert "/tp0of1/" in ns.name and ns.committed_blocks == 3 * 2 * (len(P) // BLOCK)
     sw, full = _gemma_plans(ns.block_bytes)
-    plain = block_keys(P, BLOCK, SALT)
+    plain = {name: block_keys(t, BLOCK, SALT) for name, t in (("P", P), ("R", R), ("S", S))}
     with lab.client(ns) as c:
         # Each group's blocks are under its own keys; the plain keys name no block.
-        assert c.lookup(full.keys(plain)) == len(P) // BLOCK
-        assert c.lookup(sw.keys(plain)) == len(P) // BLOCK
-        assert c.lookup(plain) == 0
+        assert c.lookup(full.keys(plain["P"])) == len(P) // BLOCK
+        assert c.lookup(sw.keys(plain["P"])) == len(P) // BLOCK
+        assert c.lookup(plain["P"]) == 0
 
-    b = lab.engine("gemma-b", model, [[{"tokens": P}, {"tokens": Q}], [{"tokens": P}],
-                                      [{"tokens": P}]])
+    # B has vLLM's own prefix cache on, so loads also extend what it holds itself.
+    b = lab.engine("gemma-b", model, [[{"tokens": Q}, {"tokens": P}], [{"tokens": R}],
+                                      [{"tokens": S}]], prefix_caching=True)
     try:
-        # Phase 0: a fresh process gets P's 11 claimable blocks and Q's 6 shared ones; the
-        # full-attention group loads all of them, the sliding-window group only the blocks
-        # of the window before the hit.
+        # Phase 0: Q gets its 6 blocks shared with P from kvtier: the full-attention group
+        # loads all 6, the sliding-window group only the 2 of the window before the hit.
+        # Then P gets its 11 blocks from vLLM's own cache (what Q left there, if vLLM's
+        # hybrid prefix cache serves it) and kvtier (the rest; the window group: only the
+        # blocks of the window not below vLLM's own).
         out = b.result()
-        p, q = out["prompts"]
-        assert p["cached"] == FULL * BLOCK and p["tokens"] == ref_p
+        q, p = out["prompts"]
         assert q["cached"] == SHARED * BLOCK and q["tokens"] == ref_q
-        assert _window_blocks(FULL) == 2 and _window_blocks(SHARED) == 2
-        assert _count(out, "loaded_blocks") == (FULL + _window_blocks(FULL)
-                                                + SHARED + _window_blocks(SHARED))
+        assert p["cached"] == FULL * BLOCK and p["tokens"] == ref_p
+        assert _window_blocks(SHARED) == 2 and _window_blocks(FULL) == 2
+        p_local = FULL - (_count(out, "hit_tokens") - SHARED * BLOCK) // BLOCK
+        assert p_local in (0, SHARED)
+        p_window = FULL - max(p_local, FULL - _window_blocks(FULL))
+        assert _count(out, "loaded_blocks") == (SHARED + _window_blocks(SHARED)
+                                                + FULL - p_local + p_window)
         assert _count(out, "failed_blocks") == 0
-        assert _count(out, "hit_tokens") == (FULL + SHARED) * BLOCK
 
-        # Phase 1: the sliding-window group lost block 10 (in the window of an 11-block hit):
-        # the hit is the longest one whose window is whole in every group, 10 blocks.
+        # Phase 1: R's sliding-window group lost block 10 (in the window of an 11-block
+        # hit): the hit is the longest one whose window is whole in every group, 10 blocks.
         with lab.client(ns) as c:
-            assert c.delete([sw.keys(plain)[10]]) == 1
+            assert c.delete([sw.keys(plain["R"])[10]]) == 1
         before = out
         b.next()
         out = b.result()
         assert out["prompts"][0]["cached"] == 10 * BLOCK
-        assert out["prompts"][0]["tokens"] == ref_p
+        assert out["prompts"][0]["tokens"] == ref_r
         assert _count(out, "loaded_blocks") - _count(before, "loaded_blocks") == \
             10 + _window_blocks(10)
 
-        # Phase 2: a full-attention block scribbled over fails its checksum at load time:
-        # vLLM takes no failed block ids from a hybrid model, so the connector fails the
-        # request's load as a whole and vLLM computes it again; the answer is the same.
+        # Phase 2: a full-attention block of S scribbled over fails its checksum at load
+        # time: vLLM takes no failed block ids from a hybrid model, so the connector fails
+        # the request's load as a whole and vLLM computes it again; the answer is the same.
         with lab.client(ns) as c:
-            key = full.keys(plain)[3]
+            key = full.keys(plain["S"])[3]
             resp = c._call("Acquire", pb.AcquireRequest(keys=[key]))
             c._sync_maps(resp.segments_version, resp.slots)
             view = c._maps.view(resp.slots[0], resp.slots[0].length, writable=True)
@@ -210,7 +219,7 @@ def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
         before = out
         b.next()
         out = b.result()
-        assert out["prompts"][0]["tokens"] == ref_p
+        assert out["prompts"][0]["tokens"] == ref_s
         assert _count(out, "failures_corrupted") - _count(before, "failures_corrupted") == 1
         assert _count(out, "failed_blocks") > _count(before, "failed_blocks")
     finally:
