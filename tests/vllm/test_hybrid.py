@@ -41,6 +41,7 @@ from kvtier.hashing import block_keys  # noqa: E402
 from kvtier.vllm import (  # noqa: E402
     CacheGeometry,
     ConnectorConfig,
+    KVTierConnector,
     KVTierMetadata,
     LoadSpec,
     _Counters,
@@ -404,3 +405,22 @@ def test_mla_ranks_share_one_copy_that_one_rank_writes(
     for w in workers:
         w.close()
     assert daemon.check() == []
+
+
+def test_a_worker_that_refused_its_tensors_fails_the_loads_it_was_given(
+        daemon: DaemonProc) -> None:
+    """Should the worker refuse its tensors while the scheduler (which checks only the
+    spec) claims hits, the claimed blocks are recomputed, never left unloaded."""
+    full = FullAttentionSpec(block_size=SB, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["l0", "l1"], full)])
+    counters = _Counters()
+    cfg = ConnectorConfig.from_extra({"socket_dir": daemon.socket_dir})
+    conn = SimpleNamespace(_worker=_Worker(_vllm_config(), kv, cfg, counters, _Throttle()))  # type: ignore[arg-type]
+    KVTierConnector.register_kv_caches(conn, {"l0": torch.zeros(16, 2, SB, 64)})  # type: ignore[arg-type]
+    assert conn._worker is not None  # still there, with no groups
+    conn._worker.load(KVTierMetadata(loads=[LoadSpec("r", [b"a", b"b"], [3, 4])]))
+    assert conn._worker.load_errors() == {3, 4}
+    assert counters.take()["failed_blocks"] == 2
+    conn._worker.save(KVTierMetadata(save_keys=[b"c"], save_block_ids=[5]))  # a no-op
+    conn._worker.close()
