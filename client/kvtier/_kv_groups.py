@@ -227,6 +227,21 @@ def plan_groups(kv_cache_config: KVCacheConfig, tp_size: int = 1) -> list[GroupP
             for p in plans]
 
 
+def fails_whole(kv_cache_config: KVCacheConfig) -> bool:
+    """Whether a failed load must fail its request as a whole, not from its first bad block.
+
+    vLLM takes block-level load errors (``invalid_block_ids``) from models with one KV cache
+    group only, and then recomputes from the first bad block as full attention would; a
+    sliding-window group would recompute on a window whose blocks were never loaded (the
+    null block).  Such models report failed loads through ``failed_recving`` instead.
+    """
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    return len(groups) > 1 or any(isinstance(g.kv_cache_spec, SlidingWindowSpec)
+                                  for g in groups)
+
+
 #: ``present(plan, start, stop)``: how many of the plan's keys of blocks ``start..stop-1``
 #: kvtier holds, counted from ``start`` (every copy of the group: the least of them).
 Present = Callable[[GroupPlan, int, int], int]
@@ -289,6 +304,7 @@ __all__ = [
     "GroupPlan",
     "Present",
     "Unsupported",
+    "fails_whole",
     "geometry_of",
     "load_range",
     "longest_hit",

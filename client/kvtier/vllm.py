@@ -84,6 +84,7 @@ from kvtier._kv_groups import (
     CacheGeometry,
     GroupPlan,
     Unsupported,
+    fails_whole,
     geometry_of,
     load_range,
     longest_hit,
@@ -499,9 +500,10 @@ class _Scheduler:
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         self._plans = plan_groups(kv_cache_config, tp)
         self._block = self._plans[0].block_tokens
-        # vLLM takes block-level load failures from single-group models only: with several
-        # groups every load is an asynchronous receive, reported failed as a whole.
-        self._hybrid = len(kv_cache_config.kv_cache_groups) > 1
+        # vLLM takes block-level load failures from single-group models only, and recomputes
+        # from the first bad block as full attention would: with several groups, or a
+        # sliding window, every load is an asynchronous receive, failed as a whole.
+        self._fail_whole = fails_whole(kv_cache_config)
         self._windows = any(p.kind == SLIDING for p in self._plans)
         identity, digest = model_fingerprint(vllm_config, cfg.model_id)
         links: dict[str, _Link] = {}
@@ -619,7 +621,7 @@ class _Scheduler:
         st = self._reqs.get(request.request_id)
         if st is None:
             return False
-        if self._hybrid:
+        if self._fail_whole:
             st.background = True  # see __init__: the only way vLLM takes a failed load
         elif self._cfg.load_mode == "auto":
             first = st.local_tokens // self._block
@@ -807,8 +809,8 @@ class _Worker:
         self._link: _Link | None = None  # the first group's (one-group models: the only one)
         self._cache: list[Any] = []
         self._layout: PagedKVLayout | None = None
-        #: Several groups: a failed load fails its request (vLLM takes no block ids then).
-        self._hybrid = len(kv_cache_config.kv_cache_groups) > 1
+        #: Several groups or a window: a failed load fails its request (see _Scheduler).
+        self._fail_whole = fails_whole(kv_cache_config)
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._saver: ThreadPoolExecutor | None = None
@@ -884,7 +886,7 @@ class _Worker:
             first = specs[0]
             background = first.background if first.background is not None else \
                 self._loader is not None
-            if not background and not self._hybrid:
+            if not background and not self._fail_whole:
                 self._load_errors.update(self._load_specs(specs))
                 continue
             if self._loader is None:  # vLLM waits for get_finished to name it: load it now
@@ -907,7 +909,7 @@ class _Worker:
         done = {r for r, fut in self._loading.items() if fut.done()}
         for req_id in done:
             failed = self._loading.pop(req_id).result()
-            if self._hybrid:
+            if self._fail_whole:
                 if failed:
                     self._failed_reqs.add(req_id)
             else:

@@ -232,6 +232,41 @@ def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
 
 
 @pytest.mark.timeout(900)
+def test_a_sliding_window_model_loads_only_the_window_and_survives_a_bad_block(
+        lab: Lab) -> None:
+    """Every layer sliding-window (Mistral-style): one group, so the plain keys; a hit
+    loads the 2 blocks of the window, not 11; a bad block fails the load as a whole (vLLM
+    would recompute from the bad block on a window it never had: the null block)."""
+    model = str(tinyhybrid.build(os.path.join(lab.base, "mistral"), "mistral-sw",
+                                 window=WINDOW))
+    ref = lab.run("msw-ref", model, [P, R], connector=False)
+    ref_p, ref_r = (r["tokens"] for r in ref["prompts"])
+    a = lab.run("msw-a", model, [P, R])
+    assert [p["tokens"] for p in a["prompts"]] == [ref_p, ref_r]
+    assert _count(a, "saved_blocks") == 2 * (len(P) // BLOCK)  # every block, as before
+    (ns,) = lab.namespaces("/L4-p128-h2-d32-float32")
+    with lab.client(ns) as c:
+        assert c.lookup(block_keys(P, BLOCK, SALT)) == len(P) // BLOCK  # plain keys
+        # Scribble over R's block 10, in the window of R's 11-block hit.
+        key = block_keys(R, BLOCK, SALT)[10]
+        resp = c._call("Acquire", pb.AcquireRequest(keys=[key]))
+        c._sync_maps(resp.segments_version, resp.slots)
+        view = c._maps.view(resp.slots[0], resp.slots[0].length, writable=True)
+        view[100] ^= 0xFF
+        del view
+        c._call("Release", pb.ReleaseRequest(lease_id=resp.lease_id))
+    out = lab.run("msw-b", model, [P, R])
+    p, r = out["prompts"]
+    assert p["cached"] == FULL * BLOCK and p["tokens"] == ref_p
+    assert r["tokens"] == ref_r
+    assert _count(out, "failures_corrupted") == 1
+    # P: the window's 2 blocks.  R: block 9 loaded, 10 failed, then (looked up again) the
+    # window of a 10-block hit, blocks 8 and 9.
+    assert _count(out, "loaded_blocks") == _window_blocks(FULL) + 1 + _window_blocks(10)
+    assert lab.daemon is not None and lab.daemon.check() == []
+
+
+@pytest.mark.timeout(900)
 def test_mla_latent_is_saved_once_and_loaded_by_a_fresh_engine(lab: Lab) -> None:
     model = str(tinyhybrid.build(os.path.join(lab.base, "dsv2"), "deepseek-v2"))
     prompt = P[:900]
