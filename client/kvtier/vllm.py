@@ -38,7 +38,10 @@ A kvtier block is one vLLM block of every layer (the pages of all layers of one 
 layer-major), copied byte for byte: the block interior stays the attention backend's own
 (vLLM's CPU backend keeps K transposed inside a block), which is why the namespace names
 the device type, the attention backend and vLLM's minor version besides the model and the
-geometry.  Each tensor-parallel rank stores its own shard in its own namespace.
+geometry.  Each tensor-parallel rank stores its own shard in its own namespace (a latent
+every rank holds alike, MLA's, is stored once).  Hybrid models (several KV cache groups:
+sliding window + full attention) keep vLLM's hybrid allocator: each group's blocks have
+keys of their own, and a sliding-window group loads only its window (:mod:`kvtier._kv_groups`).
 
 ``kv_connector_extra_config`` keys (all optional): see :class:`ConnectorConfig`.
 """

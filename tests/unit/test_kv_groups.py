@@ -254,3 +254,12 @@ def test_sharded_heads_keep_a_namespace_per_rank_and_replicated_heads_share() ->
     assert names == ["tp0-1of4", "tp0-1of4", "tp2-3of4", "tp2-3of4"]
     with pytest.raises(Unsupported, match="do not split into groups of 2 replicas"):
         plan_groups(_config(_full(max_tp_shards=3)), tp_size=6 + 1)
+
+
+def test_loads_fail_whole_with_several_groups_or_a_window() -> None:
+    from kvtier._kv_groups import fails_whole
+
+    assert not fails_whole(_config(_full()))  # vLLM takes block ids and recomputes from there
+    assert not fails_whole(_config(_mla()))
+    assert fails_whole(_config(_sliding(64)))  # a window vLLM would recompute on, unloaded
+    assert fails_whole(_config(_full(), _full()))  # vLLM takes no block ids from these
