@@ -694,6 +694,11 @@ class _Scheduler:
             if req_id in cached.resumed_req_ids and new_ids is not None:
                 st.block_ids = [list(ids) for ids in new_ids]
             elif new_ids is not None:
+                if len(st.block_ids) != len(new_ids):
+                    # Never seen scheduled as new: positions unknown, so saving could put a
+                    # block under another block's key.  Stop saving this request.
+                    st.refused = st.refused or "block ids out of step"
+                    continue
                 for mine, ids in zip(st.block_ids, new_ids, strict=True):
                     mine.extend(ids)
             self._add_saves(meta, st, cached.num_computed_tokens[i]
