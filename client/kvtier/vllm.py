@@ -730,8 +730,8 @@ class _Scheduler:
         st.stored = full
 
     def connector_output(self, output: KVConnectorOutput) -> None:
-        # A request whose load failed as a whole (several groups) is recomputed from vLLM's
-        # own prefix cache: look it up again, and save what it recomputes.
+        # A request whose load failed as a whole (several groups, or a window) is recomputed
+        # from vLLM's own prefix cache: look it up again, and save what it recomputes.
         for req_id in getattr(output, "failed_recving", None) or ():
             st = self._reqs.get(req_id)
             if st is not None:
