@@ -120,7 +120,8 @@ def server_args(args: argparse.Namespace) -> dict[str, Any]:
     max_len = max(args.sizes) + max(TAILS) + args.answer + BLOCK
     return {"max_model_len": max_len, "dtype": args.dtype,
             "extra_args": ["--max-num-batched-tokens", str(max_len)],
-            "env": {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib)}}
+            "env": {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib),
+                    **json.loads(args.server_env)}}
 
 
 def ttft_rounds(args: argparse.Namespace, prompts: Prompts, colocated: VllmServer,
@@ -350,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-mode", default="auto", help="the cross-host consumer's load_mode")
     p.add_argument("--consumer-config", default="{}",
                    help="more kv_connector_extra_config of the cross-host consumer (JSON)")
+    p.add_argument("--server-env", default="{}",
+                   help="more environment of every vLLM server (JSON)")
     p.add_argument("--seed", type=int, default=27)
     p.add_argument("--check-answers", action="store_true",
                    help="also compare every P/D answer with the colocated server's")

@@ -472,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main([])
     if args.cmd == "config":
         return check_config(args.check, as_json=args.json)
+    if args.cmd == "pd-proxy":  # `kvtier --socket DIR pd-proxy`: the proxy needs no daemon
+        from kvtier.pd_proxy import main as proxy_main
+
+        return proxy_main([])
     try:
         if args.cmd == "health":
             status = health(args.socket)

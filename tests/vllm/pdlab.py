@@ -89,15 +89,17 @@ def call(url: str, body: Any = None, *, ns: str | None = None, timeout: float = 
     return in_netns(ns, go)
 
 
-def stream(url: str, body: dict[str, Any], *, ns: str | None = None, timeout: float = 120
-           ) -> dict[str, Any]:
-    """One streaming request: the events (JSON), when each arrived, the content type."""
+def stream(url: str, body: dict[str, Any], *, ns: str | None = None, timeout: float = 120,
+           on_first: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """One streaming request: the events (JSON), when each arrived, the content type;
+    ``on_first()`` runs when the first event has arrived (its result: ``at_first``)."""
     parts = urllib.parse.urlsplit(url)
 
     def go() -> dict[str, Any]:
         conn = http.client.HTTPConnection(parts.netloc, timeout=timeout)
         events: list[Any] = []
         times: list[float] = []
+        at_first = None
         try:
             t0 = time.perf_counter()
             conn.request("POST", parts.path, body=json.dumps(body).encode(),
@@ -118,10 +120,12 @@ def stream(url: str, body: dict[str, Any], *, ns: str | None = None, timeout: fl
                     done = True
                     break
                 events.append(json.loads(payload))
+                if on_first is not None and len(events) == 1:
+                    at_first = on_first()
         finally:
             conn.close()
         return {"status": resp.status, "content_type": ctype, "events": events,
-                "times": times, "done": done}
+                "times": times, "done": done, "at_first": at_first}
 
     return in_netns(ns, go)
 
