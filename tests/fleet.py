@@ -40,6 +40,11 @@ class Fleet:
 
     def __init__(self, base: str, *, netns: bool = True) -> None:
         self.base = base
+        # The secret first: nothing made yet is left behind if its directory is missing.
+        self.secret_file = os.path.join(base, "cluster.secret")
+        fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, SECRET)
+        os.close(fd)
         tag = f"{os.getpid() % 100000}"
         self.ns_a, self.ns_b = f"kvtA{tag}", f"kvtB{tag}"
         octet = os.getpid() % 250 + 1
@@ -49,10 +54,6 @@ class Fleet:
             self.addr_a = self.addr_b = "127.0.0.1"
         self.rpc_port, self.http_port, self.metrics_port = (
             _free_port(), _free_port(), _free_port())
-        self.secret_file = os.path.join(base, "cluster.secret")
-        fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT, 0o600)
-        os.write(fd, SECRET)
-        os.close(fd)
         self.master: subprocess.Popen[bytes] | None = None
         self.a: DaemonProc | None = None
         self.b: DaemonProc | None = None

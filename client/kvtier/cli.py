@@ -368,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvtier.demo.run import main as demo_main
 
         return demo_main(argv[1:])
+    if argv[:1] == ["pd-proxy"]:  # the proxy parses its own options (kvtier pd-proxy --help)
+        from kvtier.pd_proxy import main as proxy_main
+
+        return proxy_main(argv[1:])
     # doctor and top parse their own options too; a --socket before the word passes on.
     for word in ("doctor", "top"):
         if word in argv:
@@ -440,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg.add_argument("--check", metavar="FILE", required=True,
                      help="the YAML file; KVTIER_* variables apply as they would to kvtierd")
     cfg.add_argument("--json", action="store_true", help="print the effective config as JSON")
+    sub.add_parser("pd-proxy", help="OpenAI proxy for disaggregated prefill/decode over vLLM "
+                   "servers (kvtier pd-proxy --help; needs kvtier[pd])")
     sub.add_parser("demo", help="TTFT demo: a JAX model reuses its prompt's KV through a private "
                    "kvtierd (kvtier demo --help; needs kvtier[demo])")
     args = p.parse_args(argv)
@@ -466,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main([])
     if args.cmd == "config":
         return check_config(args.check, as_json=args.json)
+    if args.cmd == "pd-proxy":  # `kvtier --socket DIR pd-proxy`: the proxy needs no daemon
+        from kvtier.pd_proxy import main as proxy_main
+
+        return proxy_main([])
     try:
         if args.cmd == "health":
             status = health(args.socket)

@@ -27,6 +27,11 @@ What it does, per request:
   background only when a block to load was below DRAM at the lookup).  ``wait_for_save``: every block of
   the step that became full is gathered from all layers into reserved slots and committed
   in one ``Reserve`` + ``Commit`` for the whole step (blocks already stored are skipped).
+* **Roles** (``kv_role``, for disaggregated prefill/decode): ``kv_both`` saves and loads;
+  ``kv_producer`` saves within the step (its HTTP answer leaves after its blocks are
+  committed) and announces them in ``kv_transfer_params``; ``kv_consumer`` loads and never
+  saves, waiting up to ``producer_wait`` for announced blocks still in flight
+  (:mod:`kvtier._vllm_roles`; ``kvtier pd-proxy`` in front, :mod:`kvtier.pd_proxy`).
 * **Failure is a recompute**: kvtierd down (at start or later), restarted, a block evicted
   between lookup and load, a checksum failure, a full cache: the request is served all the
   same.  Blocks that did not load are reported through ``get_block_ids_with_load_errors``
@@ -38,7 +43,10 @@ A kvtier block is one vLLM block of every layer (the pages of all layers of one 
 layer-major), copied byte for byte: the block interior stays the attention backend's own
 (vLLM's CPU backend keeps K transposed inside a block), which is why the namespace names
 the device type, the attention backend and vLLM's minor version besides the model and the
-geometry.  Each tensor-parallel rank stores its own shard in its own namespace.
+geometry.  Each tensor-parallel rank stores its own shard in its own namespace (a latent
+every rank holds alike, MLA's, is stored once).  Hybrid models (several KV cache groups:
+sliding window + full attention) keep vLLM's hybrid allocator: each group's blocks have
+keys of their own, and a sliding-window group loads only its window (:mod:`kvtier._kv_groups`).
 
 ``kv_connector_extra_config`` keys (all optional): see :class:`ConnectorConfig`.
 """
@@ -62,6 +70,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -75,6 +85,20 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier import errors
 from kvtier import torch as kt
 from kvtier._core import Tier
+from kvtier._kv_groups import (
+    FULL,
+    NULL_BLOCK_ID,
+    SLIDING,
+    CacheGeometry,
+    GroupPlan,
+    Unsupported,
+    fails_whole,
+    geometry_of,
+    load_range,
+    longest_hit,
+    plan_groups,
+)
+from kvtier._vllm_roles import Role, Waits, announced_blocks, producer_params
 from kvtier.client import Client
 from kvtier.hashing import block_keys
 from kvtier.paged import NamespaceArgs, PagedKVLayout
@@ -119,10 +143,6 @@ COUNTERS: Final = (
 )
 
 
-class Unsupported(RuntimeError):
-    """This engine's configuration cannot use the connector (it then stays off, logged)."""
-
-
 # ---------------------------------------------------------------- configuration
 @dataclasses.dataclass(frozen=True, slots=True)
 class ConnectorConfig:
@@ -157,6 +177,9 @@ class ConnectorConfig:
     prefetch: bool = True
     #: What vLLM does with blocks that failed to load: ``recompute`` them, or ``fail`` the request.
     load_failure_policy: str = "recompute"
+    #: ``kv_consumer``: seconds a request waits for blocks its producer announced (in
+    #: ``kv_transfer_params``) that kvtierd does not show yet, before recomputing them.
+    producer_wait: float = 5.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -207,44 +230,6 @@ def _as_bool(name: str, value: Any) -> bool:
 
 
 # ---------------------------------------------------------------- keys, salts, namespaces
-@dataclasses.dataclass(frozen=True, slots=True)
-class CacheGeometry:
-    """What one vLLM block of every layer is, from the engine's KV cache spec."""
-
-    num_layers: int
-    block_tokens: int
-    kv_heads: int
-    head_size: int
-    dtype: str
-    page_bytes: int  # one block of one layer
-
-    @property
-    def block_bytes(self) -> int:
-        return self.num_layers * self.page_bytes
-
-    def describe(self) -> str:
-        return (f"L{self.num_layers}-p{self.block_tokens}-h{self.kv_heads}-d{self.head_size}"
-                f"-{self.dtype}")
-
-
-def geometry_of(kv_cache_config: KVCacheConfig) -> CacheGeometry:
-    """The geometry of an engine's KV cache; Unsupported for hybrid or non-attention caches."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise Unsupported(f"the KV cache has {len(groups)} groups (a hybrid model); kvtier "
-                          "supports one full-attention group")
-    spec = groups[0].kv_cache_spec
-    missing = [a for a in ("block_size", "num_kv_heads", "head_size", "dtype", "page_size_bytes")
-               if not hasattr(spec, a)]
-    if missing:
-        raise Unsupported(f"the KV cache spec {type(spec).__name__} has no {', '.join(missing)}")
-    attrs = {a: getattr(spec, a) for a in ("num_kv_heads", "head_size", "dtype")}
-    return CacheGeometry(num_layers=len(groups[0].layer_names), block_tokens=int(spec.block_size),
-                         kv_heads=int(attrs["num_kv_heads"]), head_size=int(attrs["head_size"]),
-                         dtype=str(attrs["dtype"]).removeprefix("torch."),
-                         page_bytes=int(spec.page_size_bytes))
-
-
 def model_fingerprint(vllm_config: VllmConfig, model_id: str | None) -> tuple[str, str]:
     """(identity, digest): the model's name and a digest of everything that shapes its KV bytes.
 
@@ -276,11 +261,16 @@ def model_fingerprint(vllm_config: VllmConfig, model_id: str | None) -> tuple[st
 
 
 def namespace_args(prefix: str, identity: str, digest: str, geometry: CacheGeometry,
-                   tp_rank: int, tp_size: int) -> NamespaceArgs:
-    """``kvtier.Client`` keywords of tensor-parallel rank ``tp_rank``'s namespace."""
+                   tp_rank: int, tp_size: int, replicas: int = 1) -> NamespaceArgs:
+    """``kvtier.Client`` keywords of tensor-parallel rank ``tp_rank``'s namespace.
+
+    ``replicas`` > 1: the ranks ``tp_rank .. tp_rank + replicas - 1`` hold identical KV (an
+    MLA latent): one namespace for all of them (``tp0-3of4``), with no single rank in it.
+    """
     base = identity.rsplit("@", 1)[0].rstrip("/").rsplit("/", 1)[-1]
     short = re.sub(r"[^A-Za-z0-9._-]", "-", base)[:40] or "model"
-    name = f"{prefix}/{short}-{digest}/tp{tp_rank}of{tp_size}/{geometry.describe()}"
+    ranks = f"{tp_rank}-{tp_rank + replicas - 1}" if replicas > 1 else f"{tp_rank}"
+    name = f"{prefix}/{short}-{digest}/tp{ranks}of{tp_size}/{geometry.describe()}"
     uid = f"{identity[:200]}#{digest}"
     return NamespaceArgs(namespace=name[:128], block_bytes=geometry.block_bytes, model_uid=uid)
 
@@ -466,6 +456,8 @@ class LoadSpec:
     #: Load in the background (vLLM was told the load is asynchronous); None: as the
     #: worker's ``load_mode`` says.
     background: bool | None = None
+    #: The KV cache group the blocks belong to (vLLM's group index).
+    group: int = 0
 
 
 @dataclasses.dataclass
@@ -475,6 +467,8 @@ class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     save_keys: list[bytes] = dataclasses.field(default_factory=list)
     save_block_ids: list[int] = dataclasses.field(default_factory=list)
+    #: The KV cache group of each block to save (empty: every one is group 0's).
+    save_groups: list[int] = dataclasses.field(default_factory=list)
     #: Every vLLM block handed to a request in this step (the only ones it may write).
     new_block_ids: list[int] = dataclasses.field(default_factory=list)
 
@@ -487,11 +481,15 @@ class _Request:
     salt: bytes
     refused: str | None
     prompt_keys: list[bytes]
-    block_ids: list[int] = dataclasses.field(default_factory=list)
+    #: The request's vLLM blocks, per KV cache group.
+    block_ids: list[list[int]] = dataclasses.field(default_factory=list)
     stored: int = 0  # leading blocks kvtier holds (found or saved)
     hits: int | None = None  # claimable blocks found by the last lookup (None: not looked up)
+    hits_local: int = 0  # vLLM's own blocks that lookup counted on
+    group_keys: dict[int, list[bytes]] = dataclasses.field(default_factory=dict)
     tiers: list[Tier] = dataclasses.field(default_factory=list)
     local_tokens: int = 0  # tokens vLLM's own prefix cache had at the lookup
+    lookup_failed: bool = False  # the last lookup did not reach kvtierd (on some rank)
     background: bool = False  # vLLM was told this request's load is asynchronous
 
     def keys_upto(self, blocks: int, block_tokens: int) -> list[bytes]:
@@ -500,21 +498,47 @@ class _Request:
         tokens = self.request.all_token_ids[: blocks * block_tokens]
         return block_keys(list(tokens), block_tokens, self.salt)
 
+    def prompt_keys_of(self, plan: GroupPlan) -> list[bytes]:
+        """The prompt's keys in group ``plan`` (derived once per request)."""
+        keys = self.group_keys.get(plan.index)
+        if keys is None:
+            keys = self.group_keys[plan.index] = plan.keys(self.prompt_keys)
+        return keys
+
 
 class _Scheduler:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  cfg: ConnectorConfig, counters: _Counters, throttle: _Throttle) -> None:
         self._cfg, self._counters, self._throttle = cfg, counters, throttle
-        geometry = geometry_of(kv_cache_config)
-        self._block = geometry.block_tokens
-        identity, digest = model_fingerprint(vllm_config, cfg.model_id)
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
-        self._links = [_Link(cfg, namespace_args(cfg.namespace_prefix, identity, digest,
-                                                 geometry, r, tp), counters, throttle)
-                       for r in range(tp)]
-        self._pool = ThreadPoolExecutor(tp, thread_name_prefix="kvtier-lookup") if tp > 1 else None
+        self._plans = plan_groups(kv_cache_config, tp)
+        self._block = self._plans[0].block_tokens
+        # vLLM takes block-level load failures from single-group models only, and recomputes
+        # from the first bad block as full attention would: with several groups, or a
+        # sliding window, every load is an asynchronous receive, failed as a whole.
+        self._fail_whole = fails_whole(kv_cache_config)
+        self._windows = any(p.kind == SLIDING for p in self._plans)
+        identity, digest = model_fingerprint(vllm_config, cfg.model_id)
+        links: dict[str, _Link] = {}
+        #: Per plan, one link per copy of the group (per rank; one for a replicated latent).
+        self._plan_links: list[list[_Link]] = []
+        for plan in self._plans:
+            mine = []
+            for shard in range(0, tp, plan.replicas):
+                args = namespace_args(cfg.namespace_prefix, identity, digest, plan.geometry,
+                                      shard, tp, plan.replicas)
+                link = links.get(args["namespace"])
+                if link is None:
+                    link = links[args["namespace"]] = _Link(cfg, args, counters, throttle)
+                mine.append(link)
+            self._plan_links.append(mine)
+        self._links = list(links.values())
+        copies = max(len(links) for links in self._plan_links)
+        self._pool = ThreadPoolExecutor(copies, thread_name_prefix="kvtier-lookup") \
+            if copies > 1 else None
         self._reqs: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []
+        self._lookup_failed = False  # the lookup in progress did not reach some copy
         for link in self._links:
             link.client()  # connect now, not in the first request's lookup
 
@@ -533,10 +557,11 @@ class _Scheduler:
                              why)
         return st
 
-    def _lookup_one(self, link: _Link, keys: list[bytes]) -> list[Tier]:
+    def _lookup_one(self, link: _Link, keys: list[bytes]) -> list[Tier] | None:
+        """The tiers of the leading present keys; None when kvtierd could not be asked."""
         client = link.client()
         if client is None:
-            return []
+            return None
         try:
             return client.lookup_tiers(keys, prefetch=self._cfg.prefetch)
         except Exception as exc:  # noqa: BLE001 (a cache lookup never takes the engine down)
@@ -544,7 +569,48 @@ class _Scheduler:
             self._counters.add(f"failures_{kind}")
             self._throttle.warn(f"lookup-{kind}", "lookup in %s failed (%s: %s); the prompt is "
                                 "computed", link.args["namespace"], type(exc).__name__, exc)
+            return None
+
+    def _held(self, plan_at: int, keys: list[bytes]) -> list[Tier]:
+        """The tiers of the leading ``keys`` every copy of group ``plan_at`` holds."""
+        if not keys:
             return []
+        links = self._plan_links[plan_at]
+        if self._pool is None or len(links) == 1:
+            answers = [self._lookup_one(link, keys) for link in links]
+        else:
+            answers = list(self._pool.map(lambda link: self._lookup_one(link, keys), links))
+        if any(a is None for a in answers):
+            self._lookup_failed = True  # (kvtierd unreachable for some copy: a P/D consumer
+            # does not wait for its producer's blocks then)
+        return min((a or [] for a in answers), key=len)
+
+    def _lookup(self, st: _Request, local: int, usable: int) -> int:
+        """The request's hit in blocks (``local`` when kvtier adds none); sets what kvtier
+        holds (``stored``) and the tiers of the hit."""
+        at = {p.index: i for i, p in enumerate(self._plans)}
+        self._lookup_failed = False
+        full_hits: list[int] = []
+        tiers: list[Tier] | None = None
+        for i, plan in enumerate(self._plans):
+            if plan.kind == FULL:
+                # Every full block, the one holding the last token too: it is never claimed,
+                # but if kvtier has it the step that recomputes it need not offer it again.
+                held = self._held(i, st.prompt_keys_of(plan))
+                full_hits.append(len(held))
+                tiers = held if tiers is None else tiers
+
+        def present(plan: GroupPlan, start: int, stop: int) -> int:
+            return len(self._held(at[plan.index], st.prompt_keys_of(plan)[start:stop]))
+
+        hit = longest_hit(self._plans, present, local, usable, full_hits)
+        if self._windows:
+            st.stored = max(st.stored, hit)
+        else:
+            st.stored = max(st.stored, min(full_hits))
+        st.tiers = (tiers or [])[:hit]
+        st.lookup_failed = self._lookup_failed
+        return hit
 
     def matched(self, request: Request, num_computed_tokens: int) -> int:
         st = self._state(request)
@@ -552,26 +618,20 @@ class _Scheduler:
             return 0
         prompt = len(request.prompt_token_ids or ())
         usable = max(0, prompt - 1) // self._block
+        local = num_computed_tokens // self._block
         # Blocks vLLM's own prefix cache supplies were saved when this engine computed them,
         # or were loaded from kvtier: saving them again would cost a Reserve for nothing.
-        st.stored = max(st.stored, num_computed_tokens // self._block)
+        st.stored = max(st.stored, local)
         if usable * self._block <= num_computed_tokens:
             return 0  # vLLM already has every block kvtier could give
-        if st.hits is None:
-            # Every full block, the one holding the last token too: it is never claimed, but
-            # if kvtier has it the step that recomputes it need not offer it again.
-            keys = st.prompt_keys
+        # A full-attention hit is a prefix, whatever vLLM has; a window is looked up beyond
+        # vLLM's own blocks only, so it depends on them.
+        base = local if self._windows else 0
+        if st.hits is None or st.hits_local != base:
             self._counters.add("lookups")
             t0 = time.perf_counter()
-            if self._pool is None:
-                per_rank = [self._lookup_one(self._links[0], keys)]
-            else:
-                per_rank = list(self._pool.map(lambda link: self._lookup_one(link, keys),
-                                               self._links))
+            st.hits, st.hits_local = self._lookup(st, base, usable), base
             self._counters.add("lookup_seconds", time.perf_counter() - t0)
-            st.hits = claimable_blocks([len(t) for t in per_rank], prompt, self._block)
-            st.tiers = per_rank[0][: st.hits]
-            st.stored = max(st.stored, min(len(t) for t in per_rank))
         st.local_tokens = num_computed_tokens
         return max(0, st.hits * self._block - num_computed_tokens)
 
@@ -581,7 +641,9 @@ class _Scheduler:
         st = self._reqs.get(request.request_id)
         if st is None:
             return False
-        if self._cfg.load_mode == "auto":
+        if self._fail_whole:
+            st.background = True  # see __init__: the only way vLLM takes a failed load
+        elif self._cfg.load_mode == "auto":
             first = st.local_tokens // self._block
             st.background = any(t != Tier.DRAM for t in st.tiers[first:])
         else:
@@ -608,28 +670,36 @@ class _Scheduler:
         hits, st.hits = st.hits, None  # a later scheduling attempt looks up afresh
         if num_external <= 0 or not hits:
             return
-        ids = list(blocks.get_block_ids()[0])
-        start = st.local_tokens // self._block
-        stop = min(start + math.ceil(num_external / self._block), hits, len(ids))
-        if stop > start:
-            self._loads.append(LoadSpec(request.request_id, st.prompt_keys[start:stop],
-                                        ids[start:stop], st.background))
+        all_ids = blocks.get_block_ids()
+        local = st.local_tokens // self._block
+        hit = min(local + math.ceil(num_external / self._block), hits)
+        loads = []
+        for plan in self._plans:
+            ids = all_ids[plan.index]
+            # A sliding-window group loads only the blocks of the window before the hit.
+            start, stop = load_range(plan, local, min(hit, len(ids)))
+            if stop > start:
+                loads.append(LoadSpec(request.request_id, st.prompt_keys_of(plan)[start:stop],
+                                      list(ids[start:stop]), st.background, plan.index))
+        if loads:
+            self._loads.extend(loads)
             self._counters.add("hit_tokens", num_external)
 
     def build_meta(self, out: SchedulerOutput) -> KVTierMetadata:
         meta = KVTierMetadata(loads=self._loads)
         self._loads = []
         for new in out.scheduled_new_reqs:
-            meta.new_block_ids.extend(new.block_ids[0] if new.block_ids else ())
+            for ids in new.block_ids or ():
+                meta.new_block_ids.extend(ids)
         for new_ids in out.scheduled_cached_reqs.new_block_ids:
-            if new_ids is not None:
-                meta.new_block_ids.extend(new_ids[0])
+            for ids in new_ids or ():
+                meta.new_block_ids.extend(ids)
         if not self._cfg.save:
             return meta
         for new in out.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
-                st.block_ids = list(new.block_ids[0])
+                st.block_ids = [list(ids) for ids in new.block_ids]
                 self._add_saves(meta, st, new.num_computed_tokens
                                 + out.num_scheduled_tokens.get(new.req_id, 0))
         cached = out.scheduled_cached_reqs
@@ -639,9 +709,15 @@ class _Scheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and new_ids is not None:
-                st.block_ids = list(new_ids[0])
+                st.block_ids = [list(ids) for ids in new_ids]
             elif new_ids is not None:
-                st.block_ids.extend(new_ids[0])
+                if len(st.block_ids) != len(new_ids):
+                    # Never seen scheduled as new: positions unknown, so saving could put a
+                    # block under another block's key.  Stop saving this request.
+                    st.refused = st.refused or "block ids out of step"
+                    continue
+                for mine, ids in zip(st.block_ids, new_ids, strict=True):
+                    mine.extend(ids)
             self._add_saves(meta, st, cached.num_computed_tokens[i]
                             + out.num_scheduled_tokens.get(req_id, 0))
         return meta
@@ -652,26 +728,60 @@ class _Scheduler:
         # Tokens whose KV exists after this step: scheduled draft tokens are not among
         # all_token_ids, so they never are.
         tokens = min(tokens_after_step, len(st.request.all_token_ids))
-        full = min(tokens // self._block, len(st.block_ids))
+        if not st.block_ids:
+            return
+        full = min([tokens // self._block, *(len(st.block_ids[p.index]) for p in self._plans)])
         if full <= st.stored:
             return
-        keys = st.keys_upto(full, self._block)
-        meta.save_keys.extend(keys[st.stored: full])
-        meta.save_block_ids.extend(st.block_ids[st.stored: full])
+        base = st.keys_upto(full, self._block)[st.stored: full]
+        for plan in self._plans:
+            ids = st.block_ids[plan.index][st.stored: full]
+            for key, block in zip(plan.keys(base), ids, strict=True):
+                # Every block of a sliding-window group is saved (each block boundary can be
+                # a later hit, whose window it is); one vLLM already dropped is not there.
+                if plan.kind == SLIDING and block == NULL_BLOCK_ID:
+                    continue
+                meta.save_keys.append(key)
+                meta.save_block_ids.append(block)
+                meta.save_groups.append(plan.index)
         st.stored = full
 
     def connector_output(self, output: KVConnectorOutput) -> None:
+        # A request whose load failed as a whole (several groups, or a window) is recomputed
+        # from vLLM's own prefix cache: look it up again, and save what it recomputes.
+        for req_id in getattr(output, "failed_recving", None) or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.stored, st.hits = 0, None
         bad = getattr(output, "invalid_block_ids", None)
         if not bad:
             return
         for st in self._reqs.values():  # blocks that failed to load are recomputed: save them
-            for i, b in enumerate(st.block_ids[: st.stored]):
+            for i, b in enumerate(st.block_ids[0][: st.stored] if st.block_ids else ()):
                 if b in bad:
                     st.stored = i
                     break
 
-    def finished(self, request: Request) -> None:
-        self._reqs.pop(request.request_id, None)
+    def hold(self, request: Request, waits: Waits) -> bool:
+        """Whether a consumer's request waits for blocks its producer announced
+        (``kv_transfer_params``) that the lookup did not find yet; the next attempt
+        looks up afresh."""
+        st = self._reqs.get(request.request_id)
+        if st is None or st.refused or st.hits is None or st.lookup_failed:
+            return False  # (kvtierd unreachable: waiting would only delay the recompute)
+        usable = max(0, len(request.prompt_token_ids or ()) - 1) // self._block
+        wanted = min(announced_blocks(getattr(request, "kv_transfer_params", None)), usable)
+        if not waits.hold(request.request_id, st.hits, wanted):
+            return False
+        st.hits = None
+        return True
+
+    def finished(self, request: Request) -> int:
+        """Forget a request; returns the leading prompt blocks kvtier holds for it."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return 0
+        return min(st.stored, len(request.prompt_token_ids or ()) // self._block)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -719,15 +829,33 @@ def page_views(tensors: Sequence[torch.Tensor], num_blocks: int
     return cache, layout
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _GroupIO:
+    """Where one KV cache group's blocks go: its namespace, its layers' block views."""
+
+    plan: GroupPlan
+    link: _Link
+    cache: list[Any]
+    layout: PagedKVLayout
+    writes: bool  # this rank stores the group (one rank per copy of a replicated latent)
+
+
 class _Worker:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  cfg: ConnectorConfig, counters: _Counters, throttle: _Throttle) -> None:
         self._vllm_config, self._kv_cache_config = vllm_config, kv_cache_config
         self._cfg, self._counters, self._throttle = cfg, counters, throttle
-        self._link: _Link | None = None
+        #: Per KV cache group (vLLM's index); empty until register() (or when it failed:
+        #: every load then fails, so vLLM recomputes what the scheduler claimed).
+        self._groups: dict[int, _GroupIO] = {}
+        self._links: list[_Link] = []
+        self._link: _Link | None = None  # the first group's (one-group models: the only one)
         self._cache: list[Any] = []
         self._layout: PagedKVLayout | None = None
+        #: Several groups or a window: a failed load fails its request (see _Scheduler).
+        self._fail_whole = fails_whole(kv_cache_config)
         self._load_errors: set[int] = set()
+        self._failed_reqs: set[str] = set()
         self._saver: ThreadPoolExecutor | None = None
         #: Background saves in submission order, with the vLLM blocks each one reads.
         self._pending: list[tuple[Future[None], frozenset[int]]] = []
@@ -739,33 +867,48 @@ class _Worker:
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        geometry = geometry_of(self._kv_cache_config)
-        order = self._kv_cache_config.kv_cache_groups[0].layer_names
-        missing = [n for n in order if n not in kv_caches]
-        if missing:
-            raise Unsupported(f"layers {missing[:3]} have no KV cache tensor")
-        cache, layout = page_views([kv_caches[n] for n in order],
-                                   int(self._kv_cache_config.num_blocks))
-        if layout.block_bytes != geometry.block_bytes:
-            raise Unsupported(f"a block of the KV cache tensors is {layout.block_bytes} bytes, "
-                              f"the KV cache spec says {geometry.block_bytes}")
-        identity, digest = model_fingerprint(self._vllm_config, self._cfg.model_id)
         tp = int(self._vllm_config.parallel_config.tensor_parallel_size)
         rank = int(get_tensor_model_parallel_rank()) if tp > 1 else 0
-        self._cache, self._layout = cache, layout
+        plans = plan_groups(self._kv_cache_config, tp)
+        identity, digest = model_fingerprint(self._vllm_config, self._cfg.model_id)
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        links: dict[str, _Link] = {}
+        groups: dict[int, _GroupIO] = {}
+        for plan in plans:
+            missing = [n for n in plan.layer_names if n not in kv_caches]
+            if missing:
+                raise Unsupported(f"layers {missing[:3]} have no KV cache tensor")
+            cache, layout = page_views([kv_caches[n] for n in plan.layer_names], num_blocks)
+            if layout.block_bytes != plan.geometry.block_bytes:
+                raise Unsupported(f"a block of the KV cache tensors of group {plan.index} is "
+                                  f"{layout.block_bytes} bytes, the KV cache spec says "
+                                  f"{plan.geometry.block_bytes}")
+            args = namespace_args(self._cfg.namespace_prefix, identity, digest, plan.geometry,
+                                  plan.shard(rank), tp, plan.replicas)
+            link = links.get(args["namespace"])
+            if link is None:
+                link = links[args["namespace"]] = _Link(self._cfg, args, self._counters,
+                                                        self._throttle)
+            groups[plan.index] = _GroupIO(plan, link, cache, layout, plan.writes(rank))
+        first = groups[plans[0].index]
         on_cpu = all(t.device.type == "cpu" for t in kv_caches.values())
         if on_cpu:
-            logger.info("kvtier: CPU KV cache of %d blocks, %s", self._kv_cache_config.num_blocks,
-                        "native block copies" if kt.native_copies(cache, layout) else
-                        "per-page torch copies (a page is not contiguous)")
+            logger.info("kvtier: CPU KV cache of %d blocks, %s", num_blocks,
+                        "native block copies" if kt.native_copies(first.cache, first.layout)
+                        else "per-page torch copies (a page is not contiguous)")
+        if len(plans) > 1 or first.plan.replicas > 1:
+            logger.info("kvtier: KV cache groups %s", ", ".join(
+                f"{g.plan.describe()} -> {g.link.args['namespace']}"
+                f"{'' if g.writes else ' (read only: another rank stores it)'}"
+                for g in groups.values()))
         if self._cfg.async_save and on_cpu:
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
         if self._cfg.load_mode in ("async", "auto"):
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
-        self._link = _Link(self._cfg, namespace_args(self._cfg.namespace_prefix, identity, digest,
-                                                     geometry, rank, tp),
-                           self._counters, self._throttle)
-        self._link.client()  # connect now; says so in the log if kvtierd is not there
+        self._groups, self._links = groups, list(links.values())
+        self._link, self._cache, self._layout = first.link, first.cache, first.layout
+        for link in self._links:
+            link.client()  # connect now; says so in the log if kvtierd is not there
 
     def _failed(self, what: str, exc: BaseException, namespace: str) -> None:
         kind = _failure_kind(exc)
@@ -779,52 +922,72 @@ class _Worker:
         """Copy the step's hits into their blocks: now, or in the background (async)."""
         if not meta.loads:
             return
-        for spec in meta.loads:
-            background = spec.background if spec.background is not None else \
+        by_req: dict[str, list[LoadSpec]] = {}
+        for spec in meta.loads:  # one spec per request and KV cache group
+            by_req.setdefault(spec.req_id, []).append(spec)
+        for req_id, specs in by_req.items():
+            first = specs[0]
+            background = first.background if first.background is not None else \
                 self._loader is not None
-            if not background:
-                self._load_errors.update(self._load_spec(spec))
+            if not background and not self._fail_whole:
+                self._load_errors.update(self._load_specs(specs))
                 continue
             if self._loader is None:  # vLLM waits for get_finished to name it: load it now
                 fut: Future[list[int]] = Future()
-                fut.set_result(self._load_spec(spec))
-                self._loading[spec.req_id] = fut
+                fut.set_result(self._load_specs(specs))
+                self._loading[req_id] = fut
                 continue
             if not self._loaded_async:
                 self._loaded_async = True
                 logger.info("kvtier: loading in the background (load_mode %s); requests wait "
                             "for their blocks in WAITING_FOR_REMOTE_KVS", self._cfg.load_mode)
-            self._loading[spec.req_id] = self._loader.submit(self._load_spec, spec)
+            self._loading[req_id] = self._loader.submit(self._load_specs, specs)
 
     def finished_loads(self) -> set[str]:
-        """Requests whose background load ended; their failed blocks join :meth:`load_errors`.
+        """Requests whose background load ended; their failed blocks join :meth:`load_errors`
+        (several groups: the request joins :meth:`failed_loads`).
 
         vLLM asks for load errors right after this, in the same step, as it requires.
         """
         done = {r for r, fut in self._loading.items() if fut.done()}
         for req_id in done:
-            self._load_errors.update(self._loading.pop(req_id).result())
+            failed = self._loading.pop(req_id).result()
+            if self._fail_whole:
+                if failed:
+                    self._failed_reqs.add(req_id)
+            else:
+                self._load_errors.update(failed)
         return done
 
-    def _load_spec(self, spec: LoadSpec) -> list[int]:
-        """Load one request's hits; returns the vLLM blocks that did not load."""
-        t0 = time.perf_counter()
-        client = self._link.client() if self._link is not None else None
-        if client is None:
-            self._counters.add("failures_unavailable")
-            n = 0
-        else:
-            n = self._load_one(client, spec)
-        self._counters.add("loaded_blocks", n)
-        self._counters.add("failed_blocks", len(spec.keys) - n)
-        self._counters.add("load_seconds", time.perf_counter() - t0)
-        return list(spec.block_ids[n:])
+    def failed_loads(self) -> set[str]:
+        """Requests :meth:`finished_loads` named whose load failed, in part or whole (models
+        with several KV cache groups: vLLM recomputes such a request)."""
+        out, self._failed_reqs = self._failed_reqs, set()
+        return out
 
-    def _load_one(self, client: Client, spec: LoadSpec) -> int:
-        ns = self._link.args["namespace"] if self._link else "?"
+    def _load_specs(self, specs: Sequence[LoadSpec]) -> list[int]:
+        """Load one request's hits (every group); returns the vLLM blocks that did not load."""
+        t0 = time.perf_counter()
+        failed: list[int] = []
+        for spec in specs:
+            io = self._groups.get(spec.group)
+            client = io.link.client() if io is not None else None
+            if io is None or client is None:
+                self._counters.add("failures_unavailable")
+                n = 0
+            else:
+                n = self._load_one(client, spec, io)
+            self._counters.add("loaded_blocks", n)
+            self._counters.add("failed_blocks", len(spec.keys) - n)
+            failed.extend(spec.block_ids[n:])
+        self._counters.add("load_seconds", time.perf_counter() - t0)
+        return failed
+
+    def _load_one(self, client: Client, spec: LoadSpec, io: _GroupIO) -> int:
+        ns = io.link.args["namespace"]
         for attempt in range(2):
             try:
-                n = kt.load(client, spec.keys, self._cache, spec.block_ids, layout=self._layout)
+                n = kt.load(client, spec.keys, io.cache, spec.block_ids, layout=io.layout)
             except errors.Corrupted as exc:
                 # The client dropped the bad block (it becomes a miss, counted by the daemon);
                 # the blocks before it are still good: load those once more.
@@ -854,40 +1017,50 @@ class _Worker:
         instead of delaying it.  Its source blocks stay valid until :meth:`settle`,
         which the connector calls at the start of the next step, before anything can
         free and overwrite them.  CUDA caches are saved at once (their copies are DMAs
-        ordered on the engine's stream).
+        ordered on the engine's stream).  A group whose copy another rank stores (an MLA
+        latent) is not saved by this one.
         """
-        if not meta.save_keys or self._link is None:
+        if not meta.save_keys or not self._groups:
             return
-        keys: list[bytes] = []
-        ids: list[int] = []
+        default = next(iter(self._groups))
+        groups = meta.save_groups or [default] * len(meta.save_keys)
+        batches: dict[int, tuple[list[bytes], list[int]]] = {}
         seen: set[bytes] = set()
-        for k, b in zip(meta.save_keys, meta.save_block_ids, strict=True):
-            if k not in seen:  # two requests of one step with the same prefix
-                seen.add(k)
-                keys.append(k)
-                ids.append(b)
+        for k, b, g in zip(meta.save_keys, meta.save_block_ids, groups, strict=True):
+            io = self._groups.get(g)
+            if io is None or not io.writes or k in seen:  # k seen: two requests, one prefix
+                continue
+            seen.add(k)
+            keys, ids = batches.setdefault(g, ([], []))
+            keys.append(k)
+            ids.append(b)
+        if not batches:
+            return
+        work = [(self._groups[g], keys, ids) for g, (keys, ids) in batches.items()]
         if self._saver is None:
-            self._save_now(keys, ids)
+            self._save_now(work)
             return
         if len(self._pending) >= _MAX_PENDING_SAVES:
             self.settle()
-        self._pending.append((self._saver.submit(self._save_now, keys, ids), frozenset(ids)))
+        blocks = frozenset(b for _, _, ids in work for b in ids)
+        self._pending.append((self._saver.submit(self._save_now, work), blocks))
 
-    def _save_now(self, keys: list[bytes], ids: list[int]) -> None:
-        assert self._link is not None
+    def _save_now(self, work: list[tuple[_GroupIO, list[bytes], list[int]]]) -> None:
         t0 = time.perf_counter()
-        client = self._link.client()
-        if client is None:
-            return
         try:
-            written = kt.save(client, self._cache, ids, keys, layout=self._layout)
-        except Exception as exc:  # noqa: BLE001 (a failed save is a later miss, not an outage)
-            self._failed("save", exc, self._link.args["namespace"])
-            return
+            for io, keys, ids in work:
+                client = io.link.client()
+                if client is None:
+                    continue
+                try:
+                    written = kt.save(client, io.cache, ids, keys, layout=io.layout)
+                except Exception as exc:  # noqa: BLE001 (a failed save is a later miss)
+                    self._failed("save", exc, io.link.args["namespace"])
+                    continue
+                self._counters.add("saved_blocks", written)
+                self._counters.add("skipped_blocks", len(keys) - written)
         finally:
             self._counters.add("save_seconds", time.perf_counter() - t0)
-        self._counters.add("saved_blocks", written)
-        self._counters.add("skipped_blocks", len(keys) - written)
 
     def settle(self, reused: Collection[int] | None = None) -> None:
         """Wait for the background saves that read a block of ``reused`` (None: all).
@@ -908,20 +1081,35 @@ class _Worker:
             self._saver.shutdown(wait=True)
         if self._loader is not None:
             self._loader.shutdown(wait=True)
-        if self._link is not None:
-            self._link.close()
+        for link in self._links:
+            link.close()
 
 
 # ---------------------------------------------------------------- the connector
-class KVTierConnector(KVConnectorBase_V1):
-    """vLLM's KV connector for kvtierd (``kv_connector: "KVTierConnector"``)."""
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's KV connector for kvtierd (``kv_connector: "KVTierConnector"``).
+
+    It supports vLLM's hybrid allocator (``SupportsHMA``): every KV cache group is stored
+    under keys of its own (:mod:`kvtier._kv_groups`), so hybrid models keep the allocator
+    (and its memory savings) with the connector on.
+    """
 
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        # kv_role (P/D): a consumer never saves, a producer saves within the step.
+        self._kv_role = Role.of(self._kv_transfer_config.kv_role, save=cfg.save,
+                                load=cfg.load_mode != "off", async_save=cfg.async_save)
+        self._cfg = dataclasses.replace(cfg, save=self._kv_role.save,
+                                        async_save=self._kv_role.async_save)
+        self._waits = Waits(cfg.producer_wait) if self._kv_role.consumer else None
+        if role == KVConnectorRole.SCHEDULER and self._kv_role.role != "kv_both":
+            logger.info("kvtier: %s: %s", self._kv_role.role,
+                        "loads, never saves" if self._kv_role.consumer else
+                        "saves within the step, announces its blocks in kv_transfer_params")
         if self._cfg.load_failure_policy == "recompute":
             # vLLM fails a request whose blocks did not load unless told otherwise; for a
             # cache a failed load is a miss.
@@ -951,8 +1139,9 @@ class KVTierConnector(KVConnectorBase_V1):
         try:
             self._worker.register(kv_caches)
         except Unsupported as exc:
+            # The worker stays, with no groups: should the scheduler claim a hit, its load
+            # fails and vLLM recomputes it, instead of running on blocks never loaded.
             logger.error("kvtier: the connector is off for this engine: %s", exc)
-            self._worker = None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # The first call of every step, before anything is written: a block freed since a
@@ -987,6 +1176,12 @@ class KVTierConnector(KVConnectorBase_V1):
             return None, None
         return None, self._worker.finished_loads() or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        out = super().get_transfer_results(finished_req_ids)
+        if self._worker is not None:
+            out.failed_recving = self._worker.failed_loads()
+        return out
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
 
@@ -1005,7 +1200,12 @@ class KVTierConnector(KVConnectorBase_V1):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._scheduler is None:
             return 0, False
+        waits = self._waits
+        if waits is not None and not waits.recheck(request.request_id):
+            return None, False  # held back, and looked up a moment ago
         n = self._scheduler.matched(request, num_computed_tokens)
+        if waits is not None and self._scheduler.hold(request, waits):
+            return None, False  # vLLM asks again next step
         return n, n > 0 and self._scheduler.load_async(request)
 
     def get_external_cache_hit_sources(self, request: Request,
@@ -1030,12 +1230,21 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._scheduler is not None:
-            self._scheduler.finished(request)
+        stored = self._scheduler.finished(request) if self._scheduler is not None else 0
+        if self._waits is not None:
+            self._waits.forget(request.request_id)
+        if self._kv_role.producer:  # committed already: a producer saves within the step
+            return False, producer_params(stored)
         # Saves are done by the end of each step: free the blocks now.  (A request aborted
         # while its background load runs keeps them until the worker reports the load
         # done: vLLM itself holds the blocks of requests in WAITING_FOR_REMOTE_KVS.)
         return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM calls this instead of request_finished once the connector supports HMA (for
+        # every model, hybrid or not); what a request's end means does not depend on groups.
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM connector tests need kvtier[vllm] (make install)")
 
 import torch  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
 import kvtier  # noqa: E402
 import kvtier.torch as kt  # noqa: E402
@@ -154,15 +155,19 @@ def test_each_rank_has_its_own_valid_namespace_with_the_same_block_bytes() -> No
     assert len(long["namespace"]) <= 128 and len(long["model_uid"].encode()) <= 256
 
 
-def test_geometry_comes_from_the_one_attention_group() -> None:
+def test_geometry_comes_from_the_attention_group() -> None:
     spec = SimpleNamespace(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.bfloat16,
                            page_size_bytes=2 * 128 * 2 * 32 * 2)
     group = SimpleNamespace(layer_names=["l0", "l1", "l2"], kv_cache_spec=spec)
     g = geometry_of(SimpleNamespace(kv_cache_groups=[group]))  # type: ignore[arg-type]
     assert (g.num_layers, g.block_tokens, g.dtype, g.block_bytes) == (3, 128, "bfloat16",
                                                                       3 * spec.page_size_bytes)
-    with pytest.raises(Unsupported, match="2 groups"):
-        geometry_of(SimpleNamespace(kv_cache_groups=[group, group]))  # type: ignore[arg-type]
+    # Hybrid models: one geometry per group (tests/unit/test_kv_groups.py has the rest).
+    two = SimpleNamespace(layer_names=["l3", "l4"], kv_cache_spec=spec)
+    both = SimpleNamespace(kv_cache_groups=[group, two])
+    assert geometry_of(both, 1).num_layers == 2  # type: ignore[arg-type]
+    with pytest.raises(Unsupported, match="2 groups, no group 2"):
+        geometry_of(both, 2)  # type: ignore[arg-type]
     mamba = SimpleNamespace(layer_names=["m"], kv_cache_spec=SimpleNamespace(
         block_size=1, page_size_bytes=4))
     with pytest.raises(Unsupported, match="has no num_kv_heads, head_size, dtype"):
@@ -227,8 +232,8 @@ class FakeRequest:
 
 
 def _scheduler(daemon: DaemonProc, tp: int, **extra: Any) -> tuple[_Scheduler, _Counters]:
-    spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32,
-                           page_size_bytes=GEOM.page_bytes)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    assert spec.page_size_bytes == GEOM.page_bytes
     kv = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["a", "b"],
                                                           kv_cache_spec=spec)])
     vc = _vllm_config()
@@ -319,8 +324,8 @@ CPU_SHAPE = (NB, 2, BLOCK, 64)  # vLLM's CPU backend: [blocks, kv_heads, block, 
 
 def _worker(socket_dir: str, tensors: list[torch.Tensor], async_save: bool = False,
             load_mode: str = "sync") -> tuple[_Worker, _Counters]:
-    spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32,
-                           page_size_bytes=tensors[0][0].numel() * 4)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    assert spec.page_size_bytes == tensors[0][0].numel() * 4
     kv = SimpleNamespace(num_blocks=NB, kv_cache_groups=[SimpleNamespace(
         layer_names=[f"l{i}" for i in range(len(tensors))], kv_cache_spec=spec)])
     counters = _Counters()
@@ -529,7 +534,7 @@ def test_auto_load_mode_loads_dram_hits_in_the_step_and_ssd_hits_in_the_backgrou
         tokens = list(range(3, 3 + 3 * BLOCK + 3))
         keys = block_keys(tokens, BLOCK, request_salt("", None, None))
         _store(d, sched, 0, keys[:3])
-        conn = SimpleNamespace(_scheduler=sched)
+        conn = SimpleNamespace(_scheduler=sched, _waits=None)  # a kv_both connector
         blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))
         req = FakeRequest("dram", tokens)
         n, background = KVTierConnector.get_num_new_matched_tokens(conn, req, 0)  # type: ignore[arg-type]

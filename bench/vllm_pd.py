@@ -1,0 +1,373 @@
+"""Disaggregated prefill/decode through kvtier: TTFT and the cross-host KV transfer.
+
+Every figure comes from vLLM OpenAI servers (the random-weight model of
+``tests/vllm/tinymodel.py``, ``enforce_eager``, one prompt per step) and real kvtierds:
+
+* **TTFT, one host**: a streaming ``/v1/completions`` through ``kvtier pd-proxy`` in front of
+  a prefill server (``kv_producer``) and a decode server (``kv_consumer``) sharing one
+  kvtierd, against the same request to one colocated server without a connector.  A fresh
+  prompt every round (no cache hit anywhere but the P/D hand-off), the two alternating.
+* **TTFT, two hosts**: the prefill server, its kvtierd and the proxy in network namespace A,
+  the decode server and its kvtierd in namespace B (a veth pair; the kvtierds joined through
+  the cluster tier to a real ``mooncake_master``, ``tests/fleet.py``); the colocated server
+  is the same one as above.
+* **The partial block**: the decode server's own TTFT (a direct request after the prefill
+  server has seen the prompt) for prompts that end 1, 64, 127 and 128 tokens past a block
+  boundary: what recomputing the last block costs, the most a key over the exact tail
+  tokens could save.
+* **KV transfer, two hosts**: the decode server's load of a 4k prompt's blocks from host A
+  (its connector's ``lookup_seconds`` + ``load_seconds``), and, on the same blocks in the
+  same run, rounds alternating: host B's kvtierd leasing them from the cluster (an
+  ``acquire`` with B's DRAM copies evicted first) against a plain Mooncake client in
+  namespace B calling ``batch_get_into`` for the same objects (``bench/cluster.py``'s
+  reader).
+
+    sudo PYTHONPATH=client:daemon .venv/bin/python bench/vllm_pd.py \\
+        --json bench/results/vllm-pd-2026-12-04.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import cluster as cluster_bench  # noqa: E402  (bench/cluster.py: the Mooncake reader)
+
+import kvtier  # noqa: E402
+from kvtier.cli import evict  # noqa: E402
+from kvtier.hashing import block_keys  # noqa: E402
+from kvtier.vllm import request_salt  # noqa: E402
+from kvtierd.cluster.format import HEADER_BYTES, Naming  # noqa: E402
+from kvtierd.spill.format import model_hash  # noqa: E402
+from tests.conftest import DaemonProc, start_daemon, stop_daemon  # noqa: E402
+from tests.fleet import MASTER_BIN, SECRET, Fleet  # noqa: E402
+from tests.vllm import tinymodel  # noqa: E402
+from tests.vllm.pdlab import (  # noqa: E402
+    BLOCK,
+    ProxyProc,
+    VllmServer,
+    call,
+    completion,
+    kvtier_ktc,
+    start_all,
+    stream,
+)
+
+TAILS = (1, 64, 127, 128)
+
+
+class Prompts:
+    """Fresh seeded prompts: never two alike, so nothing but the P/D hand-off hits."""
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+
+    def __call__(self, n: int) -> list[int]:
+        return [self._rng.randrange(3, 32000) for _ in range(n)]
+
+
+def ttft(url: str, tokens: list[int], answer: int, ns: str | None = None,
+         params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streaming request: seconds to the first token, cached tokens, the token ids."""
+    extra: dict[str, Any] = {"kv_transfer_params": params} if params else {}
+    res = stream(url + "/v1/completions",
+                 completion(tokens, answer, stream=True, stream_options={"include_usage": True},
+                            **extra), ns=ns, timeout=600)
+    if res["status"] != 200 or not res["done"]:
+        raise RuntimeError(f"request to {url} failed: {res}")
+    first = next(t for t, e in zip(res["times"], res["events"], strict=False)
+                 if any(c.get("token_ids") for c in e.get("choices") or []))
+    usage: dict[str, Any] = next((e["usage"] for e in reversed(res["events"]) if e.get("usage")), {})
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    ids = [t for e in res["events"] for c in e.get("choices") or [] for t in c.get("token_ids")
+           or []]
+    return {"ttft_s": first, "cached": int(cached), "ids": ids}
+
+
+def prefill(url: str, tokens: list[int], ns: str | None = None) -> dict[str, Any]:
+    """A producer's one-token request, as the proxy sends it; its ``kv_transfer_params``."""
+    status, out = call(url + "/v1/completions", completion(tokens, 1), ns=ns, timeout=600)
+    if status != 200:
+        raise RuntimeError(f"prefill at {url}: {status} {out}")
+    return dict(out.get("kv_transfer_params") or {})
+
+
+def counters(server: VllmServer) -> dict[str, float]:
+    return {k.removeprefix("vllm:kvtier_").removesuffix("_total"): v
+            for k, v in server.metrics().items()
+            if k.startswith("vllm:kvtier_") and not k.endswith("_created")}
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    return {"median_ms": statistics.median(xs) * 1e3, "min_ms": min(xs) * 1e3,
+            "max_ms": max(xs) * 1e3}
+
+
+def server_args(args: argparse.Namespace) -> dict[str, Any]:
+    max_len = max(args.sizes) + max(TAILS) + args.answer + BLOCK
+    return {"max_model_len": max_len, "dtype": args.dtype,
+            "extra_args": ["--max-num-batched-tokens", str(max_len)],
+            "env": {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib),
+                    **json.loads(args.server_env)}}
+
+
+def ttft_rounds(args: argparse.Namespace, prompts: Prompts, colocated: VllmServer,
+                proxy: ProxyProc, decode: VllmServer, ns: str | None, where: str
+                ) -> list[dict[str, Any]]:
+    rows = []
+    for size in args.sizes:
+        co, pd, cached = [], [], []
+        same: bool | None = True if args.check_answers else None
+        loads: list[dict[str, float]] = []
+        for r in range(args.rounds):
+            order = ("co", "pd") if r % 2 == 0 else ("pd", "co")
+            tokens = {"co": prompts(size), "pd": prompts(size)}
+            for which in order:
+                if which == "co":
+                    co.append(ttft(colocated.url, tokens["co"], args.answer)["ttft_s"])
+                else:
+                    before = counters(decode)
+                    res = ttft(proxy.url, tokens["pd"], args.answer, ns)
+                    after = counters(decode)
+                    pd.append(res["ttft_s"])
+                    cached.append(res["cached"])
+                    loads.append({k: after.get(k, 0) - before.get(k, 0) for k in after})
+                    if args.check_answers:
+                        want = ttft(colocated.url, tokens["pd"], args.answer)["ids"]
+                        same = bool(same) and want == res["ids"]
+        row = {"where": where, "tokens": size, "rounds": args.rounds,
+               "colocated": summary(co), "pd": summary(pd),
+               "pd_over_colocated": statistics.median(pd) / statistics.median(co),
+               "decode_cached_tokens": cached, "answers_identical": same,
+               "decode_connector": loads}
+        rows.append(row)
+        print(f"[{where}] {size} tokens: TTFT colocated {row['colocated']['median_ms']:.0f} ms, "
+              f"P/D {row['pd']['median_ms']:.0f} ms ({row['pd_over_colocated']:.2f}x); "
+              f"decode cached {cached}; answers identical: "
+              f"{'not checked' if same is None else same}", flush=True)
+    return rows
+
+
+def tail_rounds(args: argparse.Namespace, prompts: Prompts, prefill_srv: VllmServer,
+                decode: VllmServer) -> list[dict[str, Any]]:
+    base = min(args.sizes)
+    rows = []
+    per: dict[int, list[float]] = {t: [] for t in TAILS}
+    for _ in range(args.rounds):
+        for tail in TAILS:
+            tokens = prompts(base + tail)
+            params = prefill(prefill_srv.url, tokens)
+            per[tail].append(ttft(decode.url, tokens, args.answer, params=params)["ttft_s"])
+    for tail in TAILS:
+        computed = tail if tail < BLOCK else BLOCK
+        rows.append({"prompt_tokens": base + tail, "tail": tail, "recomputed_tokens": computed,
+                     "decode_ttft": summary(per[tail])})
+        print(f"[partial block] {base}+{tail} tokens: decode TTFT "
+              f"{statistics.median(per[tail]) * 1e3:.1f} ms ({computed} tokens computed)",
+              flush=True)
+    return rows
+
+
+def transfer(args: argparse.Namespace, fleet: Fleet, prompts: Prompts, prefill_srv: VllmServer,
+             decode: VllmServer) -> dict[str, Any]:
+    """The decode server's cross-host load of a prompt, and kvtier vs Mooncake on its blocks."""
+    assert fleet.a is not None and fleet.b is not None
+    size = max(args.sizes)
+    ns_a = fleet.ns_a if fleet.netns else None
+    ns_b = fleet.ns_b if fleet.netns else None
+    engine = []
+    tokens: list[int] = []
+    for _ in range(args.rounds):
+        tokens = prompts(size)
+        # The producer's kv_transfer_params, as the proxy passes them: the decode server
+        # waits for blocks still on their way to the cluster instead of recomputing them.
+        params = prefill(prefill_srv.url, tokens, ns_a)
+        before = counters(decode)
+        res = ttft(decode.url, tokens, 1, ns_b, params)
+        after = counters(decode)
+        d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        d["cached"] = res["cached"]
+        d["ttft_s"] = res["ttft_s"]
+        engine.append(d)
+    found = [(n.name, n.block_bytes, n.model_uid) for n in fleet.a.stats().namespaces
+             if n.name.startswith("vllm/")]
+    name, block_bytes, uid = found[0]
+    keys = block_keys(tokens, BLOCK, request_salt("", None, None))[: (size - 1) // BLOCK]
+    naming = Naming(SECRET)
+    names = [naming.name(name, k, block_bytes, model_hash(uid)) for k in keys]
+    reader = cluster_bench.Reader(fleet, len(keys) * (block_bytes + HEADER_BYTES + 4096))
+    kv, mc = [], []
+    try:
+        with kvtier.Client(fleet.b.socket_dir, namespace=name, block_bytes=block_bytes,
+                           model_uid=uid) as b:
+            for _ in range(args.transfer_rounds):
+                evict(fleet.b.socket_dir, name, keys, ["dram"])
+                t0 = time.perf_counter()
+                with b.acquire(keys, verify=False) as lease:
+                    dt = time.perf_counter() - t0
+                    assert lease.hits == len(keys), lease.hits
+                kv.append(dt)
+                r = reader.ask(op="get", names=names, size=block_bytes + HEADER_BYTES)
+                assert r["ok"], r
+                mc.append(r["seconds"])
+    finally:
+        reader.close()
+    nbytes = len(keys) * block_bytes
+    eng = [(e.get("lookup_seconds", 0) + e.get("load_seconds", 0), e.get("loaded_blocks", 0))
+           for e in engine]
+    eng_s = statistics.median(s for s, _ in eng)
+    out = {"prompt_tokens": size, "blocks": len(keys), "block_bytes": block_bytes,
+           "bytes": nbytes, "engine_rounds": engine,
+           "engine_load_ms": eng_s * 1e3, "engine_gbps": nbytes / eng_s / 1e9,
+           "kvtier_acquire_ms": statistics.median(kv) * 1e3,
+           "mooncake_get_ms": statistics.median(mc) * 1e3,
+           "kvtier_gbps": nbytes / statistics.median(kv) / 1e9,
+           "mooncake_gbps": nbytes / statistics.median(mc) / 1e9,
+           "rounds": args.transfer_rounds}
+    out["ratio"] = out["kvtier_gbps"] / out["mooncake_gbps"]
+    out["engine_ratio"] = out["engine_gbps"] / out["mooncake_gbps"]
+    print(f"[transfer] {len(keys)} blocks of {block_bytes >> 10} KiB: decode server's load "
+          f"{out['engine_load_ms']:.1f} ms ({out['engine_gbps']:.3f} GB/s, "
+          f"{out['engine_ratio']:.2f}x Mooncake); B's acquire {out['kvtier_acquire_ms']:.1f} ms "
+          f"({out['kvtier_gbps']:.3f} GB/s) vs batch_get_into {out['mooncake_get_ms']:.1f} ms "
+          f"({out['mooncake_gbps']:.3f} GB/s): {out['ratio']:.2f}x", flush=True)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    base = tempfile.mkdtemp(prefix="kvt-bpd-", dir="/tmp")
+    prompts = Prompts(args.seed)
+    sargs = server_args(args)
+    result: dict[str, Any] = {"command": " ".join(sys.argv), "machine": platform.node(),
+                              "cpus": os.cpu_count()}
+    daemon: DaemonProc | None = None
+    servers: list[VllmServer] = []
+    proxies: list[ProxyProc] = []
+    fleet: Fleet | None = None
+    try:
+        model = str(tinymodel.build(os.path.join(base, "model"), layers=args.layers,
+                                    hidden=args.hidden, heads=args.heads,
+                                    kv_heads=args.kv_heads, vocab=32000,
+                                    intermediate=2 * args.hidden, dtype=args.dtype))
+        result["model"] = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+                           "kv_heads": args.kv_heads, "dtype": args.dtype}
+        colocated = VllmServer(base, "colocated", model, None, **sargs)
+        servers.append(colocated)
+        if args.skip_one_host:
+            start_all(servers, 600)
+        else:
+            daemon = start_daemon(base, capacity=args.dram, extent="64MiB")
+            sock = daemon.socket_dir
+            pre = VllmServer(base, "prefill", model, kvtier_ktc("kv_producer", sock), **sargs)
+            dec = VllmServer(base, "decode", model, kvtier_ktc("kv_consumer", sock), **sargs)
+            servers += [pre, dec]
+            start_all(servers, 600)
+            proxy = ProxyProc(base, "proxy", [pre.url], [dec.url], timeout=600)
+            proxies.append(proxy)
+            ttft(proxy.url, prompts(min(args.sizes)), 2)  # warm-up: an engine's first request
+            result["one_host"] = ttft_rounds(args, prompts, colocated, proxy, dec, None,
+                                             "one host")
+            result["partial_block"] = tail_rounds(args, prompts, pre, dec)
+            for s in (pre, dec):
+                s.stop()
+            proxy.stop()
+            servers = [colocated]
+        ttft(colocated.url, prompts(min(args.sizes)), 2)
+        if args.one_host_only or not os.path.exists(MASTER_BIN):
+            result["two_hosts"] = None if args.one_host_only else f"{MASTER_BIN} missing"
+            return result
+
+        os.makedirs(os.path.join(base, "fleet"))
+        fleet = Fleet(os.path.join(base, "fleet"))
+        fleet.start_master()
+        fleet.a = fleet.start_daemon("a", capacity=args.dram, extent="64MiB",
+                                     segment=args.segment)
+        fleet.b = fleet.start_daemon("b", capacity=args.dram, extent="64MiB", segment="64MiB")
+        ns_a = fleet.ns_a if fleet.netns else None
+        ns_b = fleet.ns_b if fleet.netns else None
+        pre = VllmServer(base, "prefill-a", model, kvtier_ktc("kv_producer", fleet.a.socket_dir),
+                         ns=ns_a, prefix=fleet.in_ns("a"), host=fleet.addr_a, **sargs)
+        dec = VllmServer(base, "decode-b", model,
+                         kvtier_ktc("kv_consumer", fleet.b.socket_dir, load_mode=args.load_mode,
+                                    **json.loads(args.consumer_config)),
+                         ns=ns_b, prefix=fleet.in_ns("b"), host=fleet.addr_b, **sargs)
+        servers += [pre, dec]
+        start_all([pre, dec], 600)
+        proxy = ProxyProc(base, "proxy-a", [pre.url], [dec.url], ns=ns_a,
+                          prefix=fleet.in_ns("a"), host=fleet.addr_a, timeout=600)
+        proxies.append(proxy)
+        ttft(proxy.url, prompts(min(args.sizes)), 2, ns_a)
+        result["netns"] = fleet.netns
+        result["load_mode"] = args.load_mode
+        result["consumer_config"] = json.loads(args.consumer_config)
+        result["two_hosts"] = ttft_rounds(args, prompts, colocated, proxy, dec, ns_a,
+                                          "two hosts")
+        result["transfer"] = transfer(args, fleet, prompts, pre, dec)
+        return result
+    finally:
+        for p in proxies:
+            p.stop()
+        for s in servers:
+            s.stop()
+        if fleet is not None:
+            fleet.close()
+        if daemon is not None:
+            stop_daemon(daemon)
+        if args.keep_logs:
+            os.makedirs(args.keep_logs, exist_ok=True)
+            for f in os.listdir(base):
+                if f.endswith(".log"):
+                    shutil.copy(os.path.join(base, f), args.keep_logs)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1024,4096", help="prompt tokens (comma-separated)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--transfer-rounds", type=int, default=7)
+    p.add_argument("--answer", type=int, default=8, help="tokens generated per request")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--dram", default="1GiB", help="each kvtierd's DRAM")
+    p.add_argument("--segment", default="1GiB", help="host A's cluster segment")
+    p.add_argument("--load-mode", default="auto", help="the cross-host consumer's load_mode")
+    p.add_argument("--consumer-config", default="{}",
+                   help="more kv_connector_extra_config of the cross-host consumer (JSON)")
+    p.add_argument("--server-env", default="{}",
+                   help="more environment of every vLLM server (JSON)")
+    p.add_argument("--seed", type=int, default=27)
+    p.add_argument("--check-answers", action="store_true",
+                   help="also compare every P/D answer with the colocated server's")
+    p.add_argument("--one-host-only", action="store_true")
+    p.add_argument("--skip-one-host", action="store_true", help="the two-host part alone")
+    p.add_argument("--keep-logs", help="copy the servers' logs here")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    result = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
