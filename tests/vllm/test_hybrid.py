@@ -239,10 +239,11 @@ def test_a_sliding_window_model_loads_only_the_window_and_survives_a_bad_block(
     would recompute from the bad block on a window it never had: the null block)."""
     model = str(tinyhybrid.build(os.path.join(lab.base, "mistral"), "mistral-sw",
                                  window=WINDOW))
-    ref = lab.run("msw-ref", model, [P, R], connector=False)
-    ref_p, ref_r = (r["tokens"] for r in ref["prompts"])
+    # A finds nothing (a model of its own): it computes every token, as an engine without
+    # the connector would (the Gemma test compares against one; an engine start saved).
     a = lab.run("msw-a", model, [P, R])
-    assert [p["tokens"] for p in a["prompts"]] == [ref_p, ref_r]
+    ref_p, ref_r = (r["tokens"] for r in a["prompts"])
+    assert _count(a, "loaded_blocks") == 0 and _count(a, "hit_tokens") == 0
     assert _count(a, "saved_blocks") == 2 * (len(P) // BLOCK)  # every block, as before
     (ns,) = lab.namespaces("/L4-p128-h2-d32-float32")
     with lab.client(ns) as c:
@@ -271,10 +272,11 @@ def test_mla_latent_is_saved_once_and_loaded_by_a_fresh_engine(lab: Lab) -> None
     model = str(tinyhybrid.build(os.path.join(lab.base, "dsv2"), "deepseek-v2"))
     prompt = P[:900]
     full = (len(prompt) - 1) // MLA_BLOCK  # 56 blocks of 16 tokens
-    ref = lab.run("mla-ref", model, [prompt], connector=False)["prompts"][0]["tokens"]
-    assert len(set(ref)) > 1  # the model's output depends on its input (a KV bug shows)
+    # A finds nothing: it computes every token, as an engine without the connector would.
     a = lab.run("mla-a", model, [prompt])
-    assert a["prompts"][0]["tokens"] == ref
+    ref = a["prompts"][0]["tokens"]
+    assert len(set(ref)) > 1  # the model's output depends on its input (a KV bug shows)
+    assert _count(a, "loaded_blocks") == 0 and _count(a, "hit_tokens") == 0
     assert _count(a, "saved_blocks") == len(prompt) // MLA_BLOCK
     (ns,) = lab.namespaces("/L4-p16-h1-d576-float32")  # the latent: 1 "head" of 512 + 64
     assert "/tp0of1/" in ns.name  # TP=1: the name it always had
