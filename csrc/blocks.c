@@ -1018,6 +1018,17 @@ batch_resolve(BlockTable *t, kvt_batch *b)
     return 0;
 }
 
+/* The start of every batch call: the table is ready, the refs copied, the lock taken
+ * and the refs resolved; on failure nothing is held. */
+static int
+batch_begin(BlockTable *t, PyObject *refs, kvt_batch *b)
+{
+    if (ready(t) < 0 || batch_copy(refs, b) < 0)
+        return -1;
+    tlock(t);
+    return batch_resolve(t, b);
+}
+
 #define APPLY(t, n, stmt)                                                                   \
     do {                                                                                    \
         if ((n) >= KVT_BLK_NOGIL_MIN) {                                                     \
@@ -1055,10 +1066,7 @@ bt_release_claims(BlockTable *t, PyObject *arg)
 {
     kvt_batch b;
 
-    if (ready(t) < 0 || batch_copy(arg, &b) < 0)
-        return NULL;
-    tlock(t);
-    if (batch_resolve(t, &b) < 0)
+    if (batch_begin(t, arg, &b) < 0)
         return NULL;
     if (require(b.locs, b.n, KVT_ST_RESERVED, 1, "refs") < 0) {
         tunlock(t);
@@ -1275,10 +1283,7 @@ bt_pin(BlockTable *t, PyObject *arg)
     kvt_batch b;
     Py_ssize_t i, bad = -1;
 
-    if (ready(t) < 0 || batch_copy(arg, &b) < 0)
-        return NULL;
-    tlock(t);
-    if (batch_resolve(t, &b) < 0)
+    if (batch_begin(t, arg, &b) < 0)
         return NULL;
     if (require(b.locs, b.n, KVT_ST_COMMITTED, 0, "refs") < 0) {
         tunlock(t);
@@ -1328,10 +1333,7 @@ bt_unpin(BlockTable *t, PyObject *arg)
     uint64_t *out_refs;
     PyObject *out;
 
-    if (ready(t) < 0 || batch_copy(arg, &b) < 0)
-        return NULL;
-    tlock(t);
-    if (batch_resolve(t, &b) < 0)
+    if (batch_begin(t, arg, &b) < 0)
         return NULL;
     for (i = 0; i < b.n && bad < 0; i++) {
         kvt_rec *r = &b.locs[i].e->rec[b.locs[i].slot];
@@ -1413,10 +1415,7 @@ bt_delete(BlockTable *t, PyObject *arg)
     kvt_batch b;
     Py_ssize_t doomed = 0;
 
-    if (ready(t) < 0 || batch_copy(arg, &b) < 0)
-        return NULL;
-    tlock(t);
-    if (batch_resolve(t, &b) < 0)
+    if (batch_begin(t, arg, &b) < 0)
         return NULL;
     if (require(b.locs, b.n, KVT_ST_COMMITTED, 1, "refs") < 0) {
         tunlock(t);
@@ -1466,10 +1465,7 @@ bt_evict(BlockTable *t, PyObject *args, PyObject *kwargs)
 
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|p:evict", kwlist, &refs_obj, &reserve))
         return NULL;
-    if (ready(t) < 0 || batch_copy(refs_obj, &b) < 0)
-        return NULL;
-    tlock(t);
-    if (batch_resolve(t, &b) < 0)
+    if (batch_begin(t, refs_obj, &b) < 0)
         return NULL;
     if (require(b.locs, b.n, KVT_ST_COMMITTED, 1, "refs") < 0) {
         tunlock(t);
@@ -1634,10 +1630,7 @@ bt_set_prefetched(BlockTable *t, PyObject *arg)
     kvt_batch b;
     Py_ssize_t marked = 0;
 
-    if (ready(t) < 0 || batch_copy(arg, &b) < 0)
-        return NULL;
-    tlock(t);
-    if (batch_resolve(t, &b) < 0)
+    if (batch_begin(t, arg, &b) < 0)
         return NULL;
     for (Py_ssize_t i = 0; i < b.n; i++) {
         kvt_rec *r = &b.locs[i].e->rec[b.locs[i].slot];
