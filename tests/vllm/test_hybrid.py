@@ -74,6 +74,16 @@ def _count(out: dict[str, Any], name: str) -> float:
     return float(out["counters"].get(name, 0))
 
 
+def _scribble(c: kvtier.Client, key: bytes) -> None:
+    """Flip a byte of ``key``'s block in kvtierd's DRAM (its checksum fails at load)."""
+    resp = c._call("Acquire", pb.AcquireRequest(keys=[key]))
+    c._sync_maps(resp.segments_version, resp.slots)
+    view = c._maps.view(resp.slots[0], resp.slots[0].length, writable=True)
+    view[100] ^= 0xFF
+    del view
+    c._call("Release", pb.ReleaseRequest(lease_id=resp.lease_id))
+
+
 def _window_blocks(hit: int) -> int:
     """Blocks of a 256-token window group a hit of ``hit`` blocks loads (vLLM's rule)."""
     first = max(0, hit * BLOCK - WINDOW + 1) // BLOCK
@@ -211,12 +221,7 @@ def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
         # the request's load as a whole and vLLM computes it again; the answer is the same.
         with lab.client(ns) as c:
             key = full.keys(plain["S"])[3]
-            resp = c._call("Acquire", pb.AcquireRequest(keys=[key]))
-            c._sync_maps(resp.segments_version, resp.slots)
-            view = c._maps.view(resp.slots[0], resp.slots[0].length, writable=True)
-            view[100] ^= 0xFF
-            del view
-            c._call("Release", pb.ReleaseRequest(lease_id=resp.lease_id))
+            _scribble(c, key)
         before = out
         b.next()
         out = b.result()
@@ -250,12 +255,7 @@ def test_a_sliding_window_model_loads_only_the_window_and_survives_a_bad_block(
         assert c.lookup(block_keys(P, BLOCK, SALT)) == len(P) // BLOCK  # plain keys
         # Scribble over R's block 10, in the window of R's 11-block hit.
         key = block_keys(R, BLOCK, SALT)[10]
-        resp = c._call("Acquire", pb.AcquireRequest(keys=[key]))
-        c._sync_maps(resp.segments_version, resp.slots)
-        view = c._maps.view(resp.slots[0], resp.slots[0].length, writable=True)
-        view[100] ^= 0xFF
-        del view
-        c._call("Release", pb.ReleaseRequest(lease_id=resp.lease_id))
+        _scribble(c, key)
     out = lab.run("msw-b", model, [P, R])
     p, r = out["prompts"]
     assert p["cached"] == FULL * BLOCK and p["tokens"] == ref_p

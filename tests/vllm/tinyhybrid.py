@@ -9,10 +9,11 @@ The weights come from a fixed seed; prompts are given as token ids.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
+
+from tests.vllm import tinymodel
 
 KINDS = ("gemma3", "mistral-sw", "deepseek-v2")
 
@@ -55,24 +56,7 @@ def _config(kind: str, *, layers: int, window: int, vocab: int, dtype: str) -> A
 def build(path: str | os.PathLike[str], kind: str, *, layers: int = 4, window: int = 256,
           vocab: int = 1000, dtype: str = "float32", seed: int = 0) -> Path:
     """Write the model to ``path`` (created) and return it."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     config = _config(kind, layers=layers, window=window, vocab=vocab, dtype=dtype)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
-    model.save_pretrained(out, safe_serialization=True)
-    words = {"<pad>": 0, "<s>": 1, "</s>": 2}
-    words.update({f"w{i}": i for i in range(3, vocab)})
-    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<pad>", pad_token="<pad>",
-                                   bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(out)
-    (out / "kvtier-tinymodel.json").write_text(json.dumps(
-        {"kind": kind, "layers": layers, "window": window, "vocab": vocab, "dtype": dtype,
-         "seed": seed}))
-    return out
+    return tinymodel.write(path, config, vocab=vocab, dtype=dtype, seed=seed, pad=True, meta={
+        "kind": kind, "layers": layers, "window": window, "vocab": vocab, "dtype": dtype,
+        "seed": seed})
