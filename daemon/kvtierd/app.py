@@ -299,7 +299,7 @@ def _audit(segments: list[Segment]) -> list[tuple[Segment, str, int]]:
     for seg in segments:
         try:
             fault = seg.audit_data_file()
-        except OSError as exc:  # closed meanwhile (retired extent), or the kernel refused
+        except OSError as exc:  # the kernel refused (a segment closed meanwhile answers None)
             log.debug("audit of %s skipped: %s", seg.path, exc)
             continue
         if fault is not None:

@@ -49,6 +49,7 @@ import mmap
 import os
 import stat
 import struct
+import threading
 import time
 from typing import Final
 
@@ -279,6 +280,12 @@ class Segment:
         self.intact_bytes = layout.data_bytes
         #: What attach found wrong with the data file's size, if anything.
         self.size_fault: str | None = None
+        #: Held while a worker thread uses ``fd`` by number (the audit) and while
+        #: ``close`` closes it: a closed number is soon another file's (a segment
+        #: created meanwhile), and an audit through it would cut that file to this
+        #: layout's size.
+        self._fd_lock = threading.Lock()
+        self.closed = False
 
     # ----------------------------------------------------------- lifecycle
     @classmethod
@@ -410,19 +417,22 @@ class Segment:
         full tmpfs.
         """
         want = self.layout.data_bytes
-        st = os.fstat(self.fd)
-        if st.st_size == want and st.st_blocks * 512 >= want:
-            return None
-        if st.st_size != want:
-            kind = "shrunk" if st.st_size < want else "grown"
-            os.ftruncate(self.fd, want)
-        else:
-            kind = "holes"
-        try:
-            os.posix_fallocate(self.fd, 0, want)
-        except OSError as exc:
-            log.warning("segment %s: cannot allocate its data file again: %s",
-                        os.path.basename(self.path), exc)
+        with self._fd_lock:
+            if self.closed:
+                return None  # retired meanwhile: ``fd`` may name another file now
+            st = os.fstat(self.fd)
+            if st.st_size == want and st.st_blocks * 512 >= want:
+                return None
+            if st.st_size != want:
+                kind = "shrunk" if st.st_size < want else "grown"
+                os.ftruncate(self.fd, want)
+            else:
+                kind = "holes"
+            try:
+                os.posix_fallocate(self.fd, 0, want)
+            except OSError as exc:
+                log.warning("segment %s: cannot allocate its data file again: %s",
+                            os.path.basename(self.path), exc)
         return kind, min(st.st_size, want)
 
     def scan(self, *, copy: bool = True) -> np.ndarray:
@@ -460,15 +470,21 @@ class Segment:
             except BufferError:  # a view is still exported; the GC unmaps it later
                 pass
         kept = None
-        if free:
-            punch_data_file(self.fd, os.path.basename(self.path))
-            if keep_fd:
-                try:
-                    kept = os.dup(self.fd)
-                except OSError:
-                    kept = None
-        os.close(self.fd)
-        os.close(self.meta_fd)
+        with self._fd_lock:
+            if self.closed:  # closed before: only the files may still have to go
+                if unlink:
+                    self.unlink()
+                return None
+            if free:
+                punch_data_file(self.fd, os.path.basename(self.path))
+                if keep_fd:
+                    try:
+                        kept = os.dup(self.fd)
+                    except OSError:
+                        kept = None
+            self.closed = True
+            os.close(self.fd)
+            os.close(self.meta_fd)
         if unlink:
             self.unlink()
         return kept

@@ -887,3 +887,52 @@ def test_audit_allocates_holes_a_client_punched_again(seg: Segment) -> None:
     assert after[:start] == data[:start] and after[stop:] == data[stop:]
     assert after[start:stop] == bytes(hole[1])  # the punched bytes are gone, never a fault
     assert seg.audit_data_file() is None
+
+
+def test_audit_of_a_retired_segment_leaves_the_file_that_took_its_fd_number(
+        shm_dir: str) -> None:
+    """CI's stress failure: the audit (a worker thread) held a list of segments, one was
+    retired and closed meanwhile, a new extent of another namespace got its fd number,
+    and the audit cut the new extent's data file to the retired layout's size; its
+    clients then could not map it ("shorter than its layout")."""
+    old = _create(shm_dir, block_bytes=200_000, budget=4 * MiB, index=1, namespace="ns/big")
+    old_fd = old.fd
+    old.close(unlink=True, free=True)
+    new = _create(shm_dir, block_bytes=16_384, budget=1 * MiB, index=2, namespace="ns/small",
+                  segment_id=12)
+    try:
+        assert new.fd == old_fd  # the number was reused (what made the race possible)
+        assert new.layout.data_bytes != old.layout.data_bytes
+        assert old.audit_data_file() is None  # closed: it touches no fd at all
+        assert os.path.getsize(new.path) == new.layout.data_bytes
+        assert new.audit_data_file() is None
+    finally:
+        new.close(unlink=True)
+
+
+def test_close_waits_for_an_audit_in_progress(seg: Segment) -> None:
+    """The audit and ``close`` exclude each other: while an audit holds the segment's
+    fd, ``close`` (another worker thread) does not close it under it."""
+    import threading
+    entered, release = threading.Event(), threading.Event()
+    real_fstat = os.fstat
+
+    def slow_fstat(fd: int) -> os.stat_result:
+        entered.set()
+        release.wait(5)
+        return real_fstat(fd)
+
+    result: list[object] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(S.os, "fstat", slow_fstat)
+        t = threading.Thread(target=lambda: result.append(seg.audit_data_file()))
+        t.start()
+        assert entered.wait(5)
+        closer = threading.Thread(target=seg.close, kwargs={"unlink": False})
+        closer.start()
+        closer.join(0.2)
+        assert closer.is_alive()  # held off while the audit uses the fd
+        release.set()
+        t.join(5)
+        closer.join(5)
+    assert result == [None] and seg.closed
