@@ -104,6 +104,10 @@ typedef struct {
     kvt_rec *rec;
     uint32_t free_head; /* first free slot + 1 (0: none) */
     kvt_counts c;
+    /* The largest last access its blocks were given (commit, touch, adopt): how
+     * recently the extent was used, never decreasing while it is in the table.
+     * Reclaim across namespaces takes the extent whose newest access is oldest. */
+    uint64_t newest;
     Py_buffer view; /* held while the extent is in the table: its mapping stays */
 } kvt_extent;
 
@@ -446,6 +450,8 @@ write_committed(kvt_extent *e, uint32_t slot, const uint8_t *key, uint8_t klen, 
     st64(p + KVT_SLOT_ENTRY_SUM, entry_sum(e, slot, p));
     st64(p + KVT_SLOT_LAST_ACCESS, last);
     set_state(p, KVT_ST_COMMITTED);
+    if (last > e->newest)
+        e->newest = last;
 }
 
 /* ------------------------------------------------------------------------- */
@@ -779,6 +785,7 @@ adopt_run(adopt_job *j)
             fl_push(e, s);
         account(j->t, e, &e->rec[s], 1);
     }
+    e->newest = j->max_last;
 }
 
 PyDoc_STRVAR(bt_adopt_doc,
@@ -1608,6 +1615,8 @@ bt_touch(BlockTable *t, PyObject *args, PyObject *kwargs)
         if (r->state != KVT_ST_COMMITTED)
             continue;
         st64(entry_of(e, s) + KVT_SLOT_LAST_ACCESS, first + (uint64_t)i);
+        if (first + (uint64_t)i > e->newest)
+            e->newest = first + (uint64_t)i;
         if (r->bits & R_PREFETCHED)
             prefetched++;
         r->bits = (uint8_t)((r->bits | R_REF) & ~R_PREFETCHED);
@@ -2023,13 +2032,14 @@ bt_dirty(BlockTable *t, PyObject *args, PyObject *kwargs)
 /* ------------------------------------------------------------------------- */
 
 static PyObject *
-counts_dict(const kvt_counts *c, long long n_slots)
+counts_dict(const kvt_counts *c, long long n_slots, uint64_t newest)
 {
-    return Py_BuildValue("{sLsLsLsLsLsLsLsLsL}", "slots", n_slots, "free", (long long)c->free,
+    return Py_BuildValue("{sLsLsLsLsLsLsLsLsLsK}", "slots", n_slots, "free", (long long)c->free,
                          "reserved", (long long)c->reserved, "committed", (long long)c->committed,
                          "pinned", (long long)c->pinned, "dirty", (long long)c->dirty,
                          "doomed", (long long)c->doomed, "evictable", (long long)c->evictable,
-                         "clean", (long long)c->clean);
+                         "clean", (long long)c->clean, "newest_access",
+                         (unsigned long long)newest);
 }
 
 PyDoc_STRVAR(bt_counts_doc,
@@ -2037,7 +2047,10 @@ PyDoc_STRVAR(bt_counts_doc,
 "The slots of one extent (or of the whole table) by category, in O(1):\n"
 "{'slots', 'free', 'reserved', 'committed' (DOOMED included), 'pinned',\n"
 "'dirty' (committed and DIRTY), 'doomed', 'evictable' (COMMITTED, unpinned),\n"
-"'clean' (evictable and not DIRTY)}.  ValueError for an unknown extent.");
+"'clean' (evictable and not DIRTY), 'newest_access' (the largest last access its\n"
+"blocks were given by commit, touch or adopt: never decreases while the extent\n"
+"is in the table; of the table: the largest of its extents')}.  ValueError for\n"
+"an unknown extent.");
 
 static PyObject *
 bt_counts(BlockTable *t, PyObject *args)
@@ -2050,10 +2063,14 @@ bt_counts(BlockTable *t, PyObject *args)
     if (id_obj == Py_None) {
         kvt_counts c = t->c;
         long long slots = 0;
-        for (Py_ssize_t x = 0; x < t->n_ext; x++)
+        uint64_t newest = 0;
+        for (Py_ssize_t x = 0; x < t->n_ext; x++) {
             slots += t->ext[x]->n_slots;
+            if (t->ext[x]->newest > newest)
+                newest = t->ext[x]->newest;
+        }
         tunlock(t);
-        return counts_dict(&c, slots);
+        return counts_dict(&c, slots, newest);
     }
     else {
         unsigned long long id = PyLong_AsUnsignedLongLong(id_obj);
@@ -2072,8 +2089,9 @@ bt_counts(BlockTable *t, PyObject *args)
         }
         c = e->c;
         slots = e->n_slots;
+        uint64_t newest = e->newest;
         tunlock(t);
-        out = counts_dict(&c, slots);
+        out = counts_dict(&c, slots, newest);
     }
     return out;
 }
@@ -2194,6 +2212,45 @@ done:
     PyMem_Free(klens);
     batch_free(&b);
     return out;
+}
+
+PyDoc_STRVAR(bt_rescale_access_doc,
+"rescale_access($self, shift, /)\n--\n\n"
+"Shift every COMMITTED block's persisted last access right by shift bits (and\n"
+"each extent's newest access): the order of accesses stays (ties may appear),\n"
+"and a long-lived cache's access sequence goes back far below the 2**48 bound\n"
+"adoption enforces.  The field is outside the entry checksum.  Returns how many\n"
+"blocks were rescaled.  ValueError for a shift outside 0..63.  The GIL is held\n"
+"(one pass over the records; recovery calls it once).");
+
+static PyObject *
+bt_rescale_access(BlockTable *t, PyObject *arg)
+{
+    long shift = PyLong_AsLong(arg);
+    Py_ssize_t n = 0;
+
+    if (shift == -1 && PyErr_Occurred())
+        return NULL;
+    if (shift < 0 || shift > 63) {
+        PyErr_Format(PyExc_ValueError, "shift %ld is outside 0..63", shift);
+        return NULL;
+    }
+    if (ready(t) < 0)
+        return NULL;
+    tlock(t);
+    for (Py_ssize_t x = 0; x < t->n_ext; x++) {
+        kvt_extent *e = t->ext[x];
+        for (uint32_t s = 0; s < e->n_slots; s++) {
+            if (e->rec[s].state != KVT_ST_COMMITTED)
+                continue;
+            uint8_t *p = entry_of(e, s) + KVT_SLOT_LAST_ACCESS;
+            st64(p, ld64(p) >> shift);
+            n++;
+        }
+        e->newest >>= shift;
+    }
+    tunlock(t);
+    return PyLong_FromSsize_t(n);
 }
 
 PyDoc_STRVAR(bt_committed_doc,
@@ -2503,6 +2560,7 @@ static PyMethodDef bt_methods[] = {
     M("counts", bt_counts, METH_VARARGS),
     M("inspect", bt_inspect, METH_O),
     M("committed", bt_committed, METH_O),
+    M("rescale_access", bt_rescale_access, METH_O),
     M("match_keys", bt_match_keys, METH_VARARGS),
     M("extents", bt_extents, METH_NOARGS),
     M("check", bt_check, METH_NOARGS),

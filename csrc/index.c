@@ -567,6 +567,48 @@ kvt_py_index_locate(PyObject *Py_UNUSED(m), PyObject *args)
     return ret;
 }
 
+/* index_find_many(buf, keys): the writer's batch lookup, for the daemon's own use of the
+ * table as its key index (issue 26): one u64 per key, segment << 32 | slot of its live
+ * entry, or 0 (absent, or a key-only entry).  A fingerprint match, not a key match: the
+ * caller checks hashed keys against the slot entry (BlockTable.match_keys). */
+PyObject *
+kvt_py_index_find_many(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf;
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "y*O:index_find_many", &buf, &keys))
+        return NULL;
+    PyObject *ret = NULL, *seq = NULL;
+    table t;
+    if (open_table(&buf, &t) < 0)
+        goto done;
+    seq = PySequence_Fast(keys, "keys must be a sequence of bytes");
+    if (seq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    ret = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(uint64_t));
+    if (ret == NULL)
+        goto done;
+    uint64_t *out = (uint64_t *)PyBytes_AS_STRING(ret);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer key;
+        if (get_key(items[i], &key) < 0) {
+            Py_CLEAR(ret);
+            goto done;
+        }
+        fingerprint f = fp_of(key.buf, (size_t)key.len);
+        PyBuffer_Release(&key);
+        idx_entry *slot;
+        const idx_entry *e = w_find(&t, &f, &slot);
+        out[i] = e == NULL || e->segment == 0 ? 0 : (uint64_t)e->segment << 32 | e->slot;
+    }
+done:
+    Py_XDECREF(seq);
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
 /* ---------------------------------------------------------------- leases without a call
  * A session's page (KVT_PAGE_*, index.h) is the client's to write.  To lease
  * the blocks of keys it finds, a reader publishes a hazard for each block's

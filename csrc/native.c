@@ -1921,6 +1921,9 @@ static PyMethodDef native_methods[] = {
      "index_lookup(buf, keys, stats=None): (tiers of the leading hits, final), or None."},
     {"index_locate", kvt_py_index_locate, METH_VARARGS,
      "index_locate(buf, key): (segment, slot, offset, length, checksum) of key, or None."},
+    {"index_find_many", kvt_py_index_find_many, METH_VARARGS,
+     "index_find_many(buf, keys): bytes of one u64 per key, segment << 32 | slot of its live "
+     "entry or 0 (the writer's view)."},
     {"index_acquire", kvt_py_index_acquire, METH_VARARGS,
      "index_acquire(buf, keys, page, at, serial): lease the leading hits without a call (hazards at "
      "page slots at..); [(segment, offset, length, checksum, has_checksum)] or None."},

@@ -76,6 +76,9 @@ def index_get(buf: _Buffer, key: bytes) -> tuple[int, int] | None:
 def index_locate(buf: _Buffer, key: bytes) -> _Location | None:
     """Where key's block is, as published (the writer's view), or None."""
 
+def index_find_many(buf: _Buffer, keys: Sequence[bytes]) -> bytes:
+    """One u64 per key: segment << 32 | slot of its live entry, or 0 (the writer's view)."""
+
 def index_acquire(buf: _Buffer, keys: list[bytes], page: _Buffer, at: int,
                   serial: int) -> list[tuple[int, int, int, int, bool]] | None:
     """Lease the leading keys present without a call, with hazards (and the lease's serial)
@@ -213,6 +216,8 @@ class BlockTable:
         """1 or 0 per ref: whether it holds a COMMITTED block whose persisted key is keys[i]."""
     def committed(self, extent_id: int, /) -> bytes:
         """The refs of an extent's COMMITTED slots, ascending."""
+    def rescale_access(self, shift: int, /) -> int:
+        """Shift every COMMITTED block's last access right by shift bits; how many."""
     def extents(self, /) -> list[int]:
         """The extents' ids, ascending."""
     def check(self, /) -> list[str]:

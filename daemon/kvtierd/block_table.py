@@ -31,7 +31,8 @@ Operations (each one native call):
   policy's choice of evictable blocks: sampled LRU or CLOCK, bounded work),
   ``evict`` (free them, or take them into RESERVED), ``dirty`` (demotion
   candidates), ``set_lower`` (what the spill tiers hold);
-* reading: ``counts`` (per extent or table, O(1)), ``inspect``, ``check``
+* reading: ``counts`` (per extent or table, O(1); with the extent's newest
+  access, what reclaim across namespaces compares), ``inspect``, ``check``
   (records against slot tables), ``native_bytes``.
 
 How ``store.Store`` maps onto it (the next step; one table per namespace,
@@ -59,7 +60,8 @@ ref):
 * ``adopt_extent``: ``add_segment`` + ``adopt(seg, boot_epoch,
   referenced_from=<median last access of all extents>)`` + ``committed(extent)``
   for the shared index (keys read from the table);
-  ``finish_recovery``: the access sequence goes on from ``max_last_access``;
+  ``finish_recovery``: the access sequence goes on from ``max_last_access``
+  (past 2**47: ``rescale_access`` first);
 * ``_retire_extents``/``_reformat``: ``remove_extent`` (before the segment
   is closed: the table holds its mapping exported until then);
 * ``lookup``/``acquire`` through the shared index: ``match_keys(refs, keys)``
@@ -126,6 +128,10 @@ class Counts:
     doomed: int
     evictable: int
     clean: int
+    #: The largest last access the blocks were given (commit, touch, adopt); never
+    #: decreases while the extent is in the table.  Reclaim across namespaces takes
+    #: the extent whose newest access is oldest (its every block is at least as old).
+    newest_access: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -207,6 +213,12 @@ class BlockTable:
         got = self._t.adopt(seg.segment_id, boot_epoch, seg.intact_bytes, referenced_from)
         return Adoption(adopted=got["adopted"], reserved=got["reserved"], free=got["free"],
                         max_last_access=got["max_last_access"], dropped=dict(got["dropped"]))
+
+    def rescale_access(self, shift: int) -> int:
+        """Shift every block's persisted last access right by ``shift`` bits (order kept,
+        ties may appear): recovery's way back from a sequence in the upper half of its
+        2**48 range.  Returns how many blocks were rescaled."""
+        return self._t.rescale_access(shift)
 
     def committed(self, extent_id: int) -> Refs:
         """The refs of an extent's COMMITTED slots, ascending."""

@@ -37,11 +37,12 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Final, NamedTuple, TypeAlias, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier import _accel, _page
 
@@ -260,6 +261,25 @@ class SharedIndex:
             for key, loc in list(self.unpublished.items()):
                 self.add(key, loc)  # (leaves the set when it goes in)
         self._flags()
+
+    def find_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
+        """The daemon's batch lookup (the table as its key index, issue 26): each key's
+        block ref, ``segment_id << 32 | slot`` (``block_table.refs_of``), or 0 when the
+        table does not hold it (hidden keys are absent).  A fingerprint match: a key
+        that is not 16 bytes long is held as a hash, so the caller checks such hits
+        against the slot entry's key (``BlockTable.match_keys``).  Keys the table left
+        out (``unpublished``) are found there."""
+        t = self._table
+        if t is None:
+            out = np.zeros(len(keys), dtype=np.uint64)
+        else:
+            out = np.frombuffer(_native.index_find_many(t.mm, keys), dtype=np.uint64).copy()
+        if self.unpublished:
+            for i, key in enumerate(keys):
+                loc = self.unpublished.get(key)
+                if loc is not None and not out[i]:
+                    out[i] = loc[0] << 32 | loc[1]
+        return out
 
     def fingerprints(self) -> list[bytes]:
         """The fingerprints of the published keys (for ``Store.check``)."""

@@ -131,7 +131,7 @@ def test_native_record_is_at_most_16_bytes_a_slot() -> None:
 
 def test_add_extent_validates_and_starts_all_free() -> None:
     t, meta = table(8)
-    assert t.counts() == bt.Counts(8, 8, 0, 0, 0, 0, 0, 0, 0)
+    assert t.counts() == bt.Counts(8, 8, 0, 0, 0, 0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="already in the table"):
         t.add_extent(1, 8, bytearray(8 * 128), CREATED)
     with pytest.raises(ValueError, match="at least 1024 bytes"):
@@ -334,7 +334,7 @@ def test_evict_frees_or_reserves_unpinned_blocks_only() -> None:
     r = rows(meta)
     assert r["state"][:3].tolist() == [FREE, RESERVED, COMMITTED]
     assert r["generation"][1] == 2 and r["entry_sum"][1] == 0
-    assert t.counts() == bt.Counts(4, 2, 1, 1, 1, 1, 0, 0, 0) and t.check() == []
+    assert t.counts() == bt.Counts(4, 2, 1, 1, 1, 1, 0, 0, 0, 3) and t.check() == []
 
 
 def test_match_keys_compares_persisted_keys_of_committed_blocks() -> None:
@@ -961,5 +961,57 @@ def test_adopt_gives_recently_used_blocks_their_clock_bit(shm_dir: str) -> None:
     assert again.inspect(refs)["flags"].tolist() == [0] * 4 + [bt.REFERENCED] * 4
     # the hand takes the older half first
     assert sorted(split(again.victims(4, Policy.CLOCK))[1].tolist()) == [0, 1, 2, 3]
+    again.remove_extent(seg.segment_id)
+    seg.close(unlink=True)
+
+
+def test_an_extents_newest_access_follows_commit_touch_and_adopt(shm_dir: str) -> None:
+    """What reclaim across namespaces compares: the largest last access an extent's
+    blocks were given, kept per extent in O(1), and never lowered by a block leaving."""
+    seg = make_segment(shm_dir, 8)
+    t = BlockTable(BLOCK, SLOT)
+    t.add_segment(seg)
+    t.add_extent(9, 4, bytearray(4 * SLOT_ENTRY_BYTES), CREATED)
+    assert t.counts(seg.segment_id).newest_access == 0  # nothing committed yet
+    refs = claimed(t, 8)
+    mine = refs[split(refs)[0] == seg.segment_id]
+    commit(t, mine, first=100)
+    assert t.counts(seg.segment_id).newest_access == 100 + len(mine) - 1
+    t.touch(mine[:1], 500)
+    assert t.counts(seg.segment_id).newest_access == 500
+    assert t.counts().newest_access == 500  # the table's: its newest extent's
+    assert t.counts(9).newest_access == 0
+    t.delete(mine[:1])  # the newest block left: the bound stays
+    assert t.counts(seg.segment_id).newest_access == 500
+    t.remove_extent(9, force=True)
+    t.remove_extent(seg.segment_id)
+    again = BlockTable(BLOCK, SLOT)
+    again.add_segment(seg)
+    got = again.adopt(seg, EPOCH)
+    assert again.counts(seg.segment_id).newest_access == got.max_last_access == 100 + len(mine) - 1
+    again.remove_extent(seg.segment_id)
+    seg.close(unlink=True)
+
+
+def test_rescale_access_keeps_the_order_and_the_entries_valid(shm_dir: str) -> None:
+    seg = make_segment(shm_dir, 8)
+    t = BlockTable(BLOCK, SLOT)
+    t.add_segment(seg)
+    refs = claimed(t, 6)
+    base = (1 << 47) + 12345
+    commit(t, refs, first=base)
+    t.delete(refs[5:])
+    before = seg.scan()["last_access"][:5].tolist()
+    with pytest.raises(ValueError, match="0..63"):
+        t.rescale_access(64)
+    assert t.rescale_access(20) == 5
+    after = seg.scan()["last_access"][:5].tolist()
+    assert after == [v >> 20 for v in before] and after == sorted(after)
+    assert t.counts(seg.segment_id).newest_access == (base + 4) >> 20
+    assert t.check() == []
+    t.remove_extent(seg.segment_id)
+    again = BlockTable(BLOCK, SLOT)  # the entries still verify (the field is not summed)
+    again.add_segment(seg)
+    assert again.adopt(seg, EPOCH).adopted == 5
     again.remove_extent(seg.segment_id)
     seg.close(unlink=True)

@@ -170,6 +170,43 @@ def test_a_full_table_is_replaced_and_the_old_one_says_so() -> None:
     shared.close()
 
 
+def test_find_many_answers_each_keys_ref_through_growth_hiding_and_left_out_keys() -> None:
+    """The daemon's batch lookup (the table as its key index): segment << 32 | slot per
+    key, 0 when absent, for exact (16-byte) and hashed keys alike."""
+    shared = SharedIndex("ns", lower_tiers=False, max_probe=128)
+    table = shared._table
+    assert table is not None
+    seed = struct.unpack_from("<Q", table.mm, 24)[0]
+    keys = [secrets.token_bytes(16) for _ in range(500)] + [b"k%d" % i for i in range(500)]
+    for i, k in enumerate(keys):
+        shared.add(k, (7 + i % 3, i, i * 4096, 1, None))
+    assert shared.capacity > MIN_CAPACITY  # it grew on the way: refs survive the copy
+    want = [(7 + i % 3) << 32 | i for i in range(len(keys))]
+    assert shared.find_many(keys).tolist() == want
+    assert shared.find_many([b"absent", keys[3]]).tolist() == [0, want[3]]
+    shared.hide(keys[3])
+    shared.discard(keys[600])
+    assert shared.find_many([keys[3], keys[600], keys[4]]).tolist() == [0, 0, want[4]]
+    shared.add(keys[3], (9, 3, 0, 1, None))  # moved
+    assert shared.find_many([keys[3]]).tolist() == [9 << 32 | 3]
+    assert shared.find_many([]).tolist() == []
+    with pytest.raises(ValueError, match="bytes"):
+        shared.find_many([b""])
+    shared.close()
+    # Keys the table left out (past the probe limit) are found where they are kept.
+    crowded = SharedIndex("ns", lower_tiers=False, max_probe=128)
+    t2 = crowded._table
+    assert t2 is not None
+    seed = struct.unpack_from("<Q", t2.mm, 24)[0]
+    near = _colliding(seed, MIN_CAPACITY, 130)
+    for i, k in enumerate(near):
+        crowded.add(k, (5, i, 0, 1, None))
+    assert len(crowded.unpublished) == 2
+    assert crowded.find_many(near).tolist() == [5 << 32 | i for i in range(130)]
+    crowded.close()
+    assert crowded.find_many(near[:1]).tolist() == [0]  # closed: holds nothing
+
+
 def test_key_index_mirrors_the_dict_and_refuses_other_mutations() -> None:
     idx: KeyIndex[int] = KeyIndex()
     idx[b"early"] = 0
