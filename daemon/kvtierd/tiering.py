@@ -69,7 +69,10 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
+import numpy as np
+
 from kvtier.errors import CapacityExhausted, Corrupted, FailedPrecondition, NotFound
+from kvtierd.block_table import PREFETCHED
 from kvtierd.cluster.tier import ClusterTier
 from kvtierd.logs import Throttle, event, more
 from kvtierd.shared_index import SessionPage
@@ -218,7 +221,7 @@ class _Drain:
         if block not in self.pending:
             return
         del self.pending[block]
-        if block.doomed or block.ns.index.get(block.key) is not block:
+        if block.doomed or block.ns.index.get(block.key) != block:
             self.done_blocks += 1  # gone from DRAM: nothing left to lose
             self.done_bytes += block.length
         elif block.lower == Lower.CLEAN:
@@ -554,10 +557,15 @@ class Tiering:
                 finally:
                     for lease in leases:
                         self.store.unpin(lease)
-        for block in _prefix(ns, keys[: len(tiers)]):
-            if block.prefetched:
-                block.prefetched = False
-                self.counters.prefetch_hits += 1
+        # Prefetched blocks read now count as prefetch hits (the acquire's touch clears
+        # the mark).
+        refs = ns.index.find(keys[: len(tiers)]) if tiers else None
+        if refs is not None:
+            missing = np.flatnonzero(refs == 0)
+            refs = refs[: int(missing[0]) if len(missing) else len(refs)]
+            if len(refs):
+                flags = ns.table.inspect(refs)["flags"]
+                self.counters.prefetch_hits += int(np.count_nonzero(flags & PREFETCHED))
         result = self.store.acquire(session, keys[: len(tiers)])
         ns.misses += len(keys) - len(tiers)  # store.acquire counted the rest
         return result, tiers[: len(result.slots)]
@@ -636,7 +644,8 @@ class Tiering:
             if block is None:
                 continue
             self.store.set_lower(block, Lower.CLEAN)
-            block.prefetched = prefetch
+            if prefetch:
+                ns.table.set_prefetched([block.ref])
             self.counters.promotions[self._by_id[tier].name] += 1
 
     def _read_block(self, namespace: str, key: bytes, tier: Tier, dst: memoryview,
@@ -776,7 +785,7 @@ class Tiering:
         n = self.store.commit(session, reservation_id, lengths, checksums)
         if self.enabled:
             index = session.ns.index
-            self._committed([index[k] for k in keys if k in index])
+            self._committed([b for k in keys if (b := index.get(k)) is not None])
         return n
 
     def commit_from_page(self, session: Session, page: SessionPage) -> PageCommits:
@@ -962,7 +971,7 @@ class Tiering:
 
         urgent, self._urgent = self._urgent, []
         add([b for b in urgent if b.pins == 0 and b.lower == Lower.DIRTY and not b.doomed
-             and b.ns.index.get(b.key) is b])
+             and b.ns.index.get(b.key) == b])
         acct = self.store.dram_bytes()
         target = int(self.policy.clean_ahead * acct["total"])
         free = acct["free"]
@@ -985,7 +994,7 @@ class Tiering:
                     self._lose(block, "demotion")
                     continue
                 if res and synced:
-                    if block.doomed or block.ns.index.get(block.key) is not block:
+                    if block.doomed or block.ns.index.get(block.key) != block:
                         self._forget(block)  # deleted meanwhile: never resurrect it
                         continue
                     self.store.set_lower(block, Lower.CLEAN)
@@ -1077,7 +1086,7 @@ class Tiering:
         (A store method would say it better: ``Store.drop_block(block)``, the
         per-block core of a delete that needs no session.)"""
         ns = block.ns
-        if block.doomed or ns.index.get(block.key) is not block:
+        if block.doomed or ns.index.get(block.key) != block:
             return
         self.store.delete(self.store.system_session(ns), [block.key])
         self._slot_fault(ns.name, block.key, op)
@@ -1301,7 +1310,7 @@ class Tiering:
                 list(ns.index.values()) for ns in list(self.store.namespaces.values())))
             for i in range(0, len(blocks), DRAIN_COLLECT_CHUNK):
                 for b in blocks[i : i + DRAIN_COLLECT_CHUNK]:
-                    if b.doomed or b.ns.index.get(b.key) is not b:
+                    if b.doomed or b.ns.index.get(b.key) != b:
                         continue
                     if b.lower == Lower.CLEAN:
                         if not self._lossy:
@@ -1341,7 +1350,7 @@ class Tiering:
         which evicts) has evicted again meanwhile (and has not passed on below)."""
         if not self.lower or not self.lower[0].local:
             return
-        missing = [b for b in d.copied if not b.doomed and b.ns.index.get(b.key) is b
+        missing = [b for b in d.copied if not b.doomed and b.ns.index.get(b.key) == b
                    and self._local_copy(b.ns.name, b.key, self._geometry(b.ns)) is None]
         if missing and self._remote:
             remote = self._remote
@@ -1356,7 +1365,7 @@ class Tiering:
             there = await self._run(lambda: [anywhere(b) for b in missing])
             missing = [b for b, ok in zip(missing, there, strict=True) if not ok]
         for b in missing:
-            if b.doomed or b.ns.index.get(b.key) is not b:
+            if b.doomed or b.ns.index.get(b.key) != b:
                 continue
             d.done_blocks -= 1
             d.done_bytes -= b.length
@@ -1378,7 +1387,7 @@ class Tiering:
         for scanned, b in enumerate(d.pending):
             if scanned >= DRAIN_SCAN_LIMIT or len(out) >= limit:
                 break
-            if b.doomed or b.ns.index.get(b.key) is not b or b.lower == Lower.CLEAN:
+            if b.doomed or b.ns.index.get(b.key) != b or b.lower == Lower.CLEAN:
                 settled.append(b)
             elif not self._moving(b.ns.name, b.key):
                 out.append(b)

@@ -4,22 +4,27 @@ validated them, and ordering the adopted blocks once every extent is in."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.errors import (
     CapacityExhausted,
     FailedPrecondition,
 )
 from kvtierd.segments import (
+    FLAG_HAS_CHECKSUM,
+    KEY_OFFSET,
     MAX_ACCESS_SEQ,
+    SLOT_DTYPE,
+    SLOT_ENTRY_BYTES,
     Segment,
+    SlotState,
 )
-from kvtierd.store.base import _recommit, _Undo
+from kvtierd.shared_index import Location
 from kvtierd.store.fast_path import FastPath
-from kvtierd.store.types import AdoptedSlots, Block, Extent
+from kvtierd.store.types import Extent, Namespace
 
 log = logging.getLogger(__name__)
 
@@ -49,124 +54,119 @@ class Adoption(FastPath):
         if ns is not None and any(e.segment.index == segment.index for e in ns.extents):
             raise FailedPrecondition(f"extent {segment.index} of {segment.namespace!r} twice")
 
-    def adopt_extent(self, segment: Segment, slots: AdoptedSlots) -> int:
-        """Take over a segment of a previous run, as ``recovery`` validated it.
+    def adopt_segment(self, segment: Segment, *, referenced_from: int = 2**64 - 1
+                      ) -> tuple[int, dict[str, int]]:
+        """Take over a segment of a previous run: every slot validated natively as
+        ``recovery.scan_slots`` does (``BlockTable.adopt``): valid COMMITTED entries
+        become visible blocks, RESERVED slots are quarantined for the reservation TTL
+        (a writer of the previous daemon may still be copying), the rest are freed.
+        Blocks last accessed at ``referenced_from`` or later keep their CLOCK bit.
 
-        ``slots`` holds what may become visible blocks (every field checked),
-        the RESERVED slots (quarantined for the reservation TTL: a writer of
-        the previous daemon may still be copying, then freed) and the free
-        ones.  Returns the blocks recovered.  Raises like ``check_adoptable``
-        (or when a slot-table write fails); the store is unchanged then.
+        Returns (blocks recovered, dropped slots by reason).  Raises like
+        ``check_adoptable``; the store is unchanged then.
         """
         self.check_adoptable(segment)
         lay = segment.layout
         ns = self.namespaces.get(segment.namespace)
-        index: dict[bytes, Block] = ns.index if ns is not None else {}
-        adopted, adopted_at = self._adopted, self._adopted_at
-        # Plan: the newest copy of each key wins (the same key twice is never written
-        # so; be safe).  Losers in this segment are freed, and so are adopted blocks of
-        # other extents that a newer copy here beats.
-        mine: dict[bytes, tuple[int, int, int | None, int]] = {}  # key -> slot, length, sum, last
-        lose_here: list[int] = []
-        beaten: list[Block] = []
-        rows = zip(slots.keys, zip(slots.slots, slots.lengths, slots.checksums,
-                                   slots.last_access, strict=True), strict=True)
-        unique = (len(set(slots.keys)) == len(slots.keys)
-                  and index.keys().isdisjoint(slots.keys))  # no key twice: the common case
-        if not unique:
-            for key, (slot, length, checksum, last) in rows:
-                prev = mine.get(key)
-                old = index.get(key) if prev is None else None
-                if prev is not None or old is not None:
-                    log.warning("namespace %r: key %s committed twice; keeping the newer copy",
-                                segment.namespace, key.hex())
-                if prev is not None:
-                    if prev[3] >= last:
-                        lose_here.append(slot)
-                        continue
-                    lose_here.append(prev[0])
-                elif old is not None:
-                    try:
-                        old_last: float = adopted_at[adopted.index(old)]  # rare: linear is fine
-                    except ValueError:
-                        old_last = float("inf")  # not from a previous run: newer than any
-                    if old_last >= last:
-                        lose_here.append(slot)
-                        continue
-                    beaten.append(old)
-                mine[key] = (slot, length, checksum, last)
-        with _Undo() as undo:
-            for slot in lose_here:
-                undo.add(_recommit, segment, slot)
-                segment.mark_free(slot)
-            for old in beaten:
-                undo.add(_recommit, old.extent.segment, old.slot)
-                old.extent.segment.mark_free(old.slot)
-        # Applied: nothing below can fail.
         if ns is None:
-            # Published in bulk by finish_recovery, not key by key here.
             ns = self._new_namespace(segment.namespace, lay.block_bytes, segment.model_uid,
                                      lay.slot_bytes, publish=False)
-        # pop() hands out the lowest slot first
-        ext = Extent(segment, sorted([*slots.free, *lose_here], reverse=True),
-                     list(slots.generations))
+        ns.table.add_segment(segment)
+        got = ns.table.adopt(segment, self.boot_epoch, referenced_from=referenced_from)
+        ext = Extent(segment, ns.table)
+        states = segment.scan(copy=False)["state"]
         deadline = self._clock() + self.reservation_ttl
-        for slot in slots.reserved:
-            ext.quarantine[slot] = deadline
-        ext.reserved += len(ext.quarantine)
-        ns.reserved += len(ext.quarantine)
-        for old in beaten:
-            del ns.index[old.key]
-            at = adopted.index(old)
-            del adopted[at], adopted_at[at]
-            self._unaccount(old)
-            old.extent.free.append(old.slot)
-            ns.recovered -= 1
-        if unique:
-            keys, at_slots = slots.keys, slots.slots
-            lengths, sums, lasts = slots.lengths, slots.checksums, slots.last_access
-        else:
-            keys = list(mine)
-            at_slots, lengths, sums, lasts = (list(col) for col in zip(*mine.values(),
-                                                                       strict=True)) \
-                if mine else ([], [], [], [])
-        gens = ext.generations
-        # Built by map() from C: a quarter of a million blocks in a few hundred ms.
-        new = list(map(Block, itertools.repeat(ns), keys, itertools.repeat(ext), at_slots,
-                       lengths, sums, map(gens.__getitem__, at_slots)))
-        ns.index.update(zip(keys, new, strict=True))
-        adopted.extend(new)
-        adopted_at.extend(lasts)
-        recovered = len(new)
-        ext.committed += recovered
-        ext.dirty += recovered
-        ns.committed += recovered
-        self.budget_free -= lay.file_bytes
+        ext.quarantine = dict.fromkeys(np.flatnonzero(states == SlotState.RESERVED).tolist(),
+                                       deadline)
+        del states
         ns.extents.append(ext)
+        ns.by_id[ext.id] = ext
         ns.extents.sort(key=lambda e: e.segment.index)
         ns.next_extent_index = max(ns.next_extent_index, segment.index + 1)
+        self.budget_free -= lay.file_bytes
+        self._last_adopted = max(self._last_adopted, got.max_last_access)
+        recovered = self._index_adopted(ns, ext)
         ns.recovered += recovered
-        return recovered
+        return recovered, got.dropped
+
+    def _index_adopted(self, ns: Namespace, ext: Extent) -> int:
+        """Put an adopted extent's blocks in the key index; a key committed twice (never
+        written so; be safe) keeps its newest copy, the other is freed."""
+        refs = ns.table.committed(ext.id)
+        if not len(refs):
+            return 0
+        slots = (refs & np.uint64(0xFFFF_FFFF)).astype(np.int64)
+        raw = ext.segment.raw_table()
+        rows = np.frombuffer(raw, dtype=SLOT_DTYPE, count=ext.n_slots)[slots]
+        keys = _keys_at(raw, slots, rows["key_len"].astype(np.int64))
+        offsets = (slots * ext.segment.layout.slot_bytes).tolist()
+        sums = np.where(rows["flags"] & FLAG_HAS_CHECKSUM, rows["checksum"], 0).tolist()
+        has = (rows["flags"] & FLAG_HAS_CHECKSUM).astype(bool).tolist()
+        locs = [(ext.id, sl, off, ln, sm if h else None) for sl, off, ln, sm, h in
+                zip(slots.tolist(), offsets, rows["length"].tolist(), sums, has, strict=True)]
+        lasts = rows["last_access"].tolist()
+        present = ns.index.find(keys)
+        if len(set(keys)) != len(keys) or present.any():
+            keys, locs, lose = _newest_copies(ns, keys, locs, lasts, refs, present)
+            ns.index.remove([key for key, _ref, indexed in lose if indexed])
+            if lose:
+                ns.table.delete(np.array([ref for _key, ref, _ in lose], dtype=np.uint64))
+        ns.index.add(keys, locs)
+        return len(keys)
 
     def finish_recovery(self) -> None:
-        """Order the adopted blocks by their persisted last access (oldest first in the LRU).
-
-        The access sequence goes on from the newest one; when that is in the upper
-        half of its range (a long-lived cache, or a damaged table) the adopted
-        blocks are renumbered 1..n in the same order first, so it never runs into
-        the bound recovery enforces (``MAX_ACCESS_SEQ``).
-        """
-        blocks = self._adopted
-        lasts = np.array(self._adopted_at, dtype=np.uint64)
-        order = np.argsort(lasts, kind="stable").tolist()
-        top = int(lasts.max()) if len(blocks) else 0
-        if top >= MAX_ACCESS_SEQ // 2:  # the writes first: a failure leaves memory as it was
-            for rank, i in enumerate(order, 1):
-                blocks[i].extent.segment.touch(blocks[i].slot, rank)
-            top = len(order)
-        self.lru.update(zip(map(blocks.__getitem__, order), itertools.repeat(None)))
-        self._access_seq = itertools.count(top + 1)
-        self._adopted, self._adopted_at = [], []
+        """The access sequence goes on from the newest adopted one; when that is in the
+        upper half of its range (a long-lived cache, or a damaged table) every adopted
+        block's last access is shifted down first (order kept: ``rescale_access``), so
+        it never runs into the bound recovery enforces (``MAX_ACCESS_SEQ``)."""
+        top = self._last_adopted
+        if top >= MAX_ACCESS_SEQ // 2:
+            shift = top.bit_length() - (MAX_ACCESS_SEQ // 4).bit_length()
+            for ns in self.namespaces.values():
+                ns.table.rescale_access(shift)
+            top >>= shift
+        self._next_access = max(self._next_access, top + 1)
+        self._last_adopted = 0
         for ns in self.namespaces.values():
-            if ns.index.shared is None:
-                self._publish(ns)
+            self._publish(ns)
+
+
+def _keys_at(raw: bytes, slots: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]
+             ) -> list[bytes]:
+    """The keys of ``slots`` (in that order) from a slot table's bytes: keys of one
+    length come out of numpy at once (tables hold one key length or a few)."""
+    rows = np.frombuffer(raw, dtype=np.uint8).reshape(-1, SLOT_ENTRY_BYTES)
+    out = np.empty(len(slots), dtype=object)
+    for k in np.unique(lengths).tolist():
+        pick = lengths == k
+        cols = np.ascontiguousarray(rows[slots[pick], KEY_OFFSET : KEY_OFFSET + k])
+        out[pick] = [bytes(c) for c in cols]
+    keys: list[bytes] = out.tolist()
+    return keys
+
+
+def _newest_copies(ns: Namespace, keys: list[bytes], locs: list[Location], lasts: list[int],
+                   refs: npt.NDArray[np.uint64], present: npt.NDArray[np.uint64]
+                   ) -> tuple[list[bytes], list[Location], list[tuple[bytes, int, bool]]]:
+    """Of keys adopted twice (here, or already in the index from another extent), the
+    copy last accessed most recently stays: (keys, locations) to index, and (key, ref,
+    indexed) of each copy to free (``indexed``: the index holds it now)."""
+    best: dict[bytes, tuple[int, int, Location | None]] = {}  # last, ref, loc (None: indexed)
+    lose: list[tuple[bytes, int, bool]] = []
+    for key, loc, last, ref, old in zip(keys, locs, lasts, refs.tolist(), present.tolist(),
+                                        strict=True):
+        if key in best or old:
+            log.warning("namespace %r: key %s committed twice; keeping the newer copy",
+                        ns.name, key.hex())
+        if old and key not in best:
+            held = ns.by_id[old >> 32].segment.read_slot(old & 0xFFFF_FFFF).last_access
+            best[key] = (held, old, None)
+        prev = best.get(key)
+        if prev is None or last > prev[0]:
+            if prev is not None:
+                lose.append((key, prev[1], prev[2] is None))
+            best[key] = (last, ref, loc)
+        else:
+            lose.append((key, ref, False))
+    out = [(k, v[2]) for k, v in best.items() if v[2] is not None]
+    return [k for k, _ in out], [loc for _, loc in out], lose
