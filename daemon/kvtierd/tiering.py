@@ -957,15 +957,15 @@ class Tiering:
         a running drain's blocks."""
         depth = self.policy.queue_depth
         batch: list[Block] = []
-        seen: set[int] = set()
+        seen: set[Block] = set()
 
         def add(blocks: list[Block]) -> None:
             size = sum(b.ns.slot_bytes for b in batch)
             for b in blocks:
                 if len(batch) >= depth or size >= BATCH_BYTES:
                     return
-                if id(b) not in seen:
-                    seen.add(id(b))
+                if b not in seen:
+                    seen.add(b)
                     batch.append(b)
                     size += b.ns.slot_bytes
 

@@ -980,7 +980,7 @@ def pin_without_a_lease(env: StoreEnv, s: Session) -> None:
 
 @corruption
 def lease_forgotten_with_its_pin(env: StoreEnv, s: Session) -> None:
-    (lease,) = s.leases.values()
+    lease = next(iter(s.leases.values()))
     del s.leases[lease.id]
     del env.store._leases[lease.id]
 

@@ -219,6 +219,13 @@ class Room(StoreBase):
                     if name in self.namespaces:
                         self._forget_if_unused(self.namespaces[name])
             raise _NeedExtent(n)
+        if dirty_ext and (len(same_ns) < short
+                          or dirty_ext[0].counts().newest_access < self._oldest(same_ns)):
+            # Another namespace's extent, older than what CLOCK would evict here, waits
+            # only for its DIRTY blocks to be demoted: demote them, then reclaim it.
+            ext = dirty_ext[0]
+            raise NeedDemotion(ns, short, self._blocks_of(
+                self.namespaces[ext.segment.namespace], ext, dirty=True))
         if len(same_ns) >= short:
             return same_ns[:short]
         if spill:
@@ -228,10 +235,6 @@ class Room(StoreBase):
             want = short - len(same_ns)
             refs = ns.table.dirty(want, Policy.CLOCK, skip=skip)
             wanted = [b for r in refs.tolist() if (b := ns.block_at(r)) is not None]
-            if dirty_ext and len(wanted) < want:
-                ext = dirty_ext[0]
-                wanted += self._blocks_of(self.namespaces[ext.segment.namespace], ext,
-                                          dirty=True)
             in_flight = any(s.leases for s in self._system_sessions.values())
             if wanted or in_flight:
                 raise NeedDemotion(ns, short - len(same_ns), wanted)
@@ -297,12 +300,12 @@ class Room(StoreBase):
         candidates.sort(key=lambda t: t[0])
         dirty_ext.sort(key=lambda t: t[0])
         # The oldest block CLOCK would evict here: an extent older than it goes first.
-        ours = min((self._last_access(b) for b in same_ns), default=None)
+        ours = self._oldest(same_ns)
         enough = len(same_ns) >= short
         for newest, ext in candidates:
             if funded():
                 break
-            if newest and enough and ours is not None and newest >= ours:
+            if newest and enough and newest >= ours:
                 break
             reclaim.append(ext)
             reclaim_bytes += ext.bytes
@@ -311,8 +314,10 @@ class Room(StoreBase):
         return reclaim, [e for _, e in dirty_ext]
 
     @staticmethod
-    def _last_access(block: Block) -> int:
-        return block.extent.segment.read_slot(block.slot).last_access
+    def _oldest(blocks: Sequence[Block]) -> int:
+        """The oldest last access of ``blocks`` (2**64 when there are none)."""
+        return min((b.extent.segment.read_slot(b.slot).last_access for b in blocks),
+                   default=2**64)
 
     async def _grow(self, ns: Namespace, need: int) -> bool:
         """Add extents to ``ns`` from the global budget until ``need`` slots are free.
