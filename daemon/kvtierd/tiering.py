@@ -489,12 +489,13 @@ class Tiering:
         """The tier of each key of the longest prefix some tier holds (fastest tier wins)."""
         tiers: list[int] = []
         geometry = self._geometry(ns)
+        in_dram = ns.index.find(keys).tolist() if keys else []  # one batch lookup
         i = 0
         while i < len(keys):
             key = keys[i]
             if (ns.name, key) in self._deleting:
                 break
-            if key in ns.index:
+            if in_dram[i]:
                 tiers.append(TIER_DRAM)
                 i += 1
                 continue
@@ -507,7 +508,7 @@ class Tiering:
                 break
             # The run of keys only a remote tier can hold: asked off the loop, in one go.
             j = i + 1
-            while (j < len(keys) and keys[j] not in ns.index
+            while (j < len(keys) and not in_dram[j]
                    and self._local_copy(ns.name, keys[j], geometry) is None
                    and (ns.name, keys[j]) not in self._deleting):
                 j += 1
@@ -543,7 +544,7 @@ class Tiering:
         Returns the lease and the tier each hit was found on.
         """
         ns = session.ns
-        tiers: list[int] = [TIER_DRAM] * sum(1 for _ in _prefix(ns, keys))
+        tiers: list[int] = [TIER_DRAM] * ns.index.prefix(keys)
         if self.enabled and len(tiers) < len(keys):
             tiers = await self._locate(ns, keys)
             if any(t != TIER_DRAM for t in tiers):
@@ -1415,16 +1416,6 @@ class Tiering:
         for tier in lower:
             problems += tier.check()
         return problems
-
-
-def _prefix(ns: Namespace, keys: Sequence[bytes]) -> list[Block]:
-    out = []
-    for key in keys:
-        block = ns.index.get(key)
-        if block is None:
-            break
-        out.append(block)
-    return out
 
 
 #: The setting that turns a tier on (for "this daemon has no ... tier" messages).

@@ -129,13 +129,14 @@ class Pinned:
     reused.
     """
 
-    __slots__ = ("_ns", "hazards", "_segments")
+    __slots__ = ("_ns", "hazards", "_segments", "_skip")
 
     def __init__(self, ns: Namespace, hazards: AbstractSet[int]) -> None:
         self._ns = ns
         #: The hazards of ``ns``'s pages (``hazard_of`` values).
         self.hazards = hazards
         self._segments: set[int] | None = None
+        self._skip: npt.NDArray[np.uint64] | None = None
 
     def slot(self, ext: Extent, slot: int) -> bool:
         """A client leases ``slot`` of ``ext`` without a call."""
@@ -148,7 +149,10 @@ class Pinned:
         """The hazards as refs the table skips (None: none)."""
         if not self.hazards:
             return None
-        return np.fromiter((v & ~HAZARD_BIT for v in self.hazards), dtype=np.uint64)
+        if self._skip is None:
+            words = np.fromiter(self.hazards, dtype=np.uint64, count=len(self.hazards))
+            self._skip = words & np.uint64(~HAZARD_BIT & (2**64 - 1))
+        return self._skip
 
     def extent(self, ext: Extent) -> bool:
         """Some block of ``ext`` is pinned.  A hazard counts only where it names a slot

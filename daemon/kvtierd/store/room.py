@@ -58,10 +58,10 @@ class Room(StoreBase):
         blocks ``_take_slots`` chose are evicted into them), all or nothing: (extent,
         slot, new generation) each.  With ``partial``, fewer (the free ones) rather
         than raise when no more room can be made now."""
-        free, victims = self._take_slots(ns, n, may_grow=may_grow, partial=partial)
+        free, victims, pinned = self._take_slots(ns, n, may_grow=may_grow, partial=partial)
         # Applied: the table's calls below were validated by the plan (on the loop,
         # nothing changed since) and change every slot or none.
-        refs, short = ns.table.claim(free, self.pinned(ns).skip()) if free else (_NO_REFS, 0)
+        refs, short = ns.table.claim(free, pinned.skip()) if free else (_NO_REFS, 0)
         assert short == 0, f"{short} free slots vanished since the plan"
         if victims:
             vrefs = _refs((b.extent, b.slot) for b in victims)
@@ -79,7 +79,7 @@ class Room(StoreBase):
                 for r, g in zip(refs.tolist(), gens, strict=True)]
 
     def _take_slots(self, ns: Namespace, n: int, *, may_grow: bool, partial: bool = False
-                    ) -> tuple[int, list[Block]]:
+                    ) -> tuple[int, list[Block], Pinned]:
         """Plan room for ``n`` slots of ``ns``: how many free slots to claim and which
         blocks to evict for the rest (nothing changes yet).
 
@@ -93,12 +93,12 @@ class Room(StoreBase):
         pinned = self.pinned(ns)
         free = min(n, self._usable_free(ns, pinned))
         if free == n:
-            return n, []
+            return n, [], pinned
         try:
             victims = self._find_room(ns, n, free, may_grow=may_grow, pinned=pinned)
         except CapacityExhausted:
             if partial:
-                return free, []
+                return free, [], pinned
             raise
         if ns.pages and victims:
             ns.index.hide([b.key for b in victims])
@@ -106,7 +106,8 @@ class Room(StoreBase):
             if any(now.slot(b.extent, b.slot) for b in victims):
                 ns.index.unhide(victims)
                 raise _Raced()
-        return free, victims
+            pinned = now
+        return free, victims, pinned
 
     def _revoke_idle_grants(self, exts: Sequence[Extent]) -> None:
         """Take back the untaken grants in extents about to be reclaimed, all or none:
@@ -374,14 +375,18 @@ class Room(StoreBase):
         skip = pinned.skip()
         if skip is None or not free:
             return free
-        ids = skip >> np.uint64(32)
-        slots = skip & np.uint64(0xFFFF_FFFF)
-        named = [r for r, i, sl in zip(skip.tolist(), ids.tolist(), slots.tolist(), strict=True)
-                 if i in ns.by_id and sl < ns.by_id[i].n_slots]
-        if not named:
+        # The hazards that name a free slot of ``ns`` (garbage names none): vectorised.
+        exts = np.array(sorted(ns.by_id), dtype=np.uint64)
+        sizes = np.array([ns.by_id[i].n_slots for i in sorted(ns.by_id)], dtype=np.uint64)
+        ids, slots = skip >> np.uint64(32), skip & np.uint64(0xFFFF_FFFF)
+        at = np.searchsorted(exts, ids)
+        ok = at < len(exts)
+        ok[ok] &= exts[at[ok]] == ids[ok]
+        ok[ok] &= slots[ok] < sizes[at[ok]]
+        named = np.unique(skip[ok])
+        if not len(named):
             return free
-        states = ns.table.inspect(np.array(sorted(set(named)), dtype=np.uint64))["state"]
-        return free - int(np.count_nonzero(states == 0))
+        return free - int(np.count_nonzero(ns.table.inspect(named)["state"] == 0))
 
     def _discard_made(self, made: asyncio.Future[Segment]) -> None:
         """Remove a segment made for a reserve that was cancelled meanwhile."""
