@@ -336,12 +336,13 @@ class StoreBase:
         return self._clock() - started
 
     def _end_grants(self, session: Session, entries: Iterable[int], *,
-                    quarantine: float | None = None) -> None:
+                    quarantine: float | None = None, freed: bool = False) -> None:
         """Take back grants: their slots are freed (or, with ``quarantine``, stay
-        RESERVED until then: a writer may still be copying into them)."""
+        RESERVED until then: a writer may still be copying into them; ``freed``: the
+        caller freed them already)."""
         page = session.ns.pages.get(session.id)
         entries = list(entries)
-        if quarantine is None:
+        if quarantine is None and not freed:
             session.ns.table.release_claims(_refs(session.grants[g][:2] for g in entries))
         for g in entries:
             ext, slot, _gen = session.grants.pop(g)
@@ -376,18 +377,22 @@ class StoreBase:
         _touched, prefetched = ns.table.touch(hints, self._access(len(hints)), hints=True)
         self.prefetched_reads += prefetched
 
-    def _commit(self, ns: Namespace, commits: Sequence[SlotCommit]) -> list[Block]:
+    def _commit(self, ns: Namespace, commits: Sequence[SlotCommit],
+                release: Sequence[tuple[Extent, int]] = ()) -> list[Block]:
         """The one commit transition (RESERVED -> COMMITTED), for a Commit call and a
-        page's commit records alike: the slot entries (``BlockTable.commit``, all or
-        nothing; ValueError changes nothing), then the key index -- the moment a
-        reader can find them.  Returns the blocks made (handles)."""
+        page's commit records alike: the slot entries (``BlockTable.commit``, with the
+        ``release`` slots freed in the same call: all or nothing, ValueError changes
+        nothing), then the key index -- the moment a reader can find them.  Returns
+        the blocks made (handles)."""
         if not commits:
+            if release:
+                ns.table.release_claims(_refs(release))
             return []
         refs = _refs((c.ext, c.slot) for c in commits)
         keys = [c.key for c in commits]
         ns.table.commit(refs, keys, [c.length for c in commits],
                         [c.checksum for c in commits], first_access=self._access(len(commits)),
-                        epoch=self.boot_epoch)
+                        epoch=self.boot_epoch, release=_refs(release) if release else None)
         made = [Block(ns, c.key, c.ext, c.slot, c.length, c.checksum, c.gen) for c in commits]
         ns.index.add(keys, [locate(b) for b in made])
         return made

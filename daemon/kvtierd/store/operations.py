@@ -104,12 +104,24 @@ class Operations(Room):
             return (0, 0)
         reservations = list(session.reservations.values())
         leases = list(session.leases.values())
-        # Applied: each table call below changes all of its slots (validated: the
-        # reservations' slots are RESERVED, the leases' blocks pinned).
+        ns = session.ns
+        # One table call: every reserved and granted slot freed, every pin ended (or none).
+        places = [(ext, slot) for res in reservations for ext, slot, _gen in res.places]
+        places += [(ext, slot) for ext, slot, _gen in session.grants.values()]
+        unpin = np.concatenate([lease.refs for lease in leases]) if leases else None
+        if places or unpin is not None:
+            ns.table.release_claims(_refs(places), unpin=unpin)
+        # Applied: nothing below can fail.
         session.closed = True
         for res in reservations:
-            self._end_reservation(res, None)
-        self._end_leases(leases)
+            for key in res.keys:
+                del ns.in_flight[key]
+            del session.reservations[res.id]
+            del self._reservations[res.id]
+        for lease in leases:
+            del session.leases[lease.id]
+            del self._leases[lease.id]
+        self._end_grants(session, list(session.grants), freed=True)
         self._end_grants(session, list(session.grants))
         del self.sessions[session.id]
         del self._by_token[session.token]
@@ -259,9 +271,7 @@ class Operations(Room):
         All or nothing: the commit (the one call that can refuse its input) goes first."""
         ns = res.session.ns
         freed, commits = self._split_end(res, commit)
-        made = iter(self._commit(ns, commits))
-        if freed:
-            ns.table.release_claims(_refs((ext, slot) for ext, slot, _gen in freed))
+        made = iter(self._commit(ns, commits, [(ext, slot) for ext, slot, _gen in freed]))
         # Applied: nothing below can fail.
         for key in res.keys:
             del ns.in_flight[key]

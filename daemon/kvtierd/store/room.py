@@ -61,12 +61,16 @@ class Room(StoreBase):
         free, victims, pinned = self._take_slots(ns, n, may_grow=may_grow, partial=partial)
         # Applied: the table's calls below were validated by the plan (on the loop,
         # nothing changed since) and change every slot or none.
-        refs, short = ns.table.claim(free, pinned.skip()) if free else (_NO_REFS, 0)
+        vrefs = _refs((b.extent, b.slot) for b in victims)
+        try:
+            # One call: the free slots and the victims (evicted into this claim), or none.
+            refs, short = ns.table.claim(free, pinned.skip(), evict=vrefs if victims else None)
+        except BaseException:
+            ns.index.unhide(victims)
+            raise
         assert short == 0, f"{short} free slots vanished since the plan"
         if victims:
-            vrefs = _refs((b.extent, b.slot) for b in victims)
             self._drop_from_index(ns, victims)
-            ns.table.evict(vrefs, reserve=True)
             refs = np.concatenate([refs, vrefs])
             self._report_evicted(victims)
         return self._places(ns, refs)

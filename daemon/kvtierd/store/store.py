@@ -12,7 +12,7 @@ from kvtierd.logs import event
 from kvtierd.store.adoption import Adoption
 from kvtierd.store.base import _refs
 from kvtierd.store.check import CheckSnapshot, _cross_check, _ExtentView, _NamespaceView
-from kvtierd.store.types import Extent, Namespace, Session
+from kvtierd.store.types import Extent, Lease, Namespace, Session
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +75,21 @@ class Store(Adoption):
             self._expire_reservation(res, until)
         for session, stale in stale_grants:
             self._end_grants(session, stale, quarantine=until)
-        by_ns: dict[int, tuple[Namespace, list[tuple[Extent, int]]]] = {}
+        # One table call per namespace: its due quarantine freed, its stale leases' pins
+        # ended (each all or nothing: a namespace that fails expires at the next sweep).
+        work: dict[int, tuple[Namespace, list[tuple[Extent, int]], list[Lease]]] = {}
         for ns, ext, slot in due:
-            del ext.quarantine[slot]
-            by_ns.setdefault(id(ns), (ns, []))[1].append((ext, slot))
-        for ns, places in by_ns.values():
-            ns.table.release_claims(_refs(places))
-        self._end_leases(stale_leases)
+            work.setdefault(id(ns), (ns, [], []))[1].append((ext, slot))
+        for lease in stale_leases:
+            work.setdefault(id(lease.ns), (lease.ns, [], []))[2].append(lease)
+        for ns, places, leases in work.values():
+            ns.table.release_claims(_refs(places), unpin=np.concatenate(
+                [lease.refs for lease in leases]) if leases else None)
+            for ext, slot in places:
+                del ext.quarantine[slot]
+            for lease in leases:
+                del lease.session.leases[lease.id]
+                del self._leases[lease.id]
         # Leases made without a call: their hazards are zeroed (the slots are free to reuse).
         local = sum(page.expire(now, self.lease_ttl) for ns in self.namespaces.values()
                     for page in ns.pages.values())
