@@ -72,7 +72,14 @@ class Adoption(FastPath):
             ns = self._new_namespace(segment.namespace, lay.block_bytes, segment.model_uid,
                                      lay.slot_bytes, publish=False)
         ns.table.add_segment(segment)
-        got = ns.table.adopt(segment, self.boot_epoch, referenced_from=referenced_from)
+        try:
+            got = ns.table.adopt(segment, self.boot_epoch, referenced_from=referenced_from)
+            recovered = self._index_adopted(ns, segment)
+        except BaseException:
+            ns.table.remove_extent(segment.segment_id, force=True)
+            self._forget_if_unused(ns)
+            raise
+        # Applied: nothing below can fail.
         ext = Extent(segment, ns.table)
         states = segment.scan(copy=False)["state"]
         deadline = self._clock() + self.reservation_ttl
@@ -85,32 +92,32 @@ class Adoption(FastPath):
         ns.next_extent_index = max(ns.next_extent_index, segment.index + 1)
         self.budget_free -= lay.file_bytes
         self._last_adopted = max(self._last_adopted, got.max_last_access)
-        recovered = self._index_adopted(ns, ext)
         ns.recovered += recovered
         return recovered, got.dropped
 
-    def _index_adopted(self, ns: Namespace, ext: Extent) -> int:
+    def _index_adopted(self, ns: Namespace, seg: Segment) -> int:
         """Put an adopted extent's blocks in the key index; a key committed twice (never
-        written so; be safe) keeps its newest copy, the other is freed."""
-        refs = ns.table.committed(ext.id)
+        written so; be safe) keeps its newest copy, the other is freed (the table's
+        call first: its refusal changes nothing)."""
+        refs = ns.table.committed(seg.segment_id)
         if not len(refs):
             return 0
         slots = (refs & np.uint64(0xFFFF_FFFF)).astype(np.int64)
-        raw = ext.segment.raw_table()
-        rows = np.frombuffer(raw, dtype=SLOT_DTYPE, count=ext.n_slots)[slots]
+        raw = seg.raw_table()
+        rows = np.frombuffer(raw, dtype=SLOT_DTYPE, count=seg.layout.n_slots)[slots]
         keys = _keys_at(raw, slots, rows["key_len"].astype(np.int64))
-        offsets = (slots * ext.segment.layout.slot_bytes).tolist()
+        offsets = (slots * seg.layout.slot_bytes).tolist()
         sums = np.where(rows["flags"] & FLAG_HAS_CHECKSUM, rows["checksum"], 0).tolist()
         has = (rows["flags"] & FLAG_HAS_CHECKSUM).astype(bool).tolist()
-        locs = [(ext.id, sl, off, ln, sm if h else None) for sl, off, ln, sm, h in
+        locs = [(seg.segment_id, sl, off, ln, sm if h else None) for sl, off, ln, sm, h in
                 zip(slots.tolist(), offsets, rows["length"].tolist(), sums, has, strict=True)]
         lasts = rows["last_access"].tolist()
         present = ns.index.find(keys)
         if len(set(keys)) != len(keys) or present.any():
             keys, locs, lose = _newest_copies(ns, keys, locs, lasts, refs, present)
-            ns.index.remove([key for key, _ref, indexed in lose if indexed])
             if lose:
                 ns.table.delete(np.array([ref for _key, ref, _ in lose], dtype=np.uint64))
+            ns.index.remove([key for key, _ref, indexed in lose if indexed])
         ns.index.add(keys, locs)
         return len(keys)
 

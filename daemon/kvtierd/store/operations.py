@@ -122,7 +122,6 @@ class Operations(Room):
             del session.leases[lease.id]
             del self._leases[lease.id]
         self._end_grants(session, list(session.grants), freed=True)
-        self._end_grants(session, list(session.grants))
         del self.sessions[session.id]
         del self._by_token[session.token]
         session.ns.pages.pop(session.id, None)  # its hazards end with it
@@ -314,11 +313,16 @@ class Operations(Room):
         ns.misses += len(keys) - len(refs)
         if not len(refs):
             return AcquireResult(0, [], ns.segments_version)
-        # Applied: the refs are COMMITTED blocks (the index holds only those).
-        # (The tiering layer counts the prefetched blocks a call reads; the touch clears
-        # their mark.)
-        ns.table.touch(refs, self._access(len(refs)))
+        # The pins, then the reads (CLOCK bits, persisted last access): a touch that
+        # fails takes the pins back.  (The tiering layer counts the prefetched blocks a
+        # call reads; the touch clears their mark.)
         self._pin(ns, refs)
+        try:
+            ns.table.touch(refs, self._access(len(refs)))
+        except BaseException:
+            ns.table.unpin(refs)
+            raise
+        # Applied: nothing below can fail.
         lid = next(self._ids)
         now = self._clock()
         lease = Lease(lid, session, refs, now + self.lease_ttl, started=now)
@@ -378,8 +382,8 @@ class Operations(Room):
         for b in blocks:
             by_ns.setdefault(id(b.ns), (b.ns, []))[1].append(b)
         for ns, group in by_ns.values():
+            ns.table.delete(_refs((b.extent, b.slot) for b in group))  # all or nothing
             ns.index.remove([b.key for b in group])
-            ns.table.delete(_refs((b.extent, b.slot) for b in group))
 
     def evict_block(self, block: Block) -> bool:
         """Evict one DRAM block on an admin's request (``kvtier evict``), through the
@@ -388,8 +392,8 @@ class Operations(Room):
         ns = block.ns
         if block.pins or block.doomed or ns.index.get(block.key) != block:
             return False
+        ns.table.evict(_refs([(block.extent, block.slot)]))  # or nothing changes
         self._drop_from_index(ns, [block])
-        ns.table.evict(_refs([(block.extent, block.slot)]))
         self._report_evicted([block])
         return True
 

@@ -60,23 +60,9 @@ class Store(Adoption):
                if ext.quarantine for slot, until in ext.quarantine.items() if until <= now]
         stale_leases = [lease for lease in self._leases.values()
                         if lease.expires <= now and not lease.session.system]
-        # Applied: the table's calls below change all their slots (validated: the
-        # quarantined slots are RESERVED, the leases' blocks pinned).
-        granted = sum(len(stale) for _s, stale in stale_grants)
-        if stale_res or granted:  # one line per sweep, however many expired (a storm)
-            log.warning("%d reservations expired (ids %s%s) and %d granted slots were held "
-                        "taken without a commit; their %d slots are quarantined for %.0f s",
-                        len(stale_res), ", ".join(str(r.id) for r in stale_res[:5]),
-                        ", ..." if len(stale_res) > 5 else "", granted,
-                        sum(len(r.keys) for r in stale_res) + granted, self.reservation_ttl,
-                        extra=event("reservations_expired", count=len(stale_res) + granted))
-        until = now + self.reservation_ttl
-        for res in stale_res:
-            self._expire_reservation(res, until)
-        for session, stale in stale_grants:
-            self._end_grants(session, stale, quarantine=until)
         # One table call per namespace: its due quarantine freed, its stale leases' pins
-        # ended (each all or nothing: a namespace that fails expires at the next sweep).
+        # ended, each all or nothing; a namespace whose call fails expires at the next
+        # sweep (and so does everything after it here).
         work: dict[int, tuple[Namespace, list[tuple[Extent, int]], list[Lease]]] = {}
         for ns, ext, slot in due:
             work.setdefault(id(ns), (ns, [], []))[1].append((ext, slot))
@@ -90,6 +76,20 @@ class Store(Adoption):
             for lease in leases:
                 del lease.session.leases[lease.id]
                 del self._leases[lease.id]
+        # Applied: nothing below can fail.
+        granted = sum(len(stale) for _s, stale in stale_grants)
+        if stale_res or granted:  # one line per sweep, however many expired (a storm)
+            log.warning("%d reservations expired (ids %s%s) and %d granted slots were held "
+                        "taken without a commit; their %d slots are quarantined for %.0f s",
+                        len(stale_res), ", ".join(str(r.id) for r in stale_res[:5]),
+                        ", ..." if len(stale_res) > 5 else "", granted,
+                        sum(len(r.keys) for r in stale_res) + granted, self.reservation_ttl,
+                        extra=event("reservations_expired", count=len(stale_res) + granted))
+        until = now + self.reservation_ttl
+        for res in stale_res:
+            self._expire_reservation(res, until)
+        for session, stale in stale_grants:
+            self._end_grants(session, stale, quarantine=until)
         # Leases made without a call: their hazards are zeroed (the slots are free to reuse).
         local = sum(page.expire(now, self.lease_ttl) for ns in self.namespaces.values()
                     for page in ns.pages.values())
