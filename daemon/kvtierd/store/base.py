@@ -364,8 +364,8 @@ class StoreBase:
                    if page.grant_word(g) == _grant_word(ext, slot) | GRANT_TAKEN)
 
     def note_reads(self, ns: Namespace) -> None:
-        """Move the blocks ``ns``'s clients read without a call to the LRU's young end
-        (and persist their last access), from the pages' rings: hints, checked here."""
+        """Mark the blocks ``ns``'s clients read without a call as read (their CLOCK bit
+        and persisted last access), from the pages' rings: hints, checked natively."""
         if not ns.pages:
             return
         seen = {v for page in ns.pages.values() for v in page.accessed()}

@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 
 class Store(Adoption):
-    """Index, LRU, reservations and leases over the DRAM extents (see the package docstring)."""
+    """Block tables, key indexes, reservations and leases over the DRAM extents (see the
+    package docstring)."""
 
     async def drain(self) -> None:
         """Wait for extents being retired in the background."""
@@ -51,7 +52,7 @@ class Store(Adoption):
         now = self._clock()
         self._cut_retired()
         for ns in self.namespaces.values():
-            self.note_reads(ns)  # the LRU hears of the reads made without a call
+            self.note_reads(ns)  # CLOCK hears of the reads made without a call
         stale_res = [r for r in self._reservations.values()
                      if r.expires <= now and not r.session.system]
         stale_grants = [(s, stale) for s in list(self.sessions.values())
