@@ -161,14 +161,16 @@ class Store(Adoption):
         }
 
     def check(self) -> list[str]:
-        """Cross-check the index against the segments' slot tables; the problems found.
+        """Cross-check the block tables and key indexes against the slot tables; the
+        problems found.
 
-        An empty list means: every tier balances (free + reserved + committed ==
-        total per extent and for the budget), every indexed block is committed
-        on its segment under its key and generation, every committed or
-        reserved slot is known to the index or a reservation, the LRU holds
-        exactly the unleased visible blocks, and pin counts equal the leases.
-        (``check_from(check_snapshot())``: the same, with the work off the loop.)
+        An empty list means: each block table agrees with its slot tables (states,
+        free lists, counts: ``BlockTable.check``), the key index holds exactly the
+        COMMITTED slots' keys, every RESERVED slot belongs to a reservation, a grant
+        or the quarantine (at its generation), a DOOMED one is leased, pin counts
+        equal the leases made by calls, in-flight keys are the open reservations'
+        and the DRAM budget balances.  (``check_from(check_snapshot())``: the same,
+        with the work off the loop.)
         """
         return _cross_check(self.check_snapshot())
 

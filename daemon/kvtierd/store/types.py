@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 
 
-#: How many LRU entries one reserve may inspect while looking for victims:
-#: bounds the work of a single allocation (STYLE: bounded work per operation).
+#: Kept for callers of the old store: the block table bounds its own work per
+#: victims() call (csrc/blocks.c KVT_SCAN_BASE, KVT_SCAN_PER_VICTIM).
 EVICTION_SCAN_LIMIT: Final = 4096
 #: Grow/reclaim rounds one reserve may take before it settles for eviction;
 #: each round adds or reclaims at least one extent, so this bounds its work.
@@ -390,7 +390,7 @@ GRANT_IDLE_SECONDS: Final = 5.0
 #: Retired data files kept (an fd each) until their grace is over; past this many the
 #: oldest is cut at once.
 MAX_KEPT_RETIRED: Final = 256
-#: Blocks read without a call that one ``note_reads`` moves in the LRU (the pages'
+#: Blocks read without a call that one ``note_reads`` marks as read (the pages'
 #: rings are hints the clients write: past this many the rest are dropped).
 MAX_READ_HINTS: Final = 4096
 
