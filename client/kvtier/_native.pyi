@@ -76,6 +76,11 @@ def index_get(buf: _Buffer, key: bytes) -> tuple[int, int] | None:
 def index_locate(buf: _Buffer, key: bytes) -> _Location | None:
     """Where key's block is, as published (the writer's view), or None."""
 
+def index_set_slots(buf: _Buffer, table: _Buffer, slots: _Buffer, segment: int,
+                    slot_bytes: int, start: int) -> tuple[int, list[int]]:
+    """The keys of COMMITTED slot-table entries into the table, from slots[start:]:
+    (index stopped at, indices left out: present already, or past the probe limit)."""
+
 def index_find_many(buf: _Buffer, keys: Sequence[bytes]) -> bytes:
     """One u64 per key: segment << 32 | slot of its live entry, or 0 (the writer's view)."""
 

@@ -264,6 +264,34 @@ class SharedIndex:
                 self.add(key, loc)  # (leaves the set when it goes in)
         self._flags()
 
+    def add_slots(self, table: memoryview, slots: npt.NDArray[np.uint64], segment_id: int,
+                  slot_bytes: int) -> list[int]:
+        """Publish the keys of COMMITTED slot-table entries (an adopted extent's blocks),
+        read from ``table`` itself: no Python object per key.  Returns the indices into
+        ``slots`` left out -- a key the table holds already, or one past the probe
+        limit -- for the caller (which copy stays; ``add`` keeps the others apart)."""
+        slots = np.ascontiguousarray(slots, dtype=np.uint64)
+        left: list[int] = []
+        t = self._table
+        if t is None:
+            return list(range(len(slots)))
+        used = _native.index_info(t.mm)[2]
+        want = t.capacity
+        while (used + len(slots)) * 2 > want:
+            want *= 2
+        if want > t.capacity and self._replace(want) is None:
+            return list(range(len(slots)))
+        at = 0
+        while self._table is not None and at < len(slots):
+            at, out = _native.index_set_slots(self._table.mm, table, slots, segment_id,
+                                              slot_bytes, at)
+            left += out
+            if at < len(slots) and self._replace() is None:
+                left += range(at, len(slots))
+                break
+        self._flags()
+        return left
+
     def find_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
         """The daemon's batch lookup (the table as its key index, issue 26): each key's
         block ref, ``segment_id << 32 | slot`` (``block_table.refs_of``), or 0 when the

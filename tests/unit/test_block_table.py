@@ -1067,3 +1067,26 @@ def test_release_claims_with_unpin_ends_both_or_neither() -> None:
     c = t.counts()
     assert (c.free, c.reserved, c.committed, c.pinned) == (3, 0, 1, 0) and t.check() == []
     assert t.release_claims([]).tolist() == []
+
+
+def test_the_shared_index_takes_an_adopted_extents_keys_from_its_slot_table() -> None:
+    """SharedIndex.add_slots (recovery: no Python object per key): every COMMITTED slot's
+    key at its location; keys held already are left out for the caller."""
+    from kvtier import _native
+    from kvtierd.shared_index import SharedIndex
+
+    t, meta = table(8, extent_id=7)
+    refs = claimed(t, 6)
+    t.commit(refs, [b"k%d" % i for i in range(6)], np.arange(1, 7), list(range(100, 106)),
+             first_access=1, epoch=EPOCH)
+    shared = SharedIndex("ns", lower_tiers=False)
+    shared.add(b"k2", (1, 0, 0, 1, None))  # held already: left out
+    slots = refs & np.uint64(0xFFFF_FFFF)
+    assert shared.add_slots(memoryview(meta), slots, 7, SLOT) == [2]
+    got = shared.find_many([b"k%d" % i for i in range(6)]).tolist()
+    assert got == [7 << 32 | i if i != 2 else 1 << 32 for i in range(6)]
+    assert shared._table is not None
+    assert _native.index_locate(shared._table.mm, b"k4") == (7, 4, 4 * SLOT, 5, 104)
+    with pytest.raises(ValueError, match="no COMMITTED entry"):
+        shared.add_slots(memoryview(meta), np.array([7], dtype=np.uint64), 7, SLOT)
+    shared.close()

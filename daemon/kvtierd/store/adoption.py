@@ -14,11 +14,9 @@ from kvtier.errors import (
     FailedPrecondition,
 )
 from kvtierd.segments import (
-    FLAG_HAS_CHECKSUM,
-    KEY_OFFSET,
     MAX_ACCESS_SEQ,
-    SLOT_DTYPE,
     SLOT_ENTRY_BYTES,
+    TABLE_OFFSET,
     Segment,
     SlotState,
 )
@@ -96,30 +94,70 @@ class Adoption(FastPath):
         return recovered, got.dropped
 
     def _index_adopted(self, ns: Namespace, seg: Segment) -> int:
-        """Put an adopted extent's blocks in the key index; a key committed twice (never
-        written so; be safe) keeps its newest copy, the other is freed (the table's
-        call first: its refusal changes nothing)."""
+        """Put an adopted extent's blocks in the key index, straight from its slot table
+        (``SharedIndex.add_slots``: no Python object per key).  A key committed twice
+        (never written so; be safe) keeps its newest copy, the other is freed (the
+        table's call first: its refusal changes nothing)."""
         refs = ns.table.committed(seg.segment_id)
         if not len(refs):
             return 0
-        slots = (refs & np.uint64(0xFFFF_FFFF)).astype(np.int64)
-        raw = seg.raw_table()
-        rows = np.frombuffer(raw, dtype=SLOT_DTYPE, count=seg.layout.n_slots)[slots]
-        keys = _keys_at(raw, slots, rows["key_len"].astype(np.int64))
-        offsets = (slots * seg.layout.slot_bytes).tolist()
-        sums = np.where(rows["flags"] & FLAG_HAS_CHECKSUM, rows["checksum"], 0).tolist()
-        has = (rows["flags"] & FLAG_HAS_CHECKSUM).astype(bool).tolist()
-        locs = [(seg.segment_id, sl, off, ln, sm if h else None) for sl, off, ln, sm, h in
-                zip(slots.tolist(), offsets, rows["length"].tolist(), sums, has, strict=True)]
-        lasts = rows["last_access"].tolist()
-        present = ns.index.find(keys)
-        if len(set(keys)) != len(keys) or present.any():
-            keys, locs, lose = _newest_copies(ns, keys, locs, lasts, refs, present)
-            if lose:
-                ns.table.delete(np.array([ref for _key, ref, _ in lose], dtype=np.uint64))
-            ns.index.remove([key for key, _ref, indexed in lose if indexed])
-        ns.index.add(keys, locs)
-        return len(keys)
+        slots = refs & np.uint64(0xFFFF_FFFF)
+        n = seg.layout.n_slots
+        table = memoryview(seg.meta)[TABLE_OFFSET : TABLE_OFFSET + n * SLOT_ENTRY_BYTES]
+        try:
+            left = ns.index.table.add_slots(table, slots, seg.segment_id, seg.layout.slot_bytes)
+        finally:
+            table.release()
+        try:
+            here = self._adopt_left_out(ns, seg, refs, left) if left else set()
+        except BaseException:  # the extent is not adopted: its keys leave the index again
+            for r in refs.tolist():
+                key = seg.read_slot(r & 0xFFFF_FFFF).key
+                if int(ns.index.find([key])[0]) == r:
+                    ns.index.table.discard(key)
+            raise
+        if ns.index.watch is not None:
+            ns.index.watch([seg.read_slot(int(r) & 0xFFFF_FFFF).key for r in refs.tolist()
+                            if int(r) not in here], True)
+        return len(refs) - len(here)
+
+    def _adopt_left_out(self, ns: Namespace, seg: Segment, refs: npt.NDArray[np.uint64],
+                        left: list[int]) -> set[int]:
+        """The slots ``add_slots`` left out: a key past the probe limit is kept apart; a
+        key the index holds already (committed twice: never written so) keeps its copy
+        last accessed most recently and the other is freed.  Returns the refs of this
+        extent freed."""
+        mask = 0xFFFF_FFFF
+        apart: list[tuple[bytes, Location]] = []
+        moves: list[tuple[bytes, Location]] = []
+        lose: list[int] = []
+
+        def segment_of(ref: int) -> Segment:
+            return seg if ref >> 32 == seg.segment_id else ns.by_id[ref >> 32].segment
+
+        for i in left:
+            ref = int(refs[i])
+            rec = seg.read_slot(ref & mask)
+            loc = (seg.segment_id, ref & mask, seg.slot_offset(ref & mask), rec.length,
+                   rec.checksum)
+            other = int(ns.index.find([rec.key])[0])
+            if not other:
+                apart.append((rec.key, loc))
+                continue
+            log.warning("namespace %r: key %s committed twice; keeping the newer copy",
+                        ns.name, rec.key.hex())
+            if rec.last_access > segment_of(other).read_slot(other & mask).last_access:
+                lose.append(other)
+                moves.append((rec.key, loc))
+            else:
+                lose.append(ref)
+        if lose:
+            ns.table.delete(np.array(lose, dtype=np.uint64))  # first: a refusal changes nothing
+        for key, loc in apart + moves:
+            ns.index.table.add(key, loc)
+        gone_elsewhere = sum(1 for r in lose if r >> 32 != seg.segment_id)
+        ns.recovered -= gone_elsewhere
+        return {r for r in lose if r >> 32 == seg.segment_id}
 
     def finish_recovery(self) -> None:
         """The access sequence goes on from the newest adopted one; when that is in the
@@ -136,44 +174,3 @@ class Adoption(FastPath):
         self._last_adopted = 0
         for ns in self.namespaces.values():
             self._publish(ns)
-
-
-def _keys_at(raw: bytes, slots: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]
-             ) -> list[bytes]:
-    """The keys of ``slots`` (in that order) from a slot table's bytes: keys of one
-    length come out of numpy at once (tables hold one key length or a few)."""
-    rows = np.frombuffer(raw, dtype=np.uint8).reshape(-1, SLOT_ENTRY_BYTES)
-    out = np.empty(len(slots), dtype=object)
-    for k in np.unique(lengths).tolist():
-        pick = lengths == k
-        cols = np.ascontiguousarray(rows[slots[pick], KEY_OFFSET : KEY_OFFSET + k])
-        out[pick] = [bytes(c) for c in cols]
-    keys: list[bytes] = out.tolist()
-    return keys
-
-
-def _newest_copies(ns: Namespace, keys: list[bytes], locs: list[Location], lasts: list[int],
-                   refs: npt.NDArray[np.uint64], present: npt.NDArray[np.uint64]
-                   ) -> tuple[list[bytes], list[Location], list[tuple[bytes, int, bool]]]:
-    """Of keys adopted twice (here, or already in the index from another extent), the
-    copy last accessed most recently stays: (keys, locations) to index, and (key, ref,
-    indexed) of each copy to free (``indexed``: the index holds it now)."""
-    best: dict[bytes, tuple[int, int, Location | None]] = {}  # last, ref, loc (None: indexed)
-    lose: list[tuple[bytes, int, bool]] = []
-    for key, loc, last, ref, old in zip(keys, locs, lasts, refs.tolist(), present.tolist(),
-                                        strict=True):
-        if key in best or old:
-            log.warning("namespace %r: key %s committed twice; keeping the newer copy",
-                        ns.name, key.hex())
-        if old and key not in best:
-            held = ns.by_id[old >> 32].segment.read_slot(old & 0xFFFF_FFFF).last_access
-            best[key] = (held, old, None)
-        prev = best.get(key)
-        if prev is None or last > prev[0]:
-            if prev is not None:
-                lose.append((key, prev[1], prev[2] is None))
-            best[key] = (last, ref, loc)
-        else:
-            lose.append((key, ref, False))
-    out = [(k, v[2]) for k, v in best.items() if v[2] is not None]
-    return [k for k, _ in out], [loc for _, loc in out], lose
