@@ -310,6 +310,8 @@ class Tiering:
         #: ``cluster.write: commit``).
         self._write_through = [t for t in self.lower
                                if t.cross_host and self._write_policy(t) == "commit"]
+        # Page commits make block handles only for the write-through publish.
+        store.commit_handles = bool(self._write_through)
         #: The last tier evicts without handing on (a local tier's LRU, or a cluster
         #: that may drop any object): a CLEAN block's copy may vanish.
         self._lossy = bool(self.lower) and (self.lower[-1].local
@@ -786,14 +788,15 @@ class Tiering:
         n = self.store.commit(session, reservation_id, lengths, checksums)
         if self.enabled:
             index = session.ns.index
-            self._committed([b for k in keys if (b := index.get(k)) is not None])
+            self._committed([b for k in keys if (b := index.get(k)) is not None]
+                            if self._write_through else [])
         return n
 
     def commit_from_page(self, session: Session, page: SessionPage) -> PageCommits:
         """``Store.commit_from_page`` (keys a lower tier holds are EXISTS, as for a
         reserve), then wake the demoter and publish when write-through."""
         out = self.store.commit_from_page(session, page, self._exists_below(session))
-        if self.enabled and out.blocks:
+        if self.enabled and out.committed:
             self._committed(out.blocks)
         return out
 

@@ -29,7 +29,6 @@ from kvtierd.shared_index import (
     collect_hazards,
     hazard_of,
 )
-from kvtierd.store.keys import locate
 from kvtierd.store.types import (
     MAX_READ_HINTS,
     Block,
@@ -220,6 +219,9 @@ class StoreBase:
         self._next_access = 1
         #: The newest last access adopted so far (``finish_recovery`` goes on from it).
         self._last_adopted = 0
+        #: Page commits return handles of the blocks they made (the tiering layer turns
+        #: this off unless it publishes every commit: a handle per block costs).
+        self.commit_handles = True
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, Lease] = {}
         self._retiring: set[asyncio.Future[int | None]] = set()
@@ -378,12 +380,14 @@ class StoreBase:
         self.prefetched_reads += prefetched
 
     def _commit(self, ns: Namespace, commits: Sequence[SlotCommit],
-                release: Sequence[tuple[Extent, int]] = ()) -> list[Block]:
+                release: Sequence[tuple[Extent, int]] = (), *,
+                handles: bool | None = None) -> list[Block]:
         """The one commit transition (RESERVED -> COMMITTED), for a Commit call and a
         page's commit records alike: the slot entries (``BlockTable.commit``, with the
         ``release`` slots freed in the same call: all or nothing, ValueError changes
         nothing), then the key index -- the moment a reader can find them.  Returns
-        the blocks made (handles)."""
+        the blocks made (handles; with ``handles`` False or, when None,
+        ``commit_handles`` off, none)."""
         if not commits:
             if release:
                 ns.table.release_claims(_refs(release))
@@ -393,9 +397,10 @@ class StoreBase:
         ns.table.commit(refs, keys, [c.length for c in commits],
                         [c.checksum for c in commits], first_access=self._access(len(commits)),
                         epoch=self.boot_epoch, release=_refs(release) if release else None)
-        made = [Block(ns, c.key, c.ext, c.slot, c.length, c.checksum, c.gen) for c in commits]
-        ns.index.add(keys, [locate(b) for b in made])
-        return made
+        ns.index.add_committed(refs, keys)  # from the slot entries just written
+        if not (self.commit_handles if handles is None else handles):
+            return []
+        return [Block(ns, c.key, c.ext, c.slot, c.length, c.checksum, c.gen) for c in commits]
 
     def _pin(self, ns: Namespace, refs: npt.NDArray[np.uint64]) -> None:
         ns.table.pin(refs)

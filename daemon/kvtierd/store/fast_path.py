@@ -147,6 +147,7 @@ class FastPath(Operations):
             log.exception("commit of %d records from session %d's page failed",
                           len(records), session.id)
             results = bytes([CommitResult.FAILED]) * len(records)
+        out.committed = results.count(CommitResult.COMMITTED)
         out.nbytes = sum(r.length for r, code in zip(records, results, strict=True)
                          if code == CommitResult.COMMITTED)
         # A ring without records refills nothing (it costs a read).

@@ -231,7 +231,7 @@ class Operations(Room):
         for i, checksum in enumerate(checksums or ()):
             if not 0 <= checksum < 1 << 64:  # the slot table's field is 64 bits
                 raise InvalidArgument(f"checksums[{i}] = {checksum} is outside 0..2**64-1")
-        self._end_reservation(res, commit=(lengths, checksums))
+        self._end_reservation(res, commit=(lengths, checksums), handles=False)
         return n
 
     def abort(self, session: Session, reservation_id: int) -> int:
@@ -265,18 +265,21 @@ class Operations(Room):
         self,
         res: Reservation,
         commit: tuple[Sequence[int], Sequence[int | None] | None] | None,
+        *,
+        handles: bool = True,
     ) -> list[Block | None]:
         """Commit (or with None free) every slot; a length of 0 frees that one slot.
         All or nothing: the commit (the one call that can refuse its input) goes first."""
         ns = res.session.ns
         freed, commits = self._split_end(res, commit)
-        made = iter(self._commit(ns, commits, [(ext, slot) for ext, slot, _gen in freed]))
+        made = iter(self._commit(ns, commits, [(ext, slot) for ext, slot, _gen in freed],
+                                 handles=handles))
         # Applied: nothing below can fail.
         for key in res.keys:
             del ns.in_flight[key]
         del res.session.reservations[res.id]
         del self._reservations[res.id]
-        if commit is None:
+        if commit is None or not handles:
             return [None] * len(res.keys)
         return [next(made) if length else None for length in commit[0]]
 

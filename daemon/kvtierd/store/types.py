@@ -379,7 +379,9 @@ class PageCommits:
     """What one ring of a session's page did (``FastPath.commit_from_page``)."""
 
     records: int = 0  # commit records found (0: an empty ring, or an impossible head)
-    blocks: list[Block] = dataclasses.field(default_factory=list)  # the blocks made
+    committed: int = 0  # blocks made
+    #: Their handles (only while ``Store.commit_handles``).
+    blocks: list[Block] = dataclasses.field(default_factory=list)
     nbytes: int = 0  # their bytes
 
 
