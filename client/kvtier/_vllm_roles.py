@@ -104,6 +104,8 @@ class Waits:
         self.limit = limit
         #: request id -> (deadline, time of its last lookup); deadline None: gave up.
         self._held: dict[str, tuple[float | None, float]] = {}
+        #: request id -> when it was first held (until :meth:`waited` reports it).
+        self._since: dict[str, float] = {}
 
     def recheck(self, req_id: str) -> bool:
         """False while a held request's last lookup is too recent to repeat."""
@@ -122,12 +124,20 @@ class Waits:
         deadline = entry[0] if entry is not None else now + self.limit
         if deadline is not None and now < deadline:
             self._held[req_id] = (deadline, now)
+            self._since.setdefault(req_id, now)
             return True
         self._held[req_id] = (None, now)
         return False
 
+    def waited(self, req_id: str) -> float:
+        """Seconds from a request's first hold to now (0: never held), reported once:
+        call it when :meth:`hold` lets the request go."""
+        since = self._since.pop(req_id, None)
+        return 0.0 if since is None else time.monotonic() - since
+
     def forget(self, req_id: str) -> None:
         self._held.pop(req_id, None)
+        self._since.pop(req_id, None)
 
     def __len__(self) -> int:
         return len(self._held)

@@ -127,10 +127,15 @@ _SALT_DOMAIN: Final = "kvtier.vllm.v1"
 COUNTERS: Final = (
     "lookups",           # scheduler: Lookup calls
     "lookup_seconds",    # scheduler: time in Lookup calls (the engine's scheduling loop waits)
+    "wait_seconds",      # scheduler (kv_consumer): requests held for announced blocks, from
+                         # the first hold to the lookup that let them go
+    "lower_blocks",      # scheduler: claimed blocks below DRAM at the lookup (to be promoted)
     "hit_tokens",        # scheduler: prompt tokens claimed from kvtier
     "refused_requests",  # scheduler: requests never matched (multimodal, prompt embeds)
     "loaded_blocks",     # worker: blocks copied from kvtier into the paged cache
     "load_seconds",      # worker: time in loads (Acquire, copies, Release)
+    "load_acquire_seconds",  # worker: of load_seconds, the Acquire (kvtierd's promotions)
+    "load_copy_seconds",     # worker: of load_seconds, the copies (and checksums)
     "failed_blocks",     # worker: blocks claimed but not loaded (reported to vLLM)
     "saved_blocks",      # worker: blocks committed to kvtier
     "skipped_blocks",    # worker: blocks to save that kvtier already had
@@ -684,6 +689,8 @@ class _Scheduler:
         if loads:
             self._loads.extend(loads)
             self._counters.add("hit_tokens", num_external)
+            self._counters.add("lower_blocks", sum(1 for t in st.tiers[local:hit]
+                                                   if t != Tier.DRAM))
 
     def build_meta(self, out: SchedulerOutput) -> KVTierMetadata:
         meta = KVTierMetadata(loads=self._loads)
@@ -772,6 +779,7 @@ class _Scheduler:
         usable = max(0, len(request.prompt_token_ids or ()) - 1) // self._block
         wanted = min(announced_blocks(getattr(request, "kv_transfer_params", None)), usable)
         if not waits.hold(request.request_id, st.hits, wanted):
+            self._counters.add("wait_seconds", waits.waited(request.request_id))
             return False
         st.hits = None
         return True
@@ -987,7 +995,13 @@ class _Worker:
         ns = io.link.args["namespace"]
         for attempt in range(2):
             try:
-                n = kt.load(client, spec.keys, io.cache, spec.block_ids, layout=io.layout)
+                phases: dict[str, float] = {}
+                try:
+                    n = kt.load(client, spec.keys, io.cache, spec.block_ids, layout=io.layout,
+                                phases=phases)
+                finally:
+                    self._counters.add("load_acquire_seconds", phases.get("acquire", 0.0))
+                    self._counters.add("load_copy_seconds", phases.get("copy", 0.0))
             except errors.Corrupted as exc:
                 # The client dropped the bad block (it becomes a miss, counted by the daemon);
                 # the blocks before it are still good: load those once more.
