@@ -49,6 +49,7 @@ import cluster as cluster_bench  # noqa: E402  (bench/cluster.py: the Mooncake r
 import kvtier  # noqa: E402
 from kvtier.cli import evict  # noqa: E402
 from kvtier.hashing import block_keys  # noqa: E402
+from kvtier.units import parse_size  # noqa: E402
 from kvtier.vllm import request_salt  # noqa: E402
 from kvtierd.cluster.format import HEADER_BYTES, Naming  # noqa: E402
 from kvtierd.spill.format import model_hash  # noqa: E402
@@ -140,6 +141,33 @@ def server_args(args: argparse.Namespace) -> dict[str, Any]:
             "extra_args": ["--max-num-batched-tokens", str(max_len)],
             "env": {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib),
                     **json.loads(args.server_env)}}
+
+
+def fill_dram(args: argparse.Namespace, fleet: Fleet, prompts: Prompts, proxy: ProxyProc,
+              ns_a: str | None) -> dict[str, Any]:
+    """P/D requests of the largest size until both kvtierds' namespaces hold every DRAM extent
+    their budget allows: the steady state of a daemon that has run a while, where a new block
+    takes a slot of an extent made earlier (a fresh daemon makes and pre-faults an extent in
+    the middle of a request every ``--extent`` bytes until DRAM is full)."""
+    assert fleet.a is not None and fleet.b is not None
+    want = parse_size(args.dram) // parse_size(args.extent)
+
+    def extents() -> list[int]:
+        out = []
+        for d in (fleet.a, fleet.b):
+            got = [n.segments for n in d.stats().namespaces if n.name.startswith("vllm/")]
+            out.append(got[0] if got else 0)
+        return out
+
+    t0 = time.perf_counter()
+    n = 0
+    while min(extents()) < want and n < 4 * want:
+        ttft(proxy.url, prompts(max(args.sizes)), 1, ns_a)
+        n += 1
+    got = extents()
+    print(f"[fill DRAM] {n} requests, {time.perf_counter() - t0:.0f} s: extents A {got[0]}, "
+          f"B {got[1]} (of {want})", flush=True)
+    return {"requests": n, "extents_a": got[0], "extents_b": got[1], "extents_wanted": want}
 
 
 def ttft_rounds(args: argparse.Namespace, prompts: Prompts, colocated: VllmServer,
@@ -399,6 +427,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           prefix=fleet.in_ns("a"), host=fleet.addr_a, timeout=600)
         proxies.append(proxy)
         ttft(proxy.url, prompts(min(args.sizes)), 2, ns_a)
+        if args.fill_dram:
+            result["fill_dram"] = fill_dram(args, fleet, prompts, proxy, ns_a)
         result["netns"] = fleet.netns
         result["load_mode"] = args.load_mode
         result["extent"] = args.extent
@@ -443,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
                         "inside every 4k-token request until DRAM is full; with --dram, once, "
                         "at the warm-up request)")
     p.add_argument("--segment", default="1GiB", help="host A's cluster segment")
+    p.add_argument("--fill-dram", action="store_true",
+                   help="before the two-host rounds, P/D requests until both kvtierds have "
+                        "made every DRAM extent (the steady state; use a small --dram)")
     p.add_argument("--load-mode", default="auto", help="the cross-host consumer's load_mode")
     p.add_argument("--consumer-config", default="{}",
                    help="more kv_connector_extra_config of the cross-host consumer (JSON)")

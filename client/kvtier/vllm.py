@@ -496,6 +496,7 @@ class _Request:
     local_tokens: int = 0  # tokens vLLM's own prefix cache had at the lookup
     lookup_failed: bool = False  # the last lookup did not reach kvtierd (on some rank)
     background: bool = False  # vLLM was told this request's load is asynchronous
+    looked: float = 0.0  # seconds the last lookup took
 
     def keys_upto(self, blocks: int, block_tokens: int) -> list[bytes]:
         if blocks <= len(self.prompt_keys):
@@ -636,7 +637,8 @@ class _Scheduler:
             self._counters.add("lookups")
             t0 = time.perf_counter()
             st.hits, st.hits_local = self._lookup(st, base, usable), base
-            self._counters.add("lookup_seconds", time.perf_counter() - t0)
+            st.looked = time.perf_counter() - t0
+            self._counters.add("lookup_seconds", st.looked)
         st.local_tokens = num_computed_tokens
         return max(0, st.hits * self._block - num_computed_tokens)
 
@@ -778,7 +780,7 @@ class _Scheduler:
             return False  # (kvtierd unreachable: waiting would only delay the recompute)
         usable = max(0, len(request.prompt_token_ids or ()) - 1) // self._block
         wanted = min(announced_blocks(getattr(request, "kv_transfer_params", None)), usable)
-        if not waits.hold(request.request_id, st.hits, wanted):
+        if not waits.hold(request.request_id, st.hits, wanted, st.looked):
             self._counters.add("wait_seconds", waits.waited(request.request_id))
             return False
         st.hits = None
@@ -1120,6 +1122,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._cfg = dataclasses.replace(cfg, save=self._kv_role.save,
                                         async_save=self._kv_role.async_save)
         self._waits = Waits(cfg.producer_wait) if self._kv_role.consumer else None
+        #: The last step scheduled no tokens (set by build_connector_meta).
+        self._idle = False
         if role == KVConnectorRole.SCHEDULER and self._kv_role.role != "kv_both":
             logger.info("kvtier: %s: %s", self._kv_role.role,
                         "loads, never saves" if self._kv_role.consumer else
@@ -1215,8 +1219,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             return 0, False
         waits = self._waits
-        if waits is not None and not waits.recheck(request.request_id):
-            return None, False  # held back, and looked up a moment ago
+        if waits is not None:
+            due = waits.due_in(request.request_id)
+            if due > 0 and not self._idle:
+                return None, False  # held back, and looked up a moment ago
+            if due > 0:
+                # The last step ran nothing: the engine is stepping only to retry held
+                # requests (vLLM sleeps 1 ms between such steps, a core kept busy while
+                # the producer's host publishes the blocks).  Wait for the lookup here.
+                time.sleep(min(due, waits.RECHECK))
+                if not waits.recheck(request.request_id):
+                    return None, False
         n = self._scheduler.matched(request, num_computed_tokens)
         if waits is not None and self._scheduler.hold(request, waits):
             return None, False  # vLLM asks again next step
@@ -1234,6 +1247,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        # A step that runs nothing: the engine is idle but for requests it cannot schedule.
+        self._idle = int(getattr(scheduler_output, "total_num_scheduled_tokens", 1) or 0) == 0
         if self._scheduler is None:
             return KVTierMetadata()
         return self._scheduler.build_meta(scheduler_output)

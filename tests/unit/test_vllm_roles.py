@@ -76,3 +76,16 @@ def test_the_wait_of_a_held_request_is_reported_once_when_it_goes() -> None:
     assert w.hold("c", found=0, wanted=1)
     w.forget("c")
     assert w.waited("c") == 0.0
+
+
+def test_a_held_request_is_looked_up_again_no_sooner_than_its_last_lookup_took() -> None:
+    w = Waits(5.0)
+    assert w.due_in("a") == 0.0 and w.recheck("a")  # never held: look now
+    assert w.hold("a", found=0, wanted=2, looked=0.05)  # a slow lookup (the cluster)
+    assert 0.03 < w.due_in("a") <= 0.05
+    time.sleep(Waits.RECHECK)
+    assert not w.recheck("a")  # not after RECHECK: after as long as the lookup took
+    time.sleep(0.05)
+    assert w.recheck("a")
+    assert w.hold("a", found=1, wanted=2, looked=0.0001)  # a fast one: RECHECK apart
+    assert 0 < w.due_in("a") <= Waits.RECHECK
