@@ -16,14 +16,21 @@ Every figure comes from vLLM OpenAI servers (the random-weight model of
   boundary: what recomputing the last block costs, the most a key over the exact tail
   tokens could save.
 * **KV transfer, two hosts**: the decode server's load of a 4k prompt's blocks from host A
-  (its connector's ``lookup_seconds`` + ``load_seconds``), and, on the same blocks in the
-  same run, rounds alternating: host B's kvtierd leasing them from the cluster (an
-  ``acquire`` with B's DRAM copies evicted first) against a plain Mooncake client in
-  namespace B calling ``batch_get_into`` for the same objects (``bench/cluster.py``'s
-  reader).
+  (its connector's counters per phase: the wait for announced blocks, lookups, the load's
+  Acquire and copies), and right after a prefill in the same rounds, the same hand-off
+  without vLLM on B (a plain kvtier client's ``acquire``; Mooncake's ``batch_get_into`` of
+  the same objects); then, on the last prompt's blocks, rounds alternating: host B's
+  kvtierd leasing them from the cluster (an ``acquire`` with B's DRAM copies evicted
+  first) against a plain Mooncake client in namespace B calling ``batch_get_into`` for the
+  same objects (``bench/cluster.py``'s reader).  ``--fill-dram`` measures the steady
+  state: every kvtierd extent made before the rounds (a fresh kvtierd makes and pre-faults
+  one inside a request every ``--extent`` bytes).
 
     sudo PYTHONPATH=client:daemon .venv/bin/python bench/vllm_pd.py \\
         --json bench/results/vllm-pd-2026-12-04.json
+    sudo PYTHONPATH=client:daemon .venv/bin/python bench/vllm_pd.py --skip-one-host \\
+        --load-mode sync --dram 256MiB --segment 2GiB --fill-dram \\
+        --json bench/results/vllm-pd-2026-12-04-two-hosts-sync-steady-paced.json
 """
 
 from __future__ import annotations
@@ -287,16 +294,18 @@ def transfer(args: argparse.Namespace, fleet: Fleet, prompts: Prompts, prefill_s
                 d["kvtierd_b"] = {k: b_after[k] - b_before.get(k, 0) for k in b_after}
                 engine.append(d)
                 # The same hand-off without vLLM on B: a kvtier client, then Mooncake.
-                keys, _ = keys_names(prompts_tokens := prompts(size))
-                prefill(prefill_srv.url, prompts_tokens, ns_a)
+                fresh = prompts(size)
+                keys, _ = keys_names(fresh)
+                prefill(prefill_srv.url, fresh, ns_a)
                 wait = _after_prefill(b, keys)
                 t0 = time.perf_counter()
                 with b.acquire(keys) as lease:
                     dt = time.perf_counter() - t0
                     assert lease.hits == len(keys), lease.hits
                 fresh_kv.append({"wait_s": wait, "acquire_s": dt})
-                keys, names = keys_names(prompts_tokens := prompts(size))
-                prefill(prefill_srv.url, prompts_tokens, ns_a)
+                fresh = prompts(size)
+                keys, names = keys_names(fresh)
+                prefill(prefill_srv.url, fresh, ns_a)
                 wait = _after_prefill(b, keys)
                 r = reader.ask(op="get", names=names, size=block_bytes + HEADER_BYTES)
                 assert r["ok"], r
