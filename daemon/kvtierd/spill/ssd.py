@@ -4,8 +4,8 @@ Mechanism with its own bookkeeping: which (namespace, key) is in which slot,
 a CLOCK eviction order, and a byte budget (``capacity``).  It does not decide
 *what* to spill (that is ``kvtierd.tiering``); it stores what it is given,
 evicting its own entries when full (CLOCK: a referenced bit per slot, set when
-an entry is written or read, and a hand per slot size that clears it and takes
-the first unreferenced one), and hands evicted entries' bytes to ``on_evict``
+an entry is read, and a hand per slot size that clears it and takes the first
+unreferenced one), and hands evicted entries' bytes to ``on_evict``
 first (the shared tier, when configured).
 
 Bookkeeping in compact form (issue 26): no Python object per entry at rest.
@@ -490,11 +490,11 @@ class SsdTier:
 
     def _index_entry(self, f: SpillFile, slot: int, nsid: int, h: int) -> None:
         """Make a slot whose table row is written INDEXED (lock held; key absent)."""
-        f.state[slot] = INDEXED
         f.nsid[slot] = nsid
         f.khash[slot] = h
-        f.ref[slot] = 1
-        self._insert(f.base + slot, h)
+        f.ref[slot] = 0  # set by reads only (as the DRAM table's CLOCK: docs/decisions.md)
+        self._insert(f.base + slot, h)  # (a rebuild there sees INDEXED slots: not this one)
+        f.state[slot] = INDEXED
         self._bytes_of[self._ns_names[nsid]] += f.slot_bytes
 
     def _unindex(self, bucket: int, f: SpillFile, slot: int, *, watch: bool = True) -> None:
@@ -715,7 +715,14 @@ class SsdTier:
             counts = np.bincount(f.nsid[live], minlength=len(self._ns_names))
             for i in np.flatnonzero(counts).tolist():
                 self._bytes_of[self._ns_names[i]] += int(counts[i]) * f.slot_bytes
-        self._seq = int(seq.max()) if len(seq) else 0
+        # The reference bits are not persisted: the newer half of the writes starts
+        # referenced, so the hand takes the older half first rather than in slot order.
+        if len(seq):
+            self._seq = int(seq.max())
+            median = np.median(seq)
+            for f in self._by_base:
+                live = np.flatnonzero(f.state == INDEXED)
+                f.ref[live] = f.rows()["seq"][live] >= median
         return self._n_indexed
 
     def _forget_adopted(self, f: SpillFile, slot: int) -> None:
