@@ -66,8 +66,8 @@ def _read(ssd: SsdTier, ns: str, key: bytes) -> bytes | None:
 def weak_hash(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every key hashes to one of 4 values: every probe, deletion and adoption meets
     collisions (the index must still tell keys apart by their bytes)."""
-    real_key, real_rows = ssd_mod.key_hash, ssd_mod._row_key_hashes
-    monkeypatch.setattr(ssd_mod, "key_hash", lambda ns, key: real_key(ns, key) & 3)
+    real_field, real_rows = ssd_mod.field_hash, ssd_mod._row_key_hashes
+    monkeypatch.setattr(ssd_mod, "field_hash", lambda *a: real_field(*a) & 3)
     monkeypatch.setattr(ssd_mod, "_row_key_hashes",
                         lambda table, n: real_rows(table, n) & np.uint64(3))
 

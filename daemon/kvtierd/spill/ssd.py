@@ -47,6 +47,7 @@ import errno
 import logging
 import os
 import re
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -92,6 +93,11 @@ MAX_LOAD: Final = 0.75
 ADOPT_CHUNK: Final = 1 << 16
 
 _KEY_FIELD: Final = fmt.NS_AT + fmt.NAME_BYTES - fmt.KEY_AT  # key + namespace, padded
+ENTRY_BYTES: Final = fmt.ENTRY_BYTES
+KEY_AT: Final = fmt.KEY_AT
+ENTRY_SUM_AT: Final = fmt.ENTRY_SUM_AT
+#: An entry's length, checksum, block_bytes and model hash (at byte 8 of the entry).
+_FIELDS: Final = struct.Struct("<QQQQ")
 
 
 def key_hash(ns: bytes, key: bytes) -> int:
@@ -99,7 +105,12 @@ def key_hash(ns: bytes, key: bytes) -> int:
     key and namespace fields, seeded with their lengths (what ``hash_rows`` computes over
     a whole slot table at re-adoption)."""
     field = key.ljust(fmt.MAX_KEY_BYTES, b"\0") + ns.ljust(fmt.NAME_BYTES, b"\0")
-    return xxhash.xxh3_64_intdigest(field, len(key) | len(ns) << 8)
+    return field_hash(field, len(key), len(ns))
+
+
+def field_hash(field: bytes, key_len: int, ns_len: int) -> int:
+    """``key_hash`` of an entry's padded key + namespace field and their lengths."""
+    return xxhash.xxh3_64_intdigest(field, key_len | ns_len << 8)
 
 
 def _row_key_hashes(table: Any, n: int) -> np.ndarray:
@@ -282,7 +293,7 @@ class _IndexView:
         return default if e is None else e
 
     def __getitem__(self, k: tuple[str, bytes]) -> SsdEntry:
-        e = self.get(k)
+        e: SsdEntry | None = self.get(k)
         if e is None:
             raise KeyError(k)
         return e
@@ -340,6 +351,7 @@ class SsdTier:
         # Namespaces (few): id <-> name, its encoded name and that name's hash.
         self._ns_names: list[str] = []
         self._ns_bytes: list[bytes] = []
+        self._ns_pad: list[bytes] = []  # the name as the entry's zero-padded field
         self._ns_ids: dict[str, int] = {}
         #: Slot bytes each namespace holds (for quotas).
         self._bytes_of: collections.Counter[str] = collections.Counter()
@@ -388,6 +400,7 @@ class SsdTier:
             i = self._ns_ids[namespace] = len(self._ns_names)
             self._ns_names.append(namespace)
             self._ns_bytes.append(namespace.encode())
+            self._ns_pad.append(self._ns_bytes[i].ljust(fmt.NAME_BYTES, b"\0"))
         return i
 
     def _locate(self, sid: int) -> tuple[SpillFile, int]:
@@ -401,29 +414,34 @@ class SsdTier:
         self._bases.append(f.base)
         self._by_base.append(f)
 
-    def _matches(self, sid: int, h: int, ns: bytes, key: bytes) -> bool:
-        f, slot = self._locate(sid)
-        if int(f.khash[slot]) != h:
-            return False
-        t, off = f.table, slot * fmt.ENTRY_BYTES
-        return (t[off + 1] == len(key) and t[off + 2] == len(ns)
-                and t[off + fmt.KEY_AT : off + fmt.KEY_AT + len(key)] == key
-                and t[off + fmt.NS_AT : off + fmt.NS_AT + len(ns)] == ns)
+    def _probe(self, nsid: int, key: bytes) -> tuple[int, int]:
+        """(bucket, slot id) of (namespace ``nsid``, key) in the index, or (-1, -1) (lock
+        held).
 
-    def _probe(self, ns: bytes, key: bytes) -> tuple[int, int]:
-        """(bucket, slot id) of (ns, key) in the index, or (-1, -1) (lock held)."""
-        if not 1 <= len(key) <= fmt.MAX_KEY_BYTES or len(ns) > fmt.NAME_BYTES:
+        A candidate is confirmed by its key hash, then by the key and namespace fields
+        of its slot-table entry (lengths, then the padded fields in one comparison)."""
+        klen, nlen = len(key), len(self._ns_bytes[nsid])
+        if not 1 <= klen <= fmt.MAX_KEY_BYTES:
             return -1, -1
-        h = key_hash(ns, key)
+        field = key.ljust(fmt.MAX_KEY_BYTES, b"\0") + self._ns_pad[nsid]
+        h = field_hash(field, klen, nlen)
         buckets = self._buckets
         mask = len(buckets) - 1
         i = h & mask
+        bases, files = self._bases, self._by_base
+        one = files[0] if len(files) == 1 else None
         while True:
-            v = int(buckets[i])
+            v = buckets.item(i)
             if v == 0:
                 return -1, -1
-            if self._matches(v - 1, h, ns, key):
-                return i, v - 1
+            sid = v - 1
+            f = one if one is not None else files[bisect.bisect_right(bases, sid) - 1]
+            slot = sid - f.base
+            if f.khash.item(slot) == h:
+                t, off = f.table, slot * ENTRY_BYTES
+                if (t[off + 1] == klen and t[off + 2] == nlen
+                        and t[off + KEY_AT : off + ENTRY_SUM_AT] == field):
+                    return i, sid
             i = (i + 1) & mask
 
     def _insert(self, sid: int, h: int) -> None:
@@ -529,7 +547,7 @@ class SsdTier:
         i = self._ns_ids.get(namespace)
         if i is None:
             return None
-        _, sid = self._probe(self._ns_bytes[i], key)
+        _, sid = self._probe(i, key)
         if sid < 0:
             return None
         return self._entry_at(*self._locate(sid))
@@ -542,7 +560,7 @@ class SsdTier:
 
     def _entries(self, namespace: str | None = None) -> list[SsdEntry]:
         with self._lock:
-            out = []
+            out: list[SsdEntry] = []
             for f in self._by_base:
                 mask = f.state == INDEXED
                 if namespace is not None:
@@ -743,6 +761,24 @@ class SsdTier:
             return None
         return e
 
+    def length_of(self, namespace: str, key: bytes,
+                  geometry: tuple[int, int] | None = None) -> int | None:
+        """The length of a key's copy (written for ``geometry``, a (block_bytes, model
+        hash) pair, when given), or None: ``find`` without making an entry."""
+        with self._lock:
+            i = self._ns_ids.get(namespace)
+            if i is None:
+                return None
+            _, sid = self._probe(i, key)
+            if sid < 0:
+                return None
+            f, slot = self._locate(sid)
+            length, _, block_bytes, mhash = _FIELDS.unpack_from(
+                f.table, slot * fmt.ENTRY_BYTES + 8)
+        if geometry is not None and (block_bytes, mhash) != geometry:
+            return None
+        return int(length)
+
     def remove(self, namespace: str, keys: Iterable[bytes]) -> int:
         """Forget keys (delete); their FREE entries reach the disk at the next ``flush_frees``."""
         n = 0
@@ -750,9 +786,8 @@ class SsdTier:
             i = self._ns_ids.get(namespace)
             if i is None:
                 return 0
-            ns = self._ns_bytes[i]
             for key in keys:
-                bucket, sid = self._probe(ns, key)
+                bucket, sid = self._probe(i, key)
                 if sid < 0:
                     continue
                 n += 1
@@ -892,12 +927,13 @@ class SsdTier:
             f.nbusy -= 1
             f.committed += 1
             f.needs_sync = True
-            bucket, old = self._probe(ns, key)
+            nsid = self._ns_id(namespace)
+            bucket, old = self._probe(nsid, key)
             if old >= 0:  # a rewrite: the new copy replaces the old one (no watch event)
                 of, oslot = self._locate(old)
                 self._unindex(bucket, of, oslot, watch=False)
                 self._drop(of, oslot)
-            self._index_entry(f, slot, self._ns_id(namespace), h)
+            self._index_entry(f, slot, nsid, h)
             self.counters.writes += 1
             self.counters.write_bytes += length
             if old < 0 and self._watch is not None:
@@ -1055,7 +1091,7 @@ class SsdTier:
             # Slots being written count too: concurrent writers must not all see room.
             held = self._bytes_of[namespace] + self._writing[namespace]
             ns_id = self._ns_ids.get(namespace)
-            old = -1 if ns_id is None else self._probe(self._ns_bytes[ns_id], key)[1]
+            old = -1 if ns_id is None else self._probe(ns_id, key)[1]
             if old >= 0:  # a rewrite frees the old copy's bytes
                 held -= self._locate(old)[0].slot_bytes
             if held + slot_bytes <= quota:
