@@ -342,3 +342,29 @@ def test_a_full_tier_empties_the_coldest_file_of_another_size(disk_dir: str) -> 
         assert _read(ssd, "a", b"big") == bytes(8192) and ssd.check() == []
     finally:
         ssd.close()
+
+
+def test_readoption_places_runs_that_wrap_round_the_index(
+        disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Every key hashing to the last bucket: the rebuild's runs wrap to the start."""
+    monkeypatch.setattr(ssd_mod, "field_hash", lambda *a: 1023)
+    monkeypatch.setattr(ssd_mod, "_row_key_hashes",
+                        lambda table, n: np.full(n, 1023, np.uint64))
+    ssd = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
+    ssd.open()
+    for i in range(40):
+        _write(ssd, "a", b"k%d" % i, b"%d" % i)
+    ssd.remove("a", [b"k3", b"k17"])
+    ssd.sync()
+    ssd.flush_frees()
+    ssd.close()
+    fresh = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
+    fresh.open()
+    try:
+        assert fresh.counters.adopted == 38 and fresh.check() == []
+        assert int(fresh._buckets[0]) != 0  # wrapped
+        for i in range(40):
+            assert _read(fresh, "a", b"k%d" % i) == (None if i in (3, 17) else b"%d" % i)
+        assert fresh.remove("a", [b"k0", b"k39"]) == 2 and fresh.check() == []
+    finally:
+        fresh.close()

@@ -89,9 +89,6 @@ REMOVED: Final = 3  # out of the index, still being read: freed at its last read
 #: rebuilt at most half full: probes stay short, 8 bytes a bucket is 11-21 bytes an entry.
 MIN_BUCKETS: Final = 1024
 MAX_LOAD: Final = 0.75
-#: Rows validated at once at re-adoption (bounds the temporary arrays: 64k x 192 bytes).
-ADOPT_CHUNK: Final = 1 << 16
-
 _KEY_FIELD: Final = fmt.NS_AT + fmt.NAME_BYTES - fmt.KEY_AT  # key + namespace, padded
 ENTRY_BYTES: Final = fmt.ENTRY_BYTES
 KEY_AT: Final = fmt.KEY_AT
@@ -487,24 +484,20 @@ class SsdTier:
         h = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
         while n_buckets < MIN_BUCKETS or len(sid) > n_buckets // 2:
             n_buckets *= 2
+        # Linear probing in one pass: in order of home bucket, each item takes the first
+        # bucket at or after its home past the one before it (a cumulative maximum);
+        # the few that run off the end wrap round one by one.
+        home = (h & np.uint64(n_buckets - 1)).astype(np.int64)
+        order = np.argsort(home, kind="stable")
+        k = np.arange(len(order), dtype=np.int64)
+        pos = np.maximum.accumulate(home[order] - k) + k if len(order) else k
+        inside = pos < n_buckets
         buckets = np.zeros(n_buckets, np.uint64)
-        mask = np.uint64(n_buckets - 1)
-        pos = h & mask
-        pending = np.arange(len(sid))
-        # Rounds of linear probing: each bucket takes one of the items that want it;
-        # the others move one bucket on (rounds: the longest probe, a few dozen).
-        while pending.size:
-            p = pos[pending]
-            empty = buckets[p] == 0
-            _, first = np.unique(p[empty], return_index=True)
-            won = pending[empty][first]
-            buckets[pos[won]] = sid[won] + np.uint64(1)
-            lost = np.ones(len(pending), bool)
-            lost[np.flatnonzero(empty)[first]] = False
-            pending = pending[lost]
-            pos[pending] = (pos[pending] + np.uint64(1)) & mask
+        buckets[pos[inside]] = sid[order[inside]] + np.uint64(1)
         self._buckets = buckets
-        self._n_indexed = len(sid)
+        self._n_indexed = int(inside.sum())
+        for j in np.flatnonzero(~inside).tolist():
+            self._insert(int(sid[order[j]]), int(h[order[j]]))
 
     def _index_entry(self, f: SpillFile, slot: int, nsid: int, h: int) -> None:
         """Make a slot whose table row is written INDEXED (lock held; key absent)."""
@@ -650,18 +643,19 @@ class SsdTier:
               & (klen >= 1) & (klen <= fmt.MAX_KEY_BYTES) & (nlen <= fmt.NAME_BYTES)
               & (rows["length"] >= 1) & (rows["length"] <= layout.slot_bytes))
         # The key and namespace fields are zero past their lengths (what ``key_hash``
-        # assumes); an entry that says otherwise was not written by this code.
-        cols = np.arange(_KEY_FIELD)
-        limit = np.where(cols < fmt.MAX_KEY_BYTES, 0, fmt.MAX_KEY_BYTES)
-        for lo in range(0, n, ADOPT_CHUNK):
-            hi = min(n, lo + ADOPT_CHUNK)
-            sel = lo + np.flatnonzero(ok[lo:hi])
-            if not sel.size:
-                continue
-            used = np.where(cols < fmt.MAX_KEY_BYTES, klen[sel, None], nlen[sel, None])
-            past = cols >= limit + used
-            junk = ((raw[sel, fmt.KEY_AT : fmt.KEY_AT + _KEY_FIELD] != 0) & past).any(axis=1)
-            ok[sel[junk]] = False
+        # assumes); an entry that says otherwise was not written by this code.  Checked
+        # per distinct length over the table in place (a table has one or a few).
+        for lens, at, width in ((klen, fmt.KEY_AT, fmt.MAX_KEY_BYTES),
+                                (nlen, fmt.NS_AT, fmt.NAME_BYTES)):
+            for size in np.unique(lens[ok]).tolist():
+                if size >= width:
+                    continue
+                sel = np.flatnonzero(ok & (lens == size))
+                if 8 * len(sel) >= n:  # most of the table: scan it in place
+                    junk = raw[:, at + size : at + width].any(axis=1) & (lens == size)
+                    ok &= ~junk
+                else:  # a few rows: copy just them
+                    ok[sel[raw[sel, at + size : at + width].any(axis=1)]] = False
         f.khash[:] = _row_key_hashes(table, n)
         cand = np.flatnonzero(ok)
         if cand.size:
@@ -709,10 +703,13 @@ class SsdTier:
         h = np.concatenate([f.khash[s] for s, f in zip(slots, self._by_base, strict=True)])
         seq = np.concatenate([f.rows()["seq"][s]
                               for s, f in zip(slots, self._by_base, strict=True)])
-        order = np.lexsort((~seq, h))  # by hash, the newest first among equal ones
-        hs = h[order]
-        dup = hs[1:] == hs[:-1]
-        starts = np.flatnonzero(dup & ~np.concatenate([[False], dup[:-1]]))
+        hs = np.sort(h)
+        starts = np.zeros(0, np.int64)
+        if len(hs) > 1 and (hs[1:] == hs[:-1]).any():  # rare: sort again, keeping order
+            order = np.lexsort((~seq, h))  # by hash, the newest first among equal ones
+            hs = h[order]
+            dup = hs[1:] == hs[:-1]
+            starts = np.flatnonzero(dup & ~np.concatenate([[False], dup[:-1]]))
         for j in starts.tolist():  # runs of equal hashes (rare): compare the keys' bytes
             kept: list[bytes] = []
             k = j
