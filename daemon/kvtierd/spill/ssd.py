@@ -89,6 +89,10 @@ REMOVED: Final = 3  # out of the index, still being read: freed at its last read
 #: rebuilt at most half full: probes stay short, 8 bytes a bucket is 11-21 bytes an entry.
 MIN_BUCKETS: Final = 1024
 MAX_LOAD: Final = 0.75
+#: A bucket holds the upper half of its key's hash (the home bucket's bits, and a check
+#: that spares most mismatches a look at the slot table) over slot id + 1.
+MAX_SLOT_IDS: Final = (1 << 32) - 1
+_LOW: Final = (1 << 32) - 1
 _KEY_FIELD: Final = fmt.NS_AT + fmt.NAME_BYTES - fmt.KEY_AT  # key + namespace, padded
 ENTRY_BYTES: Final = fmt.ENTRY_BYTES
 KEY_AT: Final = fmt.KEY_AT
@@ -151,7 +155,6 @@ class SpillFile:
     readers: np.ndarray = dataclasses.field(init=False, repr=False)
     ref: np.ndarray = dataclasses.field(init=False, repr=False)
     nsid: np.ndarray = dataclasses.field(init=False, repr=False)
-    khash: np.ndarray = dataclasses.field(init=False, repr=False)
     free: np.ndarray = dataclasses.field(init=False, repr=False)
     nfree: int = 0  # free[:nfree] is the free stack (the top is taken first)
     nbusy: int = 0
@@ -168,7 +171,6 @@ class SpillFile:
         self.readers = np.zeros(n, np.uint16)
         self.ref = np.zeros(n, np.uint8)
         self.nsid = np.zeros(n, np.uint32)
-        self.khash = np.zeros(n, np.uint64)
         self.free = np.arange(n - 1, -1, -1, dtype=np.uint32)  # slot 0 on top
         self.nfree = n
 
@@ -405,52 +407,69 @@ class SsdTier:
         return f, sid - f.base
 
     def _add_file(self, f: SpillFile) -> None:
-        """Give ``f`` its slot ids (lock held, or before anyone else sees the tier)."""
+        """Give ``f`` its slot ids (lock held, or before anyone else sees the tier).
+
+        Slot ids fit 32 bits (the low half of a bucket); when the next file's would
+        not, every file is numbered afresh from 0 and the index rebuilt."""
+        if self._next_base + f.layout.n_slots >= MAX_SLOT_IDS:
+            self._next_base = 0
+            for g in self._by_base:
+                g.base = self._next_base
+                self._next_base += g.layout.n_slots
+            self._bases = [g.base for g in self._by_base]
+            renumbered = True
+        else:
+            renumbered = False
         f.base = self._next_base
         self._next_base += f.layout.n_slots
         self._bases.append(f.base)
         self._by_base.append(f)
+        if renumbered:
+            self._rebuild_from_files()
 
     def _probe(self, nsid: int, key: bytes) -> tuple[int, int]:
         """(bucket, slot id) of (namespace ``nsid``, key) in the index, or (-1, -1) (lock
         held).
 
-        A candidate is confirmed by its key hash, then by the key and namespace fields
-        of its slot-table entry (lengths, then the padded fields in one comparison)."""
+        A candidate is confirmed by the upper half of its key hash (in its bucket),
+        then by the key and namespace fields of its slot-table entry (lengths, then
+        the padded fields in one comparison)."""
         klen, nlen = len(key), len(self._ns_bytes[nsid])
         if not 1 <= klen <= fmt.MAX_KEY_BYTES:
             return -1, -1
         field = key.ljust(fmt.MAX_KEY_BYTES, b"\0") + self._ns_pad[nsid]
-        h = field_hash(field, klen, nlen)
+        tag = field_hash(field, klen, nlen) >> 32
         buckets = self._buckets
         mask = len(buckets) - 1
-        i = h & mask
+        i = tag & mask
         bases, files = self._bases, self._by_base
         one = files[0] if len(files) == 1 else None
         while True:
             v = buckets.item(i)
             if v == 0:
                 return -1, -1
-            sid = v - 1
-            f = one if one is not None else files[bisect.bisect_right(bases, sid) - 1]
-            slot = sid - f.base
-            if f.khash.item(slot) == h:
-                t, off = f.table, slot * ENTRY_BYTES
+            if v >> 32 == tag:
+                sid = (v & _LOW) - 1
+                f = one if one is not None else files[bisect.bisect_right(bases, sid) - 1]
+                off = (sid - f.base) * ENTRY_BYTES
+                t = f.table
                 if (t[off + 1] == klen and t[off + 2] == nlen
                         and t[off + KEY_AT : off + ENTRY_SUM_AT] == field):
                     return i, sid
             i = (i + 1) & mask
 
     def _insert(self, sid: int, h: int) -> None:
-        """Put a slot id known to be absent into the index (lock held)."""
+        """Put a slot id known to be absent, its key hash ``h``, into the index (lock
+        held)."""
         if (self._n_indexed + 1) > MAX_LOAD * len(self._buckets):
-            self._rebuild(2 * len(self._buckets))
+            self._grow()
         buckets = self._buckets
         mask = len(buckets) - 1
-        i = h & mask
-        while buckets[i]:
+        tag = h >> 32
+        i = tag & mask
+        while buckets.item(i):
             i = (i + 1) & mask
-        buckets[i] = sid + 1
+        buckets[i] = tag << 32 | (sid + 1)
         self._n_indexed += 1
 
     def _delete_bucket(self, i: int) -> None:
@@ -461,50 +480,67 @@ class SsdTier:
         j = i
         while True:
             j = (j + 1) & mask
-            v = int(buckets[j])
+            v = buckets.item(j)
             if v == 0:
                 break
-            f, slot = self._locate(v - 1)
-            home = int(f.khash[slot]) & mask
+            home = (v >> 32) & mask
             if (j - home) & mask >= (j - i) & mask:  # its home is not in (i, j]
                 buckets[i] = v
                 buckets[j] = 0
                 i = j
         self._n_indexed -= 1
 
-    def _rebuild(self, n_buckets: int) -> None:
-        """Build the index afresh from the files' INDEXED slots (vectorised; lock held)."""
-        ids: list[np.ndarray] = []
-        hashes: list[np.ndarray] = []
+    def _grow(self) -> None:
+        """Twice the buckets, the members re-placed by their tags (lock held)."""
+        v = self._buckets[self._buckets != 0]
+        self._place(v >> np.uint64(32), v, 2 * len(self._buckets))
+
+    def _rebuild_from_files(self) -> None:
+        """The index afresh from the files' INDEXED slots and their slot-table entries
+        (re-adoption, renumbering; vectorised, one native hashing call a file)."""
+        tags: list[np.ndarray] = []
+        vals: list[np.ndarray] = []
         for f in self._by_base:
             slots = np.flatnonzero(f.state == INDEXED)
-            ids.append(slots.astype(np.uint64) + np.uint64(f.base))
-            hashes.append(f.khash[slots])
-        sid = np.concatenate(ids) if ids else np.zeros(0, np.uint64)
-        h = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
-        while n_buckets < MIN_BUCKETS or len(sid) > n_buckets // 2:
+            tag = _row_key_hashes(f.table, f.n_slots)[slots] >> np.uint64(32)
+            tags.append(tag)
+            vals.append(tag << np.uint64(32) | (slots.astype(np.uint64)
+                                                 + np.uint64(f.base + 1)))
+        empty = np.zeros(0, np.uint64)
+        self._place(np.concatenate(tags) if tags else empty,
+                    np.concatenate(vals) if vals else empty, MIN_BUCKETS)
+
+    def _place(self, tags: np.ndarray, vals: np.ndarray, n_buckets: int) -> None:
+        """Fill a fresh bucket array of at least ``n_buckets`` (at most half full) with
+        ``vals``, each from the home its tag gives (lock held)."""
+        while n_buckets < MIN_BUCKETS or len(vals) > n_buckets // 2:
             n_buckets *= 2
         # Linear probing in one pass: in order of home bucket, each item takes the first
         # bucket at or after its home past the one before it (a cumulative maximum);
         # the few that run off the end wrap round one by one.
-        home = (h & np.uint64(n_buckets - 1)).astype(np.int64)
+        home = (tags & np.uint64(n_buckets - 1)).astype(np.int64)
         order = np.argsort(home, kind="stable")
         k = np.arange(len(order), dtype=np.int64)
         pos = np.maximum.accumulate(home[order] - k) + k if len(order) else k
         inside = pos < n_buckets
         buckets = np.zeros(n_buckets, np.uint64)
-        buckets[pos[inside]] = sid[order[inside]] + np.uint64(1)
+        buckets[pos[inside]] = vals[order[inside]]
         self._buckets = buckets
         self._n_indexed = int(inside.sum())
+        mask = n_buckets - 1
         for j in np.flatnonzero(~inside).tolist():
-            self._insert(int(sid[order[j]]), int(h[order[j]]))
+            v = int(vals[order[j]])
+            i = (v >> 32) & mask
+            while buckets.item(i):
+                i = (i + 1) & mask
+            buckets[i] = v
+            self._n_indexed += 1
 
     def _index_entry(self, f: SpillFile, slot: int, nsid: int, h: int) -> None:
         """Make a slot whose table row is written INDEXED (lock held; key absent)."""
         f.nsid[slot] = nsid
-        f.khash[slot] = h
         f.ref[slot] = 0  # set by reads only (as the DRAM table's CLOCK: docs/decisions.md)
-        self._insert(f.base + slot, h)  # (a rebuild there sees INDEXED slots: not this one)
+        self._insert(f.base + slot, h)
         f.state[slot] = INDEXED
         self._bytes_of[self._ns_names[nsid]] += f.slot_bytes
 
@@ -518,13 +554,16 @@ class SsdTier:
             self._watch(name, f.row_key(slot), False)
 
     def _bucket_of(self, f: SpillFile, slot: int) -> int:
-        """The bucket holding an INDEXED slot (lock held)."""
+        """The bucket holding an INDEXED slot (lock held): its key hash again, from the
+        slot-table entry."""
+        t, off = f.table, slot * ENTRY_BYTES
+        h = field_hash(bytes(t[off + KEY_AT : off + ENTRY_SUM_AT]), t[off + 1], t[off + 2])
         buckets = self._buckets
         mask = len(buckets) - 1
-        want = f.base + slot + 1
-        i = int(f.khash[slot]) & mask
-        while int(buckets[i]) != want:
-            if not buckets[i]:
+        want = (h >> 32) << 32 | (f.base + slot + 1)
+        i = (h >> 32) & mask
+        while buckets.item(i) != want:
+            if not buckets.item(i):
                 raise AssertionError(f"slot {slot} of {f.path} is INDEXED but not indexed")
             i = (i + 1) & mask
         return i
@@ -656,7 +695,6 @@ class SsdTier:
                     ok &= ~junk
                 else:  # a few rows: copy just them
                     ok[sel[raw[sel, at + size : at + width].any(axis=1)]] = False
-        f.khash[:] = _row_key_hashes(table, n)
         cand = np.flatnonzero(ok)
         if cand.size:
             ns_h = _row_ns_hashes(table, n)[cand]
@@ -700,7 +738,8 @@ class SsdTier:
         slots = [np.flatnonzero(f.state == INDEXED) for f in self._by_base]
         sid = np.concatenate([s.astype(np.uint64) + np.uint64(f.base)
                               for s, f in zip(slots, self._by_base, strict=True)])
-        h = np.concatenate([f.khash[s] for s, f in zip(slots, self._by_base, strict=True)])
+        h = np.concatenate([_row_key_hashes(f.table, f.n_slots)[s]
+                            for s, f in zip(slots, self._by_base, strict=True)])
         seq = np.concatenate([f.rows()["seq"][s]
                               for s, f in zip(slots, self._by_base, strict=True)])
         hs = np.sort(h)
@@ -723,7 +762,7 @@ class SsdTier:
                 else:
                     kept.append(ident)
                 k += 1
-        self._rebuild(MIN_BUCKETS)
+        self._rebuild_from_files()
         self._bytes_of.clear()
         for f in self._by_base:
             live = f.state == INDEXED
@@ -1426,8 +1465,6 @@ class SsdTier:
             problems.append(f"{where}: slot table has COMMITTED slots nobody holds")
         sel = np.flatnonzero(live)
         if sel.size:
-            if (_row_key_hashes(f.table, f.n_slots)[sel] != f.khash[sel]).any():
-                problems.append(f"{where}: a key hash differs from its slot table entry")
             nsid = f.nsid[sel]
             if (nsid >= len(self._ns_names)).any():
                 problems.append(f"{where}: a namespace id out of range")
@@ -1444,7 +1481,8 @@ class SsdTier:
         """Every indexed slot once in the key index, found from its hash's home bucket."""
         b = self._buckets
         occ = np.flatnonzero(b)
-        got = np.sort(b[occ] - np.uint64(1))
+        vals = (b[occ] & np.uint64(_LOW)) - np.uint64(1)
+        got = np.sort(vals)
         if len(got) != self._n_indexed or not np.array_equal(got, np.sort(ids)):
             return [f"SSD key index holds {len(got)} slots (count {self._n_indexed}), the "
                     f"files {len(ids)} indexed ones (or other ones)"]
@@ -1453,19 +1491,22 @@ class SsdTier:
         n = len(b)
         if len(occ) == n:
             return ["SSD key index is full"]
-        vals = b[occ] - np.uint64(1)
+        tags = b[occ] >> np.uint64(32)
         which = np.searchsorted(np.array(self._bases, np.uint64), vals, side="right") - 1
-        hashes = np.empty(len(occ), np.uint64)
         for k, f in enumerate(self._by_base):
             m = which == k
-            hashes[m] = f.khash[(vals[m] - np.uint64(f.base)).astype(np.int64)]
+            slots = (vals[m] - np.uint64(f.base)).astype(np.int64)
+            row_tags = _row_key_hashes(f.table, f.n_slots)[slots] >> np.uint64(32)
+            if (row_tags != tags[m]).any():
+                return [f"{os.path.basename(f.path)}: a key hash in the index differs from "
+                        "its slot table entry"]
         # A member must sit no further from its home than the run of members before it.
         idx = np.arange(n)
         last_empty = np.maximum.accumulate(np.where(b == 0, idx, -1))
         if last_empty[-1] >= 0:  # runs that wrap around: the last empty before the end
             last_empty = np.where(last_empty < 0, last_empty[-1] - n, last_empty)
         run = idx - last_empty - 1
-        dist = (occ.astype(np.uint64) - (hashes & np.uint64(n - 1))) & np.uint64(n - 1)
+        dist = (occ.astype(np.uint64) - (tags & np.uint64(n - 1))) & np.uint64(n - 1)
         if (dist > run[occ]).any():
             return ["SSD key index has a member its probe cannot reach"]
         return []
