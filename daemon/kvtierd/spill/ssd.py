@@ -698,8 +698,13 @@ class SsdTier:
         cand = np.flatnonzero(ok)
         if cand.size:
             ns_h = _row_ns_hashes(table, n)[cand]
-            uniq, first, inverse = np.unique(ns_h, return_index=True, return_inverse=True)
-            inverse = inverse.reshape(-1)
+            if (ns_h == ns_h[0]).all():  # one namespace (the usual file): no sort
+                uniq, first = ns_h[:1], np.zeros(1, np.int64)
+                inverse = np.zeros(len(cand), np.int64)
+            else:
+                uniq, first, inverse = np.unique(ns_h, return_index=True,
+                                                 return_inverse=True)
+                inverse = inverse.reshape(-1)
             ids = np.empty(len(uniq), np.uint32)
             for u, row in enumerate(cand[first].tolist()):
                 field = bytes(raw[row, fmt.NS_AT : fmt.NS_AT + int(nlen[row])])
@@ -749,6 +754,7 @@ class SsdTier:
             hs = h[order]
             dup = hs[1:] == hs[:-1]
             starts = np.flatnonzero(dup & ~np.concatenate([[False], dup[:-1]]))
+        forgot = False
         for j in starts.tolist():  # runs of equal hashes (rare): compare the keys' bytes
             kept: list[bytes] = []
             k = j
@@ -759,10 +765,15 @@ class SsdTier:
                     f.table[off + fmt.KEY_AT : off + fmt.ENTRY_SUM_AT])
                 if ident in kept:
                     self._forget_adopted(f, slot)  # an older copy of a kept key
+                    forgot = True
                 else:
                     kept.append(ident)
                 k += 1
-        self._rebuild_from_files()
+        if forgot:
+            self._rebuild_from_files()
+        else:  # the hashes are at hand
+            tags = h >> np.uint64(32)
+            self._place(tags, tags << np.uint64(32) | (sid + np.uint64(1)), MIN_BUCKETS)
         self._bytes_of.clear()
         for f in self._by_base:
             live = f.state == INDEXED
@@ -774,9 +785,12 @@ class SsdTier:
         if len(seq):
             self._seq = int(seq.max())
             median = np.median(seq)
-            for f in self._by_base:
-                live = np.flatnonzero(f.state == INDEXED)
-                f.ref[live] = f.rows()["seq"][live] >= median
+            at = 0
+            for f, live in zip(self._by_base, slots, strict=True):
+                f.ref[live] = seq[at : at + len(live)] >= median
+                at += len(live)
+            for f in self._by_base:  # (an older copy dropped above: not referenced)
+                f.ref[f.state != INDEXED] = 0
         return self._n_indexed
 
     def _forget_adopted(self, f: SpillFile, slot: int) -> None:
