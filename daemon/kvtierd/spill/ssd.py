@@ -10,16 +10,17 @@ first (the shared tier, when configured).
 
 Bookkeeping in compact form (issue 26): no Python object per entry at rest.
 Per spill file, columns of numpy arrays indexed by slot (state, readers,
-referenced bit, namespace id, key hash: 16 bytes a slot) and a free stack (4
-bytes a slot); everything else an entry has (key, namespace, length,
-checksum, geometry, write sequence) is read from the file's slot-table
-mirror, which the tier keeps anyway to write table pages.  One open-addressing
-hash table (linear probing, backward-shift deletion, 8 bytes a bucket, load
-at most 3/4) maps the xxh3-64 of (namespace, key) to a slot id (a file's
-``base`` + slot); a hit is confirmed against the key and namespace bytes in
-the slot-table mirror, so a hash collision is a probe more, never a wrong
-block.  ``find`` and friends return an :class:`SsdEntry` made on demand: a
-snapshot, kept by nobody after the call.
+referenced bit, namespace id: 8 bytes a slot) and a free stack (4 bytes a
+slot); everything else an entry has (key, namespace, length, checksum,
+geometry, write sequence) is read from the file's slot-table mirror, which
+the tier keeps anyway to write table pages.  One open-addressing hash table
+(linear probing, backward-shift deletion, load at most 3/4) maps the xxh3-64
+of (namespace, key) to a slot id (a file's ``base`` + slot): 8 bytes a bucket,
+the hash's upper half (which gives the home bucket) over slot id + 1.  A hit
+is confirmed against the key and namespace bytes in the slot-table mirror, so
+a hash collision is a probe more, never a wrong block.  ``find`` and friends
+return an :class:`SsdEntry` made on demand: a snapshot, kept by nobody after
+the call.  (docs/decisions.md, "The SSD tier's bookkeeping in columns".)
 
 Threading: one lock guards the in-memory state; no I/O happens under it.
 ``find``/``remove``/``stats`` are O(keys) and safe on the event loop;
