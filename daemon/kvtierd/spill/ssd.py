@@ -94,6 +94,7 @@ MAX_LOAD: Final = 0.75
 #: that spares most mismatches a look at the slot table) over slot id + 1.
 MAX_SLOT_IDS: Final = (1 << 32) - 1
 _LOW: Final = (1 << 32) - 1
+_MISS: Final = (-1, -1, None)
 _KEY_FIELD: Final = fmt.NS_AT + fmt.NAME_BYTES - fmt.KEY_AT  # key + namespace, padded
 ENTRY_BYTES: Final = fmt.ENTRY_BYTES
 KEY_AT: Final = fmt.KEY_AT
@@ -428,16 +429,16 @@ class SsdTier:
         if renumbered:
             self._rebuild_from_files()
 
-    def _probe(self, nsid: int, key: bytes) -> tuple[int, int]:
-        """(bucket, slot id) of (namespace ``nsid``, key) in the index, or (-1, -1) (lock
-        held).
+    def _probe(self, nsid: int, key: bytes) -> tuple[int, int, SpillFile | None]:
+        """(bucket, slot id, file) of (namespace ``nsid``, key) in the index, or
+        (-1, -1, None) (lock held).
 
         A candidate is confirmed by the upper half of its key hash (in its bucket),
         then by the key and namespace fields of its slot-table entry (lengths, then
         the padded fields in one comparison)."""
         klen, nlen = len(key), len(self._ns_bytes[nsid])
         if not 1 <= klen <= fmt.MAX_KEY_BYTES:
-            return -1, -1
+            return _MISS
         field = key.ljust(fmt.MAX_KEY_BYTES, b"\0") + self._ns_pad[nsid]
         tag = field_hash(field, klen, nlen) >> 32
         buckets = self._buckets
@@ -448,7 +449,7 @@ class SsdTier:
         while True:
             v = buckets.item(i)
             if v == 0:
-                return -1, -1
+                return _MISS
             if v >> 32 == tag:
                 sid = (v & _LOW) - 1
                 f = one if one is not None else files[bisect.bisect_right(bases, sid) - 1]
@@ -456,7 +457,7 @@ class SsdTier:
                 t = f.table
                 if (t[off + 1] == klen and t[off + 2] == nlen
                         and t[off + KEY_AT : off + ENTRY_SUM_AT] == field):
-                    return i, sid
+                    return i, sid, f
             i = (i + 1) & mask
 
     def _insert(self, sid: int, h: int) -> None:
@@ -580,10 +581,10 @@ class SsdTier:
         i = self._ns_ids.get(namespace)
         if i is None:
             return None
-        _, sid = self._probe(i, key)
-        if sid < 0:
+        _, sid, f = self._probe(i, key)
+        if f is None:
             return None
-        return self._entry_at(*self._locate(sid))
+        return self._entry_at(f, sid - f.base)
 
     def _current(self, entry: SsdEntry) -> bool:
         """Whether ``entry`` is still the indexed copy it was made from (lock held)."""
@@ -820,12 +821,11 @@ class SsdTier:
             i = self._ns_ids.get(namespace)
             if i is None:
                 return None
-            _, sid = self._probe(i, key)
-            if sid < 0:
+            _, sid, f = self._probe(i, key)
+            if f is None:
                 return None
-            f, slot = self._locate(sid)
             length, _, block_bytes, mhash = _FIELDS.unpack_from(
-                f.table, slot * fmt.ENTRY_BYTES + 8)
+                f.table, (sid - f.base) * ENTRY_BYTES + 8)
         if geometry is not None and (block_bytes, mhash) != geometry:
             return None
         return int(length)
@@ -838,13 +838,12 @@ class SsdTier:
             if i is None:
                 return 0
             for key in keys:
-                bucket, sid = self._probe(i, key)
-                if sid < 0:
+                bucket, sid, f = self._probe(i, key)
+                if f is None:
                     continue
                 n += 1
-                f, slot = self._locate(sid)
-                self._unindex(bucket, f, slot)
-                self._drop(f, slot)
+                self._unindex(bucket, f, sid - f.base)
+                self._drop(f, sid - f.base)
         return n
 
     def _snapshot_keys(self, namespace: str | None, geometry: tuple[int, int] | None
@@ -979,15 +978,14 @@ class SsdTier:
             f.committed += 1
             f.needs_sync = True
             nsid = self._ns_id(namespace)
-            bucket, old = self._probe(nsid, key)
-            if old >= 0:  # a rewrite: the new copy replaces the old one (no watch event)
-                of, oslot = self._locate(old)
-                self._unindex(bucket, of, oslot, watch=False)
-                self._drop(of, oslot)
+            bucket, old, of = self._probe(nsid, key)
+            if of is not None:  # a rewrite: the new copy replaces the old one (no event)
+                self._unindex(bucket, of, old - of.base, watch=False)
+                self._drop(of, old - of.base)
             self._index_entry(f, slot, nsid, h)
             self.counters.writes += 1
             self.counters.write_bytes += length
-            if old < 0 and self._watch is not None:
+            if of is None and self._watch is not None:
                 self._watch(namespace, key, True)
         return SsdEntry(namespace, key, f, slot, length, checksum, block_bytes, mhash, seq)
 
