@@ -95,7 +95,6 @@ MAX_LOAD: Final = 0.75
 MAX_SLOT_IDS: Final = (1 << 32) - 1
 _LOW: Final = (1 << 32) - 1
 _MISS: Final = (-1, -1, None)
-_KEY_FIELD: Final = fmt.NS_AT + fmt.NAME_BYTES - fmt.KEY_AT  # key + namespace, padded
 ENTRY_BYTES: Final = fmt.ENTRY_BYTES
 KEY_AT: Final = fmt.KEY_AT
 ENTRY_SUM_AT: Final = fmt.ENTRY_SUM_AT
