@@ -16,14 +16,21 @@ Every figure comes from vLLM OpenAI servers (the random-weight model of
   boundary: what recomputing the last block costs, the most a key over the exact tail
   tokens could save.
 * **KV transfer, two hosts**: the decode server's load of a 4k prompt's blocks from host A
-  (its connector's ``lookup_seconds`` + ``load_seconds``), and, on the same blocks in the
-  same run, rounds alternating: host B's kvtierd leasing them from the cluster (an
-  ``acquire`` with B's DRAM copies evicted first) against a plain Mooncake client in
-  namespace B calling ``batch_get_into`` for the same objects (``bench/cluster.py``'s
-  reader).
+  (its connector's counters per phase: the wait for announced blocks, lookups, the load's
+  Acquire and copies), and right after a prefill in the same rounds, the same hand-off
+  without vLLM on B (a plain kvtier client's ``acquire``; Mooncake's ``batch_get_into`` of
+  the same objects); then, on the last prompt's blocks, rounds alternating: host B's
+  kvtierd leasing them from the cluster (an ``acquire`` with B's DRAM copies evicted
+  first) against a plain Mooncake client in namespace B calling ``batch_get_into`` for the
+  same objects (``bench/cluster.py``'s reader).  ``--fill-dram`` measures the steady
+  state: every kvtierd extent made before the rounds (a fresh kvtierd makes and pre-faults
+  one inside a request every ``--extent`` bytes).
 
     sudo PYTHONPATH=client:daemon .venv/bin/python bench/vllm_pd.py \\
         --json bench/results/vllm-pd-2026-12-04.json
+    sudo PYTHONPATH=client:daemon .venv/bin/python bench/vllm_pd.py --skip-one-host \\
+        --load-mode sync --dram 256MiB --segment 2GiB --fill-dram \\
+        --json bench/results/vllm-pd-2026-12-04-two-hosts-sync-steady-paced.json
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import cluster as cluster_bench  # noqa: E402  (bench/cluster.py: the Mooncake r
 import kvtier  # noqa: E402
 from kvtier.cli import evict  # noqa: E402
 from kvtier.hashing import block_keys  # noqa: E402
+from kvtier.units import parse_size  # noqa: E402
 from kvtier.vllm import request_salt  # noqa: E402
 from kvtierd.cluster.format import HEADER_BYTES, Naming  # noqa: E402
 from kvtierd.spill.format import model_hash  # noqa: E402
@@ -111,6 +119,24 @@ def counters(server: VllmServer) -> dict[str, float]:
             if k.startswith("vllm:kvtier_") and not k.endswith("_created")}
 
 
+#: The decode connector's counters per phase of a cross-host load (kvtier.vllm.COUNTERS).
+PHASES = ("wait_seconds", "lookup_seconds", "load_seconds", "load_acquire_seconds",
+          "load_copy_seconds")
+
+
+def daemon_counters(daemon: Any) -> dict[str, float]:
+    """A kvtierd's promotion and prefetch counters, its cluster-tier reads and the seconds
+    it spent pre-faulting new DRAM extents."""
+    st = daemon.stats()
+    out = {"promotions": float(st.promotions), "prefetches": float(st.prefetches),
+           "prefetch_hits": float(st.prefetch_hits),
+           "prefault_seconds": float(st.prefault_seconds)}
+    for io in st.io:
+        if io.reads:
+            out[f"tier{int(io.tier)}_reads"] = float(io.reads)
+    return out
+
+
 def summary(xs: list[float]) -> dict[str, float]:
     return {"median_ms": statistics.median(xs) * 1e3, "min_ms": min(xs) * 1e3,
             "max_ms": max(xs) * 1e3}
@@ -122,6 +148,33 @@ def server_args(args: argparse.Namespace) -> dict[str, Any]:
             "extra_args": ["--max-num-batched-tokens", str(max_len)],
             "env": {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib),
                     **json.loads(args.server_env)}}
+
+
+def fill_dram(args: argparse.Namespace, fleet: Fleet, prompts: Prompts, proxy: ProxyProc,
+              ns_a: str | None) -> dict[str, Any]:
+    """P/D requests of the largest size until both kvtierds' namespaces hold every DRAM extent
+    their budget allows: the steady state of a daemon that has run a while, where a new block
+    takes a slot of an extent made earlier (a fresh daemon makes and pre-faults an extent in
+    the middle of a request every ``--extent`` bytes until DRAM is full)."""
+    assert fleet.a is not None and fleet.b is not None
+    want = parse_size(args.dram) // parse_size(args.extent)
+
+    def extents() -> list[int]:
+        out = []
+        for d in (fleet.a, fleet.b):
+            got = [n.segments for n in d.stats().namespaces if n.name.startswith("vllm/")]
+            out.append(got[0] if got else 0)
+        return out
+
+    t0 = time.perf_counter()
+    n = 0
+    while min(extents()) < want and n < 4 * want:
+        ttft(proxy.url, prompts(max(args.sizes)), 1, ns_a)
+        n += 1
+    got = extents()
+    print(f"[fill DRAM] {n} requests, {time.perf_counter() - t0:.0f} s: extents A {got[0]}, "
+          f"B {got[1]} (of {want})", flush=True)
+    return {"requests": n, "extents_a": got[0], "extents_b": got[1], "extents_wanted": want}
 
 
 def ttft_rounds(args: argparse.Namespace, prompts: Prompts, colocated: VllmServer,
@@ -181,38 +234,89 @@ def tail_rounds(args: argparse.Namespace, prompts: Prompts, prefill_srv: VllmSer
     return rows
 
 
+def _after_prefill(b: kvtier.Client, keys: list[bytes], timeout: float = 30.0) -> float:
+    """Wait until kvtierd B sees every one of ``keys`` (a lookup, no prefetch, at most every
+    5 ms, as a held consumer does); returns the seconds waited."""
+    t0 = time.perf_counter()
+    while b.lookup(keys) < len(keys):
+        if time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"the producer's blocks did not reach host B in {timeout} s")
+        time.sleep(0.005)
+    return time.perf_counter() - t0
+
+
 def transfer(args: argparse.Namespace, fleet: Fleet, prompts: Prompts, prefill_srv: VllmServer,
              decode: VllmServer) -> dict[str, Any]:
-    """The decode server's cross-host load of a prompt, and kvtier vs Mooncake on its blocks."""
+    """The decode server's cross-host load of a prompt, and kvtier vs Mooncake on its blocks.
+
+    Each round prefills three fresh prompts on host A and moves each one's blocks to host B
+    right after its prefill answered, in three ways: the decode server's own load (its
+    connector's counters), a plain kvtier client on B (wait until B sees the blocks, then one
+    ``acquire`` of them, checksums verified), and Mooncake's ``batch_get_into`` of the same
+    objects (after the same wait).  Then, on the last prompt's blocks, rounds alternating B's
+    ``acquire`` (its DRAM copies evicted first) with ``batch_get_into``, nothing else running.
+    """
     assert fleet.a is not None and fleet.b is not None
     size = max(args.sizes)
     ns_a = fleet.ns_a if fleet.netns else None
     ns_b = fleet.ns_b if fleet.netns else None
-    engine = []
-    tokens: list[int] = []
-    for _ in range(args.rounds):
-        tokens = prompts(size)
-        # The producer's kv_transfer_params, as the proxy passes them: the decode server
-        # waits for blocks still on their way to the cluster instead of recomputing them.
-        params = prefill(prefill_srv.url, tokens, ns_a)
-        before = counters(decode)
-        res = ttft(decode.url, tokens, 1, ns_b, params)
-        after = counters(decode)
-        d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-        d["cached"] = res["cached"]
-        d["ttft_s"] = res["ttft_s"]
-        engine.append(d)
     found = [(n.name, n.block_bytes, n.model_uid) for n in fleet.a.stats().namespaces
              if n.name.startswith("vllm/")]
     name, block_bytes, uid = found[0]
-    keys = block_keys(tokens, BLOCK, request_salt("", None, None))[: (size - 1) // BLOCK]
     naming = Naming(SECRET)
-    names = [naming.name(name, k, block_bytes, model_hash(uid)) for k in keys]
-    reader = cluster_bench.Reader(fleet, len(keys) * (block_bytes + HEADER_BYTES + 4096))
-    kv, mc = [], []
+    salt = request_salt("", None, None)
+    nkeys = (size - 1) // BLOCK
+
+    def keys_names(tokens: list[int]) -> tuple[list[bytes], list[str]]:
+        keys = block_keys(tokens, BLOCK, salt)[:nkeys]
+        return keys, [naming.name(name, k, block_bytes, model_hash(uid)) for k in keys]
+
+    engine = []
+    fresh_kv: list[dict[str, float]] = []
+    fresh_mc: list[dict[str, float]] = []
+    tokens: list[int] = []
+    reader = cluster_bench.Reader(fleet, nkeys * (block_bytes + HEADER_BYTES + 4096))
     try:
         with kvtier.Client(fleet.b.socket_dir, namespace=name, block_bytes=block_bytes,
                            model_uid=uid) as b:
+            for _ in range(args.rounds):
+                tokens = prompts(size)
+                # The producer's kv_transfer_params, as the proxy passes them: the decode
+                # server waits for blocks still on their way to the cluster instead of
+                # recomputing them.
+                params = prefill(prefill_srv.url, tokens, ns_a)
+                before, b_before = counters(decode), daemon_counters(fleet.b)
+                res = ttft(decode.url, tokens, 1, ns_b, params)
+                after, b_after = counters(decode), daemon_counters(fleet.b)
+                d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                d["cached"] = res["cached"]
+                d["ttft_s"] = res["ttft_s"]
+                d["kvtierd_b"] = {k: b_after[k] - b_before.get(k, 0) for k in b_after}
+                engine.append(d)
+                # The same hand-off without vLLM on B: a kvtier client, then Mooncake.
+                fresh = prompts(size)
+                keys, _ = keys_names(fresh)
+                prefill(prefill_srv.url, fresh, ns_a)
+                wait = _after_prefill(b, keys)
+                t0 = time.perf_counter()
+                with b.acquire(keys) as lease:
+                    dt = time.perf_counter() - t0
+                    assert lease.hits == len(keys), lease.hits
+                fresh_kv.append({"wait_s": wait, "acquire_s": dt})
+                fresh = prompts(size)
+                keys, names = keys_names(fresh)
+                prefill(prefill_srv.url, fresh, ns_a)
+                wait = _after_prefill(b, keys)
+                r = reader.ask(op="get", names=names, size=block_bytes + HEADER_BYTES)
+                assert r["ok"], r
+                fresh_mc.append({"wait_s": wait, "get_s": r["seconds"]})
+                print(f"[transfer] right after a prefill: engine load "
+                      f"{d.get('load_seconds', 0) * 1e3:.0f} ms (acquire "
+                      f"{d.get('load_acquire_seconds', 0) * 1e3:.0f}), client acquire "
+                      f"{dt * 1e3:.0f} ms, batch_get_into {r['seconds'] * 1e3:.0f} ms",
+                      flush=True)
+            keys, names = keys_names(tokens)
+            kv, mc = [], []
             for _ in range(args.transfer_rounds):
                 evict(fleet.b.socket_dir, name, keys, ["dram"])
                 t0 = time.perf_counter()
@@ -229,8 +333,17 @@ def transfer(args: argparse.Namespace, fleet: Fleet, prompts: Prompts, prefill_s
     eng = [(e.get("lookup_seconds", 0) + e.get("load_seconds", 0), e.get("loaded_blocks", 0))
            for e in engine]
     eng_s = statistics.median(s for s, _ in eng)
+    # The decode server's time per phase (medians over the rounds): its wait for blocks the
+    # producer announced but the cluster did not show yet, its Lookup calls, and its load's
+    # Acquire (kvtierd B promoting from the cluster) and copies into the paged cache.
+    phases = {name: statistics.median(e.get(name, 0) for e in engine) * 1e3
+              for name in PHASES}
+    load_s = statistics.median(e.get("load_seconds", 0) for e in engine)
     out = {"prompt_tokens": size, "blocks": len(keys), "block_bytes": block_bytes,
            "bytes": nbytes, "engine_rounds": engine,
+           "engine_phases_ms": phases,
+           "engine_load_only_ms": load_s * 1e3,
+           "engine_load_only_gbps": nbytes / load_s / 1e9 if load_s else None,
            "engine_load_ms": eng_s * 1e3, "engine_gbps": nbytes / eng_s / 1e9,
            "kvtier_acquire_ms": statistics.median(kv) * 1e3,
            "mooncake_get_ms": statistics.median(mc) * 1e3,
@@ -239,9 +352,21 @@ def transfer(args: argparse.Namespace, fleet: Fleet, prompts: Prompts, prefill_s
            "rounds": args.transfer_rounds}
     out["ratio"] = out["kvtier_gbps"] / out["mooncake_gbps"]
     out["engine_ratio"] = out["engine_gbps"] / out["mooncake_gbps"]
+    out["fresh_client"] = fresh_kv
+    out["fresh_mooncake"] = fresh_mc
+    out["fresh_client_acquire_ms"] = statistics.median(x["acquire_s"] for x in fresh_kv) * 1e3
+    out["fresh_mooncake_get_ms"] = statistics.median(x["get_s"] for x in fresh_mc) * 1e3
+    out["engine_load_vs_fresh_mooncake"] = (out["fresh_mooncake_get_ms"]
+                                            / out["engine_load_only_ms"] if load_s else None)
+    out["engine_load_only_ratio"] = (out["mooncake_get_ms"] / out["engine_load_only_ms"]
+                                     if load_s else None)
+    print("[transfer] decode server's phases (median ms): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()), flush=True)
     print(f"[transfer] {len(keys)} blocks of {block_bytes >> 10} KiB: decode server's load "
           f"{out['engine_load_ms']:.1f} ms ({out['engine_gbps']:.3f} GB/s, "
-          f"{out['engine_ratio']:.2f}x Mooncake); B's acquire {out['kvtier_acquire_ms']:.1f} ms "
+          f"{out['engine_ratio']:.2f}x Mooncake; its load alone "
+          f"{out['engine_load_only_ms']:.1f} ms, {out['engine_load_only_ratio'] or 0:.2f}x); "
+          f"B's acquire {out['kvtier_acquire_ms']:.1f} ms "
           f"({out['kvtier_gbps']:.3f} GB/s) vs batch_get_into {out['mooncake_get_ms']:.1f} ms "
           f"({out['mooncake_gbps']:.3f} GB/s): {out['ratio']:.2f}x", flush=True)
     return out
@@ -293,9 +418,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         os.makedirs(os.path.join(base, "fleet"))
         fleet = Fleet(os.path.join(base, "fleet"))
         fleet.start_master()
-        fleet.a = fleet.start_daemon("a", capacity=args.dram, extent="64MiB",
+        fleet.a = fleet.start_daemon("a", capacity=args.dram, extent=args.extent,
                                      segment=args.segment)
-        fleet.b = fleet.start_daemon("b", capacity=args.dram, extent="64MiB", segment="64MiB")
+        fleet.b = fleet.start_daemon("b", capacity=args.dram, extent=args.extent,
+                                     segment="64MiB")
         ns_a = fleet.ns_a if fleet.netns else None
         ns_b = fleet.ns_b if fleet.netns else None
         pre = VllmServer(base, "prefill-a", model, kvtier_ktc("kv_producer", fleet.a.socket_dir),
@@ -310,8 +436,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           prefix=fleet.in_ns("a"), host=fleet.addr_a, timeout=600)
         proxies.append(proxy)
         ttft(proxy.url, prompts(min(args.sizes)), 2, ns_a)
+        if args.fill_dram:
+            result["fill_dram"] = fill_dram(args, fleet, prompts, proxy, ns_a)
         result["netns"] = fleet.netns
         result["load_mode"] = args.load_mode
+        result["extent"] = args.extent
         result["consumer_config"] = json.loads(args.consumer_config)
         result["two_hosts"] = ttft_rounds(args, prompts, colocated, proxy, dec, ns_a,
                                           "two hosts")
@@ -347,7 +476,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--dram", default="1GiB", help="each kvtierd's DRAM")
+    p.add_argument("--extent", default="64MiB",
+                   help="the two-host kvtierds' dram.extent_size (an extent is created and "
+                        "pre-faulted when a reserve or promotion first needs it: with 64MiB, "
+                        "inside every 4k-token request until DRAM is full; with --dram, once, "
+                        "at the warm-up request)")
     p.add_argument("--segment", default="1GiB", help="host A's cluster segment")
+    p.add_argument("--fill-dram", action="store_true",
+                   help="before the two-host rounds, P/D requests until both kvtierds have "
+                        "made every DRAM extent (the steady state; use a small --dram)")
     p.add_argument("--load-mode", default="auto", help="the cross-host consumer's load_mode")
     p.add_argument("--consumer-config", default="{}",
                    help="more kv_connector_extra_config of the cross-host consumer (JSON)")

@@ -94,24 +94,34 @@ class Waits:
     """Requests a consumer holds back for announced blocks not yet in its kvtierd.
 
     A held request is asked about again every step; its lookup is repeated at most every
-    :data:`RECHECK` seconds (an idle engine steps in a tight loop).
+    :data:`RECHECK` seconds (an idle engine steps in a tight loop), and never sooner after
+    the end of the last one than that lookup took: a lookup of blocks still on their way
+    asks the cluster (a round trip to its master, 10-25 ms on a loaded host), and lookups
+    back to back would take the CPU the producer's publish needs (see docs/benchmarks.md).
     """
 
-    #: Seconds between two lookups of a held request.
+    #: Seconds between two lookups of a held request, at least.
     RECHECK: Final = 0.005
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
-        #: request id -> (deadline, time of its last lookup); deadline None: gave up.
+        #: request id -> (deadline, when its next lookup is due); deadline None: gave up.
         self._held: dict[str, tuple[float | None, float]] = {}
+        #: request id -> when it was first held (until :meth:`waited` reports it).
+        self._since: dict[str, float] = {}
 
     def recheck(self, req_id: str) -> bool:
         """False while a held request's last lookup is too recent to repeat."""
-        entry = self._held.get(req_id)
-        return entry is None or time.monotonic() - entry[1] >= self.RECHECK
+        return self.due_in(req_id) <= 0
 
-    def hold(self, req_id: str, found: int, wanted: int) -> bool:
-        """True: ask again next step (``found`` < ``wanted``, within the time limit).
+    def due_in(self, req_id: str) -> float:
+        """Seconds until a held request's next lookup is due (<= 0: now)."""
+        entry = self._held.get(req_id)
+        return 0.0 if entry is None else entry[1] - time.monotonic()
+
+    def hold(self, req_id: str, found: int, wanted: int, looked: float = 0.0) -> bool:
+        """True: ask again next step (``found`` < ``wanted``, within the time limit);
+        ``looked``: the seconds the lookup that found ``found`` took.
 
         Once a request has waited ``limit`` seconds it is never held again.
         """
@@ -121,13 +131,21 @@ class Waits:
             return False
         deadline = entry[0] if entry is not None else now + self.limit
         if deadline is not None and now < deadline:
-            self._held[req_id] = (deadline, now)
+            self._held[req_id] = (deadline, now + max(self.RECHECK, looked))
+            self._since.setdefault(req_id, now)
             return True
         self._held[req_id] = (None, now)
         return False
 
+    def waited(self, req_id: str) -> float:
+        """Seconds from a request's first hold to now (0: never held), reported once:
+        call it when :meth:`hold` lets the request go."""
+        since = self._since.pop(req_id, None)
+        return 0.0 if since is None else time.monotonic() - since
+
     def forget(self, req_id: str) -> None:
         self._held.pop(req_id, None)
+        self._since.pop(req_id, None)
 
     def __len__(self) -> int:
         return len(self._held)

@@ -64,6 +64,7 @@ import ctypes
 import dataclasses
 import mmap
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -130,7 +131,8 @@ def save(client: Client, cache: Sequence[Layer], page_ids: Sequence[int] | torch
 
 
 def load(client: Client, keys: Sequence[bytes], cache: Sequence[Layer],
-         page_ids: Sequence[int] | torch.Tensor, *, layout: PagedKVLayout | None = None) -> int:
+         page_ids: Sequence[int] | torch.Tensor, *, layout: PagedKVLayout | None = None,
+         phases: dict[str, float] | None = None) -> int:
     """Fill page ``page_ids[i]`` from the block of ``keys[i]`` for the leading stored keys.
 
     Returns the number of pages loaded, ``n``: the blocks of ``keys[:n]`` are
@@ -149,6 +151,11 @@ def load(client: Client, keys: Sequence[bytes], cache: Sequence[Layer],
     by a writer of the namespace) ends the load there: the pages before it
     count as loaded, that block is deleted as corrupted, and the page it was
     copied into (and later ones) may be partly written.
+
+    ``phases``, when given, gains the seconds this call spent in its parts (added to what
+    it holds): ``"acquire"`` (the lease: kvtierd's answer, including its promotion of
+    blocks below DRAM, and the client's checksum pass when it verifies apart) and
+    ``"copy"`` (the copies into the cache, hashing them when fused).
     """
     lay, arrays = _prepare(client, cache, layout)
     ids = valid_page_ids(page_ids, len(keys), int(arrays[0].shape[0]), unique=True)
@@ -157,7 +164,9 @@ def load(client: Client, keys: Sequence[bytes], cache: Sequence[Layer],
     host = None if _staged(arrays[0].device) else _host_u8(arrays)
     # Verify while copying: the lease leaves the checksums to scatter_hash.
     fused = client.checksum and host is not None
+    t0 = time.perf_counter()
     with client.acquire(keys, verify=not fused) as lease, torch.inference_mode():
+        t1 = time.perf_counter()
         n = lease.hits
         views = list(lease.views)
         for i, v in enumerate(views):
@@ -175,6 +184,9 @@ def load(client: Client, keys: Sequence[bytes], cache: Sequence[Layer],
             else:
                 gone = _load_cpu(arrays, lay, views, ids[:n], host)
         del views
+        if phases is not None:
+            phases["acquire"] = phases.get("acquire", 0.0) + (t1 - t0)
+            phases["copy"] = phases.get("copy", 0.0) + (time.perf_counter() - t1)
         if gone is not None:
             bad = [i for i in bad if i < gone]
         if bad:

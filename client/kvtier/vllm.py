@@ -127,10 +127,15 @@ _SALT_DOMAIN: Final = "kvtier.vllm.v1"
 COUNTERS: Final = (
     "lookups",           # scheduler: Lookup calls
     "lookup_seconds",    # scheduler: time in Lookup calls (the engine's scheduling loop waits)
+    "wait_seconds",      # scheduler (kv_consumer): requests held for announced blocks, from
+                         # the first hold to the lookup that let them go
+    "lower_blocks",      # scheduler: claimed blocks below DRAM at the lookup (to be promoted)
     "hit_tokens",        # scheduler: prompt tokens claimed from kvtier
     "refused_requests",  # scheduler: requests never matched (multimodal, prompt embeds)
     "loaded_blocks",     # worker: blocks copied from kvtier into the paged cache
     "load_seconds",      # worker: time in loads (Acquire, copies, Release)
+    "load_acquire_seconds",  # worker: of load_seconds, the Acquire (kvtierd's promotions)
+    "load_copy_seconds",     # worker: of load_seconds, the copies (and checksums)
     "failed_blocks",     # worker: blocks claimed but not loaded (reported to vLLM)
     "saved_blocks",      # worker: blocks committed to kvtier
     "skipped_blocks",    # worker: blocks to save that kvtier already had
@@ -491,6 +496,7 @@ class _Request:
     local_tokens: int = 0  # tokens vLLM's own prefix cache had at the lookup
     lookup_failed: bool = False  # the last lookup did not reach kvtierd (on some rank)
     background: bool = False  # vLLM was told this request's load is asynchronous
+    looked: float = 0.0  # seconds the last lookup took
 
     def keys_upto(self, blocks: int, block_tokens: int) -> list[bytes]:
         if blocks <= len(self.prompt_keys):
@@ -631,7 +637,8 @@ class _Scheduler:
             self._counters.add("lookups")
             t0 = time.perf_counter()
             st.hits, st.hits_local = self._lookup(st, base, usable), base
-            self._counters.add("lookup_seconds", time.perf_counter() - t0)
+            st.looked = time.perf_counter() - t0
+            self._counters.add("lookup_seconds", st.looked)
         st.local_tokens = num_computed_tokens
         return max(0, st.hits * self._block - num_computed_tokens)
 
@@ -684,6 +691,8 @@ class _Scheduler:
         if loads:
             self._loads.extend(loads)
             self._counters.add("hit_tokens", num_external)
+            self._counters.add("lower_blocks", sum(1 for t in st.tiers[local:hit]
+                                                   if t != Tier.DRAM))
 
     def build_meta(self, out: SchedulerOutput) -> KVTierMetadata:
         meta = KVTierMetadata(loads=self._loads)
@@ -771,7 +780,8 @@ class _Scheduler:
             return False  # (kvtierd unreachable: waiting would only delay the recompute)
         usable = max(0, len(request.prompt_token_ids or ()) - 1) // self._block
         wanted = min(announced_blocks(getattr(request, "kv_transfer_params", None)), usable)
-        if not waits.hold(request.request_id, st.hits, wanted):
+        if not waits.hold(request.request_id, st.hits, wanted, st.looked):
+            self._counters.add("wait_seconds", waits.waited(request.request_id))
             return False
         st.hits = None
         return True
@@ -987,7 +997,13 @@ class _Worker:
         ns = io.link.args["namespace"]
         for attempt in range(2):
             try:
-                n = kt.load(client, spec.keys, io.cache, spec.block_ids, layout=io.layout)
+                phases: dict[str, float] = {}
+                try:
+                    n = kt.load(client, spec.keys, io.cache, spec.block_ids, layout=io.layout,
+                                phases=phases)
+                finally:
+                    self._counters.add("load_acquire_seconds", phases.get("acquire", 0.0))
+                    self._counters.add("load_copy_seconds", phases.get("copy", 0.0))
             except errors.Corrupted as exc:
                 # The client dropped the bad block (it becomes a miss, counted by the daemon);
                 # the blocks before it are still good: load those once more.
@@ -1106,6 +1122,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._cfg = dataclasses.replace(cfg, save=self._kv_role.save,
                                         async_save=self._kv_role.async_save)
         self._waits = Waits(cfg.producer_wait) if self._kv_role.consumer else None
+        #: The last step scheduled no tokens (set by build_connector_meta).
+        self._idle = False
         if role == KVConnectorRole.SCHEDULER and self._kv_role.role != "kv_both":
             logger.info("kvtier: %s: %s", self._kv_role.role,
                         "loads, never saves" if self._kv_role.consumer else
@@ -1201,8 +1219,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             return 0, False
         waits = self._waits
-        if waits is not None and not waits.recheck(request.request_id):
-            return None, False  # held back, and looked up a moment ago
+        if waits is not None:
+            due = waits.due_in(request.request_id)
+            if due > 0 and not self._idle:
+                return None, False  # held back, and looked up a moment ago
+            if due > 0:
+                # The last step ran nothing: the engine is stepping only to retry held
+                # requests (vLLM sleeps 1 ms between such steps, a core kept busy while
+                # the producer's host publishes the blocks).  Wait for the lookup here.
+                time.sleep(min(due, waits.RECHECK))
+                if not waits.recheck(request.request_id):
+                    return None, False
         n = self._scheduler.matched(request, num_computed_tokens)
         if waits is not None and self._scheduler.hold(request, waits):
             return None, False  # vLLM asks again next step
@@ -1220,6 +1247,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        # A step that runs nothing: the engine is idle but for requests it cannot schedule.
+        self._idle = int(getattr(scheduler_output, "total_num_scheduled_tokens", 1) or 0) == 0
         if self._scheduler is None:
             return KVTierMetadata()
         return self._scheduler.build_meta(scheduler_output)

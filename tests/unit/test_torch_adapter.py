@@ -105,6 +105,23 @@ def test_round_trip_is_byte_exact(kvd: DaemonProc, layout: str, dtype: str) -> N
     assert all(page_bytes(dst, p) == zero for p in (1, 3, 4, 6, 7))
 
 
+def test_load_reports_the_time_of_its_parts_when_asked(kvd: DaemonProc) -> None:
+    src = make_cache("kv", "bfloat16")
+    lay = kt.layout_of(src)
+    keys = keys_of(2)
+    with client_for(kvd, lay) as c:
+        assert kt.save(c, src, [0, 1], keys) == 2
+        dst = make_cache("kv", "bfloat16", seed=None)
+        phases: dict[str, float] = {"acquire": 1.0}
+        assert kt.load(c, keys, dst, [2, 3], phases=phases) == 2
+        assert set(phases) == {"acquire", "copy"}
+        assert phases["acquire"] > 1.0 and phases["copy"] > 0  # added to what was there
+        empty: dict[str, float] = {}
+        assert kt.load(c, [], dst, [], phases=empty) == 0
+        assert empty == {}  # no call, no time
+    assert page_bytes(dst, 2) == page_bytes(src, 0)
+
+
 def test_load_stops_at_the_first_missing_key(kvd: DaemonProc) -> None:
     src = make_cache("kv", "bfloat16")
     lay = kt.layout_of(src)

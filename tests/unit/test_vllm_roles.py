@@ -60,3 +60,32 @@ def test_a_request_is_held_until_its_blocks_show_or_the_limit_passes() -> None:
     w.forget("b")
     assert len(w) == 0
     assert not Waits(0).hold("d", found=0, wanted=3)
+
+
+def test_the_wait_of_a_held_request_is_reported_once_when_it_goes() -> None:
+    w = Waits(5.0)
+    assert not w.hold("a", found=2, wanted=2)
+    assert w.waited("a") == 0.0  # never held: no wait
+    assert w.hold("b", found=0, wanted=2)
+    time.sleep(0.02)
+    assert w.hold("b", found=1, wanted=2)  # the wait runs from the first hold
+    time.sleep(0.02)
+    assert not w.hold("b", found=2, wanted=2)
+    assert 0.04 <= w.waited("b") < 1.0
+    assert w.waited("b") == 0.0  # reported once
+    assert w.hold("c", found=0, wanted=1)
+    w.forget("c")
+    assert w.waited("c") == 0.0
+
+
+def test_a_held_request_is_looked_up_again_no_sooner_than_its_last_lookup_took() -> None:
+    w = Waits(5.0)
+    assert w.due_in("a") == 0.0 and w.recheck("a")  # never held: look now
+    assert w.hold("a", found=0, wanted=2, looked=0.05)  # a slow lookup (the cluster)
+    assert 0.03 < w.due_in("a") <= 0.05
+    time.sleep(Waits.RECHECK)
+    assert not w.recheck("a")  # not after RECHECK: after as long as the lookup took
+    time.sleep(0.05)
+    assert w.recheck("a")
+    assert w.hold("a", found=1, wanted=2, looked=0.0001)  # a fast one: RECHECK apart
+    assert 0 < w.due_in("a") <= Waits.RECHECK

@@ -35,8 +35,8 @@ def _tokens(blocks: int, seed: int) -> list[int]:
     return [3 + (seed * 7919 + i) % 900 for i in range(blocks * BLOCK + 5)]
 
 
-def _consumer(sched: Any, wait: float) -> Any:
-    return SimpleNamespace(_scheduler=sched, _waits=Waits(wait))
+def _consumer(sched: Any, wait: float, idle: bool = False) -> Any:
+    return SimpleNamespace(_scheduler=sched, _waits=Waits(wait), _idle=idle)
 
 
 def matched(conn: Any, req: PDRequest) -> tuple[int | None, bool]:
@@ -59,6 +59,31 @@ def test_a_consumer_waits_for_announced_blocks_then_loads_them(
     _store(daemon, sched, 0, keys[1:])
     time.sleep(0.5)
     assert matched(conn, req) == (4 * BLOCK, False)  # all there: loaded, none recomputed
+    sched.close()
+
+
+def test_an_idle_consumer_waits_for_its_next_lookup_instead_of_spinning(
+        daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Waits, "RECHECK", 0.2)
+    sched, counters = _scheduler(daemon, tp=1)
+    tokens = _tokens(3, 6)
+    keys = block_keys(tokens, BLOCK, request_salt("", None, None))
+    _store(daemon, sched, 0, keys[:1])
+    busy, idle = _consumer(sched, 5.0), _consumer(sched, 5.0, idle=True)
+    req = PDRequest("r6", tokens, kv_transfer_params={"kvtier": {"blocks": 3}})
+    assert matched(busy, req) == (None, False)  # held
+    t0 = time.monotonic()
+    assert matched(busy, req) == (None, False)  # other requests run: back at once
+    assert time.monotonic() - t0 < 0.1
+    _store(daemon, sched, 0, keys[1:])
+    idle._waits = busy._waits
+    t0 = time.monotonic()
+    # Nothing else runs: the call waits for the lookup that was due and takes the blocks.
+    assert matched(idle, req) == (3 * BLOCK, False)
+    assert 0.05 < time.monotonic() - t0 < 1.5
+    got = counters.take()
+    assert got["lookups"] == 2
+    assert got["wait_seconds"] >= 0.1  # from the first hold to the lookup that found them
     sched.close()
 
 

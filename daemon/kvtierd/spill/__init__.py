@@ -5,7 +5,7 @@
 * ``format``   -- the on-disk formats: SSD spill files (slot table + data)
   and shared-tier block files (header + data);
 * ``ssd``      -- the local SSD tier: preallocated slot files, its own index,
-  LRU and capacity, re-adoption at start;
+  CLOCK eviction and capacity, re-adoption at start;
 * ``shared``   -- the shared-filesystem tier: content-addressed block files
   any host's daemon can read, with no coordinator.
 

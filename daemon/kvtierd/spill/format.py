@@ -61,6 +61,8 @@ _SUM = struct.Struct("<Q")
 _ENTRY = struct.Struct(f"<BBBBIQQQQQ{MAX_KEY_BYTES}s{NAME_BYTES}s")
 ENTRY_SUM_AT: Final = 240
 assert _ENTRY.size <= ENTRY_SUM_AT
+#: The entry's fields, for reading one entry in place (``unpack_from``).
+ENTRY_STRUCT: Final = _ENTRY
 
 #: The entry as a numpy record, for re-adopting whole tables at start.
 ENTRY_DTYPE: Final = np.dtype(

@@ -1,36 +1,57 @@
 """The local SSD tier: preallocated spill files of fixed-size slots.
 
 Mechanism with its own bookkeeping: which (namespace, key) is in which slot,
-an LRU, and a byte budget (``capacity``).  It does not decide *what* to spill
-(that is ``kvtierd.tiering``); it stores what it is given, evicting its own
-least recently used entries when full, and hands evicted entries' bytes to
-``on_evict`` first (the shared tier, when configured).
+a CLOCK eviction order, and a byte budget (``capacity``).  It does not decide
+*what* to spill (that is ``kvtierd.tiering``); it stores what it is given,
+evicting its own entries when full (CLOCK: a referenced bit per slot, set when
+an entry is read, and a hand per slot size that clears it and takes the first
+unreferenced one), and hands evicted entries' bytes to ``on_evict``
+first (the shared tier, when configured).
+
+Bookkeeping in compact form (issue 26): no Python object per entry at rest.
+Per spill file, columns of numpy arrays indexed by slot (state, readers,
+referenced bit, namespace id: 8 bytes a slot) and a free stack (4 bytes a
+slot); everything else an entry has (key, namespace, length, checksum,
+geometry, write sequence) is read from the file's slot-table mirror, which
+the tier keeps anyway to write table pages.  One open-addressing hash table
+(linear probing, backward-shift deletion, load at most 3/4) maps the xxh3-64
+of (namespace, key) to a slot id (a file's ``base`` + slot): 8 bytes a bucket,
+the hash's upper half (which gives the home bucket) over slot id + 1.  A hit
+is confirmed against the key and namespace bytes in the slot-table mirror, so
+a hash collision is a probe more, never a wrong block.  ``find`` and friends
+return an :class:`SsdEntry` made on demand: a snapshot, kept by nobody after
+the call.  (docs/decisions.md, "The SSD tier's bookkeeping in columns".)
 
 Threading: one lock guards the in-memory state; no I/O happens under it.
 ``find``/``remove``/``stats`` are O(keys) and safe on the event loop;
 ``write``/``sync``/``read_into``/``open``/``flush_frees`` block and run on
-worker threads.  A slot being written is owned by its writer (``busy``); an
+worker threads.  A slot being written is owned by its writer (``BUSY``); an
 entry being read has ``readers > 0`` and is neither evicted nor reused until
-the read ends.
+the read ends (out of the index meanwhile it is ``REMOVED``, freed at its
+last reader).
 
 Files (format in ``spill.format``): ``spill-<slot_bytes>-<index>.kvt``, one
 set per slot size, created on demand (``fallocate``) up to the budget -- the first small,
 each next twice the last, up to ``spill.ssd_file_size`` -- and
 re-adopted at start from their slot tables -- one sequential read per file,
-no data is read (every read verifies the data's checksum instead).
+no data is read (every read verifies the data's checksum instead), every
+table validated and indexed with vectorised numpy and one native hashing call
+per file, no Python loop per entry.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import errno
 import logging
 import os
 import re
+import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
 import numpy as np
@@ -52,12 +73,69 @@ log = logging.getLogger(__name__)
 _throttle = Throttle()
 
 _FILE_RE: Final = re.compile(r"spill-([0-9]+)-([0-9]+)\.kvt")
-#: LRU entries one allocation may inspect for a victim (bounded work per write).
+#: Slots one allocation's CLOCK hand may pass for a victim (bounded work per write).
 EVICTION_SCAN_LIMIT: Final = 4096
 #: A slot size's first spill file is this big (or 8 slots); each next one doubles, up to
 #: ``spill.ssd_file_size``: a few MiB of spill never allocate gigabytes.
 FIRST_FILE_BYTES: Final = 64 << 20
 FIRST_FILE_SLOTS: Final = 8
+
+#: In-memory slot states (the slot table on disk knows only FREE and COMMITTED).
+FREE: Final = 0
+INDEXED: Final = 1  # committed and in the key index
+BUSY: Final = 2  # owned by a writer
+REMOVED: Final = 3  # out of the index, still being read: freed at its last reader
+
+#: The key index starts with this many buckets, grows (doubles) above MAX_LOAD, and is
+#: rebuilt at most half full: probes stay short, 8 bytes a bucket is 11-21 bytes an entry.
+MIN_BUCKETS: Final = 1024
+MAX_LOAD: Final = 0.75
+#: A bucket holds the upper half of its key's hash (the home bucket's bits, and a check
+#: that spares most mismatches a look at the slot table) over slot id + 1.
+MAX_SLOT_IDS: Final = (1 << 32) - 1
+_LOW: Final = (1 << 32) - 1
+_MISS: Final = (-1, -1, None)
+ENTRY_BYTES: Final = fmt.ENTRY_BYTES
+KEY_AT: Final = fmt.KEY_AT
+ENTRY_SUM_AT: Final = fmt.ENTRY_SUM_AT
+#: An entry's length, checksum, block_bytes and model hash (at byte 8 of the entry).
+_FIELDS: Final = struct.Struct("<QQQQ")
+
+
+def key_hash(ns: bytes, key: bytes) -> int:
+    """The key index's hash of (namespace, key): the xxh3-64 of the slot entry's zero-padded
+    key and namespace fields, seeded with their lengths (what ``hash_rows`` computes over
+    a whole slot table at re-adoption)."""
+    field = key.ljust(fmt.MAX_KEY_BYTES, b"\0") + ns.ljust(fmt.NAME_BYTES, b"\0")
+    return field_hash(field, len(key), len(ns))
+
+
+def field_hash(field: bytes, key_len: int, ns_len: int) -> int:
+    """``key_hash`` of an entry's padded key + namespace field and their lengths."""
+    return xxhash.xxh3_64_intdigest(field, key_len | ns_len << 8)
+
+
+def _row_key_hashes(table: Any, n: int) -> np.ndarray:
+    """``key_hash`` of every row of a raw slot table (one native call)."""
+    raw = np.frombuffer(table, dtype=np.uint8, count=n * fmt.ENTRY_BYTES).reshape(
+        n, fmt.ENTRY_BYTES)
+    seeds = raw[:, 1].astype(np.uint64) | raw[:, 2].astype(np.uint64) << np.uint64(8)
+    out = np.frombuffer(_accel.hash_rows(table, fmt.ENTRY_BYTES, fmt.KEY_AT, fmt.ENTRY_SUM_AT,
+                                         np.ascontiguousarray(seeds)), dtype=np.uint64)
+    return out
+
+
+def _row_ns_hashes(table: Any, n: int) -> np.ndarray:
+    """An xxh3-64 of every row's padded namespace field, seeded with its length."""
+    raw = np.frombuffer(table, dtype=np.uint8, count=n * fmt.ENTRY_BYTES).reshape(
+        n, fmt.ENTRY_BYTES)
+    seeds = np.ascontiguousarray(raw[:, 2].astype(np.uint64))
+    return np.frombuffer(_accel.hash_rows(table, fmt.ENTRY_BYTES, fmt.NS_AT, fmt.ENTRY_SUM_AT,
+                                          seeds), dtype=np.uint64)
+
+
+def _ns_hash(ns: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(ns.ljust(fmt.NAME_BYTES, b"\0"), len(ns))
 
 
 class SpillFull(Exception):
@@ -66,40 +144,112 @@ class SpillFull(Exception):
 
 @dataclasses.dataclass(eq=False, slots=True)
 class SpillFile:
+    """One spill file and its slots' columns (one element a slot, nothing per entry)."""
+
     path: str
     fd: int
     index: int
     layout: fmt.SpillLayout
     table: Any  # mmap: page-aligned mirror of the on-disk slot table
-    free: list[int]
-    busy: set[int] = dataclasses.field(default_factory=set)
-    committed: int = 0
+    base: int = 0  # slot ids base + 0 .. base + n_slots - 1 name this file's slots
+    state: np.ndarray = dataclasses.field(init=False, repr=False)
+    readers: np.ndarray = dataclasses.field(init=False, repr=False)
+    ref: np.ndarray = dataclasses.field(init=False, repr=False)
+    nsid: np.ndarray = dataclasses.field(init=False, repr=False)
+    free: np.ndarray = dataclasses.field(init=False, repr=False)
+    nfree: int = 0  # free[:nfree] is the free stack (the top is taken first)
+    nbusy: int = 0
+    committed: int = 0  # INDEXED + REMOVED slots
     needs_sync: bool = False
     dirty_pages: set[int] = dataclasses.field(default_factory=set)  # table pages to write
+    dropped: bool = False  # taken out of the tier (under the tier's lock)
     retired: bool = False  # unlinked and closed (set under io_lock): no more table writes
     io_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        n = self.layout.n_slots
+        self.state = np.zeros(n, np.uint8)
+        self.readers = np.zeros(n, np.uint16)
+        self.ref = np.zeros(n, np.uint8)
+        self.nsid = np.zeros(n, np.uint32)
+        self.free = np.arange(n - 1, -1, -1, dtype=np.uint32)  # slot 0 on top
+        self.nfree = n
 
     @property
     def slot_bytes(self) -> int:
         return self.layout.slot_bytes
 
+    @property
+    def n_slots(self) -> int:
+        return self.layout.n_slots
+
     def data_offset(self, slot: int) -> int:
         return self.layout.data_offset + slot * self.layout.slot_bytes
 
+    def rows(self) -> np.ndarray:
+        """The slot-table mirror as records (a view: drop it before ``table.close()``)."""
+        return np.frombuffer(self.table, dtype=fmt.ENTRY_DTYPE, count=self.layout.n_slots)
 
-@dataclasses.dataclass(eq=False, slots=True)
+    def raw(self) -> np.ndarray:
+        """The slot-table mirror as an (n_slots, ENTRY_BYTES) byte array (a view)."""
+        n = self.layout.n_slots
+        return np.frombuffer(self.table, dtype=np.uint8, count=n * fmt.ENTRY_BYTES).reshape(
+            n, fmt.ENTRY_BYTES)
+
+    def row_key(self, slot: int) -> bytes:
+        off = slot * fmt.ENTRY_BYTES
+        return bytes(self.table[off + fmt.KEY_AT : off + fmt.KEY_AT + self.table[off + 1]])
+
+    def row_seq(self, slot: int) -> int:
+        off = slot * fmt.ENTRY_BYTES + 40
+        return int.from_bytes(self.table[off : off + 8], "little")
+
+    def clear_row(self, slot: int) -> None:
+        self.table[slot * fmt.ENTRY_BYTES : (slot + 1) * fmt.ENTRY_BYTES] = bytes(
+            fmt.ENTRY_BYTES)
+
+    def push_free(self, slot: int) -> None:
+        self.free[self.nfree] = slot
+        self.nfree += 1
+
+
 class SsdEntry:
-    namespace: str
-    key: bytes
-    file: SpillFile
-    slot: int
-    length: int
-    checksum: int
-    block_bytes: int
-    model_hash: int
-    seq: int
-    readers: int = 0
-    removed: bool = False  # out of the index while being read: freed at the last reader
+    """A spilled block as of the call that made it: a snapshot, kept by nobody.
+
+    ``readers`` and ``removed`` read (and ``readers`` writes, for tests) the slot's
+    live columns; the other fields are the slot entry's values when it was made.
+    """
+
+    __slots__ = ("namespace", "key", "file", "slot", "length", "checksum", "block_bytes",
+                 "model_hash", "seq")
+
+    def __init__(self, namespace: str, key: bytes, file: SpillFile, slot: int, length: int,
+                 checksum: int, block_bytes: int, model_hash: int, seq: int) -> None:
+        self.namespace = namespace
+        self.key = key
+        self.file = file
+        self.slot = slot
+        self.length = length
+        self.checksum = checksum
+        self.block_bytes = block_bytes
+        self.model_hash = model_hash
+        self.seq = seq
+
+    @property
+    def readers(self) -> int:
+        return int(self.file.readers[self.slot])
+
+    @readers.setter
+    def readers(self, n: int) -> None:
+        self.file.readers[self.slot] = n
+
+    @property
+    def removed(self) -> bool:
+        return int(self.file.state[self.slot]) == REMOVED
+
+    def __repr__(self) -> str:
+        return (f"SsdEntry({self.namespace!r}, {self.key.hex()}, "
+                f"{os.path.basename(self.file.path)}#{self.slot}, seq={self.seq})")
 
 
 @dataclasses.dataclass
@@ -125,41 +275,43 @@ class SsdCounters:
 EvictHook = Callable[[SsdEntry, memoryview], None]
 
 
-class _Index(dict[tuple[str, bytes], SsdEntry]):
-    """(namespace, key) -> entry, keeping the slot bytes each namespace holds (for quotas).
+class _IndexView:
+    """A read-only mapping (namespace, key) -> :class:`SsdEntry` over the tier's index,
+    made on demand (for tests and tools: the tier keeps no entry objects).  Each call
+    takes the tier's lock.  ``bytes_of``: slot bytes each namespace holds (quotas)."""
 
-    ``watch(namespace, key, stored)``, when set, hears every key that comes in
-    (stored) or goes (not): the KV events (``kvtierd.events``).  It is called
-    under the tier's lock, from any thread."""
+    def __init__(self, tier: SsdTier) -> None:
+        self._tier = tier
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes_of: collections.Counter[str] = collections.Counter()
-        self.watch: Callable[[str, bytes, bool], None] | None = None
+    @property
+    def bytes_of(self) -> collections.Counter[str]:
+        return self._tier._bytes_of
 
-    def __setitem__(self, k: tuple[str, bytes], e: SsdEntry) -> None:
-        old = super().get(k)
-        if old is not None:
-            self.bytes_of[old.namespace] -= old.file.slot_bytes
-        super().__setitem__(k, e)
-        self.bytes_of[e.namespace] += e.file.slot_bytes
-        if self.watch is not None and old is None:
-            self.watch(k[0], k[1], True)
+    def get(self, k: tuple[str, bytes], default: Any = None) -> Any:
+        with self._tier._lock:
+            e = self._tier._entry_of(k[0], k[1])
+        return default if e is None else e
 
-    def __delitem__(self, k: tuple[str, bytes]) -> None:
-        e = super().pop(k)
-        self.bytes_of[e.namespace] -= e.file.slot_bytes
-        if self.watch is not None:
-            self.watch(k[0], k[1], False)
+    def __getitem__(self, k: tuple[str, bytes]) -> SsdEntry:
+        e: SsdEntry | None = self.get(k)
+        if e is None:
+            raise KeyError(k)
+        return e
 
-    def pop(self, k: tuple[str, bytes], *default: Any) -> Any:  # type: ignore[override]
-        if k in self:
-            e = super().pop(k)
-            self.bytes_of[e.namespace] -= e.file.slot_bytes
-            if self.watch is not None:
-                self.watch(k[0], k[1], False)
-            return e
-        return super().pop(k, *default)
+    def __contains__(self, k: object) -> bool:
+        return isinstance(k, tuple) and len(k) == 2 and self.get(k) is not None
+
+    def __len__(self) -> int:
+        return self._tier._n_indexed
+
+    def __iter__(self) -> Iterator[tuple[str, bytes]]:
+        return iter(self._tier.all_keys())
+
+    def values(self) -> list[SsdEntry]:
+        return self._tier._entries()
+
+    def items(self) -> list[tuple[tuple[str, bytes], SsdEntry]]:
+        return [((e.namespace, e.key), e) for e in self._tier._entries()]
 
 
 class SsdTier:
@@ -189,10 +341,25 @@ class SsdTier:
         # Signalled when a file is created (writers of that slot size wait for it).
         self._room = threading.Condition(self._lock)
         self._creating: set[int] = set()
-        self.index = _Index()
+        # The key index: bucket -> slot id + 1 (0: empty), linear probing.
+        self._buckets = np.zeros(MIN_BUCKETS, np.uint64)
+        self._n_indexed = 0
+        # Files by slot id: ``_bases`` ascending, ``_by_base`` the file at each.
+        self._bases: list[int] = []
+        self._by_base: list[SpillFile] = []
+        self._next_base = 0
+        # Namespaces (few): id <-> name, its encoded name and that name's hash.
+        self._ns_names: list[str] = []
+        self._ns_bytes: list[bytes] = []
+        self._ns_pad: list[bytes] = []  # the name as the entry's zero-padded field
+        self._ns_ids: dict[str, int] = {}
+        #: Slot bytes each namespace holds (for quotas).
+        self._bytes_of: collections.Counter[str] = collections.Counter()
+        self._watch: Callable[[str, bytes, bool], None] | None = None
+        #: The CLOCK hand of each slot size: (position in ``files[size]``, slot).
+        self._hands: dict[int, tuple[int, int]] = {}
         #: Bytes of slots each quota-limited namespace is writing right now.
         self._writing: collections.Counter[str] = collections.Counter()
-        self.lru: collections.OrderedDict[SsdEntry, None] = collections.OrderedDict()
         #: Namespace -> its SSD quota in bytes (0: none); set from the access rules.
         self.quota_of: Callable[[str], int] = lambda namespace: 0
         #: Called (lock held, any thread: keep it short) with (namespace, key) of every
@@ -204,7 +371,6 @@ class SsdTier:
         self._next_index = 0
         self._seq = 0
         self._pending_frees: set[SpillFile] = set()
-        self._removed: set[SsdEntry] = set()  # out of the index, still being read
         self.counters = SsdCounters()
         #: Called (from any thread) with a fault kind the tier absorbed itself.
         self.on_fault: Callable[[str], None] | None = None
@@ -214,6 +380,226 @@ class SsdTier:
         if self.on_fault is not None:
             for _ in range(n):
                 self.on_fault(kind)
+
+    # ================================================================ the key index
+    @property
+    def index(self) -> _IndexView:
+        """(namespace, key) -> entry, made on demand (tests and tools)."""
+        return _IndexView(self)
+
+    @property
+    def lru(self) -> list[SsdEntry]:
+        """Every indexed entry, the likeliest victim first as far as CLOCK knows:
+        unreferenced before referenced, then by write sequence (oldest first).
+        O(entries): tests and tools only."""
+        return sorted(self._entries(), key=lambda e: (int(e.file.ref[e.slot]), e.seq))
+
+    def _ns_id(self, namespace: str) -> int:
+        i = self._ns_ids.get(namespace)
+        if i is None:
+            i = self._ns_ids[namespace] = len(self._ns_names)
+            self._ns_names.append(namespace)
+            self._ns_bytes.append(namespace.encode())
+            self._ns_pad.append(self._ns_bytes[i].ljust(fmt.NAME_BYTES, b"\0"))
+        return i
+
+    def _locate(self, sid: int) -> tuple[SpillFile, int]:
+        f = self._by_base[bisect.bisect_right(self._bases, sid) - 1]
+        return f, sid - f.base
+
+    def _add_file(self, f: SpillFile) -> None:
+        """Give ``f`` its slot ids (lock held, or before anyone else sees the tier).
+
+        Slot ids fit 32 bits (the low half of a bucket); when the next file's would
+        not, every file is numbered afresh from 0 and the index rebuilt."""
+        if self._next_base + f.layout.n_slots >= MAX_SLOT_IDS:
+            self._next_base = 0
+            for g in self._by_base:
+                g.base = self._next_base
+                self._next_base += g.layout.n_slots
+            self._bases = [g.base for g in self._by_base]
+            renumbered = True
+        else:
+            renumbered = False
+        f.base = self._next_base
+        self._next_base += f.layout.n_slots
+        self._bases.append(f.base)
+        self._by_base.append(f)
+        if renumbered:
+            self._rebuild_from_files()
+
+    def _probe(self, nsid: int, key: bytes) -> tuple[int, int, SpillFile | None]:
+        """(bucket, slot id, file) of (namespace ``nsid``, key) in the index, or
+        (-1, -1, None) (lock held).
+
+        A candidate is confirmed by the upper half of its key hash (in its bucket),
+        then by the key and namespace fields of its slot-table entry (lengths, then
+        the padded fields in one comparison)."""
+        klen, nlen = len(key), len(self._ns_bytes[nsid])
+        if not 1 <= klen <= fmt.MAX_KEY_BYTES:
+            return _MISS
+        field = key.ljust(fmt.MAX_KEY_BYTES, b"\0") + self._ns_pad[nsid]
+        tag = field_hash(field, klen, nlen) >> 32
+        buckets = self._buckets
+        mask = len(buckets) - 1
+        i = tag & mask
+        bases, files = self._bases, self._by_base
+        one = files[0] if len(files) == 1 else None
+        while True:
+            v = buckets.item(i)
+            if v == 0:
+                return _MISS
+            if v >> 32 == tag:
+                sid = (v & _LOW) - 1
+                f = one if one is not None else files[bisect.bisect_right(bases, sid) - 1]
+                off = (sid - f.base) * ENTRY_BYTES
+                t = f.table
+                if (t[off + 1] == klen and t[off + 2] == nlen
+                        and t[off + KEY_AT : off + ENTRY_SUM_AT] == field):
+                    return i, sid, f
+            i = (i + 1) & mask
+
+    def _insert(self, sid: int, h: int) -> None:
+        """Put a slot id known to be absent, its key hash ``h``, into the index (lock
+        held)."""
+        if (self._n_indexed + 1) > MAX_LOAD * len(self._buckets):
+            self._grow()
+        buckets = self._buckets
+        mask = len(buckets) - 1
+        tag = h >> 32
+        i = tag & mask
+        while buckets.item(i):
+            i = (i + 1) & mask
+        buckets[i] = tag << 32 | (sid + 1)
+        self._n_indexed += 1
+
+    def _delete_bucket(self, i: int) -> None:
+        """Empty bucket ``i``, shifting later members of its run back (lock held)."""
+        buckets = self._buckets
+        mask = len(buckets) - 1
+        buckets[i] = 0
+        j = i
+        while True:
+            j = (j + 1) & mask
+            v = buckets.item(j)
+            if v == 0:
+                break
+            home = (v >> 32) & mask
+            if (j - home) & mask >= (j - i) & mask:  # its home is not in (i, j]
+                buckets[i] = v
+                buckets[j] = 0
+                i = j
+        self._n_indexed -= 1
+
+    def _grow(self) -> None:
+        """Twice the buckets, the members re-placed by their tags (lock held)."""
+        v = self._buckets[self._buckets != 0]
+        self._place(v >> np.uint64(32), v, 2 * len(self._buckets))
+
+    def _rebuild_from_files(self) -> None:
+        """The index afresh from the files' INDEXED slots and their slot-table entries
+        (re-adoption, renumbering; vectorised, one native hashing call a file)."""
+        tags: list[np.ndarray] = []
+        vals: list[np.ndarray] = []
+        for f in self._by_base:
+            slots = np.flatnonzero(f.state == INDEXED)
+            tag = _row_key_hashes(f.table, f.n_slots)[slots] >> np.uint64(32)
+            tags.append(tag)
+            vals.append(tag << np.uint64(32) | (slots.astype(np.uint64)
+                                                 + np.uint64(f.base + 1)))
+        empty = np.zeros(0, np.uint64)
+        self._place(np.concatenate(tags) if tags else empty,
+                    np.concatenate(vals) if vals else empty, MIN_BUCKETS)
+
+    def _place(self, tags: np.ndarray, vals: np.ndarray, n_buckets: int) -> None:
+        """Fill a fresh bucket array of at least ``n_buckets`` (at most half full) with
+        ``vals``, each from the home its tag gives (lock held)."""
+        while n_buckets < MIN_BUCKETS or len(vals) > n_buckets // 2:
+            n_buckets *= 2
+        # Linear probing in one pass: in order of home bucket, each item takes the first
+        # bucket at or after its home past the one before it (a cumulative maximum);
+        # the few that run off the end wrap round one by one.
+        home = (tags & np.uint64(n_buckets - 1)).astype(np.int64)
+        order = np.argsort(home, kind="stable")
+        k = np.arange(len(order), dtype=np.int64)
+        pos = np.maximum.accumulate(home[order] - k) + k if len(order) else k
+        inside = pos < n_buckets
+        buckets = np.zeros(n_buckets, np.uint64)
+        buckets[pos[inside]] = vals[order[inside]]
+        self._buckets = buckets
+        self._n_indexed = int(inside.sum())
+        mask = n_buckets - 1
+        for j in np.flatnonzero(~inside).tolist():
+            v = int(vals[order[j]])
+            i = (v >> 32) & mask
+            while buckets.item(i):
+                i = (i + 1) & mask
+            buckets[i] = v
+            self._n_indexed += 1
+
+    def _index_entry(self, f: SpillFile, slot: int, nsid: int, h: int) -> None:
+        """Make a slot whose table row is written INDEXED (lock held; key absent)."""
+        f.nsid[slot] = nsid
+        f.ref[slot] = 0  # set by reads only (as the DRAM table's CLOCK: docs/decisions.md)
+        self._insert(f.base + slot, h)
+        f.state[slot] = INDEXED
+        self._bytes_of[self._ns_names[nsid]] += f.slot_bytes
+
+    def _unindex(self, bucket: int, f: SpillFile, slot: int, *, watch: bool = True) -> None:
+        """Take an INDEXED slot out of the index (lock held): the caller frees, drops or
+        takes it next."""
+        self._delete_bucket(bucket)
+        name = self._ns_names[int(f.nsid[slot])]
+        self._bytes_of[name] -= f.slot_bytes
+        if watch and self._watch is not None:
+            self._watch(name, f.row_key(slot), False)
+
+    def _bucket_of(self, f: SpillFile, slot: int) -> int:
+        """The bucket holding an INDEXED slot (lock held): its key hash again, from the
+        slot-table entry."""
+        t, off = f.table, slot * ENTRY_BYTES
+        h = field_hash(bytes(t[off + KEY_AT : off + ENTRY_SUM_AT]), t[off + 1], t[off + 2])
+        buckets = self._buckets
+        mask = len(buckets) - 1
+        want = (h >> 32) << 32 | (f.base + slot + 1)
+        i = (h >> 32) & mask
+        while buckets.item(i) != want:
+            if not buckets.item(i):
+                raise AssertionError(f"slot {slot} of {f.path} is INDEXED but not indexed")
+            i = (i + 1) & mask
+        return i
+
+    def _entry_at(self, f: SpillFile, slot: int) -> SsdEntry:
+        """The snapshot of a slot's entry (lock held)."""
+        (_, klen, _, _, _, length, checksum, block_bytes, mhash, seq, key,
+         _) = fmt.ENTRY_STRUCT.unpack_from(f.table, slot * fmt.ENTRY_BYTES)
+        return SsdEntry(self._ns_names[int(f.nsid[slot])], key[:klen], f, slot, length,
+                        checksum, block_bytes, mhash, seq)
+
+    def _entry_of(self, namespace: str, key: bytes) -> SsdEntry | None:
+        i = self._ns_ids.get(namespace)
+        if i is None:
+            return None
+        _, sid, f = self._probe(i, key)
+        if f is None:
+            return None
+        return self._entry_at(f, sid - f.base)
+
+    def _current(self, entry: SsdEntry) -> bool:
+        """Whether ``entry`` is still the indexed copy it was made from (lock held)."""
+        f, slot = entry.file, entry.slot
+        return (not f.dropped and int(f.state[slot]) == INDEXED
+                and f.row_seq(slot) == entry.seq)
+
+    def _entries(self, namespace: str | None = None) -> list[SsdEntry]:
+        with self._lock:
+            out: list[SsdEntry] = []
+            for f in self._by_base:
+                mask = f.state == INDEXED
+                if namespace is not None:
+                    mask &= f.nsid == self._ns_ids.get(namespace, -1)
+                out.extend(self._entry_at(f, int(s)) for s in np.flatnonzero(mask))
+            return out
 
     # ================================================================ start / stop
     def open(self) -> None:
@@ -230,7 +616,6 @@ class SsdTier:
         if reason is not None and self._direct_mode == "auto":
             log.warning("SSD tier %s: %s; using buffered I/O with fdatasync (slower, and "
                         "spilled blocks also occupy the page cache)", self.root, reason)
-        adopted: list[SsdEntry] = []
         for name in sorted(self.io.listdir(self.root)):
             path = os.path.join(self.root, name)
             if name.endswith(".tmp") or name.startswith(".kvtier-direct-probe"):
@@ -240,20 +625,18 @@ class SsdTier:
             if match is None:
                 continue
             try:
-                adopted += self._adopt_file(path, int(match.group(1)), int(match.group(2)))
+                self._adopt_file(path, int(match.group(1)), int(match.group(2)))
             except (fmt.FormatError, OSError) as exc:
                 log.warning("SSD tier: dropping spill file %s: %s", path, exc)
                 self.counters.dropped_files.append(f"{name}: {exc}")
                 self._absorbed("bad_file")
                 self._unlink_quietly(path)
-        adopted.sort(key=lambda e: e.seq)
-        for entry in adopted:
-            self.lru[entry] = None
-        self._seq = max((e.seq for e in adopted), default=0)
-        self.counters.adopted = len(adopted)
+        with self._lock:
+            adopted = self._index_adopted()
+        self.counters.adopted = adopted
         self.counters.adopt_seconds = time.perf_counter() - t0
         log.info("SSD tier %s: %d blocks re-adopted from %d files in %.3f s (%s I/O)",
-                 self.root, len(adopted), sum(len(v) for v in self.files.values()),
+                 self.root, adopted, sum(len(v) for v in self.files.values()),
                  self.counters.adopt_seconds, "direct" if self.direct else "buffered")
 
     def close(self) -> None:
@@ -267,7 +650,9 @@ class SsdTier:
     def _open_flags(self) -> int:
         return os.O_RDWR | (os.O_DIRECT if self.direct else 0)
 
-    def _adopt_file(self, path: str, slot_bytes: int, index: int) -> list[SsdEntry]:
+    def _adopt_file(self, path: str, slot_bytes: int, index: int) -> None:
+        """Read a file's header and slot table and validate every entry (vectorised); its
+        valid entries become INDEXED-to-be (``_index_adopted`` indexes them)."""
         fd = self.io.open(path, self._open_flags())
         try:
             size = self.io.fstat_size(fd)
@@ -286,67 +671,134 @@ class SsdTier:
         except BaseException:
             self.io.close(fd)
             raise
-        f = SpillFile(path, fd, index, layout, table, [])
-        rows = np.frombuffer(table, dtype=fmt.ENTRY_DTYPE, count=layout.n_slots)
-        raw = np.frombuffer(table, dtype=np.uint8, count=layout.n_slots * fmt.ENTRY_BYTES).reshape(
-            layout.n_slots, fmt.ENTRY_BYTES)
+        f = SpillFile(path, fd, index, layout, table)
+        n = layout.n_slots
+        rows, raw = f.rows(), f.raw()
         state = rows["state"]
-        candidates = np.flatnonzero(state != fmt.EntryState.FREE).tolist()
-        sums = rows["entry_sum"]
-        lengths = rows["length"]
-        entries: list[SsdEntry] = []
-        torn: list[int] = []
-        for slot in candidates:
-            row = raw[slot]
-            ok = (int(state[slot]) == fmt.EntryState.COMMITTED
-                  and xxhash.xxh3_64_intdigest(row[: fmt.ENTRY_SUM_AT].tobytes()) == int(sums[slot])
-                  and 1 <= int(row[1]) <= fmt.MAX_KEY_BYTES and int(row[2]) <= fmt.NAME_BYTES
-                  and 1 <= int(lengths[slot]) <= layout.slot_bytes)
-            if not ok:
-                torn.append(slot)
-                continue
-            rec = rows[slot]
-            key = row[fmt.KEY_AT : fmt.KEY_AT + int(row[1])].tobytes()
-            ns = row[fmt.NS_AT : fmt.NS_AT + int(row[2])].tobytes().decode(errors="replace")
-            entries.append(SsdEntry(ns, key, f, slot, int(rec["length"]), int(rec["checksum"]),
-                                    int(rec["block_bytes"]), int(rec["model_hash"]),
-                                    int(rec["seq"])))
-        kept: list[SsdEntry] = []
-        for e in entries:
-            old = self.index.get((e.namespace, e.key))
-            if old is not None:  # the same key twice (a crash between rewrite and free)
-                loser = e if old.seq >= e.seq else old
-                if loser is old:
-                    self._forget_adopted(old)
-                    self.index[(e.namespace, e.key)] = e
-                    kept.append(e)
-                else:
-                    torn.append(e.slot)
-                continue
-            self.index[(e.namespace, e.key)] = e
-            kept.append(e)
-        for slot in torn:
-            f.table[slot * fmt.ENTRY_BYTES : (slot + 1) * fmt.ENTRY_BYTES] = bytes(fmt.ENTRY_BYTES)
-        if torn:
-            self.counters.dropped_entries += len(torn)
-            self._absorbed("torn_entry", len(torn))
+        klen = rows["key_len"]
+        nlen = rows["ns_len"]
+        sums = np.frombuffer(_accel.hash_rows(table, fmt.ENTRY_BYTES, 0, fmt.ENTRY_SUM_AT,
+                                              np.zeros(n, np.uint64)), dtype=np.uint64)
+        ok = ((state == fmt.EntryState.COMMITTED) & (sums == rows["entry_sum"])
+              & (klen >= 1) & (klen <= fmt.MAX_KEY_BYTES) & (nlen <= fmt.NAME_BYTES)
+              & (rows["length"] >= 1) & (rows["length"] <= layout.slot_bytes))
+        # The key and namespace fields are zero past their lengths (what ``key_hash``
+        # assumes); an entry that says otherwise was not written by this code.  Checked
+        # per distinct length over the table in place (a table has one or a few).
+        for lens, at, width in ((klen, fmt.KEY_AT, fmt.MAX_KEY_BYTES),
+                                (nlen, fmt.NS_AT, fmt.NAME_BYTES)):
+            for size in np.unique(lens[ok]).tolist():
+                if size >= width:
+                    continue
+                sel = np.flatnonzero(ok & (lens == size))
+                if 8 * len(sel) >= n:  # most of the table: scan it in place
+                    junk = raw[:, at + size : at + width].any(axis=1) & (lens == size)
+                    ok &= ~junk
+                else:  # a few rows: copy just them
+                    ok[sel[raw[sel, at + size : at + width].any(axis=1)]] = False
+        cand = np.flatnonzero(ok)
+        if cand.size:
+            ns_h = _row_ns_hashes(table, n)[cand]
+            if (ns_h == ns_h[0]).all():  # one namespace (the usual file): no sort
+                uniq, first = ns_h[:1], np.zeros(1, np.int64)
+                inverse = np.zeros(len(cand), np.int64)
+            else:
+                uniq, first, inverse = np.unique(ns_h, return_index=True,
+                                                 return_inverse=True)
+                inverse = inverse.reshape(-1)
+            ids = np.empty(len(uniq), np.uint32)
+            for u, row in enumerate(cand[first].tolist()):
+                field = bytes(raw[row, fmt.NS_AT : fmt.NS_AT + int(nlen[row])])
+                try:
+                    ids[u] = self._ns_id(field.decode())
+                except UnicodeDecodeError:  # not a name this code wrote
+                    ids[u] = 0
+                    ok[cand[inverse == u]] = False
+            f.nsid[cand] = ids[inverse]
+        torn = np.flatnonzero((state != fmt.EntryState.FREE) & ~ok)
+        good = np.flatnonzero(ok)
+        f.state[good] = INDEXED
+        f.committed = int(good.size)
+        raw[torn] = 0
+        del rows, raw, state, klen, nlen
+        if torn.size:
+            self.counters.dropped_entries += int(torn.size)
+            self._absorbed("torn_entry", int(torn.size))
             log.warning("SSD tier: %s: %d slot entries failed their check and were freed",
-                        path, len(torn))
+                        path, torn.size)
             self._pending_frees.add(f)
-        used = {e.slot for e in kept}
-        f.free = [s for s in range(layout.n_slots - 1, -1, -1) if s not in used]
-        f.committed = len(kept)
+        free = np.flatnonzero(f.state == FREE)[::-1]
+        f.nfree = len(free)
+        f.free[: f.nfree] = free
+        self._add_file(f)
         self.files.setdefault(slot_bytes, []).append(f)
         self.file_budget_used += layout.file_bytes
         self._next_index = max(self._next_index, index + 1)
-        return kept
 
-    def _forget_adopted(self, entry: SsdEntry) -> None:
+    def _index_adopted(self) -> int:
+        """Index every adopted entry; the same key twice (a crash between a rewrite and
+        the free of the old copy): the newest write wins, the other slot is freed.
+        Returns the entries kept (lock held)."""
+        if not self._by_base:
+            return 0
+        slots = [np.flatnonzero(f.state == INDEXED) for f in self._by_base]
+        sid = np.concatenate([s.astype(np.uint64) + np.uint64(f.base)
+                              for s, f in zip(slots, self._by_base, strict=True)])
+        h = np.concatenate([_row_key_hashes(f.table, f.n_slots)[s]
+                            for s, f in zip(slots, self._by_base, strict=True)])
+        seq = np.concatenate([f.rows()["seq"][s]
+                              for s, f in zip(slots, self._by_base, strict=True)])
+        hs = np.sort(h)
+        starts = np.zeros(0, np.int64)
+        if len(hs) > 1 and (hs[1:] == hs[:-1]).any():  # rare: sort again, keeping order
+            order = np.lexsort((~seq, h))  # by hash, the newest first among equal ones
+            hs = h[order]
+            dup = hs[1:] == hs[:-1]
+            starts = np.flatnonzero(dup & ~np.concatenate([[False], dup[:-1]]))
+        forgot = False
+        for j in starts.tolist():  # runs of equal hashes (rare): compare the keys' bytes
+            kept: list[bytes] = []
+            k = j
+            while k < len(hs) and hs[k] == hs[j]:
+                f, slot = self._locate(int(sid[order[k]]))
+                off = slot * fmt.ENTRY_BYTES
+                ident = bytes(f.table[off + 1 : off + 3]) + bytes(
+                    f.table[off + fmt.KEY_AT : off + fmt.ENTRY_SUM_AT])
+                if ident in kept:
+                    self._forget_adopted(f, slot)  # an older copy of a kept key
+                    forgot = True
+                else:
+                    kept.append(ident)
+                k += 1
+        if forgot:
+            self._rebuild_from_files()
+        else:  # the hashes are at hand
+            tags = h >> np.uint64(32)
+            self._place(tags, tags << np.uint64(32) | (sid + np.uint64(1)), MIN_BUCKETS)
+        self._bytes_of.clear()
+        for f in self._by_base:
+            live = f.state == INDEXED
+            counts = np.bincount(f.nsid[live], minlength=len(self._ns_names))
+            for i in np.flatnonzero(counts).tolist():
+                self._bytes_of[self._ns_names[i]] += int(counts[i]) * f.slot_bytes
+        # The reference bits are not persisted: the newer half of the writes starts
+        # referenced, so the hand takes the older half first rather than in slot order.
+        if len(seq):
+            self._seq = int(seq.max())
+            median = np.median(seq)
+            at = 0
+            for f, live in zip(self._by_base, slots, strict=True):
+                f.ref[live] = seq[at : at + len(live)] >= median
+                at += len(live)
+            for f in self._by_base:  # (an older copy dropped above: not referenced)
+                f.ref[f.state != INDEXED] = 0
+        return self._n_indexed
+
+    def _forget_adopted(self, f: SpillFile, slot: int) -> None:
         """Drop an adopted entry that lost to a newer copy of its key."""
-        f = entry.file
-        f.table[entry.slot * fmt.ENTRY_BYTES : (entry.slot + 1) * fmt.ENTRY_BYTES] = bytes(
-            fmt.ENTRY_BYTES)
-        f.free.append(entry.slot)
+        f.clear_row(slot)
+        f.state[slot] = FREE
+        f.push_free(slot)
         f.committed -= 1
         self._pending_frees.add(f)
         self.counters.dropped_entries += 1
@@ -354,70 +806,126 @@ class SsdTier:
     # ================================================================ loop-safe queries
     def find(self, namespace: str, key: bytes, block_bytes: int, mhash: int) -> SsdEntry | None:
         """The entry for a key if it was written for this namespace geometry."""
-        e = self.index.get((namespace, key))
+        with self._lock:
+            e = self._entry_of(namespace, key)
         if e is None or (e.block_bytes, e.model_hash) != (block_bytes, mhash):
             return None
         return e
+
+    def length_of(self, namespace: str, key: bytes,
+                  geometry: tuple[int, int] | None = None) -> int | None:
+        """The length of a key's copy (written for ``geometry``, a (block_bytes, model
+        hash) pair, when given), or None: ``find`` without making an entry."""
+        with self._lock:
+            i = self._ns_ids.get(namespace)
+            if i is None:
+                return None
+            _, sid, f = self._probe(i, key)
+            if f is None:
+                return None
+            length, _, block_bytes, mhash = _FIELDS.unpack_from(
+                f.table, (sid - f.base) * ENTRY_BYTES + 8)
+        if geometry is not None and (block_bytes, mhash) != geometry:
+            return None
+        return int(length)
 
     def remove(self, namespace: str, keys: Iterable[bytes]) -> int:
         """Forget keys (delete); their FREE entries reach the disk at the next ``flush_frees``."""
         n = 0
         with self._lock:
+            i = self._ns_ids.get(namespace)
+            if i is None:
+                return 0
             for key in keys:
-                e = self.index.pop((namespace, key), None)
-                if e is None:
+                bucket, sid, f = self._probe(i, key)
+                if f is None:
                     continue
                 n += 1
-                self.lru.pop(e, None)
-                self._drop(e)
+                self._unindex(bucket, f, sid - f.base)
+                self._drop(f, sid - f.base)
         return n
+
+    def _snapshot_keys(self, namespace: str | None, geometry: tuple[int, int] | None
+                       ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(namespace ids, key lengths, key fields) of the indexed entries, copied under
+        the lock (vectorised) so the bytes objects are made outside it."""
+        out = []
+        with self._lock:
+            want = -1 if namespace is None else self._ns_ids.get(namespace)
+            if want is None:
+                return []
+            for f in self._by_base:
+                mask = f.state == INDEXED
+                if want >= 0:
+                    mask &= f.nsid == want
+                if geometry is not None:
+                    rows = f.rows()
+                    mask &= (rows["block_bytes"] == geometry[0]) & (
+                        rows["model_hash"] == geometry[1])
+                    del rows
+                sel = np.flatnonzero(mask)
+                raw = f.raw()
+                out.append((f.nsid[sel], raw[sel, 1].copy(),
+                            raw[sel, fmt.KEY_AT : fmt.KEY_AT + fmt.MAX_KEY_BYTES].copy()))
+                del raw
+        return out
 
     def all_keys(self) -> list[tuple[str, bytes]]:
         """Every (namespace, key) held.  O(entries): run it off the loop."""
-        with self._lock:
-            return list(self.index)
+        parts = self._snapshot_keys(None, None)
+        names = self._ns_names
+        return [(names[i], k[:n].tobytes()) for ids, lens, keys in parts
+                for i, n, k in zip(ids.tolist(), lens.tolist(), keys, strict=True)]
 
     def watch(self, callback: Callable[[str, bytes, bool], None] | None) -> None:
         """Tell ``callback(namespace, key, stored)`` every key that comes or goes from
         now on (under the tier's lock, from any thread; keep it short)."""
         with self._lock:
-            self.index.watch = callback
+            self._watch = callback
 
     def keys_of(self, namespace: str, geometry: tuple[int, int] | None = None) -> list[bytes]:
         """The keys held for ``namespace`` (only those written for ``geometry``, a
         (block_bytes, model hash) pair, when given).  O(entries): run it off the loop."""
-        with self._lock:
-            items = list(self.index.items())
-        return [key for (ns, key), e in items if ns == namespace
-                and (geometry is None or (e.block_bytes, e.model_hash) == geometry)]
+        parts = self._snapshot_keys(namespace, geometry)
+        return [k[:n].tobytes() for _, lens, keys in parts
+                for n, k in zip(lens.tolist(), keys, strict=True)]
 
     def drop_namespace(self, namespace: str, keep: Callable[[SsdEntry], bool]) -> int:
         """Forget every entry of ``namespace`` for which ``keep`` is false."""
+        n = 0
         with self._lock:
-            victims = [e for (ns, _), e in self.index.items() if ns == namespace and not keep(e)]
-            for e in victims:
-                del self.index[(e.namespace, e.key)]
-                self.lru.pop(e, None)
-                self._drop(e)
-        return len(victims)
+            i = self._ns_ids.get(namespace)
+            if i is None:
+                return 0
+            for f in list(self._by_base):
+                for slot in np.flatnonzero((f.state == INDEXED) & (f.nsid == i)).tolist():
+                    if keep(self._entry_at(f, slot)):
+                        continue
+                    self._unindex(self._bucket_of(f, slot), f, slot)
+                    self._drop(f, slot)
+                    n += 1
+        return n
 
-    def _drop(self, e: SsdEntry) -> None:
-        """Free an entry's slot now, or at its last reader (lock held; index already updated)."""
-        if e.readers:
-            e.removed = True
-            self._removed.add(e)
+    def _drop(self, f: SpillFile, slot: int) -> None:
+        """Free an entry's slot now, or at its last reader (lock held; out of the index)."""
+        if f.readers[slot]:
+            f.state[slot] = REMOVED
             return
-        f = e.file
-        f.table[e.slot * fmt.ENTRY_BYTES : (e.slot + 1) * fmt.ENTRY_BYTES] = bytes(fmt.ENTRY_BYTES)
+        self._free_slot(f, slot)
+
+    def _free_slot(self, f: SpillFile, slot: int) -> None:
+        f.clear_row(slot)
+        f.state[slot] = FREE
+        f.ref[slot] = 0
         f.committed -= 1
-        f.free.append(e.slot)
+        f.push_free(slot)
         self._pending_frees.add(f)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             committed = sum(f.committed * f.slot_bytes for fs in self.files.values() for f in fs)
-            busy = sum(len(f.busy) * f.slot_bytes for fs in self.files.values() for f in fs)
-            blocks = len(self.index)
+            busy = sum(f.nbusy * f.slot_bytes for fs in self.files.values() for f in fs)
+            blocks = self._n_indexed
         return {"total": self.capacity, "committed": committed, "reserved": busy,
                 "free": self.capacity - committed - busy, "blocks": blocks,
                 "files": sum(len(v) for v in self.files.values())}
@@ -437,42 +945,55 @@ class SsdTier:
 
         ``src`` must cover ``round_up(length, 4096)`` bytes of page-aligned memory
         (a DRAM slot).  ``checksum`` is the xxh3-64 of the data if already known.
-        Raises SpillFull or OSError (EFAULT: ``src`` faulted); the tier is
+        Raises SpillFull or OSError (EFAULT: ``src`` faulted); ValueError when the
+        key is not 1..64 bytes or the namespace's name over 128; the tier is
         unchanged then.
         """
+        ns = namespace.encode()
+        if not 1 <= len(key) <= fmt.MAX_KEY_BYTES or len(ns) > fmt.NAME_BYTES:
+            raise ValueError(f"SSD tier: key of {len(key)} bytes (1..{fmt.MAX_KEY_BYTES}) or "
+                             f"namespace of {len(ns)} (<= {fmt.NAME_BYTES})")
         padded = fmt.round_up(length)
         if checksum is None:
             checksum = _accel.checksum(src[:length])
+        h = key_hash(ns, key)
         f, slot = self._allocate_within_quota(namespace, key, padded)
         try:
             self.io.pwrite(f.fd, src[:padded], f.data_offset(slot))
         except BaseException:
             with self._lock:
-                f.busy.discard(slot)
-                f.free.append(slot)
+                self._unbusy(f, slot)
                 self._written(namespace, padded)
             raise
         with self._lock:
             self._written(namespace, padded)
             self._seq += 1
             seq = self._seq
-            e = SsdEntry(namespace, key, f, slot, length, checksum, block_bytes, mhash, seq)
             f.table[slot * fmt.ENTRY_BYTES : (slot + 1) * fmt.ENTRY_BYTES] = fmt.pack_entry(
                 fmt.EntryRecord(namespace, key, length, checksum, block_bytes, mhash, seq))
             # The table page reaches the disk in sync(), once per batch, after the data.
             f.dirty_pages.add(slot // fmt.ENTRIES_PER_PAGE)
-            f.busy.discard(slot)
+            f.nbusy -= 1
             f.committed += 1
             f.needs_sync = True
-            old = self.index.get((namespace, key))
-            if old is not None:  # a rewrite: the new copy replaces the old one
-                self.lru.pop(old, None)
-                self._drop(old)
-            self.index[(namespace, key)] = e
-            self.lru[e] = None
+            nsid = self._ns_id(namespace)
+            bucket, old, of = self._probe(nsid, key)
+            if of is not None:  # a rewrite: the new copy replaces the old one (no event)
+                self._unindex(bucket, of, old - of.base, watch=False)
+                self._drop(of, old - of.base)
+            self._index_entry(f, slot, nsid, h)
             self.counters.writes += 1
             self.counters.write_bytes += length
-        return e
+            if of is None and self._watch is not None:
+                self._watch(namespace, key, True)
+        return SsdEntry(namespace, key, f, slot, length, checksum, block_bytes, mhash, seq)
+
+    def _unbusy(self, f: SpillFile, slot: int) -> None:
+        """A slot a writer owned goes back to the free stack (lock held)."""
+        f.state[slot] = FREE
+        f.nbusy -= 1
+        if not f.dropped:
+            f.push_free(slot)
 
     def _fdatasync(self, f: SpillFile) -> None:
         with f.io_lock:
@@ -543,13 +1064,13 @@ class SsdTier:
 
     # ---------------------------------------------------------------- allocation
     def _allocate(self, slot_bytes: int) -> tuple[SpillFile, int]:
-        """A slot of ``slot_bytes`` owned by the caller (``busy``).
+        """A slot of ``slot_bytes`` owned by the caller (``BUSY``).
 
         In order: a free slot; a new file while the budget allows (one creator
         per slot size at a time -- the others wait for its file rather than
         each taking budget for one); the budget of an empty file of another
-        size; the least recently used entry of this size; a whole file of
-        another size, emptied.
+        size; the CLOCK victim of this size; a whole file of another size,
+        emptied.
         """
         while True:
             with self._room:
@@ -602,6 +1123,7 @@ class SsdTier:
                     self.file_budget_used -= layout.file_bytes
                 raise
             with self._room:
+                self._add_file(f)
                 self.files.setdefault(slot_bytes, []).append(f)
                 self._creating.discard(slot_bytes)
                 self._room.notify_all()
@@ -609,28 +1131,28 @@ class SsdTier:
     def _allocate_within_quota(self, namespace: str, key: bytes,
                                slot_bytes: int) -> tuple[SpillFile, int]:
         """``_allocate``, except that a namespace at its SSD quota reuses the slot of its
-        own least recently used block of this size instead of taking more room."""
+        own CLOCK victim of this size instead of taking more room."""
         quota = self.quota_of(namespace)
         if not quota:
             return self._allocate(slot_bytes)
         with self._room:
             # Slots being written count too: concurrent writers must not all see room.
-            held = self.index.bytes_of[namespace] + self._writing[namespace]
-            old = self.index.get((namespace, key))
-            if old is not None:  # a rewrite frees the old copy's bytes
-                held -= old.file.slot_bytes
+            held = self._bytes_of[namespace] + self._writing[namespace]
+            ns_id = self._ns_ids.get(namespace)
+            old = -1 if ns_id is None else self._probe(ns_id, key)[1]
+            if old >= 0:  # a rewrite frees the old copy's bytes
+                held -= self._locate(old)[0].slot_bytes
             if held + slot_bytes <= quota:
                 victim = None
                 self._writing[namespace] += slot_bytes
             else:
-                victim = next((e for e in self.lru if e.namespace == namespace
-                               and e.file.slot_bytes == slot_bytes and e.readers == 0
-                               and e is not old), None)
-                if victim is None:
+                found = (None if ns_id is None else
+                         self._clock(slot_bytes, ns_id=ns_id, exclude=old, limit=None))
+                if found is None:
                     raise SpillFull(f"namespace {namespace!r} is at its SSD quota ({held} of "
                                     f"{quota} bytes) and none of its {slot_bytes}-byte blocks "
                                     "can be evicted")
-                self._evict_for_reuse(victim)
+                victim = self._evict_for_reuse(*found)
                 self._writing[namespace] += slot_bytes
         if victim is None:
             try:
@@ -648,40 +1170,85 @@ class SsdTier:
 
     def _pop_free(self, slot_bytes: int) -> tuple[SpillFile, int] | None:
         for f in self.files.get(slot_bytes, ()):
-            if f.free:
-                slot = f.free.pop()
-                f.busy.add(slot)
+            if f.nfree:
+                f.nfree -= 1
+                slot = int(f.free[f.nfree])
+                f.state[slot] = BUSY
+                f.nbusy += 1
                 return f, slot
         return None
 
-    def _victim(self, slot_bytes: int) -> SsdEntry | None:
-        for i, e in enumerate(self.lru):
-            if i >= EVICTION_SCAN_LIMIT:
-                break
-            if e.file.slot_bytes == slot_bytes and e.readers == 0:
-                return e
-        return None
+    def _clock(self, slot_bytes: int, *, ns_id: int | None = None, exclude: int = -1,
+               limit: int | None = EVICTION_SCAN_LIMIT) -> tuple[SpillFile, int] | None:
+        """The CLOCK victim among the INDEXED, unread slots of this size (of namespace
+        ``ns_id`` only, when given; never slot id ``exclude``), or None (lock held).
+
+        The hand passes at most ``limit`` slots (None: twice round), clearing the
+        referenced bit of each candidate it passes; when all it passed were
+        referenced, the first of them is the victim.  Vectorised: a window of slots
+        at a time."""
+        fs = self.files.get(slot_bytes)
+        if not fs:
+            return None
+        fi, pos = self._hands.get(slot_bytes, (0, 0))
+        if fi >= len(fs):
+            fi, pos = 0, 0
+        total = sum(f.n_slots for f in fs)
+        budget = 2 * total if limit is None else min(limit, 2 * total)
+        scanned = 0
+        fallback: tuple[SpillFile, int] | None = None
+        while scanned < budget:
+            f = fs[fi]
+            stop = min(f.n_slots, pos + max(1, min(budget - scanned, 1 << 16)))
+            ok = (f.state[pos:stop] == INDEXED) & (f.readers[pos:stop] == 0)
+            if ns_id is not None:
+                ok &= f.nsid[pos:stop] == ns_id
+            if pos <= exclude - f.base < stop:
+                ok[exclude - f.base - pos] = False
+            cand = np.flatnonzero(ok) + pos
+            if cand.size:
+                cold = np.flatnonzero(f.ref[cand] == 0)
+                if cold.size:
+                    f.ref[cand[: cold[0]]] = 0
+                    slot = int(cand[cold[0]])
+                    self._hands[slot_bytes] = (fi, slot + 1)
+                    return f, slot
+                f.ref[cand] = 0  # a second chance each
+                if fallback is None:
+                    fallback = (f, int(cand[0]))
+            scanned += stop - pos
+            pos = stop
+            if pos >= f.n_slots:
+                fi, pos = (fi + 1) % len(fs), 0
+        if fallback is not None:
+            self._hands[slot_bytes] = (fs.index(fallback[0]), fallback[1] + 1)
+        else:
+            self._hands[slot_bytes] = (fi, pos)
+        return fallback
 
     def _take_victim(self, slot_bytes: int) -> SsdEntry:
-        """Evict the least recently used entry of this size (lock held), or reclaim a file."""
-        e = self._victim(slot_bytes)
-        if e is None:
+        """Evict the CLOCK victim of this size (lock held), or reclaim a file."""
+        found = self._clock(slot_bytes)
+        if found is None:
             if self._reclaim_other_size(slot_bytes):
                 raise _Retry
             raise SpillFull(f"SSD tier is full: no evictable {slot_bytes}-byte slot "
                             "(all are being read or written)")
-        self._evict_for_reuse(e)
-        return e
+        return self._evict_for_reuse(*found)
 
-    def _evict_for_reuse(self, e: SsdEntry) -> None:
-        """Take ``e`` out of the index; its slot becomes the caller's (busy) (lock held)."""
-        del self.index[(e.namespace, e.key)]
-        del self.lru[e]
-        e.file.committed -= 1
-        e.file.busy.add(e.slot)
+    def _evict_for_reuse(self, f: SpillFile, slot: int) -> SsdEntry:
+        """Take an entry out of the index; its slot becomes the caller's (busy) (lock held).
+        Returns the entry as it was."""
+        e = self._entry_at(f, slot)
+        self._unindex(self._bucket_of(f, slot), f, slot)
+        f.state[slot] = BUSY
+        f.ref[slot] = 0
+        f.nbusy += 1
+        f.committed -= 1
         self.counters.evictions += 1
         if self.on_evicted is not None:
             self.on_evicted(e.namespace, e.key)
+        return e
 
     def _reuse(self, victim: SsdEntry) -> tuple[SpillFile, int]:
         if self.on_evict is not None:
@@ -706,7 +1273,7 @@ class SsdTier:
             if size == slot_bytes:
                 continue
             for f in fs:
-                if f.committed == 0 and not f.busy:
+                if f.committed == 0 and not f.nbusy:
                     self._forget_file(f)
                     return True
         return False
@@ -716,30 +1283,45 @@ class SsdTier:
         self.files[f.slot_bytes].remove(f)
         if not self.files[f.slot_bytes]:
             del self.files[f.slot_bytes]
+        self._hands.pop(f.slot_bytes, None)
+        at = self._by_base.index(f)
+        del self._by_base[at], self._bases[at]
+        f.dropped = True
         self.file_budget_used -= f.layout.file_bytes
         self._pending_frees.discard(f)
         threading.Thread(target=self._retire_file, args=(f,), daemon=True).start()
 
     def _reclaim_other_size(self, slot_bytes: int) -> bool:
-        """Budget is held by files of other slot sizes: empty the one holding the least
-        recently used block, evicting its blocks, and delete it (lock held)."""
-        for e in self.lru:
-            f = e.file
-            if f.slot_bytes == slot_bytes or f.busy:
+        """Budget is held by files of other slot sizes: empty the coldest one (the fewest
+        referenced entries, then the oldest write), evicting its blocks, and delete it
+        (lock held)."""
+        best: tuple[float, int, SpillFile] | None = None
+        for size, fs in self.files.items():
+            if size == slot_bytes:
                 continue
-            members = [x for x in self.lru if x.file is f]
-            if any(x.readers for x in members) or f.committed != len(members):
-                continue
-            for x in members:
-                del self.index[(x.namespace, x.key)]
-                del self.lru[x]
-                self.counters.evictions += 1
-                if self.on_evicted is not None:
-                    self.on_evicted(x.namespace, x.key)
-            f.committed = 0
-            self._forget_file(f)
-            return True
-        return self._retire_empty_file(slot_bytes)
+            for f in fs:
+                if f.nbusy or not f.committed:
+                    continue
+                live = f.state == INDEXED
+                n = int(live.sum())
+                if n != f.committed or f.readers[live].any():
+                    continue  # being read
+                score = (float(f.ref[live].sum()) / n, int(f.rows()["seq"][live].min()), f)
+                if best is None or score[:2] < best[:2]:
+                    best = score
+        if best is None:
+            return self._retire_empty_file(slot_bytes)
+        f = best[2]
+        for slot in np.flatnonzero(f.state == INDEXED).tolist():
+            name, key = self._ns_names[int(f.nsid[slot])], f.row_key(slot)
+            self._unindex(self._bucket_of(f, slot), f, slot)
+            f.state[slot] = FREE
+            self.counters.evictions += 1
+            if self.on_evicted is not None:
+                self.on_evicted(name, key)
+        f.committed = 0
+        self._forget_file(f)
+        return True
 
     def _next_file_bytes(self, slot_bytes: int) -> int:
         """The size of the next file for ``slot_bytes`` (sizes double, from small)."""
@@ -777,7 +1359,7 @@ class SsdTier:
             raise
         log.info("SSD tier: created %s (%d slots of %d bytes)", name, layout.n_slots,
                  layout.slot_bytes)
-        return SpillFile(path, fd, index, layout, table, list(range(layout.n_slots - 1, -1, -1)))
+        return SpillFile(path, fd, index, layout, table)
 
     # ================================================================ read
     def read_into(self, entry: SsdEntry, dst: memoryview) -> None:
@@ -790,11 +1372,12 @@ class SsdTier:
         kept and nothing counted.  ``KeyError`` when the entry was evicted or
         deleted meanwhile.
         """
+        f, slot = entry.file, entry.slot
         with self._lock:
-            if self.index.get((entry.namespace, entry.key)) is not entry:
+            if not self._current(entry):
                 raise KeyError("the SSD copy was evicted or deleted")
-            entry.readers += 1
-            self.lru.move_to_end(entry)
+            f.readers[slot] += 1
+            f.ref[slot] = 1
         kind: str | None = None  # None: read and verified; "": dst faulted, the copy stays
         try:
             self._read_verified(entry, dst)
@@ -812,21 +1395,18 @@ class SsdTier:
             raise
         finally:
             with self._lock:
-                entry.readers -= 1
+                f.readers[slot] -= 1
                 if kind is None:
                     self.counters.reads += 1
                     self.counters.read_bytes += entry.length
                 elif kind:
                     if kind == "checksum":
                         self.counters.checksum_failures += 1
-                    if self.index.get((entry.namespace, entry.key)) is entry:
-                        del self.index[(entry.namespace, entry.key)]
-                        self.lru.pop(entry, None)
-                        self._drop(entry)
-                if entry.removed and entry.readers == 0:
-                    self._removed.discard(entry)
-                    entry.removed = False
-                    self._drop(entry)
+                    if self._current(entry):
+                        self._unindex(self._bucket_of(f, slot), f, slot)
+                        self._drop(f, slot)
+                if int(f.state[slot]) == REMOVED and f.readers[slot] == 0:
+                    self._free_slot(f, slot)
 
     def _read_verified(self, entry: SsdEntry, dst: memoryview) -> None:
         padded = fmt.round_up(entry.length)
@@ -838,52 +1418,110 @@ class SsdTier:
 
     # ================================================================ invariants
     def check(self) -> list[str]:
-        """Cross-check index, LRU, free lists, slot tables and the byte budget."""
+        """Cross-check the key index, the slot columns, free stacks, slot tables (every
+        indexed entry's key hash and namespace recomputed from its table row) and the
+        byte budget.  O(slots), vectorised, under the lock."""
         problems: list[str] = []
         with self._lock:
             budget = 0
+            held: collections.Counter[str] = collections.Counter()
+            ids: list[np.ndarray] = []
+            ns_hash = np.array([_ns_hash(b) for b in self._ns_bytes] or [0], np.uint64)
+            in_files = {id(f) for fs in self.files.values() for f in fs}
+            if in_files != {id(f) for f in self._by_base}:
+                problems.append("SSD files by slot size and by slot id differ")
             for slot_bytes, fs in self.files.items():
                 for f in fs:
                     budget += f.layout.file_bytes
-                    where = os.path.basename(f.path)
-                    if f.slot_bytes != slot_bytes:
-                        problems.append(f"{where}: filed under slot size {slot_bytes}")
-                    members = {e.slot for e in self.index.values() if e.file is f}
-                    removed = {e.slot for e in self._removed if e.file is f}
-                    free = set(f.free)
-                    if len(free) != len(f.free):
-                        problems.append(f"{where}: free list has duplicates")
-                    groups = (members, removed, free, f.busy)
-                    if sum(map(len, groups)) != len(set().union(*groups)):
-                        problems.append(f"{where}: a slot is in two of indexed/removed/free/busy")
-                    if sum(map(len, groups)) != f.layout.n_slots:
-                        problems.append(f"{where}: slots do not balance")
-                    rows = np.frombuffer(f.table, dtype=fmt.ENTRY_DTYPE, count=f.layout.n_slots)
-                    on_table = set(np.flatnonzero(rows["state"] == fmt.EntryState.COMMITTED)
-                                   .tolist())
-                    if not members <= on_table:
-                        problems.append(f"{where}: indexed slots are FREE in the slot table")
-                    if not on_table <= members | removed | f.busy:
-                        problems.append(f"{where}: slot table has COMMITTED slots nobody holds")
-                    if f.committed != len(members) + len(removed):
-                        problems.append(f"{where}: committed counter {f.committed} != indexed "
-                                        f"{len(members)} + being read {len(removed)}")
+                    problems += self._check_file(f, slot_bytes, ns_hash, held)
+                    ids.append(np.flatnonzero(f.state == INDEXED).astype(np.uint64)
+                               + np.uint64(f.base))
             if budget != self.file_budget_used:
                 problems.append(f"SSD file budget {self.file_budget_used} != files {budget}")
             if budget > self.capacity:
                 problems.append(f"SSD files {budget} exceed spill.ssd_capacity {self.capacity}")
-            held: collections.Counter[str] = collections.Counter()
-            for e in self.index.values():
-                held[e.namespace] += e.file.slot_bytes
-            if +held != +self.index.bytes_of:
-                problems.append(f"SSD bytes per namespace {dict(+self.index.bytes_of)} != "
-                                f"{dict(+held)} counted from the index")
-            if set(self.lru) != set(self.index.values()):
-                problems.append("SSD LRU does not hold exactly the indexed entries")
-            for (ns, key), e in self.index.items():
-                if (e.namespace, e.key) != (ns, key) or e.removed:
-                    problems.append(f"SSD index entry {ns}/{key.hex()} points at a wrong entry")
+            if +held != +self._bytes_of:
+                problems.append(f"SSD bytes per namespace {dict(+self._bytes_of)} != "
+                                f"{dict(+held)} counted from the slots")
+            problems += self._check_buckets(
+                np.concatenate(ids) if ids else np.zeros(0, np.uint64))
         return problems
+
+    def _check_file(self, f: SpillFile, slot_bytes: int, ns_hash: np.ndarray,
+                    held: collections.Counter[str]) -> list[str]:
+        problems: list[str] = []
+        where = os.path.basename(f.path)
+        if f.slot_bytes != slot_bytes:
+            problems.append(f"{where}: filed under slot size {slot_bytes}")
+        counts = np.bincount(f.state, minlength=4)
+        if len(counts) > 4:
+            problems.append(f"{where}: slot states out of range")
+        free = f.free[: f.nfree]
+        if len(np.unique(free)) != f.nfree:
+            problems.append(f"{where}: free list has duplicates")
+        if (f.nfree != counts[FREE] or (f.nfree and (f.state[free] != FREE).any())):
+            problems.append(f"{where}: free list {f.nfree} != FREE slots {counts[FREE]}")
+        if f.nbusy != counts[BUSY]:
+            problems.append(f"{where}: busy counter {f.nbusy} != BUSY slots {counts[BUSY]}")
+        if f.committed != counts[INDEXED] + counts[REMOVED]:
+            problems.append(f"{where}: committed counter {f.committed} != indexed "
+                            f"{counts[INDEXED]} + being read {counts[REMOVED]}")
+        if (f.readers[(f.state == FREE) | (f.state == BUSY)] != 0).any():
+            problems.append(f"{where}: readers on a free or busy slot")
+        rows = f.rows()
+        on_table = rows["state"] == fmt.EntryState.COMMITTED
+        live = f.state == INDEXED
+        if (live & ~on_table).any():
+            problems.append(f"{where}: indexed slots are FREE in the slot table")
+        if (on_table & (f.state == FREE)).any():
+            problems.append(f"{where}: slot table has COMMITTED slots nobody holds")
+        sel = np.flatnonzero(live)
+        if sel.size:
+            nsid = f.nsid[sel]
+            if (nsid >= len(self._ns_names)).any():
+                problems.append(f"{where}: a namespace id out of range")
+            elif (_row_ns_hashes(f.table, f.n_slots)[sel] != ns_hash[nsid]).any():
+                problems.append(f"{where}: a namespace differs from its slot table entry")
+            else:
+                for i, c in enumerate(np.bincount(nsid).tolist()):
+                    if c:
+                        held[self._ns_names[i]] += c * f.slot_bytes
+        del rows
+        return problems
+
+    def _check_buckets(self, ids: np.ndarray) -> list[str]:
+        """Every indexed slot once in the key index, found from its hash's home bucket."""
+        b = self._buckets
+        occ = np.flatnonzero(b)
+        vals = (b[occ] & np.uint64(_LOW)) - np.uint64(1)
+        got = np.sort(vals)
+        if len(got) != self._n_indexed or not np.array_equal(got, np.sort(ids)):
+            return [f"SSD key index holds {len(got)} slots (count {self._n_indexed}), the "
+                    f"files {len(ids)} indexed ones (or other ones)"]
+        if not len(occ):
+            return []
+        n = len(b)
+        if len(occ) == n:
+            return ["SSD key index is full"]
+        tags = b[occ] >> np.uint64(32)
+        which = np.searchsorted(np.array(self._bases, np.uint64), vals, side="right") - 1
+        for k, f in enumerate(self._by_base):
+            m = which == k
+            slots = (vals[m] - np.uint64(f.base)).astype(np.int64)
+            row_tags = _row_key_hashes(f.table, f.n_slots)[slots] >> np.uint64(32)
+            if (row_tags != tags[m]).any():
+                return [f"{os.path.basename(f.path)}: a key hash in the index differs from "
+                        "its slot table entry"]
+        # A member must sit no further from its home than the run of members before it.
+        idx = np.arange(n)
+        last_empty = np.maximum.accumulate(np.where(b == 0, idx, -1))
+        if last_empty[-1] >= 0:  # runs that wrap around: the last empty before the end
+            last_empty = np.where(last_empty < 0, last_empty[-1] - n, last_empty)
+        run = idx - last_empty - 1
+        dist = (occ.astype(np.uint64) - (tags & np.uint64(n - 1))) & np.uint64(n - 1)
+        if (dist > run[occ]).any():
+            return ["SSD key index has a member its probe cannot reach"]
+        return []
 
     def _unlink_quietly(self, path: str) -> None:
         try:
@@ -894,4 +1532,3 @@ class SsdTier:
 
 class _Retry(Exception):
     pass
-

@@ -268,11 +268,8 @@ class SsdAdapter:
         self.ssd.on_evicted = on_lost
 
     def held(self, namespace: str, key: bytes, geometry: Geometry | None) -> int | None:
-        if geometry is None:
-            e = self.ssd.index.get((namespace, key))
-        else:
-            e = self.ssd.find(namespace, key, geometry.block_bytes, geometry.model_hash)
-        return None if e is None else e.length
+        return self.ssd.length_of(namespace, key, None if geometry is None else
+                                  (geometry.block_bytes, geometry.model_hash))
 
     def present(self, namespace: str, keys: Sequence[bytes],
                 geometry: Geometry | None) -> list[bool]:
