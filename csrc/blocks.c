@@ -1318,8 +1318,10 @@ bt_commit(BlockTable *t, PyObject *args)
         goto fail;
     }
     /* The slots to commit and those to free: RESERVED, each named once in both. */
-    memcpy(all, b.locs, (size_t)b.n * sizeof *all);
-    memcpy(all + b.n, rb.locs, (size_t)rb.n * sizeof *all);
+    if (b.n)
+        memcpy(all, b.locs, (size_t)b.n * sizeof *all);
+    if (rb.n) /* (no release: rb.locs is NULL) */
+        memcpy(all + b.n, rb.locs, (size_t)rb.n * sizeof *all);
     if (require(all, b.n + rb.n, KVT_ST_RESERVED, 1, "refs + release") < 0) {
         tunlock(t);
         goto fail;
