@@ -9,6 +9,7 @@ import ctypes.util
 import os
 import stat
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -913,7 +914,6 @@ def test_audit_of_a_retired_segment_leaves_the_file_that_took_its_fd_number(
 def test_close_waits_for_an_audit_in_progress(seg: Segment) -> None:
     """The audit and ``close`` exclude each other: while an audit holds the segment's
     fd, ``close`` (another worker thread) does not close it under it."""
-    import threading
     entered, release = threading.Event(), threading.Event()
     real_fstat = os.fstat
 

@@ -577,13 +577,16 @@ class SsdTier:
                         checksum, block_bytes, mhash, seq)
 
     def _entry_of(self, namespace: str, key: bytes) -> SsdEntry | None:
+        at = self._slot_of(namespace, key)
+        return None if at is None else self._entry_at(*at)
+
+    def _slot_of(self, namespace: str, key: bytes) -> tuple[SpillFile, int] | None:
+        """(file, slot) of (namespace, key) in the index, or None (lock held)."""
         i = self._ns_ids.get(namespace)
         if i is None:
             return None
         _, sid, f = self._probe(i, key)
-        if f is None:
-            return None
-        return self._entry_at(f, sid - f.base)
+        return None if f is None else (f, sid - f.base)
 
     def _current(self, entry: SsdEntry) -> bool:
         """Whether ``entry`` is still the indexed copy it was made from (lock held)."""
@@ -817,14 +820,11 @@ class SsdTier:
         """The length of a key's copy (written for ``geometry``, a (block_bytes, model
         hash) pair, when given), or None: ``find`` without making an entry."""
         with self._lock:
-            i = self._ns_ids.get(namespace)
-            if i is None:
+            at = self._slot_of(namespace, key)
+            if at is None:
                 return None
-            _, sid, f = self._probe(i, key)
-            if f is None:
-                return None
-            length, _, block_bytes, mhash = _FIELDS.unpack_from(
-                f.table, (sid - f.base) * ENTRY_BYTES + 8)
+            f, slot = at
+            length, _, block_bytes, mhash = _FIELDS.unpack_from(f.table, slot * ENTRY_BYTES + 8)
         if geometry is not None and (block_bytes, mhash) != geometry:
             return None
         return int(length)
