@@ -896,90 +896,6 @@ get_skip(PyObject *obj, uint64_t **skip, Py_ssize_t *n)
     return 0;
 }
 
-PyDoc_STRVAR(bt_claim_doc,
-"claim($self, n, skip=None)\n--\n\n"
-"Take n free slots into RESERVED (the slot table too, generation + 1), all or\n"
-"nothing, lowest extent id and lowest slot first; free slots named in skip\n"
-"(refs or hazard words: slots clients still read) stay free.  Returns (refs,\n"
-"short): refs as bytes of uint64, short 0; or (b'', short) with nothing\n"
-"changed when short more slots are needed (grow or evict first).");
-
-static PyObject *
-bt_claim(BlockTable *t, PyObject *args, PyObject *kwargs)
-{
-    static char *kwlist[] = {"n", "skip", NULL};
-    Py_ssize_t n, n_skip = 0, got = 0, n_kept = 0;
-    PyObject *skip_obj = NULL, *out = NULL;
-    uint64_t *skip = NULL, *refs = NULL;
-    kvt_loc *kept = NULL;
-
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|O:claim", kwlist, &n, &skip_obj))
-        return NULL;
-    if (ready(t) < 0)
-        return NULL;
-    if (n < 0 || n > (Py_ssize_t)KVT_MAX_SLOTS) {
-        PyErr_Format(PyExc_ValueError, "n must be in 0..2**31-1, got %zd", n);
-        return NULL;
-    }
-    if (get_skip(skip_obj, &skip, &n_skip) < 0)
-        return NULL;
-    tlock(t);
-    if (t->c.free < n) {
-        Py_ssize_t short_by = n - (Py_ssize_t)t->c.free;
-        tunlock(t);
-        PyMem_Free(skip);
-        return Py_BuildValue("(yn)", "", short_by);
-    }
-    refs = PyMem_Malloc((size_t)(n > 0 ? n : 1) * 8);
-    kept = PyMem_Malloc((size_t)(n_skip > 0 ? n_skip : 1) * sizeof *kept);
-    if (refs == NULL || kept == NULL) {
-        tunlock(t);
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t x = 0; x < t->n_ext && got < n; x++) {
-        kvt_extent *e = t->ext[x];
-        while (e->free_head != 0 && got < n) {
-            uint32_t s = fl_pop(e);
-            if (n_skip && in_sorted(skip, n_skip, ref_of(e, s))) {
-                kept[n_kept].e = e;  /* at most n_skip: each skip names one slot */
-                kept[n_kept++].slot = s;
-                continue;
-            }
-            refs[got++] = ref_of(e, s);
-        }
-        while (n_kept > 0) { /* back in their order */
-            n_kept--;
-            fl_push(kept[n_kept].e, kept[n_kept].slot);
-        }
-    }
-    if (got < n) { /* the skipped ones were needed: put back what was taken */
-        for (Py_ssize_t i = got; i-- > 0;) {
-            kvt_extent *e = find_ext(t, refs[i] >> 32, NULL);
-            fl_push(e, (uint32_t)refs[i]);
-        }
-        tunlock(t);
-        out = Py_BuildValue("(yn)", "", n - got);
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        kvt_extent *e = find_ext(t, refs[i] >> 32, NULL);
-        uint32_t s = (uint32_t)refs[i];
-        kvt_rec *r = &e->rec[s];
-        account(t, e, r, -1);
-        write_reserved(e, s, ld64(entry_of(e, s) + KVT_SLOT_GENERATION) + 1);
-        r->state = KVT_ST_RESERVED;
-        r->bits = 0;
-        account(t, e, r, 1);
-    }
-    tunlock(t);
-    out = Py_BuildValue("(y#n)", (const char *)refs, n * 8, (Py_ssize_t)0);
-done:
-    PyMem_Free(refs);
-    PyMem_Free(kept);
-    PyMem_Free(skip);
-    return out;
-}
 
 /* Parse refs into locs under the lock: 0, or -1 with an exception (unlocked). */
 typedef struct {
@@ -1046,6 +962,123 @@ batch_begin(BlockTable *t, PyObject *refs, kvt_batch *b)
         }                                                                                   \
     } while (0)
 
+static int unpin_apply(BlockTable *t, kvt_loc *locs, Py_ssize_t n, uint64_t *out,
+                       Py_ssize_t *n_freed, const char *name);
+
+PyDoc_STRVAR(bt_claim_doc,
+"claim($self, n, skip=None, evict=None)\n--\n\n"
+"Take n free slots into RESERVED (the slot table too, generation + 1), all or\n"
+"nothing, lowest extent id and lowest slot first; free slots named in skip\n"
+"(refs or hazard words: slots clients still read) stay free.  With evict,\n"
+"those COMMITTED unpinned blocks are evicted into RESERVED in the same call\n"
+"(the room a reserve made), all of it or nothing.  Returns (refs, short):\n"
+"the free slots' refs as bytes of uint64, short 0; or (b'', short) with\n"
+"nothing changed when short more free slots are needed (grow or evict first).");
+
+static void evict_run(BlockTable *t, const kvt_loc *locs, Py_ssize_t n, int reserve);
+
+static PyObject *
+bt_claim(BlockTable *t, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"n", "skip", "evict", NULL};
+    Py_ssize_t n, n_skip = 0, got = 0, n_kept = 0;
+    PyObject *skip_obj = NULL, *evict_obj = Py_None, *out = NULL;
+    uint64_t *skip = NULL, *refs = NULL;
+    kvt_loc *kept = NULL;
+    kvt_batch ev;
+
+    memset(&ev, 0, sizeof ev);
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|OO:claim", kwlist, &n, &skip_obj,
+                                     &evict_obj))
+        return NULL;
+    if (ready(t) < 0)
+        return NULL;
+    if (n < 0 || n > (Py_ssize_t)KVT_MAX_SLOTS) {
+        PyErr_Format(PyExc_ValueError, "n must be in 0..2**31-1, got %zd", n);
+        return NULL;
+    }
+    if (get_skip(skip_obj, &skip, &n_skip) < 0)
+        return NULL;
+    if (evict_obj != Py_None && batch_copy(evict_obj, &ev) < 0) {
+        PyMem_Free(skip);
+        return NULL;
+    }
+    tlock(t);
+    if (evict_obj != Py_None) { /* the victims first: evictable, or nothing changes */
+        if (resolve(t, ev.refs, ev.n, ev.locs, "evict") < 0
+            || require(ev.locs, ev.n, KVT_ST_COMMITTED, 1, "evict") < 0) {
+            tunlock(t);
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < ev.n; i++) {
+            if (ev.locs[i].e->rec[ev.locs[i].slot].pins) {
+                tunlock(t);
+                PyErr_Format(PyExc_ValueError, "evict[%zd]: slot %u of extent %u is pinned",
+                             i, ev.locs[i].slot, ev.locs[i].e->id);
+                goto done;
+            }
+        }
+    }
+    if (t->c.free < n) {
+        Py_ssize_t short_by = n - (Py_ssize_t)t->c.free;
+        tunlock(t);
+        out = Py_BuildValue("(yn)", "", short_by);
+        goto done;
+    }
+    refs = PyMem_Malloc((size_t)(n > 0 ? n : 1) * 8);
+    kept = PyMem_Malloc((size_t)(n_skip > 0 ? n_skip : 1) * sizeof *kept);
+    if (refs == NULL || kept == NULL) {
+        tunlock(t);
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t x = 0; x < t->n_ext && got < n; x++) {
+        kvt_extent *e = t->ext[x];
+        while (e->free_head != 0 && got < n) {
+            uint32_t s = fl_pop(e);
+            if (n_skip && in_sorted(skip, n_skip, ref_of(e, s))) {
+                kept[n_kept].e = e;  /* at most n_skip: each skip names one slot */
+                kept[n_kept++].slot = s;
+                continue;
+            }
+            refs[got++] = ref_of(e, s);
+        }
+        while (n_kept > 0) { /* back in their order */
+            n_kept--;
+            fl_push(kept[n_kept].e, kept[n_kept].slot);
+        }
+    }
+    if (got < n) { /* the skipped ones were needed: put back what was taken */
+        for (Py_ssize_t i = got; i-- > 0;) {
+            kvt_extent *e = find_ext(t, refs[i] >> 32, NULL);
+            fl_push(e, (uint32_t)refs[i]);
+        }
+        tunlock(t);
+        out = Py_BuildValue("(yn)", "", n - got);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        kvt_extent *e = find_ext(t, refs[i] >> 32, NULL);
+        uint32_t s = (uint32_t)refs[i];
+        kvt_rec *r = &e->rec[s];
+        account(t, e, r, -1);
+        write_reserved(e, s, ld64(entry_of(e, s) + KVT_SLOT_GENERATION) + 1);
+        r->state = KVT_ST_RESERVED;
+        r->bits = 0;
+        account(t, e, r, 1);
+    }
+    if (ev.n)
+        evict_run(t, ev.locs, ev.n, 1); /* into this claim: COMMITTED -> RESERVED */
+    tunlock(t);
+    out = Py_BuildValue("(y#n)", (const char *)refs, n * 8, (Py_ssize_t)0);
+done:
+    PyMem_Free(refs);
+    PyMem_Free(kept);
+    PyMem_Free(skip);
+    batch_free(&ev);
+    return out;
+}
+
 static void
 free_slots(BlockTable *t, const kvt_loc *locs, Py_ssize_t n)
 {
@@ -1063,27 +1096,47 @@ free_slots(BlockTable *t, const kvt_loc *locs, Py_ssize_t n)
 }
 
 PyDoc_STRVAR(bt_release_claims_doc,
-"release_claims($self, refs, /)\n--\n\n"
+"release_claims($self, refs, unpin=None)\n--\n\n"
 "Free RESERVED slots (abort, a length-0 commit, an expired quarantine, a\n"
-"grant taken back), all or nothing.  Raises ValueError when a ref names no\n"
-"slot, a slot that is not RESERVED, or one slot twice.");
+"grant taken back) and, with unpin, end one pin per ref of unpin as unpin()\n"
+"does: all of both or nothing (a session's close, the expiry sweep).  Returns\n"
+"the refs of the DOOMED blocks the unpins freed (bytes of u64).  Raises\n"
+"ValueError when a ref names no slot, a slot that is not RESERVED, or one\n"
+"slot twice, or an unpin has no pin to end.");
 
 static PyObject *
-bt_release_claims(BlockTable *t, PyObject *arg)
+bt_release_claims(BlockTable *t, PyObject *args, PyObject *kwargs)
 {
-    kvt_batch b;
+    static char *kwlist[] = {"refs", "unpin", NULL};
+    PyObject *refs_obj, *unpin_obj = Py_None, *out;
+    kvt_batch b, u;
+    Py_ssize_t n_freed = 0;
 
-    if (batch_begin(t, arg, &b) < 0)
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:release_claims", kwlist, &refs_obj,
+                                     &unpin_obj))
         return NULL;
-    if (require(b.locs, b.n, KVT_ST_RESERVED, 1, "refs") < 0) {
+    memset(&u, 0, sizeof u);
+    if (unpin_obj != Py_None && (ready(t) < 0 || batch_copy(unpin_obj, &u) < 0))
+        return NULL;
+    if (batch_begin(t, refs_obj, &b) < 0) {
+        batch_free(&u);
+        return NULL;
+    }
+    if (require(b.locs, b.n, KVT_ST_RESERVED, 1, "refs") < 0
+        || (unpin_obj != Py_None
+            && (resolve(t, u.refs, u.n, u.locs, "unpin") < 0
+                || unpin_apply(t, u.locs, u.n, u.refs, &n_freed, "unpin") < 0))) {
         tunlock(t);
         batch_free(&b);
+        batch_free(&u);
         return NULL;
     }
     APPLY(t, b.n, free_slots(t, b.locs, b.n));
     tunlock(t);
+    out = refs_bytes(u.refs, n_freed);
     batch_free(&b);
-    Py_RETURN_NONE;
+    batch_free(&u);
+    return out;
 }
 
 /* ------------------------------------------------------------------------- */
@@ -1125,7 +1178,8 @@ commit_run(commit_job *j)
 }
 
 PyDoc_STRVAR(bt_commit_doc,
-"commit($self, refs, keys, lengths, checksums, has_checksum, first_access, epoch, /)\n--\n\n"
+"commit($self, refs, keys, lengths, checksums, has_checksum, first_access, epoch,\n"
+"       release=None, /)\n--\n\n"
 "Make RESERVED slots COMMITTED, all or nothing: each slot-table entry gets\n"
 "keys[i] (bytes, 1..64), lengths[i] (uint64, 1..block_bytes), checksums[i]\n"
 "when has_checksum[i] (uint64 buffer and uint8 buffer, or None: no\n"
@@ -1134,7 +1188,9 @@ PyDoc_STRVAR(bt_commit_doc,
 "The blocks are DIRTY, unpinned, their CLOCK bit clear.  Raises\n"
 "ValueError (nothing written) when a column's length differs, a ref names no\n"
 "RESERVED slot or one twice, a key or length is out of range, or\n"
-"first_access + n reaches 2**48; TypeError when a key is not bytes.");
+"first_access + n reaches 2**48; TypeError when a key is not bytes.  With\n"
+"release, those RESERVED slots are freed in the same call (the length-0 slots\n"
+"of a Commit): every slot of both named once.");
 
 static PyObject *
 bt_commit(BlockTable *t, PyObject *args)
@@ -1148,12 +1204,19 @@ bt_commit(BlockTable *t, PyObject *args)
     Py_ssize_t n_len = 0, n_sum = 0, i;
     PyObject *out = NULL;
 
-    if (!PyArg_ParseTuple(args, "OOOOOKK:commit", &refs_obj, &keys_obj, &lengths_obj, &sums_obj,
-                          &has_obj, &first_access, &epoch))
+    PyObject *release_obj = Py_None;
+    kvt_batch rb;
+    kvt_loc *all = NULL;
+
+    memset(&rb, 0, sizeof rb);
+    if (!PyArg_ParseTuple(args, "OOOOOKK|O:commit", &refs_obj, &keys_obj, &lengths_obj,
+                          &sums_obj, &has_obj, &first_access, &epoch, &release_obj))
         return NULL;
     if (ready(t) < 0 || batch_copy(refs_obj, &b) < 0)
         return NULL;
     memset(&j, 0, sizeof j);
+    if (release_obj != Py_None && batch_copy(release_obj, &rb) < 0)
+        goto fail;
     seq = PySequence_Fast(keys_obj, "keys must be a sequence of bytes");
     if (seq == NULL)
         goto fail;
@@ -1241,10 +1304,25 @@ bt_commit(BlockTable *t, PyObject *args)
                      first_access, b.n);
         goto fail;
     }
+    all = PyMem_Malloc((size_t)(b.n + rb.n > 0 ? b.n + rb.n : 1) * sizeof *all);
+    if (all == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
     tlock(t);
     if (batch_resolve(t, &b) < 0)
         goto fail;
-    if (require(b.locs, b.n, KVT_ST_RESERVED, 1, "refs") < 0) {
+    if (require(b.locs, b.n, KVT_ST_RESERVED, 1, "refs") < 0
+        || resolve(t, rb.refs, rb.n, rb.locs, "release") < 0) {
+        tunlock(t);
+        goto fail;
+    }
+    /* The slots to commit and those to free: RESERVED, each named once in both. */
+    if (b.n)
+        memcpy(all, b.locs, (size_t)b.n * sizeof *all);
+    if (rb.n) /* (no release: rb.locs is NULL) */
+        memcpy(all + b.n, rb.locs, (size_t)rb.n * sizeof *all);
+    if (require(all, b.n + rb.n, KVT_ST_RESERVED, 1, "refs + release") < 0) {
         tunlock(t);
         goto fail;
     }
@@ -1259,11 +1337,15 @@ bt_commit(BlockTable *t, PyObject *args)
     j.first_access = first_access;
     j.epoch = epoch;
     APPLY(t, b.n, commit_run(&j));
+    if (rb.n)
+        free_slots(t, rb.locs, rb.n);
     tunlock(t);
     out = Py_None;
     Py_INCREF(out);
 fail:
     Py_XDECREF(seq);
+    PyMem_Free(all);
+    batch_free(&rb);
     batch_free(&b);
     PyMem_Free(keys);
     PyMem_Free(klens);
@@ -1331,56 +1413,65 @@ PyDoc_STRVAR(bt_unpin_doc,
 "of uint64).  All or nothing: ValueError when a ref names a slot that is not\n"
 "COMMITTED or DOOMED or holds fewer pins than the batch ends.");
 
-static PyObject *
-bt_unpin(BlockTable *t, PyObject *arg)
+/* End one pin per loc (a loc may repeat), all or nothing: -1 with ValueError and every
+ * count as it was when one has no pin left.  Then the DOOMED blocks at 0 pins are freed,
+ * each once; their refs go to out[0 .. *n_freed) (out may be the batch's refs). */
+static int
+unpin_apply(BlockTable *t, kvt_loc *locs, Py_ssize_t n, uint64_t *out, Py_ssize_t *n_freed,
+            const char *name)
 {
-    kvt_batch b;
-    Py_ssize_t i, bad = -1, n_freed = 0;
-    kvt_loc *freed;
-    uint64_t *out_refs;
-    PyObject *out;
+    Py_ssize_t i, bad = -1;
 
-    if (batch_begin(t, arg, &b) < 0)
-        return NULL;
-    for (i = 0; i < b.n && bad < 0; i++) {
-        kvt_rec *r = &b.locs[i].e->rec[b.locs[i].slot];
+    for (i = 0; i < n; i++) {
+        kvt_rec *r = &locs[i].e->rec[locs[i].slot];
         if ((r->state != KVT_ST_COMMITTED && r->state != KVT_ST_DOOMED) || r->pins == 0) {
             bad = i;
             break;
         }
-        account(t, b.locs[i].e, r, -1);
+        account(t, locs[i].e, r, -1);
         r->pins--;
-        account(t, b.locs[i].e, r, 1);
+        account(t, locs[i].e, r, 1);
     }
     if (bad >= 0) {
-        const kvt_rec *rb = &b.locs[bad].e->rec[b.locs[bad].slot];
-        uint8_t st = rb->state;
+        uint8_t st = locs[bad].e->rec[locs[bad].slot].state;
         for (i = bad; i-- > 0;) {
-            kvt_rec *r = &b.locs[i].e->rec[b.locs[i].slot];
-            account(t, b.locs[i].e, r, -1);
+            kvt_rec *r = &locs[i].e->rec[locs[i].slot];
+            account(t, locs[i].e, r, -1);
             r->pins++;
-            account(t, b.locs[i].e, r, 1);
+            account(t, locs[i].e, r, 1);
         }
-        tunlock(t);
-        PyErr_Format(PyExc_ValueError, "refs[%zd]: slot %u of extent %u is %s with no pin left "
-                     "to end", bad, b.locs[bad].slot, b.locs[bad].e->id, state_name(st));
-        batch_free(&b);
-        return NULL;
+        PyErr_Format(PyExc_ValueError, "%s[%zd]: slot %u of extent %u is %s with no pin left "
+                     "to end", name, bad, locs[bad].slot, locs[bad].e->id, state_name(st));
+        return -1;
     }
-    /* Doomed blocks at 0 pins: free each once (a ref may appear twice). */
-    freed = b.locs; /* reused in place: entries [0, n_freed) */
-    out_refs = b.refs;
-    for (i = 0; i < b.n; i++) {
-        kvt_loc l = b.locs[i];
+    *n_freed = 0;
+    for (i = 0; i < n; i++) {
+        kvt_loc l = locs[i];
         kvt_rec *r = &l.e->rec[l.slot];
         if (r->state == KVT_ST_DOOMED && r->pins == 0) {
-            freed[n_freed] = l;
-            out_refs[n_freed++] = ref_of(l.e, l.slot);
+            out[(*n_freed)++] = ref_of(l.e, l.slot);
             free_slots(t, &l, 1); /* now FREE: a second ref to it is not freed again */
         }
     }
+    return 0;
+}
+
+static PyObject *
+bt_unpin(BlockTable *t, PyObject *arg)
+{
+    kvt_batch b;
+    Py_ssize_t n_freed = 0;
+    PyObject *out;
+
+    if (batch_begin(t, arg, &b) < 0)
+        return NULL;
+    if (unpin_apply(t, b.locs, b.n, b.refs, &n_freed, "refs") < 0) {
+        tunlock(t);
+        batch_free(&b);
+        return NULL;
+    }
     tunlock(t);
-    out = refs_bytes(out_refs, n_freed);
+    out = refs_bytes(b.refs, n_freed);
     batch_free(&b);
     return out;
 }
@@ -2546,7 +2637,7 @@ static PyMethodDef bt_methods[] = {
     M("remove_extent", bt_remove_extent, METH_VARARGS | METH_KEYWORDS),
     M("adopt", bt_adopt, METH_VARARGS),
     M("claim", bt_claim, METH_VARARGS | METH_KEYWORDS),
-    M("release_claims", bt_release_claims, METH_O),
+    M("release_claims", bt_release_claims, METH_VARARGS | METH_KEYWORDS),
     M("commit", bt_commit, METH_VARARGS),
     M("pin", bt_pin, METH_O),
     M("unpin", bt_unpin, METH_O),

@@ -52,6 +52,7 @@
 #define XXH_INLINE_ALL
 #include "xxhash.h"
 
+#include "blocks.h"
 #include "index.h"
 
 #define IDX_MAGIC 0x31305844495456ULL /* "VTIDX01" */
@@ -563,6 +564,84 @@ kvt_py_index_locate(PyObject *Py_UNUSED(m), PyObject *args)
             ret = location_tuple(&loc, 1);
         }
     }
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
+/* index_set_slots(buf, table, slots, segment, slot_bytes, start): the keys of COMMITTED
+ * slot-table entries put in the table from the entries themselves (an adopted extent:
+ * no Python object per key), each at (segment, slot, slot * slot_bytes, length,
+ * checksum).  A key the table holds already is not changed: its index in slots goes to
+ * the list returned (the caller decides which copy stays), and so does a key past the
+ * probe limit (kept apart by the caller).  Stops when the table is 3/4 full: returns
+ * (index stopped at, [indices left out]); the caller grows the table and goes on. */
+PyObject *
+kvt_py_index_set_slots(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf, tab, sl;
+    unsigned int segment;
+    unsigned long long slot_bytes;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "w*y*y*IKn:index_set_slots", &buf, &tab, &sl, &segment,
+                          &slot_bytes, &start))
+        return NULL;
+    PyObject *ret = NULL, *out = NULL;
+    table t;
+    Py_ssize_t n = sl.len / 8, i = start < 0 ? 0 : start;
+    const uint64_t *slots = (const uint64_t *)sl.buf;
+    if (open_table(&buf, &t) < 0)
+        goto done;
+    if (sl.len % 8 != 0) {
+        PyErr_SetString(PyExc_ValueError, "slots must be whole uint64s");
+        goto done;
+    }
+    if ((out = PyList_New(0)) == NULL)
+        goto done;
+    for (; i < n; i++) {
+        uint64_t s = slots[i];
+        if (s >= (uint64_t)tab.len / KVT_SLOT_BYTES) {
+            PyErr_Format(PyExc_ValueError, "slots[%zd] = %llu is past the slot table", i,
+                         (unsigned long long)s);
+            goto done;
+        }
+        const uint8_t *p = (const uint8_t *)tab.buf + s * KVT_SLOT_BYTES;
+        uint8_t klen = p[KVT_SLOT_KEY_LEN];
+        if (p[KVT_SLOT_STATE] != KVT_ST_COMMITTED || klen < 1 || klen > KVT_SLOT_MAX_KEY) {
+            PyErr_Format(PyExc_ValueError, "slots[%zd] = %llu is no COMMITTED entry", i,
+                         (unsigned long long)s);
+            goto done;
+        }
+        fingerprint f = fp_of(p + KVT_SLOT_KEY, klen);
+        idx_entry *reuse;
+        int r;
+        if (w_find(&t, &f, &reuse) != NULL) {
+            r = 0; /* present: the caller's to decide */
+        }
+        else {
+            uint64_t length, checksum;
+            memcpy(&length, p + KVT_SLOT_LENGTH, 8);
+            memcpy(&checksum, p + KVT_SLOT_CHECKSUM, 8);
+            int has = (p[KVT_SLOT_FLAGS] & KVT_SLOT_HAS_CHECKSUM) != 0;
+            location loc = {segment, (uint32_t)s, s * slot_bytes, length, has ? checksum : 0,
+                            has};
+            r = t_set(&t, &f, 1, 0, &loc);
+            if (r < 0)
+                break; /* 3/4 full: grow, then call again from i */
+        }
+        if (r == 0) {
+            PyObject *at = PyLong_FromSsize_t(i);
+            if (at == NULL || PyList_Append(out, at) < 0) {
+                Py_XDECREF(at);
+                goto done;
+            }
+            Py_DECREF(at);
+        }
+    }
+    ret = Py_BuildValue("(nO)", i, out);
+done:
+    Py_XDECREF(out);
+    PyBuffer_Release(&sl);
+    PyBuffer_Release(&tab);
     PyBuffer_Release(&buf);
     return ret;
 }

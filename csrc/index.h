@@ -74,6 +74,7 @@ PyObject *kvt_py_index_get(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_lookup(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_locate(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_find_many(PyObject *m, PyObject *args);
+PyObject *kvt_py_index_set_slots(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_acquire(PyObject *m, PyObject *args);
 PyObject *kvt_py_hazards_clear(PyObject *m, PyObject *args);
 PyObject *kvt_py_hazards_collect(PyObject *m, PyObject *arg);

@@ -1921,6 +1921,9 @@ static PyMethodDef native_methods[] = {
      "index_lookup(buf, keys, stats=None): (tiers of the leading hits, final), or None."},
     {"index_locate", kvt_py_index_locate, METH_VARARGS,
      "index_locate(buf, key): (segment, slot, offset, length, checksum) of key, or None."},
+    {"index_set_slots", kvt_py_index_set_slots, METH_VARARGS,
+     "index_set_slots(buf, table, slots, segment, slot_bytes, start): the keys of COMMITTED "
+     "slot-table entries into the table; (index stopped at, [indices left out])."},
     {"index_find_many", kvt_py_index_find_many, METH_VARARGS,
      "index_find_many(buf, keys): bytes of one u64 per key, segment << 32 | slot of its live "
      "entry or 0 (the writer's view)."},

@@ -497,7 +497,7 @@ def test_docker_build_stage_replayed_without_docker(workdir: str) -> None:
     context.mkdir()
     copy_build_context(context)
     run = _install_run().replace(PREFIX, str(prefix))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "VIRTUAL_ENV"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "VIRTUAL_ENV", "PYTHONPATH"))}
     out = subprocess.run(["bash", "-euo", "pipefail", "-c", run], cwd=context, env=env,
                          capture_output=True, text=True, timeout=900, check=False)
     assert out.returncode == 0, out.stdout + out.stderr

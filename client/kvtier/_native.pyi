@@ -76,6 +76,11 @@ def index_get(buf: _Buffer, key: bytes) -> tuple[int, int] | None:
 def index_locate(buf: _Buffer, key: bytes) -> _Location | None:
     """Where key's block is, as published (the writer's view), or None."""
 
+def index_set_slots(buf: _Buffer, table: _Buffer, slots: _Buffer, segment: int,
+                    slot_bytes: int, start: int) -> tuple[int, list[int]]:
+    """The keys of COMMITTED slot-table entries into the table, from slots[start:]:
+    (index stopped at, indices left out: present already, or past the probe limit)."""
+
 def index_find_many(buf: _Buffer, keys: Sequence[bytes]) -> bytes:
     """One u64 per key: segment << 32 | slot of its live entry, or 0 (the writer's view)."""
 
@@ -180,14 +185,17 @@ class BlockTable:
     def adopt(self, extent_id: int, boot_epoch: int, intact_bytes: int,
               referenced_from: int = ..., /) -> dict[str, Any]:
         """Validate and take over a previous run's slot table (recovery.scan_slots in C)."""
-    def claim(self, n: int, skip: _Buffer | None = None) -> tuple[bytes, int]:
-        """Take n free slots into RESERVED, all or nothing: (refs, 0) or (b'', short)."""
-    def release_claims(self, refs: _Buffer, /) -> None:
-        """Free RESERVED slots."""
+    def claim(self, n: int, skip: _Buffer | None = None,
+              evict: _Buffer | None = None) -> tuple[bytes, int]:
+        """Take n free slots (and evict the blocks of evict) into RESERVED, all or
+        nothing: (refs, 0) or (b'', short)."""
+    def release_claims(self, refs: _Buffer, unpin: _Buffer | None = None) -> bytes:
+        """Free RESERVED slots and end the pins of unpin; the DOOMED refs freed."""
     def commit(self, refs: _Buffer, keys: Sequence[bytes], lengths: _Buffer,
                checksums: _Buffer | None, has_checksum: _Buffer | None, first_access: int,
-               epoch: int, /) -> None:
-        """Make RESERVED slots COMMITTED (the slot table's entries, state byte last)."""
+               epoch: int, release: _Buffer | None = None, /) -> None:
+        """Make RESERVED slots COMMITTED (the slot table's entries, state byte last) and
+        free the RESERVED slots of release."""
     def pin(self, refs: _Buffer, /) -> None:
         """Pin COMMITTED blocks (count + 1 per ref)."""
     def unpin(self, refs: _Buffer, /) -> bytes:

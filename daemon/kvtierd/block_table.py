@@ -233,24 +233,33 @@ class BlockTable:
         return self._t.extents()
 
     # ------------------------------------------------------------ write path
-    def claim(self, n: int, skip: npt.ArrayLike | None = None) -> tuple[Refs, int]:
+    def claim(self, n: int, skip: npt.ArrayLike | None = None, *,
+              evict: npt.ArrayLike | None = None) -> tuple[Refs, int]:
         """Take ``n`` free slots into RESERVED (generation + 1), all or nothing:
         (refs, 0), or (empty, how many more slots are needed) with nothing changed.
-        ``skip``: refs or hazard words of free slots clients still read."""
-        raw, short = self._t.claim(n, None if skip is None else _u64(skip))
+        ``skip``: refs or hazard words of free slots clients still read.  ``evict``:
+        COMMITTED unpinned blocks evicted into RESERVED in the same call (not in the
+        refs returned)."""
+        raw, short = self._t.claim(n, None if skip is None else _u64(skip),
+                                   None if evict is None else _u64(evict))
         return _refs(raw), short
 
-    def release_claims(self, refs: npt.ArrayLike) -> None:
-        """Free RESERVED slots (abort, length 0, quarantine over, grant taken back)."""
-        self._t.release_claims(_u64(refs))
+    def release_claims(self, refs: npt.ArrayLike, *, unpin: npt.ArrayLike | None = None
+                       ) -> Refs:
+        """Free RESERVED slots (abort, length 0, quarantine over, grant taken back) and,
+        with ``unpin``, end those pins in the same call (all or nothing); returns the
+        DOOMED blocks the unpins freed."""
+        return _refs(self._t.release_claims(_u64(refs),
+                                            None if unpin is None else _u64(unpin)))
 
     def commit(self, refs: npt.ArrayLike, keys: Sequence[bytes], lengths: npt.ArrayLike,
                checksums: Sequence[int | None] | npt.ArrayLike | None, *, first_access: int,
-               epoch: int) -> None:
+               epoch: int, release: npt.ArrayLike | None = None) -> None:
         """Make RESERVED slots COMMITTED with their keys, lengths and checksums (None: no
-        checksum; per block or for all), last access ``first_access + i``.  ValueError
+        checksum; per block or for all), last access ``first_access + i``; with
+        ``release``, those RESERVED slots are freed in the same call.  ValueError
         (nothing written) for a slot not RESERVED, a key or length out of range, columns
-        of different lengths."""
+        of different lengths, a slot named twice."""
         sums: npt.NDArray[np.uint64] | None = None
         has: npt.NDArray[np.uint8] | None = None
         if checksums is not None:
@@ -260,7 +269,8 @@ class BlockTable:
                 sums = np.array([0 if c is None else c for c in items], dtype=np.uint64)
             else:
                 sums = _u64(items if items is not None else checksums)  # type: ignore[arg-type]
-        self._t.commit(_u64(refs), keys, _u64(lengths), sums, has, first_access, epoch)
+        self._t.commit(_u64(refs), keys, _u64(lengths), sums, has, first_access, epoch,
+                       None if release is None else _u64(release))
 
     # ------------------------------------------------------------ read path
     def pin(self, refs: npt.ArrayLike) -> None:

@@ -331,9 +331,9 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         holds (``Store.commit_from_page``); this counts it for the metrics.  Returns how
         many records it found (0: the ring was empty, or impossible)."""
         out = self.tiering.commit_from_page(session, page)
-        if out.blocks:
+        if out.committed:
             counts = self._page_counts.setdefault(session.ns.name, [0, 0])
-            counts[0] += len(out.blocks)
+            counts[0] += out.committed
             counts[1] += out.nbytes
         return out.records
 

@@ -197,18 +197,18 @@ class SharedIndex:
         self._flags()
 
     def add(self, key: bytes, loc: Location) -> None:
-        """Publish ``key`` (or move it) at ``loc``."""
+        """Publish ``key`` (or move it) at ``loc``.  A key the table cannot take (past
+        the probe limit, or the table is full and cannot grow) is kept in
+        ``unpublished``: the store's index holds every key either way."""
         t = self._table
-        if t is None:
-            return
-        r = _native.index_set(t.mm, key, TIER_DRAM, 0, loc)
-        if r < 0 or (r == 0 and self._half_full(t)):
-            # Full, or a probe ran the limit in a table past half full: a longer
-            # cluster than honest keys make below half.  Grow (then it is not).
-            t = self._replace()
-            if t is None:
-                return
+        r = 0
+        if t is not None:
             r = _native.index_set(t.mm, key, TIER_DRAM, 0, loc)
+            if r < 0 or (r == 0 and self._half_full(t)):
+                # Full, or a probe ran the limit in a table past half full: a longer
+                # cluster than honest keys make below half.  Grow (then it is not).
+                t = self._replace()
+                r = 0 if t is None else _native.index_set(t.mm, key, TIER_DRAM, 0, loc)
         if r > 0:
             if self.unpublished and self.unpublished.pop(key, None) is not None:
                 self._flags()
@@ -224,9 +224,7 @@ class SharedIndex:
 
     def discard(self, key: bytes) -> None:
         t = self._table
-        if t is None:
-            return
-        if not _native.index_remove(t.mm, key) and key in self.unpublished:
+        if (t is None or not _native.index_remove(t.mm, key)) and key in self.unpublished:
             del self.unpublished[key]
             self._flags()
 
@@ -255,12 +253,44 @@ class SharedIndex:
             at, skipped = _native.index_set_many(self._table.mm, todo, TIER_DRAM, at, locs)
             self.unpublished.update((todo[i], locs[i]) for i in skipped)
             if at < len(todo) and self._replace() is None:
-                return
+                break
+        if at < len(todo):  # no table can take them: kept here (the index holds every key)
+            self.unpublished.update(zip(todo[at:], locs[at:], strict=True))
+            self._flags()
+            return
         t = self._table
         if self.unpublished and t is not None and self._half_full(t) and self._replace():
             for key, loc in list(self.unpublished.items()):
                 self.add(key, loc)  # (leaves the set when it goes in)
         self._flags()
+
+    def add_slots(self, table: memoryview, slots: npt.NDArray[np.uint64], segment_id: int,
+                  slot_bytes: int) -> list[int]:
+        """Publish the keys of COMMITTED slot-table entries (an adopted extent's blocks),
+        read from ``table`` itself: no Python object per key.  Returns the indices into
+        ``slots`` left out -- a key the table holds already, or one past the probe
+        limit -- for the caller (which copy stays; ``add`` keeps the others apart)."""
+        slots = np.ascontiguousarray(slots, dtype=np.uint64)
+        left: list[int] = []
+        t = self._table
+        if t is None:
+            return list(range(len(slots)))
+        used = _native.index_info(t.mm)[2]
+        want = t.capacity
+        while (used + len(slots)) * 2 > want:
+            want *= 2
+        if want > t.capacity and self._replace(want) is None:
+            return list(range(len(slots)))
+        at = 0
+        while self._table is not None and at < len(slots):
+            at, out = _native.index_set_slots(self._table.mm, table, slots, segment_id,
+                                              slot_bytes, at)
+            left += out
+            if at < len(slots) and self._replace() is None:
+                left += range(at, len(slots))
+                break
+        self._flags()
+        return left
 
     def find_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
         """The daemon's batch lookup (the table as its key index, issue 26): each key's
@@ -321,10 +351,12 @@ class SharedIndex:
             else:
                 raise ValueError("its keys do not fit a table four times larger")
         except (OSError, ValueError) as exc:
+            # The table stays (its keys are only fingerprints here: they cannot move);
+            # the keys it cannot take are kept apart, and clients' misses go on to the
+            # daemon (MISS_NOT_FINAL).
             log.warning("namespace %r: its shared index cannot grow past %d entries (%s); "
-                        "its clients' lookups go to the daemon from now on",
-                        self.namespace, old.capacity, exc)
-            self.close()
+                        "keys past it are found by the daemon only", self.namespace,
+                        old.capacity, exc)
             return None
         self._table = new
         self._flags()

@@ -69,7 +69,10 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
+import numpy as np
+
 from kvtier.errors import CapacityExhausted, Corrupted, FailedPrecondition, NotFound
+from kvtierd.block_table import PREFETCHED
 from kvtierd.cluster.tier import ClusterTier
 from kvtierd.logs import Throttle, event, more
 from kvtierd.shared_index import SessionPage
@@ -218,7 +221,7 @@ class _Drain:
         if block not in self.pending:
             return
         del self.pending[block]
-        if block.doomed or block.ns.index.get(block.key) is not block:
+        if block.doomed or block.ns.index.get(block.key) != block:
             self.done_blocks += 1  # gone from DRAM: nothing left to lose
             self.done_bytes += block.length
         elif block.lower == Lower.CLEAN:
@@ -307,6 +310,8 @@ class Tiering:
         #: ``cluster.write: commit``).
         self._write_through = [t for t in self.lower
                                if t.cross_host and self._write_policy(t) == "commit"]
+        # Page commits make block handles only for the write-through publish.
+        store.commit_handles = bool(self._write_through)
         #: The last tier evicts without handing on (a local tier's LRU, or a cluster
         #: that may drop any object): a CLEAN block's copy may vanish.
         self._lossy = bool(self.lower) and (self.lower[-1].local
@@ -486,12 +491,13 @@ class Tiering:
         """The tier of each key of the longest prefix some tier holds (fastest tier wins)."""
         tiers: list[int] = []
         geometry = self._geometry(ns)
+        in_dram = ns.index.find(keys).tolist() if keys else []  # one batch lookup
         i = 0
         while i < len(keys):
             key = keys[i]
             if (ns.name, key) in self._deleting:
                 break
-            if key in ns.index:
+            if in_dram[i]:
                 tiers.append(TIER_DRAM)
                 i += 1
                 continue
@@ -504,7 +510,7 @@ class Tiering:
                 break
             # The run of keys only a remote tier can hold: asked off the loop, in one go.
             j = i + 1
-            while (j < len(keys) and keys[j] not in ns.index
+            while (j < len(keys) and not in_dram[j]
                    and self._local_copy(ns.name, keys[j], geometry) is None
                    and (ns.name, keys[j]) not in self._deleting):
                 j += 1
@@ -540,7 +546,7 @@ class Tiering:
         Returns the lease and the tier each hit was found on.
         """
         ns = session.ns
-        tiers: list[int] = [TIER_DRAM] * sum(1 for _ in _prefix(ns, keys))
+        tiers: list[int] = [TIER_DRAM] * ns.index.prefix(keys)
         if self.enabled and len(tiers) < len(keys):
             tiers = await self._locate(ns, keys)
             if any(t != TIER_DRAM for t in tiers):
@@ -554,10 +560,15 @@ class Tiering:
                 finally:
                     for lease in leases:
                         self.store.unpin(lease)
-        for block in _prefix(ns, keys[: len(tiers)]):
-            if block.prefetched:
-                block.prefetched = False
-                self.counters.prefetch_hits += 1
+        # Prefetched blocks read now count as prefetch hits (the acquire's touch clears
+        # the mark).
+        refs = ns.index.find(keys[: len(tiers)]) if tiers else None
+        if refs is not None:
+            missing = np.flatnonzero(refs == 0)
+            refs = refs[: int(missing[0]) if len(missing) else len(refs)]
+            if len(refs):
+                flags = ns.table.inspect(refs)["flags"]
+                self.counters.prefetch_hits += int(np.count_nonzero(flags & PREFETCHED))
         result = self.store.acquire(session, keys[: len(tiers)])
         ns.misses += len(keys) - len(tiers)  # store.acquire counted the rest
         return result, tiers[: len(result.slots)]
@@ -636,7 +647,8 @@ class Tiering:
             if block is None:
                 continue
             self.store.set_lower(block, Lower.CLEAN)
-            block.prefetched = prefetch
+            if prefetch:
+                ns.table.set_prefetched([block.ref])
             self.counters.promotions[self._by_id[tier].name] += 1
 
     def _read_block(self, namespace: str, key: bytes, tier: Tier, dst: memoryview,
@@ -776,14 +788,15 @@ class Tiering:
         n = self.store.commit(session, reservation_id, lengths, checksums)
         if self.enabled:
             index = session.ns.index
-            self._committed([index[k] for k in keys if k in index])
+            self._committed([b for k in keys if (b := index.get(k)) is not None]
+                            if self._write_through else [])
         return n
 
     def commit_from_page(self, session: Session, page: SessionPage) -> PageCommits:
         """``Store.commit_from_page`` (keys a lower tier holds are EXISTS, as for a
         reserve), then wake the demoter and publish when write-through."""
         out = self.store.commit_from_page(session, page, self._exists_below(session))
-        if self.enabled and out.blocks:
+        if self.enabled and out.committed:
             self._committed(out.blocks)
         return out
 
@@ -948,21 +961,21 @@ class Tiering:
         a running drain's blocks."""
         depth = self.policy.queue_depth
         batch: list[Block] = []
-        seen: set[int] = set()
+        seen: set[Block] = set()
 
         def add(blocks: list[Block]) -> None:
             size = sum(b.ns.slot_bytes for b in batch)
             for b in blocks:
                 if len(batch) >= depth or size >= BATCH_BYTES:
                     return
-                if id(b) not in seen:
-                    seen.add(id(b))
+                if b not in seen:
+                    seen.add(b)
                     batch.append(b)
                     size += b.ns.slot_bytes
 
         urgent, self._urgent = self._urgent, []
         add([b for b in urgent if b.pins == 0 and b.lower == Lower.DIRTY and not b.doomed
-             and b.ns.index.get(b.key) is b])
+             and b.ns.index.get(b.key) == b])
         acct = self.store.dram_bytes()
         target = int(self.policy.clean_ahead * acct["total"])
         free = acct["free"]
@@ -985,7 +998,7 @@ class Tiering:
                     self._lose(block, "demotion")
                     continue
                 if res and synced:
-                    if block.doomed or block.ns.index.get(block.key) is not block:
+                    if block.doomed or block.ns.index.get(block.key) != block:
                         self._forget(block)  # deleted meanwhile: never resurrect it
                         continue
                     self.store.set_lower(block, Lower.CLEAN)
@@ -1077,7 +1090,7 @@ class Tiering:
         (A store method would say it better: ``Store.drop_block(block)``, the
         per-block core of a delete that needs no session.)"""
         ns = block.ns
-        if block.doomed or ns.index.get(block.key) is not block:
+        if block.doomed or ns.index.get(block.key) != block:
             return
         self.store.delete(self.store.system_session(ns), [block.key])
         self._slot_fault(ns.name, block.key, op)
@@ -1301,7 +1314,7 @@ class Tiering:
                 list(ns.index.values()) for ns in list(self.store.namespaces.values())))
             for i in range(0, len(blocks), DRAIN_COLLECT_CHUNK):
                 for b in blocks[i : i + DRAIN_COLLECT_CHUNK]:
-                    if b.doomed or b.ns.index.get(b.key) is not b:
+                    if b.doomed or b.ns.index.get(b.key) != b:
                         continue
                     if b.lower == Lower.CLEAN:
                         if not self._lossy:
@@ -1341,7 +1354,7 @@ class Tiering:
         which evicts) has evicted again meanwhile (and has not passed on below)."""
         if not self.lower or not self.lower[0].local:
             return
-        missing = [b for b in d.copied if not b.doomed and b.ns.index.get(b.key) is b
+        missing = [b for b in d.copied if not b.doomed and b.ns.index.get(b.key) == b
                    and self._local_copy(b.ns.name, b.key, self._geometry(b.ns)) is None]
         if missing and self._remote:
             remote = self._remote
@@ -1356,7 +1369,7 @@ class Tiering:
             there = await self._run(lambda: [anywhere(b) for b in missing])
             missing = [b for b, ok in zip(missing, there, strict=True) if not ok]
         for b in missing:
-            if b.doomed or b.ns.index.get(b.key) is not b:
+            if b.doomed or b.ns.index.get(b.key) != b:
                 continue
             d.done_blocks -= 1
             d.done_bytes -= b.length
@@ -1378,7 +1391,7 @@ class Tiering:
         for scanned, b in enumerate(d.pending):
             if scanned >= DRAIN_SCAN_LIMIT or len(out) >= limit:
                 break
-            if b.doomed or b.ns.index.get(b.key) is not b or b.lower == Lower.CLEAN:
+            if b.doomed or b.ns.index.get(b.key) != b or b.lower == Lower.CLEAN:
                 settled.append(b)
             elif not self._moving(b.ns.name, b.key):
                 out.append(b)
@@ -1406,16 +1419,6 @@ class Tiering:
         for tier in lower:
             problems += tier.check()
         return problems
-
-
-def _prefix(ns: Namespace, keys: Sequence[bytes]) -> list[Block]:
-    out = []
-    for key in keys:
-        block = ns.index.get(key)
-        if block is None:
-            break
-        out.append(block)
-    return out
 
 
 #: The setting that turns a tier on (for "this daemon has no ... tier" messages).

@@ -141,7 +141,10 @@ def _daemon(workdir: str, ssd_dir: str, shm_dir: str | None = None) -> DaemonPro
 
 
 def _client(d: DaemonProc, ns: str) -> kvtier.Client:
-    return kvtier.Client(d.socket_dir, namespace=ns, block_bytes=BLOCK, model_uid=MODEL)
+    # Checksums: a block A's writer scribbled over while it was in DRAM can only be
+    # told from its bytes by the reader (the daemon never reads payload).
+    return kvtier.Client(d.socket_dir, namespace=ns, block_bytes=BLOCK, model_uid=MODEL,
+                         checksum=True)
 
 
 def _write(d: DaemonProc, ns: str, rnd: int) -> list[bytes]:

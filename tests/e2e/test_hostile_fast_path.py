@@ -318,8 +318,10 @@ def _attack(d: DaemonProc, traffic: _Traffic, mode: str, base: tuple[float, floa
         assert result["sessions"] > 21 and result["rounds"] > 10, result
         # A's leases (all of them the attacker's hazards: the share of its uid) -- the
         # host-wide hazard_blocks also counts B's and C's reads in flight.
-        (a,) = [n for n in stats.namespaces if n.name == "A"]
-        assert a.leased_blocks <= 16384, a.leased_blocks
+        # (A is gone when, its attacker done, C's writes reclaimed its cold extents and
+        # nobody used it any more: then it leases nothing.)
+        a = next((n for n in stats.namespaces if n.name == "A"), None)
+        assert a is None or a.leased_blocks <= 16384, a.leased_blocks
     elif mode == "counters":
         dram = [io for io in stats.io if io.tier == pb.TIER_DRAM]
         # The page's counts are cut to a client's rate; the attack steps them by 2^40

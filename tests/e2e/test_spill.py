@@ -433,7 +433,9 @@ def test_lookup_reports_dram_for_dram_blocks_after_a_shared_run(workdir: str,
             in_dram = tier_stats(d.stats(), pb.TIER_DRAM).committed_blocks
             tiers = c.lookup_tiers(keys)
         assert len(tiers) == N
-        assert tiers == [SHARED] * (N - in_dram) + [DRAM_TIER] * in_dram
+        # Every block is in DRAM or on the shared tier (CLOCK chose which stayed in DRAM):
+        # those in DRAM are reported there.
+        assert set(tiers) <= {SHARED, DRAM_TIER} and tiers.count(DRAM_TIER) == in_dram
     finally:
         stop_clean(d)
 
@@ -457,7 +459,9 @@ def test_ssd_reclaims_an_empty_file_of_another_slot_size(workdir: str, spill_roo
             for i in range(0, 80, BATCH):
                 batch = full[i : min(i + BATCH, 80)]
                 assert c.put(batch, [np.full(BB, 2, np.uint8)] * len(batch)) == len(batch)
-            assert c.lookup_tiers(short) == [SSD] * len(short)
+            tiers = c.lookup_tiers(short)  # most on the SSD (CLOCK keeps some in DRAM)
+            assert len(tiers) == len(short) and set(tiers) <= {SSD, DRAM_TIER}
+            assert tiers.count(SSD) >= len(short) // 2
             assert c.delete(short) == len(short)
             for i in range(80, len(full), BATCH):
                 batch = full[i : i + BATCH]

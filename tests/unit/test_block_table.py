@@ -1015,3 +1015,78 @@ def test_rescale_access_keeps_the_order_and_the_entries_valid(shm_dir: str) -> N
     assert again.adopt(seg, EPOCH).adopted == 5
     again.remove_extent(seg.segment_id)
     seg.close(unlink=True)
+
+
+def test_claim_with_evict_takes_free_slots_and_victims_in_one_call_or_nothing() -> None:
+    t, meta = table(6)
+    refs = claimed(t, 4)
+    commit(t, refs)
+    t.pin(refs[3:])
+    before = bytes(meta)
+    with pytest.raises(ValueError, match="pinned"):
+        t.claim(2, evict=refs[2:4])  # one victim is pinned: nothing changes
+    with pytest.raises(ValueError, match="twice"):
+        t.claim(1, evict=[refs[0], refs[0]])
+    got, short = t.claim(3, evict=refs[:1])  # 2 free slots < 3: nothing is evicted
+    assert (len(got), short) == (0, 1)
+    assert bytes(meta) == before and t.check() == []
+    got, short = t.claim(2, evict=refs[:2])
+    assert short == 0 and len(got) == 2 and not set(got.tolist()) & set(refs.tolist())
+    r = rows(meta)
+    assert r["state"][:6].tolist() == [RESERVED] * 2 + [COMMITTED] * 2 + [RESERVED] * 2
+    assert r["generation"][:2].tolist() == [2, 2]  # the victims' slots: generation + 1
+    assert t.counts().committed == 2 and t.check() == []
+
+
+def test_commit_with_release_frees_the_rest_of_the_reservation_in_one_call() -> None:
+    t, meta = table(4)
+    refs = claimed(t, 4)
+    before = bytes(meta)
+    keys = [b"a", b"b"]
+    with pytest.raises(ValueError, match="twice"):
+        t.commit(refs[:2], keys, [1, 1], None, first_access=1, epoch=EPOCH, release=refs[1:3])
+    with pytest.raises(ValueError, match="is FREE"):
+        t.release_claims(refs[3:])
+        t.commit(refs[:2], keys, [1, 1], None, first_access=1, epoch=EPOCH, release=refs[3:])
+    t.commit(refs[:2], keys, [1, 1], None, first_access=1, epoch=EPOCH, release=refs[2:3])
+    assert rows(meta)["state"].tolist() == [COMMITTED, COMMITTED, FREE, FREE]
+    assert before != bytes(meta) and t.check() == []
+
+
+def test_release_claims_with_unpin_ends_both_or_neither() -> None:
+    t, _meta = table(4)
+    refs = claimed(t, 4)
+    commit(t, refs[:2])
+    t.pin(refs[:2])
+    t.delete(refs[1:2])  # doomed: freed by its last unpin
+    with pytest.raises(ValueError, match="no pin left"):
+        t.release_claims(refs[2:3], unpin=[refs[0], refs[0]])
+    assert t.counts().reserved == 2 and t.inspect(refs[:1])["pins"].tolist() == [1]
+    freed = t.release_claims(refs[2:], unpin=refs[:2])
+    assert freed.tolist() == [int(refs[1])]
+    c = t.counts()
+    assert (c.free, c.reserved, c.committed, c.pinned) == (3, 0, 1, 0) and t.check() == []
+    assert t.release_claims([]).tolist() == []
+
+
+def test_the_shared_index_takes_an_adopted_extents_keys_from_its_slot_table() -> None:
+    """SharedIndex.add_slots (recovery: no Python object per key): every COMMITTED slot's
+    key at its location; keys held already are left out for the caller."""
+    from kvtier import _native
+    from kvtierd.shared_index import SharedIndex
+
+    t, meta = table(8, extent_id=7)
+    refs = claimed(t, 6)
+    t.commit(refs, [b"k%d" % i for i in range(6)], np.arange(1, 7), list(range(100, 106)),
+             first_access=1, epoch=EPOCH)
+    shared = SharedIndex("ns", lower_tiers=False)
+    shared.add(b"k2", (1, 0, 0, 1, None))  # held already: left out
+    slots = refs & np.uint64(0xFFFF_FFFF)
+    assert shared.add_slots(memoryview(meta), slots, 7, SLOT) == [2]
+    got = shared.find_many([b"k%d" % i for i in range(6)]).tolist()
+    assert got == [7 << 32 | i if i != 2 else 1 << 32 for i in range(6)]
+    assert shared._table is not None
+    assert _native.index_locate(shared._table.mm, b"k4") == (7, 4, 4 * SLOT, 5, 104)
+    with pytest.raises(ValueError, match="no COMMITTED entry"):
+        shared.add_slots(memoryview(meta), np.array([7], dtype=np.uint64), 7, SLOT)
+    shared.close()

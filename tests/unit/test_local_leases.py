@@ -432,7 +432,7 @@ def test_a_hazard_pins_its_extent_against_reclaim_only_where_it_names_a_real_slo
         blk = a.ns.index[keys(3, "a3")[0]]
         view[512] = env.store.slot_of(blk)
         put(env, b, keys(12, "b3"))  # B evicts its own blocks instead
-        assert a.ns.extents == [ext] and a.ns.index.get(blk.key) is blk
+        assert a.ns.extents == [ext] and a.ns.index.get(blk.key) == blk
         assert env.store.check() == []
         del view
         env.store.close_session(a)

@@ -50,12 +50,13 @@ from hypothesis.stateful import (
 
 from kvtier import _native
 from kvtier.errors import CapacityExhausted, InvalidArgument, NotFound
+from kvtierd.block_table import BlockTable
 from kvtierd.recovery import recover
 from kvtierd.segments import Segment, SegmentLayout
 from kvtierd.store import Block, Namespace, ReserveStatus, SlotGrant, Store
 
 from .conftest import BOOT_EPOCH, PEER, FakeClock, make_shm_dir, segment_factory
-from .test_store_failures import FALLIBLE, Faults, Injected
+from .test_store_failures import FALLIBLE, SEGMENT_FALLIBLE, Faults, Injected, counted
 
 KiB = 1 << 10
 #: Two namespaces, different block sizes: 3 slots per A extent, 2 per B extent.
@@ -77,16 +78,6 @@ RESERVED, EXISTS, IN_FLIGHT = ReserveStatus.RESERVED, ReserveStatus.EXISTS, Rese
 
 key_sets = st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=8, unique=True)
 sessions = st.integers(0, len(SESSION_NS) - 1)
-
-
-def _counted(faults: Faults, name: str, real: Any) -> Any:
-    """A Segment method that reports each call to ``faults`` first (which may raise)."""
-
-    def call(self: Segment, *args: Any, **kwargs: Any) -> Any:
-        faults.hit(name)
-        return real(self, *args, **kwargs)
-
-    return call
 
 
 def pattern(tag: int, length: int) -> bytes:
@@ -137,17 +128,19 @@ class StoreMachine(RuleBasedStateMachine):
         self.clock = FakeClock()
         self.evicted: list[Block] = []
         self.quarantine: list[tuple[str, float, int]] = []  # (namespace, until, slots)
-        # Every fallible Segment call (and the extent factory) counts while armed.
+        # Every fallible table and Segment call (and the extent factory) counts while armed.
         self.faults = Faults()
-        self._unpatched = {name: Segment.__dict__[name] for name in FALLIBLE}
-        for name, real in self._unpatched.items():
-            setattr(Segment, name, _counted(self.faults, name, real))
+        self._unpatched = [(cls, name, cls.__dict__[name])
+                           for cls, names in ((BlockTable, FALLIBLE), (Segment, SEGMENT_FALLIBLE))
+                           for name in names]
+        for cls, name, real in self._unpatched:
+            setattr(cls, name, counted(self.faults, name, real))
         try:
             self.store = self._new_store()
             self.sessions = self._open_sessions()
-        except BaseException:  # no teardown then: leave Segment as it was
-            for name, real in self._unpatched.items():
-                setattr(Segment, name, real)
+        except BaseException:  # no teardown then: leave the classes as they were
+            for cls, name, real in self._unpatched:
+                setattr(cls, name, real)
             raise
         self.committed: dict[tuple[str, bytes], MBlock] = {}
         self.reservations: dict[int, MReservation] = {}
@@ -182,8 +175,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
-            for name, real in self._unpatched.items():
-                setattr(Segment, name, real)
+            for cls, name, real in self._unpatched:
+                setattr(cls, name, real)
             self.loop.run_until_complete(self.store.drain())
             self.store.close_all()
             self.loop.run_until_complete(self.loop.shutdown_default_executor())

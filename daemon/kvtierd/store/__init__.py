@@ -1,11 +1,17 @@
-"""The store: per-namespace index, one host-wide LRU, reservations, leases.
+"""The store: per-namespace block tables and key indexes, CLOCK eviction, reservations,
+leases.
 
 The package, layer on layer (each a class over the one before; calls go down):
 
-* ``types``: the data (namespaces, extents, blocks, sessions, reservations, leases).
-* ``base``: the state, and the primitives every layer uses: pins and their
-  accounting, the one exit of DRAM blocks, what clients hold without a call
-  (hazards and grants in their pages), ``_Undo``.
+* ``types``: the data (namespaces, extents, block handles, sessions, reservations,
+  leases).  No Python object per block: a namespace's slots live in its
+  ``BlockTable`` (``kvtierd.block_table``, native) over the persisted slot tables,
+  and its keys in its shared index (``keys``: the table clients search *is* the
+  index).  ``Block`` is a handle made on demand, never kept.
+* ``keys``: the key index.
+* ``base``: the state, and the primitives every layer uses: pins, the one commit
+  transition, the one exit of DRAM blocks, what clients hold without a call
+  (hazards and grants in their pages).
 * ``room``: finding room for a reserve (free slots, growth, eviction, reclaim of
   other namespaces' extents) and retiring extents.
 * ``operations``: the calls: sessions, lookup, reserve/commit/abort,
@@ -19,18 +25,20 @@ when a block becomes visible, which block is evicted, and who holds what;
 the mechanism (``segments``) persists slot states; the service translates the
 wire.
 
-Every public call either applies fully or changes nothing.  Each runs in three
-phases: validate; persist (the slot-table writes: the steps that can fail);
-apply (counters, index, LRU, free lists: in memory, nothing there can fail).
-A write that fails takes back the writes before it (``_Undo``), so a failed
-call leaves tables and memory as they were.  The exceptions, each consistent
-on its own: a failed ``acquire`` may have rewritten the last access of the
-blocks before the failing one (only an LRU hint for the next restart); a
-failed reserve may already have reclaimed extents of other namespaces or
-grown its own (cache policy: the reclaimed blocks were evictable and left
-through the one exit); a failed reclaim or reformat may have removed the
-files of extents it still holds (they serve on, and at the next restart their
-blocks are gone like evicted ones).
+Every public call either applies fully or changes nothing.  Each makes one
+call to the block table that changes slots (``claim`` with its evictions,
+``commit`` with the slots it frees, ``release_claims`` with the pins it ends,
+``pin``, ``unpin``, ``delete``, ``evict``): the table validates the whole batch
+and then changes all of it or, refusing, nothing; the key index and the
+Python bookkeeping follow (nothing there can fail).  Where a call needs two
+(``acquire``: pin, then touch), the second's refusal takes the first back.
+The exceptions, each consistent on its own: a failed reserve may already have
+reclaimed extents of other namespaces or grown its own (cache policy: the
+reclaimed blocks were evictable and left through the one exit); a failed
+reclaim or reformat may have removed the files of extents it still holds (they
+serve on, and at the next restart their blocks are gone like evicted ones);
+``expire`` is all or nothing per namespace (one that fails expires at the next
+sweep).
 
 Pins (each pin is granted by exactly one call and released by exactly one call;
 ``Pinned`` is the one answer to "is this pinned?", whichever way it was granted):
@@ -44,10 +52,10 @@ Pins (each pin is granted by exactly one call and released by exactly one call;
    extent reclaimed: ``_revoke_idle_grants``, by the page's compare-and-swap),
    quarantine once a writer held it taken for the reservation TTL, or session
    close ends it.  A commit from a page and a Commit call are one transition
-   (``_persist_commits`` / ``_apply_commits``).
-3. **read with a call**: ``acquire`` grants a lease (each block's pin count +1, the
-   block leaves the LRU); exactly one of ``release`` / lease expiry / session close
-   ends it.
+   (``_commit``).
+3. **read with a call**: ``acquire`` grants a lease (each block's pin count +1 in
+   the table: not evictable); exactly one of ``release`` / lease expiry / session
+   close ends it.
 4. **read without a call** (``csrc/index.c``): the client writes a hazard naming
    the slot in its page, then checks the shared index still holds the block; the
    daemon reads the pages after a full fence before it reuses a slot.  Exactly one
@@ -60,11 +68,14 @@ And a **delete of a leased block** (by 3 or 5) hides it at once (it is *doomed*)
 its slot is freed by whichever ending drops the last pin.
 
 Capacity: one global DRAM budget (``dram.capacity``) from which namespaces
-grow in extents.  A reserve that finds no free slot evicts the host-wide
-least recently used unleased block of the same namespace, or reclaims a
-whole extent of another namespace whose blocks are all evictable (so the
-budget can move between namespaces), or grows a new extent when the budget
-allows.  Eviction is the one place where DRAM blocks leave.
+grow in extents.  A reserve that finds no free slot grows a new extent when
+the budget allows; else it evicts unleased blocks of its namespace chosen by
+CLOCK (a bit set by every read, a hand that clears it and takes the blocks
+without one: docs/decisions.md), or reclaims a whole extent of another
+namespace whose blocks are all evictable -- an empty one, one whose newest
+access is older than every block CLOCK would evict here, or any when this
+namespace has too few to evict (so the budget moves between namespaces).
+Eviction is the one place where DRAM blocks leave.
 
 Spill (``spill_enabled``, driven by ``kvtierd.tiering``): every block is
 DIRTY (DRAM is its only copy), CLEAN (a spill tier holds a durable copy) or

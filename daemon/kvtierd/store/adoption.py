@@ -4,10 +4,10 @@ validated them, and ordering the adopted blocks once every extent is in."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.errors import (
     CapacityExhausted,
@@ -15,11 +15,14 @@ from kvtier.errors import (
 )
 from kvtierd.segments import (
     MAX_ACCESS_SEQ,
+    SLOT_ENTRY_BYTES,
+    TABLE_OFFSET,
     Segment,
+    SlotState,
 )
-from kvtierd.store.base import _recommit, _Undo
+from kvtierd.shared_index import Location
 from kvtierd.store.fast_path import FastPath
-from kvtierd.store.types import AdoptedSlots, Block, Extent
+from kvtierd.store.types import Extent, Namespace
 
 log = logging.getLogger(__name__)
 
@@ -49,124 +52,125 @@ class Adoption(FastPath):
         if ns is not None and any(e.segment.index == segment.index for e in ns.extents):
             raise FailedPrecondition(f"extent {segment.index} of {segment.namespace!r} twice")
 
-    def adopt_extent(self, segment: Segment, slots: AdoptedSlots) -> int:
-        """Take over a segment of a previous run, as ``recovery`` validated it.
+    def adopt_segment(self, segment: Segment, *, referenced_from: int = 2**64 - 1
+                      ) -> tuple[int, dict[str, int]]:
+        """Take over a segment of a previous run: every slot validated natively as
+        ``recovery.scan_slots`` does (``BlockTable.adopt``): valid COMMITTED entries
+        become visible blocks, RESERVED slots are quarantined for the reservation TTL
+        (a writer of the previous daemon may still be copying), the rest are freed.
+        Blocks last accessed at ``referenced_from`` or later keep their CLOCK bit.
 
-        ``slots`` holds what may become visible blocks (every field checked),
-        the RESERVED slots (quarantined for the reservation TTL: a writer of
-        the previous daemon may still be copying, then freed) and the free
-        ones.  Returns the blocks recovered.  Raises like ``check_adoptable``
-        (or when a slot-table write fails); the store is unchanged then.
+        Returns (blocks recovered, dropped slots by reason).  Raises like
+        ``check_adoptable``; the store is unchanged then.
         """
         self.check_adoptable(segment)
         lay = segment.layout
         ns = self.namespaces.get(segment.namespace)
-        index: dict[bytes, Block] = ns.index if ns is not None else {}
-        adopted, adopted_at = self._adopted, self._adopted_at
-        # Plan: the newest copy of each key wins (the same key twice is never written
-        # so; be safe).  Losers in this segment are freed, and so are adopted blocks of
-        # other extents that a newer copy here beats.
-        mine: dict[bytes, tuple[int, int, int | None, int]] = {}  # key -> slot, length, sum, last
-        lose_here: list[int] = []
-        beaten: list[Block] = []
-        rows = zip(slots.keys, zip(slots.slots, slots.lengths, slots.checksums,
-                                   slots.last_access, strict=True), strict=True)
-        unique = (len(set(slots.keys)) == len(slots.keys)
-                  and index.keys().isdisjoint(slots.keys))  # no key twice: the common case
-        if not unique:
-            for key, (slot, length, checksum, last) in rows:
-                prev = mine.get(key)
-                old = index.get(key) if prev is None else None
-                if prev is not None or old is not None:
-                    log.warning("namespace %r: key %s committed twice; keeping the newer copy",
-                                segment.namespace, key.hex())
-                if prev is not None:
-                    if prev[3] >= last:
-                        lose_here.append(slot)
-                        continue
-                    lose_here.append(prev[0])
-                elif old is not None:
-                    try:
-                        old_last: float = adopted_at[adopted.index(old)]  # rare: linear is fine
-                    except ValueError:
-                        old_last = float("inf")  # not from a previous run: newer than any
-                    if old_last >= last:
-                        lose_here.append(slot)
-                        continue
-                    beaten.append(old)
-                mine[key] = (slot, length, checksum, last)
-        with _Undo() as undo:
-            for slot in lose_here:
-                undo.add(_recommit, segment, slot)
-                segment.mark_free(slot)
-            for old in beaten:
-                undo.add(_recommit, old.extent.segment, old.slot)
-                old.extent.segment.mark_free(old.slot)
-        # Applied: nothing below can fail.
         if ns is None:
-            # Published in bulk by finish_recovery, not key by key here.
             ns = self._new_namespace(segment.namespace, lay.block_bytes, segment.model_uid,
                                      lay.slot_bytes, publish=False)
-        # pop() hands out the lowest slot first
-        ext = Extent(segment, sorted([*slots.free, *lose_here], reverse=True),
-                     list(slots.generations))
+        ns.table.add_segment(segment)
+        try:
+            got = ns.table.adopt(segment, self.boot_epoch, referenced_from=referenced_from)
+            recovered = self._index_adopted(ns, segment)
+        except BaseException:
+            ns.table.remove_extent(segment.segment_id, force=True)
+            self._forget_if_unused(ns)
+            raise
+        # Applied: nothing below can fail.
+        ext = Extent(segment, ns.table)
+        states = segment.scan(copy=False)["state"]
         deadline = self._clock() + self.reservation_ttl
-        for slot in slots.reserved:
-            ext.quarantine[slot] = deadline
-        ext.reserved += len(ext.quarantine)
-        ns.reserved += len(ext.quarantine)
-        for old in beaten:
-            del ns.index[old.key]
-            at = adopted.index(old)
-            del adopted[at], adopted_at[at]
-            self._unaccount(old)
-            old.extent.free.append(old.slot)
-            ns.recovered -= 1
-        if unique:
-            keys, at_slots = slots.keys, slots.slots
-            lengths, sums, lasts = slots.lengths, slots.checksums, slots.last_access
-        else:
-            keys = list(mine)
-            at_slots, lengths, sums, lasts = (list(col) for col in zip(*mine.values(),
-                                                                       strict=True)) \
-                if mine else ([], [], [], [])
-        gens = ext.generations
-        # Built by map() from C: a quarter of a million blocks in a few hundred ms.
-        new = list(map(Block, itertools.repeat(ns), keys, itertools.repeat(ext), at_slots,
-                       lengths, sums, map(gens.__getitem__, at_slots)))
-        ns.index.update(zip(keys, new, strict=True))
-        adopted.extend(new)
-        adopted_at.extend(lasts)
-        recovered = len(new)
-        ext.committed += recovered
-        ext.dirty += recovered
-        ns.committed += recovered
-        self.budget_free -= lay.file_bytes
+        ext.quarantine = dict.fromkeys(np.flatnonzero(states == SlotState.RESERVED).tolist(),
+                                       deadline)
+        del states
         ns.extents.append(ext)
+        ns.by_id[ext.id] = ext
         ns.extents.sort(key=lambda e: e.segment.index)
         ns.next_extent_index = max(ns.next_extent_index, segment.index + 1)
+        self.budget_free -= lay.file_bytes
+        self._last_adopted = max(self._last_adopted, got.max_last_access)
         ns.recovered += recovered
-        return recovered
+        return recovered, got.dropped
+
+    def _index_adopted(self, ns: Namespace, seg: Segment) -> int:
+        """Put an adopted extent's blocks in the key index, straight from its slot table
+        (``SharedIndex.add_slots``: no Python object per key).  A key committed twice
+        (never written so; be safe) keeps its newest copy, the other is freed (the
+        table's call first: its refusal changes nothing)."""
+        refs = ns.table.committed(seg.segment_id)
+        if not len(refs):
+            return 0
+        slots = refs & np.uint64(0xFFFF_FFFF)
+        n = seg.layout.n_slots
+        table = memoryview(seg.meta)[TABLE_OFFSET : TABLE_OFFSET + n * SLOT_ENTRY_BYTES]
+        try:
+            left = ns.index.table.add_slots(table, slots, seg.segment_id, seg.layout.slot_bytes)
+        finally:
+            table.release()
+        try:
+            here = self._adopt_left_out(ns, seg, refs, left) if left else set()
+        except BaseException:  # the extent is not adopted: its keys leave the index again
+            for r in refs.tolist():
+                key = seg.read_slot(r & 0xFFFF_FFFF).key
+                if int(ns.index.find([key])[0]) == r:
+                    ns.index.table.discard(key)
+            raise
+        if ns.index.watch is not None:
+            ns.index.watch([seg.read_slot(int(r) & 0xFFFF_FFFF).key for r in refs.tolist()
+                            if int(r) not in here], True)
+        return len(refs) - len(here)
+
+    def _adopt_left_out(self, ns: Namespace, seg: Segment, refs: npt.NDArray[np.uint64],
+                        left: list[int]) -> set[int]:
+        """The slots ``add_slots`` left out: a key past the probe limit is kept apart; a
+        key the index holds already (committed twice: never written so) keeps its copy
+        last accessed most recently and the other is freed.  Returns the refs of this
+        extent freed."""
+        mask = 0xFFFF_FFFF
+        apart: list[tuple[bytes, Location]] = []
+        moves: list[tuple[bytes, Location]] = []
+        lose: list[int] = []
+
+        def segment_of(ref: int) -> Segment:
+            return seg if ref >> 32 == seg.segment_id else ns.by_id[ref >> 32].segment
+
+        for i in left:
+            ref = int(refs[i])
+            rec = seg.read_slot(ref & mask)
+            loc = (seg.segment_id, ref & mask, seg.slot_offset(ref & mask), rec.length,
+                   rec.checksum)
+            other = int(ns.index.find([rec.key])[0])
+            if not other:
+                apart.append((rec.key, loc))
+                continue
+            log.warning("namespace %r: key %s committed twice; keeping the newer copy",
+                        ns.name, rec.key.hex())
+            if rec.last_access > segment_of(other).read_slot(other & mask).last_access:
+                lose.append(other)
+                moves.append((rec.key, loc))
+            else:
+                lose.append(ref)
+        if lose:
+            ns.table.delete(np.array(lose, dtype=np.uint64))  # first: a refusal changes nothing
+        for key, loc in apart + moves:
+            ns.index.table.add(key, loc)
+        gone_elsewhere = sum(1 for r in lose if r >> 32 != seg.segment_id)
+        ns.recovered -= gone_elsewhere
+        return {r for r in lose if r >> 32 == seg.segment_id}
 
     def finish_recovery(self) -> None:
-        """Order the adopted blocks by their persisted last access (oldest first in the LRU).
-
-        The access sequence goes on from the newest one; when that is in the upper
-        half of its range (a long-lived cache, or a damaged table) the adopted
-        blocks are renumbered 1..n in the same order first, so it never runs into
-        the bound recovery enforces (``MAX_ACCESS_SEQ``).
-        """
-        blocks = self._adopted
-        lasts = np.array(self._adopted_at, dtype=np.uint64)
-        order = np.argsort(lasts, kind="stable").tolist()
-        top = int(lasts.max()) if len(blocks) else 0
-        if top >= MAX_ACCESS_SEQ // 2:  # the writes first: a failure leaves memory as it was
-            for rank, i in enumerate(order, 1):
-                blocks[i].extent.segment.touch(blocks[i].slot, rank)
-            top = len(order)
-        self.lru.update(zip(map(blocks.__getitem__, order), itertools.repeat(None)))
-        self._access_seq = itertools.count(top + 1)
-        self._adopted, self._adopted_at = [], []
+        """The access sequence goes on from the newest adopted one; when that is in the
+        upper half of its range (a long-lived cache, or a damaged table) every adopted
+        block's last access is shifted down first (order kept: ``rescale_access``), so
+        it never runs into the bound recovery enforces (``MAX_ACCESS_SEQ``)."""
+        top = self._last_adopted
+        if top >= MAX_ACCESS_SEQ // 2:
+            shift = top.bit_length() - (MAX_ACCESS_SEQ // 4).bit_length()
+            for ns in self.namespaces.values():
+                ns.table.rescale_access(shift)
+            top >>= shift
+        self._next_access = max(self._next_access, top + 1)
+        self._last_adopted = 0
         for ns in self.namespaces.values():
-            if ns.index.shared is None:
-                self._publish(ns)
+            self._publish(ns)

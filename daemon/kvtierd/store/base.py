@@ -10,23 +10,22 @@ import collections
 import functools
 import itertools
 import logging
-import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from types import TracebackType
-from typing import Final
+
+import numpy as np
+import numpy.typing as npt
 
 from kvtierd.segments import (
     Segment,
     SegmentLayout,
-    SlotRecord,
 )
 from kvtierd.shared_index import (
     GRANT_TAKEN,
     GRANT_VALID,
-    Location,
-    SharedIndex,
+    HAZARD_BIT,
     collect_hazards,
     hazard_of,
 )
@@ -35,7 +34,6 @@ from kvtierd.store.types import (
     Block,
     Extent,
     Lease,
-    Lower,
     Namespace,
     Peer,
     Reservation,
@@ -57,11 +55,10 @@ def _grant_word(ext: Extent, slot: int) -> int:
     return GRANT_VALID | ext.segment.segment_id << 32 | slot
 
 
-def _locate(block: Block) -> Location:
-    """Where the shared index says ``block`` is (what a client leases without a call)."""
-    seg = block.extent.segment
-    return (seg.segment_id, block.slot, seg.slot_offset(block.slot), block.length,
-            block.checksum)
+def _refs(places: Iterable[tuple[Extent, int]]) -> npt.NDArray[np.uint64]:
+    """The refs of (extent, slot) places."""
+    return np.fromiter((e.segment.segment_id << 32 | slot for e, slot in places),
+                       dtype=np.uint64)
 
 
 class _NeedExtent(Exception):
@@ -105,18 +102,6 @@ class _Undo:
                               "check() reports that slot until it is freed", fn, args, exc)
 
 
-def _recommit(segment: Segment, slot: int) -> None:
-    """Write a freed or doomed COMMITTED entry back (its fields are still in the table)."""
-    _rewrite(segment, slot, segment.read_slot(slot))
-
-
-def _rewrite(segment: Segment, slot: int, rec: SlotRecord) -> None:
-    """Put a COMMITTED entry back as ``rec`` read it (the entry checksum comes out equal)."""
-    segment.mark_committed(slot, key=rec.key, length=rec.length, checksum=rec.checksum,
-                           last_access=rec.last_access, generation=rec.generation,
-                           epoch=rec.epoch)
-
-
 def _close_quietly(segment: Segment, unlink: bool, keep_fd: bool = False) -> int | None:
     """Close a segment the store no longer holds, and free its memory whoever still
     holds an fd (worker thread): nothing waits for the result, so a failure is logged
@@ -126,10 +111,6 @@ def _close_quietly(segment: Segment, unlink: bool, keep_fd: bool = False) -> int
     except OSError as exc:
         log.warning("closing segment %s failed: %s", segment.path, exc)
         return None
-
-
-#: The mutable fields of a block (``check_snapshot`` copies them on the loop).
-_BLOCK_STATE: Final = operator.attrgetter("pins", "doomed", "lower")
 
 
 #: Creates a segment file for (namespace, extent index, layout, segment id); blocking I/O.
@@ -147,13 +128,14 @@ class Pinned:
     reused.
     """
 
-    __slots__ = ("_ns", "hazards", "_segments")
+    __slots__ = ("_ns", "hazards", "_segments", "_skip")
 
     def __init__(self, ns: Namespace, hazards: AbstractSet[int]) -> None:
         self._ns = ns
         #: The hazards of ``ns``'s pages (``hazard_of`` values).
         self.hazards = hazards
         self._segments: set[int] | None = None
+        self._skip: npt.NDArray[np.uint64] | None = None
 
     def slot(self, ext: Extent, slot: int) -> bool:
         """A client leases ``slot`` of ``ext`` without a call."""
@@ -161,6 +143,15 @@ class Pinned:
 
     def block(self, block: Block) -> bool:
         return block.pins > 0 or self.slot(block.extent, block.slot)
+
+    def skip(self) -> npt.NDArray[np.uint64] | None:
+        """The hazards as refs the table skips (None: none)."""
+        if not self.hazards:
+            return None
+        if self._skip is None:
+            words = np.fromiter(self.hazards, dtype=np.uint64, count=len(self.hazards))
+            self._skip = words & np.uint64(~HAZARD_BIT & (2**64 - 1))
+        return self._skip
 
     def extent(self, ext: Extent) -> bool:
         """Some block of ``ext`` is pinned.  A hazard counts only where it names a slot
@@ -221,14 +212,16 @@ class StoreBase:
         self._system_sessions: dict[str, Session] = {}
         self._spill_enabled = False
         self._by_token: dict[str, Session] = {}
-        self.lru: collections.OrderedDict[Block, None] = collections.OrderedDict()
         self.budget_free = capacity
         self._ids = itertools.count(1)
         self._segment_ids = itertools.count(1)
-        self._access_seq = itertools.count(1)
-        # Adopted blocks and their persisted last access, until finish_recovery.
-        self._adopted: list[Block] = []
-        self._adopted_at: list[int] = []
+        #: The next access sequence number (persisted as a slot's last access).
+        self._next_access = 1
+        #: The newest last access adopted so far (``finish_recovery`` goes on from it).
+        self._last_adopted = 0
+        #: Page commits return handles of the blocks they made (the tiering layer turns
+        #: this off unless it publishes every commit: a handle per block costs).
+        self.commit_handles = True
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, Lease] = {}
         self._retiring: set[asyncio.Future[int | None]] = set()
@@ -260,8 +253,7 @@ class StoreBase:
     def spill_enabled(self, on: bool) -> None:
         self._spill_enabled = on
         for ns in self.namespaces.values():
-            if ns.index.shared is not None:
-                ns.index.shared.set_lower_tiers(on)
+            ns.index.table.set_lower_tiers(on)
 
     def _new_namespace(self, name: str, block_bytes: int, model_uid: str,
                        slot_bytes: int, *, publish: bool = True) -> Namespace:
@@ -284,23 +276,23 @@ class StoreBase:
         ns.index.watch = None if changed is None else functools.partial(changed, ns.name, "dram")
 
     def _publish(self, ns: Namespace) -> None:
-        """Give ``ns`` a shared index holding its keys (on failure it has none)."""
-        if self.publish:
-            try:
-                ns.index.publish(SharedIndex(ns.name, lower_tiers=self._spill_enabled), _locate)
-            except OSError as exc:  # out of memory or fds: lookups go to the daemon
-                log.warning("namespace %r: no shared index (%s); its clients' lookups go "
-                            "to the daemon", ns.name, exc)
+        """Let ``ns``'s clients search its key index (when the store publishes)."""
+        ns.index.table.set_lower_tiers(self._spill_enabled)
+        ns.index.published = self.publish and ns.index.table.fd is not None
 
     @staticmethod
     def _unpublish(ns: Namespace) -> None:
-        if ns.index.shared is not None:
-            ns.index.shared.close()  # its clients see SUPERSEDED and ask the daemon
-            ns.index.shared = None
+        ns.index.published = False
 
     def _drop_namespace(self, ns: Namespace) -> None:
         del self.namespaces[ns.name]
-        self._unpublish(ns)
+        ns.index.table.close()  # its clients see SUPERSEDED and ask the daemon
+
+    def _access(self, n: int) -> int:
+        """Take ``n`` access sequence numbers; the first."""
+        first = self._next_access
+        self._next_access += n
+        return first
 
     def _forget_if_unused(self, ns: Namespace) -> None:
         """Drop a namespace that holds nothing and that nobody uses (no sessions, extents,
@@ -346,29 +338,21 @@ class StoreBase:
         return self._clock() - started
 
     def _end_grants(self, session: Session, entries: Iterable[int], *,
-                    quarantine: float | None = None) -> None:
+                    quarantine: float | None = None, freed: bool = False) -> None:
         """Take back grants: their slots are freed (or, with ``quarantine``, stay
-        RESERVED until then: a writer may still be copying into them)."""
+        RESERVED until then: a writer may still be copying into them; ``freed``: the
+        caller freed them already)."""
         page = session.ns.pages.get(session.id)
-        ns = session.ns
-        for g in list(entries):
-            ext, slot, gen = session.grants[g]
-            if quarantine is None:
-                try:
-                    ext.segment.mark_free(slot)
-                except (OSError, ValueError) as exc:
-                    log.warning("could not free granted slot %d: %s", slot, exc)
-                    continue
-            del session.grants[g]
+        entries = list(entries)
+        if quarantine is None and not freed:
+            session.ns.table.release_claims(_refs(session.grants[g][:2] for g in entries))
+        for g in entries:
+            ext, slot, _gen = session.grants.pop(g)
             session.grant_seen.pop(g, None)
             if page is not None:
                 page.set_grant(g, 0)
-            if quarantine is None:
-                ext.reserved -= 1
-                ns.reserved -= 1
-                ext.free.append(slot)
-            else:
-                ext.quarantine[slot] = quarantine  # still counted as reserved
+            if quarantine is not None:
+                ext.quarantine[slot] = quarantine  # still RESERVED
 
     @staticmethod
     def _taken_grants(session: Session) -> int:
@@ -382,8 +366,8 @@ class StoreBase:
                    if page.grant_word(g) == _grant_word(ext, slot) | GRANT_TAKEN)
 
     def note_reads(self, ns: Namespace) -> None:
-        """Move the blocks ``ns``'s clients read without a call to the LRU's young end
-        (and persist their last access), from the pages' rings: hints, checked here."""
+        """Mark the blocks ``ns``'s clients read without a call as read (their CLOCK bit
+        and persisted last access), from the pages' rings: hints, checked natively."""
         if not ns.pages:
             return
         seen = {v for page in ns.pages.values() for v in page.accessed()}
@@ -391,103 +375,49 @@ class StoreBase:
             return
         if len(seen) > MAX_READ_HINTS:  # hints: a page full of them costs a bounded sweep
             seen = set(itertools.islice(seen, MAX_READ_HINTS))
-        exts = {e.segment.segment_id: e for e in ns.extents}
-        seq = self._access_seq
-        for v in seen:
-            ext = exts.get(v >> 32 & 0x7FFF_FFFF)
-            slot = v & 0xFFFF_FFFF
-            if ext is None or slot >= ext.n_slots:
-                continue
-            block = ns.index.get(ext.segment.read_slot(slot).key)
-            if block is None or block.extent is not ext or block.slot != slot:
-                continue
-            ext.segment.touch(slot, next(seq))
-            if block in self.lru:
-                self.lru.move_to_end(block)
-            if block.prefetched:  # as tiering's acquire counts it
-                block.prefetched = False
-                self.prefetched_reads += 1
+        hints = np.fromiter(seen, dtype=np.uint64, count=len(seen))
+        _touched, prefetched = ns.table.touch(hints, self._access(len(hints)), hints=True)
+        self.prefetched_reads += prefetched
 
-    def _persist_commits(self, commits: Sequence[SlotCommit], undo: _Undo) -> None:
-        """The slot-table writes of the one commit transition (RESERVED -> COMMITTED),
-        for a Commit call and for a page's commit records alike; each is taken back to
-        RESERVED."""
-        seq = self._access_seq
-        epoch = self.boot_epoch
-        for c in commits:
-            seg = c.ext.segment
-            undo.add(seg.mark_reserved, c.slot, c.gen)
-            seg.mark_committed(c.slot, key=c.key, length=c.length, checksum=c.checksum,
-                               last_access=next(seq), generation=c.gen, epoch=epoch)
+    def _commit(self, ns: Namespace, commits: Sequence[SlotCommit],
+                release: Sequence[tuple[Extent, int]] = (), *,
+                handles: bool | None = None) -> list[Block]:
+        """The one commit transition (RESERVED -> COMMITTED), for a Commit call and a
+        page's commit records alike: the slot entries (``BlockTable.commit``, with the
+        ``release`` slots freed in the same call: all or nothing, ValueError changes
+        nothing), then the key index -- the moment a reader can find them.  Returns
+        the blocks made (handles; with ``handles`` False or, when None,
+        ``commit_handles`` off, none)."""
+        if not commits:
+            if release:
+                ns.table.release_claims(_refs(release))
+            return []
+        refs = _refs((c.ext, c.slot) for c in commits)
+        keys = [c.key for c in commits]
+        ns.table.commit(refs, keys, [c.length for c in commits],
+                        [c.checksum for c in commits], first_access=self._access(len(commits)),
+                        epoch=self.boot_epoch, release=_refs(release) if release else None)
+        ns.index.add_committed(refs, keys)  # from the slot entries just written
+        if not (self.commit_handles if handles is None else handles):
+            return []
+        return [Block(ns, c.key, c.ext, c.slot, c.length, c.checksum, c.gen) for c in commits]
 
-    def _apply_commits(self, ns: Namespace, commits: Sequence[SlotCommit]) -> list[Block]:
-        """The in-memory part of the commit transition (``_persist_commits`` is done): each
-        slot leaves the reserved count and becomes a visible block, DIRTY, at the LRU's
-        young end, in the index (and the shared index) -- the moment a reader can find it."""
-        lru = self.lru
-        made: list[Block] = []
-        for c in commits:
-            ext = c.ext
-            ext.reserved -= 1
-            ext.committed += 1
-            ext.dirty += 1
-            block = Block(ns, c.key, ext, c.slot, c.length, c.checksum, c.gen)
-            lru[block] = None
-            made.append(block)
-        ns.reserved -= len(made)
-        ns.committed += len(made)
-        ns.index.update([(b.key, b) for b in made])
-        return made
-
-    def _pin(self, block: Block) -> None:
-        if block.pins == 0:
-            self.lru.pop(block, None)
-            block.extent.pinned += 1
-            block.ns.leased += 1
-        block.pins += 1
+    def _pin(self, ns: Namespace, refs: npt.NDArray[np.uint64]) -> None:
+        ns.table.pin(refs)
 
     def _end_leases(self, leases: Sequence[Lease]) -> None:
-        with _Undo() as undo:
-            self._persist_unpins(leases, undo)
+        """Unpin every block of ``leases`` (a doomed block whose last pin this was is
+        freed by the table) and forget them."""
         for lease in leases:
-            self._apply_end_lease(lease)
+            lease.ns.table.unpin(lease.refs)
+            del lease.session.leases[lease.id]
+            del self._leases[lease.id]
 
-    def _persist_unpins(self, leases: Iterable[Lease], undo: _Undo) -> None:
-        """Free the slots of the doomed blocks whose last pins ``leases`` hold."""
-        doomed = [b for lease in leases for b in lease.blocks if b.doomed]
-        if not doomed:
-            return
-        for block, n in collections.Counter(doomed).items():
-            if block.pins == n:
-                seg = block.extent.segment
-                undo.add(seg.mark_doomed, block.slot)
-                seg.mark_free(block.slot)
-
-    def _apply_end_lease(self, lease: Lease) -> None:
-        """The in-memory part of ending a lease (``_persist_unpins`` freed doomed slots)."""
-        for block in lease.blocks:
-            block.pins -= 1
-            if block.pins:
-                continue
-            block.extent.pinned -= 1
-            block.ns.leased -= 1
-            if block.doomed:
-                self._unaccount(block)
-                block.extent.free.append(block.slot)
-            else:
-                self.lru[block] = None  # most recently used
-        del lease.session.leases[lease.id]
-        del self._leases[lease.id]
-
-    def _drop_from_index(self, block: Block) -> None:
-        """The in-memory part of an eviction (the one exit of DRAM blocks; the spill tiers
-        turn it into demotion), but for the free list: the caller puts the slot where
-        it goes.  Its slot-table write is done."""
-        assert block.pins == 0 and not block.doomed
-        del block.ns.index[block.key]
-        self.lru.pop(block, None)
-        self._unaccount(block)
-        self.evictions += 1
+    def _drop_from_index(self, ns: Namespace, blocks: Sequence[Block]) -> None:
+        """The index's part of an eviction (the one exit of DRAM blocks; the spill tiers
+        turn it into demotion): the keys leave.  The table's part is the caller's."""
+        ns.index.remove([b.key for b in blocks])
+        self.evictions += len(blocks)
 
     def _report_evicted(self, blocks: Iterable[Block]) -> None:
         """Tell ``on_evict`` of applied evictions; a hook that raises is a bug logged here,
@@ -499,14 +429,6 @@ class StoreBase:
                 self._on_evict(block)
             except Exception:
                 log.exception("on_evict hook failed for a block of %r", block.ns.name)
-
-    def _unaccount(self, block: Block) -> None:
-        """Take a block's slot out of the committed (and dirty) counters."""
-        ext = block.extent
-        ext.committed -= 1
-        if block.lower == Lower.DIRTY:
-            ext.dirty -= 1
-        block.ns.committed -= 1
 
     def system_session(self, ns: Namespace) -> Session:
         """The tiering layer's session in ``ns`` (created on first use; never expires)."""

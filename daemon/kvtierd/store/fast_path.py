@@ -27,7 +27,7 @@ from kvtierd.shared_index import (
     CommitRecord,
     SessionPage,
 )
-from kvtierd.store.base import _grant_word, _NeedExtent, _Raced, _Undo
+from kvtierd.store.base import _grant_word, _NeedExtent, _Raced
 from kvtierd.store.operations import Operations
 from kvtierd.store.types import (
     GRANT_IDLE_SECONDS,
@@ -147,6 +147,7 @@ class FastPath(Operations):
             log.exception("commit of %d records from session %d's page failed",
                           len(records), session.id)
             results = bytes([CommitResult.FAILED]) * len(records)
+        out.committed = results.count(CommitResult.COMMITTED)
         out.nbytes = sum(r.length for r, code in zip(records, results, strict=True)
                          if code == CommitResult.COMMITTED)
         # A ring without records refills nothing (it costs a read).
@@ -201,19 +202,19 @@ class FastPath(Operations):
                 (place := grants.get(r[0])) is not None
                 and _grant_word(place[0], place[1]) == r[1] for r in batch):
             return bytes([CommitResult.LOST]) * n, []
-        index, in_flight = ns.index, ns.in_flight
+        in_flight = ns.in_flight
+        present = ns.index.find([r[2] for r in batch])
         codes = bytearray(n)
         todo: list[tuple[int, bytes, int, int | None]] = []
         for i, (g, _word, key, length, raw_sum, flags) in enumerate(batch):
-            if key in index or key in in_flight or (exists is not None and exists(key)):
+            if present[i] or key in in_flight or (exists is not None and exists(key)):
                 codes[i] = CommitResult.EXISTS  # first writer wins; the grant stays
             else:
                 codes[i] = CommitResult.COMMITTED
                 todo.append((g, key, length, raw_sum if flags & HAS_SUM else None))
         commits = [SlotCommit(*grants[g], key, length, checksum)
                    for g, key, length, checksum in todo]
-        with _Undo() as undo:
-            self._persist_commits(commits, undo)
+        made = self._commit(ns, commits)  # all or nothing (ValueError: nothing changed)
         # Applied: nothing below can fail.
         page = ns.pages.get(session.id)
         for g, _key, _length, _sum in todo:
@@ -221,7 +222,6 @@ class FastPath(Operations):
             session.grant_seen.pop(g, None)
             if page is not None:
                 page.set_grant(g, 0)  # before DONE: the writer never sees it as its own again
-        made = self._apply_commits(ns, commits)
         session.grants_used = self._clock()
         return bytes(codes), made
 

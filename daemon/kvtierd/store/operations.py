@@ -8,6 +8,8 @@ import logging
 import secrets
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from kvtier.errors import (
     CapacityExhausted,
     FailedPrecondition,
@@ -15,22 +17,23 @@ from kvtier.errors import (
     NotFound,
     Unauthenticated,
 )
+from kvtierd.block_table import Policy
 from kvtierd.logs import event
 from kvtierd.segments import (
     MAX_KEY_BYTES,
     Segment,
     SegmentLayout,
 )
-from kvtierd.store.base import _NeedExtent, _Raced, _recommit, _Undo
+from kvtierd.store.base import _NeedExtent, _Raced, _refs
 from kvtierd.store.room import Room
 from kvtierd.store.types import (
-    EVICTION_SCAN_LIMIT,
     MAX_GROW_ROUNDS,
     AcquireResult,
     Block,
     Extent,
     Lease,
     Lower,
+    Namespace,
     Peer,
     Reservation,
     ReserveResult,
@@ -101,17 +104,24 @@ class Operations(Room):
             return (0, 0)
         reservations = list(session.reservations.values())
         leases = list(session.leases.values())
-        with _Undo() as undo:
-            for res in reservations:
-                self._persist_end_reservation(res, None, undo)
-            self._persist_unpins(leases, undo)
+        ns = session.ns
+        # One table call: every reserved and granted slot freed, every pin ended (or none).
+        places = [(ext, slot) for res in reservations for ext, slot, _gen in res.places]
+        places += [(ext, slot) for ext, slot, _gen in session.grants.values()]
+        unpin = np.concatenate([lease.refs for lease in leases]) if leases else None
+        if places or unpin is not None:
+            ns.table.release_claims(_refs(places), unpin=unpin)
         # Applied: nothing below can fail.
         session.closed = True
         for res in reservations:
-            self._apply_end_reservation(res, None)
+            for key in res.keys:
+                del ns.in_flight[key]
+            del session.reservations[res.id]
+            del self._reservations[res.id]
         for lease in leases:
-            self._apply_end_lease(lease)
-        self._end_grants(session, list(session.grants))
+            del session.leases[lease.id]
+            del self._leases[lease.id]
+        self._end_grants(session, list(session.grants), freed=True)
         del self.sessions[session.id]
         del self._by_token[session.token]
         session.ns.pages.pop(session.id, None)  # its hazards end with it
@@ -121,13 +131,7 @@ class Operations(Room):
 
     def lookup(self, session: Session, keys: Sequence[bytes]) -> int:
         """Number of leading keys present (committed, not deleted); no side effects."""
-        index = session.ns.index
-        hits = 0
-        for key in keys:
-            if key not in index:
-                break
-            hits += 1
-        return hits
+        return session.ns.index.prefix(keys)
 
     async def reserve(
         self,
@@ -177,7 +181,9 @@ class Operations(Room):
                 raise InvalidArgument(f"keys[{i}] is {len(key)} bytes (1..{MAX_KEY_BYTES} "
                                       "allowed)")
             seen.add(key)
-            if key in ns.index:
+        present = ns.index.find(keys) if keys else ()
+        for i, key in enumerate(keys):
+            if present[i]:
                 statuses.append(ReserveStatus.EXISTS)
             elif key in ns.in_flight:
                 statuses.append(ReserveStatus.IN_FLIGHT)
@@ -225,7 +231,7 @@ class Operations(Room):
         for i, checksum in enumerate(checksums or ()):
             if not 0 <= checksum < 1 << 64:  # the slot table's field is 64 bits
                 raise InvalidArgument(f"checksums[{i}] = {checksum} is outside 0..2**64-1")
-        self._end_reservation(res, commit=(lengths, checksums))
+        self._end_reservation(res, commit=(lengths, checksums), handles=False)
         return n
 
     def abort(self, session: Session, reservation_id: int) -> int:
@@ -240,7 +246,7 @@ class Operations(Room):
         ns = res.session.ns
         for key, (ext, slot, _gen) in zip(res.keys, res.places, strict=True):
             del ns.in_flight[key]
-            ext.quarantine[slot] = until  # still counted in ext.reserved / ns.reserved
+            ext.quarantine[slot] = until  # still RESERVED
         del res.session.reservations[res.id]
         del self._reservations[res.id]
 
@@ -259,45 +265,21 @@ class Operations(Room):
         self,
         res: Reservation,
         commit: tuple[Sequence[int], Sequence[int | None] | None] | None,
+        *,
+        handles: bool = True,
     ) -> list[Block | None]:
-        """Commit (or with None free) every slot; a length of 0 frees that one slot."""
-        with _Undo() as undo:
-            self._persist_end_reservation(res, commit, undo)
-        return self._apply_end_reservation(res, commit)
-
-    def _persist_end_reservation(
-        self,
-        res: Reservation,
-        commit: tuple[Sequence[int], Sequence[int | None] | None] | None,
-        undo: _Undo,
-    ) -> None:
-        """The slot-table writes of ending ``res``; each is taken back to RESERVED."""
-        freed, commits = self._split_end(res, commit)
-        for ext, slot, gen in freed:
-            seg = ext.segment
-            undo.add(seg.mark_reserved, slot, gen)
-            seg.mark_free(slot)
-        self._persist_commits(commits, undo)
-
-    def _apply_end_reservation(
-        self,
-        res: Reservation,
-        commit: tuple[Sequence[int], Sequence[int | None] | None] | None,
-    ) -> list[Block | None]:
-        """The in-memory part of ending ``res`` (its slot-table writes are done): the
-        block made for each key, None for a slot freed."""
+        """Commit (or with None free) every slot; a length of 0 frees that one slot.
+        All or nothing: the commit (the one call that can refuse its input) goes first."""
         ns = res.session.ns
         freed, commits = self._split_end(res, commit)
+        made = iter(self._commit(ns, commits, [(ext, slot) for ext, slot, _gen in freed],
+                                 handles=handles))
+        # Applied: nothing below can fail.
         for key in res.keys:
             del ns.in_flight[key]
-        for ext, slot, _gen in freed:
-            ext.reserved -= 1
-            ext.free.append(slot)
-        ns.reserved -= len(freed)
-        made = iter(self._apply_commits(ns, commits))
         del res.session.reservations[res.id]
         del self._reservations[res.id]
-        if commit is None:
+        if commit is None or not handles:
             return [None] * len(res.keys)
         return [next(made) if length else None for length in commit[0]]
 
@@ -325,36 +307,37 @@ class Operations(Room):
         if session.closed:
             raise Unauthenticated("session is closed")
         ns = session.ns
-        blocks: list[Block] = []
-        for key in keys:
-            block = ns.index.get(key)
-            if block is None:
-                break
-            blocks.append(block)
-        if len({id(b) for b in blocks}) != len(blocks):
+        refs = ns.index.find(keys) if keys else np.zeros(0, dtype=np.uint64)
+        missing = np.flatnonzero(refs == 0)
+        refs = refs[: int(missing[0]) if len(missing) else len(refs)]
+        if len(np.unique(refs)) != len(refs):
             raise InvalidArgument("duplicate keys in one acquire")
-        # The only writes: last-access hints for the next restart's LRU order, which a
-        # failure part-way does not take back (they change nothing but that order).
-        seq = self._access_seq
-        for block in blocks:
-            block.extent.segment.touch(block.slot, next(seq))
-        # Applied: nothing below can fail.
-        ns.hits += len(blocks)
-        ns.misses += len(keys) - len(blocks)
-        if not blocks:
+        ns.hits += len(refs)
+        ns.misses += len(keys) - len(refs)
+        if not len(refs):
             return AcquireResult(0, [], ns.segments_version)
+        # The pins, then the reads (CLOCK bits, persisted last access): a touch that
+        # fails takes the pins back.  (The tiering layer counts the prefetched blocks a
+        # call reads; the touch clears their mark.)
+        self._pin(ns, refs)
+        try:
+            ns.table.touch(refs, self._access(len(refs)))
+        except BaseException:
+            ns.table.unpin(refs)
+            raise
+        # Applied: nothing below can fail.
         lid = next(self._ids)
         now = self._clock()
-        lease = Lease(lid, session, blocks, now + self.lease_ttl, started=now)
-        for block in blocks:
-            self._pin(block)
+        lease = Lease(lid, session, refs, now + self.lease_ttl, started=now)
         session.leases[lid] = lease
         self._leases[lid] = lease
-        grants = [
-            SlotGrant(b.extent.segment.segment_id, b.extent.segment.slot_offset(b.slot), b.length,
-                      b.checksum)
-            for b in blocks
-        ]
+        grants = []
+        for r in refs.tolist():
+            ext = ns.by_id[r >> 32]
+            slot = r & 0xFFFF_FFFF
+            rec = ext.segment.read_slot(slot)
+            grants.append(SlotGrant(ext.id, ext.segment.slot_offset(slot), rec.length,
+                                    rec.checksum))
         return AcquireResult(lid, grants, ns.segments_version)
 
     def release(self, session: Session, lease_id: int) -> None:
@@ -369,8 +352,10 @@ class Operations(Room):
 
     def delete(self, session: Session, keys: Sequence[bytes]) -> int:
         """Remove present keys; a leased block is hidden now and freed at its last release."""
-        index = session.ns.index
-        blocks = [b for b in map(index.get, dict.fromkeys(keys)) if b is not None]
+        ns = session.ns
+        keys = list(dict.fromkeys(keys))
+        refs = ns.index.find(keys) if keys else ()
+        blocks = [b for r in refs if r and (b := ns.block_at(int(r))) is not None]
         self._delete_blocks(blocks)
         return len(blocks)
 
@@ -388,44 +373,30 @@ class Operations(Room):
         if ns is None or ext is None:
             return []
         slot_bytes = segment.layout.slot_bytes
-        lost = [b for b in ns.index.values()
-                if b.extent is ext and (b.slot + 1) * slot_bytes > intact_bytes]
+        lost = [b for b in self._blocks_of(ns, ext)
+                if (b.slot + 1) * slot_bytes > intact_bytes]
         self._delete_blocks(lost)
         return lost
 
     def _delete_blocks(self, blocks: Sequence[Block]) -> None:
         """Take visible blocks out of the index: a leased one is doomed (its slot is freed
         at its last release), an unleased one is freed now."""
-        with _Undo() as undo:
-            for block in blocks:
-                seg = block.extent.segment
-                undo.add(_recommit, seg, block.slot)
-                if block.pins:
-                    seg.mark_doomed(block.slot)  # persisted: a crash keeps it deleted
-                else:
-                    seg.mark_free(block.slot)
-        # Applied: nothing below can fail.
-        for block in blocks:
-            del block.ns.index[block.key]
-            if block.pins:
-                block.doomed = True
-            else:
-                self.lru.pop(block, None)
-                self._unaccount(block)
-                block.extent.free.append(block.slot)
+        by_ns: dict[int, tuple[Namespace, list[Block]]] = {}
+        for b in blocks:
+            by_ns.setdefault(id(b.ns), (b.ns, []))[1].append(b)
+        for ns, group in by_ns.values():
+            ns.table.delete(_refs((b.extent, b.slot) for b in group))  # all or nothing
+            ns.index.remove([b.key for b in group])
 
     def evict_block(self, block: Block) -> bool:
         """Evict one DRAM block on an admin's request (``kvtier evict``), through the
-        same exit as LRU eviction.  False, changing nothing, when the block is
+        same exit as eviction for room.  False, changing nothing, when the block is
         leased or no longer visible."""
-        if block.pins or block.doomed or block.ns.index.get(block.key) is not block:
+        ns = block.ns
+        if block.pins or block.doomed or ns.index.get(block.key) != block:
             return False
-        seg = block.extent.segment
-        with _Undo() as undo:
-            undo.add(_recommit, seg, block.slot)
-            seg.mark_free(block.slot)
-        self._drop_from_index(block)
-        block.extent.free.append(block.slot)
+        ns.table.evict(_refs([(block.extent, block.slot)]))  # or nothing changes
+        self._drop_from_index(ns, [block])
         self._report_evicted([block])
         return True
 
@@ -449,15 +420,15 @@ class Operations(Room):
 
     def pin_blocks(self, blocks: Sequence[Block]) -> list[Lease]:
         """Lease blocks to the tiering layer (one lease per namespace, no TTL)."""
-        by_ns: dict[str, list[Block]] = {}
+        by_ns: dict[int, tuple[Namespace, list[Block]]] = {}
         for b in blocks:
-            by_ns.setdefault(b.ns.name, []).append(b)
-        leases = []  # in memory only: nothing here can fail
-        for group in by_ns.values():
-            session = self.system_session(group[0].ns)
-            lease = Lease(next(self._ids), session, group, float("inf"))
-            for block in group:
-                self._pin(block)
+            by_ns.setdefault(id(b.ns), (b.ns, []))[1].append(b)
+        leases = []
+        for ns, group in by_ns.values():
+            refs = _refs((b.extent, b.slot) for b in group)
+            self._pin(ns, refs)
+            session = self.system_session(ns)
+            lease = Lease(next(self._ids), session, refs, float("inf"))
             session.leases[lease.id] = lease
             self._leases[lease.id] = lease
             leases.append(lease)
@@ -469,23 +440,28 @@ class Operations(Room):
             self._end_leases([lease])
 
     def set_lower(self, block: Block, lower: Lower) -> None:
-        """Record what the spill tiers hold of a live block."""
-        if block.doomed or block.ns.index.get(block.key) is not block or block.lower == lower:
+        """Record what the spill tiers hold of a live block (none that left DRAM, or
+        whose slot holds another block now)."""
+        if block.extent not in block.ns.extents:
             return
-        if block.lower == Lower.DIRTY:
-            block.extent.dirty -= 1
-        elif lower == Lower.DIRTY:
-            block.extent.dirty += 1
-        block.lower = lower
+        block.ns.table.set_lower(_refs([(block.extent, block.slot)]), lower,
+                                 [block.generation])
 
     def demotion_candidates(self, target_bytes: int, limit: int) -> list[Block]:
-        """Up to ``limit`` DIRTY unleased blocks among the oldest ``target_bytes`` of the LRU."""
+        """Up to ``limit`` DIRTY unleased blocks that eviction would take first (CLOCK's
+        order), from each namespace in proportion to its DRAM, ``target_bytes`` in all."""
+        spaces = [(ns, ns.committed * ns.slot_bytes) for ns in self.namespaces.values()]
+        total = sum(b for _, b in spaces)
         out: list[Block] = []
-        seen = 0
-        for scanned, block in enumerate(self.lru):
-            if scanned >= EVICTION_SCAN_LIMIT or len(out) >= limit or seen >= target_bytes:
+        if not total:
+            return out
+        for ns, held in sorted(spaces, key=lambda t: -t[1]):
+            left = limit - len(out)
+            if left <= 0:
                 break
-            seen += block.ns.slot_bytes
-            if block.lower == Lower.DIRTY:
-                out.append(block)
+            share = -(-min(target_bytes, total) * held // total)  # ceil
+            n = min(left, -(-share // ns.slot_bytes))
+            if n > 0:
+                refs = ns.table.dirty(n, Policy.CLOCK)
+                out += [b for r in refs.tolist() if (b := ns.block_at(r)) is not None]
         return out

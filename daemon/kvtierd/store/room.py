@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
 
 from kvtier.errors import (
     CapacityExhausted,
 )
+from kvtierd.block_table import Policy
 from kvtierd.logs import event
 from kvtierd.segments import (
     Segment,
@@ -22,14 +26,11 @@ from kvtierd.store.base import (
     StoreBase,
     _close_quietly,
     _grant_word,
-    _locate,
     _NeedExtent,
     _Raced,
-    _rewrite,
-    _Undo,
+    _refs,
 )
 from kvtierd.store.types import (
-    EVICTION_SCAN_LIMIT,
     MAX_KEPT_RETIRED,
     Block,
     Extent,
@@ -41,6 +42,11 @@ from kvtierd.store.types import (
 
 log = logging.getLogger(__name__)
 
+_NO_REFS = np.zeros(0, dtype=np.uint64)
+#: ``victims`` calls one plan may make (each does bounded work; a short answer is
+#: asked again, and what is still short after these is not there to evict).
+VICTIM_ROUNDS = 4
+
 
 
 class Room(StoreBase):
@@ -48,96 +54,64 @@ class Room(StoreBase):
 
     def _claim(self, ns: Namespace, n: int, *, may_grow: bool,
                partial: bool = False) -> list[tuple[Extent, int, int]]:
-        """Take ``n`` slots of ``ns`` into the RESERVED state (evicting blocks as planned
-        by ``_take_slots``), all or nothing: (extent, slot, new generation) each, already
-        counted as reserved.  With ``partial``, fewer (the free ones) rather than raise
-        when no more room can be made now."""
-        taken, victims = self._take_slots(ns, n, may_grow=may_grow, partial=partial)
-        places = taken + [(b.extent, b.slot) for b in victims]
+        """Take ``n`` slots of ``ns`` into the RESERVED state (free ones first, then the
+        blocks ``_take_slots`` chose are evicted into them), all or nothing: (extent,
+        slot, new generation) each.  With ``partial``, fewer (the free ones) rather
+        than raise when no more room can be made now."""
+        free, victims, pinned = self._take_slots(ns, n, may_grow=may_grow, partial=partial)
+        # Applied: the table's calls below were validated by the plan (on the loop,
+        # nothing changed since) and change every slot or none.
+        vrefs = _refs((b.extent, b.slot) for b in victims)
         try:
-            with _Undo() as undo:
-                for ext, slot in taken:
-                    seg = ext.segment
-                    undo.add(seg.mark_free, slot)
-                    seg.mark_reserved(slot, ext.generations[slot] + 1)
-                for block in victims:  # evicted into this reservation: COMMITTED -> RESERVED
-                    seg = block.extent.segment
-                    undo.add(_rewrite, seg, block.slot, seg.read_slot(block.slot))
-                    seg.mark_reserved(block.slot, block.extent.generations[block.slot] + 1)
+            # One call: the free slots and the victims (evicted into this claim), or none.
+            refs, short = ns.table.claim(free, pinned.skip(), evict=vrefs if victims else None)
         except BaseException:
-            for ext, slot in reversed(taken):
-                ext.free.append(slot)
-            self._unhide(ns, victims)
+            ns.index.unhide(victims)
             raise
-        # Applied: nothing below can fail.
-        for block in victims:
-            self._drop_from_index(block)
-        out: list[tuple[Extent, int, int]] = []
-        for ext, slot in places:
-            gen = ext.generations[slot] + 1
-            ext.generations[slot] = gen
-            ext.reserved += 1
-            out.append((ext, slot, gen))
-        ns.reserved += len(places)
-        self._report_evicted(victims)
-        return out
+        assert short == 0, f"{short} free slots vanished since the plan"
+        if victims:
+            self._drop_from_index(ns, victims)
+            refs = np.concatenate([refs, vrefs])
+            self._report_evicted(victims)
+        return self._places(ns, refs)
+
+    @staticmethod
+    def _places(ns: Namespace, refs: npt.NDArray[np.uint64]) -> list[tuple[Extent, int, int]]:
+        """(extent, slot, generation) of reserved refs."""
+        gens = ns.table.inspect(refs)["generation"].tolist()
+        return [(ns.by_id[r >> 32], r & 0xFFFF_FFFF, g)
+                for r, g in zip(refs.tolist(), gens, strict=True)]
 
     def _take_slots(self, ns: Namespace, n: int, *, may_grow: bool, partial: bool = False
-                    ) -> tuple[list[tuple[Extent, int]], list[Block]]:
-        """Pop free slots of ``ns`` and pick the blocks to evict for the rest (``n`` in all).
+                    ) -> tuple[int, list[Block], Pinned]:
+        """Plan room for ``n`` slots of ``ns``: how many free slots to claim and which
+        blocks to evict for the rest (nothing changes yet).
 
-        Order: free slots; growth while the budget allows; then, walking the
-        host-wide LRU from the oldest block, either evict blocks of ``ns`` or
-        reclaim whole extents of other namespaces (empty ones first) until
-        the budget fits a new extent.  Victims are only planned here: the
-        caller evicts them into its reservation once every slot-table write
-        is done.  When this raises, every popped slot is back (with ``partial``,
-        a shortage of room returns the free slots found instead).  (A key the
-        same request saw as EXISTS may be among the victims when the request
-        needs nearly the whole namespace; its status was true when the call
-        began.)
+        Order: free slots (but those clients still read without a call); growth while
+        the budget allows; then eviction of the namespace's blocks (CLOCK) or reclaim of
+        whole extents of other namespaces (``_find_room``).  Victims leave the shared
+        table before the pages are read again (a client that leased one meanwhile is
+        seen, ``_Raced``).  With ``partial``, a shortage of room returns the free slots
+        found instead of raising.
         """
-        taken: list[tuple[Extent, int]] = []
-        # Slots that clients read without a call stay as they are (csrc/index.c): a
-        # free slot's block left the shared index when it was freed, so what the pages
-        # hold now is all that can still read it.
         pinned = self.pinned(ns)
-        for ext in ns.extents:
-            if pinned.hazards:
-                kept = []
-                while ext.free and len(taken) < n:
-                    slot = ext.free.pop()
-                    if pinned.slot(ext, slot):
-                        kept.append(slot)
-                    else:
-                        taken.append((ext, slot))
-                ext.free.extend(reversed(kept))
-            else:
-                while ext.free and len(taken) < n:
-                    taken.append((ext, ext.free.pop()))
-            if len(taken) == n:
-                return taken, []
+        free = min(n, self._usable_free(ns, pinned))
+        if free == n:
+            return n, [], pinned
         try:
-            try:
-                victims = self._find_room(ns, n, len(taken), may_grow=may_grow, pinned=pinned)
-            except CapacityExhausted:
-                if partial:
-                    return taken, []
-                raise
-            if ns.pages and victims and ns.index.shared is not None:
-                # Victims leave the table before the pages are read again: a client
-                # that leased one meanwhile is seen now, or sees it gone.
-                for block in victims:
-                    ns.index.shared.hide(block.key)
-                now = self.pinned(ns)
-                if any(now.slot(b.extent, b.slot) for b in victims):
-                    self._unhide(ns, victims)
-                    raise _Raced()
-            return taken, victims
-        except BaseException:
-            for ext, slot in reversed(taken):
-                ext.free.append(slot)
+            victims = self._find_room(ns, n, free, may_grow=may_grow, pinned=pinned)
+        except CapacityExhausted:
+            if partial:
+                return free, [], pinned
             raise
+        if ns.pages and victims:
+            ns.index.hide([b.key for b in victims])
+            now = self.pinned(ns)
+            if any(now.slot(b.extent, b.slot) for b in victims):
+                ns.index.unhide(victims)
+                raise _Raced()
+            pinned = now
+        return free, victims, pinned
 
     def _revoke_idle_grants(self, exts: Sequence[Extent]) -> None:
         """Take back the untaken grants in extents about to be reclaimed, all or none:
@@ -183,10 +157,8 @@ class Room(StoreBase):
             owner = self.namespaces[ext.segment.namespace]
             if not owner.pages:
                 continue
-            blocks = [b for b in owner.index.values() if b.extent is ext]
-            if owner.index.shared is not None:
-                for block in blocks:
-                    owner.index.shared.hide(block.key)
+            blocks = self._blocks_of(owner, ext)
+            owner.index.hide([b.key for b in blocks])
             hidden.append((owner, blocks))
         pins: dict[str, Pinned] = {}
         for ext in exts:
@@ -196,23 +168,30 @@ class Room(StoreBase):
                     pins[owner.name] = self.pinned(owner)
                 if pins[owner.name].extent(ext):
                     for other, blocks in hidden:
-                        self._unhide(other, blocks)
+                        other.index.unhide(blocks)
                     raise _Raced()
         return hidden
 
-    def _unhide(self, ns: Namespace, blocks: Iterable[Block]) -> None:
-        """Put back in the table the victims of a plan that did not go ahead."""
-        shared = ns.index.shared
-        if shared is not None:
-            for block in blocks:
-                if ns.index.get(block.key) is block:
-                    shared.add(block.key, _locate(block))
+    @staticmethod
+    def _blocks_of(ns: Namespace, ext: Extent, *, dirty: bool = False) -> list[Block]:
+        """Handles of ``ext``'s COMMITTED blocks (only the DIRTY ones, with ``dirty``)."""
+        refs = ns.table.committed(ext.id)
+        if dirty and len(refs):
+            refs = refs[ns.table.inspect(refs)["lower"] == Lower.DIRTY]
+        return [b for r in refs.tolist() if (b := ns.block_at(r)) is not None]
 
     def _find_room(self, ns: Namespace, n: int, got: int, *, may_grow: bool,
                    pinned: Pinned) -> list[Block]:
         """The blocks of ``ns`` to evict for the ``n - got`` slots no free list had, or raise:
         ``_NeedExtent`` to grow first (after reclaiming other namespaces' extents, if
-        that funds the growth), ``NeedDemotion`` or ``CapacityExhausted``."""
+        that funds the growth), ``NeedDemotion`` or ``CapacityExhausted``.
+
+        Eviction within a namespace is CLOCK (``BlockTable.victims``; docs/decisions.md).
+        Across namespaces the budget moves by whole extents: another namespace's
+        extent is reclaimed when it is empty, when this namespace has too few blocks to
+        evict, or when every block in it is older than every block CLOCK would evict
+        here (its newest access is older than their oldest).
+        """
         short = n - got
         # A namespace at its DRAM quota neither grows nor reclaims others' extents: it
         # evicts its own blocks (access.namespaces[].dram_quota; checked off the fast path).
@@ -223,79 +202,20 @@ class Room(StoreBase):
         # Room in the budget: grow rather than evict.
         if may_grow and SegmentLayout.fit(ns.block_bytes, self.budget_free) is not None:
             raise _NeedExtent(n)
-        same_ns: list[Block] = []
-        dirty_ns: list[Block] = []  # DIRTY blocks of ns: evictable once demoted
-        dirty_ext: list[Extent] = []  # other namespaces' extents blocked only by DIRTY blocks
         spill = self.spill_enabled
+        self.note_reads(ns)  # blocks read without a call get their CLOCK bit first
+        same_ns = self._victims(ns, short, pinned, spill=spill)
         reclaim: list[Extent] = []
-        reclaim_bytes = 0
-
-        def funded() -> bool:
-            return SegmentLayout.fit(ns.block_bytes, self.budget_free + reclaim_bytes) is not None
-
-        # Extents of other namespaces holding a pinned block (by a call or without one)
-        # are never reclaimed: a leased block is never evicted, whoever holds it.
-        pins: dict[str, Pinned] = {}
-
-        def leased_in(other: Namespace, ext: Extent) -> bool:
-            if ext.pinned:
-                return True
-            if not other.pages:
-                return False
-            if other.name not in pins:
-                pins[other.name] = self.pinned(other)
-            return pins[other.name].extent(ext)
-
-        def unreserved(ext: Extent) -> bool:
-            # Reserved slots that are only grants no writer took can be taken back
-            # (``_revoke_idle_grants``): they do not hold an extent against reclaim.
-            return ext.reserved == 0 or ext.reserved == len(self._idle_grants_in(ext))
-
+        dirty_ext: list[Extent] = []  # other namespaces' extents blocked only by DIRTY blocks
         if may_grow:
-            # Empty extents of other namespaces cost nothing to reclaim (but never
-            # take what a namespace that is growing right now just created).
-            for other in self.namespaces.values():
-                if other is ns or other.grow_lock.locked():
-                    continue
-                for ext in other.extents:
-                    if (not funded() and ext.committed == 0 and unreserved(ext)
-                            and not leased_in(other, ext)):
-                        reclaim.append(ext)
-                        reclaim_bytes += ext.bytes
-        considered: set[int] = {id(e) for e in reclaim}
-        self.note_reads(ns)  # blocks read without a call are not the least recently used
-        for scanned, block in enumerate(self.lru):
-            if scanned >= EVICTION_SCAN_LIMIT or len(same_ns) >= short or (reclaim and funded()):
-                break
-            if block.ns is ns:
-                if pinned.block(block):  # the LRU holds no block pinned by a call
-                    continue
-                if spill and block.lower == Lower.DIRTY:
-                    if len(dirty_ns) < short:
-                        dirty_ns.append(block)
-                else:
-                    same_ns.append(block)
-            elif may_grow and id(block.extent) not in considered:
-                considered.add(id(block.extent))
-                ext = block.extent
-                if (not block.ns.grow_lock.locked() and unreserved(ext)
-                        and not leased_in(block.ns, ext)):
-                    if spill and ext.dirty:
-                        # In LRU order this extent goes before anything younger: it is
-                        # reclaimed once its DIRTY blocks are demoted.
-                        dirty_ext.append(ext)
-                        if not reclaim:
-                            break
-                    else:
-                        reclaim.append(ext)
-                        reclaim_bytes += ext.bytes
-        if reclaim and funded():
+            reclaim, dirty_ext = self._plan_reclaim(ns, same_ns, short)
+        if reclaim:
             hidden = self._hide_for_reclaim(reclaim)  # or _Raced: a client leased meanwhile
             try:
                 self._revoke_idle_grants(reclaim)  # or _Raced: a writer took one
             except _Raced:
                 for owner, blocks in hidden:
-                    self._unhide(owner, blocks)
+                    owner.index.unhide(blocks)
                 raise
             try:
                 self._retire_extents(reclaim, "for another namespace")
@@ -304,17 +224,22 @@ class Room(StoreBase):
                     if name in self.namespaces:
                         self._forget_if_unused(self.namespaces[name])
             raise _NeedExtent(n)
+        if dirty_ext and (len(same_ns) < short
+                          or dirty_ext[0].counts().newest_access < self._oldest(same_ns)):
+            # Another namespace's extent, older than what CLOCK would evict here, waits
+            # only for its DIRTY blocks to be demoted: demote them, then reclaim it.
+            ext = dirty_ext[0]
+            raise NeedDemotion(ns, short, self._blocks_of(
+                self.namespaces[ext.segment.namespace], ext, dirty=True))
         if len(same_ns) >= short:
             return same_ns[:short]
         if spill:
             # Room comes once DIRTY blocks are demoted: ours, or those holding an extent of
             # another namespace back from reclaim, or the ones being demoted right now.
-            wanted = dirty_ns[: short - len(same_ns)]
-            if dirty_ext and (len(same_ns) + len(dirty_ns) < short or not reclaim):
-                ext = dirty_ext[0]
-                owner = self.namespaces[ext.segment.namespace]
-                wanted += [b for b in owner.index.values()
-                           if b.extent is ext and b.lower == Lower.DIRTY]
+            skip = pinned.skip()
+            want = short - len(same_ns)
+            refs = ns.table.dirty(want, Policy.CLOCK, skip=skip)
+            wanted = [b for r in refs.tolist() if (b := ns.block_at(r)) is not None]
             in_flight = any(s.leases for s in self._system_sessions.values())
             if wanted or in_flight:
                 raise NeedDemotion(ns, short - len(same_ns), wanted)
@@ -329,6 +254,75 @@ class Room(StoreBase):
             f"{got + len(same_ns)} obtainable ({ns.leased} leased and "
             f"{ns.reserved} reserved blocks in this namespace cannot be evicted)"
         )
+
+    @staticmethod
+    def _victims(ns: Namespace, n: int, pinned: Pinned, *, spill: bool) -> list[Block]:
+        """Up to ``n`` evictable blocks of ``ns`` by CLOCK (with ``spill``, non-DIRTY
+        only), none pinned by a call or a hazard.  The table's work per call is bounded:
+        a short answer is asked again a few times."""
+        skip = pinned.skip()
+        chosen = np.zeros(0, dtype=np.uint64)
+        for _ in range(VICTIM_ROUNDS):
+            more = ns.table.victims(n - len(chosen), Policy.CLOCK, spill=spill,
+                                    skip=chosen if skip is None else np.concatenate([skip, chosen]))
+            chosen = np.concatenate([chosen, more])
+            if len(chosen) >= n or not len(more):
+                break
+        return [b for r in chosen.tolist() if (b := ns.block_at(r)) is not None]
+
+    def _plan_reclaim(self, ns: Namespace, same_ns: list[Block], short: int
+                      ) -> tuple[list[Extent], list[Extent]]:
+        """Other namespaces' extents to reclaim for ``ns`` (enough to fund one extent of
+        it, or none), and those that only DIRTY blocks keep from it (spill).  Never an
+        extent with a pinned block (by a call or a hazard), reservations that are not
+        idle grants, or one of a namespace growing right now."""
+        reclaim: list[Extent] = []
+        reclaim_bytes = 0
+
+        def funded() -> bool:
+            return SegmentLayout.fit(ns.block_bytes, self.budget_free + reclaim_bytes) is not None
+
+        pins: dict[str, Pinned] = {}
+        candidates: list[tuple[int, Extent]] = []
+        dirty_ext: list[tuple[int, Extent]] = []
+        for other in self.namespaces.values():
+            if other is ns or other.grow_lock.locked():
+                continue
+            for ext in other.extents:
+                c = ext.counts()
+                if c.pinned or not (c.reserved == 0
+                                    or c.reserved == len(self._idle_grants_in(ext))):
+                    continue
+                if other.pages:
+                    if other.name not in pins:
+                        pins[other.name] = self.pinned(other)
+                    if pins[other.name].extent(ext):
+                        continue
+                if self.spill_enabled and c.dirty:
+                    dirty_ext.append((c.newest_access, ext))
+                else:
+                    candidates.append((0 if c.committed == 0 else c.newest_access, ext))
+        candidates.sort(key=lambda t: t[0])
+        dirty_ext.sort(key=lambda t: t[0])
+        # The oldest block CLOCK would evict here: an extent older than it goes first.
+        ours = self._oldest(same_ns)
+        enough = len(same_ns) >= short
+        for newest, ext in candidates:
+            if funded():
+                break
+            if newest and enough and newest >= ours:
+                break
+            reclaim.append(ext)
+            reclaim_bytes += ext.bytes
+        if not funded():
+            reclaim = []
+        return reclaim, [e for _, e in dirty_ext]
+
+    @staticmethod
+    def _oldest(blocks: Sequence[Block]) -> int:
+        """The oldest last access of ``blocks`` (2**64 when there are none)."""
+        return min((b.extent.segment.read_slot(b.slot).last_access for b in blocks),
+                   default=2**64)
 
     async def _grow(self, ns: Namespace, need: int) -> bool:
         """Add extents to ``ns`` from the global budget until ``need`` slots are free.
@@ -378,12 +372,25 @@ class Room(StoreBase):
                 self.add_extent(ns, segment)
             return self._usable_free(ns) > 0
 
-    def _usable_free(self, ns: Namespace) -> int:
+    def _usable_free(self, ns: Namespace, pinned: Pinned | None = None) -> int:
         """Free slots of ``ns`` a reserve may take now (those under no hazard)."""
-        pinned = self.pinned(ns)
-        if not pinned.hazards:
-            return ns.free_slots()
-        return sum(1 for ext in ns.extents for slot in ext.free if not pinned.slot(ext, slot))
+        pinned = self.pinned(ns) if pinned is None else pinned
+        free = ns.free_slots()
+        skip = pinned.skip()
+        if skip is None or not free:
+            return free
+        # The hazards that name a free slot of ``ns`` (garbage names none): vectorised.
+        exts = np.array(sorted(ns.by_id), dtype=np.uint64)
+        sizes = np.array([ns.by_id[i].n_slots for i in sorted(ns.by_id)], dtype=np.uint64)
+        ids, slots = skip >> np.uint64(32), skip & np.uint64(0xFFFF_FFFF)
+        at = np.searchsorted(exts, ids)
+        ok = at < len(exts)
+        ok[ok] &= exts[at[ok]] == ids[ok]
+        ok[ok] &= slots[ok] < sizes[at[ok]]
+        named = np.unique(skip[ok])
+        if not len(named):
+            return free
+        return free - int(np.count_nonzero(ns.table.inspect(named)["state"] == 0))
 
     def _discard_made(self, made: asyncio.Future[Segment]) -> None:
         """Remove a segment made for a reserve that was cancelled meanwhile."""
@@ -396,9 +403,10 @@ class Room(StoreBase):
 
     def add_extent(self, ns: Namespace, segment: Segment) -> None:
         """Account a created segment (its bytes are already taken from the budget)."""
-        n = segment.layout.n_slots
-        ext = Extent(segment, list(range(n - 1, -1, -1)), [0] * n)
+        ns.table.add_segment(segment)
+        ext = Extent(segment, ns.table)
         ns.extents.append(ext)
+        ns.by_id[ext.id] = ext
         ns.segments_version += 1
         self.prefault_seconds += segment.prefault_seconds
         if segment.mlock_error is not None:
@@ -416,8 +424,9 @@ class Room(StoreBase):
         evicted).  The slot tables of a removed file are not written any more.
         """
         for ext in exts:
-            assert ext.pinned == 0 and ext.reserved == len(ext.quarantine), (
-                f"extent in use: {ext.pinned} pinned, {ext.reserved} reserved, "
+            c = ext.counts()
+            assert c.pinned == 0 and c.reserved == len(ext.quarantine), (
+                f"extent in use: {c.pinned} pinned, {c.reserved} reserved, "
                 f"{len(ext.quarantine)} quarantined")
         for ext in exts:
             ext.segment.unlink()
@@ -425,14 +434,14 @@ class Room(StoreBase):
         evicted: list[Block] = []
         for ext in exts:
             owner = self.namespaces[ext.segment.namespace]
-            for block in [b for b in owner.index.values() if b.extent is ext]:
-                self._drop_from_index(block)
-                evicted.append(block)
+            blocks = self._blocks_of(owner, ext)
+            self._drop_from_index(owner, blocks)
+            evicted += blocks
             # A late writer of a previous run writes into the unlinked file: harmless.
-            ext.reserved -= len(ext.quarantine)
-            owner.reserved -= len(ext.quarantine)
             ext.quarantine.clear()
+            owner.table.remove_extent(ext.id, force=True)  # before the segment closes
             owner.extents.remove(ext)
+            del owner.by_id[ext.id]
             owner.segments_version += 1
             self.budget_free += ext.bytes
             log.info("reclaimed extent %d of namespace %r (%d bytes) %s",

@@ -6,17 +6,20 @@ import asyncio
 import collections
 import logging
 
+import numpy as np
+
 from kvtierd.logs import event
 from kvtierd.store.adoption import Adoption
-from kvtierd.store.base import _BLOCK_STATE, _Undo
+from kvtierd.store.base import _refs
 from kvtierd.store.check import CheckSnapshot, _cross_check, _ExtentView, _NamespaceView
-from kvtierd.store.types import Namespace, Session
+from kvtierd.store.types import Extent, Lease, Namespace, Session
 
 log = logging.getLogger(__name__)
 
 
 class Store(Adoption):
-    """Index, LRU, reservations and leases over the DRAM extents (see the package docstring)."""
+    """Block tables, key indexes, reservations and leases over the DRAM extents (see the
+    package docstring)."""
 
     async def drain(self) -> None:
         """Wait for extents being retired in the background."""
@@ -29,7 +32,9 @@ class Store(Adoption):
         self._cut_retired(everything=True)
         for ns in self.namespaces.values():
             self._unpublish(ns)
+            ns.index.table.close()
             for ext in ns.extents:
+                ns.table.remove_extent(ext.id, force=True)  # the table lets go of its mapping
                 ext.segment.close(unlink=False)
 
     def expire(self) -> tuple[collections.Counter[str], int]:
@@ -47,7 +52,7 @@ class Store(Adoption):
         now = self._clock()
         self._cut_retired()
         for ns in self.namespaces.values():
-            self.note_reads(ns)  # the LRU hears of the reads made without a call
+            self.note_reads(ns)  # CLOCK hears of the reads made without a call
         stale_res = [r for r in self._reservations.values()
                      if r.expires <= now and not r.session.system]
         stale_grants = [(s, stale) for s in list(self.sessions.values())
@@ -56,12 +61,22 @@ class Store(Adoption):
                if ext.quarantine for slot, until in ext.quarantine.items() if until <= now]
         stale_leases = [lease for lease in self._leases.values()
                         if lease.expires <= now and not lease.session.system]
-        with _Undo() as undo:
-            for _ns, ext, slot in due:
-                seg = ext.segment
-                undo.add(seg.mark_reserved, slot, ext.generations[slot])
-                seg.mark_free(slot)
-            self._persist_unpins(stale_leases, undo)
+        # One table call per namespace: its due quarantine freed, its stale leases' pins
+        # ended, each all or nothing; a namespace whose call fails expires at the next
+        # sweep (and so does everything after it here).
+        work: dict[int, tuple[Namespace, list[tuple[Extent, int]], list[Lease]]] = {}
+        for ns, ext, slot in due:
+            work.setdefault(id(ns), (ns, [], []))[1].append((ext, slot))
+        for lease in stale_leases:
+            work.setdefault(id(lease.ns), (lease.ns, [], []))[2].append(lease)
+        for ns, places, leases in work.values():
+            ns.table.release_claims(_refs(places), unpin=np.concatenate(
+                [lease.refs for lease in leases]) if leases else None)
+            for ext, slot in places:
+                del ext.quarantine[slot]
+            for lease in leases:
+                del lease.session.leases[lease.id]
+                del self._leases[lease.id]
         # Applied: nothing below can fail.
         granted = sum(len(stale) for _s, stale in stale_grants)
         if stale_res or granted:  # one line per sweep, however many expired (a storm)
@@ -76,13 +91,6 @@ class Store(Adoption):
             self._expire_reservation(res, until)
         for session, stale in stale_grants:
             self._end_grants(session, stale, quarantine=until)
-        for ns, ext, slot in due:
-            del ext.quarantine[slot]
-            ext.reserved -= 1
-            ns.reserved -= 1
-            ext.free.append(slot)
-        for lease in stale_leases:
-            self._apply_end_lease(lease)
         # Leases made without a call: their hazards are zeroed (the slots are free to reuse).
         local = sum(page.expire(now, self.lease_ttl) for ns in self.namespaces.values()
                     for page in ns.pages.values())
@@ -153,14 +161,16 @@ class Store(Adoption):
         }
 
     def check(self) -> list[str]:
-        """Cross-check the index against the segments' slot tables; the problems found.
+        """Cross-check the block tables and key indexes against the slot tables; the
+        problems found.
 
-        An empty list means: every tier balances (free + reserved + committed ==
-        total per extent and for the budget), every indexed block is committed
-        on its segment under its key and generation, every committed or
-        reserved slot is known to the index or a reservation, the LRU holds
-        exactly the unleased visible blocks, and pin counts equal the leases.
-        (``check_from(check_snapshot())``: the same, with the work off the loop.)
+        An empty list means: each block table agrees with its slot tables (states,
+        free lists, counts: ``BlockTable.check``), the key index holds exactly the
+        COMMITTED slots' keys, every RESERVED slot belongs to a reservation, a grant
+        or the quarantine (at its generation), a DOOMED one is leased, pin counts
+        equal the leases made by calls, in-flight keys are the open reservations'
+        and the DRAM budget balances.  (``check_from(check_snapshot())``: the same,
+        with the work off the loop.)
         """
         return _cross_check(self.check_snapshot())
 
@@ -172,32 +182,32 @@ class Store(Adoption):
         return _cross_check(snapshot)
 
     def check_snapshot(self) -> CheckSnapshot:
-        """Copy what ``check_from`` cross-checks (on the loop: copies of lists, dicts and
-        slot tables, no per-slot work), so the check itself can run in a worker thread
-        while the store keeps changing."""
-        leases = [(lease.blocks, list(map(_BLOCK_STATE, lease.blocks)))
-                  for lease in self._leases.values()]
-        reservations = [(r.session.ns, r.keys, r.places) for r in self._reservations.values()]
-        reservations += [(s.ns, [], list(s.grants.values())) for s in self.sessions.values()
-                         if s.grants]
+        """Copy what ``check_from`` cross-checks (on the loop: the block tables' own check,
+        copies of lists, dicts, slot tables and the native records, no per-slot Python
+        work), so the cross-check itself can run in a worker thread while the store
+        keeps changing."""
+        leases = [(lease.ns.name, lease.refs.copy()) for lease in self._leases.values()]
+        reservations = [(r.session.ns.name, r.keys, [(e.id, slot, gen) for e, slot, gen
+                                                     in r.places])
+                        for r in self._reservations.values()]
+        reservations += [(s.ns.name, [], [(e.id, slot, gen) for e, slot, gen
+                                          in s.grants.values()])
+                         for s in self.sessions.values() if s.grants]
         namespaces = []
         for ns in self.namespaces.values():
-            items = list(ns.index.items())
-            shared = ns.index.shared
-            published = None if shared is None or shared.fd is None else (
-                shared.fingerprints(), set(shared.unpublished))
+            shared = ns.index.table
+            extents = []
+            for ext in ns.extents:
+                refs = (np.uint64(ext.id) << np.uint64(32)) | np.arange(ext.n_slots,
+                                                                        dtype=np.uint64)
+                extents.append(_ExtentView(
+                    id=ext.id, index=ext.segment.index, n_slots=ext.n_slots,
+                    file_bytes=ext.bytes, quarantine=set(ext.quarantine),
+                    table=ext.segment.raw_table(), records=ns.table.inspect(refs).copy(),
+                    slot_bytes=ext.segment.layout.slot_bytes))
             namespaces.append(_NamespaceView(
-                ns=ns, name=ns.name, slot_bytes=ns.slot_bytes, reserved=ns.reserved,
-                committed=ns.committed, leased=ns.leased, index=items,
-                states=[_BLOCK_STATE(b) for _, b in items], in_flight=list(ns.in_flight),
-                extents=[_ExtentView(
-                    ext=ext, index=ext.segment.index, n_slots=ext.n_slots, file_bytes=ext.bytes,
-                    free=list(ext.free), quarantine=set(ext.quarantine),
-                    reserved=ext.reserved, committed=ext.committed, pinned=ext.pinned,
-                    dirty=ext.dirty, table=ext.segment.raw_table(),
-                ) for ext in ns.extents],
-                published=published,
-            ))
+                name=ns.name, table_problems=ns.table.check(), in_flight=list(ns.in_flight),
+                extents=extents, fingerprints=shared.fingerprints(),
+                unpublished=dict(shared.unpublished), slot_bytes=ns.slot_bytes))
         return CheckSnapshot(namespaces=namespaces, leases=leases, reservations=reservations,
-                             lru=list(self.lru), budget_free=self.budget_free,
-                             capacity=self.capacity)
+                             budget_free=self.budget_free, capacity=self.capacity)

@@ -10,29 +10,37 @@ import enum
 import logging
 from typing import Final, NamedTuple
 
+import numpy as np
+import numpy.typing as npt
+
 from kvtier import _page
 from kvtier.errors import (
     CapacityExhausted,
 )
 from kvtierd.access import Identity
+from kvtierd.block_table import PREFETCHED, BlockTable, Counts
 from kvtierd.segments import (
     Segment,
+    SlotState,
 )
 from kvtierd.shared_index import (
-    KeyIndex,
     SessionPage,
 )
+from kvtierd.store.keys import Keys
 
 log = logging.getLogger(__name__)
 
 
 
-#: How many LRU entries one reserve may inspect while looking for victims:
-#: bounds the work of a single allocation (STYLE: bounded work per operation).
+#: Kept for callers of the old store: the block table bounds its own work per
+#: victims() call (csrc/blocks.c KVT_SCAN_BASE, KVT_SCAN_PER_VICTIM).
 EVICTION_SCAN_LIMIT: Final = 4096
 #: Grow/reclaim rounds one reserve may take before it settles for eviction;
 #: each round adds or reclaims at least one extent, so this bounds its work.
 MAX_GROW_ROUNDS: Final = 64
+
+
+COMMITTED_STATE: Final = int(SlotState.COMMITTED)
 
 
 class Lower(enum.IntEnum):
@@ -74,19 +82,20 @@ class Peer:
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Extent:
-    """One segment of a namespace plus the store's bookkeeping of its slots."""
+    """One segment of a namespace; its slots' state is in the namespace's ``BlockTable``
+    (named by the segment id), their durable fields in the segment's slot table."""
 
     segment: Segment
-    free: list[int]
-    generations: list[int]
-    reserved: int = 0  # includes quarantined slots
-    committed: int = 0  # includes doomed blocks still pinned
-    pinned: int = 0  # slots with pins > 0
-    dirty: int = 0  # committed blocks whose only copy is DRAM (Lower.DIRTY)
-    # Slots found RESERVED at recovery: a writer of the previous daemon may
-    # still be copying into them, so they are reused only after the
-    # reservation TTL (slot -> monotonic deadline).
+    table: BlockTable
+    # Slots found RESERVED at recovery, or reserved by a writer who outlived its
+    # reservation: a writer may still be copying into them, so they are reused
+    # only after the reservation TTL (slot -> monotonic deadline).
     quarantine: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def id(self) -> int:
+        """Its segment id: the high half of its blocks' refs."""
+        return self.segment.segment_id
 
     @property
     def n_slots(self) -> int:
@@ -96,42 +105,106 @@ class Extent:
     def bytes(self) -> int:
         return self.segment.layout.file_bytes
 
+    def counts(self) -> Counts:
+        """Its slots by category (the table's, O(1))."""
+        return self.table.counts(self.segment.segment_id)
 
-@dataclasses.dataclass(eq=False, slots=True)
+    @property
+    def reserved(self) -> int:
+        """RESERVED slots (quarantined ones included)."""
+        return self.counts().reserved
+
+    @property
+    def committed(self) -> int:
+        """Slots holding committed data (doomed blocks still pinned included)."""
+        return self.counts().committed
+
+    @property
+    def pinned(self) -> int:
+        """Slots with a pin by a call."""
+        return self.counts().pinned
+
+    @property
+    def dirty(self) -> int:
+        """Committed blocks whose only copy is DRAM (``Lower.DIRTY``)."""
+        return self.counts().dirty
+
+    @property
+    def free(self) -> int:
+        return self.counts().free
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Block:
-    """A committed block: where it lives and who pins it."""
+    """A committed block as the store names it: a handle made when asked for, never kept
+    (its state is in the namespace's ``BlockTable``, its fields in the slot table).
 
-    ns: Namespace
+    Two handles are equal when they name the same slot at the same generation: a
+    handle of a block that left DRAM (and whose slot was reused) equals no current
+    one.  ``pins``, ``doomed``, ``lower`` and ``prefetched`` are read from the table
+    now (a call each: not for hot paths).
+    """
+
+    ns: Namespace = dataclasses.field(repr=False)
     key: bytes
-    extent: Extent
+    extent: Extent = dataclasses.field(repr=False)
     slot: int
     length: int
     checksum: int | None
     generation: int
-    pins: int = 0
-    doomed: bool = False
-    lower: Lower = Lower.DIRTY
-    prefetched: bool = False  # promoted by a Lookup prefetch, not yet acquired
+
+    @property
+    def ref(self) -> int:
+        return self.extent.segment.segment_id << 32 | self.slot
+
+    def _record(self) -> tuple[int, int, int, int] | None:
+        """(state, lower, flags, pins) while the slot holds this block, else None."""
+        if self.extent not in self.ns.extents:
+            return None
+        row = self.ns.table.inspect([self.ref])[0]
+        if int(row["generation"]) != self.generation:
+            return None
+        return int(row["state"]), int(row["lower"]), int(row["flags"]), int(row["pins"])
+
+    @property
+    def pins(self) -> int:
+        rec = self._record()
+        return 0 if rec is None else rec[3]
+
+    @property
+    def doomed(self) -> bool:
+        """Deleted while pinned (freed at its last unpin), or gone from DRAM."""
+        rec = self._record()
+        return rec is None or rec[0] != COMMITTED_STATE
+
+    @property
+    def lower(self) -> Lower:
+        rec = self._record()
+        return Lower.DIRTY if rec is None else Lower(rec[1])
+
+    @property
+    def prefetched(self) -> bool:
+        rec = self._record()
+        return rec is not None and bool(rec[2] & PREFETCHED)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Namespace:
-    """A namespace: its declared layout, extents and key index."""
+    """A namespace: its declared layout, extents, block table and key index."""
 
     name: str
     block_bytes: int
     model_uid: str
     slot_bytes: int
     extents: list[Extent] = dataclasses.field(default_factory=list)
-    # Mirrored into the namespace's shared index when the store publishes one.
-    index: KeyIndex[Block] = dataclasses.field(default_factory=KeyIndex)
+    #: Every slot's state (``kvtierd.block_table``): made in ``__post_init__``.
+    table: BlockTable = dataclasses.field(init=False)
+    #: The key index: the shared index clients search, checked against slot entries.
+    index: Keys = dataclasses.field(init=False)
     in_flight: dict[bytes, int] = dataclasses.field(default_factory=dict)  # key -> reservation id
     next_extent_index: int = 0
     segments_version: int = 1
     sessions: int = 0
-    reserved: int = 0
-    committed: int = 0  # slots holding committed data (doomed included)
-    leased: int = 0  # blocks with pins > 0
     hits: int = 0
     misses: int = 0
     recovered: int = 0  # blocks re-adopted from a previous run's segments
@@ -141,13 +214,44 @@ class Namespace:
     grow_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     #: Session id -> the page where its client leases blocks without a call (hazards).
     pages: dict[int, SessionPage] = dataclasses.field(default_factory=dict)
+    #: Segment id -> extent.
+    by_id: dict[int, Extent] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.table = BlockTable(self.block_bytes, self.slot_bytes)
+        self.index = Keys(self)
+
+    @property
+    def reserved(self) -> int:
+        return self.table.counts().reserved
+
+    @property
+    def committed(self) -> int:
+        """Slots holding committed data (doomed included)."""
+        return self.table.counts().committed
+
+    @property
+    def leased(self) -> int:
+        """Blocks pinned by calls."""
+        return self.table.counts().pinned
 
     def extent_bytes(self) -> int:
         """DRAM this namespace holds: the bytes of its extents (what a quota caps)."""
         return sum(ext.bytes for ext in self.extents)
 
     def free_slots(self) -> int:
-        return sum(len(e.free) for e in self.extents)
+        return self.table.counts().free
+
+    def block_at(self, ref: int) -> Block | None:
+        """The handle of the block at ``ref`` (COMMITTED or DOOMED), else None."""
+        ext = self.by_id.get(ref >> 32)
+        slot = ref & 0xFFFF_FFFF
+        if ext is None or slot >= ext.n_slots:
+            return None
+        rec = ext.segment.read_slot(slot)
+        if rec.state not in (SlotState.COMMITTED, SlotState.DOOMED):
+            return None
+        return Block(self, rec.key, ext, slot, rec.length, rec.checksum, rec.generation)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -162,11 +266,21 @@ class Reservation:
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Lease:
+    """Pins on blocks of one namespace (``refs``: one pin each, a block may repeat)."""
+
     id: int
     session: Session
-    blocks: list[Block]
+    refs: npt.NDArray[np.uint64]
     expires: float
     started: float = 0.0  # the store's clock at Acquire (the metrics' hold time)
+
+    @property
+    def ns(self) -> Namespace:
+        return self.session.ns
+
+    def blocks(self) -> list[Block]:
+        """Handles of its blocks (made now: not for hot paths)."""
+        return [b for r in self.refs.tolist() if (b := self.ns.block_at(r)) is not None]
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -265,7 +379,9 @@ class PageCommits:
     """What one ring of a session's page did (``FastPath.commit_from_page``)."""
 
     records: int = 0  # commit records found (0: an empty ring, or an impossible head)
-    blocks: list[Block] = dataclasses.field(default_factory=list)  # the blocks made
+    committed: int = 0  # blocks made
+    #: Their handles (only while ``Store.commit_handles``).
+    blocks: list[Block] = dataclasses.field(default_factory=list)
     nbytes: int = 0  # their bytes
 
 
@@ -276,7 +392,7 @@ GRANT_IDLE_SECONDS: Final = 5.0
 #: Retired data files kept (an fd each) until their grace is over; past this many the
 #: oldest is cut at once.
 MAX_KEPT_RETIRED: Final = 256
-#: Blocks read without a call that one ``note_reads`` moves in the LRU (the pages'
+#: Blocks read without a call that one ``note_reads`` marks as read (the pages'
 #: rings are hints the clients write: past this many the rest are dropped).
 MAX_READ_HINTS: Final = 4096
 

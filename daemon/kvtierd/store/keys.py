@@ -1,0 +1,185 @@
+"""A namespace's key index: the shared index its clients search *is* the index (issue 26).
+
+No Python object per key: the table (``kvtierd.shared_index``, native) maps each
+visible key to where its block is (segment id, slot, offset, length, checksum),
+and a block's ref is ``segment_id << 32 | slot``.  The table holds 16-byte keys
+exactly and other keys as a 128-bit hash; a hit on a hashed key is checked
+against the key in the slot entry (``BlockTable.match_keys``), so a key that
+collides with another (a hostile client could search for one) is simply absent:
+it cannot be stored while the other is, and never reads the other's bytes.
+
+Whether clients receive the table (``published``) is the store's choice; the
+index exists either way.  A table that cannot be made or grown (out of memory or
+fds) leaves the keys in the shared index's ``unpublished`` dict: slower, still
+exact, and clients then ask the daemon.
+
+Only the store changes it, on the event loop: ``add`` at commit and adoption,
+``remove`` at delete and eviction, ``hide``/``unhide`` around an eviction plan
+(``store.room``).  ``watch`` hears every key that comes or goes (KV events).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtierd.segments import KEY_OFFSET, MAX_KEY_BYTES, SLOT_DTYPE, SLOT_ENTRY_BYTES, TABLE_OFFSET
+from kvtierd.shared_index import Location, SharedIndex
+
+if TYPE_CHECKING:
+    from kvtierd.store.types import Block, Namespace
+
+
+def _hashed(keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+    """Keys the table holds as a hash (not 16 bytes long): hits need the slot's check."""
+    return np.fromiter((len(k) != 16 for k in keys), dtype=np.bool_, count=len(keys))
+
+
+class Keys:
+    """The key index of one namespace (see the module docstring)."""
+
+    __slots__ = ("_ns", "table", "published", "watch")
+
+    def __init__(self, ns: Namespace) -> None:
+        self._ns = ns
+        #: The table; None only when it could not be made (then every key is in
+        #: ``unpublished`` of a stand-in).
+        self.table = SharedIndex(ns.name, lower_tiers=False)
+        #: Clients get the table's fd (the store publishes it).
+        self.published = False
+        #: Hears the keys that come in (True) and go (False): the KV events.
+        self.watch: Callable[[list[bytes], bool], None] | None = None
+
+    # ------------------------------------------------------------ reading
+    @property
+    def shared(self) -> SharedIndex | None:
+        """The table clients search, when published."""
+        return self.table if self.published and self.table.fd is not None else None
+
+    def find(self, keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
+        """Each key's block ref, 0 when absent (hashed hits checked against the slot)."""
+        refs = self.table.find_many(keys)
+        if not len(refs):
+            return refs
+        check = (refs != 0) & _hashed(keys)
+        if check.any():
+            at = np.flatnonzero(check)
+            ok = self._ns.table.match_keys(refs[at], [keys[i] for i in at])
+            refs[at[~ok]] = 0
+        return refs
+
+    def prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are present."""
+        refs = self.find(keys)
+        missing = np.flatnonzero(refs == 0)
+        return int(missing[0]) if len(missing) else len(refs)
+
+    def get(self, key: bytes) -> Block | None:
+        """The handle of ``key``'s block, or None."""
+        ref = int(self.find([key])[0])
+        return self._ns.block_at(ref) if ref else None
+
+    def __getitem__(self, key: bytes) -> Block:
+        block = self.get(key)
+        if block is None:
+            raise KeyError(key)
+        return block
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and bool(self.find([key])[0])
+
+    def __len__(self) -> int:
+        counts = self._ns.table.counts()
+        return counts.committed - counts.doomed
+
+    def __iter__(self) -> Iterator[bytes]:
+        for key, _ref in self._pairs():
+            yield key
+
+    def keys(self) -> list[bytes]:
+        return [k for k, _ in self._pairs()]
+
+    def values(self) -> list[Block]:
+        """Every visible block's handle (O(blocks): admin, check and tests only)."""
+        return [b for _, ref in self._pairs() if (b := self._ns.block_at(ref)) is not None]
+
+    def items(self) -> list[tuple[bytes, Block]]:
+        return [(b.key, b) for b in self.values()]
+
+    def _pairs(self) -> Iterator[tuple[bytes, int]]:
+        """(key, ref) of every COMMITTED slot, read from the slot tables."""
+        for ext in list(self._ns.extents):
+            refs = self._ns.table.committed(ext.id)
+            if not len(refs):
+                continue
+            slots = (refs & np.uint64(0xFFFF_FFFF)).astype(np.int64)
+            rows = np.frombuffer(ext.segment.meta, dtype=SLOT_DTYPE, count=ext.n_slots,
+                                 offset=TABLE_OFFSET)[slots]
+            for ref, row in zip(refs.tolist(), rows, strict=True):
+                klen = min(int(row["key_len"]), MAX_KEY_BYTES)
+                yield bytes(row.tobytes()[KEY_OFFSET:KEY_OFFSET + klen]), ref
+
+    # ------------------------------------------------------------ changing
+    def add(self, keys: Sequence[bytes], locs: Sequence[Location]) -> None:
+        """Make ``keys`` visible at ``locs`` (new keys: the store checked)."""
+        if not keys:
+            return
+        if len(keys) == 1:
+            self.table.add(keys[0], locs[0])
+        else:
+            self.table.add_many(zip(keys, locs, strict=True))
+        if self.watch is not None:
+            self.watch(list(keys), True)
+
+    def add_committed(self, refs: npt.NDArray[np.uint64], keys: Sequence[bytes]) -> None:
+        """Make the blocks just committed at ``refs`` visible (new keys: the store
+        checked), their locations read from their slot entries natively (one call per
+        extent, no Python object per block); ``keys`` are theirs, for the events."""
+        ns = self._ns
+        ids = refs >> np.uint64(32)
+        for ext_id in np.unique(ids).tolist():
+            ext = ns.by_id[ext_id]
+            at = np.flatnonzero(ids == ext_id)
+            slots = refs[at] & np.uint64(0xFFFF_FFFF)
+            seg = ext.segment
+            view = memoryview(seg.meta)[TABLE_OFFSET : TABLE_OFFSET
+                                        + ext.n_slots * SLOT_ENTRY_BYTES]
+            try:
+                left = self.table.add_slots(view, slots, ext_id, seg.layout.slot_bytes)
+            finally:
+                view.release()
+            for i in left:  # past the probe limit: kept apart (present ones: a bug)
+                slot = int(slots[i])
+                rec = seg.read_slot(slot)
+                self.table.add(rec.key, (ext_id, slot, seg.slot_offset(slot), rec.length,
+                                         rec.checksum))
+        if keys and self.watch is not None:
+            self.watch(list(keys), True)
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        """Take ``keys`` out (they were present)."""
+        for key in keys:
+            self.table.discard(key)
+        if keys and self.watch is not None:
+            self.watch(list(keys), False)
+
+    def hide(self, keys: Sequence[bytes]) -> None:
+        """Out of the table for now, not an event (``unhide`` or ``remove`` follows)."""
+        for key in keys:
+            self.table.hide(key)
+
+    def unhide(self, blocks: Sequence[Block]) -> None:
+        """Put back hidden blocks that are still current."""
+        for b in blocks:
+            if not b.doomed:
+                self.table.add(b.key, locate(b))
+
+
+def locate(block: Block) -> Location:
+    """Where the index says ``block`` is (what a client leases without a call)."""
+    seg = block.extent.segment
+    return (seg.segment_id, block.slot, seg.slot_offset(block.slot), block.length,
+            block.checksum)
