@@ -1915,6 +1915,8 @@ static PyMethodDef native_methods[] = {
      " (index stopped at, indices skipped at the probe limit)."},
     {"index_remove", kvt_py_index_remove, METH_VARARGS,
      "index_remove(buf, key): remove key; True if it was there."},
+    {"index_remove_many", kvt_py_index_remove_many, METH_VARARGS,
+     "index_remove_many(buf, keys): remove each key; bytes, 1 per key that was there."},
     {"index_get", kvt_py_index_get, METH_VARARGS,
      "index_get(buf, key): (tier, ref) of key, or None (the writer's view)."},
     {"index_lookup", kvt_py_index_lookup, METH_VARARGS,

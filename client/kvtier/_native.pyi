@@ -70,6 +70,9 @@ def index_set_many(buf: _Buffer, keys: list[bytes], tier: int, start: int,
 def index_remove(buf: _Buffer, key: bytes) -> bool:
     """Remove key; True if it was there."""
 
+def index_remove_many(buf: _Buffer, keys: Sequence[bytes]) -> bytes:
+    """Remove each key; bytes, 1 per key that was there."""
+
 def index_get(buf: _Buffer, key: bytes) -> tuple[int, int] | None:
     """(tier, ref) of key, or None (the writer's view: no retries)."""
 
@@ -220,6 +223,8 @@ class BlockTable:
         """Slots by category, of one extent or the table, in O(1)."""
     def inspect(self, refs: _Buffer, /) -> bytes:
         """16-byte rows: state, lower, flags, 0, pins (u32), generation (u64)."""
+    def entries(self, refs: _Buffer, /) -> tuple[list[bytes], bytes]:
+        """Each ref's persisted key and entry fields."""
     def match_keys(self, refs: _Buffer, keys: Sequence[bytes], /) -> bytes:
         """1 or 0 per ref: whether it holds a COMMITTED block whose persisted key is keys[i]."""
     def committed(self, extent_id: int, /) -> bytes:

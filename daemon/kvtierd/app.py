@@ -41,7 +41,7 @@ from kvtierd.service import KVTierService, add_to_server, methods
 from kvtierd.session_channel import SessionChannel
 from kvtierd.spill.shared import SharedTier
 from kvtierd.spill.ssd import SsdTier
-from kvtierd.store import Block, Namespace, Store
+from kvtierd.store import Namespace, Store
 from kvtierd.tiering import SpillPolicy, Tiering
 
 log = logging.getLogger(__name__)
@@ -397,8 +397,8 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         registry = registry if registry is not None else CollectorRegistry()
         metrics = Metrics(registry)
 
-        def on_evict(block: Block) -> None:
-            metrics.evicted_blocks.labels(block.ns.name, "dram").inc()
+        def on_evicted(namespace: str, n: int) -> None:
+            metrics.evicted_blocks.labels(namespace, "dram").inc(n)
 
         store = Store(
             capacity=cfg.dram.capacity,
@@ -407,7 +407,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
             lease_ttl=cfg.leases.ttl,
             reservation_ttl=cfg.reservations.ttl,
             boot_epoch=boot_epoch,
-            on_evict=on_evict,
+            on_evicted=on_evicted,
             # Clients search the keys themselves (a Lookup without a call): fast path only.
             publish=cfg.server.fast_path and shared_index.AVAILABLE,
             grant_bytes=(min(cfg.server.write_grant_bytes, cfg.dram.capacity // 16)

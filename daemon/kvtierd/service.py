@@ -305,11 +305,14 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         except CapacityExhausted:
             self.metrics.refused_blocks.labels(session.ns.name).inc(len(request.keys))
             raise
-        self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.slots))
+        self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.offsets))
+        capacity = result.capacity
         return pb.ReserveResponse(
             reservation_id=result.reservation_id,
             statuses=cast(Any, result.statuses),
-            slots=_slot_refs(result.slots),
+            slots=[pb.SlotRef(segment_id=seg, offset=off, length=capacity)
+                   for seg, off in zip(result.segment_ids.tolist(), result.offsets.tolist(),
+                                       strict=True)],
             segments_version=result.segments_version,
         )
 

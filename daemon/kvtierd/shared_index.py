@@ -228,6 +228,28 @@ class SharedIndex:
             del self.unpublished[key]
             self._flags()
 
+    def discard_many(self, keys: Sequence[bytes]) -> None:
+        """``discard`` of each key, in one table call."""
+        t = self._table
+        if t is None:
+            for key in keys:
+                self.discard(key)
+            return
+        gone = _native.index_remove_many(t.mm, keys)
+        if self.unpublished and gone.count(0):
+            changed = False
+            for key, hit in zip(keys, gone, strict=True):
+                if not hit and self.unpublished.pop(key, None) is not None:
+                    changed = True
+            if changed:
+                self._flags()
+
+    def hide_many(self, keys: Sequence[bytes]) -> None:
+        """``hide`` of each key, in one table call."""
+        t = self._table
+        if t is not None and keys:
+            _native.index_remove_many(t.mm, keys)
+
     def hide(self, key: bytes) -> None:
         """Take ``key`` out of the table for now (``unhide`` puts it back): an eviction
         being planned hides its victims before it looks for clients' hazards."""

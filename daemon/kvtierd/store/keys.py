@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 def _hashed(keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
     """Keys the table holds as a hash (not 16 bytes long): hits need the slot's check."""
-    return np.fromiter((len(k) != 16 for k in keys), dtype=np.bool_, count=len(keys))
+    return np.fromiter(map(len, keys), dtype=np.int64, count=len(keys)) != 16
 
 
 class Keys:
@@ -140,7 +140,8 @@ class Keys:
         extent, no Python object per block); ``keys`` are theirs, for the events."""
         ns = self._ns
         ids = refs >> np.uint64(32)
-        for ext_id in np.unique(ids).tolist():
+        one = len(ids) and ids[0] == ids[-1] and (ids == ids[0]).all()
+        for ext_id in [int(ids[0])] if one else np.unique(ids).tolist():
             ext = ns.by_id[ext_id]
             at = np.flatnonzero(ids == ext_id)
             slots = refs[at] & np.uint64(0xFFFF_FFFF)
@@ -161,15 +162,14 @@ class Keys:
 
     def remove(self, keys: Sequence[bytes]) -> None:
         """Take ``keys`` out (they were present)."""
-        for key in keys:
-            self.table.discard(key)
+        if keys:
+            self.table.discard_many(keys)
         if keys and self.watch is not None:
             self.watch(list(keys), False)
 
     def hide(self, keys: Sequence[bytes]) -> None:
         """Out of the table for now, not an event (``unhide`` or ``remove`` follows)."""
-        for key in keys:
-            self.table.hide(key)
+        self.table.hide_many(keys)
 
     def unhide(self, blocks: Sequence[Block]) -> None:
         """Put back hidden blocks that are still current."""

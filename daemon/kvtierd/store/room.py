@@ -28,7 +28,6 @@ from kvtierd.store.base import (
     _grant_word,
     _NeedExtent,
     _Raced,
-    _refs,
 )
 from kvtierd.store.types import (
     MAX_KEPT_RETIRED,
@@ -38,6 +37,7 @@ from kvtierd.store.types import (
     Namespace,
     NeedDemotion,
     Session,
+    Victims,
 )
 
 log = logging.getLogger(__name__)
@@ -52,38 +52,51 @@ VICTIM_ROUNDS = 4
 class Room(StoreBase):
     """Finding room: _claim takes slots all or nothing (free, grown, evicted, reclaimed)."""
 
-    def _claim(self, ns: Namespace, n: int, *, may_grow: bool,
-               partial: bool = False) -> list[tuple[Extent, int, int]]:
+    def _claim_refs(self, ns: Namespace, n: int, *, may_grow: bool, partial: bool = False
+                    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
         """Take ``n`` slots of ``ns`` into the RESERVED state (free ones first, then the
-        blocks ``_take_slots`` chose are evicted into them), all or nothing: (extent,
-        slot, new generation) each.  With ``partial``, fewer (the free ones) rather
-        than raise when no more room can be made now."""
+        blocks ``_take_slots`` chose are evicted into them), all or nothing: their refs
+        and new generations.  With ``partial``, fewer (the free ones) rather than raise
+        when no more room can be made now."""
         free, victims, pinned = self._take_slots(ns, n, may_grow=may_grow, partial=partial)
         # Applied: the table's calls below were validated by the plan (on the loop,
         # nothing changed since) and change every slot or none.
-        vrefs = _refs((b.extent, b.slot) for b in victims)
+        vrefs = victims.refs
         try:
             # One call: the free slots and the victims (evicted into this claim), or none.
             refs, short = ns.table.claim(free, pinned.skip(), evict=vrefs if victims else None)
         except BaseException:
-            ns.index.unhide(victims)
+            ns.index.unhide(victims.blocks())
             raise
         assert short == 0, f"{short} free slots vanished since the plan"
         if victims:
-            self._drop_from_index(ns, victims)
+            self._drop_from_index(ns, victims.keys)
             refs = np.concatenate([refs, vrefs])
-            self._report_evicted(victims)
-        return self._places(ns, refs)
+            self._report_evicted(ns, victims)
+        return refs, ns.table.inspect(refs)["generation"]
+
+    def _claim(self, ns: Namespace, n: int, *, may_grow: bool,
+               partial: bool = False) -> list[tuple[Extent, int, int]]:
+        """``_claim_refs`` as (extent, slot, generation) places."""
+        refs, gens = self._claim_refs(ns, n, may_grow=may_grow, partial=partial)
+        return [(ns.by_id[r >> 32], r & 0xFFFF_FFFF, g)
+                for r, g in zip(refs.tolist(), gens.tolist(), strict=True)]
 
     @staticmethod
-    def _places(ns: Namespace, refs: npt.NDArray[np.uint64]) -> list[tuple[Extent, int, int]]:
-        """(extent, slot, generation) of reserved refs."""
-        gens = ns.table.inspect(refs)["generation"].tolist()
-        return [(ns.by_id[r >> 32], r & 0xFFFF_FFFF, g)
-                for r, g in zip(refs.tolist(), gens, strict=True)]
+    def _offsets(ns: Namespace, refs: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+        """Each ref's slot offset in its data file (what clients address)."""
+        ids = refs >> np.uint64(32)
+        out = (refs & np.uint64(0xFFFF_FFFF)) * np.uint64(ns.slot_bytes)
+        one = len(ids) and ids[0] == ids[-1] and (ids == ids[0]).all()
+        for ext_id in [int(ids[0])] if one else np.unique(ids).tolist():  # (recovered layouts)
+            slot_bytes = ns.by_id[ext_id].segment.layout.slot_bytes
+            if slot_bytes != ns.slot_bytes:
+                at = ids == ext_id
+                out[at] = (refs[at] & np.uint64(0xFFFF_FFFF)) * np.uint64(slot_bytes)
+        return out
 
     def _take_slots(self, ns: Namespace, n: int, *, may_grow: bool, partial: bool = False
-                    ) -> tuple[int, list[Block], Pinned]:
+                    ) -> tuple[int, Victims, Pinned]:
         """Plan room for ``n`` slots of ``ns``: how many free slots to claim and which
         blocks to evict for the rest (nothing changes yet).
 
@@ -97,18 +110,19 @@ class Room(StoreBase):
         pinned = self.pinned(ns)
         free = min(n, self._usable_free(ns, pinned))
         if free == n:
-            return n, [], pinned
+            return n, Victims.none(ns), pinned
         try:
             victims = self._find_room(ns, n, free, may_grow=may_grow, pinned=pinned)
         except CapacityExhausted:
             if partial:
-                return free, [], pinned
+                return free, Victims.none(ns), pinned
             raise
-        if ns.pages and victims:
-            ns.index.hide([b.key for b in victims])
+        if ns.pages and len(victims):
+            ns.index.hide(victims.keys)
             now = self.pinned(ns)
-            if any(now.slot(b.extent, b.slot) for b in victims):
-                ns.index.unhide(victims)
+            skip = now.skip()
+            if skip is not None and np.isin(victims.refs, skip).any():
+                ns.index.unhide(victims.blocks())
                 raise _Raced()
             pinned = now
         return free, victims, pinned
@@ -178,10 +192,10 @@ class Room(StoreBase):
         refs = ns.table.committed(ext.id)
         if dirty and len(refs):
             refs = refs[ns.table.inspect(refs)["lower"] == Lower.DIRTY]
-        return [b for r in refs.tolist() if (b := ns.block_at(r)) is not None]
+        return ns.blocks_at(refs)
 
     def _find_room(self, ns: Namespace, n: int, got: int, *, may_grow: bool,
-                   pinned: Pinned) -> list[Block]:
+                   pinned: Pinned) -> Victims:
         """The blocks of ``ns`` to evict for the ``n - got`` slots no free list had, or raise:
         ``_NeedExtent`` to grow first (after reclaiming other namespaces' extents, if
         that funds the growth), ``NeedDemotion`` or ``CapacityExhausted``.
@@ -225,7 +239,7 @@ class Room(StoreBase):
                         self._forget_if_unused(self.namespaces[name])
             raise _NeedExtent(n)
         if dirty_ext and (len(same_ns) < short
-                          or dirty_ext[0].counts().newest_access < self._oldest(same_ns)):
+                          or dirty_ext[0].counts().newest_access < same_ns.oldest()):
             # Another namespace's extent, older than what CLOCK would evict here, waits
             # only for its DIRTY blocks to be demoted: demote them, then reclaim it.
             ext = dirty_ext[0]
@@ -239,7 +253,7 @@ class Room(StoreBase):
             skip = pinned.skip()
             want = short - len(same_ns)
             refs = ns.table.dirty(want, Policy.CLOCK, skip=skip)
-            wanted = [b for r in refs.tolist() if (b := ns.block_at(r)) is not None]
+            wanted = ns.blocks_at(refs)
             in_flight = any(s.leases for s in self._system_sessions.values())
             if wanted or in_flight:
                 raise NeedDemotion(ns, short - len(same_ns), wanted)
@@ -256,7 +270,7 @@ class Room(StoreBase):
         )
 
     @staticmethod
-    def _victims(ns: Namespace, n: int, pinned: Pinned, *, spill: bool) -> list[Block]:
+    def _victims(ns: Namespace, n: int, pinned: Pinned, *, spill: bool) -> Victims:
         """Up to ``n`` evictable blocks of ``ns`` by CLOCK (with ``spill``, non-DIRTY
         only), none pinned by a call or a hazard.  The table's work per call is bounded:
         a short answer is asked again a few times."""
@@ -268,9 +282,9 @@ class Room(StoreBase):
             chosen = np.concatenate([chosen, more])
             if len(chosen) >= n or not len(more):
                 break
-        return [b for r in chosen.tolist() if (b := ns.block_at(r)) is not None]
+        return ns.victims_at(chosen)
 
-    def _plan_reclaim(self, ns: Namespace, same_ns: list[Block], short: int
+    def _plan_reclaim(self, ns: Namespace, same_ns: Victims, short: int
                       ) -> tuple[list[Extent], list[Extent]]:
         """Other namespaces' extents to reclaim for ``ns`` (enough to fund one extent of
         it, or none), and those that only DIRTY blocks keep from it (spill).  Never an
@@ -305,7 +319,7 @@ class Room(StoreBase):
         candidates.sort(key=lambda t: t[0])
         dirty_ext.sort(key=lambda t: t[0])
         # The oldest block CLOCK would evict here: an extent older than it goes first.
-        ours = self._oldest(same_ns)
+        ours = same_ns.oldest()
         enough = len(same_ns) >= short
         for newest, ext in candidates:
             if funded():
@@ -317,12 +331,6 @@ class Room(StoreBase):
         if not funded():
             reclaim = []
         return reclaim, [e for _, e in dirty_ext]
-
-    @staticmethod
-    def _oldest(blocks: Sequence[Block]) -> int:
-        """The oldest last access of ``blocks`` (2**64 when there are none)."""
-        return min((b.extent.segment.read_slot(b.slot).last_access for b in blocks),
-                   default=2**64)
 
     async def _grow(self, ns: Namespace, need: int) -> bool:
         """Add extents to ``ns`` from the global budget until ``need`` slots are free.
@@ -431,12 +439,13 @@ class Room(StoreBase):
         for ext in exts:
             ext.segment.unlink()
         # Applied: nothing below can fail.
-        evicted: list[Block] = []
+        evicted: list[tuple[Namespace, Victims | list[Block]]] = []
         for ext in exts:
             owner = self.namespaces[ext.segment.namespace]
-            blocks = self._blocks_of(owner, ext)
-            self._drop_from_index(owner, blocks)
-            evicted += blocks
+            blocks = owner.victims_at(owner.table.committed(ext.id))
+            self._drop_from_index(owner, blocks.keys)
+            # (handles, when a hook wants them, before the extent is gone)
+            evicted.append((owner, blocks.blocks() if self._on_evict is not None else blocks))
             # A late writer of a previous run writes into the unlinked file: harmless.
             ext.quarantine.clear()
             owner.table.remove_extent(ext.id, force=True)  # before the segment closes
@@ -447,7 +456,8 @@ class Room(StoreBase):
             log.info("reclaimed extent %d of namespace %r (%d bytes) %s",
                      ext.segment.index, owner.name, ext.bytes, why)
             self._close_later(ext.segment)
-        self._report_evicted(evicted)
+        for owner, blocks in evicted:
+            self._report_evicted(owner, blocks)
 
     def _close_later(self, segment: Segment) -> None:
         """Unmap a retired segment and free its memory off the loop (``drain`` waits for
