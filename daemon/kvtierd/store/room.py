@@ -456,8 +456,8 @@ class Room(StoreBase):
             log.info("reclaimed extent %d of namespace %r (%d bytes) %s",
                      ext.segment.index, owner.name, ext.bytes, why)
             self._close_later(ext.segment)
-        for owner, blocks in evicted:
-            self._report_evicted(owner, blocks)
+        for owner, gone in evicted:
+            self._report_evicted(owner, gone)
 
     def _close_later(self, segment: Segment) -> None:
         """Unmap a retired segment and free its memory off the loop (``drain`` waits for
