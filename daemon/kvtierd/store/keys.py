@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 def _hashed(keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
     """Keys the table holds as a hash (not 16 bytes long): hits need the slot's check."""
-    sizes: npt.NDArray[np.int64] = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
-    return sizes != 16
+    sizes = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
+    return np.not_equal(sizes, 16)
 
 
 class Keys:
