@@ -1923,15 +1923,17 @@ victims_clock(vjob *v, uint64_t *out, Py_ssize_t n)
     while (got < n && v->budget > 0) {
         kvt_rec *r = &e->rec[s];
         v->budget--;
+        int elig = eligible(v, e, s);
         if (r->bits & R_REF) {
-            /* The hand passing takes a block's second chance, eligible now or not: a
-             * DIRTY block the spill tier has not demoted yet must not keep its bit
-             * (demotion picks blocks without one first), else a block read once would
-             * stay in DRAM for good while unread ones stream past it. */
-            if (r->state == KVT_ST_COMMITTED)
+            /* The hand passing takes an unpinned block's second chance, DIRTY ones
+             * included (with spill they are not eligible until demoted, and demotion
+             * picks blocks without their bit first): else a block read once would stay
+             * in DRAM for good while unread ones stream past it. */
+            if (elig || (v->spill && r->state == KVT_ST_COMMITTED && r->pins == 0
+                         && rec_lower(r) == KVT_LOWER_DIRTY))
                 r->bits &= (uint8_t)~R_REF;
         }
-        else if (eligible(v, e, s)) {
+        else if (elig) {
             r->bits |= R_CHOSEN;
             out[got++] = ref_of(e, s);
         }
@@ -2095,8 +2097,8 @@ PyDoc_STRVAR(bt_victims_doc,
 "victim the least recently accessed (persisted last access) of `sample`\n"
 "(1..64) random eligible slots, with pool a pool of 16 candidates kept\n"
 "across calls; policy 1: CLOCK (the hand clears the reference bits of the\n"
-"COMMITTED slots it passes, eligible or not, and takes the first eligible slot\n"
-"without one).  Changes nothing but the policy's own\n"
+"eligible slots it passes, with spill of the unpinned DIRTY ones too, and takes\n"
+"the first eligible slot without one).  Changes nothing but the policy's own\n"
 "state: the caller evicts them (evict()).  Returns refs (bytes of uint64),\n"
 "distinct; fewer than n when fewer are eligible or the call's work bound\n"
 "(65536 + 256 * n * sample records) ran out (call again: CLOCK goes on where\n"

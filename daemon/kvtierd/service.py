@@ -307,6 +307,15 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
             raise
         self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.offsets))
         capacity = result.capacity
+        if request.packed_slots:  # columns: no message per slot
+            return pb.ReserveResponse(
+                reservation_id=result.reservation_id,
+                statuses=cast(Any, result.statuses),
+                segments_version=result.segments_version,
+                slot_segment_ids=result.segment_ids.tolist(),
+                slot_offsets=result.offsets.tolist(),
+                slot_capacity=capacity,
+            )
         return pb.ReserveResponse(
             reservation_id=result.reservation_id,
             statuses=cast(Any, result.statuses),
