@@ -274,7 +274,7 @@ async def _check_after_recovery(store: Store, metrics: Metrics, report: Recovery
     """Cross-check what a warm start adopted, once, right after READY (off the loop).
 
     Adoption validated every slot; this is the store's own ``check()`` over the
-    result (index, LRU, free lists and slot tables agree, capacity adds up).  A
+    result (index, block table, free lists and slot tables agree, capacity adds up).  A
     problem is a bug: logged at ERROR and counted (``kvtier_background_errors_total
     {task="recovery_check"}``); the daemon keeps serving.
     """

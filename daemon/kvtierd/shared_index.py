@@ -396,7 +396,7 @@ class SessionPage:
     * hazards: one per block the client leases without a call, each with its
       lease's serial (the daemon never reuses such a slot, see ``csrc/index.c``;
       ``expire`` ends leases held past the TTL as the daemon ends its own);
-    * a ring of the blocks it read that way (``accessed``: LRU hints).
+    * a ring of the blocks it read that way (``accessed``: read hints, CLOCK bits).
 
     The page is the client's to write, so it is trusted for nothing the daemon
     relies on: a count that went backwards or jumped implausibly adds 0, a hazard

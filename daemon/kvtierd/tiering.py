@@ -8,7 +8,7 @@ pool, never on the event loop.
 
 **Demotion** (write-back).  When DRAM's free space falls under
 ``clean_ahead`` of its capacity, the demoter copies the DIRTY blocks among the
-oldest ``clean_ahead`` bytes of the LRU to the first tier below DRAM (the SSD
+``clean_ahead`` bytes CLOCK would evict first to the first tier below DRAM (the SSD
 tier, or without one the shared tier): straight from the shared-memory slot
 with O_DIRECT, a batch at a time, then one ``fdatasync``; only then is each
 block marked CLEAN, and only CLEAN blocks are evicted.  A tier that evicts
@@ -551,7 +551,7 @@ class Tiering:
             tiers = await self._locate(ns, keys)
             if any(t != TIER_DRAM for t in tiers):
                 # Pin this prefix's DRAM hits meanwhile: the promotions' reserve would
-                # otherwise evict them (the oldest in the LRU) and cut the prefix short.
+                # otherwise evict them (CLOCK may take them) and cut the prefix short.
                 hits = [b for k in keys[: len(tiers)] if (b := ns.index.get(k)) is not None]
                 leases = self.store.pin_blocks(hits)
                 try:

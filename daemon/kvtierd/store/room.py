@@ -1,5 +1,5 @@
 """Room for a reserve: free slots, growth from the DRAM budget, eviction of the namespace's
-least recently used blocks, reclaim of other namespaces' extents, and retirement."""
+blocks (CLOCK), reclaim of other namespaces' extents, and retirement."""
 
 
 from __future__ import annotations

@@ -453,7 +453,7 @@ class AdoptedSlots:
     keys: list[bytes]
     lengths: list[int]
     checksums: list[int | None]
-    #: the persisted last access (LRU order)
+    #: the persisted last access (which blocks were read most recently)
     last_access: list[int]
     #: RESERVED slots: quarantined for the reservation TTL, then freed
     reserved: list[int]
