@@ -571,7 +571,7 @@ class Tiering:
                 self.counters.prefetch_hits += int(np.count_nonzero(flags & PREFETCHED))
         result = self.store.acquire(session, keys[: len(tiers)])
         ns.misses += len(keys) - len(tiers)  # store.acquire counted the rest
-        return result, tiers[: len(result.slots)]
+        return result, tiers[: result.hits]
 
     async def _promote(self, ns: Namespace, keys: list[bytes], tiers: list[int], *,
                        prefetch: bool) -> None:

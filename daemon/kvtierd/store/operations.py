@@ -40,7 +40,6 @@ from kvtierd.store.types import (
     ReserveResult,
     ReserveStatus,
     Session,
-    SlotGrant,
 )
 
 log = logging.getLogger(__name__)
@@ -340,7 +339,8 @@ class Operations(Room):
         ns.hits += len(refs)
         ns.misses += len(keys) - len(refs)
         if not len(refs):
-            return AcquireResult(0, [], ns.segments_version)
+            return AcquireResult(0, _NO_REFS, _NO_REFS, _NO_REFS, _NO_REFS,
+                                 np.zeros(0, dtype=np.uint8), ns.segments_version)
         # The pins, then the reads (CLOCK bits, persisted last access): a touch that
         # fails takes the pins back.  (The tiering layer counts the prefetched blocks a
         # call reads; the touch clears their mark.)
@@ -356,14 +356,10 @@ class Operations(Room):
         lease = Lease(lid, session, refs, now + self.lease_ttl, started=now)
         session.leases[lid] = lease
         self._leases[lid] = lease
-        grants = []
-        for r in refs.tolist():
-            ext = ns.by_id[r >> 32]
-            slot = r & 0xFFFF_FFFF
-            rec = ext.segment.read_slot(slot)
-            grants.append(SlotGrant(ext.id, ext.segment.slot_offset(slot), rec.length,
-                                    rec.checksum))
-        return AcquireResult(lid, grants, ns.segments_version)
+        _keys, rows = ns.table.entries(refs)  # (pinned: they stay as read)
+        return AcquireResult(lid, refs >> np.uint64(32), self._offsets(ns, refs),
+                             rows["length"], rows["checksum"], rows["has_checksum"],
+                             ns.segments_version)
 
     def release(self, session: Session, lease_id: int) -> None:
         if lease_id == 0:

@@ -438,9 +438,27 @@ class ReserveResult:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AcquireResult:
+    """Per leased block (the prefix, in key order) its segment, offset, length and
+    checksum (``has_checksum[i]``: one was given at commit)."""
+
     lease_id: int
-    slots: list[SlotGrant]
+    segment_ids: npt.NDArray[np.uint64]
+    offsets: npt.NDArray[np.uint64]
+    lengths: npt.NDArray[np.uint64]
+    checksums: npt.NDArray[np.uint64]
+    has_checksum: npt.NDArray[np.uint8]
     segments_version: int
+
+    @property
+    def slots(self) -> list[SlotGrant]:
+        """The slots as ``SlotGrant``s (one object each: not for the hot path)."""
+        return [SlotGrant(s, o, n, c if h else None) for s, o, n, c, h in zip(
+            self.segment_ids.tolist(), self.offsets.tolist(), self.lengths.tolist(),
+            self.checksums.tolist(), self.has_checksum.tolist(), strict=True)]
+
+    @property
+    def hits(self) -> int:
+        return len(self.offsets)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
