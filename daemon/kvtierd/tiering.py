@@ -418,8 +418,9 @@ class Tiering:
             return
         for ns in self.store.namespaces.values():
             geometry = self._geometry(ns)
-            for block in ns.index.values():
-                copy = self._local_copy(ns.name, block.key, geometry)
+            blocks = list(ns.index.values())
+            copies = self._local_copies(ns.name, [b.key for b in blocks], geometry)
+            for block, copy in zip(blocks, copies, strict=True):
                 if copy is not None and copy[1] == block.length:
                     self.store.set_lower(block, Lower.CLEAN)
 
@@ -459,6 +460,37 @@ class Tiering:
                 return tier, length
         return None
 
+    def _copies_in(self, tier: Tier, namespace: str, keys: Sequence[bytes],
+                   geometry: Geometry | None) -> list[int | None]:
+        """``_copy_in`` of each key: the tier asked once about them all (``held_many``:
+        the SSD tier's index looks the batch up in one native call; loop-safe)."""
+        held = list(tier.held_many(namespace, keys, geometry))
+        if self._demoting:
+            for i, key in enumerate(keys):
+                demoting = self._demoting.get((namespace, key))
+                if demoting is not None and demoting.doomed:
+                    held[i] = None
+        return held
+
+    def _local_copies(self, namespace: str, keys: Sequence[bytes],
+                      geometry: Geometry | None) -> list[tuple[Tier, int] | None]:
+        """``_local_copy`` of each key: each local tier asked once, about the keys the
+        tiers before it lack (loop-safe)."""
+        out: list[tuple[Tier, int] | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for tier in self._local:
+            if not todo:
+                break
+            lengths = self._copies_in(tier, namespace, [keys[i] for i in todo], geometry)
+            rest: list[int] = []
+            for i, length in zip(todo, lengths, strict=True):
+                if length is None:
+                    rest.append(i)
+                else:
+                    out[i] = (tier, length)
+            todo = rest
+        return out
+
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
@@ -492,6 +524,11 @@ class Tiering:
         tiers: list[int] = []
         geometry = self._geometry(ns)
         in_dram = ns.index.find(keys).tolist() if keys else []  # one batch lookup
+        # The local tiers' copies of the keys DRAM lacks, from the first such key on: one
+        # batch lookup per local tier (asked again after an await: the answers may have
+        # changed meanwhile).
+        local: list[tuple[Tier, int] | None] = [None] * len(keys)
+        asked = False
         i = 0
         while i < len(keys):
             key = keys[i]
@@ -501,20 +538,26 @@ class Tiering:
                 tiers.append(TIER_DRAM)
                 i += 1
                 continue
-            local = self._local_copy(ns.name, key, geometry)
-            if local is not None:
-                tiers.append(local[0].tier)
+            if not asked:
+                below = [k for k in range(i, len(keys)) if not in_dram[k]]
+                for k, copy in zip(below, self._local_copies(
+                        ns.name, [keys[k] for k in below], geometry), strict=True):
+                    local[k] = copy
+                asked = True
+            copy = local[i]
+            if copy is not None:
+                tiers.append(copy[0].tier)
                 i += 1
                 continue
             if not self._remote:
                 break
             # The run of keys only a remote tier can hold: asked off the loop, in one go.
             j = i + 1
-            while (j < len(keys) and not in_dram[j]
-                   and self._local_copy(ns.name, keys[j], geometry) is None
+            while (j < len(keys) and not in_dram[j] and local[j] is None
                    and (ns.name, keys[j]) not in self._deleting):
                 j += 1
             found = await self._locate_remote_async(ns.name, list(keys[i:j]), geometry)
+            asked = False
             tiers.extend(found)
             if len(found) < j - i:
                 break
@@ -744,16 +787,42 @@ class Tiering:
     async def reserve(self, session: Session, keys: Sequence[bytes]) -> ReserveResult:
         """Reserve DRAM slots; keys a lower tier holds are EXISTS.  Waits for demotion
         when only DIRTY blocks could make room."""
-        return await self._reserve_with_backpressure(session, keys, self._exists_below(session))
+        return await self._reserve_with_backpressure(session, keys,
+                                                     self._exists_below(session, keys))
 
-    def _exists_below(self, session: Session) -> Callable[[bytes], bool] | None:
+    def _exists_below(self, session: Session, keys: Sequence[bytes] = ()
+                      ) -> Callable[[bytes], bool] | None:
         """Whether a tier below DRAM holds a key of ``session``'s namespace (None: no such
-        tier): such a key is EXISTS to a writer, as a DRAM block is."""
+        tier): such a key is EXISTS to a writer, as a DRAM block is.
+
+        ``keys``: the keys it will be asked about (a Reserve's).  Its first question in
+        a turn of the event loop then asks the local tiers about all of them at once
+        (``_local_copies``: one batch lookup, not one per key), and the answers serve
+        the rest of that turn -- the store asks key by key in one synchronous pass --
+        and are dropped at its end: a later pass (after the store grew the namespace,
+        or after waiting for demotion) asks afresh.  A key not among them, or a
+        question off the event loop's thread, is asked alone."""
         if not self._local:
             return None
         ns, geometry = session.ns, self._geometry(session.ns)
+        turn: dict[bytes, bool] = {}  # this turn's answers about ``keys``
 
         def exists(key: bytes) -> bool:
+            hit = turn.get(key)
+            if hit is not None:
+                return hit
+            if not turn and len(keys) > 1:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:  # (not on the loop's thread: no turn to cache for)
+                    loop = None
+                if loop is not None:
+                    copies = self._local_copies(ns.name, keys, geometry)
+                    turn.update(zip(keys, (c is not None for c in copies), strict=True))
+                    loop.call_soon(turn.clear)
+                    hit = turn.get(key)
+                    if hit is not None:
+                        return hit
             return self._local_copy(ns.name, key, geometry) is not None
 
         return exists
@@ -895,8 +964,9 @@ class Tiering:
         self.store.delete(session, keys)
         geometry = self._geometry(ns)
         for tier in self._local:
-            present |= {k for k in keys
-                        if self._copy_in(tier, ns.name, k, geometry) is not None}
+            present |= {k for k, length in zip(keys, self._copies_in(tier, ns.name, keys,
+                                                                     geometry), strict=True)
+                        if length is not None}
             tier.remove(ns.name, keys)
         found = await self._drop_lower(ns.name, {t: keys for t in self._remote}, geometry)
         for there in found.values():

@@ -23,7 +23,8 @@ return an :class:`SsdEntry` made on demand: a snapshot, kept by nobody after
 the call.  (docs/decisions.md, "The SSD tier's bookkeeping in columns".)
 
 Threading: one lock guards the in-memory state; no I/O happens under it.
-``find``/``remove``/``stats`` are O(keys) and safe on the event loop;
+``find``/``find_many``/``length_of_many``/``remove``/``stats`` are O(keys) and safe on the
+event loop (``find_many`` and ``length_of_many`` look a batch of keys up in one native call);
 ``write``/``sync``/``read_into``/``open``/``flush_frees`` block and run on
 worker threads.  A slot being written is owned by its writer (``BUSY``); an
 entry being read has ``readers > 0`` and is neither evicted nor reused until
@@ -51,7 +52,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -459,6 +460,14 @@ class SsdTier:
                     return i, sid, f
             i = (i + 1) & mask
 
+    def _find_slots(self, nsid: int, keys: Sequence[bytes]) -> np.ndarray:
+        """The slot id of each key of namespace ``nsid`` in the index, or -1 (lock held):
+        what ``_probe`` finds, for every key in one native call (``_accel.ssd_find_slots``:
+        the same hash, the same confirmation against the slot-table mirror)."""
+        return np.frombuffer(_accel.ssd_find_slots(
+            self._buckets, [f.table for f in self._by_base], self._bases, keys,
+            self._ns_bytes[nsid]), dtype=np.int64)
+
     def _insert(self, sid: int, h: int) -> None:
         """Put a slot id known to be absent, its key hash ``h``, into the index (lock
         held)."""
@@ -828,6 +837,46 @@ class SsdTier:
         if geometry is not None and (block_bytes, mhash) != geometry:
             return None
         return int(length)
+
+    def find_many(self, namespace: str, keys: Sequence[bytes], block_bytes: int,
+                  mhash: int) -> list[SsdEntry | None]:
+        """``find`` of each key: one index lookup for them all (one native call, one
+        hold of the lock)."""
+        with self._lock:
+            i = self._ns_ids.get(namespace)
+            if i is None or not keys:
+                return [None] * len(keys)
+            found = [None if sid < 0 else self._entry_at(*self._locate(sid))
+                     for sid in self._find_slots(i, keys).tolist()]
+        return [e if e is not None and (e.block_bytes, e.model_hash) == (block_bytes, mhash)
+                else None for e in found]
+
+    def length_of_many(self, namespace: str, keys: Sequence[bytes],
+                   geometry: tuple[int, int] | None = None) -> list[int | None]:
+        """``length_of`` of each key: one index lookup for them all (one native call),
+        the lengths and geometries read from the slot tables vectorised, no entry made.
+        O(keys), loop-safe: what the tiering asks about a batch of keys below DRAM."""
+        lengths = np.full(len(keys), -1, np.int64)
+        with self._lock:
+            i = self._ns_ids.get(namespace)
+            if i is None or not keys:
+                return [None] * len(keys)
+            sids = self._find_slots(i, keys)
+            hit = np.flatnonzero(sids >= 0)
+            if hit.size:
+                files = self._by_base
+                at = (np.zeros(len(hit), np.int64) if len(files) == 1 else np.searchsorted(
+                    np.array(self._bases, np.int64), sids[hit], side="right") - 1)
+                for k in ([0] if len(files) == 1 else np.unique(at).tolist()):
+                    f = files[k]
+                    sel = hit if len(files) == 1 else hit[at == k]
+                    rows = f.rows()[sids[sel] - f.base]  # (a copy of just those rows)
+                    ok = np.ones(len(sel), bool)
+                    if geometry is not None:
+                        ok = ((rows["block_bytes"] == geometry[0])
+                              & (rows["model_hash"] == geometry[1]))
+                    lengths[sel[ok]] = rows["length"][ok].astype(np.int64)
+        return [None if n < 0 else n for n in lengths.tolist()]
 
     def remove(self, namespace: str, keys: Iterable[bytes]) -> int:
         """Forget keys (delete); their FREE entries reach the disk at the next ``flush_frees``."""
