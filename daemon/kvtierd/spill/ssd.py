@@ -101,6 +101,14 @@ KEY_AT: Final = fmt.KEY_AT
 ENTRY_SUM_AT: Final = fmt.ENTRY_SUM_AT
 #: An entry's length, checksum, block_bytes and model hash (at byte 8 of the entry).
 _FIELDS: Final = struct.Struct("<QQQQ")
+#: The same fields as u64 words of an entry (``length_of_many`` reads them vectorised).
+_ROW_WORDS: Final = ENTRY_BYTES // 8
+_LENGTH_WORD: Final = 1  # (bytes 8, 24 and 32 of the entry: fmt.ENTRY_DTYPE)
+_BLOCK_BYTES_WORD: Final = 3
+_MODEL_HASH_WORD: Final = 4
+assert fmt.ENTRY_DTYPE.fields is not None and [
+    fmt.ENTRY_DTYPE.fields[name][1] for name in ("length", "block_bytes", "model_hash")
+] == [8 * _LENGTH_WORD, 8 * _BLOCK_BYTES_WORD, 8 * _MODEL_HASH_WORD]
 
 
 def key_hash(ns: bytes, key: bytes) -> int:
@@ -865,17 +873,24 @@ class SsdTier:
             hit = np.flatnonzero(sids >= 0)
             if hit.size:
                 files = self._by_base
-                at = (np.zeros(len(hit), np.int64) if len(files) == 1 else np.searchsorted(
-                    np.array(self._bases, np.int64), sids[hit], side="right") - 1)
-                for k in ([0] if len(files) == 1 else np.unique(at).tolist()):
-                    f = files[k]
-                    sel = hit if len(files) == 1 else hit[at == k]
-                    rows = f.rows()[sids[sel] - f.base]  # (a copy of just those rows)
-                    ok = np.ones(len(sel), bool)
+                if len(files) == 1:
+                    groups = [(files[0], hit)]
+                else:  # slot ids to files, then each file's hits at once
+                    at = np.searchsorted(np.array(self._bases, np.int64), sids[hit],
+                                         side="right") - 1
+                    groups = [(files[k], hit[at == k]) for k in np.unique(at).tolist()]
+                for f, sel in groups:
+                    # The entries as rows of u64 (a view): just the fields wanted gathered.
+                    words = np.frombuffer(f.table, "<u8", count=f.n_slots * _ROW_WORDS
+                                          ).reshape(f.n_slots, _ROW_WORDS)
+                    slots = sids[sel] - f.base
+                    got = words[slots, _LENGTH_WORD].astype(np.int64)
                     if geometry is not None:
-                        ok = ((rows["block_bytes"] == geometry[0])
-                              & (rows["model_hash"] == geometry[1]))
-                    lengths[sel[ok]] = rows["length"][ok].astype(np.int64)
+                        ok = ((words[slots, _BLOCK_BYTES_WORD] == geometry[0])
+                              & (words[slots, _MODEL_HASH_WORD] == geometry[1]))
+                        sel, got = sel[ok], got[ok]
+                    lengths[sel] = got
+                    del words
         return [None if n < 0 else n for n in lengths.tolist()]
 
     def remove(self, namespace: str, keys: Iterable[bytes]) -> int:
