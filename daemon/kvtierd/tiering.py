@@ -472,6 +472,17 @@ class Tiering:
                     held[i] = None
         return held
 
+    def _local_tiers(self, namespace: str, keys: Sequence[bytes],
+                     geometry: Geometry | None) -> list[int]:
+        """The fastest local tier holding each key (its ``tier`` number), 0 for none:
+        ``_local_copies`` without the lengths (one ``held_many`` a tier; loop-safe)."""
+        if len(self._local) == 1:
+            only = self._local[0].tier
+            return [0 if length is None else only
+                    for length in self._copies_in(self._local[0], namespace, keys, geometry)]
+        return [0 if copy is None else copy[0].tier
+                for copy in self._local_copies(namespace, keys, geometry)]
+
     def _local_copies(self, namespace: str, keys: Sequence[bytes],
                       geometry: Geometry | None) -> list[tuple[Tier, int] | None]:
         """``_local_copy`` of each key: each local tier asked once, about the keys the
@@ -523,45 +534,39 @@ class Tiering:
         """The tier of each key of the longest prefix some tier holds (fastest tier wins)."""
         tiers: list[int] = []
         geometry = self._geometry(ns)
-        in_dram = ns.index.find(keys).tolist() if keys else []  # one batch lookup
-        # The local tiers' copies of the keys DRAM lacks, from the first such key on: one
-        # batch lookup per local tier (asked again after an await: the answers may have
-        # changed meanwhile).
-        local: list[tuple[Tier, int] | None] = [None] * len(keys)
-        asked = False
+        in_dram = (ns.index.find(keys) != 0 if keys  # one batch lookup
+                   else np.zeros(0, bool))
+        name, n = ns.name, len(keys)
         i = 0
-        while i < len(keys):
-            key = keys[i]
-            if (ns.name, key) in self._deleting:
-                break
-            if in_dram[i]:
-                tiers.append(TIER_DRAM)
-                i += 1
-                continue
-            if not asked:
-                below = [k for k in range(i, len(keys)) if not in_dram[k]]
-                for k, copy in zip(below, self._local_copies(
-                        ns.name, [keys[k] for k in below], geometry), strict=True):
-                    local[k] = copy
-                asked = True
-            copy = local[i]
-            if copy is not None:
-                tiers.append(copy[0].tier)
-                i += 1
-                continue
-            if not self._remote:
-                break
+        while i < n:
+            # The walk from key i, in batches: it ends at a key being deleted (hidden);
+            # the local tiers are asked once about every key DRAM lacks up to there
+            # (``_local_tiers``: one ``held_many`` a tier).  Asked again after an await
+            # on a remote tier: the answers may have changed meanwhile.
+            end = n
+            if self._deleting:
+                deleting = self._deleting
+                end = next((k for k in range(i, n) if (name, keys[k]) in deleting), n)
+            walk = np.where(in_dram[i:end], TIER_DRAM, 0)  # 0: no tier known to hold it
+            below = np.flatnonzero(walk == 0)
+            if len(below):
+                first, last = i + int(below[0]), i + int(below[-1])
+                asked = (keys[first : last + 1] if last - first + 1 == len(below)
+                         else [keys[i + k] for k in below.tolist()])  # (a run: a slice)
+                walk[below] = self._local_tiers(name, asked, geometry)
+            zeros = np.flatnonzero(walk == 0)
+            held = int(zeros[0]) if len(zeros) else len(walk)
+            tiers.extend(walk[:held].tolist())
+            if held == len(walk) or not self._remote:
+                break  # the end, a key being deleted, or one no tier holds
             # The run of keys only a remote tier can hold: asked off the loop, in one go.
-            j = i + 1
-            while (j < len(keys) and not in_dram[j] and local[j] is None
-                   and (ns.name, keys[j]) not in self._deleting):
-                j += 1
-            found = await self._locate_remote_async(ns.name, list(keys[i:j]), geometry)
-            asked = False
+            after = np.flatnonzero(walk[held:] != 0)
+            start, stop = i + held, i + (held + int(after[0]) if len(after) else len(walk))
+            found = await self._locate_remote_async(name, list(keys[start:stop]), geometry)
             tiers.extend(found)
-            if len(found) < j - i:
+            if len(found) < stop - start:
                 break
-            i = j
+            i = stop
         return tiers
 
     async def _prefetch(self, ns: Namespace, keys: list[bytes], tiers: list[int]) -> None:
