@@ -125,6 +125,8 @@ MAX_QUEUED_PREFETCHES: Final = 256
 EVICT_CHUNK: Final = 1024
 #: DRAM blocks a drain inspects per event-loop step while it collects its blocks.
 DRAIN_COLLECT_CHUNK: Final = 4096
+#: DRAM blocks per batch lookup below when marking them CLEAN after a restart.
+MARK_CLEAN_BATCH: Final = 4096
 #: Entries of a drain's pending list one demoter plan may inspect (bounded work
 #: per plan; settled entries leave the list, so the scan rarely gets this far).
 DRAIN_SCAN_LIMIT: Final = 4096
@@ -419,10 +421,12 @@ class Tiering:
         for ns in self.store.namespaces.values():
             geometry = self._geometry(ns)
             blocks = list(ns.index.values())
-            copies = self._local_copies(ns.name, [b.key for b in blocks], geometry)
-            for block, copy in zip(blocks, copies, strict=True):
-                if copy is not None and copy[1] == block.length:
-                    self.store.set_lower(block, Lower.CLEAN)
+            for at in range(0, len(blocks), MARK_CLEAN_BATCH):  # (a batch lookup each)
+                chunk = blocks[at : at + MARK_CLEAN_BATCH]
+                copies = self._local_copies(ns.name, [b.key for b in chunk], geometry)
+                for block, copy in zip(chunk, copies, strict=True):
+                    if copy is not None and copy[1] == block.length:
+                        self.store.set_lower(block, Lower.CLEAN)
 
     def _fault(self, tier: str, kind: str, n: int = 1) -> None:
         self.counters.faults[f"{tier}/{kind}"] += n

@@ -448,3 +448,21 @@ def test_batch_lookups_of_thousands_of_keys_over_many_files(tier: SsdTier) -> No
     assert tier.length_of_many("a", asked, (8192, 8)) == [None] * len(asked)
     assert tier.find_many("b", asked, 8192, 7) == [None] * len(asked)
     assert tier.find_many("a", [], 8192, 7) == [] and tier.length_of_many("a", []) == []
+
+
+def test_batch_lookups_go_to_the_native_call_in_pieces(
+        tier: SsdTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch larger than FIND_BATCH is looked up a piece at a time, same answers."""
+    keys = [b"p%d" % i for i in range(40)]
+    for k in keys[::3]:
+        _write(tier, "a", k, k)
+    want = tier.length_of_many("a", keys)
+    calls: list[int] = []
+    real = ssd_mod._accel.ssd_find_slots
+    monkeypatch.setattr(ssd_mod, "FIND_BATCH", 7)
+    monkeypatch.setattr(ssd_mod._accel, "ssd_find_slots",
+                        lambda b, t, s, ks, ns: (calls.append(len(ks)), real(b, t, s, ks, ns))[1])
+    assert tier.length_of_many("a", keys) == want
+    assert [e is not None for e in tier.find_many("a", keys, 8192, 7)] == [
+        n is not None for n in want]
+    assert calls == [7, 7, 7, 7, 7, 5] * 2 and sum(n is not None for n in want) == 14

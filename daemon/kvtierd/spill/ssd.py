@@ -87,6 +87,9 @@ INDEXED: Final = 1  # committed and in the key index
 BUSY: Final = 2  # owned by a writer
 REMOVED: Final = 3  # out of the index, still being read: freed at its last reader
 
+#: Keys per native batch lookup (``_find_slots``): it copies each key's 193-byte field
+#: first, so a huge batch goes in pieces of a few MiB.
+FIND_BATCH: Final = 16384
 #: The key index starts with this many buckets, grows (doubles) above MAX_LOAD, and is
 #: rebuilt at most half full: probes stay short, 8 bytes a bucket is 11-21 bytes an entry.
 MIN_BUCKETS: Final = 1024
@@ -472,9 +475,14 @@ class SsdTier:
         """The slot id of each key of namespace ``nsid`` in the index, or -1 (lock held):
         what ``_probe`` finds, for every key in one native call (``_accel.ssd_find_slots``:
         the same hash, the same confirmation against the slot-table mirror)."""
-        return np.frombuffer(_accel.ssd_find_slots(
-            self._buckets, [f.table for f in self._by_base], self._bases, keys,
-            self._ns_bytes[nsid]), dtype=np.int64)
+        tables, ns = [f.table for f in self._by_base], self._ns_bytes[nsid]
+        if len(keys) <= FIND_BATCH:
+            return np.frombuffer(_accel.ssd_find_slots(self._buckets, tables, self._bases,
+                                                       keys, ns), dtype=np.int64)
+        return np.concatenate([  # (the call copies its keys: ~200 B a key at a time)
+            np.frombuffer(_accel.ssd_find_slots(self._buckets, tables, self._bases,
+                                                keys[at : at + FIND_BATCH], ns), np.int64)
+            for at in range(0, len(keys), FIND_BATCH)])
 
     def _insert(self, sid: int, h: int) -> None:
         """Put a slot id known to be absent, its key hash ``h``, into the index (lock
