@@ -26,6 +26,10 @@ def checksum(buf: _Buffer) -> int:
 def hash_rows(buf: _Buffer, stride: int, start: int, stop: int, seeds: _Buffer) -> bytes:
     """XXH3-64 of bytes [start, stop) of each stride-byte row of buf, row i seeded with seeds[i]."""
 
+def ssd_find_slots(buckets: _Buffer, tables: Sequence[_Buffer], bases: Sequence[int],
+                   keys: Sequence[_Buffer], namespace: _Buffer) -> bytes:
+    """The SSD tier's key index asked about many keys: one int64 per key, its slot id or -1."""
+
 def gather(dst: _Buffer, pieces: Iterable[_Buffer], threads: int = 0) -> int:
     """Copy the buffers of pieces back to back into the start of dst; return the total."""
 
