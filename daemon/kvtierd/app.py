@@ -93,6 +93,7 @@ class Daemon:
         if self.events is not None:
             self.tiering.watch(None)
             await self.events.stop()
+        await self.store.stop_growth()  # extents being made: done, and removed by drain
         await self.store.drain()
         self.store.close_all()
         if self._http is not None:
@@ -414,6 +415,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
                          if cfg.server.fast_path and shared_index.AVAILABLE else 0),
         )
         store.dram_quota_of = lambda name: cfg.access.quotas(name)[0]
+        store.grow_ahead = cfg.dram.grow_ahead
         store.on_forget = metrics.forget_namespace
         # Nothing is served yet, so recovery may block: READY comes after it.
         report = recover(store, cfg.dram.shm_dir, check=False)

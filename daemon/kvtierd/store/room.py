@@ -5,7 +5,9 @@ blocks (CLOCK), reclaim of other namespaces' extents, and retirement."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,7 +48,13 @@ _NO_REFS = np.zeros(0, dtype=np.uint64)
 #: ``victims`` calls one plan may make (each does bounded work; a short answer is
 #: asked again, and what is still short after these is not there to evict).
 VICTIM_ROUNDS = 4
-
+#: Growth ahead of need (``dram.grow_ahead``): a claim that leaves its namespace fewer
+#: free slots than the larger of what it took and this fraction of a full extent's
+#: slots starts one background growth to that mark (docs/decisions.md).
+GROW_AHEAD_FRACTION = 0.5
+#: Seconds growth ahead pauses (store-wide) after one failed: reserves still grow,
+#: and report the failure, themselves.
+GROW_AHEAD_RETRY = 10.0
 
 
 class Room(StoreBase):
@@ -58,7 +66,12 @@ class Room(StoreBase):
         blocks ``_take_slots`` chose are evicted into them), all or nothing: their refs
         and new generations.  With ``partial``, fewer (the free ones) rather than raise
         when no more room can be made now."""
-        free, victims, pinned = self._take_slots(ns, n, may_grow=may_grow, partial=partial)
+        try:
+            free, victims, pinned = self._take_slots(ns, n, may_grow=may_grow, partial=partial)
+        except _NeedExtent:
+            if partial:  # grants ahead: the writer's next reserve finds the extent (being) made
+                self._grow_ahead(ns, n)
+            raise
         # Applied: the table's calls below were validated by the plan (on the loop,
         # nothing changed since) and change every slot or none.
         vrefs = victims.refs
@@ -73,7 +86,10 @@ class Room(StoreBase):
             self._drop_from_index(ns, victims.keys)
             refs = np.concatenate([refs, vrefs])
             self._report_evicted(ns, victims)
-        return refs, ns.table.inspect(refs)["generation"]
+        gens = ns.table.inspect(refs)["generation"]
+        if self.grow_ahead:
+            self._grow_ahead(ns, n)
+        return refs, gens
 
     def _claim(self, ns: Namespace, n: int, *, may_grow: bool,
                partial: bool = False) -> list[tuple[Extent, int, int]]:
@@ -213,8 +229,11 @@ class Room(StoreBase):
         held = ns.extent_bytes() if quota else 0
         at_quota = bool(quota) and SegmentLayout.fit(ns.block_bytes, quota - held) is None
         may_grow = may_grow and not at_quota
-        # Room in the budget: grow rather than evict.
-        if may_grow and SegmentLayout.fit(ns.block_bytes, self.budget_free) is not None:
+        # Room in the budget, or an extent of this namespace being made (ahead of need, or
+        # for another reserve; its bytes are out of the budget already): grow, or wait
+        # for that growth, rather than evict.
+        if may_grow and (ns.grow_lock.locked()
+                         or SegmentLayout.fit(ns.block_bytes, self.budget_free) is not None):
             raise _NeedExtent(n)
         spill = self.spill_enabled
         self.note_reads(ns)  # blocks read without a call get their CLOCK bit first
@@ -335,50 +354,156 @@ class Room(StoreBase):
     async def _grow(self, ns: Namespace, need: int) -> bool:
         """Add extents to ``ns`` from the global budget until ``need`` slots are free.
 
-        File creation and pre-faulting run off the loop.  The budget and the
-        extent number are taken before (growths of other namespaces run
-        meanwhile) and given back when creation fails; a reserve cancelled
-        meanwhile gives them back too, and the file, once made, is removed.
-        Extents added before a failing one stay (capacity, not state).  False
-        when nothing could be added (the caller then evicts).  Free slots that a
-        client still reads without a call (hazards) are not free for this: a reserve
-        skips them, so counting them would end its growth rounds in an eviction
-        while the budget still had room.
+        One extent at a time (``_grow_one``), under the namespace's ``grow_lock``: a
+        growth ahead of need in flight finishes first, and what it added counts.
+        Extents added before a failing one stay (capacity, not state).  False when
+        nothing could be added (the caller then evicts).  Free slots that a client
+        still reads without a call (hazards) are not free for this: a reserve skips
+        them, so counting them would end its growth rounds in an eviction while the
+        budget still had room.
         """
         async with ns.grow_lock:
             while self._usable_free(ns) < need:
-                room = self.budget_free
-                quota = self.dram_quota_of(ns.name)
-                if quota:  # never grow past the namespace's DRAM quota
-                    room = min(room, quota - ns.extent_bytes())
-                layout = SegmentLayout.fit(ns.block_bytes, min(room, max(
-                    self.extent_size, SegmentLayout.one_slot_file_bytes(ns.block_bytes))))
-                if layout is None:
+                if not await self._grow_one(ns):
                     break
-                self.budget_free -= layout.file_bytes
-                index = ns.next_extent_index
-                ns.next_extent_index += 1
-                seg_id = next(self._segment_ids)
-                loop = asyncio.get_running_loop()
-                made = loop.run_in_executor(None, self._factory, ns, index, layout, seg_id)
-                try:
-                    segment = await asyncio.shield(made)
-                except BaseException as exc:
-                    self.budget_free += layout.file_bytes
-                    if made.done() and (made.cancelled() or made.exception() is not None):
-                        # Creation failed: nothing was made, its number is free again.
-                        if ns.next_extent_index == index + 1:
-                            ns.next_extent_index = index
-                    else:
-                        # Cancelled while the file is being made, or right after (before
-                        # this resumed): it is removed once made, and its number stays
-                        # taken, so no new extent reuses its name.
-                        made.add_done_callback(self._discard_made)
-                    if isinstance(exc, OSError):
-                        raise CapacityExhausted(f"could not create a DRAM extent: {exc}") from exc
-                    raise
-                self.add_extent(ns, segment)
             return self._usable_free(ns) > 0
+
+    def _next_layout(self, ns: Namespace) -> SegmentLayout | None:
+        """The next extent of ``ns``: ``extent_size`` (or one slot, if that is more), less
+        where the budget or the namespace's DRAM quota has less room; None: no room."""
+        room = self.budget_free
+        quota = self.dram_quota_of(ns.name)
+        if quota:  # never grow past the namespace's DRAM quota
+            room = min(room, quota - ns.extent_bytes())
+        return SegmentLayout.fit(ns.block_bytes, min(room, max(
+            self.extent_size, SegmentLayout.one_slot_file_bytes(ns.block_bytes))))
+
+    async def _grow_one(self, ns: Namespace) -> bool:
+        """Add one extent to ``ns`` (the caller holds ``ns.grow_lock``); False when the
+        budget or the quota has no room for one slot.
+
+        File creation and pre-faulting run off the loop.  The budget and the extent
+        number are taken before (growths of other namespaces run meanwhile) and given
+        back when creation fails; a caller cancelled meanwhile gives them back too,
+        and the file, once made, is removed.  A namespace dropped meanwhile (its last
+        session closed before it held an extent) gets nothing: the file goes and the
+        bytes come back.
+        """
+        layout = self._next_layout(ns)
+        if layout is None:
+            return False
+        self.budget_free -= layout.file_bytes
+        self.growing_bytes += layout.file_bytes
+        index = ns.next_extent_index
+        ns.next_extent_index += 1
+        seg_id = next(self._segment_ids)
+        loop = asyncio.get_running_loop()
+        made = loop.run_in_executor(None, self._factory, ns, index, layout, seg_id)
+        self._making.add(made)
+        made.add_done_callback(self._making.discard)
+        try:
+            segment = await asyncio.shield(made)
+        except BaseException as exc:
+            self.budget_free += layout.file_bytes
+            if made.done() and (made.cancelled() or made.exception() is not None):
+                # Creation failed: nothing was made, its number is free again.
+                if ns.next_extent_index == index + 1:
+                    ns.next_extent_index = index
+            else:
+                # Cancelled while the file is being made, or right after (before
+                # this resumed): it is removed once made, and its number stays
+                # taken, so no new extent reuses its name.
+                made.add_done_callback(self._discard_made)
+            if isinstance(exc, OSError):
+                raise CapacityExhausted(f"could not create a DRAM extent: {exc}") from exc
+            raise
+        finally:
+            self.growing_bytes -= layout.file_bytes
+        if self.namespaces.get(ns.name) is not ns:
+            self.budget_free += layout.file_bytes
+            self._discard_made(made)
+            return False
+        self.add_extent(ns, segment)
+        return True
+
+    # ------------------------------------------------ growth ahead of need
+    #: Set by the daemon (``dram.grow_ahead``); a store made without it grows only when
+    #: a reserve needs the room.
+    grow_ahead: bool = False
+    #: Extents made ahead of need so far.
+    grown_ahead: int = 0
+    #: Bytes of extents being made now (out of ``budget_free``, in no extent yet).
+    growing_bytes: int = 0
+    _ahead_paused_until: float = float("-inf")
+
+    @functools.cached_property
+    def _ahead(self) -> dict[Namespace, asyncio.Task[None]]:
+        """The growth ahead in flight, per namespace (at most one each)."""
+        return {}
+
+    @functools.cached_property
+    def _making(self) -> set[asyncio.Future[Segment]]:
+        """Extent creations in flight (``stop_growth`` waits for them)."""
+        return set()
+
+    def _grow_ahead(self, ns: Namespace, took: int) -> None:
+        """After a claim of ``took`` slots of ``ns``: when it left fewer free slots than
+        the larger of ``took`` (the next claim is likely as large) and
+        ``GROW_AHEAD_FRACTION`` of a full extent's, and the budget and the quota have
+        room, start one background growth to that mark (none while one is in flight).
+        It only ever takes unused budget: it never evicts nor reclaims, and a reserve
+        that needs room meanwhile waits for it (``grow_lock``) rather than evict."""
+        one_slot = SegmentLayout.one_slot_file_bytes(ns.block_bytes)
+        if not self.grow_ahead or ns in self._ahead or self.budget_free < one_slot:
+            return  # (DRAM full, the steady state: this much per claim)
+        full = SegmentLayout.fit(ns.block_bytes, max(self.extent_size, one_slot))
+        want = max(took, math.ceil((full.n_slots if full else 1) * GROW_AHEAD_FRACTION))
+        if (ns.free_slots() >= want or self._clock() < self._ahead_paused_until
+                or self.namespaces.get(ns.name) is not ns or self._next_layout(ns) is None):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a claim outside the loop (tests): nothing to run it on
+            return
+        task = loop.create_task(self._grow_ahead_to(ns, want), name=f"grow-ahead {ns.name}")
+        self._ahead[ns] = task
+        task.add_done_callback(functools.partial(self._grown, ns))
+
+    async def _grow_ahead_to(self, ns: Namespace, want: int) -> None:
+        """Grow ``ns`` an extent at a time until ``want`` slots are free, the budget or
+        the quota runs out, or growth ahead stops.  The lock is taken per extent: a
+        reserve waiting for it goes between two.  A failure pauses growth ahead."""
+        try:
+            while True:
+                async with ns.grow_lock:
+                    if (not self.grow_ahead or self.namespaces.get(ns.name) is not ns
+                            or self._usable_free(ns) >= want or not await self._grow_one(ns)):
+                        return
+                    self.grown_ahead += 1
+        except Exception as exc:
+            self._ahead_paused_until = self._clock() + GROW_AHEAD_RETRY
+            log.warning("growing namespace %r ahead of need failed: %s; its reserves grow it "
+                        "themselves, and growth ahead pauses for %.0f s", ns.name, exc,
+                        GROW_AHEAD_RETRY, exc_info=not isinstance(exc, CapacityExhausted),
+                        extra=event("grow_ahead_failed", namespace=ns.name, error=str(exc)))
+
+    def _grown(self, ns: Namespace, task: asyncio.Task[None]) -> None:
+        if self._ahead.get(ns) is task:
+            del self._ahead[ns]
+
+    async def stop_growth(self) -> None:
+        """At shutdown, before ``drain``: no growth ahead from now on; those in flight are
+        cancelled, and every extent being made (ahead, or for a reserve cancelled
+        meanwhile) is waited for, so that its removal is one ``drain`` waits for."""
+        self.grow_ahead = False
+        tasks = list(self._ahead.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._making:
+            await asyncio.wait(list(self._making))
+            await asyncio.sleep(0)  # their done callbacks (``_discard_made``) have run
 
     def _usable_free(self, ns: Namespace, pinned: Pinned | None = None) -> int:
         """Free slots of ``ns`` a reserve may take now (those under no hazard)."""
