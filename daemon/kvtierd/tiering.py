@@ -969,7 +969,8 @@ class Tiering:
 
     async def _delete(self, session: Session, keys: Sequence[bytes]) -> int:
         ns = session.ns
-        present = set(k for k in keys if k in ns.index)
+        present = ({keys[i] for i in np.flatnonzero(ns.index.find(keys)).tolist()}
+                   if keys else set())
         self.store.delete(session, keys)
         geometry = self._geometry(ns)
         for tier in self._local:

@@ -375,10 +375,12 @@ class Operations(Room):
         """Remove present keys; a leased block is hidden now and freed at its last release."""
         ns = session.ns
         keys = list(dict.fromkeys(keys))
-        refs = ns.index.find(keys) if keys else ()
-        blocks = [b for r in refs if r and (b := ns.block_at(int(r))) is not None]
-        self._delete_blocks(blocks)
-        return len(blocks)
+        refs = ns.index.find(keys) if keys else _NO_REFS
+        hit = np.flatnonzero(refs)
+        if len(hit):
+            ns.table.delete(refs[hit])  # all or nothing
+            ns.index.remove([keys[i] for i in hit.tolist()])
+        return len(hit)
 
     def drop_lost(self, segment: Segment, intact_bytes: int) -> list[Block]:
         """Forget the DRAM blocks of ``segment`` whose slots end past ``intact_bytes``.
