@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from kvtierd.store.types import Block, Namespace
 
 
+_SLOT_MASK = np.uint64(0xFFFF_FFFF)
+
+
 def _hashed(keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
     """Keys the table holds as a hash (not 16 bytes long): hits need the slot's check."""
     sizes = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
@@ -141,11 +144,11 @@ class Keys:
         extent, no Python object per block); ``keys`` are theirs, for the events."""
         ns = self._ns
         ids = refs >> np.uint64(32)
-        one = len(ids) and ids[0] == ids[-1] and (ids == ids[0]).all()
-        for ext_id in [int(ids[0])] if one else np.unique(ids).tolist():
+        first = int(refs[0]) >> 32 if len(refs) else 0
+        one = len(refs) == 1 or (len(refs) > 1 and bool((ids == first).all()))
+        for ext_id in [first] if one else np.unique(ids).tolist():
             ext = ns.by_id[ext_id]
-            at = np.flatnonzero(ids == ext_id)
-            slots = refs[at] & np.uint64(0xFFFF_FFFF)
+            slots = refs & _SLOT_MASK if one else refs[ids == ext_id] & _SLOT_MASK
             seg = ext.segment
             view = memoryview(seg.meta)[TABLE_OFFSET : TABLE_OFFSET
                                         + ext.n_slots * SLOT_ENTRY_BYTES]

@@ -45,6 +45,9 @@ from kvtierd.store.types import (
 log = logging.getLogger(__name__)
 
 _NO_REFS = np.zeros(0, dtype=np.uint64)
+# (plain ints: an IntEnum member costs a metaclass lookup and numpy a conversion)
+_RESERVED, _EXISTS, _IN_FLIGHT = (int(ReserveStatus.RESERVED), int(ReserveStatus.EXISTS),
+                                  int(ReserveStatus.IN_FLIGHT))
 
 
 def _u64_or_none(values: Sequence[int | None] | Sequence[int]) -> npt.NDArray[np.uint64] | None:
@@ -192,27 +195,25 @@ class Operations(Room):
                 if key in seen:
                     raise InvalidArgument(f"duplicate key at index {i}")
                 seen.add(key)
-        sizes = np.fromiter(map(len, keys), dtype=np.int64, count=n)
-        bad = np.flatnonzero((sizes <= 0) | (sizes > MAX_KEY_BYTES))  # the slot table's room
-        if len(bad):
-            i = int(bad[0])
+        if n and not 0 < min(map(len, keys)) <= max(map(len, keys)) <= MAX_KEY_BYTES:
+            i = next(i for i, k in enumerate(keys) if not 0 < len(k) <= MAX_KEY_BYTES)
             raise InvalidArgument(f"keys[{i}] is {len(keys[i])} bytes (1..{MAX_KEY_BYTES} "
-                                  "allowed)")
-        present = ns.index.find(keys) if n else np.zeros(0, dtype=np.uint64)
-        statuses = np.where(present != 0, ReserveStatus.EXISTS, ReserveStatus.RESERVED)
+                                  "allowed)")  # the slot table holds no more
+        present = (ns.index.find(keys) if n else _NO_REFS).tolist()
+        statuses = [_EXISTS if p else _RESERVED for p in present]
         if ns.in_flight and (flying := ns.in_flight.keys() & unique):
             for i, key in enumerate(keys):
                 if key in flying and not present[i]:
-                    statuses[i] = ReserveStatus.IN_FLIGHT
+                    statuses[i] = _IN_FLIGHT
         if exists is not None:
-            for i in np.flatnonzero(statuses == ReserveStatus.RESERVED).tolist():
-                if exists(keys[i]):
-                    statuses[i] = ReserveStatus.EXISTS
-        todo = np.flatnonzero(statuses == ReserveStatus.RESERVED)
-        if not len(todo):
-            return ReserveResult(0, statuses.tolist(), _NO_REFS, _NO_REFS, ns.block_bytes,
+            for i, st in enumerate(statuses):
+                if st == _RESERVED and exists(keys[i]):
+                    statuses[i] = _EXISTS
+        todo = [i for i, st in enumerate(statuses) if st == _RESERVED]
+        if not todo:
+            return ReserveResult(0, statuses, _NO_REFS, _NO_REFS, ns.block_bytes,
                                  ns.segments_version)
-        new_keys = list(keys) if len(todo) == n else [keys[i] for i in todo.tolist()]
+        new_keys = list(keys) if len(todo) == n else [keys[i] for i in todo]
         refs, gens = self._claim_refs(ns, len(new_keys), may_grow=may_grow)
         rid = next(self._ids)
         now = self._clock()
@@ -221,7 +222,7 @@ class Operations(Room):
         ns.in_flight.update(dict.fromkeys(new_keys, rid))
         session.reservations[rid] = res
         self._reservations[rid] = res
-        return ReserveResult(rid, statuses.tolist(), refs >> np.uint64(32),
+        return ReserveResult(rid, statuses, refs >> np.uint64(32),
                              self._offsets(ns, refs), ns.block_bytes, ns.segments_version)
 
     def commit(

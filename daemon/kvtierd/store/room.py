@@ -103,8 +103,9 @@ class Room(StoreBase):
         """Each ref's slot offset in its data file (what clients address)."""
         ids = refs >> np.uint64(32)
         out = (refs & np.uint64(0xFFFF_FFFF)) * np.uint64(ns.slot_bytes)
-        one = len(ids) and ids[0] == ids[-1] and (ids == ids[0]).all()
-        for ext_id in [int(ids[0])] if one else np.unique(ids).tolist():  # (recovered layouts)
+        first = int(refs[0]) >> 32 if len(refs) else 0
+        one = len(refs) == 1 or (len(refs) > 1 and bool((ids == first).all()))
+        for ext_id in [first] if one else np.unique(ids).tolist():  # (recovered layouts)
             slot_bytes = ns.by_id[ext_id].segment.layout.slot_bytes
             if slot_bytes != ns.slot_bytes:
                 at = ids == ext_id
