@@ -13,7 +13,15 @@ implementation, open an ``SsdTier`` over them and measure
   mapping (``mmap(-1)``): RssShmem, reported apart, the same in both;
 * the time ``open()`` takes (re-adoption: read and validate every table, index it);
 * ``find()`` of 4096 present keys, and the length of each (``SsdAdapter.held``: what
-  the tiering asks on the event loop for a key below DRAM), p50 of 20 rounds.
+  the tiering asked on the event loop, key by key, for the keys a lookup finds below
+  DRAM), p50 of 20 rounds;
+* where the module has them (this tree), the same 4096 keys asked at once:
+  ``find_many`` and ``SsdAdapter.held_many`` (one native call: what the tiering asks
+  now, once per lookup), in the same rounds as the per-key ``held``, on the same keys;
+  and the tiering's own lookup of 4096 keys that miss DRAM and hit the SSD tier
+  (``Tiering._locate`` over a DRAM index that holds none of them: one ``held_many``),
+  against the per-key walk it made before (``Tiering._local_copy`` a key: ``held``
+  through the adapter, key by key), the same keys in the same round.
 
 ``--impl before`` loads ``daemon/kvtierd/spill/ssd.py`` as of ``--before-ref`` (git;
 default ``main``) in place of the working tree's; both run against the same files, in
@@ -149,19 +157,75 @@ def child(root: str, impl: str, ref: str, n: int, capacity: int) -> dict[str, fl
         def held(k: bytes) -> object:
             e = tier.find(NAMESPACE, k, SLOT, mhash)
             return None if e is None else e.length
-    held_times = []
+    batched = hasattr(tier, "length_of_many")
+    if batched:  # (this tree) the batch lookups, through the adapter the tiering uses
+        from kvtierd.spill.tier import Geometry, SsdAdapter
+
+        adapter, geometry = SsdAdapter(tier), Geometry(SLOT, mhash)
+    held_times, many_times, find_many_times, locate_times, walk_times = [], [], [], [], []
+    if batched:
+        tiering, dram_miss, loop = _tiering_over(tier)
     for _ in range(20):
         keys = keys_of(int(rng.integers(0, max(1, n - 4096))), min(4096, n))
         t1 = time.perf_counter()
         hits = sum(held(k) is not None for k in keys)
         held_times.append(time.perf_counter() - t1)
         assert hits == len(keys)
+        if batched:
+            t1 = time.perf_counter()
+            lengths = adapter.held_many(NAMESPACE, keys, geometry)
+            many_times.append(time.perf_counter() - t1)
+            assert all(x == SLOT for x in lengths)
+            t1 = time.perf_counter()
+            entries = tier.find_many(NAMESPACE, keys, SLOT, mhash)
+            find_many_times.append(time.perf_counter() - t1)
+            assert all(e is not None for e in entries)
+            geometry_t = tiering._geometry(dram_miss)
+            t1 = time.perf_counter()
+            walk = [tiering._local_copy(NAMESPACE, k, geometry_t) for k in keys]
+            walk_times.append(time.perf_counter() - t1)
+            assert all(c is not None for c in walk)
+            t1 = time.perf_counter()
+            tiers = loop.run_until_complete(tiering._locate(dram_miss, keys))
+            locate_times.append(time.perf_counter() - t1)
+            assert len(tiers) == len(keys)
+    if batched:
+        tiering._pool.shutdown()
+        loop.close()
     tier.close()
-    return {"held_4096_p50_ms": statistics.median(held_times) * 1e3,"entries": n, "adopt_s": adopt_s, "anon_bytes": after - before,
-            "anon_per_entry": (after - before) / n,
-            "mirror_per_entry": mirror / n,
-            "shmem_per_entry": (shmem1 - shmem0) / n,
-            "find_4096_p50_ms": statistics.median(times) * 1e3}
+    row = {"entries": n, "adopt_s": adopt_s, "anon_bytes": after - before,
+           "anon_per_entry": (after - before) / n,
+           "mirror_per_entry": mirror / n,
+           "shmem_per_entry": (shmem1 - shmem0) / n,
+           "find_4096_p50_ms": statistics.median(times) * 1e3,
+           "held_4096_p50_ms": statistics.median(held_times) * 1e3}
+    if batched:
+        row["held_many_4096_p50_ms"] = statistics.median(many_times) * 1e3
+        row["find_many_4096_p50_ms"] = statistics.median(find_many_times) * 1e3
+        row["locate_4096_p50_ms"] = statistics.median(locate_times) * 1e3
+        row["walk_4096_p50_ms"] = statistics.median(walk_times) * 1e3
+    return row
+
+
+class _NoDram:
+    """A namespace's DRAM index that holds none of the keys asked."""
+
+    def find(self, keys: Any) -> np.ndarray:
+        return np.zeros(len(keys), np.uint64)
+
+
+def _tiering_over(tier: Any) -> tuple[Any, Any, Any]:
+    """A ``Tiering`` over the SSD tier alone, not started (its lookups need no store but
+    the namespace's DRAM index: ``_NoDram``), a namespace and an event loop."""
+    import asyncio
+    import types
+
+    from kvtierd.tiering import Tiering
+
+    tiering = Tiering(types.SimpleNamespace(), ssd=tier, io_threads=1)  # type: ignore[arg-type]
+    ns = types.SimpleNamespace(name=NAMESPACE, block_bytes=SLOT, model_uid="bench",
+                               index=_NoDram())
+    return tiering, ns, asyncio.new_event_loop()
 
 
 def main() -> None:
@@ -199,7 +263,13 @@ def main() -> None:
                       f"anon (+ the slot-table mirror, {row['mirror_per_entry']:.0f} B, "
                       f"RssShmem {row['shmem_per_entry']:.0f}), adoption "
                       f"{row['adopt_s']:6.2f} s, find x4096 p50 "
-                      f"{row['find_4096_p50_ms']:.2f} ms, held x4096 {row['held_4096_p50_ms']:.2f} ms",
+                      f"{row['find_4096_p50_ms']:.2f} ms, held x4096 "
+                      f"{row['held_4096_p50_ms']:.2f} ms" + (
+                          f"; at once: held_many {row['held_many_4096_p50_ms']:.2f} ms, "
+                          f"find_many {row['find_many_4096_p50_ms']:.2f} ms; tiering lookup "
+                          f"past DRAM {row['locate_4096_p50_ms']:.2f} ms (key by key "
+                          f"{row['walk_4096_p50_ms']:.2f} ms)"
+                          if "held_many_4096_p50_ms" in row else ""),
                       flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)

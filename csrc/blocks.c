@@ -1923,14 +1923,19 @@ victims_clock(vjob *v, uint64_t *out, Py_ssize_t n)
     while (got < n && v->budget > 0) {
         kvt_rec *r = &e->rec[s];
         v->budget--;
-        if (eligible(v, e, s)) {
-            if (r->bits & R_REF) {
+        int elig = eligible(v, e, s);
+        if (r->bits & R_REF) {
+            /* The hand passing takes an unpinned block's second chance, DIRTY ones
+             * included (with spill they are not eligible until demoted, and demotion
+             * picks blocks without their bit first): else a block read once would stay
+             * in DRAM for good while unread ones stream past it. */
+            if (elig || (v->spill && r->state == KVT_ST_COMMITTED && r->pins == 0
+                         && rec_lower(r) == KVT_LOWER_DIRTY))
                 r->bits &= (uint8_t)~R_REF;
-            }
-            else {
-                r->bits |= R_CHOSEN;
-                out[got++] = ref_of(e, s);
-            }
+        }
+        else if (elig) {
+            r->bits |= R_CHOSEN;
+            out[got++] = ref_of(e, s);
         }
         if (++s == e->n_slots) {
             s = 0;
@@ -2091,7 +2096,8 @@ PyDoc_STRVAR(bt_victims_doc,
 "not named in skip (refs or hazard words).  policy 0: sampled LRU, each\n"
 "victim the least recently accessed (persisted last access) of `sample`\n"
 "(1..64) random eligible slots, with pool a pool of 16 candidates kept\n"
-"across calls; policy 1: CLOCK (the hand clears reference bits and takes\n"
+"across calls; policy 1: CLOCK (the hand clears the reference bits of the\n"
+"eligible slots it passes, with spill of the unpinned DIRTY ones too, and takes\n"
 "the first eligible slot without one).  Changes nothing but the policy's own\n"
 "state: the caller evicts them (evict()).  Returns refs (bytes of uint64),\n"
 "distinct; fewer than n when fewer are eligible or the call's work bound\n"
@@ -2226,6 +2232,75 @@ bt_inspect(BlockTable *t, PyObject *arg)
         st64(row + 8, ld64(entry_of(e, b.locs[i].slot) + KVT_SLOT_GENERATION));
     }
     tunlock(t);
+    batch_free(&b);
+    return out;
+}
+
+PyDoc_STRVAR(bt_entries_doc,
+"entries($self, refs, /)\n--\n\n"
+"Each ref's persisted slot entry, as (keys, rows): keys a list of bytes (the\n"
+"entry's key, its length clamped to 64), rows bytes of 40-byte rows: u64\n"
+"length, u64 checksum, u64 generation, u64 last access, u8 state, u8 flags\n"
+"(1: has a checksum), 6 bytes 0 (block_table.ENTRY_DTYPE).  What handles and\n"
+"eviction plans read in one call instead of one slot table read per block.\n"
+"ValueError for a ref naming no slot.");
+
+static PyObject *
+bt_entries(BlockTable *t, PyObject *arg)
+{
+    kvt_batch b;
+    PyObject *rows = NULL, *keys = NULL, *out = NULL;
+    uint8_t *keybuf = NULL;
+    uint8_t *row;
+    Py_ssize_t i;
+
+    if (ready(t) < 0 || batch_copy(arg, &b) < 0)
+        return NULL;
+    rows = PyBytes_FromStringAndSize(NULL, b.n * 40);
+    keybuf = PyMem_Malloc((size_t)(b.n > 0 ? b.n : 1) * (KVT_SLOT_MAX_KEY + 1));
+    if (rows == NULL || keybuf == NULL) {
+        if (keybuf == NULL)
+            PyErr_NoMemory();
+        goto done;
+    }
+    row = (uint8_t *)PyBytes_AS_STRING(rows);
+    tlock(t);
+    if (resolve(t, b.refs, b.n, b.locs, "refs") < 0) {
+        tunlock(t);
+        goto done;
+    }
+    for (i = 0; i < b.n; i++) {
+        const uint8_t *p = entry_of(b.locs[i].e, b.locs[i].slot);
+        uint8_t *r = row + 40 * i;
+        uint8_t kl = p[KVT_SLOT_KEY_LEN];
+        if (kl > KVT_SLOT_MAX_KEY)
+            kl = KVT_SLOT_MAX_KEY;
+        keybuf[(size_t)i * (KVT_SLOT_MAX_KEY + 1)] = kl;
+        memcpy(keybuf + (size_t)i * (KVT_SLOT_MAX_KEY + 1) + 1, p + KVT_SLOT_KEY, kl);
+        st64(r, ld64(p + KVT_SLOT_LENGTH));
+        st64(r + 8, ld64(p + KVT_SLOT_CHECKSUM));
+        st64(r + 16, ld64(p + KVT_SLOT_GENERATION));
+        st64(r + 24, ld64(p + KVT_SLOT_LAST_ACCESS));
+        r[32] = p[KVT_SLOT_STATE];
+        r[33] = p[KVT_SLOT_FLAGS] & KVT_SLOT_HAS_CHECKSUM;
+        memset(r + 34, 0, 6);
+    }
+    tunlock(t);
+    keys = PyList_New(b.n);
+    if (keys == NULL)
+        goto done;
+    for (i = 0; i < b.n; i++) {
+        const uint8_t *k = keybuf + (size_t)i * (KVT_SLOT_MAX_KEY + 1);
+        PyObject *key = PyBytes_FromStringAndSize((const char *)k + 1, k[0]);
+        if (key == NULL)
+            goto done;
+        PyList_SET_ITEM(keys, i, key);
+    }
+    out = PyTuple_Pack(2, keys, rows);
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(rows);
+    PyMem_Free(keybuf);
     batch_free(&b);
     return out;
 }
@@ -2653,6 +2728,7 @@ static PyMethodDef bt_methods[] = {
     M("committed", bt_committed, METH_O),
     M("rescale_access", bt_rescale_access, METH_O),
     M("match_keys", bt_match_keys, METH_VARARGS),
+    M("entries", bt_entries, METH_O),
     M("extents", bt_extents, METH_NOARGS),
     M("check", bt_check, METH_NOARGS),
     {NULL, NULL, 0, NULL},

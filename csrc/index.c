@@ -8,6 +8,7 @@
  *   index_set_many(buf, keys, tier, start, locs=None)  index_set of keys[start:] (ref 0)
  *                                           until one finds the table full: (stopped at, skipped)
  *   index_remove(buf, key)                  True if the key was there
+ *   index_remove_many(buf, keys)            1 per key that was there (bytes)
  *   index_get(buf, key)                     (tier, ref) or None
  *   index_locate(buf, key)                  (segment, slot, offset, length, checksum) or None
  *   index_lookup(buf, keys, stats=None)     (tiers of the leading hits, final) or None
@@ -509,6 +510,48 @@ kvt_py_index_remove(PyObject *Py_UNUSED(m), PyObject *args)
         }
         ret = PyBool_FromLong(e != NULL);
     }
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
+PyObject *
+kvt_py_index_remove_many(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf;
+    PyObject *keys_obj, *seq = NULL, *ret = NULL;
+    if (!PyArg_ParseTuple(args, "w*O:index_remove_many", &buf, &keys_obj))
+        return NULL;
+    table t;
+    if (open_table(&buf, &t) < 0)
+        goto done;
+    seq = PySequence_Fast(keys_obj, "keys must be a sequence of bytes");
+    if (seq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (out == NULL)
+        goto done;
+    char *hit = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer key;
+        if (get_key(items[i], &key) < 0) {
+            Py_DECREF(out);
+            goto done;
+        }
+        fingerprint f = fp_of(key.buf, (size_t)key.len);
+        PyBuffer_Release(&key);
+        idx_entry *slot;
+        idx_entry *e = w_find(&t, &f, &slot);
+        if (e != NULL) {
+            entry_write(e, E_TOMB, 0, NULL, 0, &NO_LOCATION);
+            t.h->live--;
+        }
+        hit[i] = (char)(e != NULL);
+    }
+    ret = out;
+done:
+    Py_XDECREF(seq);
     PyBuffer_Release(&buf);
     return ret;
 }

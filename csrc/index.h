@@ -70,6 +70,7 @@ PyObject *kvt_py_index_format(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_set(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_set_many(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_remove(PyObject *m, PyObject *args);
+PyObject *kvt_py_index_remove_many(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_get(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_lookup(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_locate(PyObject *m, PyObject *args);

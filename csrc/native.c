@@ -10,6 +10,9 @@
  *                                    and return their XXH3-64s, in one pass
  *   pwrite_full(fd, buf, offset, threads=0)  write all of buf at offset
  *   pread_full(fd, buf, offset, threads=0)   fill buf from offset (short at EOF)
+ *   hash_rows(buf, stride, start, stop, seeds)  XXH3-64 of a slice of each row
+ *   ssd_find_slots(buckets, tables, bases, keys, namespace)  the SSD tier's key
+ *                                    index asked about many keys in one call
  *
  *   install_fault_guard()            turn a SIGBUS in the calls above into OSError
  *   fault_guard_installed()          whether install_fault_guard() has run
@@ -1839,6 +1842,307 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------------- */
+/* The SSD tier's key index (kvtierd/spill/ssd.py), many keys in one call     */
+/* ------------------------------------------------------------------------- */
+
+/* The slot-table entry (kvtierd/spill/format.py): 256 bytes; byte 1 the key's length,
+ * byte 2 the namespace's; the key zero-padded to 64 bytes at 48, the namespace
+ * zero-padded to 128 right after it.  The index hashes those 192 bytes (XXH3-64,
+ * seeded with key_len | ns_len << 8: ssd.key_hash, the hash_rows of a re-adoption). */
+#define KVT_SSD_ENTRY ((size_t)256)
+#define KVT_SSD_KEY_AT ((size_t)48)
+#define KVT_SSD_MAX_KEY ((size_t)64)
+#define KVT_SSD_NAME ((size_t)128)
+#define KVT_SSD_FIELD (KVT_SSD_MAX_KEY + KVT_SSD_NAME)
+
+/* Below this many keys the call keeps the GIL (a probe is ~0.1 us). */
+#define KVT_SSD_NOGIL_KEYS 64
+
+/* One spill file: its slot-table mirror (n_rows whole entries) and its first slot id. */
+typedef struct {
+    const unsigned char *rows;
+    uint64_t n_rows;
+    uint64_t base;
+} kvt_ssd_file;
+
+/* The slot-table entry a bucket word names, its slot id in *sid; NULL when the word
+ * names no slot of a file (slot id 0 - 1, before the first file, past a file's whole
+ * rows): whatever the word holds, never a pointer out of the tables. */
+static const unsigned char *
+kvt_ssd_row(const kvt_ssd_file *files, size_t n_files, uint64_t v, uint64_t *sid)
+{
+    size_t lo = 0, hi = n_files;
+    uint64_t slot;
+
+    if ((v & 0xffffffffu) == 0)
+        return NULL;
+    *sid = (v & 0xffffffffu) - 1;
+    while (lo < hi) { /* the last file whose base <= sid */
+        size_t mid = lo + (hi - lo) / 2;
+
+        if (files[mid].base <= *sid)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == 0)
+        return NULL;
+    slot = *sid - files[lo - 1].base;
+    if (slot >= files[lo - 1].n_rows)
+        return NULL;
+    return files[lo - 1].rows + slot * KVT_SSD_ENTRY;
+}
+
+/* Whether an entry holds the key and namespace of field (both lengths, then the padded
+ * field in one comparison, as SsdTier._probe confirms). */
+static inline int
+kvt_ssd_holds(const unsigned char *row, const unsigned char *field, unsigned klen,
+              unsigned nlen)
+{
+    return row[1] == klen && row[2] == nlen
+           && memcmp(row + KVT_SSD_KEY_AT, field, KVT_SSD_FIELD) == 0;
+}
+
+/* Linear probing for tag from bucket *at, *probes made so far: the entry of the next
+ * word with the tag that names one (*at its bucket, *sid its slot id), or NULL at an
+ * empty bucket or once every bucket was probed (a full table still ends). */
+static const unsigned char *
+kvt_ssd_next(const unsigned char *buckets, uint64_t mask, const kvt_ssd_file *files,
+             size_t n_files, uint64_t tag, uint64_t *at, uint64_t *probes, uint64_t *sid)
+{
+    for (; *probes <= mask; ++*probes, *at = (*at + 1) & mask) {
+        const unsigned char *row;
+        uint64_t v;
+
+        memcpy(&v, buckets + 8 * *at, 8);
+        if (v == 0)
+            return NULL;
+        if (v >> 32 != tag)
+            continue;
+        row = kvt_ssd_row(files, n_files, v, sid);
+        if (row != NULL)
+            return row;
+    }
+    return NULL;
+}
+
+/* Keys per round of kvt_ssd_find_many: their home buckets, then their candidates'
+ * entries, are prefetched together, so the cache misses of a round overlap (the
+ * buckets and tables are far larger than the caches: a miss each, ~100 ns). */
+#define KVT_SSD_ROUND 16
+
+/* The slot id of each key, or -1, into out (one int64 a key).  fields: n records of
+ * KVT_SSD_FIELD + 1 bytes, a key's padded field (key + namespace) and then its length
+ * (0: not a valid key, a miss).  buckets: n_buckets (a power of two) words, each the
+ * key hash's upper half over slot id + 1 (0: empty), linear probing from the upper
+ * half's low bits; files: ascending by base. */
+static void
+kvt_ssd_find_many(const unsigned char *buckets, uint64_t n_buckets, const kvt_ssd_file *files,
+                  size_t n_files, const unsigned char *fields, size_t n, unsigned nlen,
+                  char *out)
+{
+    uint64_t mask = n_buckets - 1;
+
+    for (size_t first = 0; first < n; first += KVT_SSD_ROUND) {
+        size_t m = n - first < KVT_SSD_ROUND ? n - first : KVT_SSD_ROUND;
+        uint64_t tag[KVT_SSD_ROUND], at[KVT_SSD_ROUND], probes[KVT_SSD_ROUND],
+            sid[KVT_SSD_ROUND];
+        const unsigned char *row[KVT_SSD_ROUND];
+
+        for (size_t j = 0; j < m; j++) { /* hash, prefetch the home bucket */
+            const unsigned char *field = fields + (first + j) * (KVT_SSD_FIELD + 1);
+            unsigned klen = field[KVT_SSD_FIELD];
+
+            probes[j] = 0;
+            at[j] = tag[j] = 0;
+            if (klen == 0)
+                continue;
+            tag[j] = XXH3_64bits_withSeed(field, KVT_SSD_FIELD, klen | nlen << 8) >> 32;
+            at[j] = tag[j] & mask;
+            __builtin_prefetch(buckets + 8 * at[j]);
+        }
+        for (size_t j = 0; j < m; j++) { /* the first candidate, prefetch its entry */
+            const unsigned char *field = fields + (first + j) * (KVT_SSD_FIELD + 1);
+
+            row[j] = field[KVT_SSD_FIELD] == 0 ? NULL
+                     : kvt_ssd_next(buckets, mask, files, n_files, tag[j], &at[j], &probes[j],
+                                    &sid[j]);
+            if (row[j] != NULL) {
+                __builtin_prefetch(row[j]);
+                __builtin_prefetch(row[j] + 64);
+                __builtin_prefetch(row[j] + 128);
+                __builtin_prefetch(row[j] + 192);
+            }
+        }
+        for (size_t j = 0; j < m; j++) { /* confirm, or probe on (tags collided: rare) */
+            const unsigned char *field = fields + (first + j) * (KVT_SSD_FIELD + 1);
+            unsigned klen = field[KVT_SSD_FIELD];
+            const unsigned char *r = row[j];
+            int64_t found = -1;
+
+            while (r != NULL) {
+                if (kvt_ssd_holds(r, field, klen, nlen)) {
+                    found = (int64_t)sid[j];
+                    break;
+                }
+                probes[j]++;
+                at[j] = (at[j] + 1) & mask;
+                r = kvt_ssd_next(buckets, mask, files, n_files, tag[j], &at[j], &probes[j],
+                                 &sid[j]);
+            }
+            memcpy(out + 8 * (first + j), &found, 8);
+        }
+    }
+}
+
+PyDoc_STRVAR(py_ssd_find_slots_doc,
+"ssd_find_slots($module, buckets, tables, bases, keys, namespace)\n"
+"--\n"
+"\n"
+"Look many keys of one namespace up in the SSD tier's key index; return\n"
+"bytes, one native-endian int64 per key: the slot id holding it, or -1.\n"
+"\n"
+"buckets is the index (a C-contiguous buffer of native-endian uint64, a\n"
+"power of two of them: each the key hash's upper half over slot id + 1, 0\n"
+"empty; linear probing); tables the spill files' slot-table mirrors and\n"
+"bases their first slot ids (a sequence of ints, ascending), in the same\n"
+"order.  A key is found when a word with its hash's upper half names a slot\n"
+"whose entry holds the same key and namespace (lengths and zero-padded\n"
+"bytes): the hash is ssd.key_hash's, XXH3-64 of the entry's 192-byte key and\n"
+"namespace field seeded with key_len | ns_len << 8.  keys is a sequence of\n"
+"bytes-like objects; one not 1..64 bytes long is a miss.  Every access stays\n"
+"within the buffers given, whatever they hold; at most len(buckets) probes a\n"
+"key.  The keys are copied first, then the GIL is released (from 64 keys).\n"
+"\n"
+"Raises ValueError if buckets is not a power of two of 8-byte words,\n"
+"tables and bases differ in length, bases do not ascend, namespace is over\n"
+"128 bytes or a buffer is not C-contiguous; TypeError if a key, table,\n"
+"buckets or namespace is not a buffer; OverflowError for a negative base.");
+
+static PyObject *
+py_ssd_find_slots(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"buckets", "tables", "bases", "keys", "namespace", NULL};
+    PyObject *buckets_obj, *tables_obj, *bases_obj, *keys_obj, *ns_obj, *result = NULL;
+    PyObject *tables = NULL, *bases = NULL, *keys = NULL;
+    Py_buffer bk, ns;
+    Py_buffer *views = NULL;
+    kvt_ssd_file *files = NULL;
+    unsigned char *arena = NULL;
+    Py_ssize_t n_files = 0, got = 0, n = 0;
+    uint64_t n_buckets;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO:ssd_find_slots", kwlist,
+                                     &buckets_obj, &tables_obj, &bases_obj, &keys_obj, &ns_obj))
+        return NULL;
+    if (kvt_get_buffer(buckets_obj, &bk, "buckets", 0) < 0)
+        return NULL;
+    if (kvt_get_buffer(ns_obj, &ns, "namespace", 0) < 0) {
+        PyBuffer_Release(&bk);
+        return NULL;
+    }
+    n_buckets = (uint64_t)bk.len / 8;
+    if (bk.len % 8 != 0 || n_buckets == 0 || (n_buckets & (n_buckets - 1)) != 0) {
+        PyErr_Format(PyExc_ValueError, "buckets has %zd bytes, not a power of two of "
+                     "8-byte words", bk.len);
+        goto done;
+    }
+    if ((size_t)ns.len > KVT_SSD_NAME) {
+        PyErr_Format(PyExc_ValueError, "namespace has %zd bytes (at most 128)", ns.len);
+        goto done;
+    }
+    tables = PySequence_Fast(tables_obj, "tables must be a sequence of buffers");
+    if (tables == NULL)
+        goto done;
+    bases = PySequence_Fast(bases_obj, "bases must be a sequence of ints");
+    if (bases == NULL)
+        goto done;
+    n_files = PySequence_Fast_GET_SIZE(tables);
+    if (PySequence_Fast_GET_SIZE(bases) != n_files) {
+        PyErr_Format(PyExc_ValueError, "tables and bases differ in length (%zd and %zd)",
+                     n_files, PySequence_Fast_GET_SIZE(bases));
+        goto done;
+    }
+    views = PyMem_Calloc((size_t)n_files + 1, sizeof *views);
+    files = PyMem_Calloc((size_t)n_files + 1, sizeof *files);
+    if (views == NULL || files == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n_files; got++) {
+        unsigned long long base =
+            PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(bases, got));
+
+        if (base == (unsigned long long)-1 && PyErr_Occurred())
+            goto done;
+        if (got > 0 && base <= files[got - 1].base) {
+            PyErr_SetString(PyExc_ValueError, "bases must ascend");
+            goto done;
+        }
+        if (kvt_get_buffer(PySequence_Fast_GET_ITEM(tables, got), &views[got], "a table", 0)
+            < 0)
+            goto done;
+        files[got].rows = views[got].buf;
+        files[got].n_rows = (uint64_t)views[got].len / KVT_SSD_ENTRY;
+        files[got].base = base;
+    }
+    keys = PySequence_Fast(keys_obj, "keys must be a sequence of bytes");
+    if (keys == NULL)
+        goto done;
+    n = PySequence_Fast_GET_SIZE(keys);
+    /* Each key's field, copied now: the keys may be any buffers, which another thread
+     * could change while the GIL is released.  Its first byte after the field: the
+     * key's length (0: not 1..64 bytes, a miss). */
+    arena = PyMem_Malloc((size_t)(n > 0 ? n : 1) * (KVT_SSD_FIELD + 1));
+    if (arena == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned char *field = arena + (size_t)i * (KVT_SSD_FIELD + 1);
+        Py_buffer key;
+
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(keys, i), &key, PyBUF_SIMPLE) < 0)
+            goto done;
+        memset(field, 0, KVT_SSD_MAX_KEY);
+        if (key.len >= 1 && (size_t)key.len <= KVT_SSD_MAX_KEY) {
+            memcpy(field, key.buf, (size_t)key.len);
+            field[KVT_SSD_FIELD] = (unsigned char)key.len;
+        } else {
+            field[KVT_SSD_FIELD] = 0;
+        }
+        PyBuffer_Release(&key);
+        memset(field + KVT_SSD_MAX_KEY, 0, KVT_SSD_NAME);
+        if (ns.len > 0)
+            memcpy(field + KVT_SSD_MAX_KEY, ns.buf, (size_t)ns.len);
+    }
+    result = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (result == NULL)
+        goto done;
+    {
+        PyThreadState *save = n >= KVT_SSD_NOGIL_KEYS ? PyEval_SaveThread() : NULL;
+
+        kvt_ssd_find_many(bk.buf, n_buckets, files, (size_t)n_files, arena, (size_t)n,
+                          (unsigned)ns.len, PyBytes_AS_STRING(result));
+        if (save != NULL)
+            PyEval_RestoreThread(save);
+    }
+
+done:
+    PyMem_Free(arena);
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(files);
+    Py_XDECREF(keys);
+    Py_XDECREF(bases);
+    Py_XDECREF(tables);
+    PyBuffer_Release(&ns);
+    PyBuffer_Release(&bk);
+    return result;
+}
+
 PyDoc_STRVAR(py_install_fault_guard_doc,
 "install_fault_guard($module, /)\n"
 "--\n"
@@ -1901,6 +2205,8 @@ static PyMethodDef native_methods[] = {
      METH_VARARGS | METH_KEYWORDS, py_pread_full_doc},
     {"hash_rows", (PyCFunction)(void (*)(void))py_hash_rows,
      METH_VARARGS | METH_KEYWORDS, py_hash_rows_doc},
+    {"ssd_find_slots", (PyCFunction)(void (*)(void))py_ssd_find_slots,
+     METH_VARARGS | METH_KEYWORDS, py_ssd_find_slots_doc},
     {"install_fault_guard", py_install_fault_guard, METH_NOARGS,
      py_install_fault_guard_doc},
     {"fault_guard_installed", py_fault_guard_installed, METH_NOARGS,
@@ -1915,6 +2221,8 @@ static PyMethodDef native_methods[] = {
      " (index stopped at, indices skipped at the probe limit)."},
     {"index_remove", kvt_py_index_remove, METH_VARARGS,
      "index_remove(buf, key): remove key; True if it was there."},
+    {"index_remove_many", kvt_py_index_remove_many, METH_VARARGS,
+     "index_remove_many(buf, keys): remove each key; bytes, 1 per key that was there."},
     {"index_get", kvt_py_index_get, METH_VARARGS,
      "index_get(buf, key): (tier, ref) of key, or None (the writer's view)."},
     {"index_lookup", kvt_py_index_lookup, METH_VARARGS,

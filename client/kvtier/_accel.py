@@ -31,11 +31,12 @@ other processes of the namespace misses and errors, not their lives.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from typing import Any, Final
 
@@ -214,6 +215,89 @@ def hash_rows(buf: Any, stride: int, start: int, stop: int, seeds: Any) -> bytes
                              f"need {(rows - 1) * stride + stop}")
         out = np.array([xxhash.xxh3_64_intdigest(raw[i * stride + start : i * stride + stop], s)
                         for i, s in enumerate(seed_list)], dtype=np.uint64)
+    return out.tobytes()
+
+
+#: The SSD tier's slot-table entry, as ``ssd_find_slots`` reads it (kvtierd.spill.format):
+#: its size, where the zero-padded key (64 bytes) and then namespace (128) start.
+_SSD_ENTRY: Final = 256
+_SSD_KEY_AT: Final = 48
+_SSD_MAX_KEY: Final = 64
+_SSD_NAME: Final = 128
+
+
+def ssd_find_slots(buckets: Any, tables: Sequence[Any], bases: Sequence[int],
+                   keys: Sequence[Any], namespace: Any) -> bytes:
+    """The SSD tier's key index (``kvtierd.spill.ssd``) asked about many keys of one
+    namespace at once: bytes of one native-endian int64 per key, the slot id holding it
+    or -1 (``np.frombuffer(..., np.int64)``).
+
+    ``buckets``: the index, a power of two of native-endian uint64 words (each the key
+    hash's upper half over slot id + 1; 0: empty; linear probing); ``tables``: the spill
+    files' slot-table mirrors, ``bases`` their first slot ids (ascending), in the same
+    order.  A hit is a word with the key hash's upper half naming a slot whose entry
+    holds the same key and namespace.  A key not 1..64 bytes long is a miss.  Native:
+    one call, the GIL released (from 64 keys); every access stays within the buffers,
+    whatever they hold.  Raises ValueError for a malformed index, tables/bases of
+    different lengths, bases not ascending, a namespace over 128 bytes or a buffer
+    not C-contiguous; TypeError for a key or buffer that is not one.
+    """
+    if NATIVE:
+        return _native.ssd_find_slots(buckets, tables, bases, keys, namespace)
+    with ExitStack() as stack:
+        bv = stack.enter_context(memoryview(buckets))
+        nv = stack.enter_context(memoryview(namespace))
+        _check(bv, "buckets", writable=False)
+        _check(nv, "namespace", writable=False)
+        nbytes = bv.nbytes
+        n_buckets = nbytes // 8
+        if nbytes % 8 or n_buckets == 0 or n_buckets & (n_buckets - 1):
+            raise ValueError(f"buckets has {nbytes} bytes, not a power of two of 8-byte words")
+        ns = nv.tobytes()
+        if len(ns) > _SSD_NAME:
+            raise ValueError(f"namespace has {len(ns)} bytes (at most 128)")
+        tables, bases = list(tables), list(bases)
+        if len(tables) != len(bases):
+            raise ValueError(f"tables and bases differ in length ({len(tables)} and "
+                             f"{len(bases)})")
+        rows: list[memoryview] = []
+        for i, base in enumerate(bases):
+            if base < 0:
+                raise OverflowError("can't convert negative int to unsigned")
+            if i and base <= bases[i - 1]:
+                raise ValueError("bases must ascend")
+            tv = stack.enter_context(memoryview(tables[i]))
+            _check(tv, "a table", writable=False)
+            rows.append(stack.enter_context(tv.cast("B")))
+        with bv.cast("B") as flat:
+            words = np.frombuffer(flat, dtype=np.uint64).tolist()
+        pad = ns.ljust(_SSD_NAME, b"\0")
+        mask = n_buckets - 1
+        out = np.full(len(keys), -1, np.int64)
+        for k, key_obj in enumerate(keys):
+            with memoryview(key_obj) as kv:
+                key = kv.tobytes()
+            if not 1 <= len(key) <= _SSD_MAX_KEY:
+                continue
+            field = key.ljust(_SSD_MAX_KEY, b"\0") + pad
+            tag = xxhash.xxh3_64_intdigest(field, len(key) | len(ns) << 8) >> 32
+            i = tag & mask
+            for _ in range(n_buckets):
+                v = words[i]
+                if v == 0:
+                    break
+                if v >> 32 == tag and v & 0xFFFFFFFF:
+                    sid = (v & 0xFFFFFFFF) - 1
+                    at = bisect.bisect_right(bases, sid) - 1
+                    if at >= 0 and sid - bases[at] < len(rows[at]) // _SSD_ENTRY:
+                        off = (sid - bases[at]) * _SSD_ENTRY
+                        row = rows[at]
+                        if (row[off + 1] == len(key) and row[off + 2] == len(ns)
+                                and row[off + _SSD_KEY_AT : off + _SSD_KEY_AT + len(field)]
+                                == field):
+                            out[k] = sid
+                            break
+                i = (i + 1) & mask
     return out.tobytes()
 
 

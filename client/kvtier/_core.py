@@ -691,9 +691,9 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
             except BaseException:
                 local.writes.untake(local.grants)
                 raise
-        resp = yield Call("Reserve", pb.ReserveRequest(keys=keys))
+        resp = yield Call("Reserve", pb.ReserveRequest(keys=keys, packed_slots=True))
         try:
-            yield SyncMaps(resp.segments_version, resp.slots)
+            yield SyncMaps(resp.segments_version, reserved_slots(resp))
             return self._new_reservation(keys, resp)
         except BaseException:
             if resp.reservation_id:
@@ -804,6 +804,15 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
                              always_print_fields_with_no_presence=True)
 
 
+def reserved_slots(resp: pb.ReserveResponse) -> Sequence[pb.SlotRef] | Sequence[LocalSlot]:
+    """A Reserve answer's slots, sent as messages or (``packed_slots``) as columns."""
+    if not resp.slot_offsets:
+        return resp.slots
+    capacity = resp.slot_capacity
+    return [LocalSlot(seg, off, capacity, 0, False)
+            for seg, off in zip(resp.slot_segment_ids, resp.slot_offsets, strict=True)]
+
+
 class ReservationState:
     """A reservation's keys, statuses and writable buffers, and its operations.
 
@@ -827,7 +836,8 @@ class ReservationState:
         self.buffers: list[np.ndarray | None] = [None] * len(keys)
         self.lengths: list[int | None] = [None] * len(keys)
         self._block_bytes = client.block_bytes
-        slots: Iterator[pb.SlotRef | LocalSlot] = iter(resp.slots)
+        slots: Iterator[pb.SlotRef | LocalSlot] = iter(
+            resp.slots if isinstance(resp, LocalReserve) else reserved_slots(resp))
         for i, status in enumerate(self.statuses):
             if status == KeyStatus.RESERVED:
                 self.buffers[i] = client._maps.view(next(slots), self._block_bytes, writable=True)

@@ -12,7 +12,7 @@ group and holds the rules that follow from the group's spec:
   where ``tag_g`` names the group's index and spec: two groups never share a key, even when
   their layouts are equal and they share a namespace.
 * **Namespaces follow the layout.**  Groups whose blocks have the same geometry share a
-  namespace (one session, one LRU for the model); a group whose latent is replicated over
+  namespace (one session, one eviction order for the model); a group whose latent is replicated over
   tensor-parallel ranks (MLA: ``max_tp_shards == 1``) gets a namespace naming the ranks
   that share it (``tp0-3of4``) instead of one per rank, and only the first of those ranks
   writes it; every rank reads it.

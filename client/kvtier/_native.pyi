@@ -26,6 +26,10 @@ def checksum(buf: _Buffer) -> int:
 def hash_rows(buf: _Buffer, stride: int, start: int, stop: int, seeds: _Buffer) -> bytes:
     """XXH3-64 of bytes [start, stop) of each stride-byte row of buf, row i seeded with seeds[i]."""
 
+def ssd_find_slots(buckets: _Buffer, tables: Sequence[_Buffer], bases: Sequence[int],
+                   keys: Sequence[_Buffer], namespace: _Buffer) -> bytes:
+    """The SSD tier's key index asked about many keys: one int64 per key, its slot id or -1."""
+
 def gather(dst: _Buffer, pieces: Iterable[_Buffer], threads: int = 0) -> int:
     """Copy the buffers of pieces back to back into the start of dst; return the total."""
 
@@ -69,6 +73,9 @@ def index_set_many(buf: _Buffer, keys: list[bytes], tier: int, start: int,
 
 def index_remove(buf: _Buffer, key: bytes) -> bool:
     """Remove key; True if it was there."""
+
+def index_remove_many(buf: _Buffer, keys: Sequence[bytes]) -> bytes:
+    """Remove each key; bytes, 1 per key that was there."""
 
 def index_get(buf: _Buffer, key: bytes) -> tuple[int, int] | None:
     """(tier, ref) of key, or None (the writer's view: no retries)."""
@@ -220,6 +227,8 @@ class BlockTable:
         """Slots by category, of one extent or the table, in O(1)."""
     def inspect(self, refs: _Buffer, /) -> bytes:
         """16-byte rows: state, lower, flags, 0, pins (u32), generation (u64)."""
+    def entries(self, refs: _Buffer, /) -> tuple[list[bytes], bytes]:
+        """Each ref's persisted key and entry fields."""
     def match_keys(self, refs: _Buffer, keys: Sequence[bytes], /) -> bytes:
         """1 or 0 per ref: whether it holds a COMMITTED block whose persisted key is keys[i]."""
     def committed(self, extent_id: int, /) -> bytes:

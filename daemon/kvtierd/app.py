@@ -41,7 +41,7 @@ from kvtierd.service import KVTierService, add_to_server, methods
 from kvtierd.session_channel import SessionChannel
 from kvtierd.spill.shared import SharedTier
 from kvtierd.spill.ssd import SsdTier
-from kvtierd.store import Block, Namespace, Store
+from kvtierd.store import Namespace, Store
 from kvtierd.tiering import SpillPolicy, Tiering
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class Daemon:
         if self.events is not None:
             self.tiering.watch(None)
             await self.events.stop()
+        await self.store.stop_growth()  # extents being made: done, and removed by drain
         await self.store.drain()
         self.store.close_all()
         if self._http is not None:
@@ -274,7 +275,7 @@ async def _check_after_recovery(store: Store, metrics: Metrics, report: Recovery
     """Cross-check what a warm start adopted, once, right after READY (off the loop).
 
     Adoption validated every slot; this is the store's own ``check()`` over the
-    result (index, LRU, free lists and slot tables agree, capacity adds up).  A
+    result (index, block table, free lists and slot tables agree, capacity adds up).  A
     problem is a bug: logged at ERROR and counted (``kvtier_background_errors_total
     {task="recovery_check"}``); the daemon keeps serving.
     """
@@ -397,8 +398,8 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         registry = registry if registry is not None else CollectorRegistry()
         metrics = Metrics(registry)
 
-        def on_evict(block: Block) -> None:
-            metrics.evicted_blocks.labels(block.ns.name, "dram").inc()
+        def on_evicted(namespace: str, n: int) -> None:
+            metrics.evicted_blocks.labels(namespace, "dram").inc(n)
 
         store = Store(
             capacity=cfg.dram.capacity,
@@ -407,13 +408,14 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
             lease_ttl=cfg.leases.ttl,
             reservation_ttl=cfg.reservations.ttl,
             boot_epoch=boot_epoch,
-            on_evict=on_evict,
+            on_evicted=on_evicted,
             # Clients search the keys themselves (a Lookup without a call): fast path only.
             publish=cfg.server.fast_path and shared_index.AVAILABLE,
             grant_bytes=(min(cfg.server.write_grant_bytes, cfg.dram.capacity // 16)
                          if cfg.server.fast_path and shared_index.AVAILABLE else 0),
         )
         store.dram_quota_of = lambda name: cfg.access.quotas(name)[0]
+        store.grow_ahead = cfg.dram.grow_ahead
         store.on_forget = metrics.forget_namespace
         # Nothing is served yet, so recovery may block: READY comes after it.
         report = recover(store, cfg.dram.shm_dir, check=False)

@@ -102,6 +102,10 @@ _RefsIn: TypeAlias = "npt.ArrayLike"
 #: ``inspect``'s rows: the native record and the persisted generation of a slot.
 RECORD_DTYPE: Final = np.dtype([("state", "u1"), ("lower", "u1"), ("flags", "u1"),
                                 ("pad", "u1"), ("pins", "<u4"), ("generation", "<u8")])
+#: ``entries``' rows: a slot entry's persisted fields (its key comes apart).
+ENTRY_DTYPE: Final = np.dtype([("length", "<u8"), ("checksum", "<u8"), ("generation", "<u8"),
+                               ("last_access", "<u8"), ("state", "u1"), ("has_checksum", "u1"),
+                               ("pad", "V6")])
 #: ``RECORD_DTYPE``'s flags.
 PREFETCHED: Final = 1
 REFERENCED: Final = 2  # CLOCK's bit
@@ -329,6 +333,11 @@ class BlockTable:
     def inspect(self, refs: npt.ArrayLike) -> npt.NDArray[np.void]:
         """Each ref's record (``RECORD_DTYPE``)."""
         return np.frombuffer(self._t.inspect(_u64(refs)), dtype=RECORD_DTYPE)
+
+    def entries(self, refs: npt.ArrayLike) -> tuple[list[bytes], npt.NDArray[np.void]]:
+        """Each ref's persisted key and entry fields (``ENTRY_DTYPE``), in one call."""
+        keys, rows = self._t.entries(_u64(refs))
+        return keys, np.frombuffer(rows, dtype=ENTRY_DTYPE)
 
     def check(self) -> list[str]:
         """Records against slot tables, free lists and counters: the problems found."""

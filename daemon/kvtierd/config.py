@@ -114,6 +114,9 @@ DEFAULT_EXTENT_SIZE: Final = 64 * MiB
 DEFAULT_PREFAULT_THREADS: Final = 0
 #: Keep the DRAM tier out of swap whenever RLIMIT_MEMLOCK lets us; silently skipped otherwise.
 DEFAULT_MLOCK: Final = True
+#: Make a namespace's next extent in the background once its free slots run low, so the
+#: request that needs them does not wait 0.1-0.9 s for the pre-fault (issue 27).
+DEFAULT_GROW_AHEAD: Final = True
 #: Far longer than a client holds a block for a copy, short enough that a crashed client's pins free.
 DEFAULT_LEASE_TTL: Final = 300.0
 #: A writer that has not committed within a minute has died or stalled; reclaim its slots.
@@ -241,6 +244,7 @@ class DramConfig:
     extent_size: int = DEFAULT_EXTENT_SIZE
     prefault_threads: int = DEFAULT_PREFAULT_THREADS
     mlock: bool = DEFAULT_MLOCK
+    grow_ahead: bool = DEFAULT_GROW_AHEAD
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -990,6 +994,7 @@ def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
             "dram.prefault_threads", lambda v, k: _parse_int(v, k, 0), DEFAULT_PREFAULT_THREADS
         ),
         mlock=take("dram.mlock", _parse_bool, DEFAULT_MLOCK),
+        grow_ahead=take("dram.grow_ahead", _parse_bool, DEFAULT_GROW_AHEAD),
     )
     ssd_dir = take("spill.ssd_dir", parse_optional_path, default_spill_dir(env, instance))
     shared_dir = take("spill.shared_dir", parse_optional_path, "")
@@ -1198,6 +1203,7 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
             "extent_size": format_size(d.extent_size),
             "prefault_threads": d.prefault_threads,
             "mlock": d.mlock,
+            "grow_ahead": d.grow_ahead,
         },
         "leases": {"ttl": format_duration(cfg.leases.ttl)},
         "reservations": {"ttl": format_duration(cfg.reservations.ttl)},

@@ -1,7 +1,7 @@
 """DRAM segments: a namespace's extent as two shared-memory files.
 
 Mechanism only: this module knows the on-segment format and how to create,
-map, pre-fault and lock a segment; it knows nothing of keys' meaning, LRU or
+map, pre-fault and lock a segment; it knows nothing of keys' meaning, eviction or
 sessions (that is ``store``) nor of gRPC (that is ``service``).
 
 Format version 2: each extent is a pair of files in the daemon's shm directory::

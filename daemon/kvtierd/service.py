@@ -38,7 +38,7 @@ from kvtierd.config import LimitsConfig
 from kvtierd.metrics import Metrics
 from kvtierd.segments import MAX_KEY_BYTES
 from kvtierd.shared_index import SessionPage
-from kvtierd.store import Session, SlotGrant
+from kvtierd.store import Session
 from kvtierd.tiering import Tiering
 
 log = logging.getLogger(__name__)
@@ -184,16 +184,6 @@ def _rpc(method: str) -> Callable[[_Handler[_Req, _Resp]], _Handler[_Req, _Resp]
     return deco
 
 
-def _slot_refs(grants: Sequence[SlotGrant]) -> list[pb.SlotRef]:
-    return [
-        pb.SlotRef(
-            segment_id=g.segment_id, offset=g.offset, length=g.length,
-            checksum=g.checksum or 0, has_checksum=g.checksum is not None,
-        )
-        for g in grants
-    ]
-
-
 class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     """``kvtier.v1.KVTier`` over the tiers (``Tiering`` over the DRAM ``Store``)."""
 
@@ -305,11 +295,23 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         except CapacityExhausted:
             self.metrics.refused_blocks.labels(session.ns.name).inc(len(request.keys))
             raise
-        self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.slots))
+        self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.offsets))
+        capacity = result.capacity
+        if request.packed_slots:  # columns: no message per slot
+            return pb.ReserveResponse(
+                reservation_id=result.reservation_id,
+                statuses=cast(Any, result.statuses),
+                segments_version=result.segments_version,
+                slot_segment_ids=result.segment_ids.tolist(),
+                slot_offsets=result.offsets.tolist(),
+                slot_capacity=capacity,
+            )
         return pb.ReserveResponse(
             reservation_id=result.reservation_id,
             statuses=cast(Any, result.statuses),
-            slots=_slot_refs(result.slots),
+            slots=[pb.SlotRef(segment_id=seg, offset=off, length=capacity)
+                   for seg, off in zip(result.segment_ids.tolist(), result.offsets.tolist(),
+                                       strict=True)],
             segments_version=result.segments_version,
         )
 
@@ -370,15 +372,20 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
                 f"session holds {held} leases (limits.max_leases_per_session is "
                 f"{self.limits.max_leases_per_session}); release some first")
         result, tiers = await self.tiering.acquire(session, request.keys)
-        hits = len(result.slots)
+        hits = result.hits
         ns = session.ns.name
         self.metrics.hit_blocks.labels(ns, "acquire").inc(hits)
         self.metrics.missed_blocks.labels(ns, "acquire").inc(len(request.keys) - hits)
-        self.metrics.tier_io("dram", "read", sum(g.length for g in result.slots), hits)
+        self.metrics.tier_io("dram", "read", int(result.lengths.sum()), hits)
         return pb.AcquireResponse(
             lease_id=result.lease_id,
             hits=hits,
-            slots=_slot_refs(result.slots),
+            slots=[pb.SlotRef(segment_id=seg, offset=off, length=n, checksum=c,
+                              has_checksum=bool(h))
+                   for seg, off, n, c, h in zip(
+                       result.segment_ids.tolist(), result.offsets.tolist(),
+                       result.lengths.tolist(), result.checksums.tolist(),
+                       result.has_checksum.tolist(), strict=True)],
             tiers=cast(Any, tiers),
             segments_version=result.segments_version,
         )

@@ -243,7 +243,7 @@ class SessionChannel:
         for name in {page.namespace for page in self._counters.values()}:
             ns = self.store.namespaces.get(name)
             if ns is not None:
-                self.store.note_reads(ns)  # LRU order and prefetch hits of reads without a call
+                self.store.note_reads(ns)  # CLOCK bits and prefetch hits of reads without a call
         for page in self._counters.values():
             self._fold(page)
 

@@ -228,6 +228,28 @@ class SharedIndex:
             del self.unpublished[key]
             self._flags()
 
+    def discard_many(self, keys: Sequence[bytes]) -> None:
+        """``discard`` of each key, in one table call."""
+        t = self._table
+        if t is None:
+            for key in keys:
+                self.discard(key)
+            return
+        gone = _native.index_remove_many(t.mm, keys)
+        if self.unpublished and gone.count(0):
+            changed = False
+            for key, hit in zip(keys, gone, strict=True):
+                if not hit and self.unpublished.pop(key, None) is not None:
+                    changed = True
+            if changed:
+                self._flags()
+
+    def hide_many(self, keys: Sequence[bytes]) -> None:
+        """``hide`` of each key, in one table call."""
+        t = self._table
+        if t is not None and keys:
+            _native.index_remove_many(t.mm, keys)
+
     def hide(self, key: bytes) -> None:
         """Take ``key`` out of the table for now (``unhide`` puts it back): an eviction
         being planned hides its victims before it looks for clients' hazards."""
@@ -374,7 +396,7 @@ class SessionPage:
     * hazards: one per block the client leases without a call, each with its
       lease's serial (the daemon never reuses such a slot, see ``csrc/index.c``;
       ``expire`` ends leases held past the TTL as the daemon ends its own);
-    * a ring of the blocks it read that way (``accessed``: LRU hints).
+    * a ring of the blocks it read that way (``accessed``: read hints, CLOCK bits).
 
     The page is the client's to write, so it is trusted for nothing the daemon
     relies on: a count that went backwards or jumped implausibly adds 0, a hazard

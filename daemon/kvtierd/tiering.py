@@ -8,7 +8,7 @@ pool, never on the event loop.
 
 **Demotion** (write-back).  When DRAM's free space falls under
 ``clean_ahead`` of its capacity, the demoter copies the DIRTY blocks among the
-oldest ``clean_ahead`` bytes of the LRU to the first tier below DRAM (the SSD
+``clean_ahead`` bytes CLOCK would evict first to the first tier below DRAM (the SSD
 tier, or without one the shared tier): straight from the shared-memory slot
 with O_DIRECT, a batch at a time, then one ``fdatasync``; only then is each
 block marked CLEAN, and only CLEAN blocks are evicted.  A tier that evicts
@@ -125,6 +125,8 @@ MAX_QUEUED_PREFETCHES: Final = 256
 EVICT_CHUNK: Final = 1024
 #: DRAM blocks a drain inspects per event-loop step while it collects its blocks.
 DRAIN_COLLECT_CHUNK: Final = 4096
+#: DRAM blocks per batch lookup below when marking them CLEAN after a restart.
+MARK_CLEAN_BATCH: Final = 4096
 #: Entries of a drain's pending list one demoter plan may inspect (bounded work
 #: per plan; settled entries leave the list, so the scan rarely gets this far).
 DRAIN_SCAN_LIMIT: Final = 4096
@@ -418,10 +420,13 @@ class Tiering:
             return
         for ns in self.store.namespaces.values():
             geometry = self._geometry(ns)
-            for block in ns.index.values():
-                copy = self._local_copy(ns.name, block.key, geometry)
-                if copy is not None and copy[1] == block.length:
-                    self.store.set_lower(block, Lower.CLEAN)
+            blocks = list(ns.index.values())
+            for at in range(0, len(blocks), MARK_CLEAN_BATCH):  # (a batch lookup each)
+                chunk = blocks[at : at + MARK_CLEAN_BATCH]
+                copies = self._local_copies(ns.name, [b.key for b in chunk], geometry)
+                for block, copy in zip(chunk, copies, strict=True):
+                    if copy is not None and copy[1] == block.length:
+                        self.store.set_lower(block, Lower.CLEAN)
 
     def _fault(self, tier: str, kind: str, n: int = 1) -> None:
         self.counters.faults[f"{tier}/{kind}"] += n
@@ -459,6 +464,48 @@ class Tiering:
                 return tier, length
         return None
 
+    def _copies_in(self, tier: Tier, namespace: str, keys: Sequence[bytes],
+                   geometry: Geometry | None) -> list[int | None]:
+        """``_copy_in`` of each key: the tier asked once about them all (``held_many``:
+        the SSD tier's index looks the batch up in one native call; loop-safe)."""
+        held = list(tier.held_many(namespace, keys, geometry))
+        if self._demoting:
+            for i, key in enumerate(keys):
+                demoting = self._demoting.get((namespace, key))
+                if demoting is not None and demoting.doomed:
+                    held[i] = None
+        return held
+
+    def _local_tiers(self, namespace: str, keys: Sequence[bytes],
+                     geometry: Geometry | None) -> list[int]:
+        """The fastest local tier holding each key (its ``tier`` number), 0 for none:
+        ``_local_copies`` without the lengths (one ``held_many`` a tier; loop-safe)."""
+        if len(self._local) == 1:
+            only = self._local[0].tier
+            return [0 if length is None else only
+                    for length in self._copies_in(self._local[0], namespace, keys, geometry)]
+        return [0 if copy is None else copy[0].tier
+                for copy in self._local_copies(namespace, keys, geometry)]
+
+    def _local_copies(self, namespace: str, keys: Sequence[bytes],
+                      geometry: Geometry | None) -> list[tuple[Tier, int] | None]:
+        """``_local_copy`` of each key: each local tier asked once, about the keys the
+        tiers before it lack (loop-safe)."""
+        out: list[tuple[Tier, int] | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for tier in self._local:
+            if not todo:
+                break
+            lengths = self._copies_in(tier, namespace, [keys[i] for i in todo], geometry)
+            rest: list[int] = []
+            for i, length in zip(todo, lengths, strict=True):
+                if length is None:
+                    rest.append(i)
+                else:
+                    out[i] = (tier, length)
+            todo = rest
+        return out
+
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
@@ -491,34 +538,39 @@ class Tiering:
         """The tier of each key of the longest prefix some tier holds (fastest tier wins)."""
         tiers: list[int] = []
         geometry = self._geometry(ns)
-        in_dram = ns.index.find(keys).tolist() if keys else []  # one batch lookup
+        in_dram = (ns.index.find(keys) != 0 if keys  # one batch lookup
+                   else np.zeros(0, bool))
+        name, n = ns.name, len(keys)
         i = 0
-        while i < len(keys):
-            key = keys[i]
-            if (ns.name, key) in self._deleting:
-                break
-            if in_dram[i]:
-                tiers.append(TIER_DRAM)
-                i += 1
-                continue
-            local = self._local_copy(ns.name, key, geometry)
-            if local is not None:
-                tiers.append(local[0].tier)
-                i += 1
-                continue
-            if not self._remote:
-                break
+        while i < n:
+            # The walk from key i, in batches: it ends at a key being deleted (hidden);
+            # the local tiers are asked once about every key DRAM lacks up to there
+            # (``_local_tiers``: one ``held_many`` a tier).  Asked again after an await
+            # on a remote tier: the answers may have changed meanwhile.
+            end = n
+            if self._deleting:
+                deleting = self._deleting
+                end = next((k for k in range(i, n) if (name, keys[k]) in deleting), n)
+            walk = np.where(in_dram[i:end], TIER_DRAM, 0)  # 0: no tier known to hold it
+            below = np.flatnonzero(walk == 0)
+            if len(below):
+                first, last = i + int(below[0]), i + int(below[-1])
+                asked = (keys[first : last + 1] if last - first + 1 == len(below)
+                         else [keys[i + k] for k in below.tolist()])  # (a run: a slice)
+                walk[below] = self._local_tiers(name, asked, geometry)
+            zeros = np.flatnonzero(walk == 0)
+            held = int(zeros[0]) if len(zeros) else len(walk)
+            tiers.extend(walk[:held].tolist())
+            if held == len(walk) or not self._remote:
+                break  # the end, a key being deleted, or one no tier holds
             # The run of keys only a remote tier can hold: asked off the loop, in one go.
-            j = i + 1
-            while (j < len(keys) and not in_dram[j]
-                   and self._local_copy(ns.name, keys[j], geometry) is None
-                   and (ns.name, keys[j]) not in self._deleting):
-                j += 1
-            found = await self._locate_remote_async(ns.name, list(keys[i:j]), geometry)
+            after = np.flatnonzero(walk[held:] != 0)
+            start, stop = i + held, i + (held + int(after[0]) if len(after) else len(walk))
+            found = await self._locate_remote_async(name, list(keys[start:stop]), geometry)
             tiers.extend(found)
-            if len(found) < j - i:
+            if len(found) < stop - start:
                 break
-            i = j
+            i = stop
         return tiers
 
     async def _prefetch(self, ns: Namespace, keys: list[bytes], tiers: list[int]) -> None:
@@ -551,7 +603,7 @@ class Tiering:
             tiers = await self._locate(ns, keys)
             if any(t != TIER_DRAM for t in tiers):
                 # Pin this prefix's DRAM hits meanwhile: the promotions' reserve would
-                # otherwise evict them (the oldest in the LRU) and cut the prefix short.
+                # otherwise evict them (CLOCK may take them) and cut the prefix short.
                 hits = [b for k in keys[: len(tiers)] if (b := ns.index.get(k)) is not None]
                 leases = self.store.pin_blocks(hits)
                 try:
@@ -571,7 +623,7 @@ class Tiering:
                 self.counters.prefetch_hits += int(np.count_nonzero(flags & PREFETCHED))
         result = self.store.acquire(session, keys[: len(tiers)])
         ns.misses += len(keys) - len(tiers)  # store.acquire counted the rest
-        return result, tiers[: len(result.slots)]
+        return result, tiers[: result.hits]
 
     async def _promote(self, ns: Namespace, keys: list[bytes], tiers: list[int], *,
                        prefetch: bool) -> None:
@@ -744,16 +796,42 @@ class Tiering:
     async def reserve(self, session: Session, keys: Sequence[bytes]) -> ReserveResult:
         """Reserve DRAM slots; keys a lower tier holds are EXISTS.  Waits for demotion
         when only DIRTY blocks could make room."""
-        return await self._reserve_with_backpressure(session, keys, self._exists_below(session))
+        return await self._reserve_with_backpressure(session, keys,
+                                                     self._exists_below(session, keys))
 
-    def _exists_below(self, session: Session) -> Callable[[bytes], bool] | None:
+    def _exists_below(self, session: Session, keys: Sequence[bytes] = ()
+                      ) -> Callable[[bytes], bool] | None:
         """Whether a tier below DRAM holds a key of ``session``'s namespace (None: no such
-        tier): such a key is EXISTS to a writer, as a DRAM block is."""
+        tier): such a key is EXISTS to a writer, as a DRAM block is.
+
+        ``keys``: the keys it will be asked about (a Reserve's).  Its first question in
+        a turn of the event loop then asks the local tiers about all of them at once
+        (``_local_copies``: one batch lookup, not one per key), and the answers serve
+        the rest of that turn -- the store asks key by key in one synchronous pass --
+        and are dropped at its end: a later pass (after the store grew the namespace,
+        or after waiting for demotion) asks afresh.  A key not among them, or a
+        question off the event loop's thread, is asked alone."""
         if not self._local:
             return None
         ns, geometry = session.ns, self._geometry(session.ns)
+        turn: dict[bytes, bool] = {}  # this turn's answers about ``keys``
 
         def exists(key: bytes) -> bool:
+            hit = turn.get(key)
+            if hit is not None:
+                return hit
+            if not turn and len(keys) > 1:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:  # (not on the loop's thread: no turn to cache for)
+                    loop = None
+                if loop is not None:
+                    copies = self._local_copies(ns.name, keys, geometry)
+                    turn.update(zip(keys, (c is not None for c in copies), strict=True))
+                    loop.call_soon(turn.clear)
+                    hit = turn.get(key)
+                    if hit is not None:
+                        return hit
             return self._local_copy(ns.name, key, geometry) is not None
 
         return exists
@@ -891,12 +969,14 @@ class Tiering:
 
     async def _delete(self, session: Session, keys: Sequence[bytes]) -> int:
         ns = session.ns
-        present = set(k for k in keys if k in ns.index)
+        present = ({keys[i] for i in np.flatnonzero(ns.index.find(keys)).tolist()}
+                   if keys else set())
         self.store.delete(session, keys)
         geometry = self._geometry(ns)
         for tier in self._local:
-            present |= {k for k in keys
-                        if self._copy_in(tier, ns.name, k, geometry) is not None}
+            present |= {k for k, length in zip(keys, self._copies_in(tier, ns.name, keys,
+                                                                     geometry), strict=True)
+                        if length is not None}
             tier.remove(ns.name, keys)
         found = await self._drop_lower(ns.name, {t: keys for t in self._remote}, geometry)
         for there in found.values():

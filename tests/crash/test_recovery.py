@@ -26,6 +26,10 @@ from tests.conftest import DaemonProc, stop_daemon
 from tests.crash import Lab, lab_fixture  # noqa: F401 - the lab fixture
 from tests.crash.crash_worker import content_for, make_key
 
+#: These tests damage a given extent of a namespace and count its extents: no extent
+#: may be made ahead of need (``dram.grow_ahead``) in the background meanwhile.
+EXACT_EXTENTS = ("--set", "dram.grow_ahead=false")
+
 A, A_BB = "rec/a", 65536
 B, B_BB = "rec/b", 16384
 
@@ -344,14 +348,14 @@ def test_damaged_segment_is_reformatted_and_only_its_namespace_goes_cold(
 
 
 def test_one_bad_extent_drops_only_that_extent(lab: Lab) -> None:
-    d = lab.start(extent="1MiB")  # 15 slots of 64 KiB per extent
+    d = lab.start(*EXACT_EXTENTS, extent="1MiB")  # 15 slots of 64 KiB per extent
     ka = keys_of(A, 40)
     put(d, A, A_BB, ka)
     assert namespaces(d)[A].segments == 3
     stop_daemon(d, keep_shm=True)
     _resize(delta=-seg.PAGE)(meta_path(lab, A, 1), seg_path(lab, A, 1))
 
-    d = lab.start(extent="1MiB")
+    d = lab.start(*EXACT_EXTENTS, extent="1MiB")
     s = d.stats()
     assert len(s.dropped_segments) == 1
     assert s.dropped_segments[0].startswith(os.path.basename(meta_path(lab, A, 1)))
@@ -371,7 +375,7 @@ def test_a_data_file_a_client_resized_keeps_its_extent_and_every_intact_block(
         lab: Lab, change: str) -> None:
     """The data file is the one clients can reach: a wrong size is set back at start, and
     only the slots whose bytes a cut removed are dropped (with the reason logged)."""
-    d = lab.start(extent="1MiB")  # 15 slots of 64 KiB per extent
+    d = lab.start(*EXACT_EXTENTS, extent="1MiB")  # 15 slots of 64 KiB per extent
     ka = keys_of(A, 30)
     put(d, A, A_BB, ka)
     assert namespaces(d)[A].segments == 2
@@ -380,7 +384,7 @@ def test_a_data_file_a_client_resized_keeps_its_extent_and_every_intact_block(
     size = os.path.getsize(data)
     os.truncate(data, size - seg.PAGE if change == "cut-into-the-last-slot" else size + (64 << 20))
 
-    d = lab.start(extent="1MiB")
+    d = lab.start(*EXACT_EXTENTS, extent="1MiB")
     s = d.stats()
     assert list(s.dropped_segments) == []
     assert os.path.getsize(data) == size
@@ -487,7 +491,7 @@ def test_extents_with_conflicting_model_uids_are_never_mixed(lab: Lab, foreign: 
     extent, naming it.  A client of the current model then either finds its
     blocks or, if the other layout won, reformats the namespace (clean, usable).
     """
-    d = lab.start(extent="1MiB")  # 15 slots of 64 KiB per extent
+    d = lab.start(*EXACT_EXTENTS, extent="1MiB")  # 15 slots of 64 KiB per extent
     ka = keys_of(A, 25)
     put(d, A, A_BB, ka)  # extent 0 gets the first 15 (older), extent 1 the last 10 (newer)
     assert namespaces(d)[A].segments == 2
@@ -495,7 +499,7 @@ def test_extents_with_conflicting_model_uids_are_never_mixed(lab: Lab, foreign: 
     bad = 0 if foreign == "older-extent" else 1
     rewrite_header(meta_path(lab, A, bad), model_uid="intruder")
 
-    d = lab.start(extent="1MiB")
+    d = lab.start(*EXACT_EXTENTS, extent="1MiB")
     s = d.stats()
     assert len(s.dropped_segments) == 1, list(s.dropped_segments)
     assert s.dropped_segments[0].startswith(os.path.basename(seg_path(lab, A, 1)))

@@ -1096,8 +1096,14 @@ class Model:
                     else pb.RESERVE_STATUS_RESERVED for k in req.keys]
             assert list(resp.statuses) == want, (resp.statuses, want)
             new = [k for k, s in zip(req.keys, want, strict=True) if s == pb.RESERVE_STATUS_RESERVED]
-            assert len(resp.slots) == len(new), resp
-            assert all(s.length == self.bb for s in resp.slots), resp.slots
+            if req.packed_slots:  # the slots as columns (what the client library asks)
+                assert not resp.slots, resp
+                assert len(resp.slot_offsets) == len(resp.slot_segment_ids) == len(new), resp
+                assert resp.slot_capacity == self.bb, resp
+            else:
+                assert not resp.slot_offsets and not resp.slot_segment_ids, resp
+                assert len(resp.slots) == len(new), resp
+                assert all(s.length == self.bb for s in resp.slots), resp.slots
             assert (resp.reservation_id != 0) == bool(new), resp
             if new:
                 assert resp.reservation_id not in self.reservations

@@ -26,3 +26,5 @@ def test_quick_run_adopts_every_entry_and_reports_memory(tmp_path: pathlib.Path)
     (row,) = json.loads(out.read_text())
     assert row["entries"] == 3 * 1024 and row["mirror_per_entry"] >= 256
     assert row["adopt_s"] > 0 and row["held_4096_p50_ms"] > 0
+    assert row["held_many_4096_p50_ms"] > 0 and row["find_many_4096_p50_ms"] > 0
+    assert row["locate_4096_p50_ms"] > 0 and row["walk_4096_p50_ms"] > 0

@@ -367,7 +367,7 @@ def test_unknown_section_key_message(tmp_path: Path) -> None:
     message = error_of("dram:\n  capasity: 2GiB\n", tmp_path)
     assert message == (
         f"{tmp_path / 'kvtier.yaml'}: unknown key 'dram.capasity' "
-        "(known: capacity, extent_size, mlock, prefault_threads, shm_dir)"
+        "(known: capacity, extent_size, grow_ahead, mlock, prefault_threads, shm_dir)"
     )
 
 
@@ -445,7 +445,7 @@ def test_unknown_key_in_a_known_section_env_is_an_error_naming_the_variable() ->
         load_config(env=env(KVTIER_DRAM_CAPASITY="2GiB"))
     assert str(info.value) == (
         "KVTIER_DRAM_CAPASITY: unknown key 'dram.capasity' "
-        "(known: capacity, extent_size, mlock, prefault_threads, shm_dir)"
+        "(known: capacity, extent_size, grow_ahead, mlock, prefault_threads, shm_dir)"
     )
 
 
@@ -513,7 +513,7 @@ def test_override_value_may_contain_equals() -> None:
             "dram.capasity=1",
             (
                 "override 'dram.capasity=1': unknown key 'dram.capasity' "
-                "(known: capacity, extent_size, mlock, prefault_threads, shm_dir)"
+                "(known: capacity, extent_size, grow_ahead, mlock, prefault_threads, shm_dir)"
             ),
         ),
         (

@@ -65,12 +65,16 @@ def _read(ssd: SsdTier, ns: str, key: bytes) -> bytes | None:
 @pytest.fixture
 def weak_hash(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every key hashes to one of 4 values: every probe, deletion and adoption meets
-    collisions (the index must still tell keys apart by their bytes)."""
+    collisions (the index must still tell keys apart by their bytes).  The batch lookup
+    hashes in C, with the real hash: here it is ``_probe`` key by key instead
+    (test_ssd_lookup.py puts the native one through collisions of its own)."""
     real_field, real_rows = ssd_mod.field_hash, ssd_mod._row_key_hashes
     weak = 3 << 62  # (the index uses a hash's upper half)
     monkeypatch.setattr(ssd_mod, "field_hash", lambda *a: real_field(*a) & weak)
     monkeypatch.setattr(ssd_mod, "_row_key_hashes",
                         lambda table, n: real_rows(table, n) & np.uint64(weak))
+    monkeypatch.setattr(SsdTier, "_find_slots", lambda self, nsid, keys: np.array(
+        [self._probe(nsid, k)[1] for k in keys], np.int64))
 
 
 class SsdMachine(RuleBasedStateMachine):
@@ -153,6 +157,28 @@ class SsdMachine(RuleBasedStateMachine):
         self.ssd.close()
         self.ssd = self._boot()
         assert self.ssd.counters.adopted == len(self.model)
+
+    @rule(ns=st.sampled_from(NAMESPACES + ("unknown",)),
+          keys=st.lists(st.sampled_from(KEYS) | st.binary(max_size=70), max_size=10),
+          mhash=st.sampled_from([7, 7, 8]))
+    def batch_lookups_agree_with_per_key_ones(self, ns: str, keys: list[bytes],
+                                              mhash: int) -> None:
+        """``find_many`` and ``length_of_many`` (one native call) answer what ``find``
+        and ``length_of`` answer key by key, geometry included, repeats and keys not
+        1..64 bytes long too."""
+        keys = keys + keys[:2]
+        many = self.ssd.find_many(ns, keys, 8192, mhash)
+        one = [self.ssd.find(ns, k, 8192, mhash) for k in keys]
+        assert [None if e is None else (e.file, e.slot, e.seq, e.length) for e in many] == [
+            None if e is None else (e.file, e.slot, e.seq, e.length) for e in one]
+        for k, e in zip(keys, many, strict=True):
+            assert (e is not None) == ((ns, k) in self.model and mhash == 7)
+            assert e is None or (e.namespace, e.key) == (ns, k)
+        for geometry in (None, (8192, mhash), (4096, 7)):
+            assert self.ssd.length_of_many(ns, keys, geometry) == [
+                self.ssd.length_of(ns, k, geometry) for k in keys]
+        assert self.ssd.length_of_many(ns, keys) == [
+            None if (ns, k) not in self.model else len(self.model[(ns, k)]) for k in keys]
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -398,3 +424,45 @@ def test_slot_ids_are_renumbered_before_they_outgrow_32_bits(
         assert rebuilt  # (renumbered at least once)
     finally:
         ssd.close()
+
+
+def test_batch_lookups_of_thousands_of_keys_over_many_files(tier: SsdTier) -> None:
+    """4096 keys over several files (the bisect of slot ids into files, vectorised), half
+    of them held, some rewritten (a new slot) or removed since, one bad length."""
+    keys = [b"%016d" % i for i in range(4096)]
+    for k in keys[::2]:
+        _write(tier, "a", k, k)
+    for k in keys[:400:4]:
+        _write(tier, "a", k, k + b"!")  # rewritten: another slot
+    tier.remove("a", keys[1000:1100])
+    assert len(tier._by_base) > 1
+    asked = keys + [b"", b"x" * 65]
+    many = tier.find_many("a", asked, 8192, 7)
+    one = [tier.find("a", k, 8192, 7) for k in asked]
+    assert [None if e is None else (e.file, e.slot) for e in many] == [
+        None if e is None else (e.file, e.slot) for e in one]
+    assert sum(e is not None for e in many) == 2048 - 50
+    lengths = tier.length_of_many("a", asked, (8192, 7))
+    assert lengths == [tier.length_of("a", k, (8192, 7)) for k in asked]
+    assert lengths[0] == 17 and lengths[2] == 16 and lengths[1] is None
+    assert tier.length_of_many("a", asked, (8192, 8)) == [None] * len(asked)
+    assert tier.find_many("b", asked, 8192, 7) == [None] * len(asked)
+    assert tier.find_many("a", [], 8192, 7) == [] and tier.length_of_many("a", []) == []
+
+
+def test_batch_lookups_go_to_the_native_call_in_pieces(
+        tier: SsdTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch larger than FIND_BATCH is looked up a piece at a time, same answers."""
+    keys = [b"p%d" % i for i in range(40)]
+    for k in keys[::3]:
+        _write(tier, "a", k, k)
+    want = tier.length_of_many("a", keys)
+    calls: list[int] = []
+    real = ssd_mod._accel.ssd_find_slots
+    monkeypatch.setattr(ssd_mod, "FIND_BATCH", 7)
+    monkeypatch.setattr(ssd_mod._accel, "ssd_find_slots",
+                        lambda b, t, s, ks, ns: (calls.append(len(ks)), real(b, t, s, ks, ns))[1])
+    assert tier.length_of_many("a", keys) == want
+    assert [e is not None for e in tier.find_many("a", keys, 8192, 7)] == [
+        n is not None for n in want]
+    assert calls == [7, 7, 7, 7, 7, 5] * 2 and sum(n is not None for n in want) == 14

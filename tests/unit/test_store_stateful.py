@@ -530,6 +530,7 @@ class StoreMachine(RuleBasedStateMachine):
         res, leases = set(self.reservations), set(self.leases)
         quarantine, committed = list(self.quarantine), dict(self.committed)
         n_evicted = len(self.evictions_applied)
+        parked = self._quarantined()
         self.faults.arm(k)
         try:
             self._run(op, data)
@@ -537,6 +538,8 @@ class StoreMachine(RuleBasedStateMachine):
             event(f"inject_failure: {op} raised")
             assert (set(self.reservations), set(self.leases)) == (res, leases)
             assert self.quarantine == quarantine
+            if op == "advance_clock_and_expire":
+                self._take_partial_expiry(parked)
             # only a reserve's reclaim may have taken blocks, each reported as evicted
             gone = {key for key in committed if key not in self.committed}
             assert set(self.committed) <= set(committed)
@@ -547,6 +550,31 @@ class StoreMachine(RuleBasedStateMachine):
             event("inject_failure: the operation completed before its k-th call")
         finally:
             self.faults.disarm()
+
+    def _quarantined(self) -> dict[str, int]:
+        """The store's quarantined slots per namespace."""
+        return {ns.name: sum(len(e.quarantine) for e in ns.extents)
+                for ns in self.store.namespaces.values()}
+
+    def _take_partial_expiry(self, parked: dict[str, int]) -> None:
+        """An expiry sweep whose table call failed: each namespace's part (its due
+        quarantine freed and its stale leases ended, in one call) is all or nothing,
+        and the namespaces before the failing one are done (``Store.expire``); the
+        reservations expire only once every part is.  Take in what the store did."""
+        now = self.clock()
+        for ns in NAMESPACES:
+            stale = [lid for lid, lease in self.leases.items()
+                     if lease.expires <= now and SESSION_NS[lease.slot] == ns]
+            due = sum(n for name, until, n in self.quarantine if name == ns and until <= now)
+            freed = parked.get(ns, 0) - self._quarantined().get(ns, 0)
+            gone = [lid for lid in stale if lid not in self.store._leases]
+            done = bool(gone) or freed > 0
+            if done:
+                event("inject_failure: expiry done in some namespaces only")
+                assert len(gone) == len(stale) and freed >= due, (ns, gone, stale, freed, due)
+                self.quarantine = [q for q in self.quarantine if not (q[0] == ns and q[1] <= now)]
+                for lid in stale:
+                    self._end_lease(lid)
 
     def _run(self, op: str, data: st.DataObject) -> None:
         """Run rule ``op`` with arguments that make it reach the store's writes often:

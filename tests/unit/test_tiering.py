@@ -63,6 +63,55 @@ def test_reserve_of_a_spilled_key_is_exists(shm_dir: str, disk_dir: str) -> None
     asyncio.run(go())
 
 
+def test_lookups_reserves_and_deletes_ask_the_ssd_tier_once_per_batch(
+        shm_dir: str, disk_dir: str) -> None:
+    """Keys below DRAM are looked up in the SSD tier's index once per request
+    (``length_of_many``: one native call), not key by key, with the answers a walk key
+    by key gives: the prefix, its tiers, EXISTS for a writer."""
+
+    async def go() -> None:
+        async with tiered(shm_dir, ssd_dir=disk_dir) as env:
+            s = env.session()
+            ks = keys(60)
+            await env.put_all(s, ks)
+            await env.settle()
+            ssd = env.t.ssd
+            assert ssd is not None
+            on_ssd = [k for k in ks if k not in s.ns.index]
+            assert len(on_ssd) >= 20
+            geometry = env.t._geometry(s.ns)
+            # What the walk key by key answers (asked before the counting starts).
+            asked = ks + keys(3, "gone") + ks[:4]
+            want: list[int] = []
+            for k in asked:
+                local = env.t._local_copy(s.ns.name, k, geometry)
+                if k not in s.ns.index and local is None:
+                    break
+                want.append(TIER_DRAM if k in s.ns.index else TIER_SSD)
+            assert len(want) == 60
+            one: list[bytes] = []
+            many: list[int] = []
+            real_one, real_many = ssd.length_of, ssd.length_of_many
+            ssd.length_of = lambda ns, key, g=None: (  # type: ignore[method-assign]
+                one.append(key), real_one(ns, key, g))[1]
+            ssd.length_of_many = lambda ns, batch, g=None: (  # type: ignore[method-assign]
+                many.append(len(batch)), real_many(ns, batch, g))[1]
+            try:
+                assert await env.t.lookup(s, asked) == want
+                assert (one, len(many)) == ([], 1)
+                fresh = keys(3, "new")
+                assert await env.put(s, on_ssd[:10] + fresh) == (
+                    [ReserveStatus.EXISTS] * 10 + [ReserveStatus.RESERVED] * 3)
+                assert (one, len(many)) == ([], 2) and many[1] == 13
+                assert await env.t.delete(s, on_ssd[:5] + keys(2, "gone")) == 5
+                assert (one, len(many)) == ([], 3)
+                assert await env.t.lookup(s, on_ssd[:5]) == []
+            finally:
+                del ssd.length_of, ssd.length_of_many
+
+    asyncio.run(go())
+
+
 def test_without_spill_tiers_eviction_drops(shm_dir: str) -> None:
     async def go() -> None:
         async with tiered(shm_dir) as env:

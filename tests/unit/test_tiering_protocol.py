@@ -66,6 +66,10 @@ class DictTier:
     def held(self, namespace: str, key: bytes, geometry: Geometry | None) -> int | None:
         return None
 
+    def held_many(self, namespace: str, keys: Sequence[bytes],
+                  geometry: Geometry | None) -> list[int | None]:
+        return [None] * len(keys)
+
     def contains(self, namespace: str, key: bytes) -> bool:
         with self.lock:
             return (namespace, key) in self.blocks

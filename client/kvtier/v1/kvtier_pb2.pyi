@@ -196,22 +196,30 @@ class LookupResponse(_message.Message):
     def __init__(self, hits: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "packed_slots")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    packed_slots: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., packed_slots: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "statuses", "slots", "segments_version")
+    __slots__ = ("reservation_id", "statuses", "slots", "segments_version", "slot_segment_ids", "slot_offsets", "slot_capacity")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SLOT_SEGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     statuses: _containers.RepeatedScalarFieldContainer[ReserveStatus]
     slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
     segments_version: int
-    def __init__(self, reservation_id: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[ReserveStatus, str]]] = ..., slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., segments_version: _Optional[int] = ...) -> None: ...
+    slot_segment_ids: _containers.RepeatedScalarFieldContainer[int]
+    slot_offsets: _containers.RepeatedScalarFieldContainer[int]
+    slot_capacity: int
+    def __init__(self, reservation_id: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[ReserveStatus, str]]] = ..., slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., segments_version: _Optional[int] = ..., slot_segment_ids: _Optional[_Iterable[int]] = ..., slot_offsets: _Optional[_Iterable[int]] = ..., slot_capacity: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("reservation_id", "lengths", "checksums")

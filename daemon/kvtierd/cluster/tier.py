@@ -581,6 +581,10 @@ class ClusterTier:
     def held(self, namespace: str, key: bytes, geometry: Geometry | None) -> int | None:
         return None
 
+    def held_many(self, namespace: str, keys: Sequence[bytes],
+                  geometry: Geometry | None) -> list[int | None]:
+        return [None] * len(keys)
+
     def present(self, namespace: str, keys: Sequence[bytes],
                 geometry: Geometry | None) -> list[bool]:
         """One ``batch_is_exist`` per :data:`BATCH` keys (one master round trip)."""

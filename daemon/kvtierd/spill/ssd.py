@@ -23,7 +23,8 @@ return an :class:`SsdEntry` made on demand: a snapshot, kept by nobody after
 the call.  (docs/decisions.md, "The SSD tier's bookkeeping in columns".)
 
 Threading: one lock guards the in-memory state; no I/O happens under it.
-``find``/``remove``/``stats`` are O(keys) and safe on the event loop;
+``find``/``find_many``/``length_of_many``/``remove``/``stats`` are O(keys) and safe on the
+event loop (``find_many`` and ``length_of_many`` look a batch of keys up in one native call);
 ``write``/``sync``/``read_into``/``open``/``flush_frees`` block and run on
 worker threads.  A slot being written is owned by its writer (``BUSY``); an
 entry being read has ``readers > 0`` and is neither evicted nor reused until
@@ -51,7 +52,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -86,6 +87,9 @@ INDEXED: Final = 1  # committed and in the key index
 BUSY: Final = 2  # owned by a writer
 REMOVED: Final = 3  # out of the index, still being read: freed at its last reader
 
+#: Keys per native batch lookup (``_find_slots``): it copies each key's 193-byte field
+#: first, so a huge batch goes in pieces of a few MiB.
+FIND_BATCH: Final = 16384
 #: The key index starts with this many buckets, grows (doubles) above MAX_LOAD, and is
 #: rebuilt at most half full: probes stay short, 8 bytes a bucket is 11-21 bytes an entry.
 MIN_BUCKETS: Final = 1024
@@ -100,6 +104,14 @@ KEY_AT: Final = fmt.KEY_AT
 ENTRY_SUM_AT: Final = fmt.ENTRY_SUM_AT
 #: An entry's length, checksum, block_bytes and model hash (at byte 8 of the entry).
 _FIELDS: Final = struct.Struct("<QQQQ")
+#: The same fields as u64 words of an entry (``length_of_many`` reads them vectorised).
+_ROW_WORDS: Final = ENTRY_BYTES // 8
+_LENGTH_WORD: Final = 1  # (bytes 8, 24 and 32 of the entry: fmt.ENTRY_DTYPE)
+_BLOCK_BYTES_WORD: Final = 3
+_MODEL_HASH_WORD: Final = 4
+assert fmt.ENTRY_DTYPE.fields is not None and [
+    fmt.ENTRY_DTYPE.fields[name][1] for name in ("length", "block_bytes", "model_hash")
+] == [8 * _LENGTH_WORD, 8 * _BLOCK_BYTES_WORD, 8 * _MODEL_HASH_WORD]
 
 
 def key_hash(ns: bytes, key: bytes) -> int:
@@ -458,6 +470,19 @@ class SsdTier:
                         and t[off + KEY_AT : off + ENTRY_SUM_AT] == field):
                     return i, sid, f
             i = (i + 1) & mask
+
+    def _find_slots(self, nsid: int, keys: Sequence[bytes]) -> np.ndarray:
+        """The slot id of each key of namespace ``nsid`` in the index, or -1 (lock held):
+        what ``_probe`` finds, for every key in one native call (``_accel.ssd_find_slots``:
+        the same hash, the same confirmation against the slot-table mirror)."""
+        tables, ns = [f.table for f in self._by_base], self._ns_bytes[nsid]
+        if len(keys) <= FIND_BATCH:
+            return np.frombuffer(_accel.ssd_find_slots(self._buckets, tables, self._bases,
+                                                       keys, ns), dtype=np.int64)
+        return np.concatenate([  # (the call copies its keys: ~200 B a key at a time)
+            np.frombuffer(_accel.ssd_find_slots(self._buckets, tables, self._bases,
+                                                keys[at : at + FIND_BATCH], ns), np.int64)
+            for at in range(0, len(keys), FIND_BATCH)])
 
     def _insert(self, sid: int, h: int) -> None:
         """Put a slot id known to be absent, its key hash ``h``, into the index (lock
@@ -828,6 +853,53 @@ class SsdTier:
         if geometry is not None and (block_bytes, mhash) != geometry:
             return None
         return int(length)
+
+    def find_many(self, namespace: str, keys: Sequence[bytes], block_bytes: int,
+                  mhash: int) -> list[SsdEntry | None]:
+        """``find`` of each key: one index lookup for them all (one native call, one
+        hold of the lock)."""
+        with self._lock:
+            i = self._ns_ids.get(namespace)
+            if i is None or not keys:
+                return [None] * len(keys)
+            found = [None if sid < 0 else self._entry_at(*self._locate(sid))
+                     for sid in self._find_slots(i, keys).tolist()]
+        return [e if e is not None and (e.block_bytes, e.model_hash) == (block_bytes, mhash)
+                else None for e in found]
+
+    def length_of_many(self, namespace: str, keys: Sequence[bytes],
+                   geometry: tuple[int, int] | None = None) -> list[int | None]:
+        """``length_of`` of each key: one index lookup for them all (one native call),
+        the lengths and geometries read from the slot tables vectorised, no entry made.
+        O(keys), loop-safe: what the tiering asks about a batch of keys below DRAM."""
+        lengths = np.full(len(keys), -1, np.int64)
+        with self._lock:
+            i = self._ns_ids.get(namespace)
+            if i is None or not keys:
+                return [None] * len(keys)
+            sids = self._find_slots(i, keys)
+            hit = np.flatnonzero(sids >= 0)
+            if hit.size:
+                files = self._by_base
+                if len(files) == 1:
+                    groups = [(files[0], hit)]
+                else:  # slot ids to files, then each file's hits at once
+                    at = np.searchsorted(np.array(self._bases, np.int64), sids[hit],
+                                         side="right") - 1
+                    groups = [(files[k], hit[at == k]) for k in np.unique(at).tolist()]
+                for f, sel in groups:
+                    # The entries as rows of u64 (a view): just the fields wanted gathered.
+                    words = np.frombuffer(f.table, "<u8", count=f.n_slots * _ROW_WORDS
+                                          ).reshape(f.n_slots, _ROW_WORDS)
+                    slots = sids[sel] - f.base
+                    got = words[slots, _LENGTH_WORD].astype(np.int64)
+                    if geometry is not None:
+                        ok = ((words[slots, _BLOCK_BYTES_WORD] == geometry[0])
+                              & (words[slots, _MODEL_HASH_WORD] == geometry[1]))
+                        sel, got = sel[ok], got[ok]
+                    lengths[sel] = got
+                    del words
+        return [None if n < 0 else n for n in lengths.tolist()]
 
     def remove(self, namespace: str, keys: Iterable[bytes]) -> int:
         """Forget keys (delete); their FREE entries reach the disk at the next ``flush_frees``."""

@@ -161,6 +161,12 @@ class Tier(Protocol):
         A tier that is not ``local`` always answers None (it cannot tell without I/O)."""
         ...
 
+    def held_many(self, namespace: str, keys: Sequence[bytes],
+                  geometry: Geometry | None) -> list[int | None]:
+        """Loop-safe: ``held`` of each key, asked at once (a ``local`` tier answers a
+        batch with one look at its index; one that is not answers Nones)."""
+        ...
+
     def present(self, namespace: str, keys: Sequence[bytes],
                 geometry: Geometry | None) -> list[bool]:
         """Blocking: whether the tier holds a copy of each key (a stat per key for a file
@@ -271,9 +277,14 @@ class SsdAdapter:
         return self.ssd.length_of(namespace, key, None if geometry is None else
                                   (geometry.block_bytes, geometry.model_hash))
 
+    def held_many(self, namespace: str, keys: Sequence[bytes],
+                  geometry: Geometry | None) -> list[int | None]:
+        return self.ssd.length_of_many(namespace, keys, None if geometry is None else
+                                       (geometry.block_bytes, geometry.model_hash))
+
     def present(self, namespace: str, keys: Sequence[bytes],
                 geometry: Geometry | None) -> list[bool]:
-        return [self.held(namespace, k, geometry) is not None for k in keys]
+        return [n is not None for n in self.held_many(namespace, keys, geometry)]
 
     async def present_async(self, namespace: str, keys: Sequence[bytes],
                             geometry: Geometry | None) -> list[bool]:
@@ -342,6 +353,10 @@ class SharedAdapter:
 
     def held(self, namespace: str, key: bytes, geometry: Geometry | None) -> int | None:
         return None
+
+    def held_many(self, namespace: str, keys: Sequence[bytes],
+                  geometry: Geometry | None) -> list[int | None]:
+        return [None] * len(keys)
 
     def present(self, namespace: str, keys: Sequence[bytes],
                 geometry: Geometry | None) -> list[bool]:

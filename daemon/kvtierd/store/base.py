@@ -32,16 +32,19 @@ from kvtierd.shared_index import (
 from kvtierd.store.types import (
     MAX_READ_HINTS,
     Block,
+    Commits,
     Extent,
     Lease,
     Namespace,
     Peer,
     Reservation,
     Session,
-    SlotCommit,
+    Victims,
 )
 
 log = logging.getLogger(__name__)
+
+_NO_REFS = np.zeros(0, dtype=np.uint64)
 
 
 
@@ -190,6 +193,7 @@ class StoreBase:
         boot_epoch: int,
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[Block], None] | None = None,
+        on_evicted: Callable[[str, int], None] | None = None,
         publish: bool = False,
         grant_bytes: int = 0,
     ) -> None:
@@ -202,7 +206,10 @@ class StoreBase:
         self.boot_epoch = boot_epoch
         self._factory = extent_factory
         self._clock = clock
+        #: Hears each evicted block's handle (tests and models; a handle per block costs)
+        #: and each eviction's count per namespace (the daemon's metrics).
         self._on_evict = on_evict
+        self._on_evicted = on_evicted
         #: Prefetched blocks first read without a call (tiering counts those read by calls).
         self.prefetched_reads = 0
         #: Publish each namespace's keys in a shared index its clients search.
@@ -379,8 +386,8 @@ class StoreBase:
         _touched, prefetched = ns.table.touch(hints, self._access(len(hints)), hints=True)
         self.prefetched_reads += prefetched
 
-    def _commit(self, ns: Namespace, commits: Sequence[SlotCommit],
-                release: Sequence[tuple[Extent, int]] = (), *,
+    def _commit(self, ns: Namespace, commits: Commits,
+                release: npt.NDArray[np.uint64] = _NO_REFS, *,
                 handles: bool | None = None) -> list[Block]:
         """The one commit transition (RESERVED -> COMMITTED), for a Commit call and a
         page's commit records alike: the slot entries (``BlockTable.commit``, with the
@@ -388,19 +395,24 @@ class StoreBase:
         nothing), then the key index -- the moment a reader can find them.  Returns
         the blocks made (handles; with ``handles`` False or, when None,
         ``commit_handles`` off, none)."""
-        if not commits:
-            if release:
-                ns.table.release_claims(_refs(release))
+        if not len(commits):
+            if len(release):
+                ns.table.release_claims(release)
             return []
-        refs = _refs((c.ext, c.slot) for c in commits)
-        keys = [c.key for c in commits]
-        ns.table.commit(refs, keys, [c.length for c in commits],
-                        [c.checksum for c in commits], first_access=self._access(len(commits)),
-                        epoch=self.boot_epoch, release=_refs(release) if release else None)
-        ns.index.add_committed(refs, keys)  # from the slot entries just written
+        ns.table.commit(commits.refs, commits.keys, commits.lengths, commits.checksums,
+                        first_access=self._access(len(commits)), epoch=self.boot_epoch,
+                        release=release if len(release) else None)
+        ns.index.add_committed(commits.refs, commits.keys)  # from the slot entries just written
         if not (self.commit_handles if handles is None else handles):
             return []
-        return [Block(ns, c.key, c.ext, c.slot, c.length, c.checksum, c.gen) for c in commits]
+        sums = commits.checksums
+        sums = [None] * len(commits) if sums is None else (
+            sums.tolist() if isinstance(sums, np.ndarray) else list(sums))
+        by_id = ns.by_id
+        return [Block(ns, key, by_id[r >> 32], r & 0xFFFF_FFFF, length, c, gen)
+                for r, gen, key, length, c in zip(
+                    commits.refs.tolist(), commits.gens.tolist(), commits.keys,
+                    commits.lengths.tolist(), sums, strict=True)]
 
     def _pin(self, ns: Namespace, refs: npt.NDArray[np.uint64]) -> None:
         ns.table.pin(refs)
@@ -413,18 +425,24 @@ class StoreBase:
             del lease.session.leases[lease.id]
             del self._leases[lease.id]
 
-    def _drop_from_index(self, ns: Namespace, blocks: Sequence[Block]) -> None:
+    def _drop_from_index(self, ns: Namespace, keys: list[bytes]) -> None:
         """The index's part of an eviction (the one exit of DRAM blocks; the spill tiers
         turn it into demotion): the keys leave.  The table's part is the caller's."""
-        ns.index.remove([b.key for b in blocks])
-        self.evictions += len(blocks)
+        ns.index.remove(keys)
+        self.evictions += len(keys)
 
-    def _report_evicted(self, blocks: Iterable[Block]) -> None:
-        """Tell ``on_evict`` of applied evictions; a hook that raises is a bug logged here,
-        it never fails (or half-undoes) the call that evicted."""
+    def _report_evicted(self, ns: Namespace, blocks: Victims | Sequence[Block]) -> None:
+        """Tell ``on_evicted`` (a count) and ``on_evict`` (each block's handle: made only
+        for that hook) of applied evictions; a hook that raises is a bug logged here, it
+        never fails (or half-undoes) the call that evicted."""
+        if self._on_evicted is not None and len(blocks):
+            try:
+                self._on_evicted(ns.name, len(blocks))
+            except Exception:
+                log.exception("on_evicted hook failed for %r", ns.name)
         if self._on_evict is None:
             return
-        for block in blocks:
+        for block in blocks.blocks() if isinstance(blocks, Victims) else blocks:
             try:
                 self._on_evict(block)
             except Exception:

@@ -10,6 +10,8 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from kvtier.errors import (
     CapacityExhausted,
     Unauthenticated,
@@ -27,18 +29,18 @@ from kvtierd.shared_index import (
     CommitRecord,
     SessionPage,
 )
-from kvtierd.store.base import _grant_word, _NeedExtent, _Raced
+from kvtierd.store.base import _grant_word, _NeedExtent, _Raced, _refs
 from kvtierd.store.operations import Operations
 from kvtierd.store.types import (
     GRANT_IDLE_SECONDS,
     Block,
     CommitResult,
+    Commits,
     Extent,
     Namespace,
     PageCommits,
     ReserveResult,
     Session,
-    SlotCommit,
 )
 
 log = logging.getLogger(__name__)
@@ -212,8 +214,14 @@ class FastPath(Operations):
             else:
                 codes[i] = CommitResult.COMMITTED
                 todo.append((g, key, length, raw_sum if flags & HAS_SUM else None))
-        commits = [SlotCommit(*grants[g], key, length, checksum)
-                   for g, key, length, checksum in todo]
+        places = [grants[g] for g, _key, _length, _sum in todo]
+        commits = Commits(_refs((ext, slot) for ext, slot, _gen in places),
+                          np.fromiter((gen for _ext, _slot, gen in places), dtype=np.uint64,
+                                      count=len(places)),
+                          [key for _g, key, _length, _sum in todo],
+                          np.fromiter((length for _g, _key, length, _sum in todo),
+                                      dtype=np.uint64, count=len(todo)),
+                          [checksum for _g, _key, _length, checksum in todo])
         made = self._commit(ns, commits)  # all or nothing (ValueError: nothing changed)
         # Applied: nothing below can fail.
         page = ns.pages.get(session.id)

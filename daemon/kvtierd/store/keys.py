@@ -33,9 +33,13 @@ if TYPE_CHECKING:
     from kvtierd.store.types import Block, Namespace
 
 
+_SLOT_MASK = np.uint64(0xFFFF_FFFF)
+
+
 def _hashed(keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
     """Keys the table holds as a hash (not 16 bytes long): hits need the slot's check."""
-    return np.fromiter((len(k) != 16 for k in keys), dtype=np.bool_, count=len(keys))
+    sizes = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
+    return np.not_equal(sizes, 16)
 
 
 class Keys:
@@ -140,10 +144,11 @@ class Keys:
         extent, no Python object per block); ``keys`` are theirs, for the events."""
         ns = self._ns
         ids = refs >> np.uint64(32)
-        for ext_id in np.unique(ids).tolist():
+        first = int(refs[0]) >> 32 if len(refs) else 0
+        one = len(refs) == 1 or (len(refs) > 1 and bool((ids == first).all()))
+        for ext_id in [first] if one else np.unique(ids).tolist():
             ext = ns.by_id[ext_id]
-            at = np.flatnonzero(ids == ext_id)
-            slots = refs[at] & np.uint64(0xFFFF_FFFF)
+            slots = refs & _SLOT_MASK if one else refs[ids == ext_id] & _SLOT_MASK
             seg = ext.segment
             view = memoryview(seg.meta)[TABLE_OFFSET : TABLE_OFFSET
                                         + ext.n_slots * SLOT_ENTRY_BYTES]
@@ -161,15 +166,14 @@ class Keys:
 
     def remove(self, keys: Sequence[bytes]) -> None:
         """Take ``keys`` out (they were present)."""
-        for key in keys:
-            self.table.discard(key)
+        if keys:
+            self.table.discard_many(keys)
         if keys and self.watch is not None:
             self.watch(list(keys), False)
 
     def hide(self, keys: Sequence[bytes]) -> None:
         """Out of the table for now, not an event (``unhide`` or ``remove`` follows)."""
-        for key in keys:
-            self.table.hide(key)
+        self.table.hide_many(keys)
 
     def unhide(self, blocks: Sequence[Block]) -> None:
         """Put back hidden blocks that are still current."""

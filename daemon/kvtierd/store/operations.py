@@ -9,6 +9,7 @@ import secrets
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.errors import (
     CapacityExhausted,
@@ -30,7 +31,7 @@ from kvtierd.store.types import (
     MAX_GROW_ROUNDS,
     AcquireResult,
     Block,
-    Extent,
+    Commits,
     Lease,
     Lower,
     Namespace,
@@ -39,11 +40,25 @@ from kvtierd.store.types import (
     ReserveResult,
     ReserveStatus,
     Session,
-    SlotCommit,
-    SlotGrant,
 )
 
 log = logging.getLogger(__name__)
+
+_NO_REFS = np.zeros(0, dtype=np.uint64)
+# (plain ints: an IntEnum member costs a metaclass lookup and numpy a conversion)
+_RESERVED, _EXISTS, _IN_FLIGHT = (int(ReserveStatus.RESERVED), int(ReserveStatus.EXISTS),
+                                  int(ReserveStatus.IN_FLIGHT))
+
+
+def _u64_or_none(values: Sequence[int | None] | Sequence[int]) -> npt.NDArray[np.uint64] | None:
+    """``values`` as a uint64 column, or None when one is not an integer in 0..2**64-1."""
+    if not len(values):
+        return _NO_REFS
+    try:  # (ints from the wire or the store itself: no floats to truncate)
+        column = np.array(values, dtype=np.uint64)
+    except (OverflowError, TypeError, ValueError):
+        return None
+    return column if column.ndim == 1 else None
 
 
 class Operations(Room):
@@ -106,11 +121,12 @@ class Operations(Room):
         leases = list(session.leases.values())
         ns = session.ns
         # One table call: every reserved and granted slot freed, every pin ended (or none).
-        places = [(ext, slot) for res in reservations for ext, slot, _gen in res.places]
-        places += [(ext, slot) for ext, slot, _gen in session.grants.values()]
+        places = [res.refs for res in reservations]
+        places.append(_refs((ext, slot) for ext, slot, _gen in session.grants.values()))
+        claims = np.concatenate(places)
         unpin = np.concatenate([lease.refs for lease in leases]) if leases else None
-        if places or unpin is not None:
-            ns.table.release_claims(_refs(places), unpin=unpin)
+        if len(claims) or unpin is not None:
+            ns.table.release_claims(claims, unpin=unpin)
         # Applied: nothing below can fail.
         session.closed = True
         for res in reservations:
@@ -171,40 +187,43 @@ class Operations(Room):
         ns = session.ns
         if session.closed:
             raise Unauthenticated("session is closed")
-        statuses: list[int] = []
-        new_keys: list[bytes] = []
-        seen: set[bytes] = set()
-        for i, key in enumerate(keys):
-            if key in seen:
-                raise InvalidArgument(f"duplicate key at index {i}")
-            if not 0 < len(key) <= MAX_KEY_BYTES:  # the slot table holds no more
-                raise InvalidArgument(f"keys[{i}] is {len(key)} bytes (1..{MAX_KEY_BYTES} "
-                                      "allowed)")
-            seen.add(key)
-        present = ns.index.find(keys) if keys else ()
-        for i, key in enumerate(keys):
-            if present[i]:
-                statuses.append(ReserveStatus.EXISTS)
-            elif key in ns.in_flight:
-                statuses.append(ReserveStatus.IN_FLIGHT)
-            elif exists is not None and exists(key):
-                statuses.append(ReserveStatus.EXISTS)
-            else:
-                statuses.append(ReserveStatus.RESERVED)
-                new_keys.append(key)
-        if not new_keys:
-            return ReserveResult(0, statuses, [], ns.segments_version)
-        places = self._claim(ns, len(new_keys), may_grow=may_grow)
+        n = len(keys)
+        unique = set(keys)
+        if len(unique) != n:
+            seen: set[bytes] = set()
+            for i, key in enumerate(keys):
+                if key in seen:
+                    raise InvalidArgument(f"duplicate key at index {i}")
+                seen.add(key)
+        if n and not 0 < min(map(len, keys)) <= max(map(len, keys)) <= MAX_KEY_BYTES:
+            i = next(i for i, k in enumerate(keys) if not 0 < len(k) <= MAX_KEY_BYTES)
+            raise InvalidArgument(f"keys[{i}] is {len(keys[i])} bytes (1..{MAX_KEY_BYTES} "
+                                  "allowed)")  # the slot table holds no more
+        present = (ns.index.find(keys) if n else _NO_REFS).tolist()
+        statuses = [_EXISTS if p else _RESERVED for p in present]
+        if ns.in_flight and (flying := ns.in_flight.keys() & unique):
+            for i, key in enumerate(keys):
+                if key in flying and not present[i]:
+                    statuses[i] = _IN_FLIGHT
+        if exists is not None:
+            for i, st in enumerate(statuses):
+                if st == _RESERVED and exists(keys[i]):
+                    statuses[i] = _EXISTS
+        todo = [i for i, st in enumerate(statuses) if st == _RESERVED]
+        if not todo:
+            return ReserveResult(0, statuses, _NO_REFS, _NO_REFS, ns.block_bytes,
+                                 ns.segments_version)
+        new_keys = list(keys) if len(todo) == n else [keys[i] for i in todo]
+        refs, gens = self._claim_refs(ns, len(new_keys), may_grow=may_grow)
         rid = next(self._ids)
         now = self._clock()
-        res = Reservation(rid, session, new_keys, places, now + self.reservation_ttl, started=now)
-        for key in new_keys:
-            ns.in_flight[key] = rid
+        res = Reservation(rid, session, new_keys, refs, gens, now + self.reservation_ttl,
+                          started=now)
+        ns.in_flight.update(dict.fromkeys(new_keys, rid))
         session.reservations[rid] = res
         self._reservations[rid] = res
-        grants = [SlotGrant(ext.segment.segment_id, ext.segment.slot_offset(slot),
-                            ns.block_bytes, None) for ext, slot, _gen in places]
-        return ReserveResult(rid, statuses, grants, ns.segments_version)
+        return ReserveResult(rid, statuses, refs >> np.uint64(32),
+                             self._offsets(ns, refs), ns.block_bytes, ns.segments_version)
 
     def commit(
         self,
@@ -225,13 +244,18 @@ class Operations(Room):
                 f"lengths and checksums differ in length ({n} != {len(checksums)})"
             )
         limit = session.ns.block_bytes
-        for i, length in enumerate(lengths):
-            if not 0 < length <= limit:
-                raise InvalidArgument(f"lengths[{i}] = {length} is outside 1..{limit} (block_bytes)")
-        for i, checksum in enumerate(checksums or ()):
-            if not 0 <= checksum < 1 << 64:  # the slot table's field is 64 bits
+        column = _u64_or_none(lengths)
+        if column is None or not ((column > 0) & (column <= limit)).all():
+            i, length = next((i, x) for i, x in enumerate(lengths) if not 0 < x <= limit)
+            raise InvalidArgument(f"lengths[{i}] = {length} is outside 1..{limit} (block_bytes)")
+        sums = None
+        if checksums is not None:
+            sums = _u64_or_none(checksums)  # the slot table's field is 64 bits
+            if sums is None:
+                i, checksum = next((i, x) for i, x in enumerate(checksums)
+                                   if not 0 <= x < 1 << 64)
                 raise InvalidArgument(f"checksums[{i}] = {checksum} is outside 0..2**64-1")
-        self._end_reservation(res, commit=(lengths, checksums), handles=False)
+        self._end_reservation(res, commit=(column, sums), handles=False)
         return n
 
     def abort(self, session: Session, reservation_id: int) -> int:
@@ -264,7 +288,8 @@ class Operations(Room):
     def _end_reservation(
         self,
         res: Reservation,
-        commit: tuple[Sequence[int], Sequence[int | None] | None] | None,
+        commit: tuple[npt.NDArray[np.uint64],
+                      Sequence[int | None] | npt.NDArray[np.uint64] | None] | None,
         *,
         handles: bool = True,
     ) -> list[Block | None]:
@@ -272,8 +297,7 @@ class Operations(Room):
         All or nothing: the commit (the one call that can refuse its input) goes first."""
         ns = res.session.ns
         freed, commits = self._split_end(res, commit)
-        made = iter(self._commit(ns, commits, [(ext, slot) for ext, slot, _gen in freed],
-                                 handles=handles))
+        made = iter(self._commit(ns, commits, freed, handles=handles))
         # Applied: nothing below can fail.
         for key in res.keys:
             del ns.in_flight[key]
@@ -281,26 +305,27 @@ class Operations(Room):
         del self._reservations[res.id]
         if commit is None or not handles:
             return [None] * len(res.keys)
-        return [next(made) if length else None for length in commit[0]]
+        return [next(made) if length else None for length in commit[0].tolist()]
 
     @staticmethod
     def _split_end(
         res: Reservation,
-        commit: tuple[Sequence[int], Sequence[int | None] | None] | None,
-    ) -> tuple[list[tuple[Extent, int, int]], list[SlotCommit]]:
-        """Ending ``res``: the places freed (all, or those of length 0) and the commits."""
+        commit: tuple[npt.NDArray[np.uint64],
+                      Sequence[int | None] | npt.NDArray[np.uint64] | None] | None,
+    ) -> tuple[npt.NDArray[np.uint64], Commits]:
+        """Ending ``res``: the refs freed (all, or those of length 0) and the commits."""
         if commit is None:
-            return list(res.places), []
+            return res.refs, Commits(_NO_REFS, _NO_REFS, [], _NO_REFS, None)
         lengths, checksums = commit
-        freed: list[tuple[Extent, int, int]] = []
-        commits: list[SlotCommit] = []
-        for i, (key, place) in enumerate(zip(res.keys, res.places, strict=True)):
-            if lengths[i] == 0:
-                freed.append(place)
-            else:
-                commits.append(SlotCommit(*place, key, lengths[i],
-                                          checksums[i] if checksums is not None else None))
-        return freed, commits
+        zero = lengths == 0
+        if not zero.any():
+            return _NO_REFS, Commits(res.refs, res.gens, res.keys, lengths, checksums)
+        keep = np.flatnonzero(~zero)
+        at = keep.tolist()
+        sums = None if checksums is None else (
+            checksums[keep] if isinstance(checksums, np.ndarray) else [checksums[i] for i in at])
+        return res.refs[zero], Commits(res.refs[keep], res.gens[keep],
+                                       [res.keys[i] for i in at], lengths[keep], sums)
 
     def acquire(self, session: Session, keys: Sequence[bytes]) -> AcquireResult:
         """Lease the longest present prefix of ``keys``."""
@@ -315,7 +340,8 @@ class Operations(Room):
         ns.hits += len(refs)
         ns.misses += len(keys) - len(refs)
         if not len(refs):
-            return AcquireResult(0, [], ns.segments_version)
+            return AcquireResult(0, _NO_REFS, _NO_REFS, _NO_REFS, _NO_REFS,
+                                 np.zeros(0, dtype=np.uint8), ns.segments_version)
         # The pins, then the reads (CLOCK bits, persisted last access): a touch that
         # fails takes the pins back.  (The tiering layer counts the prefetched blocks a
         # call reads; the touch clears their mark.)
@@ -331,14 +357,10 @@ class Operations(Room):
         lease = Lease(lid, session, refs, now + self.lease_ttl, started=now)
         session.leases[lid] = lease
         self._leases[lid] = lease
-        grants = []
-        for r in refs.tolist():
-            ext = ns.by_id[r >> 32]
-            slot = r & 0xFFFF_FFFF
-            rec = ext.segment.read_slot(slot)
-            grants.append(SlotGrant(ext.id, ext.segment.slot_offset(slot), rec.length,
-                                    rec.checksum))
-        return AcquireResult(lid, grants, ns.segments_version)
+        _keys, rows = ns.table.entries(refs)  # (pinned: they stay as read)
+        return AcquireResult(lid, refs >> np.uint64(32), self._offsets(ns, refs),
+                             rows["length"], rows["checksum"], rows["has_checksum"],
+                             ns.segments_version)
 
     def release(self, session: Session, lease_id: int) -> None:
         if lease_id == 0:
@@ -354,10 +376,12 @@ class Operations(Room):
         """Remove present keys; a leased block is hidden now and freed at its last release."""
         ns = session.ns
         keys = list(dict.fromkeys(keys))
-        refs = ns.index.find(keys) if keys else ()
-        blocks = [b for r in refs if r and (b := ns.block_at(int(r))) is not None]
-        self._delete_blocks(blocks)
-        return len(blocks)
+        refs = ns.index.find(keys) if keys else _NO_REFS
+        hit = np.flatnonzero(refs)
+        if len(hit):
+            ns.table.delete(refs[hit])  # all or nothing
+            ns.index.remove([keys[i] for i in hit.tolist()])
+        return len(hit)
 
     def drop_lost(self, segment: Segment, intact_bytes: int) -> list[Block]:
         """Forget the DRAM blocks of ``segment`` whose slots end past ``intact_bytes``.
@@ -396,8 +420,8 @@ class Operations(Room):
         if block.pins or block.doomed or ns.index.get(block.key) != block:
             return False
         ns.table.evict(_refs([(block.extent, block.slot)]))  # or nothing changes
-        self._drop_from_index(ns, [block])
-        self._report_evicted([block])
+        self._drop_from_index(ns, [block.key])
+        self._report_evicted(ns, [block])
         return True
 
     def reservation_slots(self, session: Session, reservation_id: int) -> list[memoryview]:
@@ -414,7 +438,7 @@ class Operations(Room):
     ) -> list[Block | None]:
         """Commit each slot with its (length, checksum), or free it for None."""
         res = self._own_reservation(session, reservation_id)
-        lengths = [o[0] if o is not None else 0 for o in outcomes]
+        lengths = np.array([o[0] if o is not None else 0 for o in outcomes], dtype=np.uint64)
         sums: list[int | None] = [o[1] if o is not None else None for o in outcomes]
         return self._end_reservation(res, commit=(lengths, sums))
 

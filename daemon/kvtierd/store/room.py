@@ -1,11 +1,13 @@
 """Room for a reserve: free slots, growth from the DRAM budget, eviction of the namespace's
-least recently used blocks, reclaim of other namespaces' extents, and retirement."""
+blocks (CLOCK), reclaim of other namespaces' extents, and retirement."""
 
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,7 +30,6 @@ from kvtierd.store.base import (
     _grant_word,
     _NeedExtent,
     _Raced,
-    _refs,
 )
 from kvtierd.store.types import (
     MAX_KEPT_RETIRED,
@@ -38,6 +39,7 @@ from kvtierd.store.types import (
     Namespace,
     NeedDemotion,
     Session,
+    Victims,
 )
 
 log = logging.getLogger(__name__)
@@ -46,44 +48,72 @@ _NO_REFS = np.zeros(0, dtype=np.uint64)
 #: ``victims`` calls one plan may make (each does bounded work; a short answer is
 #: asked again, and what is still short after these is not there to evict).
 VICTIM_ROUNDS = 4
-
+#: Growth ahead of need (``dram.grow_ahead``): a claim that leaves its namespace fewer
+#: free slots than the larger of what it took and this fraction of a full extent's
+#: slots starts one background growth to that mark (docs/decisions.md).
+GROW_AHEAD_FRACTION = 0.5
+#: Seconds growth ahead pauses (store-wide) after one failed: reserves still grow,
+#: and report the failure, themselves.
+GROW_AHEAD_RETRY = 10.0
 
 
 class Room(StoreBase):
     """Finding room: _claim takes slots all or nothing (free, grown, evicted, reclaimed)."""
 
-    def _claim(self, ns: Namespace, n: int, *, may_grow: bool,
-               partial: bool = False) -> list[tuple[Extent, int, int]]:
+    def _claim_refs(self, ns: Namespace, n: int, *, may_grow: bool, partial: bool = False
+                    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
         """Take ``n`` slots of ``ns`` into the RESERVED state (free ones first, then the
-        blocks ``_take_slots`` chose are evicted into them), all or nothing: (extent,
-        slot, new generation) each.  With ``partial``, fewer (the free ones) rather
-        than raise when no more room can be made now."""
-        free, victims, pinned = self._take_slots(ns, n, may_grow=may_grow, partial=partial)
+        blocks ``_take_slots`` chose are evicted into them), all or nothing: their refs
+        and new generations.  With ``partial``, fewer (the free ones) rather than raise
+        when no more room can be made now."""
+        try:
+            free, victims, pinned = self._take_slots(ns, n, may_grow=may_grow, partial=partial)
+        except _NeedExtent:
+            if partial:  # grants ahead: the writer's next reserve finds the extent (being) made
+                self._grow_ahead(ns, n)
+            raise
         # Applied: the table's calls below were validated by the plan (on the loop,
         # nothing changed since) and change every slot or none.
-        vrefs = _refs((b.extent, b.slot) for b in victims)
+        vrefs = victims.refs
         try:
             # One call: the free slots and the victims (evicted into this claim), or none.
             refs, short = ns.table.claim(free, pinned.skip(), evict=vrefs if victims else None)
         except BaseException:
-            ns.index.unhide(victims)
+            ns.index.unhide(victims.blocks())
             raise
         assert short == 0, f"{short} free slots vanished since the plan"
         if victims:
-            self._drop_from_index(ns, victims)
+            self._drop_from_index(ns, victims.keys)
             refs = np.concatenate([refs, vrefs])
-            self._report_evicted(victims)
-        return self._places(ns, refs)
+            self._report_evicted(ns, victims)
+        gens = ns.table.inspect(refs)["generation"]
+        if self.grow_ahead:
+            self._grow_ahead(ns, n)
+        return refs, gens
+
+    def _claim(self, ns: Namespace, n: int, *, may_grow: bool,
+               partial: bool = False) -> list[tuple[Extent, int, int]]:
+        """``_claim_refs`` as (extent, slot, generation) places."""
+        refs, gens = self._claim_refs(ns, n, may_grow=may_grow, partial=partial)
+        return [(ns.by_id[r >> 32], r & 0xFFFF_FFFF, g)
+                for r, g in zip(refs.tolist(), gens.tolist(), strict=True)]
 
     @staticmethod
-    def _places(ns: Namespace, refs: npt.NDArray[np.uint64]) -> list[tuple[Extent, int, int]]:
-        """(extent, slot, generation) of reserved refs."""
-        gens = ns.table.inspect(refs)["generation"].tolist()
-        return [(ns.by_id[r >> 32], r & 0xFFFF_FFFF, g)
-                for r, g in zip(refs.tolist(), gens, strict=True)]
+    def _offsets(ns: Namespace, refs: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+        """Each ref's slot offset in its data file (what clients address)."""
+        ids = refs >> np.uint64(32)
+        out = (refs & np.uint64(0xFFFF_FFFF)) * np.uint64(ns.slot_bytes)
+        first = int(refs[0]) >> 32 if len(refs) else 0
+        one = len(refs) == 1 or (len(refs) > 1 and bool((ids == first).all()))
+        for ext_id in [first] if one else np.unique(ids).tolist():  # (recovered layouts)
+            slot_bytes = ns.by_id[ext_id].segment.layout.slot_bytes
+            if slot_bytes != ns.slot_bytes:
+                at = ids == ext_id
+                out[at] = (refs[at] & np.uint64(0xFFFF_FFFF)) * np.uint64(slot_bytes)
+        return out
 
     def _take_slots(self, ns: Namespace, n: int, *, may_grow: bool, partial: bool = False
-                    ) -> tuple[int, list[Block], Pinned]:
+                    ) -> tuple[int, Victims, Pinned]:
         """Plan room for ``n`` slots of ``ns``: how many free slots to claim and which
         blocks to evict for the rest (nothing changes yet).
 
@@ -97,18 +127,19 @@ class Room(StoreBase):
         pinned = self.pinned(ns)
         free = min(n, self._usable_free(ns, pinned))
         if free == n:
-            return n, [], pinned
+            return n, Victims.none(ns), pinned
         try:
             victims = self._find_room(ns, n, free, may_grow=may_grow, pinned=pinned)
         except CapacityExhausted:
             if partial:
-                return free, [], pinned
+                return free, Victims.none(ns), pinned
             raise
-        if ns.pages and victims:
-            ns.index.hide([b.key for b in victims])
+        if ns.pages and len(victims):
+            ns.index.hide(victims.keys)
             now = self.pinned(ns)
-            if any(now.slot(b.extent, b.slot) for b in victims):
-                ns.index.unhide(victims)
+            skip = now.skip()
+            if skip is not None and np.isin(victims.refs, skip).any():
+                ns.index.unhide(victims.blocks())
                 raise _Raced()
             pinned = now
         return free, victims, pinned
@@ -178,10 +209,10 @@ class Room(StoreBase):
         refs = ns.table.committed(ext.id)
         if dirty and len(refs):
             refs = refs[ns.table.inspect(refs)["lower"] == Lower.DIRTY]
-        return [b for r in refs.tolist() if (b := ns.block_at(r)) is not None]
+        return ns.blocks_at(refs)
 
     def _find_room(self, ns: Namespace, n: int, got: int, *, may_grow: bool,
-                   pinned: Pinned) -> list[Block]:
+                   pinned: Pinned) -> Victims:
         """The blocks of ``ns`` to evict for the ``n - got`` slots no free list had, or raise:
         ``_NeedExtent`` to grow first (after reclaiming other namespaces' extents, if
         that funds the growth), ``NeedDemotion`` or ``CapacityExhausted``.
@@ -199,8 +230,11 @@ class Room(StoreBase):
         held = ns.extent_bytes() if quota else 0
         at_quota = bool(quota) and SegmentLayout.fit(ns.block_bytes, quota - held) is None
         may_grow = may_grow and not at_quota
-        # Room in the budget: grow rather than evict.
-        if may_grow and SegmentLayout.fit(ns.block_bytes, self.budget_free) is not None:
+        # Room in the budget, or an extent of this namespace being made (ahead of need, or
+        # for another reserve; its bytes are out of the budget already): grow, or wait
+        # for that growth, rather than evict.
+        if may_grow and (ns.grow_lock.locked()
+                         or SegmentLayout.fit(ns.block_bytes, self.budget_free) is not None):
             raise _NeedExtent(n)
         spill = self.spill_enabled
         self.note_reads(ns)  # blocks read without a call get their CLOCK bit first
@@ -225,7 +259,7 @@ class Room(StoreBase):
                         self._forget_if_unused(self.namespaces[name])
             raise _NeedExtent(n)
         if dirty_ext and (len(same_ns) < short
-                          or dirty_ext[0].counts().newest_access < self._oldest(same_ns)):
+                          or dirty_ext[0].counts().newest_access < same_ns.oldest()):
             # Another namespace's extent, older than what CLOCK would evict here, waits
             # only for its DIRTY blocks to be demoted: demote them, then reclaim it.
             ext = dirty_ext[0]
@@ -239,7 +273,7 @@ class Room(StoreBase):
             skip = pinned.skip()
             want = short - len(same_ns)
             refs = ns.table.dirty(want, Policy.CLOCK, skip=skip)
-            wanted = [b for r in refs.tolist() if (b := ns.block_at(r)) is not None]
+            wanted = ns.blocks_at(refs)
             in_flight = any(s.leases for s in self._system_sessions.values())
             if wanted or in_flight:
                 raise NeedDemotion(ns, short - len(same_ns), wanted)
@@ -256,7 +290,7 @@ class Room(StoreBase):
         )
 
     @staticmethod
-    def _victims(ns: Namespace, n: int, pinned: Pinned, *, spill: bool) -> list[Block]:
+    def _victims(ns: Namespace, n: int, pinned: Pinned, *, spill: bool) -> Victims:
         """Up to ``n`` evictable blocks of ``ns`` by CLOCK (with ``spill``, non-DIRTY
         only), none pinned by a call or a hazard.  The table's work per call is bounded:
         a short answer is asked again a few times."""
@@ -268,9 +302,9 @@ class Room(StoreBase):
             chosen = np.concatenate([chosen, more])
             if len(chosen) >= n or not len(more):
                 break
-        return [b for r in chosen.tolist() if (b := ns.block_at(r)) is not None]
+        return ns.victims_at(chosen)
 
-    def _plan_reclaim(self, ns: Namespace, same_ns: list[Block], short: int
+    def _plan_reclaim(self, ns: Namespace, same_ns: Victims, short: int
                       ) -> tuple[list[Extent], list[Extent]]:
         """Other namespaces' extents to reclaim for ``ns`` (enough to fund one extent of
         it, or none), and those that only DIRTY blocks keep from it (spill).  Never an
@@ -305,7 +339,7 @@ class Room(StoreBase):
         candidates.sort(key=lambda t: t[0])
         dirty_ext.sort(key=lambda t: t[0])
         # The oldest block CLOCK would evict here: an extent older than it goes first.
-        ours = self._oldest(same_ns)
+        ours = same_ns.oldest()
         enough = len(same_ns) >= short
         for newest, ext in candidates:
             if funded():
@@ -318,59 +352,159 @@ class Room(StoreBase):
             reclaim = []
         return reclaim, [e for _, e in dirty_ext]
 
-    @staticmethod
-    def _oldest(blocks: Sequence[Block]) -> int:
-        """The oldest last access of ``blocks`` (2**64 when there are none)."""
-        return min((b.extent.segment.read_slot(b.slot).last_access for b in blocks),
-                   default=2**64)
-
     async def _grow(self, ns: Namespace, need: int) -> bool:
         """Add extents to ``ns`` from the global budget until ``need`` slots are free.
 
-        File creation and pre-faulting run off the loop.  The budget and the
-        extent number are taken before (growths of other namespaces run
-        meanwhile) and given back when creation fails; a reserve cancelled
-        meanwhile gives them back too, and the file, once made, is removed.
-        Extents added before a failing one stay (capacity, not state).  False
-        when nothing could be added (the caller then evicts).  Free slots that a
-        client still reads without a call (hazards) are not free for this: a reserve
-        skips them, so counting them would end its growth rounds in an eviction
-        while the budget still had room.
+        One extent at a time (``_grow_one``), under the namespace's ``grow_lock``: a
+        growth ahead of need in flight finishes first, and what it added counts.
+        Extents added before a failing one stay (capacity, not state).  False when
+        nothing could be added (the caller then evicts).  Free slots that a client
+        still reads without a call (hazards) are not free for this: a reserve skips
+        them, so counting them would end its growth rounds in an eviction while the
+        budget still had room.
         """
         async with ns.grow_lock:
             while self._usable_free(ns) < need:
-                room = self.budget_free
-                quota = self.dram_quota_of(ns.name)
-                if quota:  # never grow past the namespace's DRAM quota
-                    room = min(room, quota - ns.extent_bytes())
-                layout = SegmentLayout.fit(ns.block_bytes, min(room, max(
-                    self.extent_size, SegmentLayout.one_slot_file_bytes(ns.block_bytes))))
-                if layout is None:
+                if not await self._grow_one(ns):
                     break
-                self.budget_free -= layout.file_bytes
-                index = ns.next_extent_index
-                ns.next_extent_index += 1
-                seg_id = next(self._segment_ids)
-                loop = asyncio.get_running_loop()
-                made = loop.run_in_executor(None, self._factory, ns, index, layout, seg_id)
-                try:
-                    segment = await asyncio.shield(made)
-                except BaseException as exc:
-                    self.budget_free += layout.file_bytes
-                    if made.done() and (made.cancelled() or made.exception() is not None):
-                        # Creation failed: nothing was made, its number is free again.
-                        if ns.next_extent_index == index + 1:
-                            ns.next_extent_index = index
-                    else:
-                        # Cancelled while the file is being made, or right after (before
-                        # this resumed): it is removed once made, and its number stays
-                        # taken, so no new extent reuses its name.
-                        made.add_done_callback(self._discard_made)
-                    if isinstance(exc, OSError):
-                        raise CapacityExhausted(f"could not create a DRAM extent: {exc}") from exc
-                    raise
-                self.add_extent(ns, segment)
             return self._usable_free(ns) > 0
+
+    def _next_layout(self, ns: Namespace) -> SegmentLayout | None:
+        """The next extent of ``ns``: ``extent_size`` (or one slot, if that is more), less
+        where the budget or the namespace's DRAM quota has less room; None: no room."""
+        room = self.budget_free
+        quota = self.dram_quota_of(ns.name)
+        if quota:  # never grow past the namespace's DRAM quota
+            room = min(room, quota - ns.extent_bytes())
+        return SegmentLayout.fit(ns.block_bytes, min(room, max(
+            self.extent_size, SegmentLayout.one_slot_file_bytes(ns.block_bytes))))
+
+    async def _grow_one(self, ns: Namespace) -> bool:
+        """Add one extent to ``ns`` (the caller holds ``ns.grow_lock``); False when the
+        budget or the quota has no room for one slot.
+
+        File creation and pre-faulting run off the loop.  The budget and the extent
+        number are taken before (growths of other namespaces run meanwhile) and given
+        back when creation fails; a caller cancelled meanwhile gives them back too,
+        and the file, once made, is removed.  A namespace dropped meanwhile (its last
+        session closed before it held an extent) gets nothing: the file goes and the
+        bytes come back.
+        """
+        layout = self._next_layout(ns)
+        if layout is None:
+            return False
+        self.budget_free -= layout.file_bytes
+        self.growing_bytes += layout.file_bytes
+        index = ns.next_extent_index
+        ns.next_extent_index += 1
+        seg_id = next(self._segment_ids)
+        loop = asyncio.get_running_loop()
+        made = loop.run_in_executor(None, self._factory, ns, index, layout, seg_id)
+        self._making.add(made)
+        made.add_done_callback(self._making.discard)
+        try:
+            segment = await asyncio.shield(made)
+        except BaseException as exc:
+            self.budget_free += layout.file_bytes
+            if made.done() and (made.cancelled() or made.exception() is not None):
+                # Creation failed: nothing was made, its number is free again.
+                if ns.next_extent_index == index + 1:
+                    ns.next_extent_index = index
+            else:
+                # Cancelled while the file is being made, or right after (before
+                # this resumed): it is removed once made, and its number stays
+                # taken, so no new extent reuses its name.
+                made.add_done_callback(self._discard_made)
+            if isinstance(exc, OSError):
+                raise CapacityExhausted(f"could not create a DRAM extent: {exc}") from exc
+            raise
+        finally:
+            self.growing_bytes -= layout.file_bytes
+        if self.namespaces.get(ns.name) is not ns:
+            self.budget_free += layout.file_bytes
+            self._discard_made(made)
+            return False
+        self.add_extent(ns, segment)
+        return True
+
+    # ------------------------------------------------ growth ahead of need
+    #: Set by the daemon (``dram.grow_ahead``); a store made without it grows only when
+    #: a reserve needs the room.
+    grow_ahead: bool = False
+    #: Extents made ahead of need so far.
+    grown_ahead: int = 0
+    #: Bytes of extents being made now (out of ``budget_free``, in no extent yet).
+    growing_bytes: int = 0
+    _ahead_paused_until: float = float("-inf")
+
+    @functools.cached_property
+    def _ahead(self) -> dict[Namespace, asyncio.Task[None]]:
+        """The growth ahead in flight, per namespace (at most one each)."""
+        return {}
+
+    @functools.cached_property
+    def _making(self) -> set[asyncio.Future[Segment]]:
+        """Extent creations in flight (``stop_growth`` waits for them)."""
+        return set()
+
+    def _grow_ahead(self, ns: Namespace, took: int) -> None:
+        """After a claim of ``took`` slots of ``ns``: when it left fewer free slots than
+        the larger of ``took`` (the next claim is likely as large) and
+        ``GROW_AHEAD_FRACTION`` of a full extent's, and the budget and the quota have
+        room, start one background growth to that mark (none while one is in flight).
+        It only ever takes unused budget: it never evicts nor reclaims, and a reserve
+        that needs room meanwhile waits for it (``grow_lock``) rather than evict."""
+        one_slot = SegmentLayout.one_slot_file_bytes(ns.block_bytes)
+        if not self.grow_ahead or ns in self._ahead or self.budget_free < one_slot:
+            return  # (DRAM full, the steady state: this much per claim)
+        full = SegmentLayout.fit(ns.block_bytes, max(self.extent_size, one_slot))
+        want = max(took, math.ceil((full.n_slots if full else 1) * GROW_AHEAD_FRACTION))
+        if (ns.free_slots() >= want or self._clock() < self._ahead_paused_until
+                or self.namespaces.get(ns.name) is not ns or self._next_layout(ns) is None):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a claim outside the loop (tests): nothing to run it on
+            return
+        task = loop.create_task(self._grow_ahead_to(ns, want), name=f"grow-ahead {ns.name}")
+        self._ahead[ns] = task
+        task.add_done_callback(functools.partial(self._grown, ns))
+
+    async def _grow_ahead_to(self, ns: Namespace, want: int) -> None:
+        """Grow ``ns`` an extent at a time until ``want`` slots are free, the budget or
+        the quota runs out, or growth ahead stops.  The lock is taken per extent: a
+        reserve waiting for it goes between two.  A failure pauses growth ahead."""
+        try:
+            while True:
+                async with ns.grow_lock:
+                    if (not self.grow_ahead or self.namespaces.get(ns.name) is not ns
+                            or self._usable_free(ns) >= want or not await self._grow_one(ns)):
+                        return
+                    self.grown_ahead += 1
+        except Exception as exc:
+            self._ahead_paused_until = self._clock() + GROW_AHEAD_RETRY
+            log.warning("growing namespace %r ahead of need failed: %s; its reserves grow it "
+                        "themselves, and growth ahead pauses for %.0f s", ns.name, exc,
+                        GROW_AHEAD_RETRY, exc_info=not isinstance(exc, CapacityExhausted),
+                        extra=event("grow_ahead_failed", namespace=ns.name, error=str(exc)))
+
+    def _grown(self, ns: Namespace, task: asyncio.Task[None]) -> None:
+        if self._ahead.get(ns) is task:
+            del self._ahead[ns]
+
+    async def stop_growth(self) -> None:
+        """At shutdown, before ``drain``: no growth ahead from now on; those in flight are
+        cancelled, and every extent being made (ahead, or for a reserve cancelled
+        meanwhile) is waited for, so that its removal is one ``drain`` waits for."""
+        self.grow_ahead = False
+        tasks = list(self._ahead.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._making:
+            await asyncio.wait(list(self._making))
+            await asyncio.sleep(0)  # their done callbacks (``_discard_made``) have run
 
     def _usable_free(self, ns: Namespace, pinned: Pinned | None = None) -> int:
         """Free slots of ``ns`` a reserve may take now (those under no hazard)."""
@@ -431,12 +565,13 @@ class Room(StoreBase):
         for ext in exts:
             ext.segment.unlink()
         # Applied: nothing below can fail.
-        evicted: list[Block] = []
+        evicted: list[tuple[Namespace, Victims | list[Block]]] = []
         for ext in exts:
             owner = self.namespaces[ext.segment.namespace]
-            blocks = self._blocks_of(owner, ext)
-            self._drop_from_index(owner, blocks)
-            evicted += blocks
+            blocks = owner.victims_at(owner.table.committed(ext.id))
+            self._drop_from_index(owner, blocks.keys)
+            # (handles, when a hook wants them, before the extent is gone)
+            evicted.append((owner, blocks.blocks() if self._on_evict is not None else blocks))
             # A late writer of a previous run writes into the unlinked file: harmless.
             ext.quarantine.clear()
             owner.table.remove_extent(ext.id, force=True)  # before the segment closes
@@ -447,7 +582,8 @@ class Room(StoreBase):
             log.info("reclaimed extent %d of namespace %r (%d bytes) %s",
                      ext.segment.index, owner.name, ext.bytes, why)
             self._close_later(ext.segment)
-        self._report_evicted(evicted)
+        for owner, gone in evicted:
+            self._report_evicted(owner, gone)
 
     def _close_later(self, segment: Segment) -> None:
         """Unmap a retired segment and free its memory off the loop (``drain`` waits for

@@ -209,5 +209,7 @@ class Store(Adoption):
                 name=ns.name, table_problems=ns.table.check(), in_flight=list(ns.in_flight),
                 extents=extents, fingerprints=shared.fingerprints(),
                 unpublished=dict(shared.unpublished), slot_bytes=ns.slot_bytes))
+        # An extent being made is out of the budget and in no extent yet: free, for this.
         return CheckSnapshot(namespaces=namespaces, leases=leases, reservations=reservations,
-                             budget_free=self.budget_free, capacity=self.capacity)
+                             budget_free=self.budget_free + self.growing_bytes,
+                             capacity=self.capacity)

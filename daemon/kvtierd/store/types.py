@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import enum
 import logging
+from collections.abc import Sequence
 from typing import Final, NamedTuple
 
 import numpy as np
@@ -18,7 +19,7 @@ from kvtier.errors import (
     CapacityExhausted,
 )
 from kvtierd.access import Identity
-from kvtierd.block_table import PREFETCHED, BlockTable, Counts
+from kvtierd.block_table import ENTRY_DTYPE, PREFETCHED, BlockTable, Counts
 from kvtierd.segments import (
     Segment,
     SlotState,
@@ -253,15 +254,85 @@ class Namespace:
             return None
         return Block(self, rec.key, ext, slot, rec.length, rec.checksum, rec.generation)
 
+    def blocks_at(self, refs: npt.NDArray[np.uint64]) -> list[Block]:
+        """``block_at`` of each ref (those naming no COMMITTED or DOOMED block left out),
+        reading the slot entries in one table call."""
+        return self.victims_at(refs).blocks()
+
+    def victims_at(self, refs: npt.NDArray[np.uint64]) -> Victims:
+        """The COMMITTED or DOOMED blocks at ``refs`` as columns (one table call)."""
+        refs = np.asarray(refs, dtype=np.uint64)
+        keys, rows = self.table.entries(refs)  # (ValueError for a ref naming no slot)
+        state = rows["state"]
+        live = (state == COMMITTED_STATE) | (state == _DOOMED_STATE)
+        if not live.all():
+            at = np.flatnonzero(live)
+            refs, rows = refs[at], rows[at]
+            keys = [keys[i] for i in at.tolist()]
+        return Victims(self, refs, keys, rows)
+
+
+_DOOMED_STATE: Final = int(SlotState.DOOMED)
+
+
+class Victims:
+    """Blocks of one namespace as columns (an eviction plan's victims): refs, keys and
+    their slot entries (``ENTRY_DTYPE``), read in one table call; handles only when
+    asked for (``blocks``)."""
+
+    __slots__ = ("ns", "refs", "keys", "rows")
+
+    def __init__(self, ns: Namespace, refs: npt.NDArray[np.uint64], keys: list[bytes],
+                 rows: npt.NDArray[np.void]) -> None:
+        self.ns = ns
+        self.refs = refs
+        self.keys = keys
+        self.rows = rows
+
+    @classmethod
+    def none(cls, ns: Namespace) -> Victims:
+        return cls(ns, np.zeros(0, dtype=np.uint64), [], np.zeros(0, dtype=ENTRY_DTYPE))
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, at: slice) -> Victims:
+        return Victims(self.ns, self.refs[at], self.keys[at], self.rows[at])
+
+    def oldest(self) -> int:
+        """The oldest last access among them (2**64 when there are none)."""
+        return int(self.rows["last_access"].min()) if len(self.refs) else 2**64
+
+    def blocks(self) -> list[Block]:
+        ns = self.ns
+        by_id = ns.by_id
+        rows = self.rows
+        return [Block(ns, key, by_id[r >> 32], r & 0xFFFF_FFFF, length, c if has else None, gen)
+                for r, key, length, c, has, gen in zip(
+                    self.refs.tolist(), self.keys, rows["length"].tolist(),
+                    rows["checksum"].tolist(), rows["has_checksum"].tolist(),
+                    rows["generation"].tolist(), strict=True)]
+
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Reservation:
+    """Reserved slots of one session, as columns: key i is written into ``refs[i]``,
+    reserved at generation ``gens[i]``."""
+
     id: int
     session: Session
     keys: list[bytes]
-    places: list[tuple[Extent, int, int]]  # (extent, slot, generation) per key
+    refs: npt.NDArray[np.uint64]
+    gens: npt.NDArray[np.uint64]
     expires: float
     started: float = 0.0  # the store's clock at Reserve (the metrics' hold time)
+
+    @property
+    def places(self) -> list[tuple[Extent, int, int]]:
+        """(extent, slot, generation) per key (handles for the paths off the hot one)."""
+        by_id = self.session.ns.by_id
+        return [(by_id[r >> 32], r & 0xFFFF_FFFF, g)
+                for r, g in zip(self.refs.tolist(), self.gens.tolist(), strict=True)]
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -308,6 +379,23 @@ class Session:
     grants_used: float = 0.0  # the store's clock when a grant was last made or committed
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Commits:
+    """The commit transition's input as columns (a Commit call's or a page's records):
+    the reserved (or granted) slots ``refs`` at generations ``gens`` become blocks
+    ``keys[i]`` of ``lengths[i]`` bytes; ``checksums``: None (none given), or one per
+    block (None where that one has none)."""
+
+    refs: npt.NDArray[np.uint64]
+    gens: npt.NDArray[np.uint64]
+    keys: list[bytes]
+    lengths: npt.NDArray[np.uint64]
+    checksums: Sequence[int | None] | npt.NDArray[np.uint64] | None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
 class SlotCommit(NamedTuple):
     """One slot of the commit transition: a reserved (or granted) slot becoming a block."""
 
@@ -331,17 +419,46 @@ class SlotGrant:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReserveResult:
+    """Per key a status; per RESERVED key (in key order) a slot of ``capacity`` bytes at
+    ``offsets[i]`` of segment ``segment_ids[i]``."""
+
     reservation_id: int
     statuses: list[int]
-    slots: list[SlotGrant]
+    segment_ids: npt.NDArray[np.uint64]
+    offsets: npt.NDArray[np.uint64]
+    capacity: int
     segments_version: int
+
+    @property
+    def slots(self) -> list[SlotGrant]:
+        """The slots as ``SlotGrant``s (one object each: not for the hot path)."""
+        return [SlotGrant(s, o, self.capacity, None)
+                for s, o in zip(self.segment_ids.tolist(), self.offsets.tolist(), strict=True)]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AcquireResult:
+    """Per leased block (the prefix, in key order) its segment, offset, length and
+    checksum (``has_checksum[i]``: one was given at commit)."""
+
     lease_id: int
-    slots: list[SlotGrant]
+    segment_ids: npt.NDArray[np.uint64]
+    offsets: npt.NDArray[np.uint64]
+    lengths: npt.NDArray[np.uint64]
+    checksums: npt.NDArray[np.uint64]
+    has_checksum: npt.NDArray[np.uint8]
     segments_version: int
+
+    @property
+    def slots(self) -> list[SlotGrant]:
+        """The slots as ``SlotGrant``s (one object each: not for the hot path)."""
+        return [SlotGrant(s, o, n, c if h else None) for s, o, n, c, h in zip(
+            self.segment_ids.tolist(), self.offsets.tolist(), self.lengths.tolist(),
+            self.checksums.tolist(), self.has_checksum.tolist(), strict=True)]
+
+    @property
+    def hits(self) -> int:
+        return len(self.offsets)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -354,7 +471,7 @@ class AdoptedSlots:
     keys: list[bytes]
     lengths: list[int]
     checksums: list[int | None]
-    #: the persisted last access (LRU order)
+    #: the persisted last access (which blocks were read most recently)
     last_access: list[int]
     #: RESERVED slots: quarantined for the reservation TTL, then freed
     reserved: list[int]
