@@ -486,3 +486,49 @@ def test_a_daemon_stopped_while_it_grows_ahead_leaves_no_task_nor_file(
     digest = segment_file_name("A", 0).split(".")[0]
     left = sorted(f for f in os.listdir(shm) if f.startswith(digest))
     assert [f.split(".")[1] for f in left] == ["000000", "000000"]  # the first extent only
+
+
+def test_a_reserve_that_finds_no_room_while_another_namespace_grows_waits_for_it(
+        gate: Gate, stores: list[Store]) -> None:
+    """Reclaim skips a namespace while it grows (its growth holds budget its extents
+    cannot give back yet): a reserve of another namespace that finds no room then waits
+    for that growth and plans again, instead of refusing for a moment's state (found by
+    the hostile fast-path test: B refused with nothing of its own pinned while C grew)."""
+    store, _clock = make(gate, 2 * EXTENT_FILE)
+    stores.append(store)
+    a = store.open_session("A", BLOCK, "m", PEER)
+    b = store.open_session("B", BLOCK, "m", PEER)
+
+    async def body() -> None:
+        await put(store, a, keys(4))  # A's first extent, made by the reserve
+        gate.hold()
+        await put(store, a, keys(6, 4))  # few free left: A grows ahead, held in the factory
+        await until(lambda: gate.waiting == 1, "A's growth ahead to start")
+        assert store.budget_free < EXTENT_FILE  # the whole budget is A's now
+        asyncio.get_running_loop().call_later(0.2, gate.release)
+        await asyncio.wait_for(put(store, b, keys(1)), 10)  # waits, then reclaims from A
+        assert store.namespaces["B"].committed == 1
+        await settled(store)
+        assert balanced(store) and store.check() == []
+
+    scenario(store, body)
+
+
+def test_a_reserve_with_no_room_and_no_growth_anywhere_still_refuses_at_once(
+        gate: Gate, stores: list[Store]) -> None:
+    store, _clock = make(gate, EXTENT_FILE)
+    store.grow_ahead = False
+    stores.append(store)
+    a = store.open_session("A", BLOCK, "m", PEER)
+
+    async def body() -> None:
+        await put(store, a, keys(SLOTS))
+        lease = store.acquire(a, keys(SLOTS))  # every slot pinned, nothing growing
+        assert lease.hits == SLOTS
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(CapacityExhausted):
+            await store.reserve(a, keys(1, 200))
+        assert asyncio.get_running_loop().time() - t0 < 1.0
+        store.release(a, lease.lease_id)
+
+    scenario(store, body)

@@ -144,6 +144,12 @@ class Pinned:
         """A client leases ``slot`` of ``ext`` without a call."""
         return bool(self.hazards) and hazard_of(ext.segment.segment_id, slot) in self.hazards
 
+    def any_slot(self, refs: npt.NDArray[np.uint64]) -> bool:
+        """A client leases one of ``refs``' slots without a call (a set lookup a ref:
+        the hazards may be many, the refs few)."""
+        hazards = self.hazards
+        return bool(hazards) and any((HAZARD_BIT | r) in hazards for r in refs.tolist())
+
     def block(self, block: Block) -> bool:
         return block.pins > 0 or self.slot(block.extent, block.slot)
 

@@ -160,6 +160,24 @@ class Operations(Room):
         ``exists``: keys a lower tier holds, reported EXISTS like DRAM blocks.
         """
         ns = session.ns
+        for _wait in range(MAX_GROW_ROUNDS):
+            try:
+                return await self._reserve_rounds(session, keys, exists)
+            except CapacityExhausted:
+                # Another namespace growing right now holds budget its extents cannot
+                # give back yet (reclaim skips a namespace while it grows): wait for
+                # that growth, then plan again, rather than refuse for a moment's state.
+                if not await self._growths_elsewhere(ns):
+                    raise
+        return await self._reserve_rounds(session, keys, exists)
+
+    async def _reserve_rounds(
+        self,
+        session: Session,
+        keys: Sequence[bytes],
+        exists: Callable[[bytes], bool] | None,
+    ) -> ReserveResult:
+        ns = session.ns
         for _round in range(MAX_GROW_ROUNDS):
             try:
                 return self._reserve_now(session, keys, exists, may_grow=True)

@@ -55,6 +55,9 @@ GROW_AHEAD_FRACTION = 0.5
 #: Seconds growth ahead pauses (store-wide) after one failed: reserves still grow,
 #: and report the failure, themselves.
 GROW_AHEAD_RETRY = 10.0
+#: Longest a reserve that found no room waits for other namespaces' growths in flight
+#: (an extent's creation and pre-fault) before it plans again.
+GROWTH_WAIT_SECONDS = 5.0
 
 
 class Room(StoreBase):
@@ -137,8 +140,7 @@ class Room(StoreBase):
         if ns.pages and len(victims):
             ns.index.hide(victims.keys)
             now = self.pinned(ns)
-            skip = now.skip()
-            if skip is not None and np.isin(victims.refs, skip).any():
+            if now.any_slot(victims.refs):
                 ns.index.unhide(victims.blocks())
                 raise _Raced()
             pinned = now
@@ -491,6 +493,26 @@ class Room(StoreBase):
     def _grown(self, ns: Namespace, task: asyncio.Task[None]) -> None:
         if self._ahead.get(ns) is task:
             del self._ahead[ns]
+
+    async def _growths_elsewhere(self, ns: Namespace) -> bool:
+        """Wait (bounded) for the growths of namespaces other than ``ns`` in flight now
+        -- ahead of need, or a reserve's own -- to end.  False when there were none."""
+        others = [o for o in self.namespaces.values() if o is not ns and o.grow_lock.locked()]
+        tasks = [t for o, t in self._ahead.items() if o is not ns]
+        if not others and not tasks:
+            return False
+
+        async def through(lock: asyncio.Lock) -> None:
+            async with lock:
+                pass
+
+        waits = [asyncio.ensure_future(through(o.grow_lock)) for o in others]
+        try:
+            await asyncio.wait([*waits, *tasks], timeout=GROWTH_WAIT_SECONDS)
+        finally:
+            for w in waits:
+                w.cancel()
+        return True
 
     async def stop_growth(self) -> None:
         """At shutdown, before ``drain``: no growth ahead from now on; those in flight are
