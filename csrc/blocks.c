@@ -2237,23 +2237,27 @@ bt_inspect(BlockTable *t, PyObject *arg)
 }
 
 PyDoc_STRVAR(bt_entries_doc,
-"entries($self, refs, /)\n--\n\n"
+"entries($self, refs, keys=True)\n--\n\n"
 "Each ref's persisted slot entry, as (keys, rows): keys a list of bytes (the\n"
-"entry's key, its length clamped to 64), rows bytes of 40-byte rows: u64\n"
+"entry's key, its length clamped to 64; None with keys=False), rows bytes of 40-byte rows: u64\n"
 "length, u64 checksum, u64 generation, u64 last access, u8 state, u8 flags\n"
 "(1: has a checksum), 6 bytes 0 (block_table.ENTRY_DTYPE).  What handles and\n"
 "eviction plans read in one call instead of one slot table read per block.\n"
 "ValueError for a ref naming no slot.");
 
 static PyObject *
-bt_entries(BlockTable *t, PyObject *arg)
+bt_entries(BlockTable *t, PyObject *args, PyObject *kwargs)
 {
+    static char *kwlist[] = {"refs", "keys", NULL};
     kvt_batch b;
-    PyObject *rows = NULL, *keys = NULL, *out = NULL;
+    PyObject *arg, *rows = NULL, *keys = NULL, *out = NULL;
     uint8_t *keybuf = NULL;
     uint8_t *row;
     Py_ssize_t i;
+    int want_keys = 1;
 
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|p:entries", kwlist, &arg, &want_keys))
+        return NULL;
     if (ready(t) < 0 || batch_copy(arg, &b) < 0)
         return NULL;
     rows = PyBytes_FromStringAndSize(NULL, b.n * 40);
@@ -2286,6 +2290,10 @@ bt_entries(BlockTable *t, PyObject *arg)
         memset(r + 34, 0, 6);
     }
     tunlock(t);
+    if (!want_keys) {
+        out = PyTuple_Pack(2, Py_None, rows);
+        goto done;
+    }
     keys = PyList_New(b.n);
     if (keys == NULL)
         goto done;
@@ -2728,7 +2736,7 @@ static PyMethodDef bt_methods[] = {
     M("committed", bt_committed, METH_O),
     M("rescale_access", bt_rescale_access, METH_O),
     M("match_keys", bt_match_keys, METH_VARARGS),
-    M("entries", bt_entries, METH_O),
+    M("entries", bt_entries, METH_VARARGS | METH_KEYWORDS),
     M("extents", bt_extents, METH_NOARGS),
     M("check", bt_check, METH_NOARGS),
     {NULL, NULL, 0, NULL},

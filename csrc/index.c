@@ -332,6 +332,18 @@ get_key(PyObject *obj, Py_buffer *key)
     return 0;
 }
 
+/* The fingerprint of key object obj: 0, or -1 with a Python error set. */
+static int
+key_fp(PyObject *obj, fingerprint *f)
+{
+    Py_buffer key;
+    if (get_key(obj, &key) < 0)
+        return -1;
+    *f = fp_of(key.buf, (size_t)key.len);
+    PyBuffer_Release(&key);
+    return 0;
+}
+
 /* loc: None (no location) or (segment, slot, offset, length, checksum or None). */
 static int
 get_location(PyObject *obj, location *loc)
@@ -395,10 +407,11 @@ kvt_py_index_format(PyObject *Py_UNUSED(m), PyObject *args)
 PyObject *
 kvt_py_index_set(PyObject *Py_UNUSED(m), PyObject *args)
 {
-    Py_buffer buf, key;
+    Py_buffer buf;
     PyObject *key_obj, *loc_obj = Py_None;
     unsigned int tier;
     unsigned long long ref;
+    fingerprint f;
     if (!PyArg_ParseTuple(args, "w*OIK|O:index_set", &buf, &key_obj, &tier, &ref, &loc_obj))
         return NULL;
     PyObject *ret = NULL;
@@ -407,9 +420,7 @@ kvt_py_index_set(PyObject *Py_UNUSED(m), PyObject *args)
     if (open_table(&buf, &t) == 0 && get_location(loc_obj, &loc) == 0) {
         if (tier > 255) {
             PyErr_SetString(PyExc_ValueError, "tier must be 0..255");
-        } else if (get_key(key_obj, &key) == 0) {
-            fingerprint f = fp_of(key.buf, (size_t)key.len);
-            PyBuffer_Release(&key);
+        } else if (key_fp(key_obj, &f) == 0) {
             ret = PyLong_FromLong(t_set(&t, &f, (uint8_t)tier, ref, &loc));
         }
     }
@@ -449,14 +460,12 @@ kvt_py_index_set_many(PyObject *Py_UNUSED(m), PyObject *args)
         }
     }
     for (; i < n; i++) {
-        Py_buffer key;
         location loc;
         if (get_location(lseq == NULL ? Py_None : PySequence_Fast_GET_ITEM(lseq, i), &loc) < 0)
             goto done;
-        if (get_key(items[i], &key) < 0)
+        fingerprint f;
+        if (key_fp(items[i], &f) < 0)
             goto done;
-        fingerprint f = fp_of(key.buf, (size_t)key.len);
-        PyBuffer_Release(&key);
         int r = t_set(&t, &f, (uint8_t)tier, 0, &loc);
         if (r < 0)
             break;
@@ -478,16 +487,22 @@ done:
     return ret;
 }
 
+/* Take e out of the table (a tombstone). */
+static void
+remove_entry(table *t, idx_entry *e)
+{
+    entry_write(e, E_TOMB, 0, NULL, 0, &NO_LOCATION);
+    t->h->live--;
+}
+
 /* Open the table in buf and find key_obj's entry the writer's way (*e: NULL when
  * absent): 0, or -1 with a Python error set. */
 static int
 find_entry(Py_buffer *buf, PyObject *key_obj, table *t, idx_entry **e)
 {
-    Py_buffer key;
-    if (open_table(buf, t) < 0 || get_key(key_obj, &key) < 0)
+    fingerprint f;
+    if (open_table(buf, t) < 0 || key_fp(key_obj, &f) < 0)
         return -1;
-    fingerprint f = fp_of(key.buf, (size_t)key.len);
-    PyBuffer_Release(&key);
     idx_entry *slot;
     *e = w_find(t, &f, &slot);
     return 0;
@@ -504,10 +519,8 @@ kvt_py_index_remove(PyObject *Py_UNUSED(m), PyObject *args)
     table t;
     idx_entry *e;
     if (find_entry(&buf, key_obj, &t, &e) == 0) {
-        if (e != NULL) {
-            entry_write(e, E_TOMB, 0, NULL, 0, &NO_LOCATION);
-            t.h->live--;
-        }
+        if (e != NULL)
+            remove_entry(&t, e);
         ret = PyBool_FromLong(e != NULL);
     }
     PyBuffer_Release(&buf);
@@ -534,19 +547,15 @@ kvt_py_index_remove_many(PyObject *Py_UNUSED(m), PyObject *args)
         goto done;
     char *hit = PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_buffer key;
-        if (get_key(items[i], &key) < 0) {
+        fingerprint f;
+        if (key_fp(items[i], &f) < 0) {
             Py_DECREF(out);
             goto done;
         }
-        fingerprint f = fp_of(key.buf, (size_t)key.len);
-        PyBuffer_Release(&key);
         idx_entry *slot;
         idx_entry *e = w_find(&t, &f, &slot);
-        if (e != NULL) {
-            entry_write(e, E_TOMB, 0, NULL, 0, &NO_LOCATION);
-            t.h->live--;
-        }
+        if (e != NULL)
+            remove_entry(&t, e);
         hit[i] = (char)(e != NULL);
     }
     ret = out;
@@ -714,13 +723,11 @@ kvt_py_index_find_many(PyObject *Py_UNUSED(m), PyObject *args)
         goto done;
     uint64_t *out = (uint64_t *)PyBytes_AS_STRING(ret);
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_buffer key;
-        if (get_key(items[i], &key) < 0) {
+        fingerprint f;
+        if (key_fp(items[i], &f) < 0) {
             Py_CLEAR(ret);
             goto done;
         }
-        fingerprint f = fp_of(key.buf, (size_t)key.len);
-        PyBuffer_Release(&key);
         idx_entry *slot;
         const idx_entry *e = w_find(&t, &f, &slot);
         out[i] = e == NULL || e->segment == 0 ? 0 : (uint64_t)e->segment << 32 | e->slot;
@@ -1175,11 +1182,9 @@ fp_bytes(const fingerprint *f)
 PyObject *
 kvt_py_index_fingerprint(PyObject *Py_UNUSED(m), PyObject *arg)
 {
-    Py_buffer key;
-    if (get_key(arg, &key) < 0)
+    fingerprint f;
+    if (key_fp(arg, &f) < 0)
         return NULL;
-    fingerprint f = fp_of(key.buf, (size_t)key.len);
-    PyBuffer_Release(&key);
     return fp_bytes(&f);
 }
 

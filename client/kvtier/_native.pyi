@@ -227,7 +227,7 @@ class BlockTable:
         """Slots by category, of one extent or the table, in O(1)."""
     def inspect(self, refs: _Buffer, /) -> bytes:
         """16-byte rows: state, lower, flags, 0, pins (u32), generation (u64)."""
-    def entries(self, refs: _Buffer, /) -> tuple[list[bytes], bytes]:
+    def entries(self, refs: _Buffer, keys: bool = True) -> tuple[list[bytes] | None, bytes]:
         """Each ref's persisted key and entry fields."""
     def match_keys(self, refs: _Buffer, keys: Sequence[bytes], /) -> bytes:
         """1 or 0 per ref: whether it holds a COMMITTED block whose persisted key is keys[i]."""

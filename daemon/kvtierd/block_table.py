@@ -160,6 +160,18 @@ def split(refs: Refs) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
     return refs >> np.uint64(32), refs & np.uint64(0xFFFF_FFFF)
 
 
+def by_extent(refs: Refs) -> list[tuple[int, npt.NDArray[np.bool_] | None]]:
+    """Each extent id among ``refs`` with the mask of its refs -- None when every ref
+    is of that one extent (the usual batch: no pass over the refs per extent)."""
+    if not len(refs):
+        return []
+    ids = refs >> np.uint64(32)
+    first = int(refs[0]) >> 32
+    if len(refs) == 1 or bool((ids == first).all()):
+        return [(first, None)]
+    return [(ext_id, ids == ext_id) for ext_id in np.unique(ids).tolist()]
+
+
 def _u64(values: npt.ArrayLike) -> npt.NDArray[np.uint64]:
     out = np.ascontiguousarray(values, dtype=np.uint64)
     return out.reshape(-1)
@@ -337,7 +349,12 @@ class BlockTable:
     def entries(self, refs: npt.ArrayLike) -> tuple[list[bytes], npt.NDArray[np.void]]:
         """Each ref's persisted key and entry fields (``ENTRY_DTYPE``), in one call."""
         keys, rows = self._t.entries(_u64(refs))
+        assert keys is not None
         return keys, np.frombuffer(rows, dtype=ENTRY_DTYPE)
+
+    def fields(self, refs: npt.ArrayLike) -> npt.NDArray[np.void]:
+        """``entries`` without the keys (no bytes object per block)."""
+        return np.frombuffer(self._t.entries(_u64(refs), keys=False)[1], dtype=ENTRY_DTYPE)
 
     def check(self) -> list[str]:
         """Records against slot tables, free lists and counters: the problems found."""

@@ -1108,3 +1108,34 @@ def test_the_shared_index_takes_an_adopted_extents_keys_from_its_slot_table() ->
     with pytest.raises(ValueError, match="no COMMITTED entry"):
         shared.add_slots(memoryview(meta), np.array([7], dtype=np.uint64), 7, SLOT)
     shared.close()
+
+
+def test_by_extent_groups_refs_by_their_extent() -> None:
+    assert bt.by_extent(np.zeros(0, dtype=np.uint64)) == []
+    one = bt.refs_of(7, [3, 1, 2])
+    assert bt.by_extent(one) == [(7, None)]  # one extent: no mask
+    mixed = np.concatenate([bt.refs_of(9, [0, 5]), bt.refs_of(7, [4])])
+    groups = bt.by_extent(mixed)
+    assert [g for g, _ in groups] == [7, 9]
+    assert [mask.tolist() for _, mask in groups if mask is not None] == [
+        [False, False, True], [True, True, False]]
+
+
+def test_entries_read_keys_and_fields_of_the_slot_entries() -> None:
+    t, _ = table(8)
+    refs = claimed(t, 4)
+    t.commit(refs[:3], [b"a", b"bb" * 32, b"c"], [10, 20, 30], [7, None, 9],
+             first_access=5, epoch=EPOCH)
+    keys, got = t.entries(refs)
+    assert keys[:3] == [b"a", b"bb" * 32, b"c"] and keys[3] == b""  # RESERVED: no key
+    assert got["length"][:3].tolist() == [10, 20, 30]
+    assert got["has_checksum"][:3].tolist() == [1, 0, 1]
+    assert got["checksum"][[0, 2]].tolist() == [7, 9]
+    assert got["last_access"][:3].tolist() == [5, 6, 7]
+    assert got["generation"].tolist() == t.inspect(refs)["generation"].tolist()
+    assert got["state"].tolist() == [2, 2, 2, 1]  # COMMITTED x3, RESERVED
+    assert t.fields(refs).tobytes() == got.tobytes()  # the same, without the keys
+    with pytest.raises(ValueError):
+        t.entries([refs[0] + np.uint64(100)])
+    t.release_claims(refs[3:])
+    assert t.check() == []

@@ -29,7 +29,7 @@ from kvtierd.shared_index import (
     CommitRecord,
     SessionPage,
 )
-from kvtierd.store.base import _grant_word, _NeedExtent, _Raced, _refs
+from kvtierd.store.base import _grant_word, _NeedExtent, _Raced
 from kvtierd.store.operations import Operations
 from kvtierd.store.types import (
     GRANT_IDLE_SECONDS,
@@ -207,25 +207,30 @@ class FastPath(Operations):
         in_flight = ns.in_flight
         present = ns.index.find([r[2] for r in batch])
         codes = bytearray(n)
-        todo: list[tuple[int, bytes, int, int | None]] = []
+        done: list[int] = []  # the grant entries committed, and their columns
+        refs: list[int] = []
+        gens: list[int] = []
+        keys: list[bytes] = []
+        lengths: list[int] = []
+        sums: list[int | None] = []
         for i, (g, _word, key, length, raw_sum, flags) in enumerate(batch):
             if present[i] or key in in_flight or (exists is not None and exists(key)):
                 codes[i] = CommitResult.EXISTS  # first writer wins; the grant stays
-            else:
-                codes[i] = CommitResult.COMMITTED
-                todo.append((g, key, length, raw_sum if flags & HAS_SUM else None))
-        places = [grants[g] for g, _key, _length, _sum in todo]
-        commits = Commits(_refs((ext, slot) for ext, slot, _gen in places),
-                          np.fromiter((gen for _ext, _slot, gen in places), dtype=np.uint64,
-                                      count=len(places)),
-                          [key for _g, key, _length, _sum in todo],
-                          np.fromiter((length for _g, _key, length, _sum in todo),
-                                      dtype=np.uint64, count=len(todo)),
-                          [checksum for _g, _key, _length, checksum in todo])
+                continue
+            codes[i] = CommitResult.COMMITTED
+            ext, slot, gen = grants[g]
+            done.append(g)
+            refs.append(ext.segment.segment_id << 32 | slot)
+            gens.append(gen)
+            keys.append(key)
+            lengths.append(length)
+            sums.append(raw_sum if flags & HAS_SUM else None)
+        commits = Commits(np.array(refs, dtype=np.uint64), np.array(gens, dtype=np.uint64),
+                          keys, np.array(lengths, dtype=np.uint64), sums)
         made = self._commit(ns, commits)  # all or nothing (ValueError: nothing changed)
         # Applied: nothing below can fail.
         page = ns.pages.get(session.id)
-        for g, _key, _length, _sum in todo:
+        for g in done:
             del grants[g]
             session.grant_seen.pop(g, None)
             if page is not None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from kvtierd.block_table import by_extent
 from kvtierd.segments import KEY_OFFSET, MAX_KEY_BYTES, SLOT_DTYPE, SLOT_ENTRY_BYTES, TABLE_OFFSET
 from kvtierd.shared_index import Location, SharedIndex
 
@@ -143,12 +144,9 @@ class Keys:
         checked), their locations read from their slot entries natively (one call per
         extent, no Python object per block); ``keys`` are theirs, for the events."""
         ns = self._ns
-        ids = refs >> np.uint64(32)
-        first = int(refs[0]) >> 32 if len(refs) else 0
-        one = len(refs) == 1 or (len(refs) > 1 and bool((ids == first).all()))
-        for ext_id in [first] if one else np.unique(ids).tolist():
+        for ext_id, mine in by_extent(refs):
             ext = ns.by_id[ext_id]
-            slots = refs & _SLOT_MASK if one else refs[ids == ext_id] & _SLOT_MASK
+            slots = (refs if mine is None else refs[mine]) & _SLOT_MASK
             seg = ext.segment
             view = memoryview(seg.meta)[TABLE_OFFSET : TABLE_OFFSET
                                         + ext.n_slots * SLOT_ENTRY_BYTES]

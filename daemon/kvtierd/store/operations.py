@@ -375,7 +375,7 @@ class Operations(Room):
         lease = Lease(lid, session, refs, now + self.lease_ttl, started=now)
         session.leases[lid] = lease
         self._leases[lid] = lease
-        _keys, rows = ns.table.entries(refs)  # (pinned: they stay as read)
+        rows = ns.table.fields(refs)  # (pinned: they stay as read)
         return AcquireResult(lid, refs >> np.uint64(32), self._offsets(ns, refs),
                              rows["length"], rows["checksum"], rows["has_checksum"],
                              ns.segments_version)

@@ -16,7 +16,7 @@ import numpy.typing as npt
 from kvtier.errors import (
     CapacityExhausted,
 )
-from kvtierd.block_table import Policy
+from kvtierd.block_table import Policy, by_extent
 from kvtierd.logs import event
 from kvtierd.segments import (
     Segment,
@@ -104,15 +104,13 @@ class Room(StoreBase):
     @staticmethod
     def _offsets(ns: Namespace, refs: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
         """Each ref's slot offset in its data file (what clients address)."""
-        ids = refs >> np.uint64(32)
-        out = (refs & np.uint64(0xFFFF_FFFF)) * np.uint64(ns.slot_bytes)
-        first = int(refs[0]) >> 32 if len(refs) else 0
-        one = len(refs) == 1 or (len(refs) > 1 and bool((ids == first).all()))
-        for ext_id in [first] if one else np.unique(ids).tolist():  # (recovered layouts)
+        slots = refs & np.uint64(0xFFFF_FFFF)
+        out = slots * np.uint64(ns.slot_bytes)
+        for ext_id, mine in by_extent(refs):  # an extent of another layout (recovered)
             slot_bytes = ns.by_id[ext_id].segment.layout.slot_bytes
             if slot_bytes != ns.slot_bytes:
-                at = ids == ext_id
-                out[at] = (refs[at] & np.uint64(0xFFFF_FFFF)) * np.uint64(slot_bytes)
+                at = slice(None) if mine is None else mine
+                out[at] = slots[at] * np.uint64(slot_bytes)
         return out
 
     def _take_slots(self, ns: Namespace, n: int, *, may_grow: bool, partial: bool = False

@@ -9,7 +9,7 @@ import dataclasses
 import enum
 import logging
 from collections.abc import Sequence
-from typing import Final, NamedTuple
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -394,17 +394,6 @@ class Commits:
 
     def __len__(self) -> int:
         return len(self.keys)
-
-
-class SlotCommit(NamedTuple):
-    """One slot of the commit transition: a reserved (or granted) slot becoming a block."""
-
-    ext: Extent
-    slot: int
-    gen: int  # the generation the reserve gave the slot
-    key: bytes
-    length: int
-    checksum: int | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
