@@ -2255,7 +2255,10 @@ static PyMethodDef native_methods[] = {
     {"done_wait", kvt_py_done_wait, METH_VARARGS,
      "done_wait(page, target, seconds): wait (GIL released) until DONE reaches target; True if so."},
     {"commits_take", kvt_py_commits_take, METH_VARARGS,
-     "commits_take(page, tail): (head, [(grant, key, length, checksum, flags)]) or (head, None)."},
+     "commits_take(page, tail, max_length, held=None): (head, batches, keys, columns,\n"
+     "flags) of the records from tail, or (head, None, None, None, None) for an\n"
+     "impossible head.  batches: [(start, end, refusal: 0, INVALID or LOST against\n"
+     "held)]; columns: u64 rows grant, word, slot ref, length, checksum, has checksum."},
     {"commits_done", kvt_py_commits_done, METH_VARARGS,
      "commits_done(page, tail, results): result bytes from tail, then DONE and a futex wake."},
     {"commit_results", kvt_py_commit_results, METH_VARARGS,
@@ -2264,6 +2267,8 @@ static PyMethodDef native_methods[] = {
      "page_cas(page, offset, old, new): compare-and-swap of the u64 at offset; True if swapped."},
     {"page_store", kvt_py_page_store, METH_VARARGS,
      "page_store(page, offset, value): an atomic store of the u64 at offset."},
+    {"grants_store", kvt_py_grants_store, METH_VARARGS,
+     "grants_store(page, entries, words): atomic stores of grant entries' u64 words."},
     {"page_layout", kvt_py_page_layout, METH_NOARGS,
      "page_layout(): {name: value} of csrc/index.h's session page layout (KVT_ dropped)."},
     {"index_copy", kvt_py_index_copy, METH_VARARGS,

@@ -21,11 +21,15 @@
  *   commits_put(page, head, recs)  write records [(grant, word, key, length, checksum|None)]
  *                                  at head; the last one ends the batch; returns new head
  *   done_wait(page, target, secs)  wait until DONE reaches target (GIL released)
- *   commits_take(page, tail)       the daemon: (head, [(grant, word, key, length, checksum,
- *                                  flags)]) of the records from tail, or (head, None)
+ *   commits_take(page, tail, max_length, held)
+ *                                  the daemon: (head, batches, keys, columns, flags) of
+ *                                  the records from tail, each batch [(start, end,
+ *                                  refusal)] checked against held (the session's grant
+ *                                  words), or (head, None, None, None, None)
  *   commits_done(page, tail, res)  the daemon: result bytes from tail, DONE = tail+len(res)
  *   page_cas(page, offset, old, new)  compare-and-swap of a u64 (grants)
  *   page_store(page, offset, value)   an atomic store of a u64 (grants)
+ *   grants_store(page, entries, words) atomic stores of grant entries' words
  *
  * Nothing a client writes here reaches further than its own grants: the daemon
  * commits only slots it granted to this session, bounds every count it reads,
@@ -316,51 +320,122 @@ kvt_py_done_wait(PyObject *Py_UNUSED(m), PyObject *args)
     return PyBool_FromLong(ok);
 }
 
+/* The columns commits_take answers, each n u64 (kvtierd.shared_index.PageRecords). */
+enum { COL_GRANT, COL_WORD, COL_REF, COL_LENGTH, COL_SUM, COL_HAS_SUM, COL_N };
+
+/* Why the batch lo..hi (its columns and keys) cannot commit, or 0: a record out of
+ * range or a grant or key named twice is INVALID; a record whose word is not the
+ * grant its entry holds (held: the session's words, NULL: none) is LOST. */
+static uint8_t
+refuse_batch(const uint64_t *cols, Py_ssize_t n, const uint64_t *words, PyObject *keys,
+             Py_ssize_t lo, Py_ssize_t hi, uint64_t max_length, const uint64_t *held)
+{
+    const uint64_t *grant = cols + COL_GRANT * n, *length = cols + COL_LENGTH * n;
+    uint64_t seen[KVT_W_GRANTS_N / 64] = {0};
+    for (Py_ssize_t i = lo; i <= hi; i++) {
+        Py_ssize_t klen = PyBytes_GET_SIZE(PyList_GET_ITEM(keys, i));
+        if (klen == 0 || length[i] == 0 || length[i] > max_length ||
+            grant[i] >= KVT_W_GRANTS_N || (seen[grant[i] / 64] >> (grant[i] % 64) & 1))
+            return KVT_W_INVALID;
+        seen[grant[i] / 64] |= 1ull << (grant[i] % 64);
+        const char *k = PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
+        for (Py_ssize_t j = lo; j < i; j++) { /* a batch is at most KVT_W_RING_N records */
+            PyObject *other = PyList_GET_ITEM(keys, j);
+            if (PyBytes_GET_SIZE(other) == klen && memcmp(PyBytes_AS_STRING(other), k, klen) == 0)
+                return KVT_W_INVALID;
+        }
+    }
+    for (Py_ssize_t i = lo; i <= hi; i++)
+        if (held == NULL || words[i] == 0 || held[grant[i]] != words[i])
+            return KVT_W_LOST;
+    return 0;
+}
+
 PyObject *
 kvt_py_commits_take(PyObject *Py_UNUSED(m), PyObject *args)
 {
-    PyObject *page_obj;
-    unsigned long long tail;
-    if (!PyArg_ParseTuple(args, "OK:commits_take", &page_obj, &tail))
+    PyObject *page_obj, *held_obj = Py_None;
+    unsigned long long tail, max_length;
+    if (!PyArg_ParseTuple(args, "OKK|O:commits_take", &page_obj, &tail, &max_length, &held_obj))
         return NULL;
-    Py_buffer page;
+    Py_buffer page, held = {0};
     if (get_wpage(page_obj, &page) < 0)
         return NULL;
-    PyObject *ret = NULL, *list = NULL;
+    if (held_obj != Py_None) {
+        if (PyObject_GetBuffer(held_obj, &held, PyBUF_SIMPLE) < 0) {
+            PyBuffer_Release(&page);
+            return NULL;
+        }
+        if (held.len != KVT_W_GRANTS_N * 8 || ((uintptr_t)held.buf & 7) != 0) {
+            PyErr_SetString(PyExc_ValueError, "held must be the 8-byte aligned u64 words of "
+                                              "every grant entry");
+            PyBuffer_Release(&held);
+            PyBuffer_Release(&page);
+            return NULL;
+        }
+    }
+    PyObject *ret = NULL, *keys = NULL, *cols_obj = NULL, *batches = NULL, *flags_obj = NULL;
     uint64_t head = __atomic_load_n(W_U64(&page, KVT_W_HEAD), __ATOMIC_ACQUIRE);
     if (head < tail || head - tail > KVT_W_RING_N) {
-        ret = Py_BuildValue("(KO)", (unsigned long long)head, Py_None);
+        ret = Py_BuildValue("(KOOOO)", (unsigned long long)head, Py_None, Py_None, Py_None,
+                            Py_None);
         goto done;
     }
     Py_ssize_t n = (Py_ssize_t)(head - tail);
-    if ((list = PyList_New(n)) == NULL)
+    uint64_t words[KVT_W_RING_N];
+    if ((keys = PyList_New(n)) == NULL || (batches = PyList_New(0)) == NULL ||
+        (cols_obj = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)COL_N * n * 8)) == NULL ||
+        (flags_obj = PyBytes_FromStringAndSize(NULL, n)) == NULL)
         goto done;
+    uint64_t *cols = (uint64_t *)PyBytes_AS_STRING(cols_obj);
+    unsigned char *flags = (unsigned char *)PyBytes_AS_STRING(flags_obj);
     for (Py_ssize_t i = 0; i < n; i++) {
         /* One copy of the record, then only the copy is read. */
         unsigned char r[KVT_W_RECORD];
         memcpy(r, RECORD(&page, (tail + (uint64_t)i) % KVT_W_RING_N), KVT_W_RECORD);
         uint32_t grant, length;
-        uint64_t sum, word;
+        uint64_t sum;
         memcpy(&grant, r + KVT_R_GRANT, 4);
-        memcpy(&word, r + KVT_R_WORD, 8);
+        memcpy(&words[i], r + KVT_R_WORD, 8);
         memcpy(&length, r + KVT_R_LENGTH, 4);
         memcpy(&sum, r + KVT_R_CHECKSUM, 8);
+        flags[i] = r[KVT_R_FLAGS];
+        cols[COL_GRANT * n + i] = grant;
+        cols[COL_WORD * n + i] = words[i];
+        cols[COL_REF * n + i] = words[i] & ~(KVT_GRANT_VALID | KVT_GRANT_TAKEN);
+        cols[COL_LENGTH * n + i] = length;
+        cols[COL_SUM * n + i] = sum;
+        cols[COL_HAS_SUM * n + i] = (r[KVT_R_FLAGS] & KVT_W_HAS_SUM) != 0;
         unsigned klen = r[KVT_R_KEYLEN];
         if (klen > KVT_W_KEY_MAX)
-            klen = 0; /* refused by the daemon: keys are 1..64 bytes */
-        PyObject *t = Py_BuildValue("(IKy#IKB)", grant, (unsigned long long)word,
-                                    (const char *)r + KVT_R_KEY, (Py_ssize_t)klen, length,
-                                    (unsigned long long)sum, r[KVT_R_FLAGS]);
-        if (t == NULL) {
-            Py_CLEAR(list);
+            klen = 0; /* refused below: keys are 1..64 bytes */
+        PyObject *k = PyBytes_FromStringAndSize((const char *)r + KVT_R_KEY, (Py_ssize_t)klen);
+        if (k == NULL)
             goto done;
-        }
-        PyList_SET_ITEM(list, i, t);
+        PyList_SET_ITEM(keys, i, k);
     }
-    ret = Py_BuildValue("(KN)", (unsigned long long)head, list);
-    list = NULL;
+    /* Batches end with a LAST record (or the last one taken): all or nothing each. */
+    for (Py_ssize_t lo = 0, i = 0; i < n; i++) {
+        if ((flags[i] & KVT_W_LAST) || i == n - 1) {
+            uint8_t why = refuse_batch(cols, n, words, keys, lo, i, max_length,
+                                       held.buf != NULL ? (const uint64_t *)held.buf : NULL);
+            PyObject *b = Py_BuildValue("(nnB)", lo, i + 1, why);
+            if (b == NULL || PyList_Append(batches, b) < 0) {
+                Py_XDECREF(b);
+                goto done;
+            }
+            Py_DECREF(b);
+            lo = i + 1;
+        }
+    }
+    ret = Py_BuildValue("(KOOOO)", (unsigned long long)head, batches, keys, cols_obj, flags_obj);
 done:
-    Py_XDECREF(list);
+    Py_XDECREF(cols_obj);
+    Py_XDECREF(flags_obj);
+    Py_XDECREF(keys);
+    Py_XDECREF(batches);
+    if (held.buf != NULL)
+        PyBuffer_Release(&held);
     PyBuffer_Release(&page);
     return ret;
 }
@@ -475,4 +550,42 @@ kvt_py_page_store(PyObject *Py_UNUSED(m), PyObject *args)
     __atomic_store_n(w, (uint64_t)value, __ATOMIC_RELEASE);
     PyBuffer_Release(&page);
     Py_RETURN_NONE;
+}
+
+PyObject *
+kvt_py_grants_store(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *page_obj;
+    Py_buffer entries, words;
+    if (!PyArg_ParseTuple(args, "Oy*y*:grants_store", &page_obj, &entries, &words))
+        return NULL;
+    Py_buffer page;
+    PyObject *ret = NULL;
+    if (get_wpage(page_obj, &page) < 0) {
+        PyBuffer_Release(&entries);
+        PyBuffer_Release(&words);
+        return NULL;
+    }
+    Py_ssize_t n = entries.len / 8;
+    const uint64_t *e = entries.buf, *w = words.buf;
+    if (entries.len % 8 != 0 || words.len != entries.len || ((uintptr_t)e & 7) != 0 ||
+        ((uintptr_t)w & 7) != 0) {
+        PyErr_SetString(PyExc_ValueError, "entries and words must be aligned u64 columns of "
+                                          "one length");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (e[i] >= KVT_W_GRANTS_N) {
+            PyErr_SetString(PyExc_ValueError, "no such grant entry");
+            goto done;
+        }
+    uint64_t *g = W_U64(&page, KVT_W_GRANTS);
+    for (Py_ssize_t i = 0; i < n; i++)
+        __atomic_store_n(&g[e[i]], w[i], __ATOMIC_RELEASE);
+    ret = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&entries);
+    PyBuffer_Release(&words);
+    PyBuffer_Release(&page);
+    return ret;
 }

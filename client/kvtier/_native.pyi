@@ -124,16 +124,27 @@ def commits_put(page: _Buffer, head: int,
 def done_wait(page: _Buffer, target: int, seconds: float) -> bool:
     """Wait (GIL released) until the page's DONE word reaches target; True if it did."""
 
-def commits_take(page: _Buffer, tail: int
-                 ) -> tuple[int, list[tuple[int, int, bytes, int, int, int]] | None]:
-    """The daemon's side: (head, [(grant, word, key, length, checksum, flags)]) of the records
-    from tail, copied out of the page, or (head, None) for an impossible head."""
+def commits_take(page: _Buffer, tail: int, max_length: int, held: _Buffer | None = None
+                 ) -> tuple[int, list[tuple[int, int, int]], list[bytes], bytes, bytes] | \
+        tuple[int, None, None, None, None]:
+    """The daemon's side: (head, batches, keys, columns, flags) of the records from tail,
+    copied out of the page, or (head, None, None, None, None) for an impossible head.
+    ``batches``: [(start, end, refusal)], each batch ending with a LAST record (or the
+    last one); its refusal 0, INVALID (a key not of 1..64 bytes, a length not of
+    1..max_length, a grant entry out of range, a grant or key twice) or LOST (a word not
+    the one ``held``, the session's grant words, has for its entry).  ``columns``: six
+    rows of u64 (grant entry, grant word, its slot ref, length, checksum, has a checksum);
+    ``flags``: one byte per record."""
 
 def commits_done(page: _Buffer, tail: int, results: bytes) -> None:
     """The daemon's side: result bytes of the records from tail, then DONE and a wake-up."""
 
 def commit_results(page: _Buffer, at: int, n: int) -> bytes:
     """The result bytes of records at..at+n."""
+
+def grants_store(page: _Buffer, entries: _Buffer, words: _Buffer) -> None:
+    """Atomic stores of u64 ``words`` into grant ``entries`` (u64 columns; ValueError,
+    nothing stored, for an entry out of range)."""
 
 def page_cas(page: _Buffer, offset: int, old: int, new: int) -> bool:
     """Compare-and-swap of the u64 at offset; True if swapped."""

@@ -29,6 +29,7 @@ to ``Lookup`` calls.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import itertools
 import logging
@@ -110,6 +111,31 @@ class CommitRecord(NamedTuple):
     length: int
     checksum: int  # meaningful with HAS_SUM in flags
     flags: int  # HAS_SUM, LAST
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PageRecords:
+    """The commit records a ring brought, as columns (``SessionPage.take_commits``).
+    Each batch (ending with a ``LAST`` record, or the last one taken) was checked
+    natively as a whole: ``batches`` holds (start, end, refusal), the refusal INVALID
+    (a record out of range, a grant entry or key twice), LOST (a word that is not the
+    one the session's grant entry holds) or 0 (it may commit)."""
+
+    batches: list[tuple[int, int, int]]
+    keys: list[bytes]
+    #: Six u64 rows: grant entry, grant word, the grant's slot ref, length, checksum,
+    #: has checksum.
+    columns: npt.NDArray[np.uint64]
+    flags: bytes
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def records(self) -> list[CommitRecord]:
+        """The records as tuples, word included (tests and logs: O(records) objects)."""
+        g, words, _refs, length, sums, _has = self.columns.tolist()
+        return [CommitRecord(*r) for r in zip(g, words, self.keys, length, sums, self.flags,
+                                              strict=True)]
 
 
 def hazard_of(segment_id: int, slot: int) -> int:
@@ -593,16 +619,25 @@ class SessionPage:
         value: int = struct.unpack_from("<Q", self._mm, _W_WANT)[0]
         return value
 
-    def take_commits(self) -> list[CommitRecord] | None:
-        """The commit records published since the last call, copied out of the page;
-        None when the client's head is impossible (behind, or more than the ring holds),
-        which ends this page's writes: the records are skipped."""
-        head, records = _native.commits_take(self._mm, self._w_tail)
-        if records is None:
+    def take_commits(self, max_length: int = 0xFFFF_FFFF,
+                     held: npt.NDArray[np.uint64] | None = None) -> PageRecords | None:
+        """The commit records published since the last call, copied out of the page, with
+        each batch checked against ``max_length`` and ``held`` (the session's grant
+        words; None: it holds none); None when the client's head is impossible (behind,
+        or more than the ring holds), which ends this page's writes: the records are
+        skipped."""
+        head, batches, keys, columns, flags = _native.commits_take(
+            self._mm, self._w_tail, max_length, held)
+        if batches is None or keys is None or columns is None or flags is None:
             self._w_tail = head
             _native.commits_done(self._mm, head, b"")  # its waiters wake up to nothing
             return None
-        return list(map(CommitRecord._make, records))
+        return PageRecords(batches, keys,
+                           np.frombuffer(columns, dtype=np.uint64).reshape(6, len(keys)), flags)
+
+    def set_grants(self, entries: npt.NDArray[np.uint64], words: npt.NDArray[np.uint64]) -> None:
+        """``set_grant`` of several entries in one call."""
+        _native.grants_store(self._mm, entries, words)
 
     def finish_commits(self, results: bytes) -> None:
         """Each taken record's result, then DONE (the writers waiting wake up)."""

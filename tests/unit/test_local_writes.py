@@ -25,7 +25,7 @@ from kvtier import _index, _native, _page
 from kvtier._index import LocalWrites
 from kvtierd.access import Right
 from kvtierd.segments import SlotState
-from kvtierd.shared_index import GRANT_TAKEN, GRANT_VALID, HAS_SUM, LAST, SessionPage
+from kvtierd.shared_index import GRANT_TAKEN, GRANT_VALID, GRANTS_N, HAS_SUM, LAST, SessionPage
 from kvtierd.store import GRANT_IDLE_SECONDS, CommitResult, Session
 
 from .conftest import StoreEnv, close_store, make_store
@@ -79,7 +79,8 @@ def test_grants_taken_committed_and_answered_across_threads() -> None:
         time.sleep(0.05)  # the writer is asleep on DONE by now (futex)
         assert _rung(bell)
         records = page.take_commits()
-        assert records == [(5, W9, b"key-a", 100, 77, HAS_SUM | LAST)]
+        assert records is not None
+        assert records.records() == [(5, W9, b"key-a", 100, 77, HAS_SUM | LAST)]
         page.finish_commits(bytes([CommitResult.COMMITTED]))
         answered.append(b"ok")
 
@@ -92,9 +93,12 @@ def test_grants_taken_committed_and_answered_across_threads() -> None:
     writes._head = _native.commits_put(page.mapping, writes._head, [(1, 11, b"x", 1, None)])
     writes._head = _native.commits_put(page.mapping, writes._head,
                                        [(2, 2**64 - 1, b"y" * 64, 2, 2**64 - 1), (3, 0, b"z", 3, 0)])
-    assert page.take_commits() == [(1, 11, b"x", 1, 0, LAST),
-                                   (2, 2**64 - 1, b"y" * 64, 2, 2**64 - 1, HAS_SUM),
-                                   (3, 0, b"z", 3, 0, HAS_SUM | LAST)]
+    taken = page.take_commits()
+    assert taken is not None and taken.records() == [
+        (1, 11, b"x", 1, 0, LAST), (2, 2**64 - 1, b"y" * 64, 2, 2**64 - 1, HAS_SUM),
+        (3, 0, b"z", 3, 0, HAS_SUM | LAST)]
+    # Two batches, each checked whole: no grant is held here, so both are LOST.
+    assert taken.batches == [(0, 1, CommitResult.LOST), (1, 3, CommitResult.LOST)]
     page.finish_commits(b"\x01\x02\x03")
     assert _native.commit_results(page.mapping, 1, 3) == b"\x01\x02\x03"
     assert _native.done_wait(page.mapping, 4, 0.0)
@@ -125,7 +129,8 @@ def test_an_impossible_head_skips_the_records_and_wakes_the_writer() -> None:
         struct.pack_into("<Q", page.mapping, _W_HEAD, head)
         assert page.take_commits() is None
         assert _native.done_wait(page.mapping, head, 0.0)
-        assert page.take_commits() == []  # from there on, nothing new
+        taken = page.take_commits()  # from there on, nothing new
+        assert taken is not None and not taken and taken.batches == []
     page.close()
 
 
@@ -144,9 +149,85 @@ def test_record_fields_out_of_range_are_bounded() -> None:
     # A key length byte past 64 reads as an empty key (the store refuses the batch).
     struct.pack_into("<IIQBB", page.mapping, _W_RING, 1, 10, 5, 200, LAST)
     struct.pack_into("<Q", page.mapping, _W_HEAD, 1)
-    assert page.take_commits() == [(1, 0, b"", 10, 5, LAST)]
+    taken = page.take_commits()
+    assert taken is not None and taken.records() == [(1, 0, b"", 10, 5, LAST)]
+    assert taken.batches == [(0, 1, CommitResult.INVALID)]
     with pytest.raises(ValueError):
-        _native.commits_take(bytearray(_page.PAGE_BYTES), 0)  # a page without a write area
+        _native.commits_take(bytearray(_page.PAGE_BYTES), 0, 1)  # a page without a write area
+    with pytest.raises(ValueError):  # the session's grant words, one per entry
+        _native.commits_take(page.mapping, 0, 1, np.zeros(3, dtype=np.uint64))
+    page.close()
+
+
+_Raw = tuple[int, int, bytes, int, int, int]  # grant, word, key (0..80 bytes), length, sum, flags
+
+
+def _model_refusal(batch: list[_Raw], max_length: int, held: list[int] | None) -> int:
+    """What the native check answers for one batch (its docstring, in Python)."""
+    keys = [k if len(k) <= 64 else b"" for _g, _w, k, *_ in batch]
+    grants = [g for g, *_ in batch]
+    if (any(not k for k in keys) or any(not 0 < n <= max_length for *_, n, _s, _f in batch)
+            or any(g >= GRANTS_N for g in grants) or len(set(grants)) != len(grants)
+            or len(set(keys)) != len(keys)):
+        return CommitResult.INVALID
+    if held is None or any(w == 0 or held[g] != w for g, w, *_ in batch):
+        return CommitResult.LOST
+    return 0
+
+
+_raw_record = st.tuples(
+    st.sampled_from([0, 1, 2, 255, 256, 2**32 - 1]),
+    st.sampled_from([0, GRANT_VALID | 7 << 32 | 1, GRANT_VALID | 7 << 32 | 2, 2**64 - 1]),
+    st.binary(min_size=0, max_size=80) | st.sampled_from(
+        [b"a", b"b"]),
+    st.sampled_from([0, 1, 100, 2**32 - 1]),
+    st.integers(0, 2**64 - 1),
+    st.sampled_from([0, HAS_SUM, LAST, HAS_SUM | LAST, 0xFF]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(records=st.lists(_raw_record, min_size=0, max_size=20),
+       max_length=st.sampled_from([1, 100, 2**32 - 1]), with_held=st.booleans())
+def test_commits_take_checks_each_batch_as_the_model_does(
+        records: list[_Raw], max_length: int, with_held: bool) -> None:
+    """Records written byte by byte, as a hostile client may: the columns and each batch's
+    refusal (INVALID before LOST) are what the Python model says."""
+    page = SessionPage("ns", writes=True)
+    held = np.zeros(GRANTS_N, dtype=np.uint64)
+    held[1] = GRANT_VALID | 7 << 32 | 1
+    held[2] = GRANT_VALID | 7 << 32 | 2
+    for i, (g, w, k, n, c, f) in enumerate(records):
+        at = _W_RING + i * _RECORD
+        struct.pack_into("<IIQBB", page.mapping, at, g, n, c, len(k), f)
+        page.mapping[at + _page.R_KEY:at + _page.R_KEY + min(len(k), 64)] = k[:64]
+        struct.pack_into("<Q", page.mapping, at + _page.R_WORD, w)
+    struct.pack_into("<Q", page.mapping, _W_HEAD, len(records))
+    taken = page.take_commits(max_length, held if with_held else None)
+    assert taken is not None
+    assert taken.records() == [(g, w, k if len(k) <= 64 else b"", n, c, f)
+                               for g, w, k, n, c, f in records]
+    want, lo = [], 0
+    for i, rec in enumerate(records):
+        if rec[5] & LAST or i == len(records) - 1:
+            want.append((lo, i + 1, _model_refusal(
+                records[lo:i + 1], max_length, held.tolist() if with_held else None)))
+            lo = i + 1
+    assert taken.batches == want
+    refs = taken.columns[2].tolist()
+    assert refs == [w & ~(GRANT_VALID | GRANT_TAKEN) for _g, w, *_ in records]
+    assert taken.columns[5].tolist() == [int(bool(f & HAS_SUM)) for *_, f in records]
+    page.close()
+
+
+def test_grants_store_sets_words_or_nothing() -> None:
+    page = SessionPage("ns", writes=True)
+    page.set_grants(np.array([3, 9], dtype=np.uint64), np.array([W9, 5], dtype=np.uint64))
+    assert (page.grant_word(3), page.grant_word(9)) == (W9, 5)
+    with pytest.raises(ValueError):  # an entry out of range: nothing stored
+        page.set_grants(np.array([4, GRANTS_N], dtype=np.uint64), np.array([1, 1], dtype=np.uint64))
+    assert page.grant_word(4) == 0
+    with pytest.raises(ValueError):
+        page.set_grants(np.array([4], dtype=np.uint64), np.array([1, 1], dtype=np.uint64))
     page.close()
 
 
@@ -187,7 +268,7 @@ def _commit(env: StoreEnv, s: Session, page: SessionPage,
     """The client's half (records in the ring) then the daemon's (take, commit, answer)."""
     head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
     _native.commits_put(page.mapping, head, _as_taken(page, records))
-    taken = page.take_commits()
+    taken = page.take_commits(s.ns.block_bytes, s.grant_words)
     assert taken is not None
     results, _made = env.store.commit_granted(s, taken)
     page.finish_commits(results)
@@ -235,6 +316,12 @@ def test_granted_slots_are_reserved_and_commit_without_a_call(granting: StoreEnv
             assert bytes(v) == payload(k)
     assert len(s.grants) == 1 and s.ns.reserved == 1
     assert env.store.refill_grants(s, GRANTS) == 3
+    assert env.store.check() == []
+    # The words the native commit check reads are the grants, and check() says so.
+    entry = next(iter(s.grants))
+    s.grant_words[entry] ^= 1
+    assert any("grant words disagree" in p for p in env.store.check())
+    s.grant_words[entry] ^= 1
     assert env.store.check() == []
     _detach(env, s, page, writes, bell)
     assert s.ns.reserved == 0  # the session's end frees its grants
@@ -309,7 +396,7 @@ def test_a_present_key_keeps_its_grant_and_a_bad_batch_commits_nothing(
     head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
     head = _native.commits_put(page.mapping, head, _as_taken(page, [(e[3], b"c", BLOCK + 5, None)]))
     _native.commits_put(page.mapping, head, _as_taken(page, [(e[3], b"c", 7, None)]))
-    taken = page.take_commits()
+    taken = page.take_commits(s.ns.block_bytes, s.grant_words)
     assert taken is not None
     results, made = env.store.commit_granted(s, taken)
     assert results == bytes([CommitResult.INVALID, CommitResult.COMMITTED]) and len(made) == 1
@@ -377,7 +464,7 @@ def test_idle_grants_go_back_and_one_held_past_the_ttl_is_quarantined(
     assert page.grant_word(held[0].entry) != held[0].word
     head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
     _native.commits_put(page.mapping, head, [(held[0].entry, held[0].word, b"late", 5, None)])
-    taken = page.take_commits()
+    taken = page.take_commits(s.ns.block_bytes, s.grant_words)
     assert taken is not None
     results, made = env.store.commit_granted(s, taken)
     page.finish_commits(results)
@@ -431,7 +518,7 @@ def test_any_write_area_leaves_the_store_consistent(
             view[at] = real[-1 - value % len(real)] if value < 0 else value
         del view
         for _ in range(2):
-            taken = page.take_commits()
+            taken = page.take_commits(a.ns.block_bytes, a.grant_words)
             if taken is not None:
                 results, _made = env.store.commit_granted(a, taken)
                 assert len(results) == len(taken)

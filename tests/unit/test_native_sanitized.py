@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Tests that exercise csrc/ in this process (the daemon tests run it in children); not
 #: the stub check (mypy, no C) nor test_native.py's runs on the Python fallback.
 NATIVE_TESTS = ("tests/unit/test_block_table.py", "tests/unit/test_native.py",
-                "tests/unit/test_shared_index.py", "tests/unit/test_ssd_lookup.py")
+                "tests/unit/test_shared_index.py", "tests/unit/test_ssd_lookup.py",
+                "tests/unit/test_local_writes.py")
 
 
 def _libasan() -> str | None:

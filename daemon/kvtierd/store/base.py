@@ -361,6 +361,7 @@ class StoreBase:
             session.ns.table.release_claims(_refs(session.grants[g][:2] for g in entries))
         for g in entries:
             ext, slot, _gen = session.grants.pop(g)
+            session.grant_words[g] = 0
             session.grant_seen.pop(g, None)
             if page is not None:
                 page.set_grant(g, 0)

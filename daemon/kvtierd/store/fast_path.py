@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
 from collections.abc import Callable, Sequence
+from typing import Final
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.errors import (
     CapacityExhausted,
@@ -18,25 +19,20 @@ from kvtier.errors import (
 )
 from kvtierd.access import Right
 from kvtierd.counters import saturating_add
-from kvtierd.segments import (
-    MAX_KEY_BYTES,
-)
 from kvtierd.shared_index import (
     GRANT_TAKEN,
+    GRANT_VALID,
     GRANTS_N,
-    HAS_SUM,
-    LAST,
-    CommitRecord,
+    PageRecords,
     SessionPage,
 )
-from kvtierd.store.base import _grant_word, _NeedExtent, _Raced
+from kvtierd.store.base import _NO_REFS, _grant_word, _NeedExtent, _Raced
 from kvtierd.store.operations import Operations
 from kvtierd.store.types import (
     GRANT_IDLE_SECONDS,
     Block,
     CommitResult,
     Commits,
-    Extent,
     Namespace,
     PageCommits,
     ReserveResult,
@@ -44,6 +40,15 @@ from kvtierd.store.types import (
 )
 
 log = logging.getLogger(__name__)
+
+_COMMITTED: Final = int(CommitResult.COMMITTED)
+_EXISTS: Final = int(CommitResult.EXISTS)
+_LENGTH: Final = 3  # PageRecords.columns' row of lengths
+
+#: A writer's grants are refilled in batches of at least this many slots (one claim,
+#: one eviction plan for them all): refilling one slot per commit of one key cost a
+#: claim per block, most of a 1-key commit's daemon CPU.
+REFILL_BATCH = 16
 
 
 class FastPath(Operations):
@@ -76,10 +81,11 @@ class FastPath(Operations):
         n = min(want, self.grant_limit(ns)) - len(session.grants)
         if n <= 0:
             return 0
-        places: list[tuple[Extent, int, int]] = []
+        refs: npt.NDArray[np.uint64] = _NO_REFS
+        gens: npt.NDArray[np.uint64] = _NO_REFS
         for _round in range(3):
             try:
-                places = self._claim(ns, n, may_grow=True, partial=True)
+                refs, gens = self._claim_refs(ns, n, may_grow=True, partial=True)
                 break
             except _Raced:
                 continue
@@ -87,17 +93,20 @@ class FastPath(Operations):
                 return -1
             except CapacityExhausted:
                 break
+        if not len(refs):
+            return 0
+        # The first free entries (no word: no grant) name the slots, ref | VALID.
+        entries = np.flatnonzero(session.grant_words == 0)[:len(refs)].astype(np.uint64)
+        words = refs | np.uint64(GRANT_VALID)
         held = session.grants
-        entries = list(itertools.islice((i for i in range(GRANTS_N) if i not in held),
-                                        len(places)))
-        for i, place in zip(entries, places, strict=True):
-            ext, slot, _gen = place
-            session.grants[i] = place
-            page.set_grant(i, _grant_word(ext, slot))
-        if places:
-            session.grants_used = self._clock()
-            self.granted[ns.name] += len(places)
-        return len(places)
+        by_id = ns.by_id
+        for g, r, gen in zip(entries.tolist(), refs.tolist(), gens.tolist(), strict=True):
+            held[g] = (by_id[r >> 32], r & 0xFFFF_FFFF, gen)
+        session.grant_words[entries] = words
+        page.set_grants(entries, words)
+        session.grants_used = self._clock()
+        self.granted[ns.name] += len(refs)
+        return len(refs)
 
     async def reserve(
         self,
@@ -115,7 +124,22 @@ class FastPath(Operations):
         return result
 
     def _refill(self, session: Session, page: SessionPage) -> None:
-        self.refill_grants(session, page.wanted())
+        self.refill_grants(session, self.grant_target(session.ns, page.wanted()))
+
+    def grant_target(self, ns: Namespace, wanted: int) -> int:
+        """How many grants a writer that asks for ``wanted`` (its largest put: its
+        next one must find as many) is given at a refill: twice that, at least
+        ``REFILL_BATCH``, within ``grant_limit``.  A refill happens when it holds half
+        of it or less (``_needs_refill``), so each claims a batch, however small the
+        puts, and a writer never holds fewer than it wants if it asks for no more
+        than half the limit."""
+        if wanted <= 0:
+            return 0
+        return min(self.grant_limit(ns), max(2 * wanted, REFILL_BATCH))
+
+    @staticmethod
+    def _needs_refill(session: Session, target: int) -> bool:
+        return len(session.grants) * 2 <= target and len(session.grants) < target
 
     def take_granted(self) -> collections.Counter[str]:
         """The slots granted ahead per namespace since the last call (metrics)."""
@@ -126,12 +150,13 @@ class FastPath(Operations):
                          exists: Callable[[bytes], bool] | None = None) -> PageCommits:
         """The writes made without a call (``csrc/writes.c``), when ``session``'s client
         rings: commit the blocks its writer put in granted slots and named in its page
-        (``commit_granted``), grant it slots for the next ones (as many as it asks,
-        within the limit), then wake it.  Each record's result goes to the page, which
-        the writer checks like an answer.  The rights are checked again: only writers
-        get a page with a write area, but a session's rights are what it holds now."""
+        (``commit_granted``), wake it, and grant it slots for the next ones (as many as
+        it asks, within the limit; before the answer when it holds fewer than it
+        asks).  Each record's result goes to the page, which the writer checks like an
+        answer.  The rights are checked again: only writers get a page with a write
+        area, but a session's rights are what it holds now."""
         out = PageCommits()
-        records = page.take_commits()
+        records = page.take_commits(session.ns.block_bytes, session.grant_words)
         if records is None:  # an impossible head: only a hostile page has one
             log.warning("session %d wrote an impossible commit ring head; records skipped",
                         session.id)
@@ -149,94 +174,103 @@ class FastPath(Operations):
             log.exception("commit of %d records from session %d's page failed",
                           len(records), session.id)
             results = bytes([CommitResult.FAILED]) * len(records)
-        out.committed = results.count(CommitResult.COMMITTED)
-        out.nbytes = sum(r.length for r, code in zip(records, results, strict=True)
-                         if code == CommitResult.COMMITTED)
-        # A ring without records refills nothing (it costs a read).
-        self.refill_grants(session, page.wanted())
+        out.committed = results.count(_COMMITTED)
+        if out.committed == len(records):
+            out.nbytes = int(records.columns[_LENGTH].sum())
+        elif out.committed:
+            done = np.frombuffer(results, dtype=np.uint8) == _COMMITTED
+            out.nbytes = int(records.columns[_LENGTH][done].sum())
+        # A ring without records refills nothing (it costs a read).  The refill comes
+        # after the answer when the writer still holds what its next put takes (the
+        # claim is then off its round trip), else before it.
+        wanted = page.wanted()
+        target = self.grant_target(session.ns, wanted)
+        refill = self._needs_refill(session, target)
+        if refill and len(session.grants) < wanted:
+            self.refill_grants(session, target)
+            refill = False
         page.finish_commits(results)
+        if refill:
+            self.refill_grants(session, target)
         return out
 
     def commit_granted(
         self,
         session: Session,
-        records: Sequence[CommitRecord],
+        records: PageRecords,
         exists: Callable[[bytes], bool] | None = None,
     ) -> tuple[bytes, list[Block]]:
         """Commit the blocks ``session``'s writer put in granted slots: ``records`` as
         ``SessionPage.take_commits`` copied them out of its page (grant entry, grant
-        word, key, length, checksum, flags), in batches that end with a ``LAST``
-        record, each all or nothing.  A record whose word is not the grant the entry
-        holds now (the writer filled a slot the daemon took back, and the entry was
-        granted again since) is ``LOST``, never committed into the entry's new slot.
-        Returns each record's ``CommitResult`` and the blocks made."""
+        word, key, length, checksum, flags) and checked them against the session's
+        grants, in batches that end with a ``LAST`` record, each all or nothing.  A
+        record whose word is not the grant the entry holds now (the writer filled a
+        slot the daemon took back, and the entry was granted again since) is
+        ``LOST``, never committed into the entry's new slot.  Returns each record's
+        ``CommitResult`` and the blocks made."""
         results = bytearray()
         made: list[Block] = []
-        start = 0
-        for end, rec in enumerate(records):
-            if rec[5] & LAST or end == len(records) - 1:
-                batch = records[start:end + 1]
-                start = end + 1
-                try:
-                    codes, blocks = self._commit_batch(session, batch, exists)
-                except (OSError, ValueError) as exc:  # a slot table that cannot be written
-                    log.warning("commit of %d granted slots failed: %s", len(batch), exc)
-                    codes, blocks = bytes([CommitResult.FAILED]) * len(batch), []
-                results += codes
-                made += blocks
+        for lo, hi, refused in records.batches:
+            if refused or session.closed:
+                results += bytes([refused or CommitResult.LOST]) * (hi - lo)
+                continue
+            try:
+                codes, blocks = self._commit_batch(session, records, lo, hi, exists)
+            except (OSError, ValueError) as exc:  # a slot table that cannot be written
+                log.warning("commit of %d granted slots failed: %s", hi - lo, exc)
+                codes, blocks = bytes([CommitResult.FAILED]) * (hi - lo), []
+            results += codes
+            made += blocks
         return bytes(results), made
 
     def _commit_batch(
         self,
         session: Session,
-        batch: Sequence[CommitRecord],
+        records: PageRecords,
+        lo: int,
+        hi: int,
         exists: Callable[[bytes], bool] | None,
     ) -> tuple[bytes, list[Block]]:
+        """One batch, records[lo:hi], that the native check let through, all or nothing:
+        each new key COMMITTED (a key present, being written, or in a lower tier is
+        EXISTS: first writer wins, its grant stays)."""
         ns = session.ns
-        grants = session.grants
-        n = len(batch)
-        entries = {r[0] for r in batch}
-        limit = ns.block_bytes
-        if (len({r[2] for r in batch}) != n or len(entries) != n
-                or not all(0 < len(r[2]) <= MAX_KEY_BYTES and 0 < r[3] <= limit for r in batch)):
-            return bytes([CommitResult.INVALID]) * n, []
-        if session.closed or not all(
-                (place := grants.get(r[0])) is not None
-                and _grant_word(place[0], place[1]) == r[1] for r in batch):
-            return bytes([CommitResult.LOST]) * n, []
+        keys = records.keys[lo:hi]
+        cols = records.columns[:, lo:hi]
+        new = ns.index.find(keys) == 0
         in_flight = ns.in_flight
-        present = ns.index.find([r[2] for r in batch])
-        codes = bytearray(n)
-        done: list[int] = []  # the grant entries committed, and their columns
-        refs: list[int] = []
-        gens: list[int] = []
-        keys: list[bytes] = []
-        lengths: list[int] = []
-        sums: list[int | None] = []
-        for i, (g, _word, key, length, raw_sum, flags) in enumerate(batch):
-            if present[i] or key in in_flight or (exists is not None and exists(key)):
-                codes[i] = CommitResult.EXISTS  # first writer wins; the grant stays
-                continue
-            codes[i] = CommitResult.COMMITTED
-            ext, slot, gen = grants[g]
-            done.append(g)
-            refs.append(ext.segment.segment_id << 32 | slot)
-            gens.append(gen)
-            keys.append(key)
-            lengths.append(length)
-            sums.append(raw_sum if flags & HAS_SUM else None)
-        commits = Commits(np.array(refs, dtype=np.uint64), np.array(gens, dtype=np.uint64),
-                          keys, np.array(lengths, dtype=np.uint64), sums)
-        made = self._commit(ns, commits)  # all or nothing (ValueError: nothing changed)
-        # Applied: nothing below can fail.
-        page = ns.pages.get(session.id)
+        if in_flight or exists is not None:
+            for i, key in enumerate(keys):
+                if new[i] and (key in in_flight or (exists is not None and exists(key))):
+                    new[i] = False
+        if new.all():
+            codes = bytes([_COMMITTED]) * (hi - lo)
+        else:
+            codes = np.where(new, np.uint8(_COMMITTED), np.uint8(_EXISTS)).tobytes()
+            if not new.any():
+                return codes, []
+            cols = cols[:, new]
+            keys = [k for k, f in zip(keys, new.tolist(), strict=True) if f]
+        entries, _words, refs, lengths, sums, has = cols
+        checksums: list[int | None] | npt.NDArray[np.uint64] | None = (
+            sums if has.all() else None if not has.any() else
+            [c if h else None for c, h in zip(sums.tolist(), has.tolist(), strict=True)])
+        grants = session.grants
+        done = entries.tolist()
+        gens = np.fromiter((grants[g][2] for g in done), dtype=np.uint64, count=len(done))
+        made = self._commit(ns, Commits(refs, gens, keys, lengths, checksums))
+        # Applied (ValueError above: nothing changed); nothing below can fail.
+        seen = session.grant_seen
         for g in done:
             del grants[g]
-            session.grant_seen.pop(g, None)
-            if page is not None:
-                page.set_grant(g, 0)  # before DONE: the writer never sees it as its own again
+            if seen:
+                seen.pop(g, None)
+        session.grant_words[entries] = 0
+        page = ns.pages.get(session.id)
+        if page is not None:  # before DONE: the writer never sees them as its own again
+            page.set_grants(entries, np.zeros(len(done), dtype=np.uint64))
         session.grants_used = self._clock()
-        return bytes(codes), made
+        return codes, made
 
     def _sweep_grants(self, session: Session, now: float) -> list[int]:
         """Grants idle for ``GRANT_IDLE_SECONDS`` go back now.  Returns those a writer

@@ -10,7 +10,7 @@ import numpy as np
 
 from kvtierd.logs import event
 from kvtierd.store.adoption import Adoption
-from kvtierd.store.base import _refs
+from kvtierd.store.base import _grant_word, _refs
 from kvtierd.store.check import CheckSnapshot, _cross_check, _ExtentView, _NamespaceView
 from kvtierd.store.types import Extent, Lease, Namespace, Session
 
@@ -169,10 +169,22 @@ class Store(Adoption):
         COMMITTED slots' keys, every RESERVED slot belongs to a reservation, a grant
         or the quarantine (at its generation), a DOOMED one is leased, pin counts
         equal the leases made by calls, in-flight keys are the open reservations'
-        and the DRAM budget balances.  (``check_from(check_snapshot())``: the same,
-        with the work off the loop.)
+        and the DRAM budget balances; each session's grant words (what the native commit
+        check reads) name exactly its grants.  (``check_from(check_snapshot())``: the
+        same but the grant words, with the work off the loop.)
         """
-        return _cross_check(self.check_snapshot())
+        return _cross_check(self.check_snapshot()) + self._grant_word_problems()
+
+    def _grant_word_problems(self) -> list[str]:
+        problems = []
+        for s in self.sessions.values():
+            want = np.zeros(len(s.grant_words), dtype=np.uint64)
+            for g, (ext, slot, _gen) in s.grants.items():
+                want[g] = _grant_word(ext, slot)
+            if not np.array_equal(want, s.grant_words):
+                problems.append(f"session {s.id}: grant words disagree with its grants at "
+                                f"entries {np.flatnonzero(want != s.grant_words)[:5].tolist()}")
+        return problems
 
     @staticmethod
     def check_from(snapshot: CheckSnapshot) -> list[str]:

@@ -375,6 +375,10 @@ class Session:
     #: Slots reserved ahead for this session's writer (csrc/writes.c): page entry ->
     #: (extent, slot, generation), and when a writer was first seen filling one.
     grants: dict[int, tuple[Extent, int, int]] = dataclasses.field(default_factory=dict)
+    #: The page word of each entry's grant (0: none): ``grants`` as the native commit
+    #: check reads it (``SessionPage.take_commits``); changed with ``grants`` only.
+    grant_words: npt.NDArray[np.uint64] = dataclasses.field(
+        default_factory=lambda: np.zeros(_page.GRANTS_N, dtype=np.uint64))
     grant_seen: dict[int, float] = dataclasses.field(default_factory=dict)
     grants_used: float = 0.0  # the store's clock when a grant was last made or committed
 
