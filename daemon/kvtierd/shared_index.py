@@ -254,14 +254,15 @@ class SharedIndex:
             del self.unpublished[key]
             self._flags()
 
-    def discard_many(self, keys: Sequence[bytes]) -> None:
-        """``discard`` of each key, in one table call."""
+    def discard_many(self, keys: Sequence[bytes], *, hidden: bool = False) -> None:
+        """``discard`` of each key, in one table call (none with ``hidden``: the keys
+        ``hide_many`` took out; only those kept apart are left to forget)."""
         t = self._table
         if t is None:
             for key in keys:
                 self.discard(key)
             return
-        gone = _native.index_remove_many(t.mm, keys)
+        gone = bytes(len(keys)) if hidden else _native.index_remove_many(t.mm, keys)
         if self.unpublished and gone.count(0):
             changed = False
             for key, hit in zip(keys, gone, strict=True):

@@ -402,6 +402,20 @@ def test_a_present_key_keeps_its_grant_and_a_bad_batch_commits_nothing(
     assert results == bytes([CommitResult.INVALID, CommitResult.COMMITTED]) and len(made) == 1
     page.finish_commits(results)
     assert env.store.check() == []
+    # A present key among new ones: those commit, with their checksums where given, and
+    # its grant stays.
+    assert e[3] not in s.grants and env.store.refill_grants(s, GRANTS) == 1
+    writes.untake(g[:3])
+    g = writes.take(3)
+    assert g is not None
+    mixed = [(g[0].entry, b"d", 9, 99), (g[1].entry, b"present", 5, None),
+             (g[2].entry, b"e", 11, None)]
+    assert _commit(env, s, page, mixed) == bytes(
+        [CommitResult.COMMITTED, CommitResult.EXISTS, CommitResult.COMMITTED])
+    assert g[1].entry in s.grants and g[0].entry not in s.grants and g[2].entry not in s.grants
+    assert (s.ns.index[b"d"].length, s.ns.index[b"d"].checksum) == (9, 99)
+    assert (s.ns.index[b"e"].length, s.ns.index[b"e"].checksum) == (11, None)
+    assert env.store.check() == []
     _detach(env, s, page, writes, bell)
 
 

@@ -432,10 +432,12 @@ class StoreBase:
             del lease.session.leases[lease.id]
             del self._leases[lease.id]
 
-    def _drop_from_index(self, ns: Namespace, keys: list[bytes]) -> None:
+    def _drop_from_index(self, ns: Namespace, keys: list[bytes], *,
+                         hidden: bool = False) -> None:
         """The index's part of an eviction (the one exit of DRAM blocks; the spill tiers
-        turn it into demotion): the keys leave.  The table's part is the caller's."""
-        ns.index.remove(keys)
+        turn it into demotion): the keys leave (``hidden``: the shared table let go of
+        them already).  The table's part is the caller's."""
+        ns.index.remove(keys, hidden=hidden)
         self.evictions += len(keys)
 
     def _report_evicted(self, ns: Namespace, blocks: Victims | Sequence[Block]) -> None:

@@ -249,7 +249,7 @@ class FastPath(Operations):
             codes = np.where(new, np.uint8(_COMMITTED), np.uint8(_EXISTS)).tobytes()
             if not new.any():
                 return codes, []
-            cols = cols[:, new]
+            cols = np.ascontiguousarray(cols[:, new])  # (a mask gives Fortran order)
             keys = [k for k, f in zip(keys, new.tolist(), strict=True) if f]
         entries, _words, refs, lengths, sums, has = cols
         checksums: list[int | None] | npt.NDArray[np.uint64] | None = (

@@ -162,10 +162,11 @@ class Keys:
         if keys and self.watch is not None:
             self.watch(list(keys), True)
 
-    def remove(self, keys: Sequence[bytes]) -> None:
-        """Take ``keys`` out (they were present)."""
+    def remove(self, keys: Sequence[bytes], *, hidden: bool = False) -> None:
+        """Take ``keys`` out (they were present; ``hidden``: ``hide`` took them out of
+        the table already, so only the keys kept apart are looked at)."""
         if keys:
-            self.table.discard_many(keys)
+            self.table.discard_many(keys, hidden=hidden)
         if keys and self.watch is not None:
             self.watch(list(keys), False)
 

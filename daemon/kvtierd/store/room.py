@@ -86,7 +86,7 @@ class Room(StoreBase):
             raise
         assert short == 0, f"{short} free slots vanished since the plan"
         if victims:
-            self._drop_from_index(ns, victims.keys)
+            self._drop_from_index(ns, victims.keys, hidden=victims.hidden)
             refs = np.concatenate([refs, vrefs])
             self._report_evicted(ns, victims)
         gens = ns.table.inspect(refs)["generation"]
@@ -137,6 +137,7 @@ class Room(StoreBase):
             raise
         if ns.pages and len(victims):
             ns.index.hide(victims.keys)
+            victims.hidden = True
             now = self.pinned(ns)
             if now.any_slot(victims.refs):
                 ns.index.unhide(victims.blocks())

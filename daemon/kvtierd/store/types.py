@@ -280,7 +280,7 @@ class Victims:
     their slot entries (``ENTRY_DTYPE``), read in one table call; handles only when
     asked for (``blocks``)."""
 
-    __slots__ = ("ns", "refs", "keys", "rows")
+    __slots__ = ("ns", "refs", "keys", "rows", "hidden")
 
     def __init__(self, ns: Namespace, refs: npt.NDArray[np.uint64], keys: list[bytes],
                  rows: npt.NDArray[np.void]) -> None:
@@ -288,6 +288,9 @@ class Victims:
         self.refs = refs
         self.keys = keys
         self.rows = rows
+        #: Their keys are out of the shared table already (``Keys.hide``, before the
+        #: hazard check): their removal is then no second pass over the table.
+        self.hidden = False
 
     @classmethod
     def none(cls, ns: Namespace) -> Victims:
