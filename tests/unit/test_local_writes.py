@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from kvtier import _index, _native, _page
 from kvtier._index import LocalWrites
 from kvtierd.access import Right
-from kvtierd.segments import SlotState
+from kvtierd.segments import SegmentLayout, SlotState
 from kvtierd.shared_index import GRANT_TAKEN, GRANT_VALID, GRANTS_N, HAS_SUM, LAST, SessionPage
 from kvtierd.store import GRANT_IDLE_SECONDS, CommitResult, Session
 
@@ -616,3 +616,57 @@ def test_a_grant_taken_while_its_extent_is_being_reclaimed_keeps_the_extent(
     assert env.store.lookup(a, keys(3, "a")) == 3 and env.store.lookup(b, keys(4, "b2")) == 4
     assert env.store.check() == []
     _detach(env, a, page, writes, bell)
+
+
+def test_refills_come_in_batches_within_a_share_of_the_namespace_and_never_grow_it(
+        store_factory: Callable[..., StoreEnv]) -> None:
+    """A writer of one key at a time is granted a batch (four times what it asks, at least
+    REFILL_BATCH) when its namespace is large enough (1/GRANT_SHARE of its slots), what it
+    asks when not; the slots past what it needs come from free ones while the namespace
+    could grow for them, and from eviction only when it cannot (the steady state)."""
+    from kvtierd.store.fast_path import GRANT_SHARE, REFILL_BATCH
+    extent = 8 << 20
+    layout = SegmentLayout.fit(BLOCK, extent)
+    assert layout is not None
+    per = layout.n_slots  # 127
+    env = store_factory(capacity=5 * layout.file_bytes, extent_size=extent,
+                        grant_bytes=256 * BLOCK)
+    env.store.grow_ahead = False
+    s = session(env)
+    put(env, s, [b"one"])
+    assert env.store.grant_target(s.ns, 1) == per // GRANT_SHARE == 7  # one extent: a share
+    put(env, s, keys(4 * per - 8, "fill"))  # 4 extents, 7 slots free, room for a 5th
+    assert len(s.ns.extents) == 4 and s.ns.free_slots() == 7
+    target = env.store.grant_target(s.ns, 1)
+    assert target == min(REFILL_BATCH, 4 * per // GRANT_SHARE) == 31
+    page, writes, bell = _attach(env, s)
+    # Past what it needs, only the free slots: the namespace does not grow for a batch.
+    assert env.store.refill_grants(s, target, 1) == 7 and len(s.ns.extents) == 4
+    got = writes.take(7)
+    assert got is not None
+    writes.untake(got)
+    # Nothing free and room to grow: what it needs makes the namespace grow first.
+    env.store._end_grants(s, list(s.grants))
+    put(env, s, keys(7, "more"))
+    assert s.ns.free_slots() == 0
+    assert env.store.refill_grants(s, target, 1) == -1
+    put(env, s, keys(per, "fifth"))  # the 5th extent, filled: the budget is spent
+    assert len(s.ns.extents) == 5 and s.ns.free_slots() == 0
+    target = env.store.grant_target(s.ns, 1)
+    assert target == min(REFILL_BATCH, 5 * per // GRANT_SHARE) == 32
+    # The steady state: a batch evicted at once, then one refill per half of it.
+    struct.pack_into("<Q", page.mapping, _page.W_WANT, 1)
+    assert env.store.refill_grants(s, target, 1) == target
+    evictions = env.store.evictions
+    head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
+    for i in range(target // 2):
+        taken = writes.take(1)
+        assert taken is not None
+        g = taken[0]
+        head = _native.commits_put(page.mapping, head, [(g.entry, g.word, b"w%d" % i, 9, None)])
+        out = env.store.commit_from_page(s, page)
+        assert out.committed == 1
+        assert len(s.grants) == (target if i == target // 2 - 1 else target - i - 1)
+    assert env.store.evictions == evictions + target // 2  # one claim of half the batch
+    assert env.store.check() == []
+    _detach(env, s, page, writes, bell)

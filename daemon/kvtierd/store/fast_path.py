@@ -48,7 +48,9 @@ _LENGTH: Final = 3  # PageRecords.columns' row of lengths
 #: A writer's grants are refilled in batches of at least this many slots (one claim,
 #: one eviction plan for them all): refilling one slot per commit of one key cost a
 #: claim per block, most of a 1-key commit's daemon CPU.
-REFILL_BATCH = 16
+REFILL_BATCH = 32
+#: ... within 1 / GRANT_SHARE of the namespace's slots (``grant_target``).
+GRANT_SHARE = 16
 
 
 class FastPath(Operations):
@@ -67,25 +69,35 @@ class FastPath(Operations):
         """Most slots a session of ``ns`` may hold granted ahead (``grant_bytes`` of them)."""
         return min(GRANTS_N, self.grant_bytes // ns.slot_bytes)
 
-    def refill_grants(self, session: Session, want: int) -> int:
+    def refill_grants(self, session: Session, want: int, need: int | None = None) -> int:
         """Reserve slots ahead for ``session``'s writer until it holds ``want`` (at most
         ``grant_limit``), named in its page: it fills and commits them without a call.
         Takes room as a reserve does (free slots; then, if the namespace may grow, -1:
         the writer's next Reserve call grows it; else evicts), but never grows nor
-        waits: short when no more room can be made now.  Returns how many were granted
-        (-1: none, the namespace should grow first)."""
+        waits: short when no more room can be made now.  With ``need`` (fewer than
+        ``want``: what the writer's next put takes), the slots past it are only taken
+        from free ones while the namespace would grow for them: a refill's batch never
+        makes the namespace grow, what the writer needs may.  Returns how many were
+        granted (-1: none, the namespace should grow first)."""
         page = session.ns.pages.get(session.id)
         if page is None or not page.writes or session.closed or session.system:
             return 0
         ns = session.ns
-        n = min(want, self.grant_limit(ns)) - len(session.grants)
+        limit = self.grant_limit(ns)
+        n = min(want, limit) - len(session.grants)
         if n <= 0:
             return 0
+        if need is not None and n > (free := ns.free_slots()) and not self._at_quota(ns) \
+                and self._grows_first(ns):
+            n = max(min(need, limit) - len(session.grants), free)
+            if n <= 0:
+                return 0
         refs: npt.NDArray[np.uint64] = _NO_REFS
         gens: npt.NDArray[np.uint64] = _NO_REFS
         for _round in range(3):
             try:
-                refs, gens = self._claim_refs(ns, n, may_grow=True, partial=True)
+                refs, gens = self._claim_refs(ns, n, may_grow=True, partial=True,
+                                              ahead=False)
                 break
             except _Raced:
                 continue
@@ -106,6 +118,8 @@ class FastPath(Operations):
         page.set_grants(entries, words)
         session.grants_used = self._clock()
         self.granted[ns.name] += len(refs)
+        if self.grow_ahead:  # for what the writer needs: the grants count as free room
+            self._grow_ahead(ns, need if need is not None else len(refs))
         return len(refs)
 
     async def reserve(
@@ -124,18 +138,24 @@ class FastPath(Operations):
         return result
 
     def _refill(self, session: Session, page: SessionPage) -> None:
-        self.refill_grants(session, self.grant_target(session.ns, page.wanted()))
+        wanted = page.wanted()
+        self.refill_grants(session, self.grant_target(session.ns, wanted), wanted)
 
     def grant_target(self, ns: Namespace, wanted: int) -> int:
         """How many grants a writer that asks for ``wanted`` (its largest put: its
-        next one must find as many) is given at a refill: twice that, at least
+        next one must find as many) is given at a refill: four times that, at least
         ``REFILL_BATCH``, within ``grant_limit``.  A refill happens when it holds half
-        of it or less (``_needs_refill``), so each claims a batch, however small the
-        puts, and a writer never holds fewer than it wants if it asks for no more
-        than half the limit."""
+        of it or less (``_needs_refill``), so each claims a batch of at least two puts'
+        worth, however small the puts (a claim's fixed cost -- the room plan, the
+        eviction's index and table calls -- was most of a commit's), and a writer
+        never holds fewer than it wants if it asks for no more than half the limit.
+        Past what it wants, never more than ``1 / GRANT_SHARE`` of the namespace's
+        slots: idle grants are room the cache does not use (a small namespace, or one
+        at its quota, grants what the writer asks for and no batch)."""
         if wanted <= 0:
             return 0
-        return min(self.grant_limit(ns), max(2 * wanted, REFILL_BATCH))
+        share = sum(e.n_slots for e in ns.extents) // GRANT_SHARE
+        return min(self.grant_limit(ns), max(4 * wanted, REFILL_BATCH), max(wanted, share))
 
     @staticmethod
     def _needs_refill(session: Session, target: int) -> bool:
@@ -187,11 +207,11 @@ class FastPath(Operations):
         target = self.grant_target(session.ns, wanted)
         refill = self._needs_refill(session, target)
         if refill and len(session.grants) < wanted:
-            self.refill_grants(session, target)
+            self.refill_grants(session, target, wanted)
             refill = False
         page.finish_commits(results)
         if refill:
-            self.refill_grants(session, target)
+            self.refill_grants(session, target, wanted)
         return out
 
     def commit_granted(

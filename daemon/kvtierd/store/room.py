@@ -63,12 +63,14 @@ GROWTH_WAIT_SECONDS = 5.0
 class Room(StoreBase):
     """Finding room: _claim takes slots all or nothing (free, grown, evicted, reclaimed)."""
 
-    def _claim_refs(self, ns: Namespace, n: int, *, may_grow: bool, partial: bool = False
+    def _claim_refs(self, ns: Namespace, n: int, *, may_grow: bool, partial: bool = False,
+                    ahead: bool = True
                     ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
         """Take ``n`` slots of ``ns`` into the RESERVED state (free ones first, then the
         blocks ``_take_slots`` chose are evicted into them), all or nothing: their refs
         and new generations.  With ``partial``, fewer (the free ones) rather than raise
-        when no more room can be made now."""
+        when no more room can be made now.  Without ``ahead`` the caller decides about
+        growth ahead (``_grow_ahead``) once it holds the slots."""
         try:
             free, victims, pinned = self._take_slots(ns, n, may_grow=may_grow, partial=partial)
         except _NeedExtent:
@@ -90,7 +92,7 @@ class Room(StoreBase):
             refs = np.concatenate([refs, vrefs])
             self._report_evicted(ns, victims)
         gens = ns.table.inspect(refs)["generation"]
-        if self.grow_ahead:
+        if self.grow_ahead and ahead:
             self._grow_ahead(ns, n)
         return refs, gens
 
@@ -212,6 +214,20 @@ class Room(StoreBase):
             refs = refs[ns.table.inspect(refs)["lower"] == Lower.DIRTY]
         return ns.blocks_at(refs)
 
+    def _at_quota(self, ns: Namespace) -> bool:
+        """A namespace at its DRAM quota neither grows nor reclaims others' extents: it
+        evicts its own blocks (access.namespaces[].dram_quota; checked off the fast path)."""
+        quota = self.dram_quota_of(ns.name)
+        return bool(quota) and SegmentLayout.fit(ns.block_bytes,
+                                                 quota - ns.extent_bytes()) is None
+
+    def _grows_first(self, ns: Namespace) -> bool:
+        """Room in the budget, or an extent of this namespace being made (ahead of need, or
+        for another reserve; its bytes are out of the budget already): a claim short of
+        free slots grows, or waits for that growth, rather than evict."""
+        return (ns.grow_lock.locked()
+                or SegmentLayout.fit(ns.block_bytes, self.budget_free) is not None)
+
     def _find_room(self, ns: Namespace, n: int, got: int, *, may_grow: bool,
                    pinned: Pinned) -> Victims:
         """The blocks of ``ns`` to evict for the ``n - got`` slots no free list had, or raise:
@@ -225,17 +241,9 @@ class Room(StoreBase):
         here (its newest access is older than their oldest).
         """
         short = n - got
-        # A namespace at its DRAM quota neither grows nor reclaims others' extents: it
-        # evicts its own blocks (access.namespaces[].dram_quota; checked off the fast path).
-        quota = self.dram_quota_of(ns.name)
-        held = ns.extent_bytes() if quota else 0
-        at_quota = bool(quota) and SegmentLayout.fit(ns.block_bytes, quota - held) is None
+        at_quota = self._at_quota(ns)
         may_grow = may_grow and not at_quota
-        # Room in the budget, or an extent of this namespace being made (ahead of need, or
-        # for another reserve; its bytes are out of the budget already): grow, or wait
-        # for that growth, rather than evict.
-        if may_grow and (ns.grow_lock.locked()
-                         or SegmentLayout.fit(ns.block_bytes, self.budget_free) is not None):
+        if may_grow and self._grows_first(ns):
             raise _NeedExtent(n)
         spill = self.spill_enabled
         self.note_reads(ns)  # blocks read without a call get their CLOCK bit first
@@ -280,7 +288,8 @@ class Room(StoreBase):
                 raise NeedDemotion(ns, short - len(same_ns), wanted)
         if at_quota:
             raise CapacityExhausted(
-                f"namespace {ns.name!r} is at its DRAM quota ({held} of {quota} bytes): {n} "
+                f"namespace {ns.name!r} is at its DRAM quota ({ns.extent_bytes()} of "
+                f"{self.dram_quota_of(ns.name)} bytes): {n} "
                 f"slots needed, {got + len(same_ns)} obtainable by evicting its own "
                 f"blocks ({ns.leased} leased and {ns.reserved} reserved blocks cannot be "
                 "evicted)")
@@ -443,6 +452,12 @@ class Room(StoreBase):
         """The growth ahead in flight, per namespace (at most one each)."""
         return {}
 
+    def _granted_in(self, ns: Namespace) -> int:
+        """Slots of ``ns`` granted ahead to its writers: room its next writes take
+        first (the fast path's free list), so growth ahead counts them as free."""
+        sessions = self.sessions
+        return sum(len(sessions[sid].grants) for sid in ns.pages if sid in sessions)
+
     @functools.cached_property
     def _making(self) -> set[asyncio.Future[Segment]]:
         """Extent creations in flight (``stop_growth`` waits for them)."""
@@ -460,7 +475,8 @@ class Room(StoreBase):
             return  # (DRAM full, the steady state: this much per claim)
         full = SegmentLayout.fit(ns.block_bytes, max(self.extent_size, one_slot))
         want = max(took, math.ceil((full.n_slots if full else 1) * GROW_AHEAD_FRACTION))
-        if (ns.free_slots() >= want or self._clock() < self._ahead_paused_until
+        if (ns.free_slots() + self._granted_in(ns) >= want
+                or self._clock() < self._ahead_paused_until
                 or self.namespaces.get(ns.name) is not ns or self._next_layout(ns) is None):
             return
         try:
