@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kvtier.v1 import kvtier_pb2 as pb
 from tests.conftest import DaemonProc, start_daemon, stop_daemon
@@ -145,9 +145,11 @@ class Fleet:
 
     def start_daemon(self, which: str, *extra: str, join: bool = True,
                      capacity: str = "32MiB", extent: str = "4MiB",
-                     segment: str = "64MiB", name: str = "") -> DaemonProc:
+                     segment: str = "64MiB", name: str = "",
+                     env: Mapping[str, str] | None = None) -> DaemonProc:
         """A kvtierd in ``which``'s namespace (``name``: its directory, default
-        ``which``), joined to the cluster unless ``join`` is False."""
+        ``which``), joined to the cluster unless ``join`` is False; ``env``: more
+        environment (``PYTHONPATH`` of another checkout, to compare two daemons)."""
         addr = self.addr_a if which == "a" else self.addr_b
         home = os.path.join(self.base, name or which)
         os.makedirs(home, exist_ok=True)
@@ -160,7 +162,7 @@ class Fleet:
             "--set", f"cluster.bind_address={addr}",
             "--set", f"cluster.hostname={addr}",
             "--set", "cluster.write=commit",
-            *extra, prefix=self.in_ns(which), capacity=capacity, extent=extent)
+            *extra, prefix=self.in_ns(which), capacity=capacity, extent=extent, env=env)
         if join:
             wait_for(lambda: "joined as" in cluster_note(d), 60, f"daemon {which} joining")
         return d
