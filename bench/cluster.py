@@ -108,7 +108,7 @@ READER = textwrap.dedent("""
 
 class Reader:
     def __init__(self, fleet: Fleet, nbytes: int) -> None:
-        self.buffer = f"/dev/shm/kvt-bench-cluster-{os.getpid()}"
+        self.buffer = f"/dev/shm/kvt-bench-cluster-{os.getpid()}-{fleet.ns_b}"
         cfg = {"host": fleet.addr_b, "metadata": f"http://{fleet.addr_a}:{fleet.http_port}/metadata",
                "master": fleet.master_address, "buffer": self.buffer, "bytes": nbytes}
         env = {**os.environ, "MC_TCP_BIND_ADDRESS": fleet.addr_b}

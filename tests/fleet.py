@@ -38,16 +38,18 @@ def _ip(*args: str) -> None:
 class Fleet:
     """A master and two daemons; ``a``/``b`` run in namespaces ``ns_a``/``ns_b``."""
 
-    def __init__(self, base: str, *, netns: bool = True) -> None:
+    def __init__(self, base: str, *, netns: bool = True, index: int = 0) -> None:
+        """``index``: tells apart several fleets of one process (their namespaces,
+        veth pair and addresses)."""
         self.base = base
         # The secret first: nothing made yet is left behind if its directory is missing.
         self.secret_file = os.path.join(base, "cluster.secret")
         fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT, 0o600)
         os.write(fd, SECRET)
         os.close(fd)
-        tag = f"{os.getpid() % 100000}"
+        tag = f"{os.getpid() % 100000}{chr(ord('a') + index - 1) if index else ''}"
         self.ns_a, self.ns_b = f"kvtA{tag}", f"kvtB{tag}"
-        octet = os.getpid() % 250 + 1
+        octet = (os.getpid() + 37 * index) % 250 + 1
         self.addr_a, self.addr_b = f"10.213.{octet}.1", f"10.213.{octet}.2"
         self.netns = netns and self._make_namespaces(tag)
         if not self.netns:
