@@ -890,7 +890,11 @@ class Tiering:
 
     def _committed(self, blocks: Sequence[Block]) -> None:
         if self._write_through and blocks:
-            room = self.policy.queue_depth - self._publishing
+            # Bounded by queue_depth blocks in flight; a commit that finds none in flight
+            # is published whole (one batch: a commit cut at queue_depth would leave a
+            # consumer on another host waiting for blocks that never come).
+            room = (self.policy.queue_depth - self._publishing if self._publishing
+                    else len(blocks))
             if room < len(blocks):
                 self.counters.skipped_publishes += len(blocks) - max(room, 0)
                 blocks = blocks[: max(room, 0)]

@@ -322,6 +322,26 @@ def test_a_commit_is_published_to_a_batched_tier_in_one_write_many(shm_dir: str)
     asyncio.run(go())
 
 
+def test_a_commit_larger_than_the_queue_depth_is_published_whole(shm_dir: str) -> None:
+    """queue_depth bounds the blocks in flight; a commit that finds none in flight is
+    published whole, in one batch (cut at queue_depth, a P/D consumer would wait for
+    blocks that never come)."""
+    many = ManyTier()
+    policy = SpillPolicy(backpressure_timeout=5.0, cluster_write="commit", queue_depth=4)
+
+    async def go() -> None:
+        async with tiered(shm_dir, [many], policy=policy) as env:
+            s = env.session()
+            ks = keys(12)
+            await env.put(s, ks)
+            await env.settle()
+            assert many.write_batches == [12]
+            assert all(many.contains("A", k) for k in ks)
+            assert env.t.counters.skipped_publishes == 0
+
+    asyncio.run(go())
+
+
 def test_a_failed_batch_publish_is_a_fault_of_each_block_and_they_stay_in_dram(
         shm_dir: str) -> None:
     many = ManyTier()
