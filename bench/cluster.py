@@ -80,6 +80,21 @@ READER = textwrap.dedent("""
             dt = time.perf_counter() - t0
             ok = all(rc == size for rc in rcs)
             print(json.dumps({"seconds": dt, "ok": ok, "rcs": rcs[:3]}), flush=True)
+        elif cmd["op"] == "watch":
+            # Poll batch_is_exist until every name exists: when each was first seen
+            # (time.monotonic, the same clock in every network namespace).
+            seen = [None] * len(names)
+            deadline, polls = time.monotonic() + cmd["timeout"], 0
+            while True:
+                rcs = s.batch_is_exist(names)
+                now, polls = time.monotonic(), polls + 1
+                for i, rc in enumerate(rcs):
+                    if rc == 1 and seen[i] is None:
+                        seen[i] = now
+                if None not in seen or now > deadline:
+                    break
+                time.sleep(cmd["interval"])
+            print(json.dumps({"seen": seen, "polls": polls}), flush=True)
         else:
             out = []
             for _ in range(cmd["n"]):
@@ -93,7 +108,7 @@ READER = textwrap.dedent("""
 
 class Reader:
     def __init__(self, fleet: Fleet, nbytes: int) -> None:
-        self.buffer = f"/dev/shm/kvt-bench-cluster-{os.getpid()}"
+        self.buffer = f"/dev/shm/kvt-bench-cluster-{os.getpid()}-{fleet.ns_b}"
         cfg = {"host": fleet.addr_b, "metadata": f"http://{fleet.addr_a}:{fleet.http_port}/metadata",
                "master": fleet.master_address, "buffer": self.buffer, "bytes": nbytes}
         env = {**os.environ, "MC_TCP_BIND_ADDRESS": fleet.addr_b}
@@ -111,9 +126,15 @@ class Reader:
         return line
 
     def ask(self, **cmd: Any) -> dict[str, Any]:
+        self.send(**cmd)
+        return self.answer()
+
+    def send(self, **cmd: Any) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
+
+    def answer(self) -> dict[str, Any]:
         out: dict[str, Any] = json.loads(self._line())
         return out
 

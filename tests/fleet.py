@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kvtier.v1 import kvtier_pb2 as pb
 from tests.conftest import DaemonProc, start_daemon, stop_daemon
@@ -38,16 +38,18 @@ def _ip(*args: str) -> None:
 class Fleet:
     """A master and two daemons; ``a``/``b`` run in namespaces ``ns_a``/``ns_b``."""
 
-    def __init__(self, base: str, *, netns: bool = True) -> None:
+    def __init__(self, base: str, *, netns: bool = True, index: int = 0) -> None:
+        """``index``: tells apart several fleets of one process (their namespaces,
+        veth pair and addresses)."""
         self.base = base
         # The secret first: nothing made yet is left behind if its directory is missing.
         self.secret_file = os.path.join(base, "cluster.secret")
         fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT, 0o600)
         os.write(fd, SECRET)
         os.close(fd)
-        tag = f"{os.getpid() % 100000}"
+        tag = f"{os.getpid() % 100000}{chr(ord('a') + index - 1) if index else ''}"
         self.ns_a, self.ns_b = f"kvtA{tag}", f"kvtB{tag}"
-        octet = os.getpid() % 250 + 1
+        octet = (os.getpid() + 37 * index) % 250 + 1
         self.addr_a, self.addr_b = f"10.213.{octet}.1", f"10.213.{octet}.2"
         self.netns = netns and self._make_namespaces(tag)
         if not self.netns:
@@ -145,9 +147,11 @@ class Fleet:
 
     def start_daemon(self, which: str, *extra: str, join: bool = True,
                      capacity: str = "32MiB", extent: str = "4MiB",
-                     segment: str = "64MiB", name: str = "") -> DaemonProc:
+                     segment: str = "64MiB", name: str = "",
+                     env: Mapping[str, str] | None = None) -> DaemonProc:
         """A kvtierd in ``which``'s namespace (``name``: its directory, default
-        ``which``), joined to the cluster unless ``join`` is False."""
+        ``which``), joined to the cluster unless ``join`` is False; ``env``: more
+        environment (``PYTHONPATH`` of another checkout, to compare two daemons)."""
         addr = self.addr_a if which == "a" else self.addr_b
         home = os.path.join(self.base, name or which)
         os.makedirs(home, exist_ok=True)
@@ -160,7 +164,7 @@ class Fleet:
             "--set", f"cluster.bind_address={addr}",
             "--set", f"cluster.hostname={addr}",
             "--set", "cluster.write=commit",
-            *extra, prefix=self.in_ns(which), capacity=capacity, extent=extent)
+            *extra, prefix=self.in_ns(which), capacity=capacity, extent=extent, env=env)
         if join:
             wait_for(lambda: "joined as" in cluster_note(d), 60, f"daemon {which} joining")
         return d

@@ -84,7 +84,15 @@ from kvtierd.spill.tier import TIER_CLUSTER as TIER_CLUSTER
 from kvtierd.spill.tier import TIER_DRAM as TIER_DRAM
 from kvtierd.spill.tier import TIER_SHARED as TIER_SHARED
 from kvtierd.spill.tier import TIER_SSD as TIER_SSD
-from kvtierd.spill.tier import BlockCopy, Geometry, HandOff, SharedAdapter, SsdAdapter, Tier
+from kvtierd.spill.tier import (
+    BlockCopy,
+    Geometry,
+    HandOff,
+    SharedAdapter,
+    SsdAdapter,
+    Tier,
+    WritesMany,
+)
 from kvtierd.store import (
     AcquireResult,
     Block,
@@ -312,6 +320,8 @@ class Tiering:
         #: ``cluster.write: commit``).
         self._write_through = [t for t in self.lower
                                if t.cross_host and self._write_policy(t) == "commit"]
+        #: Those that take a commit's blocks in one ``write_many`` (the cluster tier).
+        self._publish_many = {t.tier for t in self._write_through if isinstance(t, WritesMany)}
         # Page commits make block handles only for the write-through publish.
         store.commit_handles = bool(self._write_through)
         #: The last tier evicts without handing on (a local tier's LRU, or a cluster
@@ -880,7 +890,11 @@ class Tiering:
 
     def _committed(self, blocks: Sequence[Block]) -> None:
         if self._write_through and blocks:
-            room = self.policy.queue_depth - self._publishing
+            # Bounded by queue_depth blocks in flight; a commit that finds none in flight
+            # is published whole (one batch: a commit cut at queue_depth would leave a
+            # consumer on another host waiting for blocks that never come).
+            room = (self.policy.queue_depth - self._publishing if self._publishing
+                    else len(blocks))
             if room < len(blocks):
                 self.counters.skipped_publishes += len(blocks) - max(room, 0)
                 blocks = blocks[: max(room, 0)]
@@ -890,17 +904,34 @@ class Tiering:
         self._wake.set()
 
     async def _publish(self, blocks: list[Block]) -> None:
+        """Copy a commit's blocks into every write-through tier: one ``write_many`` (one
+        worker job) for a tier that takes batches, one ``write`` per block otherwise."""
         leases = self.store.pin_blocks(blocks)
         self._publishing += len(blocks)
         try:
-            jobs = [(b, t) for b in blocks for t in self._write_through]
-            results = await asyncio.gather(*(
-                self._run(self._copy_down, b, t, "publish") for b, t in jobs))
-            for (block, tier), res in zip(jobs, results, strict=True):
-                if res is _Copy.SLOT_FAULT:
-                    self._lose(block, "publish")
-                elif res and tier is self.lower[0]:  # where demotion would have put it
-                    self.store.set_lower(block, Lower.CLEAN)
+            jobs: list[Any] = []
+            for t in self._write_through:
+                if t.tier in self._publish_many:
+                    jobs.append(self._run(self._copy_down_many, blocks, t, "publish"))
+                else:
+                    jobs.extend(self._run(self._copy_down, b, t, "publish") for b in blocks)
+            done = await asyncio.gather(*jobs)
+            results: list[list[bool | _Copy]] = []  # per tier, per block
+            at = 0
+            for t in self._write_through:
+                if t.tier in self._publish_many:
+                    results.append(done[at])
+                    at += 1
+                else:
+                    results.append(done[at : at + len(blocks)])
+                    at += len(blocks)
+            for i, block in enumerate(blocks):
+                for tier, res_t in zip(self._write_through, results, strict=True):
+                    res = res_t[i]
+                    if res is _Copy.SLOT_FAULT:
+                        self._lose(block, "publish")
+                    elif res and tier is self.lower[0]:  # where demotion would have put it
+                        self.store.set_lower(block, Lower.CLEAN)
         finally:
             self._publishing -= len(blocks)
             _count_down(self._publishing_keys, [(b.ns.name, b.key) for b in blocks])
@@ -1144,20 +1175,67 @@ class Tiering:
         except (OSError, SpillFull) as exc:
             if memory_fault(exc):
                 return _Copy.SLOT_FAULT  # the writer's loss, not the tier's fault
-            kind = fault_kind(exc) if isinstance(exc, OSError) else "full"
-            self._fault(tier.name, kind)
-            held = _throttle(f"{tier.name}/write/{kind}")
-            if held is not None:
-                log.warning("%s tier: %s of %s in %r failed (%s); it stays in DRAM without "
-                            "a copy there%s", tier.name, op, block.key.hex(), ns.name, exc,
-                            more(held),
-                            extra=event("spill_fault", tier=tier.name, op="write", kind=kind,
-                                        namespace=ns.name, held_back=held))
+            self._write_failed(tier, op, block, exc)
             return False
         finally:
             view.release()
         self.observer.spill_io(tier.name, "write", time.perf_counter() - t0, block.length)
         return True
+
+    def _copy_down_many(self, blocks: Sequence[Block], tier: Tier,
+                        op: str) -> list[bool | _Copy]:
+        """Worker thread: ``_copy_down`` of each pinned block, as one ``write_many`` per
+        namespace; each block's outcome and fault counted as ``_copy_down`` would (a
+        batch that fails as a whole is a fault of each of its blocks)."""
+        assert isinstance(tier, WritesMany)
+        out: list[bool | _Copy] = [False] * len(blocks)
+        by_ns: dict[str, list[int]] = {}
+        for i, b in enumerate(blocks):
+            by_ns.setdefault(b.ns.name, []).append(i)
+        for idx in by_ns.values():
+            ns = blocks[idx[0]].ns
+            geometry = Geometry(ns.block_bytes,
+                                self._mhash.get(ns.model_uid) or model_hash(ns.model_uid))
+            views = [blocks[i].extent.segment.data_view(blocks[i].slot, ns.slot_bytes)
+                     for i in idx]
+            t0 = time.perf_counter()
+            try:
+                try:
+                    got: list[bool | BaseException] = tier.write_many(
+                        ns.name, [(blocks[i].key, v, blocks[i].length, blocks[i].checksum)
+                                  for i, v in zip(idx, views, strict=True)], geometry)
+                except OSError as exc:
+                    got = [exc] * len(idx)
+            finally:
+                for v in views:
+                    v.release()
+            nbytes = 0
+            for i, res in zip(idx, got, strict=True):
+                if not isinstance(res, BaseException):
+                    out[i] = res
+                    nbytes += blocks[i].length
+                elif memory_fault(res):
+                    out[i] = _Copy.SLOT_FAULT  # the writer's loss, not the tier's fault
+                elif isinstance(res, (OSError, SpillFull)):
+                    self._write_failed(tier, op, blocks[i], res)
+                else:
+                    raise res
+            if nbytes:
+                self.observer.spill_io(tier.name, "write", time.perf_counter() - t0, nbytes)
+        return out
+
+    def _write_failed(self, tier: Tier, op: str, block: Block,
+                      exc: OSError | SpillFull) -> None:
+        """Count (and log, throttled) a failed copy of ``block`` into ``tier``."""
+        kind = fault_kind(exc) if isinstance(exc, OSError) else "full"
+        self._fault(tier.name, kind)
+        held = _throttle(f"{tier.name}/write/{kind}")
+        if held is not None:
+            log.warning("%s tier: %s of %s in %r failed (%s); it stays in DRAM without "
+                        "a copy there%s", tier.name, op, block.key.hex(), block.ns.name, exc,
+                        more(held),
+                        extra=event("spill_fault", tier=tier.name, op="write", kind=kind,
+                                    namespace=block.ns.name, held_back=held))
 
     def _lose(self, block: Block, op: str) -> None:
         """A DRAM block whose slot faulted while ``op`` copied it: its bytes are gone (a

@@ -102,6 +102,25 @@ def test_a_lookup_asks_the_master_once_whatever_its_length(fleet: Fleet) -> None
         assert after.get(name, 0) - before.get(name, 0) == want, name
 
 
+def test_a_commit_is_published_with_one_batched_put(fleet: Fleet) -> None:
+    """``cluster.write: commit`` publishes a commit's blocks in one Mooncake batch: one
+    batched put start and end at the master for all of them (the master's counters)."""
+    assert fleet.a is not None and fleet.b is not None
+    keys, data = fresh_keys(24), blocks(24, 12)
+    with client(fleet.a) as a, client(fleet.b) as b:
+        before = fleet.master_metrics()
+        assert a.put(keys, data) == 24
+        wait_for(lambda: b.lookup(keys) == 24, 20, "B to see the blocks")
+        after = fleet.master_metrics()
+        assert [bytes(x) for x in b.get(keys)] == [bytes(x) for x in data]
+    for name, want in (("master_batch_put_start_requests_total", 1),
+                       ("master_batch_put_start_items_total", 24),
+                       ("master_batch_put_end_requests_total", 1),
+                       ("master_batch_put_end_items_total", 24),
+                       ("master_put_start_requests_total", 0)):
+        assert after.get(name, 0) - before.get(name, 0) == want, name
+
+
 def test_a_partial_prefix_stops_at_the_first_key_no_host_has(fleet: Fleet) -> None:
     assert fleet.a is not None and fleet.b is not None
     keys, data = fresh_keys(4), blocks(4, 2)

@@ -87,3 +87,18 @@ def test_short_secrets_and_readable_secret_files_are_refused(tmp_path: Path) -> 
     os.chmod(p, 0o600)
     with pytest.raises(ValueError, match="openssl rand"):
         load_secret(str(p))
+
+
+def test_headers_packed_as_a_batch_are_the_headers_packed_one_by_one() -> None:
+    n = Naming(SECRET)
+    ks = [os.urandom(16), b"", b"k" * 64, os.urandom(32)]
+    lengths, sums = [BB, 1, BB - 7, 4096], [1, 2**64 - 1, 0, 0xDEADBEEF]
+    packed = n.pack_many("ns", ks, lengths, sums, BB, 77, 1234)
+    assert packed == b"".join(n.pack("ns", Header(k, ln, c, BB, 77, 1234))
+                              for k, ln, c in zip(ks, lengths, sums, strict=True))
+    for i, k in enumerate(ks):
+        got = n.unpack("ns", packed[i * HEADER_BYTES : (i + 1) * HEADER_BYTES], k, BB, 77)
+        assert (got.length, got.checksum) == (lengths[i], sums[i])
+    assert n.pack_many("ns", [], [], [], BB, 77, 1) == b""
+    with pytest.raises(ValueError, match="at most 64"):
+        n.pack_many("ns", [b"k" * 65], [1], [1], BB, 77, 1)

@@ -11,8 +11,10 @@ lookup about the whole run of keys and reads a promotion's blocks in one
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
@@ -25,6 +27,7 @@ from kvtierd.spill.tier import (
     SharedAdapter,
     SsdAdapter,
     Tier,
+    WritesMany,
     _one_by_one,
 )
 from kvtierd.tiering import TIER_DRAM, TIER_SSD, SpillPolicy, Tiering
@@ -140,13 +143,38 @@ def test_the_adapters_and_a_third_tier_are_tiers() -> None:
     assert (SsdAdapter.local, SharedAdapter.local) == (True, False)
 
 
+class ManyTier(DictTier):
+    """A cluster tier stand-in that takes batches of writes (``spill.tier.WritesMany``)."""
+
+    def __init__(self) -> None:
+        super().__init__(batched=True)
+        self.write_batches: list[int] = []  # blocks per write_many() call
+        self.fail_batch: OSError | None = None  # raised for a whole batch
+        self.fail_keys: dict[bytes, OSError] = {}  # per block
+
+    def write_many(self, namespace: str,
+                   items: Sequence[tuple[bytes, memoryview, int, int | None]],
+                   geometry: Geometry) -> list[bool | BaseException]:
+        self.write_batches.append(len(items))
+        if self.fail_batch is not None:
+            raise self.fail_batch
+        out: list[bool | BaseException] = []
+        for key, src, length, checksum in items:
+            if key in self.fail_keys:
+                out.append(self.fail_keys[key])
+            else:
+                out.append(self.write(namespace, key, src, length, checksum, geometry))
+        return out
+
+
 @asynccontextmanager
 async def tiered(shm_dir: str, below: Sequence[Tier], *, ssd_dir: str | None = None,
-                 ssd_capacity: int = 8 * MiB) -> AsyncIterator[Env]:
+                 ssd_capacity: int = 8 * MiB,
+                 policy: SpillPolicy | None = None) -> AsyncIterator[Env]:
     senv = make_store(shm_dir, capacity=DRAM, extent_size=MiB + 4 * 4096)
     ssd = (SsdTier(ssd_dir, capacity=ssd_capacity, file_bytes=1 * MiB) if ssd_dir else None)
     t = Tiering(senv.store, ssd=ssd, below=below,
-                policy=SpillPolicy(backpressure_timeout=5.0), io_threads=2)
+                policy=policy or SpillPolicy(backpressure_timeout=5.0), io_threads=2)
     await t.start()
     env = Env(senv, t)
     try:
@@ -265,5 +293,98 @@ def test_a_tier_that_cannot_answer_is_a_miss_and_a_counted_fault(shm_dir: str) -
             assert env.t.counters.faults["cluster/oserror"] >= 2
             cluster.down = False
             assert await env.t.lookup(s, below) == [TIER_CLUSTER] * 4
+
+    asyncio.run(go())
+
+
+def _write_through() -> SpillPolicy:
+    return SpillPolicy(backpressure_timeout=5.0, cluster_write="commit")
+
+
+def test_a_commit_is_published_to_a_batched_tier_in_one_write_many(shm_dir: str) -> None:
+    """``cluster.write: commit``: a commit's blocks reach a ``WritesMany`` tier in one
+    call (one Mooncake batch for the cluster tier), a plain tier's block by block."""
+    many, plain = ManyTier(), DictTier(batched=True)
+    assert isinstance(many, WritesMany) and not isinstance(plain, WritesMany)
+
+    async def go() -> None:
+        async with tiered(shm_dir, [many], policy=_write_through()) as env:
+            s = env.session()
+            ks = keys(20)
+            await env.put_all(s, ks, batch=10)
+            await env.settle()
+            assert many.write_batches == [10, 10]
+            assert all(many.contains("A", k) for k in ks)
+            got, tiers = await env.get(s, ks[:3])
+            assert got == [payload(k) for k in ks[:3]] and tiers == [TIER_DRAM] * 3
+            assert env.t.counters.faults == Counter()
+
+    asyncio.run(go())
+
+
+def test_a_commit_larger_than_the_queue_depth_is_published_whole(shm_dir: str) -> None:
+    """queue_depth bounds the blocks in flight; a commit that finds none in flight is
+    published whole, in one batch (cut at queue_depth, a P/D consumer would wait for
+    blocks that never come)."""
+    many = ManyTier()
+    policy = SpillPolicy(backpressure_timeout=5.0, cluster_write="commit", queue_depth=4)
+
+    async def go() -> None:
+        async with tiered(shm_dir, [many], policy=policy) as env:
+            s = env.session()
+            ks = keys(12)
+            await env.put(s, ks)
+            await env.settle()
+            assert many.write_batches == [12]
+            assert all(many.contains("A", k) for k in ks)
+            assert env.t.counters.skipped_publishes == 0
+
+    asyncio.run(go())
+
+
+def test_a_failed_batch_publish_is_a_fault_of_each_block_and_they_stay_in_dram(
+        shm_dir: str) -> None:
+    many = ManyTier()
+
+    async def go() -> None:
+        async with tiered(shm_dir, [many], policy=_write_through()) as env:
+            s = env.session()
+            ks = keys(8)
+            many.fail_batch = ConnectionRefusedError("the master is down")
+            await env.put(s, ks)
+            await env.settle()
+            assert many.write_batches == [8]
+            assert sum(v for k, v in env.t.counters.faults.items()
+                       if k.startswith("cluster/")) == 8  # as 8 failed writes were
+            assert not any(many.contains("A", k) for k in ks)
+            got, tiers = await env.get(s, ks)
+            assert got == [payload(k) for k in ks] and tiers == [TIER_DRAM] * 8
+            # One block of the next batch fails on its own: only it is a fault.
+            many.fail_batch = None
+            ks2 = keys(6, prefix="j")
+            many.fail_keys[ks2[2]] = OSError(errno.EIO, "Mooncake error -1")
+            await env.put(s, ks2)
+            await env.settle()
+            assert [many.contains("A", k) for k in ks2] == [True, True, False, True, True, True]
+            assert sum(v for k, v in env.t.counters.faults.items()
+                       if k.startswith("cluster/")) == 9
+
+    asyncio.run(go())
+
+
+def test_a_slot_that_faulted_in_a_batch_publish_drops_only_that_block(shm_dir: str) -> None:
+    many = ManyTier()
+
+    async def go() -> None:
+        async with tiered(shm_dir, [many], policy=_write_through()) as env:
+            s = env.session()
+            ks = keys(5)
+            many.fail_keys[ks[1]] = OSError(errno.EFAULT, "the slot's memory faulted")
+            await env.put(s, ks)
+            await env.settle()
+            assert env.t.counters.slot_faults == Counter({"A": 1})
+            assert env.t.counters.faults == Counter()  # the writer's loss, not the tier's
+            assert ks[1] not in s.ns.index
+            assert [many.contains("A", k) for k in ks] == [True, False, True, True, True]
 
     asyncio.run(go())

@@ -11,10 +11,13 @@ to it in msgpack messages (:mod:`kvtierd.cluster.tier` has the other end):
 * ``[id, "get", [[name, seg_id, offset, size], ...]]``: one scatter read per
   object, straight into the segment (``size`` bytes) plus a header slot of the
   agent's own, whose bytes go back in the reply;
-* ``[id, "put", [[name, seg_id, offset, length, block_bytes, header], ...],
-  replicas]``: one gather write per object -- the slot's ``length`` bytes,
-  zeros up to ``block_bytes`` (a registered zero mapping, never a copy), the
-  header;
+* ``[id, "put", names, seg_ids, offsets, lengths, block_bytes, headers,
+  replicas]``: a batch in columns (``seg_ids``, ``offsets``, ``lengths``: int64
+  arrays as bytes; ``headers``: one :data:`HEADER_BYTES` header per object, one
+  after another), written with **one** ``batch_put_from_multi_buffers`` (the
+  master allocates and seals the whole batch in one round trip each): one
+  gather write per object -- the slot's ``length`` bytes, zeros up to
+  ``block_bytes`` (a registered zero mapping, never a copy), the header;
 * ``[id, "remove", names]``: ``batch_remove(force=True)``.
 
 Replies are ``[id, result]`` or ``[id, None, error text]``; the agent says
@@ -301,33 +304,48 @@ class Agent:
             self._give_headers(slots)
             self._unuse(segs)
 
-    def _put(self, items: list[list[Any]], replicas: int) -> list[int]:
-        segs = self._use({it[1] for it in items})
-        slots = self._take_headers(len(items))
+    def _put(self, names: list[str], seg_ids: bytes, offsets: bytes, lengths: bytes,
+             block_bytes: int, headers: bytes, replicas: int) -> list[int]:
+        n = len(names)
+        sid = np.frombuffer(seg_ids, dtype=np.int64)
+        off = np.frombuffer(offsets, dtype=np.int64)
+        length = np.frombuffer(lengths, dtype=np.int64)
+        if not (len(sid) == len(off) == len(length) == n and len(headers) == n * HEADER_BYTES):
+            raise ValueError(f"a put of {n} names with columns of {len(sid)}, {len(off)}, "
+                             f"{len(length)} and {len(headers)} header bytes")
+        if n > HEADER_SLOTS:
+            raise ValueError(f"a put of {n} objects (at most {HEADER_SLOTS} at once)")
+        segs = self._use(set(sid.tolist()))
+        slots = self._take_headers(n)
         try:
-            out = [RC_BAD_REQUEST] * len(items)
-            names, ptrs, sizes, idx = [], [], [], []
-            for i, (name, seg_id, off, length, block_bytes, header) in enumerate(items):
-                seg = segs.get(seg_id)
-                if (seg is None or off < 0 or length <= 0 or length > block_bytes
-                        or off + length > seg.size or len(header) != HEADER_BYTES):
-                    continue
-                h = slots[i] * HEADER_BYTES
-                self.headers[h : h + HEADER_BYTES] = header
-                p, z = [seg.base + off], [length]
-                pad = block_bytes - length
-                while pad > 0:
-                    n = min(pad, ZERO_BYTES)
-                    p.append(self.zeros_base)
-                    z.append(n)
-                    pad -= n
-                p.append(self.headers_base + h)
-                z.append(HEADER_BYTES)
-                names.append(name)
-                ptrs.append(p)
-                sizes.append(z)
-                idx.append(i)
-            if names:
+            sizes = np.array([segs[s].size if s in segs else -1 for s in sid.tolist()],
+                             dtype=np.int64)
+            bases = np.array([segs[s].base if s in segs else 0 for s in sid.tolist()],
+                             dtype=np.int64)
+            ok = ((sizes >= 0) & (off >= 0) & (length > 0) & (length <= block_bytes)
+                  & (off + length <= sizes))
+            out = np.full(n, RC_BAD_REQUEST, dtype=np.int64)
+            idx = np.flatnonzero(ok)
+            if len(idx):
+                ptrs: list[list[int]] = []
+                parts: list[list[int]] = []
+                hb, given = self.headers_base, memoryview(headers)
+                start, size = (bases + off).tolist(), length.tolist()
+                for i in idx.tolist():
+                    ptr, ln, h = start[i], size[i], slots[i] * HEADER_BYTES
+                    self.headers[h : h + HEADER_BYTES] = \
+                        given[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+                    p, z = [ptr], [ln]
+                    pad = block_bytes - ln
+                    while pad > 0:
+                        k = min(pad, ZERO_BYTES)
+                        p.append(self.zeros_base)
+                        z.append(k)
+                        pad -= k
+                    p.append(hb + h)
+                    z.append(HEADER_BYTES)
+                    ptrs.append(p)
+                    parts.append(z)
                 config = self.config
                 if replicas != config.replica_num:
                     from mooncake.store import ReplicateConfig
@@ -335,10 +353,9 @@ class Agent:
                     config = ReplicateConfig()
                     config.replica_num = replicas
                     config.preferred_segment = self.preferred
-                rcs = self.store.batch_put_from_multi_buffers(names, ptrs, sizes, config)
-                for i, rc in zip(idx, rcs, strict=True):
-                    out[i] = int(rc)
-            return out
+                todo = names if len(idx) == n else [names[i] for i in idx.tolist()]
+                out[idx] = self.store.batch_put_from_multi_buffers(todo, ptrs, parts, config)
+            return out.tolist()  # type: ignore[no-any-return]
         finally:
             self._give_headers(slots)
             self._unuse(segs)

@@ -38,6 +38,7 @@ import hmac
 import os
 import stat
 import struct
+from collections.abc import Sequence
 from typing import Final
 
 #: The header after each object's data.
@@ -108,6 +109,29 @@ class Naming:
         out = bytearray(HEADER_BYTES)
         out[: _HEAD.size] = head
         out[_HEAD.size : _HEAD.size + TAG_BYTES] = tag
+        return bytes(out)
+
+    def pack_many(self, namespace: str, keys: Sequence[bytes], lengths: Sequence[int],
+                  checksums: Sequence[int], block_bytes: int, model_hash: int,
+                  written_ns: int) -> bytes:
+        """The headers of a batch written at once, one after another (``pack`` of each,
+        without a :class:`Header` per block)."""
+        for k in keys:
+            if len(k) > MAX_KEY_BYTES:
+                raise ValueError(f"key of {len(k)} bytes (at most {MAX_KEY_BYTES})")
+        ns_key = self._ns_key(namespace)
+        out = bytearray(HEADER_BYTES * len(keys))
+        pack_into, digest = _HEAD.pack_into, hmac.digest
+        tag_at = _HEAD.size
+        view = memoryview(out)
+        for i, (key, length, checksum) in enumerate(zip(keys, lengths, checksums,
+                                                         strict=True)):
+            at = i * HEADER_BYTES
+            pack_into(out, at, MAGIC, VERSION, len(key), 0, length, checksum, block_bytes,
+                      model_hash, written_ns, key)
+            out[at + tag_at : at + tag_at + TAG_BYTES] = digest(
+                ns_key, view[at : at + tag_at], "sha256")
+        view.release()
         return bytes(out)
 
     def unpack(self, namespace: str, raw: bytes, key: bytes, block_bytes: int,

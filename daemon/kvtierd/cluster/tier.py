@@ -59,7 +59,7 @@ import numpy as np
 from kvtier import _accel
 from kvtier.errors import Corrupted
 from kvtierd.cluster import agent as agent_mod
-from kvtierd.cluster.format import HEADER_BYTES, BadObject, Header, Naming
+from kvtierd.cluster.format import HEADER_BYTES, BadObject, Naming
 from kvtierd.logs import Throttle, event, more
 from kvtierd.segments import Segment
 from kvtierd.spill.ssd import SpillFull
@@ -75,6 +75,9 @@ RC_TRANSFER: Final = -800
 RC_RPC: Final = -900
 #: Objects per message to the agent (bounded messages; each still one Mooncake batch).
 BATCH: Final = 256
+#: Objects per put message (~0.5 KiB each: name, header, three int64s; one Mooncake
+#: batch each): a commit of up to this many blocks is published in one batch.
+PUT_BATCH: Final = 1024
 #: How often the segments the agent maps are compared with the live ones.
 DROP_CHECK_SECONDS: Final = 1.0
 NOT_JOINED: Final = "joining (first try)"
@@ -544,8 +547,10 @@ class ClusterTier:
         finally:
             self._leave(probe, unreachable)
 
-    def _slot(self, a: _Agent, view: memoryview) -> tuple[int, int]:
-        """(segment id, offset) of a DRAM slot view, its segment mapped by the agent."""
+    def _slot(self, a: _Agent, view: memoryview,
+              checked: set[int] | None = None) -> tuple[int, int]:
+        """(segment id, offset) of a DRAM slot view, its segment mapped by the agent;
+        ``checked``: the segments whose size this batch has checked already."""
         mm = view.obj
         seg = self._by_map.get(id(mm))
         if seg is None or seg.mm is not mm:
@@ -554,8 +559,12 @@ class ClusterTier:
             if seg is None:
                 raise OSError(errno.EINVAL, "cluster tier: a buffer outside the DRAM segments")
         size = seg.layout.data_bytes
-        if os.fstat(seg.fd).st_size < size:  # a client cut it short: the agent would fault
-            raise OSError(errno.EFAULT, f"segment {os.path.basename(seg.path)} was cut short")
+        if checked is None or seg.segment_id not in checked:
+            if os.fstat(seg.fd).st_size < size:  # a client cut it short: the agent would fault
+                raise OSError(errno.EFAULT,
+                              f"segment {os.path.basename(seg.path)} was cut short")
+            if checked is not None:
+                checked.add(seg.segment_id)
         offset = _address(view) - _address(mm)
         if seg.segment_id not in a.mapped:
             with a.map_lock:
@@ -691,25 +700,72 @@ class ClusterTier:
 
     def write(self, namespace: str, key: bytes, src: memoryview, length: int,
               checksum: int | None, geometry: Geometry) -> bool:
+        (res,) = self.write_many(namespace, [(key, src, length, checksum)], geometry)
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    def write_many(self, namespace: str,
+                   items: Sequence[tuple[bytes, memoryview, int, int | None]],
+                   geometry: Geometry) -> list[bool | BaseException]:
+        """``write`` of each (key, src, length, checksum) as one Mooncake batch per
+        :data:`PUT_BATCH` objects: one message to the agent, one
+        ``batch_put_from_multi_buffers`` (the master allocates and seals the whole
+        batch in one round trip each).  Each result is True or the exception ``write``
+        would have raised for that block: EFAULT (its slot), ``SpillFull``, or the
+        ``OSError`` of a failed put -- a batch that failed as a whole (the agent gone,
+        the master unreachable) gives each of its blocks that error, as writing them
+        one by one would have.  Raises ``ClusterDown`` when no agent is ready."""
         a = self._agent
         if a is None or not a.ready:
             raise ClusterDown(self.down_reason or "the cluster agent is not ready")
         self._drop_retired(a)
-        if checksum is None:
-            checksum = _accel.checksum(src[:length])  # EFAULT: the slot's loss
-        sid, off = self._slot(a, src)
-        header = self.naming.pack(namespace, Header(key, length, checksum, geometry.block_bytes,
-                                                    geometry.model_hash, time.time_ns()))
-        name = self.naming.name(namespace, key, *geometry)
-        (rc,) = self._call("put", [[name, sid, off, length, geometry.block_bytes, header]],
-                           self.settings.replicas, agent=a)
-        if rc == RC_NO_SPACE:
-            raise SpillFull(f"the cluster has no room for {key.hex()} (-200)")
-        if rc < 0:
-            raise _rc_error(rc, f"write of {key.hex()}")
-        self.counters.writes += 1
-        self.counters.write_bytes += length
-        return True
+        bb, mh = geometry.block_bytes, geometry.model_hash
+        out: list[bool | BaseException] = [True] * len(items)
+        checked: set[int] = set()
+        todo: list[int] = []  # the items that reach the agent
+        sids: list[int] = []
+        offs: list[int] = []
+        sums: list[int] = []
+        for i, (_key, src, length, checksum) in enumerate(items):
+            try:
+                if checksum is None:
+                    checksum = _accel.checksum(src[:length])  # EFAULT: the slot's loss
+                sid, off = self._slot(a, src, checked)
+            except OSError as exc:
+                out[i] = exc
+                continue
+            todo.append(i)
+            sids.append(sid)
+            offs.append(off)
+            sums.append(checksum)
+        prefix = self.naming.prefix(namespace, bb, mh)
+        written = time.time_ns()
+        for c in range(0, len(todo), PUT_BATCH):
+            idx = todo[c : c + PUT_BATCH]
+            keys = [items[i][0] for i in idx]
+            lengths = np.array([items[i][2] for i in idx], dtype=np.int64)
+            headers = self.naming.pack_many(namespace, keys, lengths.tolist(),
+                                            sums[c : c + PUT_BATCH], bb, mh, written)
+            try:
+                rcs = self._call("put", [prefix + k.hex() for k in keys],
+                                 np.array(sids[c : c + PUT_BATCH], dtype=np.int64).tobytes(),
+                                 np.array(offs[c : c + PUT_BATCH], dtype=np.int64).tobytes(),
+                                 lengths.tobytes(), bb, headers, self.settings.replicas,
+                                 agent=a)
+            except OSError as exc:  # the whole batch: each block's error, as one by one
+                for i in idx:
+                    out[i] = exc
+                continue
+            for i, key, rc in zip(idx, keys, rcs, strict=True):
+                if rc == RC_NO_SPACE:
+                    out[i] = SpillFull(f"the cluster has no room for {key.hex()} (-200)")
+                elif rc < 0:
+                    out[i] = _rc_error(rc, f"write of {key.hex()}")
+                else:
+                    self.counters.writes += 1
+                    self.counters.write_bytes += items[i][2]
+        return out
 
     def sync(self) -> None:
         pass  # a put is complete when it returns

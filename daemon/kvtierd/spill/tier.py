@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Final, NamedTuple, Protocol
+from typing import Final, NamedTuple, Protocol, runtime_checkable
 
 from kvtier.errors import Corrupted
 from kvtierd.spill.shared import SharedTier
@@ -241,6 +241,23 @@ class Tier(Protocol):
 
     def check(self) -> list[str]:
         """Cross-check the tier's own bookkeeping; the problems found (none: [])."""
+        ...
+
+
+@runtime_checkable
+class WritesMany(Protocol):
+    """A tier that takes many writes at once (the cluster tier: one Mooncake batch).
+
+    A ``cross_host`` tier that has it receives a commit's write-through publish in
+    one ``write_many``; other tiers get one ``write`` per block, in parallel."""
+
+    def write_many(self, namespace: str,
+                   items: Sequence[tuple[bytes, memoryview, int, int | None]],
+                   geometry: Geometry) -> list[bool | BaseException]:
+        """Blocking: ``write`` of each (key, src, length, checksum); each result is what
+        ``write`` returned for it or the exception it would have raised (a batch that
+        failed as a whole: that error for each block).  Raises ``OSError`` when none
+        could be tried."""
         ...
 
 

@@ -1,0 +1,112 @@
+"""The cluster agent's put (``kvtierd.cluster.agent``), against a stand-in for Mooncake's
+store: a batch arrives in columns and leaves as **one** ``batch_put_from_multi_buffers``,
+each object a gather of its slot, zero padding and its header; what the agent cannot
+check against its mapping of the segment never reaches Mooncake."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtierd.cluster import agent as agent_mod
+from kvtierd.cluster.agent import HEADER_BYTES, HEADER_SLOTS, RC_BAD_REQUEST, Agent
+
+SEG = 1 << 20
+BB = 64 * 1024
+ZEROS = 0x7000_0000
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.puts: list[tuple[list[str], list[list[int]], list[list[int]], Any]] = []
+        self.headers: list[bytes] = []
+        self.agent: Agent | None = None
+
+    def register_buffer(self, base: int, size: int) -> int:
+        return 0
+
+    def unregister_buffer(self, base: int) -> int:
+        return 0
+
+    def batch_put_from_multi_buffers(self, names: list[str], ptrs: list[list[int]],
+                                     sizes: list[list[int]], config: Any) -> list[int]:
+        assert self.agent is not None
+        self.puts.append((names, ptrs, sizes, config))
+        base = self.agent.headers_base
+        self.headers = [bytes(self.agent.headers[p[-1] - base : p[-1] - base + HEADER_BYTES])
+                        for p in ptrs]
+        return [0] * (len(names) - 1) + [-200]  # the last one: no room
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[tuple[Agent, FakeStore]]:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a = Agent(theirs, {"threads": 1})
+    store = FakeStore()
+    store.agent = a
+    a.store = store
+    a.headers = mmap.mmap(-1, HEADER_SLOTS * HEADER_BYTES)
+    a.headers_base = agent_mod._address(a.headers)
+    a.zeros_base = ZEROS
+    a.config = types.SimpleNamespace(replica_num=1, preferred_segment="me")
+    a.preferred = "me"
+    path = tmp_path / "seg"
+    with open(path, "wb") as f:
+        f.truncate(SEG)
+    assert a._map(7, SEG, os.open(path, os.O_RDWR)) == 0
+    try:
+        yield a, store
+    finally:
+        a._drop(7)
+        a._pool.shutdown()
+        ours.close()
+        theirs.close()
+
+
+def cols(*xs: int) -> bytes:
+    return np.array(xs, dtype=np.int64).tobytes()
+
+
+def test_a_batch_is_one_mooncake_put_of_gathers(agent: tuple[Agent, FakeStore]) -> None:
+    a, store = agent
+    base = a._segs[7].base
+    headers = b"".join(bytes([i]) * HEADER_BYTES for i in range(1, 4))
+    rcs = a._put(["n0", "n1", "n2"], cols(7, 7, 7), cols(0, BB, 2 * BB), cols(BB, 100, BB),
+                 BB, headers, 1)
+    assert rcs == [0, 0, -200]
+    assert len(store.puts) == 1  # one Mooncake batch for the three
+    names, ptrs, sizes, config = store.puts[0]
+    assert names == ["n0", "n1", "n2"] and config is a.config
+    assert [p[0] for p in ptrs] == [base, base + BB, base + 2 * BB]
+    assert sizes == [[BB, HEADER_BYTES], [100, BB - 100, HEADER_BYTES], [BB, HEADER_BYTES]]
+    assert ptrs[1][1] == ZEROS  # the short block padded from the registered zeros
+    assert store.headers == [bytes([i]) * HEADER_BYTES for i in range(1, 4)]
+    assert len(set(p[-1] for p in ptrs)) == 3  # a header slot each
+
+
+def test_what_the_agent_cannot_check_never_reaches_mooncake(
+        agent: tuple[Agent, FakeStore]) -> None:
+    a, store = agent
+    headers = bytes(HEADER_BYTES) * 6
+    rcs = a._put([f"n{i}" for i in range(6)],
+                 cols(9, 7, 7, 7, 7, 7),  # a segment it never mapped
+                 cols(0, -4096, SEG - 100, 0, 0, 0),  # before the mapping, past its end
+                 cols(BB, BB, 4096, BB + 1, 0, BB),  # longer than a block, empty
+                 BB, headers, 1)
+    assert rcs[:5] == [RC_BAD_REQUEST] * 5 and rcs[5] == -200
+    assert [names for names, *_ in store.puts] == [["n5"]]
+    with pytest.raises(ValueError, match="columns"):
+        a._put(["n0", "n1"], cols(7), cols(0, 0), cols(1, 1), BB, headers[:512], 1)
+    with pytest.raises(ValueError, match="columns"):
+        a._put(["n0"], cols(7), cols(0), cols(1), BB, headers[:100], 1)
+    assert a._put([], b"", b"", b"", BB, b"", 1) == []
+    assert len(store.puts) == 1
+    assert len(a._free_headers) == HEADER_SLOTS  # every slot given back
