@@ -42,6 +42,7 @@ from kvtierd.store.types import (
 log = logging.getLogger(__name__)
 
 _COMMITTED: Final = int(CommitResult.COMMITTED)
+_WRITE: Final = int(Right.WRITE)
 _EXISTS: Final = int(CommitResult.EXISTS)
 _LENGTH: Final = 3  # PageRecords.columns' row of lengths
 
@@ -185,7 +186,7 @@ class FastPath(Operations):
         if not records:
             page.finish_commits(b"")
             return out
-        if not int(session.rights) & Right.WRITE:
+        if not session.rights & _WRITE:
             page.finish_commits(bytes([CommitResult.LOST]) * len(records))
             return out
         try:
@@ -194,24 +195,22 @@ class FastPath(Operations):
             log.exception("commit of %d records from session %d's page failed",
                           len(records), session.id)
             results = bytes([CommitResult.FAILED]) * len(records)
+        # A ring without records refills nothing (it costs a read).  The refill comes
+        # after the answer when the writer still holds what its next put takes (the
+        # claim is then off its round trip), else before it; so does all but the answer.
+        wanted = page.wanted()
+        if len(session.grants) < wanted:
+            self.refill_grants(session, self.grant_target(session.ns, wanted), wanted)
+        page.finish_commits(results)
+        target = self.grant_target(session.ns, wanted)
+        if self._needs_refill(session, target):
+            self.refill_grants(session, target, wanted)
         out.committed = results.count(_COMMITTED)
         if out.committed == len(records):
             out.nbytes = int(records.columns[_LENGTH].sum())
         elif out.committed:
             done = np.frombuffer(results, dtype=np.uint8) == _COMMITTED
             out.nbytes = int(records.columns[_LENGTH][done].sum())
-        # A ring without records refills nothing (it costs a read).  The refill comes
-        # after the answer when the writer still holds what its next put takes (the
-        # claim is then off its round trip), else before it.
-        wanted = page.wanted()
-        target = self.grant_target(session.ns, wanted)
-        refill = self._needs_refill(session, target)
-        if refill and len(session.grants) < wanted:
-            self.refill_grants(session, target, wanted)
-            refill = False
-        page.finish_commits(results)
-        if refill:
-            self.refill_grants(session, target, wanted)
         return out
 
     def commit_granted(
@@ -255,8 +254,9 @@ class FastPath(Operations):
         each new key COMMITTED (a key present, being written, or in a lower tier is
         EXISTS: first writer wins, its grant stays)."""
         ns = session.ns
-        keys = records.keys[lo:hi]
-        cols = records.columns[:, lo:hi]
+        whole = lo == 0 and hi == len(records)
+        keys = records.keys if whole else records.keys[lo:hi]
+        cols = records.columns if whole else records.columns[:, lo:hi]
         new = ns.index.find(keys) == 0
         in_flight = ns.in_flight
         if in_flight or exists is not None:

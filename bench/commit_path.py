@@ -1,0 +1,272 @@
+"""The write path's fixed costs (issue 26): a commit of 1 and of 32 blocks through the
+session page, in the store alone and through a daemon, for one or several source trees
+in the same run (rounds alternate between trees, so a before / after pair sees the
+same machine).
+
+Per tree and round:
+
+* ``store``: in-process, no daemon, no wire -- the page commits a writer's ring brings
+  (``Store.commit_from_page``: the native take and check, the commit transition, the
+  grant refill), the writer's half included (taking grants, writing records); 64 KiB
+  blocks in a 256 MiB pool in steady state (every claim evicts), the writer asking for
+  1 or 32 grants.  CPU microseconds per commit and per block.
+* ``daemon``: a kvtierd of that tree (fast path, writes without a call); an empty gRPC
+  call (health Check, the baseline), then reserve + commit of 1 key back to back (p50,
+  and its ratio to the empty call's p50), then puts of 32 x 64 KiB (blocks/s), all
+  with the 512 MiB pool full (every claim evicts); the
+  daemon's CPU per commit and per block from ``/proc/PID/stat`` (utime + stime).
+
+Usage::
+
+    .venv/bin/python bench/commit_path.py [--tree DIR ...] [--rounds N] [--json FILE]
+
+``--tree`` defaults to this checkout; give an older checkout (a ``git worktree`` with
+its native module built) first to compare.  Each measurement runs in a child process
+with ``PYTHONPATH`` set to that tree's ``client`` and ``daemon``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 64 << 10
+
+
+def _p50(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _ticks(pid: int) -> int:
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(f[11]) + int(f[12])  # utime + stime (fields 14, 15)
+
+
+# ------------------------------------------------------------------ store, in-process
+def _store_mode(batch: int, seconds: float) -> dict[str, float]:
+    import asyncio
+
+    from kvtier import _native, _page
+    from kvtier._index import LocalWrites
+    from kvtierd.segments import Segment
+    from kvtierd.shared_index import SessionPage
+    from kvtierd.store import Store
+    from kvtierd.store.types import Peer
+
+    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="kvt-bench-cp-")
+
+    def factory(ns: Any, index: int, layout: Any, seg_id: int) -> Segment:
+        return Segment.create(shm, segment_id=seg_id, namespace=ns.name, model_uid=ns.model_uid,
+                              index=index, layout=layout, boot_epoch=7, mlock=False,
+                              prefault_threads=1)
+
+    store = Store(capacity=256 << 20, extent_size=64 << 20, extent_factory=factory,
+                  lease_ttl=30.0, reservation_ttl=60.0, boot_epoch=7, publish=True,
+                  grant_bytes=256 * BLOCK)
+    store.grow_ahead = False
+    store.commit_handles = False  # as kvtierd without a write-through tier
+    s = store.open_session("bench", BLOCK, "m", Peer(1, 0, 0))
+    filled = 0
+
+    async def fill(n: int) -> None:  # the pool's extents, made by Reserve calls
+        nonlocal filled
+        res = await store.reserve(s, [b"fill%09d" % (filled + i) for i in range(n)])
+        filled += n
+        if res.reservation_id:
+            store.commit(s, res.reservation_id, [BLOCK] * len(res.statuses), None)
+        await store.drain()
+
+    for _ in range(5):
+        asyncio.run(fill(1000))
+    page = SessionPage("bench", writes=True)
+    store.attach_page(s, page)
+    bell = os.eventfd(0, os.EFD_NONBLOCK)
+    writes = LocalWrites(page.mapping, bell)
+    struct.pack_into("<Q", page.mapping, _page.W_WANT, batch)
+    head = struct.unpack_from("<Q", page.mapping, _page.W_HEAD)[0]
+    key = 0
+
+    def one() -> None:
+        nonlocal head, key
+        got = writes.take(batch)
+        while got is None:
+            if store.refill_grants(s, 4 * batch) == -1:
+                asyncio.run(fill(batch))
+            got = writes.take(batch)
+        records = [(g.entry, g.word, b"k%011d" % (key + i), BLOCK, None)
+                   for i, g in enumerate(got)]
+        key += batch
+        head = _native.commits_put(page.mapping, head, records)
+        out = store.commit_from_page(s, page)
+        assert out.committed == batch, out
+
+    for _ in range(max(200, 4000 // batch)):  # warm: the pool full, claims evict
+        one()
+    n = 0
+    c0, t0 = time.process_time(), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        one()
+        n += 1
+    cpu = time.process_time() - c0
+    problems = store.check()
+    writes.close()
+    os.close(bell)
+    store.close_session(s)
+    page.close()
+    store.close_all()
+    shutil.rmtree(shm, ignore_errors=True)
+    if problems:
+        raise RuntimeError(f"check() after the run: {problems[:3]}")
+    return {"commits": n, "us_per_commit": cpu / n * 1e6, "us_per_block": cpu / n / batch * 1e6}
+
+
+# ------------------------------------------------------------------ through a daemon
+def _daemon_mode(seconds: float) -> dict[str, float]:
+    import grpc
+    import numpy as np
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    import kvtier
+    from kvtier._core import grpc_options, socket_paths
+
+    work = tempfile.mkdtemp(prefix="kvt-bench-cp-")
+    sock = os.path.join(work, "sock")
+    shm = f"/dev/shm/kvt-bench-cp-{uuid.uuid4().hex[:12]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "kvtierd", "--set", f"server.socket_dir={sock}",
+         "--set", f"dram.shm_dir={shm}", "--set", "dram.capacity=512MiB",
+         "--set", "dram.extent_size=64MiB", "--set", "metrics.address=",
+         "--set", "spill.ssd_dir=", "--set", "server.write_grant_bytes=64MiB"],
+        stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "kvtierd.log"), "w"), env=env)
+    out: dict[str, float] = {}
+    try:
+        deadline = time.monotonic() + 60
+        grpc_path, session_path = socket_paths(sock)
+        while not os.path.exists(session_path):
+            if time.monotonic() > deadline or daemon.poll() is not None:
+                raise RuntimeError("kvtierd did not start: " +
+                                   open(os.path.join(work, "kvtierd.log")).read()[-2000:])
+            time.sleep(0.05)
+        channel = grpc.insecure_channel(f"unix://{grpc_path}", options=grpc_options())
+        health = health_pb2_grpc.HealthStub(channel)
+        req = health_pb2.HealthCheckRequest()
+        with kvtier.Client(sock, namespace="cp", block_bytes=BLOCK, model_uid="m") as c:
+            # Fill the pool first (its extents made, every claim then evicts).
+            data = [np.zeros(BLOCK, np.uint8)] * 32
+            for j in range(300):
+                c.put([b"w%06d-%02d" % (j, b) for b in range(32)], data)
+            for _ in range(200):
+                health.Check(req, timeout=10)
+            empty = []
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds / 4:
+                a = time.perf_counter()
+                health.Check(req, timeout=10)
+                empty.append(time.perf_counter() - a)
+            out["empty_call_p50_ms"] = _p50(empty) * 1e3
+            # Reserve + commit of 1 key, back to back.
+            lat: list[float] = []
+            i = 0
+            k0 = _ticks(daemon.pid)
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                a = time.perf_counter()
+                with c.reserve([b"one%09d" % i]) as r:
+                    r.write(0, b"x")
+                    r.commit()
+                lat.append(time.perf_counter() - a)
+                i += 1
+            ticks = _ticks(daemon.pid) - k0
+            out["one_key_p50_ms"] = _p50(lat) * 1e3
+            out["one_key_x_empty"] = out["one_key_p50_ms"] / out["empty_call_p50_ms"]
+            out["one_key_daemon_cpu_us"] = ticks / os.sysconf("SC_CLK_TCK") / len(lat) * 1e6
+            out["one_key_ticks"] = ticks
+            # Puts of 32 x 64 KiB.
+            n = 0
+            k0 = _ticks(daemon.pid)
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                c.put([b"p%06d-%02d" % (n, b) for b in range(32)], data)
+                n += 1
+            el = time.perf_counter() - t0
+            ticks = _ticks(daemon.pid) - k0
+            out["put32_blocks_per_s"] = n * 32 / el
+            out["put32_daemon_cpu_us_per_block"] = ticks / os.sysconf("SC_CLK_TCK") / (n * 32) * 1e6
+            out["put32_ticks"] = ticks
+        channel.close()
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    return out
+
+
+# ------------------------------------------------------------------ the driver
+def _child(tree: Path, mode: str, seconds: float) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": f"{tree / 'client'}{os.pathsep}{tree / 'daemon'}"}
+    proc = subprocess.run([sys.executable, __file__, "--child", mode, "--seconds", str(seconds)],
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tree} {mode}: {proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tree", action="append", type=Path,
+                    help="a source tree to measure (repeatable; default: this checkout)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        if args.child == "daemon":
+            res = _daemon_mode(args.seconds)
+        else:
+            res = _store_mode(int(args.child.removeprefix("store")), args.seconds)
+        print(json.dumps(res))
+        return 0
+    trees = [t.resolve() for t in (args.tree or [ROOT])]
+    runs: dict[str, list[dict[str, Any]]] = {str(t): [] for t in trees}
+    for r in range(args.rounds):
+        for t in trees if r % 2 == 0 else reversed(trees):
+            row = {m: _child(t, m, args.seconds) for m in ("store1", "store32", "daemon")}
+            runs[str(t)].append(row)
+            print(f"round {r + 1} {t}: {json.dumps(row)}", flush=True)
+    print()
+    cols = [("store, 1 key: CPU us/commit", "store1", "us_per_commit"),
+            ("store, 32 keys: CPU us/block", "store32", "us_per_block"),
+            ("empty gRPC call p50 ms", "daemon", "empty_call_p50_ms"),
+            ("reserve+commit 1 key p50 ms", "daemon", "one_key_p50_ms"),
+            ("  x empty call", "daemon", "one_key_x_empty"),
+            ("  daemon CPU us per commit", "daemon", "one_key_daemon_cpu_us"),
+            ("put 32 x 64 KiB, blocks/s", "daemon", "put32_blocks_per_s"),
+            ("  daemon CPU us per block", "daemon", "put32_daemon_cpu_us_per_block")]
+    print("medians over rounds" + "".join(f" | {t.name}" for t in trees))
+    for label, mode, key in cols:
+        vals = [_p50([row[mode][key] for row in runs[str(t)]]) for t in trees]
+        print(label + "".join(f" | {v:.3g}" for v in vals))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": sys.argv, "trees": [str(t) for t in trees], "runs": runs}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
