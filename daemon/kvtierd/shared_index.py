@@ -313,11 +313,14 @@ class SharedIndex:
         self._flags()
 
     def add_slots(self, table: memoryview, slots: npt.NDArray[np.uint64], segment_id: int,
-                  slot_bytes: int) -> list[int]:
+                  slot_bytes: int, *, room: int = 0) -> list[int]:
         """Publish the keys of COMMITTED slot-table entries (an adopted extent's blocks),
         read from ``table`` itself: no Python object per key.  Returns the indices into
         ``slots`` left out -- a key the table holds already, or one past the probe
-        limit -- for the caller (which copy stays; ``add`` keeps the others apart)."""
+        limit -- for the caller (which copy stays; ``add`` keeps the others apart).
+        ``room``: keys still to come (recovery's count of every extent's blocks): the
+        table grows once, for them all, instead of doubling extent by extent (each
+        growth copies every key)."""
         slots = np.ascontiguousarray(slots, dtype=np.uint64)
         left: list[int] = []
         t = self._table
@@ -325,7 +328,7 @@ class SharedIndex:
             return list(range(len(slots)))
         used = _native.index_info(t.mm)[2]
         want = t.capacity
-        while (used + len(slots)) * 2 > want:
+        while (used + max(len(slots), room)) * 2 > want:
             want *= 2
         if want > t.capacity and self._replace(want) is None:
             return list(range(len(slots)))
@@ -360,8 +363,13 @@ class SharedIndex:
         return out
 
     def fingerprints(self) -> list[bytes]:
-        """The fingerprints of the published keys (for ``Store.check``)."""
+        """The fingerprints of the published keys."""
         return [] if self._table is None else _native.index_fingerprints(self._table.mm)
+
+    def rows(self) -> bytes:
+        """The fingerprints of the published keys as 24-byte rows (``Store.check``:
+        ``_native.index_rows``, no Python object per key)."""
+        return b"" if self._table is None else _native.index_rows(self._table.mm)
 
     def close(self) -> None:
         """Stop publishing: the table is marked superseded (clients ask again, and get
