@@ -15,7 +15,6 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvtier import _native
 from kvtierd.segments import SLOT_ENTRY_BYTES, TABLE_OFFSET, SlotState
 from kvtierd.shared_index import ENTRY_BYTES, HEADER_BYTES
 from kvtierd.store import Lower, Session, Store
@@ -156,35 +155,6 @@ def test_a_missing_16_byte_key_is_named_by_itself(store_factory: Callable[..., S
     want = f"A: key {b'sixteen-byte-key'.hex()} is committed but not in the index"
     assert want in off_loop(env.store)
     assert want in model_check(env.store)
-
-
-def test_check_keys_counts_and_compares_rows() -> None:
-    """``_native.check_keys`` on hand-made rows: every class, and at most 5 missing keys,
-    sorted by fingerprint and distinct."""
-    def rows(keys: list[bytes], states: list[int] | None = None) -> bytes:
-        fps = np.frombuffer(_native.fingerprint_rows(keys), dtype="<u8").reshape(-1, 3)
-        out = np.zeros(len(keys), dtype=[("a", "<u8"), ("b", "<u8"), ("state", "u1"),
-                                         ("key_len", "u1"), ("fp_flags", "u1"), ("pad", "u1"),
-                                         ("pins", "<u4")])
-        out["a"], out["b"], out["fp_flags"] = fps[:, 0], fps[:, 1], fps[:, 2]
-        out["state"] = SlotState.COMMITTED if states is None else states
-        out["key_len"] = [len(k) for k in keys]
-        return out.tobytes()
-
-    ks = [b"%016d" % i for i in range(100)]
-    index = _native.fingerprint_rows(ks[:90] + [b"stray-1", b"stray-2"])
-    got = _native.check_keys([rows(ks[:50]), rows(ks[50:], [2] * 48 + [0, 1])], index,
-                             _native.fingerprint_rows([ks[95], b"left"]), 7)
-    n, twice, index_twice, missing, stray, gone = got
-    assert n == 98 and not twice and not index_twice and stray == 2 and gone
-    # ks[90..97] are missing but ks[95] (kept apart); 16-byte keys sort as bytes
-    assert [(x, s) for x, s in missing] == [(1, i - 50) for i in (90, 91, 92, 93, 94)]
-    got = _native.check_keys([rows(ks[:3] + ks[:1])], _native.fingerprint_rows(ks[:3] * 2),
-                             b"", 8)
-    assert got == (4, True, True, [], 0, False)
-    assert _native.check_keys([], b"", b"", 9) == (0, False, False, [], 0, False)
-    with pytest.raises(ValueError):
-        _native.check_keys([b"x" * 23], b"", b"", 0)
 
 
 @pytest.fixture
