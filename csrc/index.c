@@ -1667,10 +1667,18 @@ kvt_py_fingerprint_rows(PyObject *Py_UNUSED(m), PyObject *arg)
     return ret;
 }
 
-/* index_populate(buf): allocate every page of a freshly made table now (what its first
- * writes would fault in one page at a time), with the GIL released: recovery runs it in
- * a thread while it adopts the extents.  The writer may insert meanwhile (the pages are
- * only read-modify-written with an atomic add of 0 where madvise cannot populate). */
+/* index_populate(buf, write=True, touch=True): allocate every page of a freshly made
+ * table now (what its first writes would fault in one page at a time), with the GIL
+ * released: recovery runs it in a thread while it adopts the extents, a client for the
+ * segments it maps.  The writer may go on meanwhile: madvise only faults pages in, and
+ * where it cannot (a kernel before 5.14), with touch, each page is touched with an
+ * atomic add of 0 (write) or a read -- never for a file that may be cut short (a client's
+ * segment: SIGBUS), where madvise just fails; write=False: MADV_POPULATE_READ.  Returns
+ * whether madvise populated it. */
+#define POPULATE_CHUNK ((uintptr_t)4 << 20)
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
@@ -1678,20 +1686,36 @@ PyObject *
 kvt_py_index_populate(PyObject *Py_UNUSED(m), PyObject *args)
 {
     Py_buffer buf;
-    if (!PyArg_ParseTuple(args, "w*:index_populate", &buf))
+    int write = 1, touch = 1;
+    if (!PyArg_ParseTuple(args, "y*|pp:index_populate", &buf, &write, &touch))
         return NULL;
+    if (write && buf.readonly) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_TypeError, "write=True needs a writable buffer");
+        return NULL;
+    }
     long page = sysconf(_SC_PAGESIZE);
-    uintptr_t a = (uintptr_t)buf.buf, end = a + (uintptr_t)buf.len;
     if (page <= 0)
         page = 4096;
+    uintptr_t a = (uintptr_t)buf.buf, end = a + (uintptr_t)buf.len;
     uintptr_t from = (a + (uintptr_t)page - 1) & ~((uintptr_t)page - 1);
     int populated = 0;
     Py_BEGIN_ALLOW_THREADS
-    if (from < end)
-        populated = madvise((void *)from, end - from, MADV_POPULATE_WRITE) == 0;
-    if (!populated)
-        for (uintptr_t p = a; p < end; p += (uintptr_t)page)
-            __atomic_fetch_add((uint8_t *)p, 0, __ATOMIC_RELAXED);
+    /* in chunks: each call holds the process's mmap lock, which an mmap or a thread's
+     * start elsewhere in the process waits for */
+    populated = from < end;
+    for (uintptr_t p = from; p < end && populated; p += POPULATE_CHUNK) {
+        size_t n = end - p < POPULATE_CHUNK ? end - p : POPULATE_CHUNK;
+        populated = madvise((void *)p, n, write ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) == 0;
+    }
+    if (!populated && touch) {
+        for (uintptr_t p = a; p < end; p += (uintptr_t)page) {
+            if (write)
+                __atomic_fetch_add((uint8_t *)p, 0, __ATOMIC_RELAXED);
+            else
+                (void)__atomic_load_n((const uint8_t *)p, __ATOMIC_RELAXED);
+        }
+    }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&buf);
     return PyBool_FromLong(populated);

@@ -2290,7 +2290,8 @@ static PyMethodDef native_methods[] = {
     {"fingerprint_rows", kvt_py_fingerprint_rows, METH_O,
      "fingerprint_rows(keys): the 24-byte rows of keys' fingerprints."},
     {"index_populate", kvt_py_index_populate, METH_VARARGS,
-     "index_populate(buf): allocate every page of a new table now, GIL released."},
+     "index_populate(buf, write=True, touch=True): fault every page of buf in now (madvise POPULATE_WRITE "
+     "or _READ), GIL released; whether madvise did it."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -185,8 +185,9 @@ def check_keys(extent_rows: Sequence[_Buffer], index_rows: _Buffer, unpublished_
     keys not in the index, distinct index keys no slot holds, an unpublished key no slot
     holds)."""
 
-def index_populate(buf: _Buffer) -> bool:
-    """Allocate every page of a new table now (GIL released); False: touched one by one."""
+def index_populate(buf: _Buffer, write: bool = True, touch: bool = True) -> bool:
+    """Fault every page of buf in now (GIL released); False: madvise could not (then,
+    with touch, each page was touched)."""
 
 def page_layout() -> dict[str, int]:
     """csrc/index.h's session page layout, by name (KVT_ dropped)."""
