@@ -36,6 +36,11 @@ from kvtier._wire import FRAME_LEN, MAX_FDS_PER_MSG
 from kvtier.errors import FailedPrecondition, Unavailable, from_status
 from kvtier.v1 import kvtier_pb2 as pb
 
+try:
+    from kvtier import _native
+except ImportError:  # not built: mappings are populated in the caller's thread
+    _native = None  # type: ignore[assignment]
+
 #: Linux MADV_POPULATE_WRITE (5.14+): fill page tables for resident shm pages
 #: writably without touching their content; older kernels refuse it harmlessly.
 _MADV_POPULATE_WRITE = 23
@@ -454,7 +459,7 @@ def _populate(maps: list[mmap.mmap], *, write: bool) -> None:
     client is ready meanwhile, and a page it touches first simply faults.  An older
     kernel (no MADV_POPULATE_*) or a file cut short meanwhile: the pages fault in on
     first touch."""
-    native = _index._native
+    native = _native
     large = [mm for mm in maps if len(mm) >= POPULATE_IN_BACKGROUND_BYTES]
     if native is None:
         large = []
