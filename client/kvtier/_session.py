@@ -455,8 +455,9 @@ def _populate(maps: list[mmap.mmap], *, write: bool) -> None:
     """Fault new segment mappings' pages in, so copies into and out of their slots do not
     take them one at a time.  Large ones (a warm daemon's extents: 4 GiB for a million
     4 KiB blocks, about a second here) in one thread, after they are all mapped, with the
-    GIL released (``_native.index_populate``, in chunks: it holds the mmap lock): the
-    client is ready meanwhile, and a page it touches first simply faults.  An older
+    GIL released (``_native.index_populate``, in chunks: it holds the mmap lock) and at
+    the lowest CPU priority: the client is ready meanwhile, and a page it touches first
+    simply faults.  An older
     kernel (no MADV_POPULATE_*) or a file cut short meanwhile: the pages fault in on
     first touch."""
     native = _native
@@ -473,6 +474,8 @@ def _populate(maps: list[mmap.mmap], *, write: bool) -> None:
         populate = native.index_populate
 
         def run() -> None:
+            with contextlib.suppress(OSError):  # the lowest CPU priority: this thread only
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             for mm in large:
                 with contextlib.suppress(ValueError):  # (closed meanwhile)
                     populate(mm, write, False)
