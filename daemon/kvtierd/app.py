@@ -266,14 +266,14 @@ async def _in_background(fn: Callable[..., _T], *args: object) -> _T:
 
 async def _lock_adopted(store: Store, mlock: bool) -> None:
     """mlock re-adopted extents after READY (it faults every page in: seconds for big pools)."""
-    loop = asyncio.get_running_loop()
     for ns in list(store.namespaces.values()):
         for ext in list(ns.extents):
             seg = ext.segment
             if not seg.adopted:
                 continue  # created by this run: locked when created
             t0 = time.perf_counter()
-            await loop.run_in_executor(None, functools.partial(seg.lock_and_populate, mlock=mlock))
+            # at the lowest CPU priority: the clients coming back go first
+            await _in_background(functools.partial(seg.lock_and_populate, mlock=mlock))
             store.prefault_seconds += time.perf_counter() - t0
             if seg.mlock_error is not None:
                 store.mlock_errors.append(seg.mlock_error)
