@@ -253,12 +253,14 @@ async def _in_background(fn: Callable[..., _T], *args: object) -> _T:
     def run() -> None:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        value: _T | None = None
+        error: BaseException | None = None
         try:
             value = fn(*args)
         except BaseException as exc:  # noqa: BLE001 -- handed to the awaiting task
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, value, None)
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (shutdown)
+            loop.call_soon_threadsafe(settle, value, error)
 
     threading.Thread(target=run, name="kvtier-background", daemon=True).start()
     return await done
