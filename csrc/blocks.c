@@ -46,6 +46,7 @@
 #include "xxhash.h"
 
 #include "blocks.h"
+#include "index.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the slot table is little-endian and is read with native loads"
@@ -2710,6 +2711,93 @@ bt_get_slot_bytes(BlockTable *t, void *Py_UNUSED(closure))
 }
 
 /* ------------------------------------------------------------------------- */
+/* Store.check's rows (issue 26)                                              */
+/* ------------------------------------------------------------------------- */
+
+/* One slot as Store.check reads it (24 bytes; index.c's check_keys reads them). */
+typedef struct {
+    uint64_t a, b;   /* COMMITTED with a key of 1..64 bytes: its fingerprint (index.c);
+                      * otherwise a = the persisted generation, b = 0 */
+    uint8_t state;   /* the persisted state byte */
+    uint8_t key_len; /* the persisted key length */
+    uint8_t fp_flags;
+    uint8_t pad;
+    uint32_t pins;   /* the record's pin count */
+} kvt_check_row;
+
+_Static_assert(sizeof(kvt_check_row) == 24, "a check row is 24 bytes");
+
+typedef struct {
+    const kvt_extent *e;
+    kvt_check_row *out;
+} rows_job;
+
+static void
+check_rows_run(rows_job *j)
+{
+    const kvt_extent *e = j->e;
+    for (uint32_t s = 0; s < e->n_slots; s++) {
+        const uint8_t *p = entry_of(e, s);
+        kvt_check_row *r = &j->out[s];
+        uint8_t st = __atomic_load_n(p + KVT_SLOT_STATE, __ATOMIC_ACQUIRE);
+        uint8_t klen = p[KVT_SLOT_KEY_LEN];
+        r->state = st;
+        r->key_len = klen;
+        r->pad = 0;
+        r->pins = e->rec[s].pins;
+        if (st == KVT_ST_COMMITTED && klen >= 1 && klen <= KVT_SLOT_MAX_KEY) {
+            kvt_fingerprint(p + KVT_SLOT_KEY, klen, &r->a, &r->b, &r->fp_flags);
+        }
+        else {
+            r->a = ld64(p + KVT_SLOT_GENERATION);
+            r->b = 0;
+            r->fp_flags = 0;
+        }
+    }
+}
+
+PyDoc_STRVAR(bt_check_rows_doc,
+"check_rows($self, extent_id, /)\n--\n\n"
+"What Store.check reads of an extent, one 24-byte row a slot (bytes): for a\n"
+"slot whose persisted state is COMMITTED with a key of 1..64 bytes, the key's\n"
+"shared-index fingerprint (fp0, fp1 as u64s), else its persisted generation\n"
+"and 0; then the persisted state byte, key length, the fingerprint's flags, a\n"
+"pad byte and the record's pin count (u32).  One consistent copy (the table's\n"
+"lock is held), taken with the GIL released.  ValueError for an extent the\n"
+"table does not hold.");
+
+static PyObject *
+bt_check_rows(BlockTable *t, PyObject *arg)
+{
+    unsigned long long id = PyLong_AsUnsignedLongLong(arg);
+    rows_job j;
+    PyObject *out;
+
+    if (id == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (ready(t) < 0)
+        return NULL;
+    tlock(t);
+    j.e = find_ext(t, id, NULL);
+    if (j.e == NULL) {
+        tunlock(t);
+        PyErr_Format(PyExc_ValueError, "extent %llu is not in the table", id);
+        return NULL;
+    }
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)j.e->n_slots * (Py_ssize_t)sizeof(kvt_check_row));
+    if (out == NULL) {
+        tunlock(t);
+        return NULL;
+    }
+    j.out = (kvt_check_row *)PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    check_rows_run(&j);
+    Py_END_ALLOW_THREADS
+    tunlock(t);
+    return out;
+}
+
+/* ------------------------------------------------------------------------- */
 /* Type and module glue                                                       */
 /* ------------------------------------------------------------------------- */
 
@@ -2739,6 +2827,7 @@ static PyMethodDef bt_methods[] = {
     M("entries", bt_entries, METH_VARARGS | METH_KEYWORDS),
     M("extents", bt_extents, METH_NOARGS),
     M("check", bt_check, METH_NOARGS),
+    M("check_rows", bt_check_rows, METH_O),
     {NULL, NULL, 0, NULL},
 };
 

@@ -48,7 +48,10 @@
 #include <Python.h>
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #define XXH_INLINE_ALL
 #include "xxhash.h"
@@ -215,13 +218,13 @@ same(const idx_entry *e, const fingerprint *f)
     return e->fp0 == f->fp0 && e->fp1 == f->fp1 && e->flags == f->flags;
 }
 
-/* The writer's own probe (no retries: only it changes entries).  Returns the
- * entry holding f, or NULL; *slot gets the first reusable entry on the way
- * (a tombstone, else the empty entry that ended the probe), or NULL. */
+/* The writer's own probe (no retries: only it changes entries) from entry i (the
+ * key's home: w_find; a batch computes the homes first).  Returns the entry holding
+ * f, or NULL; *slot gets the first reusable entry on the way (a tombstone, else the
+ * empty entry that ended the probe), or NULL. */
 static idx_entry *
-w_find(const table *t, const fingerprint *f, idx_entry **slot)
+w_find_from(const table *t, const fingerprint *f, uint64_t i, idx_entry **slot)
 {
-    uint64_t i = home(t, f);
     idx_entry *reuse = NULL;
     for (uint32_t p = 0; p < t->max_probe; p++, i = (i + 1) & t->mask) {
         idx_entry *e = &t->e[i];
@@ -239,6 +242,12 @@ w_find(const table *t, const fingerprint *f, idx_entry **slot)
     }
     *slot = reuse;
     return NULL;
+}
+
+static inline idx_entry *
+w_find(const table *t, const fingerprint *f, idx_entry **slot)
+{
+    return w_find_from(t, f, home(t, f), slot);
 }
 
 /* 1 stored, 0 past the probe limit, -1 the table is 3/4 full. */
@@ -620,13 +629,70 @@ kvt_py_index_locate(PyObject *Py_UNUSED(m), PyObject *args)
     return ret;
 }
 
+/* Keys hashed and their home entries prefetched this many at a time: the inserts of a
+ * batch then find their cache lines (a table of millions of entries misses on each). */
+#define SET_SLOTS_BATCH 16
+
+typedef struct {
+    table t;
+    const uint8_t *tab;
+    const uint64_t *slots;
+    Py_ssize_t n, at; /* in: the first index; out: where it stopped */
+    uint32_t segment;
+    uint64_t slot_bytes;
+    Py_ssize_t *left; /* indices left out (n entries room) */
+    Py_ssize_t n_left;
+} set_slots_job;
+
+static void
+set_slots_run(set_slots_job *j)
+{
+    fingerprint f[SET_SLOTS_BATCH];
+    uint64_t h[SET_SLOTS_BATCH];
+    Py_ssize_t i = j->at;
+    while (i < j->n) {
+        int m = j->n - i < SET_SLOTS_BATCH ? (int)(j->n - i) : SET_SLOTS_BATCH;
+        for (int k = 0; k < m; k++) {
+            const uint8_t *p = j->tab + j->slots[i + k] * KVT_SLOT_BYTES;
+            f[k] = fp_of(p + KVT_SLOT_KEY, p[KVT_SLOT_KEY_LEN]);
+            h[k] = home(&j->t, &f[k]);
+            __builtin_prefetch(&j->t.e[h[k]], 1, 1);
+        }
+        for (int k = 0; k < m; k++, i++) {
+            uint64_t s = j->slots[i];
+            const uint8_t *p = j->tab + s * KVT_SLOT_BYTES;
+            idx_entry *reuse;
+            int r = 0; /* present: the caller's to decide */
+            if (w_find_from(&j->t, &f[k], h[k], &reuse) == NULL) {
+                uint64_t length, checksum;
+                memcpy(&length, p + KVT_SLOT_LENGTH, 8);
+                memcpy(&checksum, p + KVT_SLOT_CHECKSUM, 8);
+                int has = (p[KVT_SLOT_FLAGS] & KVT_SLOT_HAS_CHECKSUM) != 0;
+                location loc = {j->segment, (uint32_t)s, s * j->slot_bytes, length,
+                                has ? checksum : 0, has};
+                r = t_set(&j->t, &f[k], 1, 0, &loc);
+                if (r < 0) {
+                    j->at = i; /* 3/4 full: grow, then call again from i */
+                    return;
+                }
+            }
+            if (r == 0)
+                j->left[j->n_left++] = i;
+        }
+    }
+    j->at = i;
+}
+
 /* index_set_slots(buf, table, slots, segment, slot_bytes, start): the keys of COMMITTED
  * slot-table entries put in the table from the entries themselves (an adopted extent:
  * no Python object per key), each at (segment, slot, slot * slot_bytes, length,
  * checksum).  A key the table holds already is not changed: its index in slots goes to
  * the list returned (the caller decides which copy stays), and so does a key past the
  * probe limit (kept apart by the caller).  Stops when the table is 3/4 full: returns
- * (index stopped at, [indices left out]); the caller grows the table and goes on. */
+ * (index stopped at, [indices left out]); the caller grows the table and goes on.
+ * Every slot from start on is checked (in range, COMMITTED, key length) before the
+ * table changes: ValueError names the first that is not, and nothing was written.
+ * The GIL is released while the keys go in. */
 PyObject *
 kvt_py_index_set_slots(PyObject *Py_UNUSED(m), PyObject *args)
 {
@@ -638,59 +704,61 @@ kvt_py_index_set_slots(PyObject *Py_UNUSED(m), PyObject *args)
                           &slot_bytes, &start))
         return NULL;
     PyObject *ret = NULL, *out = NULL;
-    table t;
-    Py_ssize_t n = sl.len / 8, i = start < 0 ? 0 : start;
-    const uint64_t *slots = (const uint64_t *)sl.buf;
-    if (open_table(&buf, &t) < 0)
+    set_slots_job j;
+    memset(&j, 0, sizeof j);
+    j.n = sl.len / 8;
+    j.at = start < 0 ? 0 : start;
+    j.slots = (const uint64_t *)sl.buf;
+    j.tab = (const uint8_t *)tab.buf;
+    j.segment = segment;
+    j.slot_bytes = slot_bytes;
+    if (open_table(&buf, &j.t) < 0)
         goto done;
     if (sl.len % 8 != 0) {
         PyErr_SetString(PyExc_ValueError, "slots must be whole uint64s");
         goto done;
     }
-    if ((out = PyList_New(0)) == NULL)
-        goto done;
-    for (; i < n; i++) {
-        uint64_t s = slots[i];
+    for (Py_ssize_t i = j.at; i < j.n; i++) {
+        uint64_t s = j.slots[i];
         if (s >= (uint64_t)tab.len / KVT_SLOT_BYTES) {
             PyErr_Format(PyExc_ValueError, "slots[%zd] = %llu is past the slot table", i,
                          (unsigned long long)s);
             goto done;
         }
-        const uint8_t *p = (const uint8_t *)tab.buf + s * KVT_SLOT_BYTES;
+        const uint8_t *p = j.tab + s * KVT_SLOT_BYTES;
         uint8_t klen = p[KVT_SLOT_KEY_LEN];
         if (p[KVT_SLOT_STATE] != KVT_ST_COMMITTED || klen < 1 || klen > KVT_SLOT_MAX_KEY) {
             PyErr_Format(PyExc_ValueError, "slots[%zd] = %llu is no COMMITTED entry", i,
                          (unsigned long long)s);
             goto done;
         }
-        fingerprint f = fp_of(p + KVT_SLOT_KEY, klen);
-        idx_entry *reuse;
-        int r;
-        if (w_find(&t, &f, &reuse) != NULL) {
-            r = 0; /* present: the caller's to decide */
-        }
-        else {
-            uint64_t length, checksum;
-            memcpy(&length, p + KVT_SLOT_LENGTH, 8);
-            memcpy(&checksum, p + KVT_SLOT_CHECKSUM, 8);
-            int has = (p[KVT_SLOT_FLAGS] & KVT_SLOT_HAS_CHECKSUM) != 0;
-            location loc = {segment, (uint32_t)s, s * slot_bytes, length, has ? checksum : 0,
-                            has};
-            r = t_set(&t, &f, 1, 0, &loc);
-            if (r < 0)
-                break; /* 3/4 full: grow, then call again from i */
-        }
-        if (r == 0) {
-            PyObject *at = PyLong_FromSsize_t(i);
-            if (at == NULL || PyList_Append(out, at) < 0) {
-                Py_XDECREF(at);
-                goto done;
-            }
-            Py_DECREF(at);
+    }
+    if (j.at < j.n) {
+        j.left = PyMem_RawMalloc((size_t)(j.n - j.at) * sizeof *j.left);
+        if (j.left == NULL) {
+            PyErr_NoMemory();
+            goto done;
         }
     }
-    ret = Py_BuildValue("(nO)", i, out);
+    if (j.n - j.at >= 512) {
+        Py_BEGIN_ALLOW_THREADS
+        set_slots_run(&j);
+        Py_END_ALLOW_THREADS
+    }
+    else {
+        set_slots_run(&j);
+    }
+    if ((out = PyList_New(j.n_left)) == NULL)
+        goto done;
+    for (Py_ssize_t k = 0; k < j.n_left; k++) {
+        PyObject *v = PyLong_FromSsize_t(j.left[k]);
+        if (v == NULL)
+            goto done;
+        PyList_SET_ITEM(out, k, v);
+    }
+    ret = Py_BuildValue("(nO)", j.at, out);
 done:
+    PyMem_RawFree(j.left);
     Py_XDECREF(out);
     PyBuffer_Release(&sl);
     PyBuffer_Release(&tab);
@@ -1250,4 +1318,405 @@ kvt_py_page_layout(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(args))
         Py_DECREF(v);
     }
     return out;
+}
+
+/* ---------------------------------------------------------------- the cross-check (issue 26)
+ * Store.check without a Python object per block: check_snapshot copies what the check
+ * reads into compact rows on the event loop (BlockTable.check_rows: 24 bytes a slot;
+ * index_rows: 24 bytes a live entry), and check_keys compares them in a worker thread
+ * with the GIL released. */
+
+void
+kvt_fingerprint(const uint8_t *key, size_t n, uint64_t *fp0, uint64_t *fp1, uint8_t *flags)
+{
+    fingerprint f = fp_of(key, n);
+    *fp0 = f.fp0;
+    *fp1 = f.fp1;
+    *flags = f.flags;
+}
+
+/* index_rows(buf): the fingerprint of every live entry, 24 bytes each (fp0, fp1, flags as
+ * little-endian u64s), in table order. */
+PyObject *
+kvt_py_index_rows(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "y*:index_rows", &buf))
+        return NULL;
+    PyObject *ret = NULL;
+    table t;
+    if (open_table(&buf, &t) == 0) {
+        /* sized by the header's count, grown if the entries say more (a check trusts
+         * neither) */
+        uint64_t cap = t.h->live < t.mask + 1 ? t.h->live + 1 : t.mask + 1, n = 0;
+        uint64_t *rows = malloc(cap * 24);
+        int oom = rows == NULL;
+        Py_BEGIN_ALLOW_THREADS
+        for (uint64_t i = 0; i <= t.mask && !oom; i++) {
+            const idx_entry *e = &t.e[i];
+            if (e->state != E_LIVE)
+                continue;
+            if (n == cap) {
+                uint64_t *grown = realloc(rows, 2 * cap * 24);
+                if (grown == NULL) {
+                    oom = 1;
+                    break;
+                }
+                rows = grown;
+                cap *= 2;
+            }
+            rows[3 * n] = e->fp0;
+            rows[3 * n + 1] = e->fp1;
+            rows[3 * n + 2] = e->flags;
+            n++;
+        }
+        Py_END_ALLOW_THREADS
+        if (oom)
+            PyErr_NoMemory();
+        else
+            ret = PyBytes_FromStringAndSize((const char *)rows, (Py_ssize_t)(n * 24));
+        free(rows);
+    }
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
+/* A set of fingerprints (rows of three u64s, elsewhere) for check_keys: open addressing,
+ * each entry a row number + 1, hashed with a seed the caller draws (clients choose their
+ * keys: a fixed hash would let them make the check quadratic). */
+typedef struct {
+    const uint64_t *rows; /* fp0, fp1, flags per row */
+    uint64_t *e;
+    uint64_t mask, seed;
+} fpset;
+
+static inline uint64_t
+fps_hash(const fpset *s, const uint64_t *row)
+{
+    uint64_t v[2] = {row[0], row[1] ^ (row[2] << 56)};
+    return XXH3_64bits_withSeed(v, sizeof v, s->seed) & s->mask;
+}
+
+static int
+fps_init(fpset *s, const uint64_t *rows, uint64_t n, uint64_t seed)
+{
+    uint64_t cap = 16;
+    while (cap < 2 * n)
+        cap *= 2;
+    s->rows = rows;
+    s->mask = cap - 1;
+    s->seed = seed;
+    s->e = calloc(cap, sizeof *s->e);
+    return s->e == NULL ? -1 : 0;
+}
+
+/* The row number of the set's entry equal to row (fp0, fp1, flags), or -1. */
+static int64_t
+fps_find(const fpset *s, const uint64_t *row)
+{
+    for (uint64_t i = fps_hash(s, row);; i = (i + 1) & s->mask) {
+        uint64_t v = s->e[i];
+        if (v == 0)
+            return -1;
+        const uint64_t *r = s->rows + 3 * (v - 1);
+        if (r[0] == row[0] && r[1] == row[1] && r[2] == row[2])
+            return (int64_t)(v - 1);
+    }
+}
+
+/* Insert row k; 0, or 1 when an equal row was there already (k is then not inserted). */
+static int
+fps_add(fpset *s, uint64_t k)
+{
+    const uint64_t *row = s->rows + 3 * k;
+    for (uint64_t i = fps_hash(s, row);; i = (i + 1) & s->mask) {
+        uint64_t v = s->e[i];
+        if (v == 0) {
+            s->e[i] = k + 1;
+            return 0;
+        }
+        const uint64_t *r = s->rows + 3 * (v - 1);
+        if (r[0] == row[0] && r[1] == row[1] && r[2] == row[2])
+            return 1;
+    }
+}
+
+/* A committed key that neither the index nor the unpublished keys hold. */
+typedef struct {
+    uint64_t fp[3];
+    uint32_t extent, slot; /* the position of its rows in the list, the slot */
+} missing_key;
+
+static int
+cmp_missing(const void *a, const void *b)
+{
+    /* as Python sorts the 17 bytes of fingerprint(): fp0, fp1 little-endian, then flags */
+    const missing_key *x = a, *y = b;
+    uint8_t bx[17], by[17];
+    memcpy(bx, &x->fp[0], 8);
+    memcpy(bx + 8, &x->fp[1], 8);
+    bx[16] = (uint8_t)x->fp[2];
+    memcpy(by, &y->fp[0], 8);
+    memcpy(by + 8, &y->fp[1], 8);
+    by[16] = (uint8_t)y->fp[2];
+    return memcmp(bx, by, sizeof bx);
+}
+
+/* BlockTable.check_rows' row (csrc/blocks.c writes them). */
+#define CHECK_ROW_BYTES 24
+
+typedef struct {
+    Py_buffer *ext; /* each extent's check rows */
+    Py_ssize_t n_ext;
+    const uint64_t *index_rows, *unpublished;
+    uint64_t n_index, n_unpublished, seed;
+    /* out */
+    uint64_t keys, stray;
+    int dup_committed, dup_index, unpublished_gone, oom;
+    missing_key *missing;
+    uint64_t n_missing;
+} keys_job;
+
+static void
+check_keys_run(keys_job *j)
+{
+    fpset idx = {0}, unp = {0};
+    uint8_t *seen = NULL, *seen_u = NULL;
+    uint64_t cap_missing = 0;
+
+    if (fps_init(&idx, j->index_rows, j->n_index, j->seed) < 0
+        || fps_init(&unp, j->unpublished, j->n_unpublished, j->seed) < 0
+        || (seen = calloc(j->n_index + 1, 1)) == NULL
+        || (seen_u = calloc(j->n_unpublished + 1, 1)) == NULL) {
+        j->oom = 1;
+        goto done;
+    }
+    for (uint64_t k = 0; k < j->n_index; k++)
+        if (fps_add(&idx, k))
+            j->dup_index = 1;
+    for (uint64_t k = 0; k < j->n_unpublished; k++)
+        fps_add(&unp, k); /* (a dict's keys: distinct) */
+    for (Py_ssize_t x = 0; x < j->n_ext; x++) {
+        const uint8_t *rows = j->ext[x].buf;
+        Py_ssize_t n = j->ext[x].len / CHECK_ROW_BYTES;
+        for (Py_ssize_t s = 0; s < n; s++) {
+            const uint8_t *r = rows + s * CHECK_ROW_BYTES;
+            uint8_t klen = r[17];
+            if (r[16] != KVT_ST_COMMITTED || klen < 1 || klen > KVT_SLOT_MAX_KEY)
+                continue;
+            uint64_t fp[3];
+            memcpy(&fp[0], r, 8);
+            memcpy(&fp[1], r + 8, 8);
+            fp[2] = r[18];
+            j->keys++;
+            int64_t at = j->n_unpublished ? fps_find(&unp, fp) : -1;
+            if (at >= 0) {
+                j->dup_committed |= seen_u[at];
+                seen_u[at] = 1;
+                continue;
+            }
+            at = fps_find(&idx, fp);
+            if (at >= 0) {
+                j->dup_committed |= seen[at];
+                seen[at] = 1;
+                continue;
+            }
+            if (j->n_missing == cap_missing) {
+                uint64_t cap = cap_missing ? 2 * cap_missing : 16;
+                missing_key *grown = realloc(j->missing, cap * sizeof *grown);
+                if (grown == NULL) {
+                    j->oom = 1;
+                    goto done;
+                }
+                j->missing = grown;
+                cap_missing = cap;
+            }
+            missing_key *mk = &j->missing[j->n_missing++];
+            memcpy(mk->fp, fp, sizeof fp);
+            mk->extent = (uint32_t)x;
+            mk->slot = (uint32_t)s;
+        }
+    }
+    if (j->n_missing > 1) {
+        /* sorted as the message lists them; a key missing twice is committed twice */
+        qsort(j->missing, j->n_missing, sizeof *j->missing, cmp_missing);
+        uint64_t w = 1;
+        for (uint64_t k = 1; k < j->n_missing; k++) {
+            if (cmp_missing(&j->missing[k], &j->missing[w - 1]) == 0)
+                j->dup_committed = 1;
+            else
+                j->missing[w++] = j->missing[k];
+        }
+        j->n_missing = w;
+    }
+    /* distinct index fingerprints no committed key (outside unpublished) names */
+    for (uint64_t i = 0; i <= idx.mask; i++)
+        if (idx.e[i] != 0 && !seen[idx.e[i] - 1])
+            j->stray++;
+    for (uint64_t k = 0; k < j->n_unpublished; k++)
+        if (!seen_u[k])
+            j->unpublished_gone = 1;
+done:
+    free(idx.e);
+    free(unp.e);
+    free(seen);
+    free(seen_u);
+}
+
+/* check_keys(extent_rows, index_rows, unpublished_rows, seed): the key index against the
+ * slot tables, from compact rows (BlockTable.check_rows of each extent of a namespace,
+ * index_rows of its table, and the rows of the keys it keeps apart: 24 bytes each, fp0,
+ * fp1, flags).  Returns (committed keys, a key committed twice, the index holding a key
+ * twice, [(position in extent_rows, slot)] of up to 5 committed keys neither the index
+ * nor the unpublished keys hold -- sorted by fingerprint, distinct --, how many distinct
+ * index keys no slot holds (outside the unpublished), an unpublished key no slot holds).
+ * The GIL is released while it compares. */
+PyObject *
+kvt_py_check_keys(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *ext_list, *ret = NULL, *seq = NULL, *missing = NULL;
+    Py_buffer ib, ub;
+    unsigned long long seed;
+    keys_job j;
+    Py_ssize_t got = 0;
+
+    if (!PyArg_ParseTuple(args, "Oy*y*K:check_keys", &ext_list, &ib, &ub, &seed))
+        return NULL;
+    memset(&j, 0, sizeof j);
+    if (ib.len % 24 != 0 || ub.len % 24 != 0) {
+        PyErr_SetString(PyExc_ValueError, "index and unpublished rows are 24 bytes each");
+        goto done;
+    }
+    seq = PySequence_Fast(ext_list, "extent_rows must be a sequence of buffers");
+    if (seq == NULL)
+        goto done;
+    j.n_ext = PySequence_Fast_GET_SIZE(seq);
+    j.ext = PyMem_Calloc((size_t)j.n_ext + 1, sizeof *j.ext);
+    if (j.ext == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < j.n_ext; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &j.ext[got], PyBUF_SIMPLE) < 0)
+            goto done;
+        if (j.ext[got].len % CHECK_ROW_BYTES != 0 || j.ext[got].len / CHECK_ROW_BYTES > UINT32_MAX) {
+            PyBuffer_Release(&j.ext[got]);
+            PyErr_Format(PyExc_ValueError, "extent_rows[%zd] is no whole number of rows", got);
+            goto done;
+        }
+    }
+    j.index_rows = ib.buf;
+    j.n_index = (uint64_t)ib.len / 24;
+    j.unpublished = ub.buf;
+    j.n_unpublished = (uint64_t)ub.len / 24;
+    j.seed = seed;
+    Py_BEGIN_ALLOW_THREADS
+    check_keys_run(&j);
+    Py_END_ALLOW_THREADS
+    if (j.oom) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t shown = j.n_missing < 5 ? j.n_missing : 5;
+    if ((missing = PyList_New((Py_ssize_t)shown)) == NULL)
+        goto done;
+    for (uint64_t k = 0; k < shown; k++) {
+        PyObject *v = Py_BuildValue("(II)", j.missing[k].extent, j.missing[k].slot);
+        if (v == NULL)
+            goto done;
+        PyList_SET_ITEM(missing, (Py_ssize_t)k, v);
+    }
+    ret = Py_BuildValue("(KOOOKO)", (unsigned long long)j.keys, j.dup_committed ? Py_True : Py_False,
+                        j.dup_index ? Py_True : Py_False, missing, (unsigned long long)j.stray,
+                        j.unpublished_gone ? Py_True : Py_False);
+done:
+    for (Py_ssize_t k = 0; k < got; k++)
+        PyBuffer_Release(&j.ext[k]);
+    PyMem_Free(j.ext);
+    free(j.missing);
+    Py_XDECREF(missing);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&ub);
+    PyBuffer_Release(&ib);
+    return ret;
+}
+
+/* fingerprint_rows(keys): the 24-byte rows (fp0, fp1, flags) of keys' fingerprints. */
+PyObject *
+kvt_py_fingerprint_rows(PyObject *Py_UNUSED(m), PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "keys must be a sequence of bytes");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *ret = PyBytes_FromStringAndSize(NULL, n * 24);
+    if (ret != NULL) {
+        uint64_t *out = (uint64_t *)PyBytes_AS_STRING(ret);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            fingerprint f;
+            if (key_fp(PySequence_Fast_GET_ITEM(seq, i), &f) < 0) {
+                Py_CLEAR(ret);
+                break;
+            }
+            out[3 * i] = f.fp0;
+            out[3 * i + 1] = f.fp1;
+            out[3 * i + 2] = f.flags;
+        }
+    }
+    Py_DECREF(seq);
+    return ret;
+}
+
+/* index_populate(buf, write=True, touch=True): allocate every page of a freshly made
+ * table now (what its first writes would fault in one page at a time), with the GIL
+ * released: recovery runs it in a thread while it adopts the extents, a client for the
+ * segments it maps.  The writer may go on meanwhile: madvise only faults pages in, and
+ * where it cannot (a kernel before 5.14), with touch, each page is touched with an
+ * atomic add of 0 (write) or a read -- never for a file that may be cut short (a client's
+ * segment: SIGBUS), where madvise just fails; write=False: MADV_POPULATE_READ.  Returns
+ * whether madvise populated it. */
+#define POPULATE_CHUNK ((uintptr_t)4 << 20)
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+PyObject *
+kvt_py_index_populate(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf;
+    int write = 1, touch = 1;
+    if (!PyArg_ParseTuple(args, "y*|pp:index_populate", &buf, &write, &touch))
+        return NULL;
+    if (write && buf.readonly) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_TypeError, "write=True needs a writable buffer");
+        return NULL;
+    }
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0)
+        page = 4096;
+    uintptr_t a = (uintptr_t)buf.buf, end = a + (uintptr_t)buf.len;
+    uintptr_t from = (a + (uintptr_t)page - 1) & ~((uintptr_t)page - 1);
+    int populated = 0;
+    Py_BEGIN_ALLOW_THREADS
+    /* in chunks: each call holds the process's mmap lock, which an mmap or a thread's
+     * start elsewhere in the process waits for */
+    populated = from < end;
+    for (uintptr_t p = from; p < end && populated; p += POPULATE_CHUNK) {
+        size_t n = end - p < POPULATE_CHUNK ? end - p : POPULATE_CHUNK;
+        populated = madvise((void *)p, n, write ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) == 0;
+    }
+    if (!populated && touch) {
+        for (uintptr_t p = a; p < end; p += (uintptr_t)page) {
+            if (write)
+                __atomic_fetch_add((uint8_t *)p, 0, __ATOMIC_RELAXED);
+            else
+                (void)__atomic_load_n((const uint8_t *)p, __ATOMIC_RELAXED);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    return PyBool_FromLong(populated);
 }

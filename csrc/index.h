@@ -97,5 +97,13 @@ PyObject *kvt_py_index_set_flags(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_fingerprint(PyObject *m, PyObject *arg);
 PyObject *kvt_py_index_fingerprints(PyObject *m, PyObject *args);
 PyObject *kvt_py_page_layout(PyObject *m, PyObject *args);
+/* Store.check's key cross-check (issue 26): compact rows, compared without the GIL. */
+PyObject *kvt_py_index_rows(PyObject *m, PyObject *args);
+PyObject *kvt_py_check_keys(PyObject *m, PyObject *args);
+PyObject *kvt_py_fingerprint_rows(PyObject *m, PyObject *arg);
+PyObject *kvt_py_index_populate(PyObject *m, PyObject *args);
+/* The fingerprint an entry stores for a key of n bytes (1..64): BlockTable.check_rows. */
+void kvt_fingerprint(const uint8_t *key, size_t n, uint64_t *fp0, uint64_t *fp1,
+                     uint8_t *flags);
 
 #endif

@@ -2281,6 +2281,17 @@ static PyMethodDef native_methods[] = {
      "index_fingerprint(key): the 17 bytes an entry stores for key."},
     {"index_fingerprints", kvt_py_index_fingerprints, METH_VARARGS,
      "index_fingerprints(buf): the fingerprints of every live entry."},
+    {"index_rows", kvt_py_index_rows, METH_VARARGS,
+     "index_rows(buf): every live entry's fingerprint as a 24-byte row (fp0, fp1, flags)."},
+    {"check_keys", kvt_py_check_keys, METH_VARARGS,
+     "check_keys(extent_rows, index_rows, unpublished_rows, seed): the key index against "
+     "the slot tables' check rows; (keys, dup committed, dup index, [(extent, slot)] "
+     "missing, stray, unpublished gone)."},
+    {"fingerprint_rows", kvt_py_fingerprint_rows, METH_O,
+     "fingerprint_rows(keys): the 24-byte rows of keys' fingerprints."},
+    {"index_populate", kvt_py_index_populate, METH_VARARGS,
+     "index_populate(buf, write=True, touch=True): fault every page of buf in now (madvise POPULATE_WRITE "
+     "or _READ), GIL released; whether madvise did it."},
     {NULL, NULL, 0, NULL},
 };
 

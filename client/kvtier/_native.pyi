@@ -172,6 +172,23 @@ def index_fingerprint(key: bytes) -> bytes:
 def index_fingerprints(buf: _Buffer) -> list[bytes]:
     """The fingerprints of every live entry."""
 
+def index_rows(buf: _Buffer) -> bytes:
+    """Every live entry's fingerprint as a 24-byte row (fp0, fp1, flags as u64s)."""
+
+def fingerprint_rows(keys: Sequence[bytes]) -> bytes:
+    """The 24-byte rows of keys' fingerprints."""
+
+def check_keys(extent_rows: Sequence[_Buffer], index_rows: _Buffer, unpublished_rows: _Buffer,
+               seed: int) -> tuple[int, bool, bool, list[tuple[int, int]], int, bool]:
+    """The key index against the slot tables' check rows: (committed keys, a key committed
+    twice, the index holding a key twice, [(extent position, slot)] of up to 5 committed
+    keys not in the index, distinct index keys no slot holds, an unpublished key no slot
+    holds)."""
+
+def index_populate(buf: _Buffer, write: bool = True, touch: bool = True) -> bool:
+    """Fault every page of buf in now (GIL released); False: madvise could not (then,
+    with touch, each page was touched)."""
+
 def page_layout() -> dict[str, int]:
     """csrc/index.h's session page layout, by name (KVT_ dropped)."""
 
@@ -250,3 +267,5 @@ class BlockTable:
         """The extents' ids, ascending."""
     def check(self, /) -> list[str]:
         """Cross-check the records against the slot tables: the problems found."""
+    def check_rows(self, extent_id: int, /) -> bytes:
+        """24 bytes a slot: fingerprint or generation, state, key length, flags, pins."""

@@ -16,8 +16,10 @@ import functools
 import logging
 import os
 import resource
+import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -45,6 +47,7 @@ from kvtierd.store import Namespace, Store
 from kvtierd.tiering import SpillPolicy, Tiering
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 _throttle = Throttle(60.0)
 
 #: How often leases and reservations are checked against their TTL.
@@ -232,16 +235,47 @@ def _create_extent(
     )
 
 
+async def _in_background(fn: Callable[..., _T], *args: object) -> _T:
+    """``fn(*args)`` in a thread of its own at the lowest CPU priority (nice 19; only that
+    thread's), awaited: housekeeping that must not take a core from the loop or from the
+    clients (the default executor's threads are not lowered: they serve requests too)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[_T] = loop.create_future()
+
+    def settle(value: _T | None, exc: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if exc is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(value)  # type: ignore[arg-type]
+
+    def run() -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        value: _T | None = None
+        error: BaseException | None = None
+        try:
+            value = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 -- handed to the awaiting task
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (shutdown)
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=run, name="kvtier-background", daemon=True).start()
+    return await done
+
+
 async def _lock_adopted(store: Store, mlock: bool) -> None:
     """mlock re-adopted extents after READY (it faults every page in: seconds for big pools)."""
-    loop = asyncio.get_running_loop()
     for ns in list(store.namespaces.values()):
         for ext in list(ns.extents):
             seg = ext.segment
             if not seg.adopted:
                 continue  # created by this run: locked when created
             t0 = time.perf_counter()
-            await loop.run_in_executor(None, functools.partial(seg.lock_and_populate, mlock=mlock))
+            # at the lowest CPU priority: the clients coming back go first
+            await _in_background(functools.partial(seg.lock_and_populate, mlock=mlock))
             store.prefault_seconds += time.perf_counter() - t0
             if seg.mlock_error is not None:
                 store.mlock_errors.append(seg.mlock_error)
@@ -277,13 +311,14 @@ async def _check_after_recovery(store: Store, metrics: Metrics, report: Recovery
     Adoption validated every slot; this is the store's own ``check()`` over the
     result (index, block table, free lists and slot tables agree, capacity adds up).  A
     problem is a bug: logged at ERROR and counted (``kvtier_background_errors_total
-    {task="recovery_check"}``); the daemon keeps serving.
+    {task="recovery_check"}``); the daemon keeps serving.  The check runs in a thread of
+    its own at the lowest CPU priority: clients coming back after the restart go first.
     """
     if not report.warm:
         return
     t0 = time.perf_counter()
     snapshot = store.check_snapshot()
-    problems = await asyncio.get_running_loop().run_in_executor(None, store.check_from, snapshot)
+    problems = await _in_background(store.check_from, snapshot)
     report.problems = problems
     log_problems(problems)
     if problems:

@@ -359,3 +359,10 @@ class BlockTable:
     def check(self) -> list[str]:
         """Records against slot tables, free lists and counters: the problems found."""
         return self._t.check()
+
+    def check_rows(self, extent_id: int) -> bytes:
+        """What ``Store.check`` reads of an extent, 24 bytes a slot
+        (``store.check.CHECK_ROW_DTYPE``): each committed key's shared-index fingerprint
+        (else the persisted generation), the persisted state byte and key length, and
+        the record's pins; one consistent copy, made natively."""
+        return self._t.check_rows(extent_id)

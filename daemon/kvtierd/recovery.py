@@ -173,6 +173,7 @@ def recover(store: Store, shm_dir: str, *, check: bool = True) -> RecoveryReport
     t0 = time.monotonic()
     report = RecoveryReport()
     attached: list[tuple[tuple[int, int], Segment]] = []
+    lasts: dict[int, np.ndarray] = {}  # segment id -> its committed slots' last accesses
     metas = sorted(glob.glob(os.path.join(shm_dir, "*" + META_SUFFIX)))
     for path in metas:
         try:
@@ -186,7 +187,8 @@ def recover(store: Store, shm_dir: str, *, check: bool = True) -> RecoveryReport
                         os.path.basename(seg.path), seg.size_fault, seg.intact_bytes,
                         extra=event("segment_size_fault", segment=os.path.basename(seg.path),
                                     reason=seg.size_fault))
-        attached.append((_usage(seg), seg))
+        usage, lasts[seg.segment_id] = _usage(seg)
+        attached.append((usage, seg))
     with_meta = {p[: -len(META_SUFFIX)] + DATA_SUFFIX for p in metas}
     for path in sorted(glob.glob(os.path.join(shm_dir, "*" + DATA_SUFFIX))):
         if path not in with_meta:
@@ -194,8 +196,14 @@ def recover(store: Store, shm_dir: str, *, check: bool = True) -> RecoveryReport
                   "segment of an older kvtierd)")
     attached = _one_layout_per_namespace(attached, report)
     attached.sort(key=lambda item: -item[0][1])  # most recently used first
-    recent = _median_access([seg for _, seg in attached])
-    for _, seg in attached:
+    recent = _median_access([lasts[seg.segment_id] for _, seg in attached])
+    lasts.clear()
+    expect: collections.Counter[str] = collections.Counter()  # blocks still to adopt
+    for (committed, _), seg in attached:
+        expect[seg.namespace] += committed
+    for (committed, _), seg in attached:
+        room = expect[seg.namespace]
+        expect[seg.namespace] -= committed
         try:
             store.check_adoptable(seg)
         except (CapacityExhausted, FailedPrecondition) as exc:
@@ -203,7 +211,7 @@ def recover(store: Store, shm_dir: str, *, check: bool = True) -> RecoveryReport
             _drop(report, seg.path, f"dropped: {exc}")
             continue
         # Every slot validated natively, as scan_slots does (tests prove them equal).
-        n, dropped = store.adopt_segment(seg, referenced_from=recent)
+        n, dropped = store.adopt_segment(seg, referenced_from=recent, expect=room)
         if dropped:
             report.dropped_slots.update(dropped)
             log.warning("segment %s (namespace %r): dropped slots: %s", os.path.basename(seg.path),
@@ -241,26 +249,23 @@ def log_problems(problems: list[str]) -> None:
         log.error("after recovery: %s", problem, extra=event("check_failed", problem=problem))
 
 
-def _median_access(segments: list[Segment]) -> int:
-    """The median last access of the committed slots of ``segments``: adopted blocks at
-    or past it keep their CLOCK bit (the hand takes the older half first)."""
-    lasts = []
-    for seg in segments:
-        table = seg.scan(copy=False)
-        lasts.append(table["last_access"][table["state"] == SlotState.COMMITTED].copy())
-        del table
+def _median_access(lasts: list[np.ndarray]) -> int:
+    """The median of the last accesses of the committed slots (``_usage``) of the
+    extents to adopt: adopted blocks at or past it keep their CLOCK bit (the hand
+    takes the older half first)."""
     every = np.concatenate(lasts) if lasts else np.zeros(0, dtype=np.uint64)
     return int(np.median(every)) if len(every) else 0
 
 
-def _usage(seg: Segment) -> tuple[int, int]:
-    """(committed blocks, most recent access) of a segment, read from its slot table."""
+def _usage(seg: Segment) -> tuple[tuple[int, int], np.ndarray]:
+    """(committed blocks, most recent access) of a segment, read from its slot table,
+    and the last accesses of its committed slots (``_median_access``): one pass."""
     table = seg.scan(copy=False)
-    committed = table["last_access"][table["state"] == SlotState.COMMITTED]
-    committed = committed[committed < MAX_ACCESS_SEQ]
+    lasts = table["last_access"][table["state"] == SlotState.COMMITTED]
+    committed = lasts[lasts < MAX_ACCESS_SEQ]
     usage = (int(committed.size), int(committed.max()) if committed.size else 0)
-    del table, committed  # release the view of the mapping
-    return usage
+    del table  # release the view of the mapping (lasts is a copy: boolean indexing)
+    return usage, lasts
 
 
 def _one_layout_per_namespace(

@@ -37,6 +37,7 @@ import mmap
 import os
 import secrets
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
@@ -173,6 +174,9 @@ def fingerprint(key: bytes) -> bytes:
 
 _serials = itertools.count(1)
 
+#: ``add_slots`` populates a table it grows to at least this size in the background.
+POPULATE_MIN_BYTES: Final = 16 << 20
+
 
 class _Table:
     """One table file: its fd and the daemon's writable mapping."""
@@ -184,8 +188,19 @@ class _Table:
             "kvtier-index", HEADER_BYTES + capacity * ENTRY_BYTES,
             _F_SEAL_SHRINK | _F_SEAL_GROW | _F_SEAL_FUTURE_WRITE)
         _native.index_format(self.mm, capacity, secrets.randbits(64), max_probe)
+        self._populating: threading.Thread | None = None
+
+    def populate_in_background(self) -> None:
+        """Allocate the table's pages in a thread (``_native.index_populate``, GIL
+        released) while the writer goes on: a table made for a warm restart's millions of
+        keys would otherwise take its page faults one insert at a time."""
+        self._populating = threading.Thread(target=_native.index_populate, args=(self.mm,),
+                                            name="kvtier-index-populate", daemon=True)
+        self._populating.start()
 
     def close(self) -> None:
+        if self._populating is not None:  # (it holds the mapping until it is done)
+            self._populating.join()
         self.mm.close()
         os.close(self.fd)
 
@@ -314,11 +329,14 @@ class SharedIndex:
         self._flags()
 
     def add_slots(self, table: memoryview, slots: npt.NDArray[np.uint64], segment_id: int,
-                  slot_bytes: int) -> list[int]:
+                  slot_bytes: int, *, room: int = 0) -> list[int]:
         """Publish the keys of COMMITTED slot-table entries (an adopted extent's blocks),
         read from ``table`` itself: no Python object per key.  Returns the indices into
         ``slots`` left out -- a key the table holds already, or one past the probe
-        limit -- for the caller (which copy stays; ``add`` keeps the others apart)."""
+        limit -- for the caller (which copy stays; ``add`` keeps the others apart).
+        ``room``: keys still to come (recovery's count of every extent's blocks): the
+        table grows once, for them all, instead of doubling extent by extent (each
+        growth copies every key)."""
         slots = np.ascontiguousarray(slots, dtype=np.uint64)
         left: list[int] = []
         t = self._table
@@ -326,10 +344,13 @@ class SharedIndex:
             return list(range(len(slots)))
         used = _native.index_info(t.mm)[2]
         want = t.capacity
-        while (used + len(slots)) * 2 > want:
+        while (used + max(len(slots), room)) * 2 > want:
             want *= 2
-        if want > t.capacity and self._replace(want) is None:
-            return list(range(len(slots)))
+        if want > t.capacity:
+            if self._replace(want) is None:
+                return list(range(len(slots)))
+            if self._table is not None and want * ENTRY_BYTES >= POPULATE_MIN_BYTES:
+                self._table.populate_in_background()
         at = 0
         while self._table is not None and at < len(slots):
             at, out = _native.index_set_slots(self._table.mm, table, slots, segment_id,
@@ -361,8 +382,13 @@ class SharedIndex:
         return out
 
     def fingerprints(self) -> list[bytes]:
-        """The fingerprints of the published keys (for ``Store.check``)."""
+        """The fingerprints of the published keys."""
         return [] if self._table is None else _native.index_fingerprints(self._table.mm)
+
+    def rows(self) -> bytes:
+        """The fingerprints of the published keys as 24-byte rows (``Store.check``:
+        ``_native.index_rows``, no Python object per key)."""
+        return b"" if self._table is None else _native.index_rows(self._table.mm)
 
     def close(self) -> None:
         """Stop publishing: the table is marked superseded (clients ask again, and get

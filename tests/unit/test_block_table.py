@@ -1110,6 +1110,128 @@ def test_the_shared_index_takes_an_adopted_extents_keys_from_its_slot_table() ->
     shared.close()
 
 
+def test_add_slots_of_many_keys_checks_all_first_and_sizes_the_table_once() -> None:
+    """A batch past the GIL-release threshold (prefetched inserts): every key found at
+    its slot; one bad slot anywhere refuses the batch before any key goes in; ``room``
+    sizes the table for the keys still to come (no growth at the next extent)."""
+    from kvtier import _native
+    from kvtierd.shared_index import SharedIndex
+
+    n = 3000
+    t, meta = table(n, extent_id=3)
+    refs = claimed(t, n - 1)
+    t.commit(refs, [b"%016d" % i for i in range(n - 1)], np.full(n - 1, 7), None,
+             first_access=1, epoch=EPOCH)
+    slots = refs & np.uint64(0xFFFF_FFFF)
+    shared = SharedIndex("ns", lower_tiers=False)
+    bad = np.concatenate([slots, np.array([n - 1], dtype=np.uint64)])  # the FREE one
+    with pytest.raises(ValueError, match=f"slots\\[{n - 1}\\].*no COMMITTED entry"):
+        shared.add_slots(memoryview(meta), bad, 3, SLOT)
+    assert shared._table is not None and _native.index_info(shared._table.mm)[1] == 0
+    assert shared.add_slots(memoryview(meta), slots, 3, SLOT, room=4 * n) == []
+    capacity = shared.capacity
+    assert capacity >= 2 * 4 * n
+    got = shared.find_many([b"%016d" % i for i in range(n - 1)])
+    assert got.tolist() == refs.tolist()
+    t2, meta2 = table(n, extent_id=4)
+    refs2 = claimed(t2, n)
+    t2.commit(refs2, [b"x%015d" % i for i in range(n)], np.full(n, 7), None,
+              first_access=1, epoch=EPOCH)
+    assert shared.add_slots(memoryview(meta2), refs2 & np.uint64(0xFFFF_FFFF), 4, SLOT,
+                            room=3 * n) == []
+    assert shared.capacity == capacity  # sized once
+    assert shared.find_many([b"x%015d" % i for i in range(n)]).tolist() == refs2.tolist()
+    shared.close()
+
+
+def test_check_rows_copy_state_key_fingerprint_generation_and_pins() -> None:
+    """``check_rows``: a committed slot's key fingerprint (the shared index's), the
+    generation of any other slot, the persisted state and key length, the pins."""
+    from kvtier import _native
+    from kvtierd.store.check import CHECK_ROW_DTYPE
+
+    t, meta = table(6, extent_id=2)
+    refs = claimed(t, 4)
+    keys = [b"a-short-key", b"sixteen-byte-key"]
+    t.commit(refs[:2], keys, [5, 6], None, first_access=1, epoch=EPOCH)
+    t.pin(refs[:1])
+    t.pin(refs[:1])
+    got = np.frombuffer(t.check_rows(2), dtype=CHECK_ROW_DTYPE)
+    assert len(got) == 6
+    fps = np.frombuffer(_native.fingerprint_rows(keys), dtype="<u8").reshape(-1, 3)
+    assert got["a"][:2].tolist() == fps[:, 0].tolist()
+    assert got["b"][:2].tolist() == fps[:, 1].tolist()
+    assert got["fp_flags"][:2].tolist() == fps[:, 2].tolist() == [1, 0]
+    assert got["state"].tolist() == [COMMITTED, COMMITTED, RESERVED, RESERVED, FREE, FREE]
+    assert got["key_len"][:2].tolist() == [11, 16]
+    assert got["pins"].tolist() == [2, 0, 0, 0, 0, 0]
+    gens = rows(meta)["generation"]
+    assert got["a"][2:].tolist() == gens[2:].tolist() and got["b"][2:].tolist() == [0] * 4
+    meta[3 * SLOT_ENTRY_BYTES] = 9  # a state byte that is no state: copied as it is
+    assert np.frombuffer(t.check_rows(2), dtype=CHECK_ROW_DTYPE)["state"][3] == 9
+    with pytest.raises(ValueError, match="not in the table"):
+        t.check_rows(99)
+
+
+def test_index_rows_and_populate() -> None:
+    """``index_rows``: one row per live entry (not per the header's count);
+    ``index_populate`` leaves the table as it was."""
+    from kvtier import _native
+    from kvtierd.shared_index import SharedIndex
+
+    shared = SharedIndex("ns", lower_tiers=False)
+    keys = [b"k%d" % i for i in range(50)]
+    shared.add_many((k, (1, i, 0, 1, None)) for i, k in enumerate(keys))
+    shared.discard(keys[0])
+    assert shared._table is not None
+    mm = shared._table.mm
+    before = bytes(mm)
+    assert _native.index_populate(mm) in (True, False)
+    assert bytes(mm) == before
+    want = sorted(np.frombuffer(_native.fingerprint_rows(keys[1:]), dtype="<u8")
+                  .reshape(-1, 3).tolist())
+    got = np.frombuffer(shared.rows(), dtype="<u8").reshape(-1, 3).tolist()
+    assert sorted(got) == want
+    mm[32:40] = (3).to_bytes(8, "little")  # the header's live count, lowered: rows still all
+    assert sorted(np.frombuffer(shared.rows(), dtype="<u8").reshape(-1, 3).tolist()) == want
+    shared.close()
+
+
+def test_check_keys_counts_and_compares_rows() -> None:
+    """``_native.check_keys`` on hand-made rows: every class, and at most 5 missing keys,
+    sorted by fingerprint and distinct."""
+    from kvtier import _native
+    from kvtierd.store.check import CHECK_ROW_DTYPE
+
+    def rows_of(keys: list[bytes], states: list[int] | None = None) -> bytes:
+        fps = np.frombuffer(_native.fingerprint_rows(keys), dtype="<u8").reshape(-1, 3)
+        out = np.zeros(len(keys), dtype=CHECK_ROW_DTYPE)
+        out["a"], out["b"], out["fp_flags"] = fps[:, 0], fps[:, 1], fps[:, 2]
+        out["state"] = COMMITTED if states is None else states
+        out["key_len"] = [len(k) for k in keys]
+        return out.tobytes()
+
+    ks = [b"%016d" % i for i in range(100)]
+    index = _native.fingerprint_rows(ks[:90] + [b"stray-1", b"stray-2"])
+    got = _native.check_keys([rows_of(ks[:50]), rows_of(ks[50:], [2] * 48 + [0, 1])], index,
+                             _native.fingerprint_rows([ks[95], b"left"]), 7)
+    n, twice, index_twice, missing, stray, gone = got
+    assert n == 98 and not twice and not index_twice and stray == 2 and gone
+    # ks[90..97] are missing but ks[95] (kept apart); 16-byte keys sort as bytes
+    assert missing == [(1, i - 50) for i in (90, 91, 92, 93, 94)]
+    got = _native.check_keys([rows_of(ks[:3] + ks[:1])], _native.fingerprint_rows(ks[:3] * 2),
+                             b"", 8)
+    assert got == (4, True, True, [], 0, False)
+    # a key missing twice is committed twice, and listed once
+    got = _native.check_keys([rows_of([b"m", b"m", b"n"])], b"", b"", 9)
+    assert got[:3] == (3, True, False) and len(got[3]) == 2
+    assert _native.check_keys([], b"", b"", 9) == (0, False, False, [], 0, False)
+    with pytest.raises(ValueError):
+        _native.check_keys([b"x" * 23], b"", b"", 0)
+    with pytest.raises(ValueError):
+        _native.check_keys([], b"x" * 25, b"", 0)
+
+
 def test_by_extent_groups_refs_by_their_extent() -> None:
     assert bt.by_extent(np.zeros(0, dtype=np.uint64)) == []
     one = bt.refs_of(7, [3, 1, 2])

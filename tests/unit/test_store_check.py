@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from kvtierd.segments import SLOT_ENTRY_BYTES, TABLE_OFFSET, SlotState
+from kvtierd.shared_index import ENTRY_BYTES, HEADER_BYTES
 from kvtierd.store import Lower, Session, Store
 
+from .check_model import model_check
 from .conftest import StoreEnv, run
 from .test_store import (
     BLOCK,
@@ -25,9 +27,12 @@ from .test_store import (
     CORRUPTIONS,
     EXTENT,
     _corruptible,
+    _first_free,
+    _state_at,
     keys,
     put,
     session,
+    slot_of,
 )
 
 
@@ -68,6 +73,88 @@ def test_a_state_byte_that_is_no_state_is_reported_not_raised(env_clean: StoreEn
     ext.segment.meta[TABLE_OFFSET + slot * SLOT_ENTRY_BYTES] = 9
     problems = off_loop(env.store)
     assert f"A: extent 0 slot {slot}: state byte 9 is no slot state" in problems
+
+
+# Corruptions of the key index that test_store.py's list does not make.
+INDEX_CORRUPTIONS: dict[str, Callable[[StoreEnv, Session], None]] = {}
+
+
+def _index_corruption(fn: Callable[[StoreEnv, Session], None]) -> Callable[[StoreEnv, Session], None]:
+    INDEX_CORRUPTIONS[fn.__name__] = fn
+    return fn
+
+
+@_index_corruption
+def index_holds_a_key_no_slot_holds(env: StoreEnv, s: Session) -> None:
+    ext = s.ns.extents[0]
+    s.ns.index.table.add(b"no-such-key", (ext.id, _first_free(ext), 0, 1, None))
+
+
+@_index_corruption
+def index_keeps_apart_a_key_that_left(env: StoreEnv, s: Session) -> None:
+    ext = s.ns.extents[0]
+    s.ns.index.table.unpublished[b"gone-key"] = (ext.id, _first_free(ext), 0, 1, None)
+
+
+@_index_corruption
+def index_holds_a_key_twice(env: StoreEnv, s: Session) -> None:
+    table = s.ns.index.table._table
+    assert table is not None
+    mm, cap = table.mm, table.capacity
+    states = [mm[HEADER_BYTES + i * ENTRY_BYTES + 4] for i in range(cap)]
+    live, empty = states.index(1), states.index(0)
+    at = HEADER_BYTES + live * ENTRY_BYTES
+    to = HEADER_BYTES + empty * ENTRY_BYTES
+    mm[to : to + ENTRY_BYTES] = mm[at : at + ENTRY_BYTES]
+
+
+@_index_corruption
+def key_committed_in_two_slots(env: StoreEnv, s: Session) -> None:
+    ext, slot = slot_of(env, s, keys(2)[1])
+    free = _first_free(ext)
+    meta = ext.segment.meta
+    to, at = _state_at(ext, free), _state_at(ext, slot)
+    meta[to : to + SLOT_ENTRY_BYTES] = meta[at : at + SLOT_ENTRY_BYTES]
+
+
+@_index_corruption
+def committed_key_16_bytes_dropped_from_the_index(env: StoreEnv, s: Session) -> None:
+    put(env, s, [b"sixteen-byte-key"])
+    s.ns.index.table.discard(b"sixteen-byte-key")
+
+
+def _normal(problems: list[str]) -> list[str]:
+    """The model names a missing key that is not 16 bytes by the key itself, the native
+    check by its fingerprint and slot: one line each either way."""
+    return [p.split(":")[0] + ": a key is committed but not in the index"
+            if p.endswith("is committed but not in the index") else p for p in problems]
+
+
+@pytest.mark.parametrize("corrupt", [*CORRUPTIONS.values(), *INDEX_CORRUPTIONS.values()],
+                         ids=[*CORRUPTIONS, *INDEX_CORRUPTIONS])
+def test_the_native_check_finds_what_the_python_model_finds(
+    store_factory: Callable[..., StoreEnv], corrupt: Callable[[StoreEnv, Session], None]
+) -> None:
+    env, s = _corruptible(store_factory)
+    b = session(env, "B", block_bytes=BLOCK // 2)
+    put(env, b, keys(2, prefix="b"))
+    put(env, s, keys(2, start=4))
+    env.store.acquire(s, keys(1, start=4))
+    env.store.delete(s, keys(1, start=4))
+    assert model_check(env.store) == [] == env.store.check()
+    corrupt(env, s)
+    found = off_loop(env.store)
+    assert found != [], f"the native check did not notice: {corrupt.__name__}"
+    assert _normal(found) == _normal(model_check(env.store))
+    assert found == env.store.check()  # (no grant words in play)
+
+
+def test_a_missing_16_byte_key_is_named_by_itself(store_factory: Callable[..., StoreEnv]) -> None:
+    env, s = _corruptible(store_factory)
+    committed_key_16_bytes_dropped_from_the_index(env, s)
+    want = f"A: key {b'sixteen-byte-key'.hex()} is committed but not in the index"
+    assert want in off_loop(env.store)
+    assert want in model_check(env.store)
 
 
 @pytest.fixture

@@ -52,13 +52,15 @@ class Adoption(FastPath):
         if ns is not None and any(e.segment.index == segment.index for e in ns.extents):
             raise FailedPrecondition(f"extent {segment.index} of {segment.namespace!r} twice")
 
-    def adopt_segment(self, segment: Segment, *, referenced_from: int = 2**64 - 1
-                      ) -> tuple[int, dict[str, int]]:
+    def adopt_segment(self, segment: Segment, *, referenced_from: int = 2**64 - 1,
+                      expect: int = 0) -> tuple[int, dict[str, int]]:
         """Take over a segment of a previous run: every slot validated natively as
         ``recovery.scan_slots`` does (``BlockTable.adopt``): valid COMMITTED entries
         become visible blocks, RESERVED slots are quarantined for the reservation TTL
         (a writer of the previous daemon may still be copying), the rest are freed.
         Blocks last accessed at ``referenced_from`` or later keep their CLOCK bit.
+        ``expect``: how many blocks this and the namespace's extents still to come hold
+        (recovery counts them first): the key index is sized for them at once.
 
         Returns (blocks recovered, dropped slots by reason).  Raises like
         ``check_adoptable``; the store is unchanged then.
@@ -72,7 +74,7 @@ class Adoption(FastPath):
         ns.table.add_segment(segment)
         try:
             got = ns.table.adopt(segment, self.boot_epoch, referenced_from=referenced_from)
-            recovered = self._index_adopted(ns, segment)
+            recovered = self._index_adopted(ns, segment, expect)
         except BaseException:
             ns.table.remove_extent(segment.segment_id, force=True)
             self._forget_if_unused(ns)
@@ -93,7 +95,7 @@ class Adoption(FastPath):
         ns.recovered += recovered
         return recovered, got.dropped
 
-    def _index_adopted(self, ns: Namespace, seg: Segment) -> int:
+    def _index_adopted(self, ns: Namespace, seg: Segment, expect: int = 0) -> int:
         """Put an adopted extent's blocks in the key index, straight from its slot table
         (``SharedIndex.add_slots``: no Python object per key).  A key committed twice
         (never written so; be safe) keeps its newest copy, the other is freed (the
@@ -105,7 +107,8 @@ class Adoption(FastPath):
         n = seg.layout.n_slots
         table = memoryview(seg.meta)[TABLE_OFFSET : TABLE_OFFSET + n * SLOT_ENTRY_BYTES]
         try:
-            left = ns.index.table.add_slots(table, slots, seg.segment_id, seg.layout.slot_bytes)
+            left = ns.index.table.add_slots(table, slots, seg.segment_id, seg.layout.slot_bytes,
+                                            room=expect)
         finally:
             table.release()
         try:

@@ -1,5 +1,15 @@
 """``Store.check``: the cross-check of the index, counters and pins against the slot tables,
-on a snapshot (so it can run off the loop)."""
+on a snapshot (so it can run off the loop).
+
+No Python object per block (issue 26): the snapshot holds compact rows copied natively
+(``BlockTable.check_rows``: 24 bytes a slot, with each committed key's shared-index
+fingerprint; ``_native.index_rows``: 24 bytes a published key), and the check compares
+the keys natively with the GIL released (``_native.check_keys``).  Python looks only at
+the slots something names or flags: reserved, doomed, pinned, quarantined, held by a
+reservation or a grant, or holding a state or key length that is no such thing.
+``tests/unit/check_model.py`` keeps the check as it was written in Python, per slot;
+the tests hold the two equal.
+"""
 
 
 from __future__ import annotations
@@ -7,21 +17,22 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import secrets
+from typing import Final
 
 import numpy as np
 
-from kvtierd.segments import (
-    KEY_OFFSET,
-    MAX_KEY_BYTES,
-    SLOT_DTYPE,
-    SLOT_ENTRY_BYTES,
-    SlotState,
-)
-from kvtierd.shared_index import (
-    fingerprint,
-)
+from kvtier import _native
+from kvtierd.segments import MAX_KEY_BYTES, SlotState
 
 log = logging.getLogger(__name__)
+
+#: ``BlockTable.check_rows``' row (csrc/blocks.c ``kvt_check_row``): ``a``, ``b`` are a
+#: committed key's fingerprint, else ``a`` is the slot's persisted generation.
+CHECK_ROW_DTYPE: Final = np.dtype([("a", "<u8"), ("b", "<u8"), ("state", "u1"),
+                                   ("key_len", "u1"), ("fp_flags", "u1"), ("pad", "u1"),
+                                   ("pins", "<u4")])
+assert CHECK_ROW_DTYPE.itemsize == 24
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -32,8 +43,7 @@ class _ExtentView:
     file_bytes: int
     slot_bytes: int
     quarantine: set[int]
-    table: bytes  # the slot table as the segment held it
-    records: np.ndarray  # the block table's records of its slots (``RECORD_DTYPE``)
+    rows: bytes  # BlockTable.check_rows: what the slot table and the records held
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,9 +54,10 @@ class _NamespaceView:
     table_problems: list[str]
     in_flight: list[bytes]
     extents: list[_ExtentView]
-    #: The key index: the shared table's fingerprints and the keys kept apart.
-    fingerprints: list[bytes]
-    unpublished: dict[bytes, tuple[int, int, int, int, int | None]]
+    #: The key index: the shared table's fingerprints (``_native.index_rows``) and those
+    #: of the keys kept apart (``_native.fingerprint_rows``).
+    index_rows: bytes
+    unpublished_rows: bytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,15 +86,22 @@ def _cross_check(snap: CheckSnapshot) -> list[str]:
             if (name, ext_id, slot) in held:
                 problems.append(f"{name}: extent {ext_id} slot {slot} is reserved twice")
             held[(name, ext_id, slot)] = gen
+    # what names a slot, by (namespace, extent): reservations and leases
+    held_by: dict[tuple[str, int], dict[int, int]] = collections.defaultdict(dict)
+    for (name, ext_id, slot), gen in held.items():
+        held_by[(name, ext_id)][slot] = gen
+    pins_by: dict[tuple[str, int], dict[int, int]] = collections.defaultdict(dict)
+    for (name, ref), count in pins.items():
+        pins_by[(name, ref >> 32)][ref & 0xFFFF_FFFF] = count
     extent_bytes = 0
     for nsv in snap.namespaces:
         name = nsv.name
         problems += [f"{name}: {p}" for p in nsv.table_problems]
-        keys: list[bytes] = []
         for ev in nsv.extents:
             extent_bytes += ev.file_bytes
-            keys += _check_extent(ev, name, held, pins, problems)
-        problems += _check_index(name, keys, nsv.fingerprints, nsv.unpublished)
+            _check_extent(ev, name, held_by.get((name, ev.id), {}),
+                          pins_by.get((name, ev.id), {}), problems)
+        problems += _check_index(nsv)
         want = {k for n, ks, _ in snap.reservations if n == name for k in ks}
         if set(nsv.in_flight) != want:
             problems.append(f"{name}: in-flight keys disagree with open reservations")
@@ -98,69 +116,70 @@ def _cross_check(snap: CheckSnapshot) -> list[str]:
     return problems
 
 
-def _check_index(name: str, keys: list[bytes], fingerprints: list[bytes],
-                 unpublished: dict[bytes, tuple[int, int, int, int, int | None]]) -> list[str]:
+def _check_index(nsv: _NamespaceView) -> list[str]:
     """The key index holds exactly the COMMITTED blocks' keys (in the table or apart)."""
+    name = nsv.name
     problems = []
-    if len(set(keys)) != len(keys):
+    _, twice, index_twice, missing, stray, gone = _native.check_keys(
+        [ev.rows for ev in nsv.extents], nsv.index_rows, nsv.unpublished_rows,
+        secrets.randbits(64))
+    if twice:
         problems.append(f"{name}: a key is committed in two slots")
-    if len(set(fingerprints)) != len(fingerprints):
+    if index_twice:
         problems.append(f"{name}: the shared index holds a key twice")
-    want = {fingerprint(k): k for k in keys if k not in unpublished}
-    have = set(fingerprints)
-    for fp in sorted(want.keys() - have)[:5]:
-        problems.append(f"{name}: key {want[fp].hex()} is committed but not in the index")
-    stray = len(have - want.keys())
+    for at, slot in missing:
+        ev = nsv.extents[at]
+        row = np.frombuffer(ev.rows, dtype=CHECK_ROW_DTYPE, count=1, offset=slot * 24)[0]
+        fp = int(row["a"]).to_bytes(8, "little") + int(row["b"]).to_bytes(8, "little")
+        if row["fp_flags"] == 0:  # a 16-byte key is its own fingerprint
+            problems.append(f"{name}: key {fp.hex()} is committed but not in the index")
+        else:
+            problems.append(f"{name}: a key of {int(row['key_len'])} bytes (extent {ev.index} "
+                            f"slot {slot}, fingerprint {fp.hex()}) is committed but not in "
+                            "the index")
     if stray:
         problems.append(f"{name}: the index holds {stray} keys no slot holds")
-    if unpublished.keys() - set(keys):
+    if gone:
         problems.append(f"{name}: keys left DRAM but are still kept in the index")
     return problems
 
 
-def _check_extent(
-    ev: _ExtentView,
-    name: str,
-    held: dict[tuple[str, int, int], int],
-    pins: collections.Counter[tuple[str, int]],
-    problems: list[str],
-) -> list[bytes]:
-    """One extent's slot table against the reservations and leases; returns the keys of
-    its COMMITTED slots."""
-    rows = np.frombuffer(ev.table, dtype=SLOT_DTYPE, count=ev.n_slots)
-    states = rows["state"].tolist()
-    klens = rows["key_len"].tolist()
-    gens = rows["generation"].tolist()
-    rec_pins = ev.records["pins"].tolist()
-    table = ev.table
-    keys: list[bytes] = []
-    for slot, st in enumerate(states):
+def _check_extent(ev: _ExtentView, name: str, held: dict[int, int], pins: dict[int, int],
+                  problems: list[str]) -> None:
+    """One extent's slot table against the reservations (``held``: slot -> generation)
+    and leases (``pins``: slot -> pins by calls).  Per slot as the model checks it, but
+    only for the slots something names or flags (the rest cannot fail)."""
+    rows = np.frombuffer(ev.rows, dtype=CHECK_ROW_DTYPE, count=ev.n_slots)
+    st, klen, rec_pins = rows["state"], rows["key_len"], rows["pins"]
+    flagged = ((st == SlotState.RESERVED) | (st > SlotState.DOOMED) | (rec_pins != 0)
+               | ((st == SlotState.DOOMED) & (rec_pins == 0))
+               | ((st == SlotState.COMMITTED) & ((klen == 0) | (klen > MAX_KEY_BYTES))))
+    named = [s for s in (*held, *ev.quarantine, *pins) if 0 <= s < ev.n_slots]
+    slots = np.union1d(np.flatnonzero(flagged), np.array(named, dtype=np.int64)).tolist()
+    for slot in slots:
+        row = rows[slot]
+        state, key_len, pinned = int(row["state"]), int(row["key_len"]), int(row["pins"])
         where = f"{name}: extent {ev.index} slot {slot}"
-        ref = ev.id << 32 | slot
-        gen = held.get((name, ev.id, slot))
-        if st == SlotState.RESERVED:
+        gen = held.get(slot)
+        if state == SlotState.RESERVED:
             if gen is None and slot not in ev.quarantine:
                 problems.append(f"{where}: RESERVED on segment but no reservation")
-            elif gen is not None and gen != gens[slot]:
+            elif gen is not None and gen != int(row["a"]):
                 problems.append(f"{where}: reserved at generation {gen}, the slot has "
-                                f"{gens[slot]}")
+                                f"{int(row['a'])}")
         elif gen is not None:
-            problems.append(f"{where}: reserved but {SlotState(st).name} on segment"
-                            if st in (0, 2, 3) else f"{where}: reserved, state byte {st}")
-        if st == SlotState.COMMITTED:
-            if not 0 < klens[slot] <= MAX_KEY_BYTES:
-                problems.append(f"{where}: COMMITTED with a key of {klens[slot]} bytes")
-            else:
-                at = slot * SLOT_ENTRY_BYTES + KEY_OFFSET
-                keys.append(table[at : at + klens[slot]])
-        elif st == SlotState.DOOMED and not rec_pins[slot]:
+            problems.append(f"{where}: reserved but {SlotState(state).name} on segment"
+                            if state in (0, 2, 3) else f"{where}: reserved, state byte {state}")
+        if state == SlotState.COMMITTED:
+            if not 0 < key_len <= MAX_KEY_BYTES:
+                problems.append(f"{where}: COMMITTED with a key of {key_len} bytes")
+        elif state == SlotState.DOOMED and not pinned:
             problems.append(f"{where}: DOOMED on segment but not leased")
-        elif st not in (SlotState.FREE, SlotState.RESERVED, SlotState.COMMITTED,
-                        SlotState.DOOMED):
-            problems.append(f"{where}: state byte {st} is no slot state")
-        if slot in ev.quarantine and st != SlotState.RESERVED:
-            problems.append(f"{where}: quarantined but {st}")
-        by_calls = pins.get((name, ref), 0)
-        if rec_pins[slot] != by_calls:
-            problems.append(f"{where}: pins {rec_pins[slot]} != leases {by_calls}")
-    return keys
+        elif state not in (SlotState.FREE, SlotState.RESERVED, SlotState.COMMITTED,
+                           SlotState.DOOMED):
+            problems.append(f"{where}: state byte {state} is no slot state")
+        if slot in ev.quarantine and state != SlotState.RESERVED:
+            problems.append(f"{where}: quarantined but {state}")
+        by_calls = pins.get(slot, 0)
+        if pinned != by_calls:
+            problems.append(f"{where}: pins {pinned} != leases {by_calls}")

@@ -8,6 +8,7 @@ import logging
 
 import numpy as np
 
+from kvtier import _native
 from kvtierd.logs import event
 from kvtierd.store.adoption import Adoption
 from kvtierd.store.base import _grant_word, _refs
@@ -195,9 +196,10 @@ class Store(Adoption):
 
     def check_snapshot(self) -> CheckSnapshot:
         """Copy what ``check_from`` cross-checks (on the loop: the block tables' own check,
-        copies of lists, dicts, slot tables and the native records, no per-slot Python
-        work), so the cross-check itself can run in a worker thread while the store
-        keeps changing."""
+        copies of lists and dicts, and compact native copies of the slot tables, the
+        records and the key index -- ``check_rows``, ``index_rows``: 24 bytes a slot and a
+        key, no Python object per block), so the cross-check itself can run in a worker
+        thread while the store keeps changing."""
         leases = [(lease.ns.name, lease.refs.copy()) for lease in self._leases.values()]
         reservations = [(r.session.ns.name, r.keys, [(e.id, slot, gen) for e, slot, gen
                                                      in r.places])
@@ -208,19 +210,16 @@ class Store(Adoption):
         namespaces = []
         for ns in self.namespaces.values():
             shared = ns.index.table
-            extents = []
-            for ext in ns.extents:
-                refs = (np.uint64(ext.id) << np.uint64(32)) | np.arange(ext.n_slots,
-                                                                        dtype=np.uint64)
-                extents.append(_ExtentView(
-                    id=ext.id, index=ext.segment.index, n_slots=ext.n_slots,
-                    file_bytes=ext.bytes, quarantine=set(ext.quarantine),
-                    table=ext.segment.raw_table(), records=ns.table.inspect(refs).copy(),
-                    slot_bytes=ext.segment.layout.slot_bytes))
+            extents = [_ExtentView(id=ext.id, index=ext.segment.index, n_slots=ext.n_slots,
+                                   file_bytes=ext.bytes, quarantine=set(ext.quarantine),
+                                   rows=ns.table.check_rows(ext.id),
+                                   slot_bytes=ext.segment.layout.slot_bytes)
+                       for ext in ns.extents]
             namespaces.append(_NamespaceView(
                 name=ns.name, table_problems=ns.table.check(), in_flight=list(ns.in_flight),
-                extents=extents, fingerprints=shared.fingerprints(),
-                unpublished=dict(shared.unpublished), slot_bytes=ns.slot_bytes))
+                extents=extents, index_rows=shared.rows(),
+                unpublished_rows=_native.fingerprint_rows(list(shared.unpublished)),
+                slot_bytes=ns.slot_bytes))
         # An extent being made is out of the budget and in no extent yet: free, for this.
         return CheckSnapshot(namespaces=namespaces, leases=leases, reservations=reservations,
                              budget_free=self.budget_free + self.growing_bytes,
