@@ -461,15 +461,15 @@ def _populate(maps: list[mmap.mmap], *, write: bool) -> None:
     kernel (no MADV_POPULATE_*) or a file cut short meanwhile: the pages fault in on
     first touch."""
     native = _native
-    large = [mm for mm in maps if len(mm) >= POPULATE_IN_BACKGROUND_BYTES]
-    if native is None:
-        large = []
+    large: list[mmap.mmap] = []
     for mm in maps:
-        if not any(mm is m for m in large):
-            try:
-                mm.madvise(_MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ)
-            except OSError:
-                pass
+        if native is not None and len(mm) >= POPULATE_IN_BACKGROUND_BYTES:
+            large.append(mm)
+            continue
+        try:
+            mm.madvise(_MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ)
+        except OSError:
+            pass
     if large and native is not None:
         populate = native.index_populate
 

@@ -101,21 +101,14 @@ class Naming:
 
     def pack(self, namespace: str, h: Header) -> bytes:
         """The :data:`HEADER_BYTES` written after a block's (padded) data."""
-        if len(h.key) > MAX_KEY_BYTES:
-            raise ValueError(f"key of {len(h.key)} bytes (at most {MAX_KEY_BYTES})")
-        head = _HEAD.pack(MAGIC, VERSION, len(h.key), 0, h.length, h.checksum, h.block_bytes,
-                          h.model_hash, h.written_ns, h.key)
-        tag = hmac.digest(self._ns_key(namespace), head, "sha256")
-        out = bytearray(HEADER_BYTES)
-        out[: _HEAD.size] = head
-        out[_HEAD.size : _HEAD.size + TAG_BYTES] = tag
-        return bytes(out)
+        return self.pack_many(namespace, [h.key], [h.length], [h.checksum], h.block_bytes,
+                              h.model_hash, h.written_ns)
 
     def pack_many(self, namespace: str, keys: Sequence[bytes], lengths: Sequence[int],
                   checksums: Sequence[int], block_bytes: int, model_hash: int,
                   written_ns: int) -> bytes:
-        """The headers of a batch written at once, one after another (``pack`` of each,
-        without a :class:`Header` per block)."""
+        """The headers of a batch written at once, one after another (each what ``pack``
+        gives for its block, without a :class:`Header` per block)."""
         for k in keys:
             if len(k) > MAX_KEY_BYTES:
                 raise ValueError(f"key of {len(k)} bytes (at most {MAX_KEY_BYTES})")
