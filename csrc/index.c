@@ -283,11 +283,11 @@ typedef struct {
     location loc;
 } snapshot;
 
-/* Probe for f in a table another process changes; *out on a hit. */
+/* Probe for f, from its home entry i, in a table another process changes; *out on a
+ * hit. */
 static int
-r_find(const table *t, const fingerprint *f, snapshot *out)
+r_find_from(const table *t, const fingerprint *f, uint64_t i, snapshot *out)
 {
-    uint64_t i = home(t, f);
     for (uint32_t p = 0; p < t->max_probe; p++, i = (i + 1) & t->mask) {
         const idx_entry *e = &t->e[i];
         uint8_t state, fl;
@@ -327,7 +327,27 @@ r_find(const table *t, const fingerprint *f, snapshot *out)
     return R_UNSURE;
 }
 
+static inline int
+r_find(const table *t, const fingerprint *f, snapshot *out)
+{
+    return r_find_from(t, f, home(t, f), out);
+}
+
 /* ---------------------------------------------------------------- bindings */
+/* Keys a batch lookup hashes (and prefetches the home entry of) ahead of its probe: a
+ * big table misses the cache (and the TLB) on every key, and the misses of independent
+ * keys overlap.  (A prefix lookup stops at its first miss: the hashes past it are the
+ * only waste.) */
+#define LOOKUP_AHEAD 16
+
+static inline void
+lookup_ahead(const table *t, PyObject *key, fingerprint *f, uint64_t *h)
+{
+    *f = fp_of((const uint8_t *)PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key));
+    *h = home(t, f);
+    __builtin_prefetch(&t->e[*h], 0, 1);
+}
+
 static int
 get_key(PyObject *obj, Py_buffer *key)
 {
@@ -790,15 +810,23 @@ kvt_py_index_find_many(PyObject *Py_UNUSED(m), PyObject *args)
     if (ret == NULL)
         goto done;
     uint64_t *out = (uint64_t *)PyBytes_AS_STRING(ret);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        fingerprint f;
-        if (key_fp(items[i], &f) < 0) {
-            Py_CLEAR(ret);
-            goto done;
+    fingerprint fs[LOOKUP_AHEAD];
+    uint64_t hs[LOOKUP_AHEAD];
+    for (Py_ssize_t i = 0; i < n; i += LOOKUP_AHEAD) {
+        int m = n - i < LOOKUP_AHEAD ? (int)(n - i) : LOOKUP_AHEAD;
+        for (int k = 0; k < m; k++) { /* hashed and prefetched a group at a time */
+            if (key_fp(items[i + k], &fs[k]) < 0) {
+                Py_CLEAR(ret);
+                goto done;
+            }
+            hs[k] = home(&t, &fs[k]);
+            __builtin_prefetch(&t.e[hs[k]], 0, 1);
         }
-        idx_entry *slot;
-        const idx_entry *e = w_find(&t, &f, &slot);
-        out[i] = e == NULL || e->segment == 0 ? 0 : (uint64_t)e->segment << 32 | e->slot;
+        for (int k = 0; k < m; k++) {
+            idx_entry *slot;
+            const idx_entry *e = w_find_from(&t, &fs[k], hs[k], &slot);
+            out[i + k] = e == NULL || e->segment == 0 ? 0 : (uint64_t)e->segment << 32 | e->slot;
+        }
     }
 done:
     Py_XDECREF(seq);
@@ -884,10 +912,17 @@ kvt_py_index_acquire(PyObject *Py_UNUSED(m), PyObject *args)
     uint64_t *serials = PAGE_U64(&page, KVT_PAGE_SERIALS) + at;
     Py_ssize_t hits = 0;
     int unsure = 0;
+    fingerprint fs[LOOKUP_AHEAD];
+    uint64_t hs[LOOKUP_AHEAD];
+    for (Py_ssize_t j = 0; j < n && j < LOOKUP_AHEAD; j++)
+        lookup_ahead(&t, items[j], &fs[j], &hs[j]);
     for (; hits < n; hits++) {
-        PyObject *k = items[hits];
-        fingerprint f = fp_of((const uint8_t *)PyBytes_AS_STRING(k), (size_t)PyBytes_GET_SIZE(k));
-        int r = r_find(&t, &f, &snaps[hits]);
+        int ahead = (int)(hits % LOOKUP_AHEAD);
+        fingerprint f = fs[ahead];
+        uint64_t h = hs[ahead];
+        if (hits + LOOKUP_AHEAD < n)
+            lookup_ahead(&t, items[hits + LOOKUP_AHEAD], &fs[ahead], &hs[ahead]);
+        int r = r_find_from(&t, &f, h, &snaps[hits]);
         if (r == R_MISS)
             break;
         if (r == R_UNSURE || snaps[hits].loc.segment == 0) {
@@ -1131,11 +1166,18 @@ kvt_py_index_lookup(PyObject *Py_UNUSED(m), PyObject *args)
     uint8_t *out = (uint8_t *)PyBytes_AS_STRING(tiers);
     Py_ssize_t hits = 0;
     int unsure = 0;
+    fingerprint fs[LOOKUP_AHEAD];
+    uint64_t hs[LOOKUP_AHEAD];
+    for (Py_ssize_t j = 0; j < n && j < LOOKUP_AHEAD; j++)
+        lookup_ahead(&t, items[j], &fs[j], &hs[j]);
     for (; hits < n; hits++) {
-        PyObject *k = items[hits];
-        fingerprint f = fp_of((const uint8_t *)PyBytes_AS_STRING(k), (size_t)PyBytes_GET_SIZE(k));
+        int ahead = (int)(hits % LOOKUP_AHEAD);
+        fingerprint f = fs[ahead];
+        uint64_t h = hs[ahead];
+        if (hits + LOOKUP_AHEAD < n)
+            lookup_ahead(&t, items[hits + LOOKUP_AHEAD], &fs[ahead], &hs[ahead]);
         snapshot snap;
-        int r = r_find(&t, &f, &snap);
+        int r = r_find_from(&t, &f, h, &snap);
         out[hits] = snap.tier;
         if (r == R_MISS)
             break;

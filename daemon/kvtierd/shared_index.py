@@ -176,6 +176,11 @@ _serials = itertools.count(1)
 
 #: ``add_slots`` populates a table it grows to at least this size in the background.
 POPULATE_MIN_BYTES: Final = 16 << 20
+#: How full (num, den) recovery may leave a table it sizes for all the keys it adopts:
+#: denser than the live daemon's (a table it grows is at most 3/8 full), since the
+#: restart waits for every fresh page of it (~0.8 ms/MiB on a VM); the first rebuild
+#: (at 3/4 used, tombstones counted) brings it to the live size.
+RECOVERY_LOAD: Final = (2, 3)
 
 
 class _Table:
@@ -336,7 +341,7 @@ class SharedIndex:
         limit -- for the caller (which copy stays; ``add`` keeps the others apart).
         ``room``: keys still to come (recovery's count of every extent's blocks): the
         table grows once, for them all, instead of doubling extent by extent (each
-        growth copies every key)."""
+        growth copies every key), to at most 2/3 full (``RECOVERY_LOAD``)."""
         slots = np.ascontiguousarray(slots, dtype=np.uint64)
         left: list[int] = []
         t = self._table
@@ -344,7 +349,8 @@ class SharedIndex:
             return list(range(len(slots)))
         used = _native.index_info(t.mm)[2]
         want = t.capacity
-        while (used + max(len(slots), room)) * 2 > want:
+        num, den = RECOVERY_LOAD
+        while (used + max(len(slots), room)) * den > want * num:
             want *= 2
         if want > t.capacity:
             if self._replace(want) is None:
