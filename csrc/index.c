@@ -345,7 +345,7 @@ lookup_ahead(const table *t, PyObject *key, fingerprint *f, uint64_t *h)
 {
     *f = fp_of((const uint8_t *)PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key));
     *h = home(t, f);
-    __builtin_prefetch(&t->e[*h], 0, 1);
+    __builtin_prefetch(&t->e[*h], 0, 3);
 }
 
 static int
@@ -649,8 +649,8 @@ kvt_py_index_locate(PyObject *Py_UNUSED(m), PyObject *args)
     return ret;
 }
 
-/* Keys hashed and their home entries prefetched this many at a time: the inserts of a
- * batch then find their cache lines (a table of millions of entries misses on each). */
+/* Keys hashed and their home entries prefetched this many ahead of their insert: the
+ * inserts then find their cache lines (a table of millions of entries misses on each). */
 #define SET_SLOTS_BATCH 16
 
 typedef struct {
@@ -664,43 +664,49 @@ typedef struct {
     Py_ssize_t n_left;
 } set_slots_job;
 
+static inline void
+set_slots_ahead(const set_slots_job *j, Py_ssize_t i, fingerprint *f, uint64_t *h)
+{
+    const uint8_t *p = j->tab + j->slots[i] * KVT_SLOT_BYTES;
+    *f = fp_of(p + KVT_SLOT_KEY, p[KVT_SLOT_KEY_LEN]);
+    *h = home(&j->t, f);
+    __builtin_prefetch(&j->t.e[*h], 1, 3);
+}
+
 static void
 set_slots_run(set_slots_job *j)
 {
     fingerprint f[SET_SLOTS_BATCH];
     uint64_t h[SET_SLOTS_BATCH];
-    Py_ssize_t i = j->at;
-    while (i < j->n) {
-        int m = j->n - i < SET_SLOTS_BATCH ? (int)(j->n - i) : SET_SLOTS_BATCH;
-        for (int k = 0; k < m; k++) {
-            const uint8_t *p = j->tab + j->slots[i + k] * KVT_SLOT_BYTES;
-            f[k] = fp_of(p + KVT_SLOT_KEY, p[KVT_SLOT_KEY_LEN]);
-            h[k] = home(&j->t, &f[k]);
-            __builtin_prefetch(&j->t.e[h[k]], 1, 1);
-        }
-        for (int k = 0; k < m; k++, i++) {
-            uint64_t s = j->slots[i];
-            const uint8_t *p = j->tab + s * KVT_SLOT_BYTES;
-            idx_entry *reuse;
-            int r = 0; /* present: the caller's to decide */
-            if (w_find_from(&j->t, &f[k], h[k], &reuse) == NULL) {
-                uint64_t length, checksum;
-                memcpy(&length, p + KVT_SLOT_LENGTH, 8);
-                memcpy(&checksum, p + KVT_SLOT_CHECKSUM, 8);
-                int has = (p[KVT_SLOT_FLAGS] & KVT_SLOT_HAS_CHECKSUM) != 0;
-                location loc = {j->segment, (uint32_t)s, s * j->slot_bytes, length,
-                                has ? checksum : 0, has};
-                r = t_set(&j->t, &f[k], 1, 0, &loc);
-                if (r < 0) {
-                    j->at = i; /* 3/4 full: grow, then call again from i */
-                    return;
-                }
+    for (Py_ssize_t k = j->at; k < j->n && k < j->at + SET_SLOTS_BATCH; k++)
+        set_slots_ahead(j, k, &f[k % SET_SLOTS_BATCH], &h[k % SET_SLOTS_BATCH]);
+    for (Py_ssize_t i = j->at; i < j->n; i++) {
+        int at = (int)(i % SET_SLOTS_BATCH);
+        fingerprint fi = f[at];
+        uint64_t hi = h[at];
+        if (i + SET_SLOTS_BATCH < j->n)
+            set_slots_ahead(j, i + SET_SLOTS_BATCH, &f[at], &h[at]);
+        uint64_t s = j->slots[i];
+        const uint8_t *p = j->tab + s * KVT_SLOT_BYTES;
+        idx_entry *reuse;
+        int r = 0; /* present: the caller's to decide */
+        if (w_find_from(&j->t, &fi, hi, &reuse) == NULL) {
+            uint64_t length, checksum;
+            memcpy(&length, p + KVT_SLOT_LENGTH, 8);
+            memcpy(&checksum, p + KVT_SLOT_CHECKSUM, 8);
+            int has = (p[KVT_SLOT_FLAGS] & KVT_SLOT_HAS_CHECKSUM) != 0;
+            location loc = {j->segment, (uint32_t)s, s * j->slot_bytes, length,
+                            has ? checksum : 0, has};
+            r = t_set(&j->t, &fi, 1, 0, &loc);
+            if (r < 0) {
+                j->at = i; /* 3/4 full: grow, then call again from i */
+                return;
             }
-            if (r == 0)
-                j->left[j->n_left++] = i;
         }
+        if (r == 0)
+            j->left[j->n_left++] = i;
     }
-    j->at = i;
+    j->at = j->n;
 }
 
 /* index_set_slots(buf, table, slots, segment, slot_bytes, start): the keys of COMMITTED
@@ -820,7 +826,7 @@ kvt_py_index_find_many(PyObject *Py_UNUSED(m), PyObject *args)
                 goto done;
             }
             hs[k] = home(&t, &fs[k]);
-            __builtin_prefetch(&t.e[hs[k]], 0, 1);
+            __builtin_prefetch(&t.e[hs[k]], 0, 3);
         }
         for (int k = 0; k < m; k++) {
             idx_entry *slot;

@@ -11,7 +11,6 @@ import sys
 
 from kvtier.errors import KVTierError
 from kvtierd import logs
-from kvtierd.app import create_daemon
 from kvtierd.config import Config, ConfigError, config_to_dict, load_config
 
 log = logging.getLogger("kvtierd")
@@ -31,7 +30,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _prepare_warm_start(cfg: Config) -> None:
+    """Before the rest of kvtierd is imported (a third of a second): the key index
+    tables a warm start will fill, made from the segment headers in ``dram.shm_dir``
+    and populated by threads meanwhile (``shared_index.prepare_tables``)."""
+    from kvtierd import segments, shared_index
+
+    shared_index.prepare_tables(
+        segments.slots_by_namespace(cfg.dram.shm_dir, max_bytes=cfg.dram.capacity))
+
+
 async def _serve(cfg: Config) -> None:
+    from kvtierd.app import create_daemon  # (after _prepare_warm_start: see there)
+
     daemon = await create_daemon(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -53,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(config_to_dict(cfg), indent=2))
         return 0
     logs.setup(cfg.log.level, cfg.log.format, instance=cfg.instance)
+    _prepare_warm_start(cfg)
     try:
         import uvloop
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from kvtier import _accel
 from kvtier.errors import CapacityExhausted, FailedPrecondition
+from kvtierd import shared_index
 from kvtierd.logs import event
 from kvtierd.segments import (
     DATA_SUFFIX,
@@ -221,6 +222,7 @@ def recover(store: Store, shm_dir: str, *, check: bool = True) -> RecoveryReport
         report.segments += 1
         report.blocks[seg.namespace] = report.blocks.get(seg.namespace, 0) + n
     store.finish_recovery()
+    shared_index.drop_prepared()  # (made ahead for extents that were dropped)
     if check:
         report.problems = store.check()
         log_problems(report.problems)

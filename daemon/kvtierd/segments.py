@@ -581,6 +581,40 @@ class Segment:
         return memoryview(self.mm)[start : start + length]
 
 
+def slots_by_namespace(shm_dir: str, *, max_bytes: int) -> dict[str, int]:
+    """The slots of the segments in ``shm_dir`` a warm start would attach, per
+    namespace, from their metadata headers alone (validated as ``Segment.attach`` does;
+    nothing written, nothing kept open; a file that does not validate counts nothing),
+    at most ``max_bytes`` of slots per namespace (what dram.capacity can adopt): an
+    upper bound on the blocks recovery will adopt (``shared_index.prepare_tables``)."""
+    out: dict[str, int] = {}
+    try:
+        names = sorted(os.listdir(shm_dir))
+    except OSError:
+        return out
+    for file in names:
+        if not file.endswith(META_SUFFIX):
+            continue
+        try:
+            fd = os.open(os.path.join(shm_dir, file), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            head = read_header(os.pread(fd, HEADER_BYTES, 0))
+            layout = _validated_layout(head, size)
+            name = str(head["namespace"])
+            if file != segment_file_name(name, int(head["index"]), META_SUFFIX):  # type: ignore[call-overload]
+                continue
+        except (OSError, ValueError, struct.error, SegmentInvalid):
+            continue
+        finally:
+            os.close(fd)
+        most = max_bytes // layout.slot_bytes
+        out[name] = min(most, out.get(name, 0) + layout.n_slots)
+    return out
+
+
 def read_header(mm: mmap.mmap | bytes) -> dict[str, object]:
     """Decode and validate a header; raises ValueError naming what is wrong."""
     head = bytes(mm[: _HEADER.size])

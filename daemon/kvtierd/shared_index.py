@@ -176,11 +176,13 @@ _serials = itertools.count(1)
 
 #: ``add_slots`` populates a table it grows to at least this size in the background.
 POPULATE_MIN_BYTES: Final = 16 << 20
-#: How full (num, den) recovery may leave a table it sizes for all the keys it adopts:
-#: denser than the live daemon's (a table it grows is at most 3/8 full), since the
-#: restart waits for every fresh page of it (~0.8 ms/MiB on a VM); the first rebuild
-#: (at 3/4 used, tombstones counted) brings it to the live size.
-RECOVERY_LOAD: Final = (2, 3)
+#: How full (num, den) a table grown for a batch of keys (``add_slots``: a commit's, a
+#: recovered extent's, recovery's all at once) may be.  Tables double, so one holding N
+#: keys is 1/3..2/3 full: a miss probes ~2-5 entries (one cache line each), and a warm
+#: restart waits for half the fresh pages a table at most half full would need
+#: (~0.8 ms/MiB of first touch on a VM).  Inserts stop at 3/4 used (tombstones count);
+#: the rebuild then leaves it at most 3/8 full (``_replace``).
+GROW_LOAD: Final = (2, 3)
 
 
 class _Table:
@@ -188,6 +190,7 @@ class _Table:
 
     def __init__(self, capacity: int, max_probe: int) -> None:
         self.capacity = capacity
+        self.max_probe = max_probe
         self.serial = next(_serials)
         self.fd, self.mm = sealed_memfd(
             "kvtier-index", HEADER_BYTES + capacity * ENTRY_BYTES,
@@ -199,6 +202,8 @@ class _Table:
         """Allocate the table's pages in a thread (``_native.index_populate``, GIL
         released) while the writer goes on: a table made for a warm restart's millions of
         keys would otherwise take its page faults one insert at a time."""
+        if self._populating is not None:
+            return  # (made ahead: populating already)
         self._populating = threading.Thread(target=_native.index_populate, args=(self.mm,),
                                             name="kvtier-index-populate", daemon=True)
         self._populating.start()
@@ -208,6 +213,59 @@ class _Table:
             self._populating.join()
         self.mm.close()
         os.close(self.fd)
+
+
+def capacity_for(keys: int, start: int = 0) -> int:
+    """The entries of a table grown for ``keys`` keys (from ``start`` entries, at
+    least MIN_CAPACITY): at most ``GROW_LOAD`` full."""
+    num, den = GROW_LOAD
+    want = max(start, MIN_CAPACITY)
+    while keys * den > want * num:
+        want *= 2
+    return want
+
+
+#: Tables made ahead of a warm start (``prepare_tables``), by namespace.
+_prepared: dict[str, _Table] = {}
+
+
+def prepare_tables(keys: dict[str, int], max_probe: int = MAX_PROBE) -> None:
+    """Make each namespace's key index table ahead of a warm start, sized for at most
+    ``keys[name]`` keys (``segments.slots_by_namespace``), its pages populated by a
+    thread meanwhile: kvtierd calls this before it imports the rest of itself, so a
+    third of a second of imports hides the table's first touch (~0.8 ms/MiB on a VM:
+    0.1 s for a million keys), and recovery's inserts find the pages there.  Recovery
+    takes a table whose size it wants (``_take_prepared``) and closes the rest
+    (``drop_prepared``).  Tables too small to be worth a thread are not made."""
+    for name, n in keys.items():
+        capacity = capacity_for(n)
+        if capacity * ENTRY_BYTES < POPULATE_MIN_BYTES or name in _prepared:
+            continue
+        try:
+            table = _Table(capacity, max_probe)
+        except OSError as exc:  # (no memory for it now: recovery makes its own, or fails)
+            log.debug("no index table made ahead for %r: %s", name, exc)
+            continue
+        table.populate_in_background()
+        _prepared[name] = table
+
+
+def _take_prepared(namespace: str, capacity: int, max_probe: int) -> _Table | None:
+    """The table made ahead for ``namespace``, if it has between ``capacity`` and
+    twice that many entries (the slots were an upper bound on the keys)."""
+    table = _prepared.pop(namespace, None)
+    if table is None:
+        return None
+    if capacity <= table.capacity <= 2 * capacity and table.max_probe == max_probe:
+        return table
+    table.close()
+    return None
+
+
+def drop_prepared() -> None:
+    """Close the tables made ahead that recovery did not take."""
+    while _prepared:
+        _prepared.popitem()[1].close()
 
 
 class SharedIndex:
@@ -341,17 +399,14 @@ class SharedIndex:
         limit -- for the caller (which copy stays; ``add`` keeps the others apart).
         ``room``: keys still to come (recovery's count of every extent's blocks): the
         table grows once, for them all, instead of doubling extent by extent (each
-        growth copies every key), to at most 2/3 full (``RECOVERY_LOAD``)."""
+        growth copies every key), to at most ``GROW_LOAD`` full."""
         slots = np.ascontiguousarray(slots, dtype=np.uint64)
         left: list[int] = []
         t = self._table
         if t is None:
             return list(range(len(slots)))
         used = _native.index_info(t.mm)[2]
-        want = t.capacity
-        num, den = RECOVERY_LOAD
-        while (used + max(len(slots), room)) * den > want * num:
-            want *= 2
+        want = capacity_for(used + max(len(slots), room), t.capacity)
         if want > t.capacity:
             if self._replace(want) is None:
                 return list(range(len(slots)))
@@ -423,7 +478,8 @@ class SharedIndex:
                 capacity *= 2  # a rebuild at this size would leave it past a quarter full
         try:
             for _ in range(3):  # a key the copy skips (probe limit) would be lost: go larger
-                new = _Table(capacity, self._max_probe)
+                new = (_take_prepared(self.namespace, capacity, self._max_probe)
+                       or _Table(capacity, self._max_probe))
                 _, skipped = _native.index_copy(new.mm, old.mm)
                 if not skipped:
                     break

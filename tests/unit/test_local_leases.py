@@ -92,6 +92,26 @@ def test_a_lease_reads_the_published_location_and_holds_hazards_until_released()
     shared.close()
 
 
+@pytest.mark.parametrize("miss", [0, 15, 16, 17, 40])
+def test_a_lease_of_many_keys_holds_exactly_the_leading_hits(miss: int) -> None:
+    """Leases hash and prefetch keys ahead of their probe: a miss anywhere in a batch
+    longer than that still ends it there, with hazards for exactly the hits before it."""
+    shared = SharedIndex("ns", lower_tiers=False)
+    ks = [os.urandom(16) for _ in range(40)]
+    for i, k in enumerate(ks):
+        shared.add(k, _loc(i))
+    page, local = _pair(shared)
+    got = local.acquire([*ks[:miss], b"missing-key", *ks[miss:]])
+    assert got is not None
+    slots, at, _serial = got
+    assert [tuple(s)[2] for s in slots] == [100 + i for i in range(miss)]  # (lengths)
+    assert collect_hazards([page]) == {hazard_of(7, i) for i in range(miss)}
+    local.release(at, len(slots))
+    local.close()
+    page.close()
+    shared.close()
+
+
 def test_a_lease_held_past_the_ttl_is_ended_by_the_daemon_and_the_client_hears_it() -> None:
     shared = SharedIndex("ns", lower_tiers=False)
     ks = [os.urandom(16) for _ in range(3)]

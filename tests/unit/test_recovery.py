@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvtier import _accel
-from kvtierd import recovery
+from kvtierd import recovery, segments, shared_index
 from kvtierd.block_table import REFERENCED
 from kvtierd.segments import (
     DATA_SUFFIX,
@@ -462,3 +462,51 @@ def test_a_forged_generation_of_a_free_slot_does_not_cost_blocks_at_the_next_res
     assert report.dropped_slots == collections.Counter()
     assert report.blocks == {"ns": 14}
     again.close_all()
+
+
+def test_the_index_table_made_ahead_from_the_headers_is_the_one_recovery_fills(
+    shm_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvtierd makes each namespace's key index table from the segment headers before
+    it imports the rest of itself (``segments.slots_by_namespace`` ->
+    ``shared_index.prepare_tables``): recovery fills that table when it is the size it
+    wants, and closes every table made ahead that it does not take."""
+    layout = SegmentLayout.fit(BB, 4 << 20)
+    assert layout is not None and layout.n_slots > 700  # past MIN_CAPACITY's 2/3
+    full = Segment.create(shm_dir, segment_id=1, namespace="full", model_uid="m", index=0,
+                          layout=layout, boot_epoch=OLD_EPOCH, mlock=False)
+    sparse = Segment.create(shm_dir, segment_id=2, namespace="sparse", model_uid="m", index=0,
+                            layout=layout, boot_epoch=OLD_EPOCH, mlock=False)
+    for slot in range(layout.n_slots):
+        full.mark_committed(slot, key=b"%016d" % slot, length=1, checksum=None,
+                            last_access=slot + 1, generation=1, epoch=OLD_EPOCH)
+    sparse.mark_committed(0, key=b"only", length=1, checksum=None, last_access=1,
+                          generation=1, epoch=OLD_EPOCH)
+    bad = _segment(shm_dir, 1, namespace="full")
+    bad.meta[3] ^= 0xFF  # counts nothing (recovery drops it)
+    misnamed = _segment(shm_dir, 0, namespace="other")
+    for seg in (full, sparse, bad, misnamed):
+        seg.close(unlink=False)
+    os.rename(misnamed.meta_path, os.path.join(shm_dir, "elsewhere.meta"))
+    with open(os.path.join(shm_dir, "junk.meta"), "wb") as f:
+        f.write(b"\xff" * 5000)
+    counts = segments.slots_by_namespace(shm_dir, max_bytes=1 << 30)
+    assert counts == {"full": layout.n_slots, "sparse": layout.n_slots}
+    assert segments.slots_by_namespace(shm_dir, max_bytes=100 * BB) == {"full": 100,
+                                                                       "sparse": 100}
+    monkeypatch.setattr(shared_index, "POPULATE_MIN_BYTES", 0)  # (small tables too)
+    shared_index.prepare_tables(counts)
+    made = dict(shared_index._prepared)
+    assert sorted(made) == ["full", "sparse"]
+    store = _store(shm_dir, capacity=64 << 20)
+    report = recovery.recover(store, shm_dir)
+    assert shared_index._prepared == {}
+    full_ns, sparse_ns = store.namespaces["full"], store.namespaces["sparse"]
+    assert full_ns.index.table.serial == made["full"].serial  # filled the one made ahead
+    assert sparse_ns.index.table.serial != made["sparse"].serial  # 1 key: its own, small
+    with pytest.raises(ValueError):
+        made["sparse"].mm.read_byte()  # closed
+    assert full_ns.index.find([b"%016d" % s for s in range(layout.n_slots)]).all()
+    assert sparse_ns.index.find([b"only"]).all()
+    assert report.problems == [] and store.check() == []
+    store.close_all()

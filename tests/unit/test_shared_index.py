@@ -56,6 +56,21 @@ def test_set_get_remove_and_lookup_of_the_leading_keys() -> None:
     assert _native.index_lookup(t, keys) is None
 
 
+def test_a_batch_lookup_stops_at_its_first_miss_wherever_it_falls() -> None:
+    """Lookups hash and prefetch keys ahead of their probe (16 at a time): the answer
+    is still the leading hits, whether the miss falls before, inside or after a group."""
+    t = _table(1024)
+    keys = [b"%016d" % i for i in range(100)]
+    for i, k in enumerate(keys):
+        assert _native.index_set(t, k, 1 + i % 2, i) == 1
+    tiers = bytes(1 + i % 2 for i in range(100))
+    assert _native.index_lookup(t, keys) == (tiers, True)
+    for miss in (0, 1, 15, 16, 17, 31, 32, 50, 99, 100):
+        probe = [*keys[:miss], b"absent-%09d" % miss, *keys[miss:]]
+        assert _native.index_lookup(t, probe) == (tiers[:miss], True), miss
+    assert _native.index_lookup(t, []) == (b"", True)
+
+
 def test_keys_the_table_cannot_judge_are_left_to_the_daemon() -> None:
     t = _table()
     _native.index_set(t, b"k", 1, 0)
