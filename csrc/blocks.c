@@ -2710,6 +2710,17 @@ bt_get_slot_bytes(BlockTable *t, void *Py_UNUSED(closure))
     return PyLong_FromUnsignedLongLong(t->slot_bytes);
 }
 
+static PyObject *
+bt_get_n_slots(BlockTable *t, void *Py_UNUSED(closure))
+{
+    long long slots = 0;
+    tlock(t);
+    for (Py_ssize_t x = 0; x < t->n_ext; x++)
+        slots += t->ext[x]->n_slots;
+    tunlock(t);
+    return PyLong_FromLongLong(slots);
+}
+
 /* ------------------------------------------------------------------------- */
 /* Store.check's rows (issue 26)                                              */
 /* ------------------------------------------------------------------------- */
@@ -2836,6 +2847,8 @@ static PyGetSetDef bt_getset[] = {
      "Bytes of native memory the table holds (records, extents, its object).", NULL},
     {"block_bytes", (getter)bt_get_block_bytes, NULL, "The namespace's block size.", NULL},
     {"slot_bytes", (getter)bt_get_slot_bytes, NULL, "Bytes between two slots' data.", NULL},
+    {"n_slots", (getter)bt_get_n_slots, NULL,
+     "Slots of all the table's extents (counts()['slots'] without the dict).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

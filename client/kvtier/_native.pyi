@@ -212,6 +212,9 @@ class BlockTable:
     def block_bytes(self) -> int: ...
     @property
     def slot_bytes(self) -> int: ...
+    @property
+    def n_slots(self) -> int:
+        """Slots of all the table's extents."""
     def add_extent(self, extent_id: int, n_slots: int, meta: _Buffer, created_unix_ns: int,
                    /) -> None:
         """Add a freshly formatted extent (all FREE) over its writable slot table."""

@@ -165,9 +165,11 @@ def by_extent(refs: Refs) -> list[tuple[int, npt.NDArray[np.bool_] | None]]:
     is of that one extent (the usual batch: no pass over the refs per extent)."""
     if not len(refs):
         return []
-    ids = refs >> np.uint64(32)
     first = int(refs[0]) >> 32
-    if len(refs) == 1 or bool((ids == first).all()):
+    if len(refs) == 1:
+        return [(first, None)]
+    ids = refs >> np.uint64(32)
+    if bool((ids == first).all()):
         return [(first, None)]
     return [(ext_id, ids == ext_id) for ext_id in np.unique(ids).tolist()]
 
@@ -193,6 +195,11 @@ class BlockTable:
         if _native is None:
             raise RuntimeError("kvtier._native is not built: no native block table")
         self._t = _native.BlockTable(block_bytes, slot_bytes, seed)
+
+    @property
+    def n_slots(self) -> int:
+        """Slots of all its extents (``counts().slots``, without building the counts)."""
+        return int(self._t.n_slots)
 
     @property
     def native_bytes(self) -> int:

@@ -1261,3 +1261,15 @@ def test_entries_read_keys_and_fields_of_the_slot_entries() -> None:
         t.entries([refs[0] + np.uint64(100)])
     t.release_claims(refs[3:])
     assert t.check() == []
+
+
+def test_n_slots_is_the_counts_slots_through_adds_and_removes() -> None:
+    t, _ = table(16, 1)
+    assert t.n_slots == t.counts().slots == 16
+    other = bytearray(40 * SLOT_ENTRY_BYTES)
+    t.add_extent(2, 40, other, CREATED)
+    assert t.n_slots == t.counts().slots == 56
+    t.remove_extent(1)
+    assert t.n_slots == t.counts().slots == 40
+    t.remove_extent(2)
+    assert t.n_slots == t.counts().slots == 0

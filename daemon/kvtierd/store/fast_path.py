@@ -155,7 +155,7 @@ class FastPath(Operations):
         at its quota, grants what the writer asks for and no batch)."""
         if wanted <= 0:
             return 0
-        share = ns.table.counts().slots // GRANT_SHARE  # (O(1) here: once a ring)
+        share = ns.table.n_slots // GRANT_SHARE
         return min(self.grant_limit(ns), max(4 * wanted, REFILL_BATCH), max(wanted, share))
 
     @staticmethod
@@ -199,15 +199,15 @@ class FastPath(Operations):
         # after the answer when the writer still holds what its next put takes (the
         # claim is then off its round trip), else before it; so does all but the answer.
         wanted = page.wanted()
-        if len(session.grants) < wanted:
-            self.refill_grants(session, self.grant_target(session.ns, wanted), wanted)
-        page.finish_commits(results)
         target = self.grant_target(session.ns, wanted)
+        if len(session.grants) < wanted:
+            self.refill_grants(session, target, wanted)
+        page.finish_commits(results)
         if self._needs_refill(session, target):
             self.refill_grants(session, target, wanted)
         out.committed = results.count(_COMMITTED)
         if out.committed == len(records):
-            out.nbytes = int(records.columns[_LENGTH].sum())
+            out.nbytes = sum(records.columns[_LENGTH].tolist())
         elif out.committed:
             done = np.frombuffer(results, dtype=np.uint8) == _COMMITTED
             out.nbytes = int(records.columns[_LENGTH][done].sum())
@@ -257,24 +257,26 @@ class FastPath(Operations):
         whole = lo == 0 and hi == len(records)
         keys = records.keys if whole else records.keys[lo:hi]
         cols = records.columns if whole else records.columns[:, lo:hi]
-        new = ns.index.find(keys) == 0
+        # (Python lists, not numpy reductions, for the flags: a batch is often 1 key.)
+        new = (ns.index.find(keys) == 0).tolist()
         in_flight = ns.in_flight
         if in_flight or exists is not None:
             for i, key in enumerate(keys):
                 if new[i] and (key in in_flight or (exists is not None and exists(key))):
                     new[i] = False
-        if new.all():
+        if all(new):
             codes = bytes([_COMMITTED]) * (hi - lo)
         else:
-            codes = np.where(new, np.uint8(_COMMITTED), np.uint8(_EXISTS)).tobytes()
-            if not new.any():
+            codes = bytes(_COMMITTED if f else _EXISTS for f in new)
+            if not any(new):
                 return codes, []
-            cols = np.ascontiguousarray(cols[:, new])  # (a mask gives Fortran order)
-            keys = [k for k, f in zip(keys, new.tolist(), strict=True) if f]
+            cols = np.ascontiguousarray(cols[:, np.array(new)])  # (a mask: Fortran order)
+            keys = [k for k, f in zip(keys, new, strict=True) if f]
         entries, _words, refs, lengths, sums, has = cols
+        flags = has.tolist()
         checksums: list[int | None] | npt.NDArray[np.uint64] | None = (
-            sums if has.all() else None if not has.any() else
-            [c if h else None for c, h in zip(sums.tolist(), has.tolist(), strict=True)])
+            sums if all(flags) else None if not any(flags) else
+            [c if h else None for c, h in zip(sums.tolist(), flags, strict=True)])
         grants = session.grants
         done = entries.tolist()
         gens = np.fromiter((grants[g][2] for g in done), dtype=np.uint64, count=len(done))
@@ -285,7 +287,12 @@ class FastPath(Operations):
             del grants[g]
             if seen:
                 seen.pop(g, None)
-        session.grant_words[entries] = 0
+        words = session.grant_words
+        if len(done) <= 8:  # (a fancy assignment costs more than a few item sets)
+            for g in done:
+                words[g] = 0
+        else:
+            words[entries] = 0
         page = ns.pages.get(session.id)
         if page is not None:  # before DONE: the writer never sees them as its own again
             page.set_grants(entries, np.zeros(len(done), dtype=np.uint64))

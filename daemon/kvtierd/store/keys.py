@@ -67,12 +67,12 @@ class Keys:
     def find(self, keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
         """Each key's block ref, 0 when absent (hashed hits checked against the slot)."""
         refs = self.table.find_many(keys)
-        if not len(refs):
+        hits = np.flatnonzero(refs)
+        if not len(hits):  # (a commit's new keys: nothing to check)
             return refs
-        check = (refs != 0) & _hashed(keys)
-        if check.any():
-            at = np.flatnonzero(check)
-            ok = self._ns.table.match_keys(refs[at], [keys[i] for i in at])
+        at = hits[_hashed([keys[i] for i in hits.tolist()])]
+        if len(at):
+            ok = self._ns.table.match_keys(refs[at], [keys[i] for i in at.tolist()])
             refs[at[~ok]] = 0
         return refs
 
