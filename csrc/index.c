@@ -250,16 +250,12 @@ w_find(const table *t, const fingerprint *f, idx_entry **slot)
     return w_find_from(t, f, home(t, f), slot);
 }
 
-/* 1 stored, 0 past the probe limit, -1 the table is 3/4 full. */
+/* t_set of a key its probe just found absent, into the probe's reusable entry (slot):
+ * 1 stored, 0 past the probe limit (no slot), -1 the table is 3/4 full. */
 static int
-t_set(table *t, const fingerprint *f, uint8_t tier, uint64_t ref, const location *loc)
+t_set_new(table *t, idx_entry *slot, const fingerprint *f, uint8_t tier, uint64_t ref,
+          const location *loc)
 {
-    idx_entry *slot;
-    idx_entry *e = w_find(t, f, &slot);
-    if (e != NULL) {
-        entry_write(e, E_LIVE, tier, f, ref, loc);
-        return 1;
-    }
     if (slot == NULL)
         return 0;
     if (slot->state == E_EMPTY) {
@@ -270,6 +266,19 @@ t_set(table *t, const fingerprint *f, uint8_t tier, uint64_t ref, const location
     entry_write(slot, E_LIVE, tier, f, ref, loc);
     t->h->live++;
     return 1;
+}
+
+/* 1 stored, 0 past the probe limit, -1 the table is 3/4 full. */
+static int
+t_set(table *t, const fingerprint *f, uint8_t tier, uint64_t ref, const location *loc)
+{
+    idx_entry *slot;
+    idx_entry *e = w_find(t, f, &slot);
+    if (e != NULL) {
+        entry_write(e, E_LIVE, tier, f, ref, loc);
+        return 1;
+    }
+    return t_set_new(t, slot, f, tier, ref, loc);
 }
 
 /* ---------------------------------------------------------------- reader */
@@ -697,7 +706,7 @@ set_slots_run(set_slots_job *j)
             int has = (p[KVT_SLOT_FLAGS] & KVT_SLOT_HAS_CHECKSUM) != 0;
             location loc = {j->segment, (uint32_t)s, s * j->slot_bytes, length,
                             has ? checksum : 0, has};
-            r = t_set(&j->t, &fi, 1, 0, &loc);
+            r = t_set_new(&j->t, reuse, &fi, 1, 0, &loc); /* (the probe just made) */
             if (r < 0) {
                 j->at = i; /* 3/4 full: grow, then call again from i */
                 return;
@@ -1228,19 +1237,43 @@ kvt_py_index_copy(PyObject *Py_UNUSED(m), PyObject *args)
     if (open_table(&dst, &d) == 0 && open_table(&src, &s) == 0) {
         uint64_t copied = 0, skipped = 0;
         int full = 0;
-        for (uint64_t i = 0; i <= s.mask && !full; i++) {
-            idx_entry *e = &s.e[i];
-            if (e->state != E_LIVE)
-                continue;
-            fingerprint f = {e->fp0, e->fp1, e->flags};
-            location loc = {e->segment, e->slot, e->offset, e->length, e->checksum, e->has_sum};
-            int r = t_set(&d, &f, e->tier, e->ref, &loc);
-            if (r < 0)
-                full = 1;
-            else if (r == 0)
-                skipped++;
-            else
-                copied++;
+        /* The live entries a group at a time: their new homes prefetched, then inserted
+         * (a rebuild of millions of keys misses the cache on every insert). */
+        const idx_entry *group[LOOKUP_AHEAD];
+        uint64_t hs[LOOKUP_AHEAD];
+        for (uint64_t i = 0; i <= s.mask && !full;) {
+            int m = 0;
+            for (; i <= s.mask && m < LOOKUP_AHEAD; i++) {
+                const idx_entry *e = &s.e[i];
+                if (e->state != E_LIVE)
+                    continue;
+                fingerprint f = {e->fp0, e->fp1, e->flags};
+                hs[m] = home(&d, &f);
+                __builtin_prefetch(&d.e[hs[m]], 1, 3);
+                group[m++] = e;
+            }
+            for (int k = 0; k < m && !full; k++) {
+                const idx_entry *e = group[k];
+                fingerprint f = {e->fp0, e->fp1, e->flags};
+                location loc = {e->segment, e->slot, e->offset, e->length, e->checksum,
+                                e->has_sum};
+                idx_entry *slot;
+                idx_entry *at = w_find_from(&d, &f, hs[k], &slot);
+                int r;
+                if (at != NULL) {
+                    entry_write(at, E_LIVE, e->tier, &f, e->ref, &loc);
+                    r = 1;
+                }
+                else {
+                    r = t_set_new(&d, slot, &f, e->tier, e->ref, &loc);
+                }
+                if (r < 0)
+                    full = 1;
+                else if (r == 0)
+                    skipped++;
+                else
+                    copied++;
+            }
         }
         if (full)
             PyErr_SetString(PyExc_ValueError, "the destination index is too small");
