@@ -81,11 +81,12 @@ class Adoption(FastPath):
             raise
         # Applied: nothing below can fail.
         ext = Extent(segment, ns.table)
-        states = segment.scan(copy=False)["state"]
-        deadline = self._clock() + self.reservation_ttl
-        ext.quarantine = dict.fromkeys(np.flatnonzero(states == SlotState.RESERVED).tolist(),
-                                       deadline)
-        del states
+        if got.reserved:  # (a pass over the slot table only when the crash left some)
+            states = segment.scan(copy=False)["state"]
+            deadline = self._clock() + self.reservation_ttl
+            ext.quarantine = dict.fromkeys(
+                np.flatnonzero(states == SlotState.RESERVED).tolist(), deadline)
+            del states
         ns.extents.append(ext)
         ns.by_id[ext.id] = ext
         ns.extents.sort(key=lambda e: e.segment.index)
