@@ -219,6 +219,9 @@ class ClusterTier:
         self._cool_until = 0.0  # 0: the master answered last time
         self._probing = False
         self._cool_why = ""
+        #: Maps new DRAM extents into the agent ahead of their first publish.
+        self._mapper = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kvtier-cluster-map")
 
     # ------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -233,6 +236,7 @@ class ClusterTier:
         if a is not None:
             with contextlib.suppress(OSError):
                 a.sock.shutdown(socket.SHUT_RDWR)  # the agent sees EOF and leaves
+        self._mapper.shutdown(wait=False, cancel_futures=True)
         if self._supervisor is not None:
             self._supervisor.join(timeout=15)
         a = self._agent
@@ -276,6 +280,8 @@ class ClusterTier:
                 joined = self._handshake(a)
                 if joined:
                     delay = BACKOFF[0]
+                    for seg in self._segments():  # the extents made before it joined
+                        self.premap(seg)
                     self._serve(a)
             except Exception:  # noqa: BLE001 (a bug: the agent goes, the tier stays)
                 log.exception("cluster: the agent's supervisor failed; restarting the agent")
@@ -599,6 +605,33 @@ class ClusterTier:
                     self._call("seg", seg.segment_id, size, fds=[seg.fd], agent=a)
                     a.mapped.add(seg.segment_id)
         return seg.segment_id, offset
+
+    def premap(self, seg: Segment) -> None:
+        """Have the agent map a DRAM extent now, on a thread of its own, rather than at
+        the extent's first publish (which then waits for the mapping: 1-10 ms); the
+        store calls this for every extent it makes (``Store.on_extent``), from the
+        event loop. Whatever goes wrong is left to that first publish."""
+        a = self._agent
+        if a is None or not a.ready or self._stop.is_set():
+            return
+        with contextlib.suppress(RuntimeError):  # shut down: the daemon is stopping
+            self._mapper.submit(self._premap, a, seg)
+
+    def _premap(self, a: _Agent, seg: Segment) -> None:
+        if seg.segment_id in a.mapped or not a.ready:
+            return
+        if seg.segment_id not in {s.segment_id for s in self._segments()}:
+            return  # retired meanwhile: its descriptor may be gone
+        size = seg.layout.data_bytes
+        try:
+            if os.fstat(seg.fd).st_size < size:
+                return  # cut short: the publish path says so
+            with a.map_lock:
+                if seg.segment_id not in a.mapped:
+                    self._call("seg", seg.segment_id, size, fds=[seg.fd], agent=a)
+                    a.mapped.add(seg.segment_id)
+        except (OSError, ClusterDown):
+            pass
 
     def _drop_retired(self, a: _Agent) -> None:
         """Let the agent unmap segments the daemon retired (their memory is freed only
