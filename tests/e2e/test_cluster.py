@@ -101,8 +101,8 @@ def _segment_memory(agent: int) -> tuple[list[int], int]:
 def test_the_lent_segment_is_prefaulted_in_the_background_and_puts_stay_byte_exact(
         fleet: Fleet) -> None:
     """``cluster.prefault_segment`` (on by default, as in this fleet): the agent lends a
-    memfd of its own, faults all of it in once joined and says so; off, it lends the
-    same and leaves it to fill as written. Both serve the other host byte-exact."""
+    memfd of its own, faults all of it in once joined and says so; off, it lends
+    Mooncake's own memory, filled as written. Both serve the other host byte-exact."""
     assert fleet.a is not None and fleet.b is not None
     seg = 64 << 20  # the fleet's cluster.segment_bytes
     wait_for(lambda: "segment pre-faulted (64 MiB" in cluster_note(fleet.a), 30,
@@ -113,9 +113,8 @@ def test_the_lent_segment_is_prefaulted_in_the_background_and_puts_stay_byte_exa
     c = fleet.start_daemon("a", "--set", "cluster.prefault_segment=false", name="c-cold")
     try:
         (cold,) = _children(c.proc.pid)
-        time.sleep(1)  # what a pre-fault of 64 MiB takes here, several times over
         sizes, resident = _segment_memory(cold)
-        assert sizes == [seg] and resident < seg // 2
+        assert sizes == [] and resident < seg // 2  # Mooncake's segment, not a memfd
         assert "pre-fault" not in cluster_note(c)
         for d, seed in ((fleet.a, 30), (c, 31)):
             keys, data = fresh_keys(6), blocks(6, seed)
@@ -124,7 +123,6 @@ def test_the_lent_segment_is_prefaulted_in_the_background_and_puts_stay_byte_exa
                 wait_for(lambda b=b, keys=keys: b.lookup(keys) == 6, 20,
                          "B to find the blocks")
                 assert [bytes(x) for x in b.get(keys)] == [bytes(x) for x in data]
-        assert _segment_memory(cold)[1] >= 6 * BB  # written: now resident
     finally:
         stop_daemon(c)
     assert fleet.a.check() == [] and fleet.b.check() == []

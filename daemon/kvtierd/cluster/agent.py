@@ -25,11 +25,14 @@ Replies are ``[id, result]`` or ``[id, None, error text]``; the agent says
 and, with ``prefault_segment``, ``[0, "prefaulted", [bytes, seconds, why not]]``
 once it has faulted in the segment it lends (in the background, after "ready").
 
-The segment it lends is kvtier's own memory: a memfd the agent creates and hands
-to Mooncake with ``mount_segment`` (``setup`` lends none). Mooncake maps the file
-itself and does not say where; the agent finds that mapping in ``/proc/self/maps``
-by the memfd's device and inode -- no other mapping can carry them -- and
-pre-faults exactly those pages (``madvise(MADV_POPULATE_WRITE)``).
+With ``prefault_segment`` the segment it lends is kvtier's own memory: a memfd
+the agent creates and hands to Mooncake with ``mount_segment`` (``setup`` then
+lends none). Mooncake maps the file itself and does not say where; the agent finds
+that mapping in ``/proc/self/maps`` by the memfd's device and inode -- no other
+mapping can carry them -- and pre-faults exactly those pages
+(``madvise(MADV_POPULATE_WRITE)``). Without it, ``setup`` lends Mooncake's own
+anonymous memory as before (first writes into a cold memfd cost more than into
+cold anonymous memory: docs/benchmarks.md).
 
 It checks every offset against its mapping before a transfer (Mooncake does
 not: a read past a buffer's end is a segfault), probes the master's port
@@ -194,15 +197,17 @@ class Agent:
         if why is not None:
             return why
         store = MooncakeDistributedStore()
-        # No segment of Mooncake's: the agent lends its own (below), whose pages it can find.
-        rc = store.setup(self.cfg["local_hostname"], meta, 0,
+        size = int(self.cfg["segment_bytes"])
+        # To pre-fault it, the agent lends a segment of its own (below), whose pages it
+        # can find; else Mooncake's.
+        own = size > 0 and bool(self.cfg.get("prefault_segment"))
+        rc = store.setup(self.cfg["local_hostname"], meta, 0 if own else size,
                          int(self.cfg["local_buffer_bytes"]), self.cfg["protocol"],
                          self.cfg.get("device_name", ""), master)
         if rc != 0:
             return f"Mooncake setup returned {rc} (master {master}, metadata server {meta})"
         self.store = store
-        size = int(self.cfg["segment_bytes"])
-        if size > 0:
+        if own:
             why = self._lend(size)
             if why is not None:
                 return why
@@ -281,7 +286,7 @@ class Agent:
             self.send([0, "failed", why])
             return EXIT_UNREACHABLE if "unreachable" in why else EXIT_SETUP
         self.send([0, "ready", self.hostname])
-        if self.segment_fd >= 0 and self.cfg.get("prefault_segment"):
+        if self.segment_fd >= 0:
             self._prefaulter = threading.Thread(target=self._prefault, daemon=True,
                                                 name="agent-prefault")
             self._prefaulter.start()
