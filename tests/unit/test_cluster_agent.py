@@ -8,6 +8,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,3 +184,34 @@ def test_prefaulting_stops_between_steps_when_the_agent_stops() -> None:
         a._pool.shutdown()
         ours.close()
         a.sock.close()
+
+
+def _rss_of_mapping(base: int) -> int:
+    """Resident bytes of this process's mapping starting at ``base`` (smaps)."""
+    with open("/proc/self/smaps") as f:
+        lines = iter(f.read().splitlines())
+    for line in lines:
+        if line.split("-", 1)[0] == f"{base:x}":
+            for field in lines:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {base:#x}")
+
+
+def test_a_dram_segment_mapped_has_its_page_tables_filled_in_the_background(
+        agent: tuple[Agent, FakeStore]) -> None:
+    """The agent's mapping of a DRAM segment is populated after ``seg`` answers, so the
+    first transfers through it take no page faults; a drop waits for the populate."""
+    a, _store = agent
+    size = 4 << 20
+    fd = os.memfd_create("dram-extent")
+    os.ftruncate(fd, size)
+    os.posix_fallocate(fd, 0, size)  # the daemon made (pre-faulted) its pages already
+    assert a._map(9, size, fd) == 0  # the agent closes fd
+    seg = a._segs[9]
+    deadline = time.monotonic() + 10
+    while _rss_of_mapping(seg.base) < size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _rss_of_mapping(seg.base) == size
+    a._drop(9)
+    assert 9 not in a._segs

@@ -183,6 +183,9 @@ class Agent:
         self.segment_bytes = 0
         self._stopping = threading.Event()
         self._prefaulter: threading.Thread | None = None
+        #: Fills the page tables of the DRAM segments the agent maps (``_populate``).
+        self._populator = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="agent-populate")
 
     # ------------------------------------------------------------ setup
     def setup(self) -> str | None:
@@ -312,6 +315,7 @@ class Agent:
             if self._prefaulter is not None:
                 self._prefaulter.join()  # one step at most: then nothing touches the mapping
             self._pool.shutdown(wait=True)
+            self._populator.shutdown(wait=True, cancel_futures=True)
             try:
                 self.store.close()
             except Exception:  # noqa: BLE001 (exiting anyway)
@@ -351,9 +355,25 @@ class Agent:
         with self._segs_cv:
             old = self._segs.pop(seg_id, None)
             self._segs[seg_id] = seg
+            seg.users += 1  # the populate's (below)
         if old is not None:
             self._unmap(old)
+        self._populator.submit(self._populate, seg)
         return 0
+
+    def _populate(self, seg: _Segment) -> None:
+        """Fill this mapping's page tables (the daemon made the pages already), so the
+        first transfers through it take no page faults: ~16k per 64 MiB written, one per
+        page, since a shared file mapping faults in no neighbours for writes. In the
+        background (a thread of its own, niced); a file a client cut short makes madvise
+        fail, never fault, and is left to the transfers' own checks."""
+        try:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICE)
+            with contextlib.suppress(OSError):
+                prefault([(seg.base, seg.size)], self._stopping)
+        finally:
+            self._unuse({0: seg})
 
     def _drop(self, seg_id: int) -> int:
         with self._segs_cv:
