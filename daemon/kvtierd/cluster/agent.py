@@ -358,7 +358,10 @@ class Agent:
             seg.users += 1  # the populate's (below)
         if old is not None:
             self._unmap(old)
-        self._populator.submit(self._populate, seg)
+        try:
+            self._populator.submit(self._populate, seg)
+        except RuntimeError:  # shut down: the agent is exiting
+            self._unuse({0: seg})
         return 0
 
     def _populate(self, seg: _Segment) -> None:
