@@ -17,7 +17,9 @@ without vLLM, between two network namespaces (``tests/fleet.py``: a veth pair, a
   lookup) until all ``N`` are found.
 
 Commit to all-found is the figure; commit to the first one found shows how the blocks
-arrive (block by block, or the batch at once).  ``--tree NAME=PATH`` runs the daemons of
+arrive (block by block, or the batch at once).  ``--set NAME:KEY=VALUE`` gives the
+daemons of tree ``NAME`` a setting (two names for one checkout compare a setting on
+and off).  ``--tree NAME=PATH`` runs the daemons of
 another checkout (``PYTHONPATH`` of its ``client`` and ``daemon``; its native module
 built): every tree gets a fleet of its own, all up at once, and each round runs on every
 tree in turn (the order alternating), so a before / after pair of rounds sees the same
@@ -51,7 +53,7 @@ import kvtier  # noqa: E402
 from kvtier.units import parse_size  # noqa: E402
 from kvtierd.cluster.format import HEADER_BYTES, Naming  # noqa: E402
 from kvtierd.spill.format import model_hash  # noqa: E402
-from tests.fleet import SECRET, Fleet  # noqa: E402
+from tests.fleet import SECRET, Fleet, cluster_note, wait_for  # noqa: E402
 
 MODEL = "bench-cluster-publish"
 
@@ -100,6 +102,8 @@ class Rig:
     def __init__(self, args: argparse.Namespace, tree: str, path: str, index: int) -> None:
         path = os.path.abspath(path)
         env = {"PYTHONPATH": f"{path}/client:{path}/daemon"}
+        extra = [a for kv in args.set if kv.split(":", 1)[0] == tree
+                 for a in ("--set", kv.split(":", 1)[1])]
         self.tree = tree
         self.bb = parse_size(args.block)
         self.base = tempfile.mkdtemp(prefix="kvt-bpub-", dir="/tmp")
@@ -108,10 +112,16 @@ class Rig:
         self.clients: list[kvtier.Client] = []
         fleet = self.fleet
         fleet.start_master()
-        fleet.a = fleet.start_daemon("a", capacity=args.dram, extent="64MiB",
+        fleet.a = fleet.start_daemon("a", *extra, capacity=args.dram, extent="64MiB",
                                      segment=args.segment, env=env)
-        fleet.b = fleet.start_daemon("b", capacity="256MiB", extent="64MiB", segment="64MiB",
-                                     env=env)
+        fleet.b = fleet.start_daemon("b", *extra, capacity="256MiB", extent="64MiB",
+                                     segment="64MiB", env=env)
+        if "cluster.prefault_segment=false" not in extra and "MADV_POPULATE_WRITE" in open(
+                os.path.join(path, "daemon/kvtierd/cluster/agent.py")).read():
+            host_a = fleet.a
+            wait_for(lambda: "pre-fault" in cluster_note(host_a), 60,
+                     "host A's segment to be pre-faulted")
+            print(f"{tree}: {cluster_note(host_a)}", flush=True)
         counts = [int(c) for c in args.counts.split(",")]
         self.reader = cluster_bench.Reader(fleet, max(counts) * (self.bb + HEADER_BYTES + 4096))
 
@@ -203,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tree", action="append", default=[],
                    help="NAME=PATH: a checkout whose daemons to run (default: this one)")
+    p.add_argument("--set", action="append", default=[],
+                   help="NAME:KEY=VALUE: a setting of that tree's daemons (both hosts), e.g. "
+                        "off:cluster.prefault_segment=false; a tree may appear twice "
+                        "with different settings")
     p.add_argument("--cycles", type=int, default=1, help="fresh fleets, one after another")
     p.add_argument("--block", default="2MiB")
     p.add_argument("--counts", default="7,31", help="blocks per put (a 1k, a 4k prompt)")

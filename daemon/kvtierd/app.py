@@ -412,10 +412,12 @@ def _make_cluster(cc: ClusterConfig, store: Store) -> ClusterTier:
     settings = ClusterSettings(
         master=cc.master, metadata_server=metadata, protocol=cc.protocol,
         device_name=cc.device_name, segment_bytes=cc.segment_bytes,
-        segment_owner=cc.segment_owner,
+        prefault_segment=cc.prefault_segment, segment_owner=cc.segment_owner,
         local_hostname=cc.hostname, bind_address=cc.bind_address, replicas=cc.replicas,
         request_timeout=cc.request_timeout, setup_timeout=cc.setup_timeout)
-    return ClusterTier(settings, naming, segments=store.live_segments)
+    cluster = ClusterTier(settings, naming, segments=store.live_segments)
+    store.on_extent = cluster.premap
+    return cluster
 
 
 async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = None) -> Daemon:

@@ -350,6 +350,12 @@ DEFAULT_CLUSTER_SEGMENT_BYTES: Final = 1 * GiB
 DEFAULT_CLUSTER_REQUEST_TIMEOUT: Final = 30.0
 #: Joining takes ~0.1 s; Mooncake's setup retries for up to ~9 s (2 retries).
 DEFAULT_CLUSTER_SETUP_TIMEOUT: Final = 60.0
+#: On: the lent segment is memory the host has budgeted for the cluster (as DRAM's
+#: extents, which are pre-faulted too), and a batched put of 31 x 2 MiB into a cold
+#: segment took 34-78 ms against 11-13 ms into a pre-faulted one (docs/benchmarks.md);
+#: the cost is ``segment_bytes`` of RAM held from the agent's start (0.3-0.7 s per
+#: GiB here, in the background, after the agent has joined).
+DEFAULT_CLUSTER_PREFAULT_SEGMENT: Final = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -371,6 +377,11 @@ class ClusterConfig:
     device_name: str = ""
     #: Memory this host lends the cluster (a Mooncake global segment, in the agent).
     segment_bytes: int = DEFAULT_CLUSTER_SEGMENT_BYTES
+    #: Fault in every page of the lent segment once the agent has joined (in the
+    #: background), so the first writes into it do not pay the page faults; the host
+    #: then holds all of ``segment_bytes`` from the start. Nothing to do with a
+    #: ``segment_owner``.
+    prefault_segment: bool = DEFAULT_CLUSTER_PREFAULT_SEGMENT
     #: ``HOST:PORT``: the segment of a standalone ``mooncake_client --host=HOST:PORT``
     #: on this host that lends the memory instead (the agent lends none, and this
     #: host's blocks outlive kvtierd's restarts and its agent's crashes); "": none.
@@ -1149,6 +1160,8 @@ def _cluster_config(take: Callable[..., Any], parse_optional_path: Callable[[obj
         device_name=take("cluster.device_name", _parse_text, ""),
         segment_bytes=take("cluster.segment_bytes", lambda v, k: _parse_size_in(v, k, 0),
                            DEFAULT_CLUSTER_SEGMENT_BYTES),
+        prefault_segment=take("cluster.prefault_segment", _parse_bool,
+                              DEFAULT_CLUSTER_PREFAULT_SEGMENT),
         segment_owner=take("cluster.segment_owner", _parse_host_port, ""),
         bind_address=take("cluster.bind_address", _parse_text, ""),
         hostname=take("cluster.hostname", _parse_text, ""),

@@ -518,6 +518,8 @@ def _cluster_stats(cluster: ClusterTier) -> pb.TierStats:
              else f"DOWN: {cluster.down_reason}")
     if s.segment_owner:
         state += f", writing into {s.segment_owner}'s segment"
+    elif cluster.prefault:
+        state += f", {cluster.prefault}"
     return pb.TierStats(
         tier=pb.TIER_CLUSTER, total_bytes=0 if s.segment_owner else s.segment_bytes,
         note=(f"{s.master}: {state}; {cc.writes} written, {cc.reads} read by this daemon, "

@@ -26,6 +26,7 @@ import pytest
 
 import kvtier
 from kvtier.cli import evict
+from kvtierd.cluster import agent as agent_mod
 from kvtierd.cluster.format import HEADER_BYTES, Header, Naming
 from kvtierd.spill.format import model_hash
 from tests.conftest import DaemonProc, stop_daemon
@@ -82,6 +83,48 @@ def test_a_block_committed_on_a_is_found_on_b_promoted_and_read_byte_exact(
     s = fleet.b.stats()
     assert s.promotions >= 8
     assert "read by this daemon" in cluster_note(fleet.b)
+    assert fleet.a.check() == [] and fleet.b.check() == []
+
+
+def _segment_memory(agent: int) -> tuple[list[int], int]:
+    """The sizes of the agent's mappings of its lent segment (its memfd), and its
+    resident shared memory (``RssShmem``) in bytes."""
+    with open(f"/proc/{agent}/maps") as f:
+        sizes = [int(hi, 16) - int(lo, 16) for lo, hi in
+                 (line.split()[0].split("-") for line in f
+                  if f"/memfd:{agent_mod.SEGMENT_MEMFD} " in line)]
+    with open(f"/proc/{agent}/status") as f:
+        (kib,) = [int(line.split()[1]) for line in f if line.startswith("RssShmem:")]
+    return sizes, kib * 1024
+
+
+def test_the_lent_segment_is_prefaulted_in_the_background_and_puts_stay_byte_exact(
+        fleet: Fleet) -> None:
+    """``cluster.prefault_segment`` (on by default, as in this fleet): the agent lends a
+    memfd of its own, faults all of it in once joined and says so; off, it lends
+    Mooncake's own memory, filled as written. Both serve the other host byte-exact."""
+    assert fleet.a is not None and fleet.b is not None
+    seg = 64 << 20  # the fleet's cluster.segment_bytes
+    wait_for(lambda: "segment pre-faulted (64 MiB" in cluster_note(fleet.a), 30,
+             "A's agent to pre-fault its segment")
+    (agent,) = _children(fleet.a.proc.pid)
+    sizes, resident = _segment_memory(agent)
+    assert sizes == [seg] and resident >= seg
+    c = fleet.start_daemon("a", "--set", "cluster.prefault_segment=false", name="c-cold")
+    try:
+        (cold,) = _children(c.proc.pid)
+        sizes, resident = _segment_memory(cold)
+        assert sizes == [] and resident < seg // 2  # Mooncake's segment, not a memfd
+        assert "pre-fault" not in cluster_note(c)
+        for d, seed in ((fleet.a, 30), (c, 31)):
+            keys, data = fresh_keys(6), blocks(6, seed)
+            with client(d) as w, client(fleet.b) as b:
+                assert w.put(keys, data) == 6
+                wait_for(lambda b=b, keys=keys: b.lookup(keys) == 6, 20,
+                         "B to find the blocks")
+                assert [bytes(x) for x in b.get(keys)] == [bytes(x) for x in data]
+    finally:
+        stop_daemon(c)
     assert fleet.a.check() == [] and fleet.b.check() == []
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,3 +111,107 @@ def test_what_the_agent_cannot_check_never_reaches_mooncake(
     assert a._put([], b"", b"", b"", BB, b"", 1) == []
     assert len(store.puts) == 1
     assert len(a._free_headers) == HEADER_SLOTS  # every slot given back
+
+
+def _lender(size: int) -> tuple[Agent, socket.socket, mmap.mmap]:
+    """An agent lending a memfd of ``size`` bytes, mapped the way Mooncake's
+    ``mount_segment`` maps it (the mapping's address known to the test only)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a = Agent(theirs, {"threads": 1, "prefault_segment": True})
+    a.segment_fd = os.memfd_create(agent_mod.SEGMENT_MEMFD)
+    a.segment_bytes = size
+    os.ftruncate(a.segment_fd, size)
+    mooncakes = mmap.mmap(a.segment_fd, size)
+    return a, ours, mooncakes
+
+
+def _news(ours: socket.socket) -> list[Any]:
+    import msgpack
+
+    ours.settimeout(10)
+    return msgpack.unpackb(ours.recv(1 << 16), raw=False)  # type: ignore[no-any-return]
+
+
+def test_the_lent_segment_is_found_by_its_inode_and_prefaulted_whole() -> None:
+    size = 8 << 20
+    a, ours, mooncakes = _lender(size)
+    decoy = mmap.mmap(-1, size)  # the same size, anonymous: never taken for the segment
+    try:
+        assert os.fstat(a.segment_fd).st_blocks == 0
+        assert agent_mod.file_mappings(a.segment_fd) == [(agent_mod._address(mooncakes), size)]
+        a._prefault()
+        msg = _news(ours)
+        assert msg[:2] == [0, "prefaulted"] and msg[2][0] == size and msg[2][2] == ""
+        assert os.fstat(a.segment_fd).st_blocks * 512 == size  # every page is there
+        assert mooncakes[: 4] == b"\0\0\0\0"  # faulted in, not written
+    finally:
+        decoy.close()
+        mooncakes.close()
+        os.close(a.segment_fd)
+        a._pool.shutdown()
+        ours.close()
+        a.sock.close()
+
+
+def test_a_segment_mapped_other_than_exactly_once_is_left_unfaulted() -> None:
+    size = 4 << 20
+    a, ours, mooncakes = _lender(size)
+    twice = mmap.mmap(a.segment_fd, size)  # two mappings of the file: not the one expected
+    try:
+        a._prefault()
+        msg = _news(ours)
+        assert msg[2][0] == 0 and "found 2 mappings" in msg[2][2]
+        assert os.fstat(a.segment_fd).st_blocks == 0  # nothing touched
+    finally:
+        twice.close()
+        mooncakes.close()
+        os.close(a.segment_fd)
+        a._pool.shutdown()
+        ours.close()
+        a.sock.close()
+
+
+def test_prefaulting_stops_between_steps_when_the_agent_stops() -> None:
+    size = 4 << 20
+    a, ours, mooncakes = _lender(size)
+    try:
+        a._stopping.set()
+        agent_mod.prefault(agent_mod.file_mappings(a.segment_fd), a._stopping, step=1 << 20)
+        assert os.fstat(a.segment_fd).st_blocks == 0
+    finally:
+        mooncakes.close()
+        os.close(a.segment_fd)
+        a._pool.shutdown()
+        ours.close()
+        a.sock.close()
+
+
+def _rss_of_mapping(base: int) -> int:
+    """Resident bytes of this process's mapping starting at ``base`` (smaps)."""
+    with open("/proc/self/smaps") as f:
+        lines = iter(f.read().splitlines())
+    for line in lines:
+        if line.split("-", 1)[0] == f"{base:x}":
+            for field in lines:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {base:#x}")
+
+
+def test_a_dram_segment_mapped_has_its_page_tables_filled_in_the_background(
+        agent: tuple[Agent, FakeStore]) -> None:
+    """The agent's mapping of a DRAM segment is populated after ``seg`` answers, so the
+    first transfers through it take no page faults; a drop waits for the populate."""
+    a, _store = agent
+    size = 4 << 20
+    fd = os.memfd_create("dram-extent")
+    os.ftruncate(fd, size)
+    os.posix_fallocate(fd, 0, size)  # the daemon made (pre-faulted) its pages already
+    assert a._map(9, size, fd) == 0  # the agent closes fd
+    seg = a._segs[9]
+    deadline = time.monotonic() + 10
+    while _rss_of_mapping(seg.base) < size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _rss_of_mapping(seg.base) == size
+    a._drop(9)
+    assert 9 not in a._segs

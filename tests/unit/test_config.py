@@ -1060,6 +1060,8 @@ def test_config_to_dict_prints_sizes_and_durations_as_strings() -> None:
          "cluster.segment_bytes=4GiB", "cluster.write=commit", "cluster.replicas=2",
          "cluster.request_timeout=10s", "cluster.bind_address=10.0.0.2",
          "cluster.segment_owner=10.0.0.2:15077"],
+        ["cluster.master=10.0.0.1:50051", "cluster.secret_file=/etc/kvtier/cluster.secret",
+         "cluster.prefault_segment=false"],
     ],
 )
 def test_config_to_dict_round_trips_through_a_file(tmp_path: Path, overrides: list[str]) -> None:
@@ -1101,7 +1103,7 @@ def test_the_cluster_tier_is_off_by_default_and_needs_a_secret() -> None:
     cc = load(overrides=["cluster.master=mc-master:50051",
                          "cluster.secret_file=/etc/kvtier/cluster.secret"]).cluster
     assert cc.enabled and cc.protocol == "tcp" and cc.write == "demotion"
-    assert cc.segment_bytes == 1 << 30 and cc.replicas == 1
+    assert cc.segment_bytes == 1 << 30 and cc.replicas == 1 and cc.prefault_segment
     with pytest.raises(ConfigError, match="cluster.secret_file"):
         load(overrides=["cluster.master=mc-master:50051"])
 
@@ -1114,6 +1116,8 @@ def test_the_cluster_tier_is_off_by_default_and_needs_a_secret() -> None:
     (["cluster.write=always"], "cluster.write"),
     (["cluster.replicas=0"], "cluster.replicas"),
     (["cluster.request_timeout=0"], "cluster.request_timeout"),
+    (["cluster.prefault_segment=sometimes"], "cluster.prefault_segment"),
+    (["cluster.prefault_segment=1GiB"], "cluster.prefault_segment"),
     (["cluster.master=h:1", "cluster.secret_file=/s", "cluster.protocol=rdma"], "device_name"),
     (["cluster.master=h:1", "cluster.secret_file=/s", "spill.shared_dir=/mnt/lustre/kv"],
      "cluster.write: commit"),
@@ -1122,3 +1126,14 @@ def test_bad_cluster_settings_are_refused_with_their_name(overrides: list[str],
                                                           message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load(overrides=overrides)
+
+
+def test_the_cluster_segment_is_prefaulted_unless_turned_off(tmp_path: Path) -> None:
+    base = ["cluster.master=mc:50051", "cluster.secret_file=/etc/kvtier/cluster.secret"]
+    assert load(overrides=base).cluster.prefault_segment is True
+    assert load(overrides=[*base, "cluster.prefault_segment=false"]).cluster.prefault_segment \
+        is False
+    path = write(tmp_path, "cluster:\n  prefault_segment: false\n")
+    assert load_config(path, env=dict(BASE_ENV)).cluster.prefault_segment is False
+    with pytest.raises(ConfigError, match="cluster.prefault_segment"):
+        load_config(write(tmp_path, "cluster:\n  prefault_segment: 2\n"), env=dict(BASE_ENV))

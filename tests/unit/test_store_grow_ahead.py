@@ -532,3 +532,21 @@ def test_a_reserve_with_no_room_and_no_growth_anywhere_still_refuses_at_once(
         store.release(a, lease.lease_id)
 
     scenario(store, body)
+
+
+def test_every_extent_made_is_told_to_on_extent_as_it_is_added(
+        gate: Gate, stores: list[Store]) -> None:
+    """``Store.on_extent`` (the cluster tier maps each new extent into its agent then,
+    not at the extent's first publish): called once per extent, ahead or on demand."""
+    store, _clock = make(gate, 4 * EXTENT_FILE)
+    stores.append(store)
+    told: list[int] = []
+    store.on_extent = lambda seg: told.append(seg.segment_id)
+    s = store.open_session("A", BLOCK, "m", PEER)
+
+    async def body() -> None:
+        await put(store, s, keys(10))  # the first extent, then one grown ahead
+        await settled(store)
+
+    scenario(store, body)
+    assert told == [e.segment.segment_id for e in s.ns.extents] and len(told) == 2

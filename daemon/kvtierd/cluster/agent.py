@@ -21,7 +21,18 @@ to it in msgpack messages (:mod:`kvtierd.cluster.tier` has the other end):
 * ``[id, "remove", names]``: ``batch_remove(force=True)``.
 
 Replies are ``[id, result]`` or ``[id, None, error text]``; the agent says
-``[0, "ready", segment_name]`` once set up, or ``[0, "failed", why]`` and exits.
+``[0, "ready", segment_name]`` once set up, or ``[0, "failed", why]`` and exits;
+and, with ``prefault_segment``, ``[0, "prefaulted", [bytes, seconds, why not]]``
+once it has faulted in the segment it lends (in the background, after "ready").
+
+With ``prefault_segment`` the segment it lends is kvtier's own memory: a memfd
+the agent creates and hands to Mooncake with ``mount_segment`` (``setup`` then
+lends none). Mooncake maps the file itself and does not say where; the agent finds
+that mapping in ``/proc/self/maps`` by the memfd's device and inode -- no other
+mapping can carry them -- and pre-faults exactly those pages
+(``madvise(MADV_POPULATE_WRITE)``). Without it, ``setup`` lends Mooncake's own
+anonymous memory as before (first writes into a cold memfd cost more than into
+cold anonymous memory: docs/benchmarks.md).
 
 It checks every offset against its mapping before a transfer (Mooncake does
 not: a read past a buffer's end is a segfault), probes the master's port
@@ -34,6 +45,7 @@ transfer raises SIGBUS here, and the daemon restarts the agent.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import json
 import logging
@@ -43,6 +55,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import urllib.parse
 from typing import Any, Final
 
@@ -66,6 +79,15 @@ EXIT_SETUP: Final = 4
 #: A request the agent refused before any transfer (an offset outside the mapping).
 RC_BAD_REQUEST: Final = -10001
 HEADER_BYTES: Final = 256
+#: ``madvise`` advice: fault in a range's pages as if written (Linux 5.14).
+MADV_POPULATE_WRITE: Final = 23
+#: Pre-fault this much per ``madvise`` call: ~20-40 ms each here, so stopping at exit
+#: waits no longer than that.
+PREFAULT_STEP: Final = 64 << 20
+#: The pre-faulting thread's nice value: the host's serving work comes first.
+PREFAULT_NICE: Final = 10
+#: The lent segment's memfd name (shown in /proc/PID/maps).
+SEGMENT_MEMFD: Final = "kvtier-cluster-segment"
 #: Answered on the reading thread (short: one master round trip, no transfer); the
 #: transfers run on the pool, several at once.
 _INLINE: Final = frozenset({"exist"})
@@ -99,6 +121,42 @@ def _host_port(addr: str, default_port: int) -> tuple[str, int]:
     return u.hostname or "127.0.0.1", u.port or default_port
 
 
+def file_mappings(fd: int, maps: str = "/proc/self/maps") -> list[tuple[int, int]]:
+    """``(start, length)`` of every mapping in this process of the file open at ``fd``
+    (matched by device and inode, not by name or size)."""
+    st = os.fstat(fd)
+    dev = (os.major(st.st_dev), os.minor(st.st_dev))
+    found = []
+    with open(maps) as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 5 or int(fields[4]) != st.st_ino:
+                continue
+            major, minor = fields[3].split(":")
+            if (int(major, 16), int(minor, 16)) != dev:
+                continue
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            found.append((lo, hi - lo))
+    return found
+
+
+def prefault(ranges: list[tuple[int, int]], stop: threading.Event,
+             step: int = PREFAULT_STEP) -> None:
+    """Fault in ``ranges`` for writing, ``step`` bytes per call, until ``stop``;
+    raises OSError when the kernel refuses (EINVAL: older than 5.14)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    for start, length in ranges:
+        for off in range(0, length, step):
+            if stop.is_set():
+                return
+            if madvise(start + off, min(step, length - off), MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+
+
 class _Segment:
     def __init__(self, mm: mmap.mmap, size: int) -> None:
         self.mm = mm
@@ -121,6 +179,13 @@ class Agent:
         self._headers_cv = threading.Condition()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=int(cfg.get("threads", 4)), thread_name_prefix="agent")
+        self.segment_fd = -1  # the memfd of the segment this host lends (-1: none)
+        self.segment_bytes = 0
+        self._stopping = threading.Event()
+        self._prefaulter: threading.Thread | None = None
+        #: Fills the page tables of the DRAM segments the agent maps (``_populate``).
+        self._populator = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="agent-populate")
 
     # ------------------------------------------------------------ setup
     def setup(self) -> str | None:
@@ -135,12 +200,20 @@ class Agent:
         if why is not None:
             return why
         store = MooncakeDistributedStore()
-        rc = store.setup(self.cfg["local_hostname"], meta, int(self.cfg["segment_bytes"]),
+        size = int(self.cfg["segment_bytes"])
+        # To pre-fault it, the agent lends a segment of its own (below), whose pages it
+        # can find; else Mooncake's.
+        own = size > 0 and bool(self.cfg.get("prefault_segment"))
+        rc = store.setup(self.cfg["local_hostname"], meta, 0 if own else size,
                          int(self.cfg["local_buffer_bytes"]), self.cfg["protocol"],
                          self.cfg.get("device_name", ""), master)
         if rc != 0:
             return f"Mooncake setup returned {rc} (master {master}, metadata server {meta})"
         self.store = store
+        if own:
+            why = self._lend(size)
+            if why is not None:
+                return why
         self.hostname = store.get_hostname()
         self.config = ReplicateConfig()
         self.config.replica_num = int(self.cfg.get("replicas", 1))
@@ -159,6 +232,51 @@ class Agent:
                 return f"register_buffer of {size} bytes returned {rc}"
         return None
 
+    def _lend(self, size: int) -> str | None:
+        """Mount a memfd of ``size`` bytes as this host's segment; None, or why not."""
+        fd = os.memfd_create(SEGMENT_MEMFD)
+        try:
+            os.ftruncate(fd, size)
+            # Mooncake opens the path itself: this process's descriptor of the memfd.
+            r = self.store.mount_segment(f"/proc/self/fd/{fd}", size, 0, self.cfg["protocol"],
+                                         "")
+        except BaseException:
+            os.close(fd)
+            raise
+        if r.get("ret") != 0:
+            os.close(fd)
+            return f"mount_segment of {size} bytes returned {r.get('ret')}"
+        self.segment_fd, self.segment_bytes = fd, size
+        return None
+
+    def _prefault(self) -> None:
+        """Fault in the lent segment (a thread of its own, niced); tell the daemon how
+        it went. Mooncake's mappings of the memfd must cover it exactly, else nothing
+        is touched."""
+        t0 = time.monotonic()
+        why = ""
+        try:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICE)
+            ranges = file_mappings(self.segment_fd)
+            page = mmap.PAGESIZE
+            want = -(-self.segment_bytes // page) * page
+            got = sum(n for _, n in ranges)
+            if got != want:
+                why = (f"found {len(ranges)} mappings of {got} bytes of the segment's memfd, "
+                       f"not {want}")
+            else:
+                prefault(ranges, self._stopping)
+        except (OSError, ValueError) as exc:
+            why = str(exc)
+        if why:
+            log.warning("the segment was not pre-faulted: %s", why)
+        if self._stopping.is_set():
+            return
+        with contextlib.suppress(OSError):
+            self.send([0, "prefaulted",
+                       [0 if why else self.segment_bytes, time.monotonic() - t0, why]])
+
     # ------------------------------------------------------------ messages
     def send(self, msg: list[Any]) -> None:
         data = msgpack.packb(msg, use_bin_type=True)
@@ -171,6 +289,10 @@ class Agent:
             self.send([0, "failed", why])
             return EXIT_UNREACHABLE if "unreachable" in why else EXIT_SETUP
         self.send([0, "ready", self.hostname])
+        if self.segment_fd >= 0:
+            self._prefaulter = threading.Thread(target=self._prefault, daemon=True,
+                                                name="agent-prefault")
+            self._prefaulter.start()
         try:
             while True:
                 data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 4)
@@ -189,7 +311,11 @@ class Agent:
                 else:
                     self._pool.submit(self._dispatch, msg)
         finally:
+            self._stopping.set()
+            if self._prefaulter is not None:
+                self._prefaulter.join()  # one step at most: then nothing touches the mapping
             self._pool.shutdown(wait=True)
+            self._populator.shutdown(wait=True, cancel_futures=True)
             try:
                 self.store.close()
             except Exception:  # noqa: BLE001 (exiting anyway)
@@ -229,9 +355,28 @@ class Agent:
         with self._segs_cv:
             old = self._segs.pop(seg_id, None)
             self._segs[seg_id] = seg
+            seg.users += 1  # the populate's (below)
         if old is not None:
             self._unmap(old)
+        try:
+            self._populator.submit(self._populate, seg)
+        except RuntimeError:  # shut down: the agent is exiting
+            self._unuse({0: seg})
         return 0
+
+    def _populate(self, seg: _Segment) -> None:
+        """Fill this mapping's page tables (the daemon made the pages already), so the
+        first transfers through it take no page faults: ~16k per 64 MiB written, one per
+        page, since a shared file mapping faults in no neighbours for writes. In the
+        background (a thread of its own, niced); a file a client cut short makes madvise
+        fail, never fault, and is left to the transfers' own checks."""
+        try:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICE)
+            with contextlib.suppress(OSError):
+                prefault([(seg.base, seg.size)], self._stopping)
+        finally:
+            self._unuse({0: seg})
 
     def _drop(self, seg_id: int) -> int:
         with self._segs_cv:

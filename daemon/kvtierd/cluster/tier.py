@@ -119,6 +119,7 @@ class ClusterSettings:
     protocol: str = "tcp"
     device_name: str = ""
     segment_bytes: int = 1 << 30
+    prefault_segment: bool = True
     segment_owner: str = ""
     local_buffer_bytes: int = 16 << 20
     local_hostname: str = ""
@@ -133,6 +134,7 @@ class ClusterSettings:
                 "protocol": self.protocol, "device_name": self.device_name,
                 "segment_bytes": 0 if self.segment_owner else self.segment_bytes,
                 "segment_owner": self.segment_owner,
+                "prefault_segment": self.prefault_segment and not self.segment_owner,
                 "local_buffer_bytes": self.local_buffer_bytes,
                 "local_hostname": self.local_hostname or self.bind_address
                 or socket.gethostname(),
@@ -180,6 +182,8 @@ class _Agent:
         self.map_lock = threading.Lock()
         self.last_drop_check = 0.0
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=8)
+        #: What became of pre-faulting the lent segment ("" until the agent says).
+        self.prefault = ""
 
     def tail(self) -> str:
         lines = [x for x in self.stderr_tail if x]
@@ -215,6 +219,9 @@ class ClusterTier:
         self._cool_until = 0.0  # 0: the master answered last time
         self._probing = False
         self._cool_why = ""
+        #: Maps new DRAM extents into the agent ahead of their first publish.
+        self._mapper = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kvtier-cluster-map")
 
     # ------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -229,6 +236,7 @@ class ClusterTier:
         if a is not None:
             with contextlib.suppress(OSError):
                 a.sock.shutdown(socket.SHUT_RDWR)  # the agent sees EOF and leaves
+        self._mapper.shutdown(wait=False, cancel_futures=True)
         if self._supervisor is not None:
             self._supervisor.join(timeout=15)
         a = self._agent
@@ -246,6 +254,12 @@ class ClusterTier:
     def ready(self) -> bool:
         a = self._agent
         return a is not None and a.ready
+
+    @property
+    def prefault(self) -> str:
+        """What the agent said of pre-faulting its segment ("" : nothing yet, or off)."""
+        a = self._agent
+        return a.prefault if a is not None and a.ready else ""
 
     def connect(self, *, on_fault: Callable[[str], None], hand_off: HandOff | None,
                 on_lost: Callable[[str, bytes], None] | None) -> None:
@@ -266,6 +280,8 @@ class ClusterTier:
                 joined = self._handshake(a)
                 if joined:
                     delay = BACKOFF[0]
+                    for seg in self._segments():  # the extents made before it joined
+                        self.premap(seg)
                     self._serve(a)
             except Exception:  # noqa: BLE001 (a bug: the agent goes, the tier stays)
                 log.exception("cluster: the agent's supervisor failed; restarting the agent")
@@ -377,6 +393,9 @@ class ClusterTier:
             rid = msg[0]
             if not isinstance(rid, int) or not 2 <= len(msg) <= 3:
                 raise ValueError(f"not an answer: {msg!r:.80}")
+            if rid == 0:  # news of the agent's own, not an answer
+                self._news(a, msg)
+                return
         except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
             # Not what the agent sends: it is not to be trusted any more.
             self._down(f"the cluster agent sent a malformed message ({exc}); killed it",
@@ -390,6 +409,20 @@ class ClusterTier:
                 _settle(entry[0], exc=OSError(errno.EPROTO, f"cluster agent: {msg[2]}"))
             else:
                 _settle(entry[0], msg[1])
+
+    def _news(self, a: _Agent, msg: list[Any]) -> None:
+        """``[0, "prefaulted", [bytes, seconds, why not]]``: the segment is pre-faulted
+        (``why not`` empty) or was left as it was."""
+        if msg[1] != "prefaulted" or len(msg) != 3:
+            raise ValueError(f"unknown news: {msg!r:.80}")
+        nbytes, seconds, why = msg[2]
+        if why:
+            a.prefault = f"segment not pre-faulted: {why}"
+            log.warning("cluster: the agent's segment was not pre-faulted: %s", why)
+        else:
+            a.prefault = (f"segment pre-faulted ({nbytes / (1 << 20):.0f} MiB in "
+                          f"{seconds:.2f} s)")
+            log.info("cluster: %s", a.prefault)
 
     def _hand_to_loop(self, a: _Agent) -> None:
         """Stop reading here and let the event loop read (called once, supervisor)."""
@@ -572,6 +605,33 @@ class ClusterTier:
                     self._call("seg", seg.segment_id, size, fds=[seg.fd], agent=a)
                     a.mapped.add(seg.segment_id)
         return seg.segment_id, offset
+
+    def premap(self, seg: Segment) -> None:
+        """Have the agent map a DRAM extent now, on a thread of its own, rather than at
+        the extent's first publish (which then waits for the mapping: 1-10 ms); the
+        store calls this for every extent it makes (``Store.on_extent``), from the
+        event loop. Whatever goes wrong is left to that first publish."""
+        a = self._agent
+        if a is None or not a.ready or self._stop.is_set():
+            return
+        with contextlib.suppress(RuntimeError):  # shut down: the daemon is stopping
+            self._mapper.submit(self._premap, a, seg)
+
+    def _premap(self, a: _Agent, seg: Segment) -> None:
+        if seg.segment_id in a.mapped or not a.ready:
+            return
+        if seg.segment_id not in {s.segment_id for s in self._segments()}:
+            return  # retired meanwhile: its descriptor may be gone
+        size = seg.layout.data_bytes
+        try:
+            if os.fstat(seg.fd).st_size < size:
+                return  # cut short: the publish path says so
+            with a.map_lock:
+                if seg.segment_id not in a.mapped:
+                    self._call("seg", seg.segment_id, size, fds=[seg.fd], agent=a)
+                    a.mapped.add(seg.segment_id)
+        except (OSError, ClusterDown):
+            pass
 
     def _drop_retired(self, a: _Agent) -> None:
         """Let the agent unmap segments the daemon retired (their memory is freed only

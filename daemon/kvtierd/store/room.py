@@ -8,7 +8,7 @@ import asyncio
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -437,6 +437,10 @@ class Room(StoreBase):
         self.add_extent(ns, segment)
         return True
 
+    #: Told of every extent added (the cluster tier maps it into its agent); called
+    #: on the event loop, so it must not block.
+    on_extent: Callable[[Segment], None] | None = None
+
     # ------------------------------------------------ growth ahead of need
     #: Set by the daemon (``dram.grow_ahead``); a store made without it grows only when
     #: a reserve needs the room.
@@ -582,6 +586,8 @@ class Room(StoreBase):
         self.prefault_seconds += segment.prefault_seconds
         if segment.mlock_error is not None:
             self.mlock_errors.append(segment.mlock_error)
+        if self.on_extent is not None:
+            self.on_extent(segment)
 
     def _retire_extents(self, exts: Sequence[Extent], why: str) -> None:
         """Evict every block of these extents (holding no lease or reservation; slots
