@@ -6,7 +6,7 @@
  *   checksum(buf)                    XXH3-64 (seed 0) of the bytes of buf
  *   gather(dst, pieces, threads=0)   copy the pieces back to back into dst
  *   scatter(src, pieces, threads=0)  fill the pieces in order from src
- *   scatter_hash(srcs, pieces, threads=0)  scatter each srcs[i] into pieces[i]
+ *   scatter_hash(srcs, pieces, threads=0, hash=True)  scatter each srcs[i] into pieces[i]
  *                                    and return their XXH3-64s, in one pass
  *   pwrite_full(fd, buf, offset, threads=0)  write all of buf at offset
  *   pread_full(fd, buf, offset, threads=0)   fill buf from offset (short at EOF)
@@ -776,6 +776,7 @@ typedef struct {
     const kvt_block *blocks;
     size_t first, last;    /* this job's blocks: [first, last) */
     int stream;            /* non-temporal stores (decided on the whole call) */
+    int hash;              /* 0: copy only (hashes[b] = 0) */
     XXH64_hash_t *hashes;  /* the job writes hashes[first..last) */
     kvt_fault *fault;      /* shared by the jobs of the call */
 } kvt_blocks_job;
@@ -791,10 +792,11 @@ kvt_scatter_hash_work(void *arg)
         size_t done = 0; /* bytes of src copied (where a piece takes them) and hashed */
 
         XXH3_64bits_reset(&state);
-        /* Piece after piece; i == npieces is the tail of src past the pieces. */
+        /* Piece after piece; i == npieces is the tail of src past the pieces (hashed
+         * only: a copy without the hash stops at the last piece). */
         for (size_t i = 0; i <= blk->npieces; i++) {
             const kvt_piece *p = i < blk->npieces ? &blk->pieces[i] : NULL;
-            size_t end = p != NULL ? p->off + p->len : blk->len;
+            size_t end = p != NULL ? p->off + p->len : job->hash ? blk->len : done;
 
             while (done < end) {
                 size_t n = end - done < KVT_HASH_CHUNK ? end - done : KVT_HASH_CHUNK;
@@ -810,11 +812,12 @@ kvt_scatter_hash_work(void *arg)
                     else
                         memcpy(to, from, n);
                 }
-                XXH3_64bits_update(&state, from, n);
+                if (job->hash)
+                    XXH3_64bits_update(&state, from, n);
                 done += n;
             }
         }
-        job->hashes[b] = XXH3_64bits_digest(&state);
+        job->hashes[b] = job->hash ? XXH3_64bits_digest(&state) : 0;
     }
 }
 
@@ -887,7 +890,7 @@ kvt_blocks_overlap(const kvt_block *blocks, size_t nblocks, size_t npieces)
  * pieces are then partly written). */
 static int
 kvt_scatter_hash(const kvt_block *blocks, size_t nblocks, size_t npieces, size_t threads,
-                 XXH64_hash_t *hashes, uintptr_t *fault_addr)
+                 int hash, XXH64_hash_t *hashes, uintptr_t *fault_addr)
 {
     kvt_blocks_job jobs[KVT_MAX_THREADS];
     kvt_fault fault = {0, 0};
@@ -918,6 +921,7 @@ kvt_scatter_hash(const kvt_block *blocks, size_t nblocks, size_t npieces, size_t
         } while (b < nblocks && (k == n - 1 || sum < goal));
         jobs[njobs].last = b;
         jobs[njobs].stream = total >= KVT_STREAM_MIN;
+        jobs[njobs].hash = hash;
         jobs[njobs].hashes = hashes;
         jobs[njobs].fault = &fault;
         njobs++;
@@ -1516,12 +1520,14 @@ kvt_raise_blocks_fault(uintptr_t addr, const Py_buffer *views, const kvt_block *
 }
 
 PyDoc_STRVAR(py_scatter_hash_doc,
-"scatter_hash($module, srcs, pieces, threads=0)\n"
+"scatter_hash($module, srcs, pieces, threads=0, hash=True)\n"
 "--\n"
 "\n"
 "Fill the buffers of pieces[i] from srcs[i], as scatter(srcs[i], pieces[i])\n"
 "does, for every i, and return the XXH3-64 hash (seed 0) of each whole\n"
 "srcs[i] as a list of ints, reading each source byte from memory once.\n"
+"With hash=False the same copies, no hash, and None is returned (many\n"
+"blocks copied in one call).\n"
 "\n"
 "hashes[i] equals checksum(srcs[i]), the bytes past its pieces included\n"
 "(they are hashed, not copied).  srcs is a sequence (any iterable) of\n"
@@ -1549,8 +1555,9 @@ PyDoc_STRVAR(py_scatter_hash_doc,
 static PyObject *
 py_scatter_hash(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"srcs", "pieces", "threads", NULL};
+    static char *kwlist[] = {"srcs", "pieces", "threads", "hash", NULL};
     PyObject *srcs_obj, *pieces_obj, *srcs = NULL, *outer = NULL, *result = NULL;
+    int hash = 1;
     PyObject **inner = NULL;  /* the tuple of pieces of each source */
     Py_buffer *views = NULL;  /* block after block: its source, then its pieces */
     kvt_block *blocks = NULL;
@@ -1561,8 +1568,8 @@ py_scatter_hash(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
     uintptr_t fault_addr = 0;
     int err;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|n:scatter_hash", kwlist,
-                                     &srcs_obj, &pieces_obj, &threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|np:scatter_hash", kwlist,
+                                     &srcs_obj, &pieces_obj, &threads, &hash))
         return NULL;
     if (kvt_check_threads(threads) < 0)
         return NULL;
@@ -1628,11 +1635,13 @@ py_scatter_hash(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
 
     if (total >= KVT_NOGIL_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        err = kvt_scatter_hash(blocks, (size_t)n, npieces, (size_t)threads, hashes, &fault_addr);
+        err = kvt_scatter_hash(blocks, (size_t)n, npieces, (size_t)threads, hash, hashes,
+                               &fault_addr);
         Py_END_ALLOW_THREADS
     }
     else {
-        err = kvt_scatter_hash(blocks, (size_t)n, npieces, (size_t)threads, hashes, &fault_addr);
+        err = kvt_scatter_hash(blocks, (size_t)n, npieces, (size_t)threads, hash, hashes,
+                               &fault_addr);
     }
     if (err == EFAULT) {
         kvt_raise_blocks_fault(fault_addr, views, blocks, n);
@@ -1642,6 +1651,9 @@ py_scatter_hash(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
     }
     else if (err != 0) {
         PyErr_NoMemory();
+    }
+    else if (!hash) {
+        result = Py_NewRef(Py_None);
     }
     else if ((result = PyList_New(n)) != NULL) {
         for (i = 0; i < n; i++) {

@@ -379,6 +379,16 @@ def scatter_hash(srcs: Iterable[Any], pieces: Iterable[Iterable[Any]]) -> list[i
     return _py_scatter_hash(srcs, pieces)
 
 
+def scatter_copy(srcs: Sequence[Any], pieces: Sequence[Sequence[Any]]) -> None:
+    """``scatter_hash`` without the hash: every ``srcs[i]`` into ``pieces[i]`` in one
+    call (one acquisition of the buffers, one release of the GIL, the same checks and
+    the same fault guard), for many blocks at once."""
+    if NATIVE:
+        _native.scatter_hash(srcs, pieces, _COPY_THREADS, False)
+        return
+    _py_scatter_hash(srcs, pieces)  # (its checks; the hashes unused)
+
+
 def pwrite_full(fd: int, buf: Any, offset: int, threads: int = 0) -> int:
     """Write all of ``buf`` to file descriptor ``fd`` at file position ``offset``.
 

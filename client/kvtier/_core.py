@@ -833,6 +833,8 @@ class ReservationState:
         #: Made from grants (no Reserve call): committed through the page.
         self._local = resp if isinstance(resp, LocalReserve) else None
         self.statuses = [KeyStatus(s) for s in resp.statuses]
+        self._reserved = tuple(i for i, s in enumerate(self.statuses)
+                               if s == KeyStatus.RESERVED)
         self.buffers: list[np.ndarray | None] = [None] * len(keys)
         self.lengths: list[int | None] = [None] * len(keys)
         self._block_bytes = client.block_bytes
@@ -886,7 +888,7 @@ class ReservationState:
     @property
     def reserved(self) -> list[int]:
         """Indices of the keys this reservation lets you write."""
-        return [i for i, s in enumerate(self.statuses) if s == KeyStatus.RESERVED]
+        return list(self._reserved)
 
     def write(self, i: int, data: Any) -> None:
         """Copy ``data`` (any buffer) into the slot of ``keys[i]`` and record its length."""
@@ -899,9 +901,24 @@ class ReservationState:
         self._sums = None
 
     def write_all(self, views: Sequence[memoryview]) -> None:
-        """``write(i, views[i])`` for every reserved ``i``."""
-        for i in self.reserved:
-            self.write(i, views[i])
+        """``write(i, views[i])`` for every reserved ``i``, in one guarded copy call."""
+        self._write_views([as_bytes_view(views[i], i, self._block_bytes)
+                           if i in self._reserved else views[i] for i in range(len(views))])
+
+    def _write_views(self, views: Sequence[memoryview]) -> None:
+        """``write_all`` of views ``as_bytes_view`` made."""
+        reserved = self._reserved
+        srcs = [views[i] for i in reserved]
+        pieces = []
+        for i, src in zip(reserved, srcs, strict=True):
+            buf = self.buffers[i]
+            if buf is None:
+                raise InvalidArgument(f"keys[{i}] is not reserved by this call")
+            pieces.append([buf[:src.nbytes]])
+        self._guarded(_accel.scatter_copy, srcs, pieces)
+        for i, src in zip(reserved, srcs, strict=True):
+            self.lengths[i] = src.nbytes
+        self._sums = None
 
     def write_blocks(self, blocks: Sequence[Any]) -> None:
         """Copy ``blocks[i]`` (any buffer) into the slot of every reserved key ``i``:
@@ -917,7 +934,7 @@ class ReservationState:
         if self._client.checksum:
             self.write_all_hashed(views)
         else:
-            self.write_all(views)
+            self._write_views(views)
 
     def write_all_hashed(self, views: Sequence[memoryview]) -> None:
         """``write_all``, checksumming each block in the same pass over it (the commit

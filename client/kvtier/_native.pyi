@@ -8,7 +8,7 @@ Checked by ``python -m mypy.stubtest kvtier._native``.
 """
 
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeAlias, final
+from typing import Any, Literal, TypeAlias, final, overload
 
 # Any object exporting the buffer protocol (mmap, memoryview, bytearray,
 # numpy array); Python 3.11 has no collections.abc.Buffer to say so.
@@ -36,9 +36,14 @@ def gather(dst: _Buffer, pieces: Iterable[_Buffer], threads: int = 0) -> int:
 def scatter(src: _Buffer, pieces: Iterable[_Buffer], threads: int = 0) -> int:
     """Fill the buffers of pieces, in order, from consecutive bytes of src; return the total."""
 
+@overload
 def scatter_hash(srcs: Iterable[_Buffer], pieces: Iterable[Iterable[_Buffer]],
-                 threads: int = 0) -> list[int]:
-    """Scatter each srcs[i] into pieces[i]; return each source's XXH3-64, in one pass."""
+                 threads: int = 0, hash: Literal[True] = True) -> list[int]: ...
+@overload
+def scatter_hash(srcs: Iterable[_Buffer], pieces: Iterable[Iterable[_Buffer]],
+                 threads: int, hash: Literal[False]) -> None:
+    """Scatter each srcs[i] into pieces[i]; return each source's XXH3-64 (None with
+    hash=False: the copies only), in one pass."""
 
 def pwrite_full(fd: int, buf: _Buffer, offset: int, threads: int = 0) -> int:
     """Write all of buf to fd at file position offset; return the number written."""

@@ -721,6 +721,22 @@ def test_scatter_hash_fills_the_pieces_and_returns_each_sources_checksum(
         assert [bytes(p) for p in pieces] == split(src, sizes)
 
 
+@pytest.mark.parametrize("case", SCATTER_HASH_CASES)
+def test_scatter_copy_fills_the_same_pieces_without_a_hash(
+    accel: ModuleType, case: list[tuple[list[int], int]]
+) -> None:
+    """``scatter_copy`` (native: ``scatter_hash(..., hash=False)``): every piece as
+    ``scatter_hash`` fills it, the source's bytes past its pieces read by nobody."""
+    srcs = [random_bytes(sum(sizes) + tail, seed=i) for i, (sizes, tail) in enumerate(case)]
+    outs = [[make_bytearray(n) for n in sizes] for sizes, _ in case]
+    assert accel.scatter_copy(srcs, outs) is None
+    for src, (sizes, _), pieces in zip(srcs, case, outs, strict=True):
+        assert [bytes(p) for p in pieces] == split(src, sizes)
+    with pytest.raises(ValueError, match="overlaps"):
+        buf = bytearray(100)
+        accel.scatter_copy([memoryview(buf)[:50]], [[memoryview(buf)[40:90]]])
+
+
 def test_scatter_hash_into_block_major_pages_of_any_dtype(accel: ModuleType) -> None:
     # As kvtier.torch loads a vLLM cache: one source per block, one piece per
     # layer, each piece a page row of a strided [pages, page_bytes] view.
