@@ -268,17 +268,25 @@ t_set_new(table *t, idx_entry *slot, const fingerprint *f, uint8_t tier, uint64_
     return 1;
 }
 
-/* 1 stored, 0 past the probe limit, -1 the table is 3/4 full. */
+/* Set f's entry, probing from its home entry h: 1 stored, 0 past the probe limit, -1
+ * the table is 3/4 full. */
 static int
-t_set(table *t, const fingerprint *f, uint8_t tier, uint64_t ref, const location *loc)
+t_set_from(table *t, const fingerprint *f, uint64_t h, uint8_t tier, uint64_t ref,
+           const location *loc)
 {
     idx_entry *slot;
-    idx_entry *e = w_find(t, f, &slot);
+    idx_entry *e = w_find_from(t, f, h, &slot);
     if (e != NULL) {
         entry_write(e, E_LIVE, tier, f, ref, loc);
         return 1;
     }
     return t_set_new(t, slot, f, tier, ref, loc);
+}
+
+static inline int
+t_set(table *t, const fingerprint *f, uint8_t tier, uint64_t ref, const location *loc)
+{
+    return t_set_from(t, f, home(t, f), tier, ref, loc);
 }
 
 /* ---------------------------------------------------------------- reader */
@@ -336,12 +344,6 @@ r_find_from(const table *t, const fingerprint *f, uint64_t i, snapshot *out)
     return R_UNSURE;
 }
 
-static inline int
-r_find(const table *t, const fingerprint *f, snapshot *out)
-{
-    return r_find_from(t, f, home(t, f), out);
-}
-
 /* ---------------------------------------------------------------- bindings */
 /* Keys a batch lookup hashes (and prefetches the home entry of) ahead of its probe: a
  * big table misses the cache (and the TLB) on every key, and the misses of independent
@@ -349,12 +351,46 @@ r_find(const table *t, const fingerprint *f, snapshot *out)
  * only waste.) */
 #define LOOKUP_AHEAD 16
 
+/* The keys (bytes objects, checked) of a batch lookup, hashed LOOKUP_AHEAD ahead. */
+typedef struct {
+    const table *t;
+    PyObject **keys;
+    Py_ssize_t n;
+    fingerprint f[LOOKUP_AHEAD];
+    uint64_t h[LOOKUP_AHEAD];
+} lookahead;
+
 static inline void
-lookup_ahead(const table *t, PyObject *key, fingerprint *f, uint64_t *h)
+lookahead_hash(lookahead *a, Py_ssize_t i)
 {
-    *f = fp_of((const uint8_t *)PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key));
-    *h = home(t, f);
-    __builtin_prefetch(&t->e[*h], 0, 3);
+    int at = (int)(i % LOOKUP_AHEAD);
+    PyObject *key = a->keys[i];
+    a->f[at] = fp_of((const uint8_t *)PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key));
+    a->h[at] = home(a->t, &a->f[at]);
+    __builtin_prefetch(&a->t->e[a->h[at]], 0, 3);
+}
+
+static void
+lookahead_start(lookahead *a, const table *t, PyObject **keys, Py_ssize_t n)
+{
+    a->t = t;
+    a->keys = keys;
+    a->n = n;
+    for (Py_ssize_t i = 0; i < n && i < LOOKUP_AHEAD; i++)
+        lookahead_hash(a, i);
+}
+
+/* Key i's fingerprint (*f) and home entry (returned), in order: key i + LOOKUP_AHEAD
+ * is hashed and prefetched meanwhile. */
+static inline uint64_t
+lookahead_next(lookahead *a, Py_ssize_t i, fingerprint *f)
+{
+    int at = (int)(i % LOOKUP_AHEAD);
+    uint64_t h = a->h[at];
+    *f = a->f[at];
+    if (i + LOOKUP_AHEAD < a->n)
+        lookahead_hash(a, i + LOOKUP_AHEAD);
+    return h;
 }
 
 static int
@@ -927,16 +963,11 @@ kvt_py_index_acquire(PyObject *Py_UNUSED(m), PyObject *args)
     uint64_t *serials = PAGE_U64(&page, KVT_PAGE_SERIALS) + at;
     Py_ssize_t hits = 0;
     int unsure = 0;
-    fingerprint fs[LOOKUP_AHEAD];
-    uint64_t hs[LOOKUP_AHEAD];
-    for (Py_ssize_t j = 0; j < n && j < LOOKUP_AHEAD; j++)
-        lookup_ahead(&t, items[j], &fs[j], &hs[j]);
+    lookahead ahead;
+    lookahead_start(&ahead, &t, items, n);
     for (; hits < n; hits++) {
-        int ahead = (int)(hits % LOOKUP_AHEAD);
-        fingerprint f = fs[ahead];
-        uint64_t h = hs[ahead];
-        if (hits + LOOKUP_AHEAD < n)
-            lookup_ahead(&t, items[hits + LOOKUP_AHEAD], &fs[ahead], &hs[ahead]);
+        fingerprint f;
+        uint64_t h = lookahead_next(&ahead, hits, &f);
         int r = r_find_from(&t, &f, h, &snaps[hits]);
         if (r == R_MISS)
             break;
@@ -1181,16 +1212,11 @@ kvt_py_index_lookup(PyObject *Py_UNUSED(m), PyObject *args)
     uint8_t *out = (uint8_t *)PyBytes_AS_STRING(tiers);
     Py_ssize_t hits = 0;
     int unsure = 0;
-    fingerprint fs[LOOKUP_AHEAD];
-    uint64_t hs[LOOKUP_AHEAD];
-    for (Py_ssize_t j = 0; j < n && j < LOOKUP_AHEAD; j++)
-        lookup_ahead(&t, items[j], &fs[j], &hs[j]);
+    lookahead ahead;
+    lookahead_start(&ahead, &t, items, n);
     for (; hits < n; hits++) {
-        int ahead = (int)(hits % LOOKUP_AHEAD);
-        fingerprint f = fs[ahead];
-        uint64_t h = hs[ahead];
-        if (hits + LOOKUP_AHEAD < n)
-            lookup_ahead(&t, items[hits + LOOKUP_AHEAD], &fs[ahead], &hs[ahead]);
+        fingerprint f;
+        uint64_t h = lookahead_next(&ahead, hits, &f);
         snapshot snap;
         int r = r_find_from(&t, &f, h, &snap);
         out[hits] = snap.tier;
@@ -1257,16 +1283,7 @@ kvt_py_index_copy(PyObject *Py_UNUSED(m), PyObject *args)
                 fingerprint f = {e->fp0, e->fp1, e->flags};
                 location loc = {e->segment, e->slot, e->offset, e->length, e->checksum,
                                 e->has_sum};
-                idx_entry *slot;
-                idx_entry *at = w_find_from(&d, &f, hs[k], &slot);
-                int r;
-                if (at != NULL) {
-                    entry_write(at, E_LIVE, e->tier, &f, e->ref, &loc);
-                    r = 1;
-                }
-                else {
-                    r = t_set_new(&d, slot, &f, e->tier, e->ref, &loc);
-                }
+                int r = t_set_from(&d, &f, hs[k], e->tier, e->ref, &loc);
                 if (r < 0)
                     full = 1;
                 else if (r == 0)

@@ -905,13 +905,12 @@ class ReservationState:
 
     def write_all(self, views: Sequence[memoryview]) -> None:
         """``write(i, views[i])`` for every reserved ``i``, in one guarded copy call."""
-        self._write_views([as_bytes_view(views[i], i, self._block_bytes)
-                           if i in self._reserved else views[i] for i in range(len(views))])
+        self._copy_in([as_bytes_view(views[i], i, self._block_bytes) for i in self._reserved])
 
-    def _write_views(self, views: Sequence[memoryview]) -> None:
-        """``write_all`` of views ``as_bytes_view`` made."""
+    def _copy_in(self, srcs: Sequence[memoryview]) -> None:
+        """The bytes of ``srcs[k]`` (flat views ``as_bytes_view`` made) into the slot of
+        the k-th reserved key, in one guarded copy call."""
         reserved = self._reserved
-        srcs = [views[i] for i in reserved]
         pieces = []
         for i, src in zip(reserved, srcs, strict=True):
             buf = self.buffers[i]
@@ -937,7 +936,7 @@ class ReservationState:
         if self._client.checksum:
             self.write_all_hashed(views)
         else:
-            self._write_views(views)
+            self._copy_in([views[i] for i in self._reserved])
 
     def write_all_hashed(self, views: Sequence[memoryview]) -> None:
         """``write_all``, checksumming each block in the same pass over it (the commit

@@ -356,17 +356,9 @@ class Segment:
             if size < HEADER_BYTES:
                 raise SegmentInvalid(f"truncated: {size} bytes, shorter than its header")
             meta = _map(meta_fd, size, undo)
-            try:
-                head = read_header(meta)
-            except ValueError as exc:
-                raise SegmentInvalid(str(exc)) from None
-            layout = _validated_layout(head, size)
+            head, layout = _checked_header(meta_path, meta, size)
             name = str(head["namespace"])
             index = int(head["index"])  # type: ignore[call-overload]
-            if os.path.basename(meta_path) != segment_file_name(name, index, META_SUFFIX):
-                raise SegmentInvalid(
-                    f"file name does not match its header (namespace {name!r}, extent {index})"
-                )
             path = data_path_of(meta_path)
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -601,18 +593,32 @@ def slots_by_namespace(shm_dir: str, *, max_bytes: int) -> dict[str, int]:
             continue
         try:
             size = os.fstat(fd).st_size
-            head = read_header(os.pread(fd, HEADER_BYTES, 0))
-            layout = _validated_layout(head, size)
-            name = str(head["namespace"])
-            if file != segment_file_name(name, int(head["index"]), META_SUFFIX):  # type: ignore[call-overload]
-                continue
-        except (OSError, ValueError, struct.error, SegmentInvalid):
+            head, layout = _checked_header(file, os.pread(fd, HEADER_BYTES, 0), size)
+        except (OSError, SegmentInvalid):
             continue
         finally:
             os.close(fd)
+        name = str(head["namespace"])
         most = max_bytes // layout.slot_bytes
         out[name] = min(most, out.get(name, 0) + layout.n_slots)
     return out
+
+
+def _checked_header(meta_path: str, meta: mmap.mmap | bytes, size: int
+                    ) -> tuple[dict[str, object], SegmentLayout]:
+    """A metadata file's header and layout, validated (``Segment.attach``): its
+    checksum and fields, a geometry that adds up to the file's ``size``, and a file
+    name that matches it.  Raises ``SegmentInvalid`` naming what is wrong."""
+    try:
+        head = read_header(meta)
+    except (ValueError, struct.error) as exc:  # (struct.error: fewer bytes than a header)
+        raise SegmentInvalid(str(exc)) from None
+    layout = _validated_layout(head, size)
+    name, index = str(head["namespace"]), int(head["index"])  # type: ignore[call-overload]
+    if os.path.basename(meta_path) != segment_file_name(name, index, META_SUFFIX):
+        raise SegmentInvalid(
+            f"file name does not match its header (namespace {name!r}, extent {index})")
+    return head, layout
 
 
 def read_header(mm: mmap.mmap | bytes) -> dict[str, object]:
