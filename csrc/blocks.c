@@ -2875,6 +2875,60 @@ static PyType_Spec bt_spec = {
     .slots = bt_slots,
 };
 
+/* slot_usage(table): one pass over a previous run's slot table, read only (recovery's
+ * _usage: which extents to adopt first, and the access the CLOCK bits start from). */
+const char kvt_slot_usage_doc[] =
+"slot_usage($module, table, /)\n--\n\n"
+"One pass over a slot table (whole entries of SLOT_LAYOUT['entry_bytes']): the\n"
+"COMMITTED entries whose last access is in bounds (< max_access_seq), as\n"
+"(count, newest last access or 0, their last accesses: bytes of u64 in slot\n"
+"order).  Nothing is validated but the state byte and that bound (adopt() does\n"
+"the rest) and nothing is written.  The GIL is released during the pass.\n"
+"ValueError when the buffer is not whole entries.";
+
+PyObject *
+kvt_py_slot_usage(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *ret = NULL;
+    if (b.len % KVT_SLOT_BYTES != 0) {
+        PyErr_Format(PyExc_ValueError, "a slot table is whole %d-byte entries, got %zd bytes",
+                     KVT_SLOT_BYTES, b.len);
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    size_t n = (size_t)b.len / KVT_SLOT_BYTES, count = 0;
+    uint64_t newest = 0;
+    uint64_t *lasts = PyMem_RawMalloc((n ? n : 1) * sizeof *lasts);
+    if (lasts == NULL) {
+        PyBuffer_Release(&b);
+        return PyErr_NoMemory();
+    }
+    const uint8_t *tab = (const uint8_t *)b.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t s = 0; s < n; s++) {
+        const uint8_t *p = tab + s * KVT_SLOT_BYTES;
+        if (p[KVT_SLOT_STATE] != KVT_ST_COMMITTED)
+            continue;
+        uint64_t last = ld64(p + KVT_SLOT_LAST_ACCESS);
+        if (last >= KVT_MAX_ACCESS_SEQ)
+            continue;
+        lasts[count++] = last;
+        if (last > newest)
+            newest = last;
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *bytes = PyBytes_FromStringAndSize((const char *)lasts,
+                                                (Py_ssize_t)(count * sizeof *lasts));
+    if (bytes != NULL)
+        ret = Py_BuildValue("(nKN)", (Py_ssize_t)count, (unsigned long long)newest, bytes);
+    PyMem_RawFree(lasts);
+    PyBuffer_Release(&b);
+    return ret;
+}
+
 int
 kvt_blocks_init(PyObject *module)
 {

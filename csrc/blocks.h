@@ -52,6 +52,10 @@
 #define KVT_POLICY_LRU 0   /* sampled LRU on the persisted last access */
 #define KVT_POLICY_CLOCK 1 /* CLOCK: a reference bit per slot, a hand per table */
 
+/* slot_usage(table): a previous run's slot table's COMMITTED last accesses (recovery). */
+PyObject *kvt_py_slot_usage(PyObject *module, PyObject *arg);
+extern const char kvt_slot_usage_doc[];
+
 /* Registers the BlockTable type and SLOT_LAYOUT in the module (its exec slot). */
 int kvt_blocks_init(PyObject *module);
 

@@ -702,19 +702,29 @@ typedef struct {
     table t;
     const uint8_t *tab;
     const uint64_t *slots;
-    Py_ssize_t n, at; /* in: the first index; out: where it stopped */
     uint32_t segment;
     uint64_t slot_bytes;
-    Py_ssize_t *left; /* indices left out (n entries room) */
+    const uint64_t *homes; /* each slot's home entry, or NULL: computed here */
+    const uint32_t *idx;   /* the slots to insert: slots[idx[k]], or NULL: slots[from + k] */
+    Py_ssize_t from, m;    /* k in [0, m) */
+    Py_ssize_t k;          /* in: the first k; out: where it stopped (m: all done) */
+    Py_ssize_t *left;      /* indices into slots left out (room for m) */
     Py_ssize_t n_left;
 } set_slots_job;
 
-static inline void
-set_slots_ahead(const set_slots_job *j, Py_ssize_t i, fingerprint *f, uint64_t *h)
+static inline Py_ssize_t
+set_slots_pick(const set_slots_job *j, Py_ssize_t k)
 {
+    return j->idx != NULL ? (Py_ssize_t)j->idx[k] : j->from + k;
+}
+
+static inline void
+set_slots_ahead(const set_slots_job *j, Py_ssize_t k, fingerprint *f, uint64_t *h)
+{
+    Py_ssize_t i = set_slots_pick(j, k);
     const uint8_t *p = j->tab + j->slots[i] * KVT_SLOT_BYTES;
     *f = fp_of(p + KVT_SLOT_KEY, p[KVT_SLOT_KEY_LEN]);
-    *h = home(&j->t, f);
+    *h = j->homes != NULL ? j->homes[i] : home(&j->t, f);
     __builtin_prefetch(&j->t.e[*h], 1, 3);
 }
 
@@ -723,14 +733,15 @@ set_slots_run(set_slots_job *j)
 {
     fingerprint f[SET_SLOTS_BATCH];
     uint64_t h[SET_SLOTS_BATCH];
-    for (Py_ssize_t k = j->at; k < j->n && k < j->at + SET_SLOTS_BATCH; k++)
+    for (Py_ssize_t k = j->k; k < j->m && k < j->k + SET_SLOTS_BATCH; k++)
         set_slots_ahead(j, k, &f[k % SET_SLOTS_BATCH], &h[k % SET_SLOTS_BATCH]);
-    for (Py_ssize_t i = j->at; i < j->n; i++) {
-        int at = (int)(i % SET_SLOTS_BATCH);
+    for (Py_ssize_t k = j->k; k < j->m; k++) {
+        int at = (int)(k % SET_SLOTS_BATCH);
         fingerprint fi = f[at];
         uint64_t hi = h[at];
-        if (i + SET_SLOTS_BATCH < j->n)
-            set_slots_ahead(j, i + SET_SLOTS_BATCH, &f[at], &h[at]);
+        if (k + SET_SLOTS_BATCH < j->m)
+            set_slots_ahead(j, k + SET_SLOTS_BATCH, &f[at], &h[at]);
+        Py_ssize_t i = set_slots_pick(j, k);
         uint64_t s = j->slots[i];
         const uint8_t *p = j->tab + s * KVT_SLOT_BYTES;
         idx_entry *reuse;
@@ -744,17 +755,169 @@ set_slots_run(set_slots_job *j)
                             has ? checksum : 0, has};
             r = t_set_new(&j->t, reuse, &fi, 1, 0, &loc); /* (the probe just made) */
             if (r < 0) {
-                j->at = i; /* 3/4 full: grow, then call again from i */
+                j->k = k; /* 3/4 full: grow, then call again from here */
                 return;
             }
         }
         if (r == 0)
             j->left[j->n_left++] = i;
     }
-    j->at = j->n;
+    j->k = j->m;
 }
 
-/* index_set_slots(buf, table, slots, segment, slot_bytes, start): the keys of COMMITTED
+/* Adoption's inserts on several threads (index_set_slots with threads > 1).  Each
+ * thread owns a contiguous range of the table's entries and inserts the keys whose
+ * home lies in it at least max_probe entries before its end: a probe never goes past
+ * max_probe entries, so it stays in the range -- no entry is written by two threads,
+ * and no thread reads an entry another writes (the one-writer protocol holds per
+ * entry; readers see each entry's seqlock as always).  The keys homed nearer a
+ * range's end are inserted after, by the calling thread alone.  Each thread counts
+ * what it adds in a header of its own, summed into the table's after.  Only used when
+ * the table takes every key without growing (a stop half way would break "everything
+ * before the index returned went in"). */
+typedef struct {
+    set_slots_job j;        /* its own keys: j.idx, j.m; j.t.h points to hdr */
+    idx_header hdr;
+    const set_slots_job *all;
+    uint64_t *homes;        /* shared: phase 1 fills [from, to) */
+    Py_ssize_t from, to;
+    uint64_t lo, hi;        /* the table entries [lo, hi) are its own */
+    int phase;
+} par_slots_job;
+
+static inline int
+par_owns(uint64_t h, uint64_t lo, uint64_t hi, uint32_t max_probe)
+{
+    return h >= lo && h + max_probe <= hi;
+}
+
+static void *
+par_slots_worker(void *arg)
+{
+    par_slots_job *p = arg;
+    const set_slots_job *all = p->all;
+    if (p->phase == 1) { /* the homes of a share of the slots */
+        for (Py_ssize_t i = p->from; i < p->to; i++) {
+            const uint8_t *e = all->tab + all->slots[i] * KVT_SLOT_BYTES;
+            fingerprint f = fp_of(e + KVT_SLOT_KEY, e[KVT_SLOT_KEY_LEN]);
+            p->homes[i] = home(&all->t, &f);
+        }
+        return NULL;
+    }
+    uint32_t *mine = (uint32_t *)p->j.idx; /* (allocated by the caller: room for all) */
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = all->from; i < all->from + all->m; i++) {
+        if (par_owns(p->homes[i], p->lo, p->hi, all->t.max_probe))
+            mine[m++] = (uint32_t)i;
+    }
+    p->j.m = m;
+    set_slots_run(&p->j);
+    return NULL;
+}
+
+static int
+cmp_ssize(const void *a, const void *b)
+{
+    Py_ssize_t x = *(const Py_ssize_t *)a, y = *(const Py_ssize_t *)b;
+    return (x > y) - (x < y);
+}
+
+#define PAR_SLOTS_MAX_THREADS 8
+/* Fewer keys than this go in on one thread (two thread starts cost ~0.1 ms). */
+#define PAR_SLOTS_MIN 16384
+
+/* set_slots_run(j) on up to `threads` threads when the table has room for every key
+ * (else, or for a small batch, on this one).  0, or -1: no memory (nothing changed). */
+static int
+set_slots_par(set_slots_job *j, int threads)
+{
+    uint64_t cap = j->t.mask + 1;
+    Py_ssize_t n = j->m - j->k;
+    if (threads > PAR_SLOTS_MAX_THREADS)
+        threads = PAR_SLOTS_MAX_THREADS;
+    if (threads < 2 || n < PAR_SLOTS_MIN || j->idx != NULL || j->homes != NULL
+        || (uint64_t)(j->from + j->m) > UINT32_MAX
+        || cap < (uint64_t)threads * 4 * j->t.max_probe
+        || (j->t.h->used + (uint64_t)n) * 4 > cap * 3) {
+        set_slots_run(j);
+        return 0;
+    }
+    set_slots_job all = *j;
+    all.from = j->from + j->k;
+    all.m = n;
+    all.k = 0;
+    par_slots_job par[PAR_SLOTS_MAX_THREADS];
+    uint64_t *homes = malloc((size_t)(j->from + j->m) * sizeof *homes);
+    uint32_t *idx = malloc((size_t)threads * (size_t)n * sizeof *idx);
+    Py_ssize_t *left = malloc((size_t)threads * (size_t)n * sizeof *left);
+    uint32_t *rest = malloc((size_t)n * sizeof *rest);
+    if (homes == NULL || idx == NULL || left == NULL || rest == NULL) {
+        free(homes);
+        free(idx);
+        free(left);
+        free(rest);
+        return -1;
+    }
+    for (int q = 0; q < threads; q++) {
+        par_slots_job *p = &par[q];
+        memset(p, 0, sizeof *p);
+        p->all = &all;
+        p->homes = homes;
+        p->from = all.from + n * q / threads;
+        p->to = all.from + n * (q + 1) / threads;
+        p->lo = cap * (uint64_t)q / (uint64_t)threads;
+        p->hi = cap * (uint64_t)(q + 1) / (uint64_t)threads;
+        p->hdr = *j->t.h;
+        p->j = all;
+        p->j.t.h = &p->hdr;
+        p->j.homes = homes;
+        p->j.idx = idx + (size_t)q * (size_t)n;
+        p->j.left = left + (size_t)q * (size_t)n;
+        p->j.n_left = 0;
+        p->phase = 1;
+    }
+    kvt_run_jobs(par_slots_worker, par, sizeof par[0], threads);
+    for (int q = 0; q < threads; q++)
+        par[q].phase = 2;
+    kvt_run_jobs(par_slots_worker, par, sizeof par[0], threads);
+    /* Their counts into the table's, then the keys no thread owned, here. */
+    uint64_t used = j->t.h->used, live = j->t.h->live;
+    for (int q = 0; q < threads; q++) {
+        j->t.h->used += par[q].hdr.used - used;
+        j->t.h->live += par[q].hdr.live - live;
+    }
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = all.from; i < all.from + n; i++) {
+        uint64_t h = homes[i];
+        int q = 0;
+        while (q + 1 < threads && h >= par[q].hi)
+            q++;
+        if (!par_owns(h, par[q].lo, par[q].hi, j->t.max_probe))
+            rest[m++] = (uint32_t)i;
+    }
+    set_slots_job tail = all;
+    tail.homes = homes;
+    tail.idx = rest;
+    tail.m = m;
+    tail.left = j->left + j->n_left;
+    tail.n_left = 0;
+    set_slots_run(&tail); /* (room checked above: it cannot stop) */
+    Py_ssize_t n_left = j->n_left + tail.n_left;
+    for (int q = 0; q < threads; q++) {
+        memcpy(j->left + n_left, par[q].j.left, (size_t)par[q].j.n_left * sizeof *left);
+        n_left += par[q].j.n_left;
+    }
+    qsort(j->left + j->n_left, (size_t)(n_left - j->n_left), sizeof *left, cmp_ssize);
+    j->n_left = n_left;
+    j->k = j->m;
+    free(homes);
+    free(idx);
+    free(left);
+    free(rest);
+    return 0;
+}
+
+/* index_set_slots(buf, table, slots, segment, slot_bytes, start, threads=1): the keys of COMMITTED
  * slot-table entries put in the table from the entries themselves (an adopted extent:
  * no Python object per key), each at (segment, slot, slot * slot_bytes, length,
  * checksum).  A key the table holds already is not changed: its index in slots goes to
@@ -763,7 +926,9 @@ set_slots_run(set_slots_job *j)
  * (index stopped at, [indices left out]); the caller grows the table and goes on.
  * Every slot from start on is checked (in range, COMMITTED, key length) before the
  * table changes: ValueError names the first that is not, and nothing was written.
- * The GIL is released while the keys go in. */
+ * The GIL is released while the keys go in; with threads > 1 they go in on that many
+ * threads (set_slots_par: a recovery's batch, when the table has room for them all --
+ * which keys of a probe-limit pile-up stay out may then differ, nothing else). */
 PyObject *
 kvt_py_index_set_slots(PyObject *Py_UNUSED(m), PyObject *args)
 {
@@ -771,14 +936,15 @@ kvt_py_index_set_slots(PyObject *Py_UNUSED(m), PyObject *args)
     unsigned int segment;
     unsigned long long slot_bytes;
     Py_ssize_t start;
-    if (!PyArg_ParseTuple(args, "w*y*y*IKn:index_set_slots", &buf, &tab, &sl, &segment,
-                          &slot_bytes, &start))
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "w*y*y*IKn|i:index_set_slots", &buf, &tab, &sl, &segment,
+                          &slot_bytes, &start, &threads))
         return NULL;
     PyObject *ret = NULL, *out = NULL;
     set_slots_job j;
     memset(&j, 0, sizeof j);
-    j.n = sl.len / 8;
-    j.at = start < 0 ? 0 : start;
+    j.m = sl.len / 8;
+    j.k = start < 0 ? 0 : start;
     j.slots = (const uint64_t *)sl.buf;
     j.tab = (const uint8_t *)tab.buf;
     j.segment = segment;
@@ -789,7 +955,7 @@ kvt_py_index_set_slots(PyObject *Py_UNUSED(m), PyObject *args)
         PyErr_SetString(PyExc_ValueError, "slots must be whole uint64s");
         goto done;
     }
-    for (Py_ssize_t i = j.at; i < j.n; i++) {
+    for (Py_ssize_t i = j.k; i < j.m; i++) {
         uint64_t s = j.slots[i];
         if (s >= (uint64_t)tab.len / KVT_SLOT_BYTES) {
             PyErr_Format(PyExc_ValueError, "slots[%zd] = %llu is past the slot table", i,
@@ -804,17 +970,22 @@ kvt_py_index_set_slots(PyObject *Py_UNUSED(m), PyObject *args)
             goto done;
         }
     }
-    if (j.at < j.n) {
-        j.left = PyMem_RawMalloc((size_t)(j.n - j.at) * sizeof *j.left);
+    if (j.k < j.m) {
+        j.left = PyMem_RawMalloc((size_t)(j.m - j.k) * sizeof *j.left);
         if (j.left == NULL) {
             PyErr_NoMemory();
             goto done;
         }
     }
-    if (j.n - j.at >= 512) {
+    if (j.m - j.k >= 512) {
+        int no_memory;
         Py_BEGIN_ALLOW_THREADS
-        set_slots_run(&j);
+        no_memory = set_slots_par(&j, threads) < 0;
         Py_END_ALLOW_THREADS
+        if (no_memory) {
+            PyErr_NoMemory();
+            goto done;
+        }
     }
     else {
         set_slots_run(&j);
@@ -827,7 +998,7 @@ kvt_py_index_set_slots(PyObject *Py_UNUSED(m), PyObject *args)
             goto done;
         PyList_SET_ITEM(out, k, v);
     }
-    ret = Py_BuildValue("(nO)", j.at, out);
+    ret = Py_BuildValue("(nO)", j.k, out);
 done:
     PyMem_RawFree(j.left);
     Py_XDECREF(out);

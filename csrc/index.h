@@ -66,6 +66,11 @@
 #define KVT_W_LOST 4          /* a grant of the batch is no longer the session's */
 #define KVT_W_FAILED 5        /* the daemon could not write the slot table */
 
+/* native.c: njobs jobs of job_size bytes from jobs, job 0 on the calling thread and
+ * the others on their own pthreads, all joined before it returns. */
+typedef void *(*kvt_worker)(void *);
+void kvt_run_jobs(kvt_worker fn, void *jobs, size_t job_size, int njobs);
+
 PyObject *kvt_py_index_format(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_set(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_set_many(PyObject *m, PyObject *args);

@@ -307,12 +307,11 @@ kvt_guarded(void (*work)(void *), void *arg, kvt_fault *fault)
 /* Plain C core                                                               */
 /* ------------------------------------------------------------------------- */
 
-typedef void *(*kvt_worker)(void *);
-
 /* Run njobs (1..KVT_MAX_THREADS) jobs of job_size bytes each from the array jobs:
  * job 0 on the calling thread, the others on fresh pthreads.  A job whose thread
- * cannot be created runs on the calling thread instead. */
-static void
+ * cannot be created runs on the calling thread instead.  (index.h: index.c's
+ * parallel adoption uses it too.) */
+void
 kvt_run_jobs(kvt_worker fn, void *jobs, size_t job_size, int njobs)
 {
     pthread_t tids[KVT_MAX_THREADS];
@@ -2215,6 +2214,7 @@ static PyMethodDef native_methods[] = {
      METH_VARARGS | METH_KEYWORDS, py_pwrite_full_doc},
     {"pread_full", (PyCFunction)(void (*)(void))py_pread_full,
      METH_VARARGS | METH_KEYWORDS, py_pread_full_doc},
+    {"slot_usage", kvt_py_slot_usage, METH_O, kvt_slot_usage_doc},
     {"hash_rows", (PyCFunction)(void (*)(void))py_hash_rows,
      METH_VARARGS | METH_KEYWORDS, py_hash_rows_doc},
     {"ssd_find_slots", (PyCFunction)(void (*)(void))py_ssd_find_slots,

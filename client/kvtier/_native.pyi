@@ -23,6 +23,9 @@ def prefault(buf: _Buffer, threads: int = 0) -> int:
 def checksum(buf: _Buffer) -> int:
     """Return the XXH3-64 hash (seed 0) of the bytes of buf, as an int."""
 
+def slot_usage(table: _Buffer, /) -> tuple[int, int, bytes]:
+    """A slot table's COMMITTED entries with an in-bounds last access: (count, newest, lasts)."""
+
 def hash_rows(buf: _Buffer, stride: int, start: int, stop: int, seeds: _Buffer) -> bytes:
     """XXH3-64 of bytes [start, stop) of each stride-byte row of buf, row i seeded with seeds[i]."""
 
@@ -89,9 +92,10 @@ def index_locate(buf: _Buffer, key: bytes) -> _Location | None:
     """Where key's block is, as published (the writer's view), or None."""
 
 def index_set_slots(buf: _Buffer, table: _Buffer, slots: _Buffer, segment: int,
-                    slot_bytes: int, start: int) -> tuple[int, list[int]]:
-    """The keys of COMMITTED slot-table entries into the table, from slots[start:]:
-    (index stopped at, indices left out: present already, or past the probe limit)."""
+                    slot_bytes: int, start: int, threads: int = 1) -> tuple[int, list[int]]:
+    """The keys of COMMITTED slot-table entries into the table, from slots[start:], on up
+    to ``threads`` threads: (index stopped at, indices left out: present already, or
+    past the probe limit)."""
 
 def index_find_many(buf: _Buffer, keys: Sequence[bytes]) -> bytes:
     """One u64 per key: segment << 32 | slot of its live entry, or 0 (the writer's view)."""

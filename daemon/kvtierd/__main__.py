@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
-import logging
-import signal
-import sys
+import os
 
-from kvtier.errors import KVTierError
-from kvtierd import logs
-from kvtierd.config import Config, ConfigError, config_to_dict, load_config
+# numpy's OpenBLAS starts a thread per core at import that spins between calls; the
+# daemon does no linear algebra, and on a small host those threads take a core from
+# the event loop and from recovery (before any import of numpy; the operator's own
+# setting wins).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+from kvtier.errors import KVTierError  # noqa: E402
+from kvtierd import logs  # noqa: E402
+from kvtierd.config import Config, ConfigError, config_to_dict, load_config  # noqa: E402
 
 log = logging.getLogger("kvtierd")
 

@@ -392,14 +392,16 @@ class SharedIndex:
         self._flags()
 
     def add_slots(self, table: memoryview, slots: npt.NDArray[np.uint64], segment_id: int,
-                  slot_bytes: int, *, room: int = 0) -> list[int]:
+                  slot_bytes: int, *, room: int = 0, threads: int = 1) -> list[int]:
         """Publish the keys of COMMITTED slot-table entries (an adopted extent's blocks),
         read from ``table`` itself: no Python object per key.  Returns the indices into
         ``slots`` left out -- a key the table holds already, or one past the probe
         limit -- for the caller (which copy stays; ``add`` keeps the others apart).
         ``room``: keys still to come (recovery's count of every extent's blocks): the
         table grows once, for them all, instead of doubling extent by extent (each
-        growth copies every key), to at most ``GROW_LOAD`` full."""
+        growth copies every key), to at most ``GROW_LOAD`` full.  ``threads``: insert on
+        up to that many threads (recovery, before the daemon serves: a thread owns a
+        range of the table; csrc/index.c ``set_slots_par``)."""
         slots = np.ascontiguousarray(slots, dtype=np.uint64)
         left: list[int] = []
         t = self._table
@@ -415,7 +417,7 @@ class SharedIndex:
         at = 0
         while self._table is not None and at < len(slots):
             at, out = _native.index_set_slots(self._table.mm, table, slots, segment_id,
-                                              slot_bytes, at)
+                                              slot_bytes, at, threads)
             left += out
             if at < len(slots) and self._replace() is None:
                 left += range(at, len(slots))

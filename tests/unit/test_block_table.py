@@ -1144,6 +1144,108 @@ def test_add_slots_of_many_keys_checks_all_first_and_sizes_the_table_once() -> N
     shared.close()
 
 
+def _index_buffer(capacity: int, max_probe: int) -> bytearray:
+    from kvtier import _native
+
+    buf = bytearray(64 + capacity * 64)
+    _native.index_format(buf, capacity, 0x5EED, max_probe)
+    return buf
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_adoption_inserts_on_threads_make_the_table_one_thread_makes(threads: int) -> None:
+    """``index_set_slots`` with threads (recovery's, csrc/index.c ``set_slots_par``):
+    each thread owns a range of the table; the keys homed within max_probe of a range's
+    end (~5 % here) go in after, on one thread.  The same keys go in at the same
+    locations as on one thread, the same ones are left out (held already, or twice in
+    the extent), the counts agree.  A table without room for them all takes them on
+    one thread and stops where one thread does."""
+    from kvtier import _native
+
+    meta, slots, keys = _extent_with_twice_held_keys(40_000)
+    n = len(keys)
+    tables = []
+    for k in (1, threads):
+        buf = _index_buffer(1 << 16, 1024)
+        assert _native.index_set(buf, b"%016d" % 100, 1, 0, (1, 0, 0, 1, None)) == 1
+        at, left = _native.index_set_slots(buf, memoryview(meta), slots, 3, SLOT, 0, k)
+        assert at == n
+        tables.append((buf, left))
+    (one, left1), (par, left_n) = tables
+    assert left_n == left1 == [100, *range(n - 8, n)]  # held already; the second copies
+    assert _native.index_info(par)[:3] == _native.index_info(one)[:3]
+    assert sorted(np.frombuffer(_native.index_rows(par), "<u8").reshape(-1, 3).tolist()) == \
+        sorted(np.frombuffer(_native.index_rows(one), "<u8").reshape(-1, 3).tolist())
+    for key in keys[:n - 8]:
+        assert _native.index_locate(par, key) == _native.index_locate(one, key)
+    # No room for every key: one thread, stopping where it stops.
+    stops = []
+    for k in (1, threads):
+        buf = _index_buffer(1 << 15, 1024)
+        stops.append((*_native.index_set_slots(buf, memoryview(meta), slots, 3, SLOT, 0, k),
+                      bytes(buf)))
+    assert stops[0] == stops[1] and stops[0][0] < n
+
+
+def test_adoption_inserts_on_threads_past_the_probe_limit() -> None:
+    """With a probe limit of 4 most keys sit near a range's end and many pile up past
+    the limit; which ones stay out may depend on the order they went in, nothing else
+    does: every key is either where its slot is or left out, the counts add up, and
+    the keys held already and the second copies are among those left out."""
+    from kvtier import _native
+
+    meta, slots, keys = _extent_with_twice_held_keys(40_000)
+    n = len(keys)
+    buf = _index_buffer(1 << 16, 4)
+    assert _native.index_set(buf, b"%016d" % 100, 1, 0, (1, 0, 0, 1, None)) == 1
+    at, left = _native.index_set_slots(buf, memoryview(meta), slots, 3, SLOT, 0, 2)
+    assert at == n and left == sorted(left) and {100, *range(n - 8, n)} <= set(left)
+    assert _native.index_info(buf)[1] == 1 + n - len(left)
+    out = set(left)
+    for i, key in enumerate(keys):
+        got = _native.index_locate(buf, key)
+        if i not in out:
+            assert got is not None and got[:3] == (3, int(slots[i]), int(slots[i]) * SLOT)
+
+
+def _extent_with_twice_held_keys(n: int) -> tuple[bytearray, np.ndarray, list[bytes]]:
+    """An extent of ``n`` committed slots whose last 8 hold the keys of its first 8
+    again (two commits: never written so by the daemon; adoption must cope)."""
+    t, meta = table(n, extent_id=3)
+    refs = claimed(t, n)
+    keys = [b"%016d" % i for i in range(n - 8)] + [b"%016d" % i for i in range(8)]
+    half = n // 2
+    t.commit(refs[:half], keys[:half], np.full(half, 9), None, first_access=1, epoch=EPOCH)
+    t.commit(refs[half:], keys[half:], np.full(n - half, 9), None, first_access=1,
+             epoch=EPOCH)
+    return meta, refs & np.uint64(0xFFFF_FFFF), keys
+
+
+def test_slot_usage_reads_the_committed_entries_last_accesses_in_one_pass() -> None:
+    """``slot_usage`` (recovery's first pass over a slot table): the COMMITTED entries
+    with an in-bounds last access -- their count, the newest, and each in slot order;
+    a buffer that is not whole entries is refused."""
+    from kvtier import _native
+
+    t, meta = table(8, extent_id=2)
+    refs = claimed(t, 5)
+    t.commit(refs[:4], [b"k%d" % i for i in range(4)], [1] * 4, None, first_access=10,
+             epoch=EPOCH)
+    r = rows(meta)
+    assert r["state"].tolist()[:5] == [COMMITTED] * 4 + [RESERVED]
+    view = np.frombuffer(meta, dtype=SLOT_DTYPE)
+    view["last_access"][1] = 2**48  # out of bounds: not counted (adopt drops it)
+    view["last_access"][2] = 77
+    view["last_access"][4] = 99  # RESERVED: not counted
+    count, newest, lasts = _native.slot_usage(memoryview(meta))
+    want = [int(x) for x in view["last_access"][[0, 2, 3]]]
+    assert (count, newest) == (3, max(want))
+    assert np.frombuffer(lasts, dtype=np.uint64).tolist() == want
+    assert _native.slot_usage(b"") == (0, 0, b"")
+    with pytest.raises(ValueError, match="whole 128-byte entries"):
+        _native.slot_usage(bytes(SLOT_ENTRY_BYTES + 1))
+
+
 def test_check_rows_copy_state_key_fingerprint_generation_and_pins() -> None:
     """``check_rows``: a committed slot's key fingerprint (the shared index's), the
     generation of any other slot, the persisted state and key length, the pins."""

@@ -5,6 +5,8 @@ validated them, and ordering the adopted blocks once every extent is in."""
 from __future__ import annotations
 
 import logging
+import os
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +27,10 @@ from kvtierd.store.fast_path import FastPath
 from kvtierd.store.types import Extent, Namespace
 
 log = logging.getLogger(__name__)
+
+#: Threads that put an adopted extent's keys in the index (before the daemon serves:
+#: each owns a range of the table; csrc/index.c ``set_slots_par``).
+ADOPT_THREADS: Final = min(4, os.cpu_count() or 1)
 
 
 class Adoption(FastPath):
@@ -109,7 +115,7 @@ class Adoption(FastPath):
         table = memoryview(seg.meta)[TABLE_OFFSET : TABLE_OFFSET + n * SLOT_ENTRY_BYTES]
         try:
             left = ns.index.table.add_slots(table, slots, seg.segment_id, seg.layout.slot_bytes,
-                                            room=expect)
+                                            room=expect, threads=ADOPT_THREADS)
         finally:
             table.release()
         try:
