@@ -170,7 +170,7 @@ def model_snapshot(store: Store) -> CheckSnapshot:
     reservations = [(r.session.ns.name, r.keys, [(e.id, slot, gen) for e, slot, gen
                                                  in r.places])
                     for r in store._reservations.values()]
-    reservations += [(s.ns.name, [], [(e.id, slot, gen) for e, slot, gen in s.grants.values()])
+    reservations += [(s.ns.name, [], s.grants.places())
                      for s in store.sessions.values() if s.grants]
     namespaces = []
     for ns in store.namespaces.values():

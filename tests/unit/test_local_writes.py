@@ -268,7 +268,7 @@ def _commit(env: StoreEnv, s: Session, page: SessionPage,
     """The client's half (records in the ring) then the daemon's (take, commit, answer)."""
     head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
     _native.commits_put(page.mapping, head, _as_taken(page, records))
-    taken = page.take_commits(s.ns.block_bytes, s.grant_words)
+    taken = page.take_commits(s.ns.block_bytes, s.grants.words)
     assert taken is not None
     results, _made = env.store.commit_granted(s, taken)
     page.finish_commits(results)
@@ -317,11 +317,17 @@ def test_granted_slots_are_reserved_and_commit_without_a_call(granting: StoreEnv
     assert len(s.grants) == 1 and s.ns.reserved == 1
     assert env.store.refill_grants(s, GRANTS) == 3
     assert env.store.check() == []
-    # The words the native commit check reads are the grants, and check() says so.
+    # The words the native commit check reads are grants, as many as counted: check().
     entry = next(iter(s.grants))
-    s.grant_words[entry] ^= 1
-    assert any("grant words disagree" in p for p in env.store.check())
-    s.grant_words[entry] ^= 1
+    s.grants.words[entry] ^= np.uint64(GRANT_VALID)
+    assert any(f"no grant at entries [{entry}]" in p for p in env.store.check())
+    s.grants.words[entry] ^= np.uint64(GRANT_VALID)
+    assert env.store.check() == []
+    free = int(s.grants.free_entries(1)[0])
+    s.grants.words[free] = s.grants.words[entry]
+    n = len(s.grants)
+    assert any(f"{n} grants counted, {n + 1} held" in p for p in env.store.check())
+    s.grants.words[free] = 0
     assert env.store.check() == []
     _detach(env, s, page, writes, bell)
     assert s.ns.reserved == 0  # the session's end frees its grants
@@ -396,7 +402,7 @@ def test_a_present_key_keeps_its_grant_and_a_bad_batch_commits_nothing(
     head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
     head = _native.commits_put(page.mapping, head, _as_taken(page, [(e[3], b"c", BLOCK + 5, None)]))
     _native.commits_put(page.mapping, head, _as_taken(page, [(e[3], b"c", 7, None)]))
-    taken = page.take_commits(s.ns.block_bytes, s.grant_words)
+    taken = page.take_commits(s.ns.block_bytes, s.grants.words)
     assert taken is not None
     results, made = env.store.commit_granted(s, taken)
     assert results == bytes([CommitResult.INVALID, CommitResult.COMMITTED]) and len(made) == 1
@@ -468,7 +474,7 @@ def test_idle_grants_go_back_and_one_held_past_the_ttl_is_quarantined(
     assert list(s.grants) == [held[0].entry]
     env.clock.advance(1)
     env.store.expire()  # held for the TTL: quarantined, still RESERVED
-    assert s.grants == {} and s.ns.reserved == 1
+    assert len(s.grants) == 0 and s.ns.reserved == 1
     assert page.grant_word(held[0].entry) == 0
     assert set(_commit(env, s, page, [(held[0].entry, b"late", 5, None)])) == {
         CommitResult.LOST}
@@ -478,7 +484,7 @@ def test_idle_grants_go_back_and_one_held_past_the_ttl_is_quarantined(
     assert page.grant_word(held[0].entry) != held[0].word
     head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
     _native.commits_put(page.mapping, head, [(held[0].entry, held[0].word, b"late", 5, None)])
-    taken = page.take_commits(s.ns.block_bytes, s.grant_words)
+    taken = page.take_commits(s.ns.block_bytes, s.grants.words)
     assert taken is not None
     results, made = env.store.commit_granted(s, taken)
     page.finish_commits(results)
@@ -525,14 +531,13 @@ def test_any_write_area_leaves_the_store_consistent(
         page = SessionPage("A", writes=True)
         env.store.attach_page(a, page)
         env.store.refill_grants(a, GRANTS)
-        real = [GRANT_VALID | ext.segment.segment_id << 32 | slot
-                for ext, slot, _ in a.grants.values()]
+        real = [int(w) for w in a.grants.words[a.grants.entries()]]
         view = np.frombuffer(page.mapping, dtype=np.uint64)
         for at, value in words:
             view[at] = real[-1 - value % len(real)] if value < 0 else value
         del view
         for _ in range(2):
-            taken = page.take_commits(a.ns.block_bytes, a.grant_words)
+            taken = page.take_commits(a.ns.block_bytes, a.grants.words)
             if taken is not None:
                 results, _made = env.store.commit_granted(a, taken)
                 assert len(results) == len(taken)
@@ -569,7 +574,7 @@ def test_another_namespace_reclaims_an_extent_whose_only_reservations_are_idle_g
     put(env, b, keys(15, "b"))  # B's extent: the budget is spent
     # B needs a second extent: A's (3 blocks, 4 idle grants) is reclaimed.
     put(env, b, keys(4, "b2"))
-    assert a.grants == {} and all(page.grant_word(e) == 0 for e in entries)
+    assert len(a.grants) == 0 and all(page.grant_word(e) == 0 for e in entries)
     assert a.ns.extents == [] and a.ns.reserved == 0
     assert env.store.lookup(b, keys(15, "b")) == 15 and env.store.lookup(b, keys(4, "b2")) == 4
     assert env.store.check() == []

@@ -24,7 +24,6 @@ from kvtierd.segments import (
 )
 from kvtierd.shared_index import (
     GRANT_TAKEN,
-    GRANT_VALID,
     HAZARD_BIT,
     collect_hazards,
     hazard_of,
@@ -51,11 +50,6 @@ _NO_REFS = np.zeros(0, dtype=np.uint64)
 class _Raced(Exception):
     """Internal signal: a client leased a planned victim (a hazard) while the plan was
     made; plan again (the hazard is seen then)."""
-
-
-def _grant_word(ext: Extent, slot: int) -> int:
-    """How a client's page names a granted slot (``csrc/writes.c``)."""
-    return GRANT_VALID | ext.segment.segment_id << 32 | slot
 
 
 def _refs(places: Iterable[tuple[Extent, int]]) -> npt.NDArray[np.uint64]:
@@ -337,8 +331,11 @@ class StoreBase:
             if session.ns is not owner or not session.grants:
                 continue
             page = owner.pages.get(session.id)
-            for g, (e, slot, _gen) in session.grants.items():
-                if e is ext and (page is None or page.grant_word(g) == _grant_word(e, slot)):
+            held = session.grants.entries()
+            words = session.grants.words[held]
+            mine = session.grants.refs(held) >> np.uint64(32) == ext.id
+            for g, word in zip(held[mine].tolist(), words[mine].tolist(), strict=True):
+                if page is None or page.grant_word(g) == word:
                     out.append((session, g))
         return out
 
@@ -357,16 +354,17 @@ class StoreBase:
         caller freed them already)."""
         page = session.ns.pages.get(session.id)
         entries = list(entries)
+        refs = session.grants.refs(entries).tolist()
         if quarantine is None and not freed:
-            session.ns.table.release_claims(_refs(session.grants[g][:2] for g in entries))
-        for g in entries:
-            ext, slot, _gen = session.grants.pop(g)
-            session.grant_words[g] = 0
+            session.ns.table.release_claims(np.array(refs, dtype=np.uint64))
+        session.grants.drop(entries)
+        by_id = session.ns.by_id
+        for g, ref in zip(entries, refs, strict=True):
             session.grant_seen.pop(g, None)
             if page is not None:
                 page.set_grant(g, 0)
             if quarantine is not None:
-                ext.quarantine[slot] = quarantine  # still RESERVED
+                by_id[ref >> 32].quarantine[ref & 0xFFFF_FFFF] = quarantine  # still RESERVED
 
     @staticmethod
     def _taken_grants(session: Session) -> int:
@@ -376,8 +374,9 @@ class StoreBase:
         page = session.ns.pages.get(session.id)
         if page is None:
             return 0
-        return sum(1 for g, (ext, slot, _gen) in session.grants.items()
-                   if page.grant_word(g) == _grant_word(ext, slot) | GRANT_TAKEN)
+        words = session.grants.words
+        return sum(1 for g in session.grants
+                   if page.grant_word(g) == int(words[g]) | GRANT_TAKEN)
 
     def note_reads(self, ns: Namespace) -> None:
         """Mark the blocks ``ns``'s clients read without a call as read (their CLOCK bit

@@ -21,12 +21,11 @@ from kvtierd.access import Right
 from kvtierd.counters import saturating_add
 from kvtierd.shared_index import (
     GRANT_TAKEN,
-    GRANT_VALID,
     GRANTS_N,
     PageRecords,
     SessionPage,
 )
-from kvtierd.store.base import _NO_REFS, _grant_word, _NeedExtent, _Raced
+from kvtierd.store.base import _NO_REFS, _NeedExtent, _Raced
 from kvtierd.store.operations import Operations
 from kvtierd.store.types import (
     GRANT_IDLE_SECONDS,
@@ -109,14 +108,8 @@ class FastPath(Operations):
         if not len(refs):
             return 0
         # The first free entries (no word: no grant) name the slots, ref | VALID.
-        entries = np.flatnonzero(session.grant_words == 0)[:len(refs)].astype(np.uint64)
-        words = refs | np.uint64(GRANT_VALID)
-        held = session.grants
-        by_id = ns.by_id
-        for g, r, gen in zip(entries.tolist(), refs.tolist(), gens.tolist(), strict=True):
-            held[g] = (by_id[r >> 32], r & 0xFFFF_FFFF, gen)
-        session.grant_words[entries] = words
-        page.set_grants(entries, words)
+        entries = session.grants.free_entries(len(refs))
+        page.set_grants(entries, session.grants.add(entries, refs, gens))
         session.grants_used = self._clock()
         self.granted[ns.name] += len(refs)
         if self.grow_ahead:  # for what the writer needs: the grants count as free room
@@ -177,7 +170,7 @@ class FastPath(Operations):
         answer.  The rights are checked again: only writers get a page with a write
         area, but a session's rights are what it holds now."""
         out = PageCommits()
-        records = page.take_commits(session.ns.block_bytes, session.grant_words)
+        records = page.take_commits(session.ns.block_bytes, session.grants.words)
         if records is None:  # an impossible head: only a hostile page has one
             log.warning("session %d wrote an impossible commit ring head; records skipped",
                         session.id)
@@ -278,24 +271,15 @@ class FastPath(Operations):
             sums if all(flags) else None if not any(flags) else
             [c if h else None for c, h in zip(sums.tolist(), flags, strict=True)])
         grants = session.grants
-        done = entries.tolist()
-        gens = np.fromiter((grants[g][2] for g in done), dtype=np.uint64, count=len(done))
-        made = self._commit(ns, Commits(refs, gens, keys, lengths, checksums))
+        made = self._commit(ns, Commits(refs, grants.gens[entries], keys, lengths, checksums))
         # Applied (ValueError above: nothing changed); nothing below can fail.
-        seen = session.grant_seen
-        for g in done:
-            del grants[g]
-            if seen:
+        grants.drop(entries)
+        if seen := session.grant_seen:
+            for g in entries.tolist():
                 seen.pop(g, None)
-        words = session.grant_words
-        if len(done) <= 8:  # (a fancy assignment costs more than a few item sets)
-            for g in done:
-                words[g] = 0
-        else:
-            words[entries] = 0
         page = ns.pages.get(session.id)
         if page is not None:  # before DONE: the writer never sees them as its own again
-            page.set_grants(entries, np.zeros(len(done), dtype=np.uint64))
+            page.set_grants(entries, np.zeros(len(entries), dtype=np.uint64))
         session.grants_used = self._clock()
         return codes, made
 
@@ -307,8 +291,9 @@ class FastPath(Operations):
         idle = now - session.grants_used >= GRANT_IDLE_SECONDS
         back: list[int] = []
         stale: list[int] = []
-        for g, (ext, slot, _gen) in session.grants.items():
-            word = _grant_word(ext, slot)
+        words = session.grants.words
+        for g in session.grants:
+            word = int(words[g])
             current = page.grant_word(g) if page is not None else 0
             if current == word | GRANT_TAKEN:
                 first = session.grant_seen.setdefault(g, now)

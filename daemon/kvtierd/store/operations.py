@@ -122,7 +122,7 @@ class Operations(Room):
         ns = session.ns
         # One table call: every reserved and granted slot freed, every pin ended (or none).
         places = [res.refs for res in reservations]
-        places.append(_refs((ext, slot) for ext, slot, _gen in session.grants.values()))
+        places.append(session.grants.refs())
         claims = np.concatenate(places)
         unpin = np.concatenate([lease.refs for lease in leases]) if leases else None
         if len(claims) or unpin is not None:

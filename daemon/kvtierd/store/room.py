@@ -27,7 +27,6 @@ from kvtierd.store.base import (
     Pinned,
     StoreBase,
     _close_quietly,
-    _grant_word,
     _NeedExtent,
     _Raced,
 )
@@ -166,8 +165,7 @@ class Room(StoreBase):
                 raise _Raced()
             for session, g in idle:
                 page = session.ns.pages.get(session.id)
-                e, slot, _gen = session.grants[g]
-                word = _grant_word(e, slot)
+                word = int(session.grants.words[g])
                 if page is not None and not page.revoke_grant(g, word):
                     put_back()
                     raise _Raced()

@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Final
 
 import numpy as np
@@ -375,15 +375,97 @@ class Session:
     # the token; admin calls made with this session's token are judged by ``ident``.
     rights: int = 7
     ident: Identity | None = None
-    #: Slots reserved ahead for this session's writer (csrc/writes.c): page entry ->
-    #: (extent, slot, generation), and when a writer was first seen filling one.
-    grants: dict[int, tuple[Extent, int, int]] = dataclasses.field(default_factory=dict)
-    #: The page word of each entry's grant (0: none): ``grants`` as the native commit
-    #: check reads it (``SessionPage.take_commits``); changed with ``grants`` only.
-    grant_words: npt.NDArray[np.uint64] = dataclasses.field(
-        default_factory=lambda: np.zeros(_page.GRANTS_N, dtype=np.uint64))
+    #: Slots reserved ahead for this session's writer (csrc/writes.c), by page entry
+    #: (``Grants``: columns), and when a writer was first seen filling one.
+    grants: Grants = dataclasses.field(default_factory=lambda: Grants())
     grant_seen: dict[int, float] = dataclasses.field(default_factory=dict)
     grants_used: float = 0.0  # the store's clock when a grant was last made or committed
+
+
+#: A grant word's slot ref: ``segment_id << 32 | slot`` (``block_table.refs_of``).
+_GRANT_REF: Final = ~np.uint64(_page.GRANT_VALID | _page.GRANT_TAKEN)
+
+
+class Grants:
+    """The slots granted ahead to a session's writer (csrc/writes.c), by the entry of its
+    page that names each, as columns: ``words[g]`` is entry g's grant word as the page
+    holds it (0: no grant; else ``GRANT_VALID | segment_id << 32 | slot``: what the
+    native commit check compares the page against, ``SessionPage.take_commits``) and
+    ``gens[g]`` its slot's generation.  No Python object per grant: a put's refill and
+    commit add and drop them by the batch.  ``len``, ``in`` and iteration (entries in
+    order) count the held entries."""
+
+    __slots__ = ("words", "gens", "_n")
+
+    def __init__(self) -> None:
+        self.words: npt.NDArray[np.uint64] = np.zeros(_page.GRANTS_N, dtype=np.uint64)
+        self.gens: npt.NDArray[np.uint64] = np.zeros(_page.GRANTS_N, dtype=np.uint64)
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+    def __contains__(self, g: object) -> bool:
+        return isinstance(g, int) and 0 <= g < len(self.words) and bool(self.words[g])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.entries().tolist())
+
+    def entries(self) -> npt.NDArray[np.intp]:
+        """The entries held, in order."""
+        return np.flatnonzero(self.words)
+
+    def free_entries(self, n: int) -> npt.NDArray[np.uint64]:
+        """The first ``n`` (at most) entries that hold no grant."""
+        return np.flatnonzero(self.words == 0)[:n].astype(np.uint64)
+
+    def refs(self, entries: npt.NDArray[np.integer] | Sequence[int] | None = None
+             ) -> npt.NDArray[np.uint64]:
+        """The slot refs of ``entries`` (held ones), or of every grant held."""
+        words = self.words[self.entries() if entries is None else entries]
+        return words & _GRANT_REF
+
+    def places(self) -> list[tuple[int, int, int]]:
+        """(extent id, slot, generation) of every grant held (checks, tests)."""
+        held = self.entries()
+        return [(r >> 32, r & 0xFFFF_FFFF, gen) for r, gen in zip(
+            (self.words[held] & _GRANT_REF).tolist(), self.gens[held].tolist(), strict=True)]
+
+    def add(self, entries: npt.NDArray[np.uint64], refs: npt.NDArray[np.uint64],
+            gens: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+        """Grant ``refs`` at ``gens`` in the free ``entries``; returns their words."""
+        words = refs | np.uint64(_page.GRANT_VALID)
+        self.words[entries] = words
+        self.gens[entries] = gens
+        self._n += len(entries)
+        return words
+
+    def drop(self, entries: npt.NDArray[np.uint64] | list[int]) -> None:
+        """The grants of ``entries`` (held, each once) end here."""
+        if len(entries) <= 8:  # (a fancy assignment costs more than a few item sets)
+            words = self.words
+            for g in (entries.tolist() if isinstance(entries, np.ndarray) else entries):
+                words[g] = 0
+        else:
+            self.words[entries] = 0
+        self._n -= len(entries)
+
+    def problems(self) -> list[str]:
+        """What does not add up (``Store.check``): the count, a word without its VALID
+        bit or with the writer's TAKEN bit (the page's, never the daemon's)."""
+        out = []
+        held = self.entries()
+        if len(held) != self._n:
+            out.append(f"{self._n} grants counted, {len(held)} held")
+        words = self.words[held]
+        bad = held[(words & np.uint64(_page.GRANT_VALID)) == 0].tolist() + \
+            held[(words & np.uint64(_page.GRANT_TAKEN)) != 0].tolist()
+        if bad:
+            out.append(f"grant words that are no grant at entries {sorted(bad)[:5]}")
+        return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
