@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +45,6 @@ BLOCK = 64 << 10
 
 def _p50(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
-
-
-def _ticks(pid: int) -> int:
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return int(f[11]) + int(f[12])  # utime + stime (fields 14, 15)
 
 
 # ------------------------------------------------------------------ store, in-process
@@ -135,34 +129,19 @@ def _store_mode(batch: int, seconds: float) -> dict[str, float]:
 def _daemon_mode(seconds: float) -> dict[str, float]:
     import grpc
     import numpy as np
+    from _kvtierd import kvtierd  # (bench/, the script's directory: on sys.path)
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     import kvtier
-    from kvtier._core import grpc_options, socket_paths
+    from kvtier._core import grpc_options
 
-    work = tempfile.mkdtemp(prefix="kvt-bench-cp-")
-    sock = os.path.join(work, "sock")
-    shm = f"/dev/shm/kvt-bench-cp-{uuid.uuid4().hex[:12]}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "kvtierd", "--set", f"server.socket_dir={sock}",
-         "--set", f"dram.shm_dir={shm}", "--set", "dram.capacity=512MiB",
-         "--set", "dram.extent_size=64MiB", "--set", "metrics.address=",
-         "--set", "spill.ssd_dir=", "--set", "server.write_grant_bytes=64MiB"],
-        stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "kvtierd.log"), "w"), env=env)
     out: dict[str, float] = {}
-    try:
-        deadline = time.monotonic() + 60
-        grpc_path, session_path = socket_paths(sock)
-        while not os.path.exists(session_path):
-            if time.monotonic() > deadline or daemon.poll() is not None:
-                raise RuntimeError("kvtierd did not start: " +
-                                   open(os.path.join(work, "kvtierd.log")).read()[-2000:])
-            time.sleep(0.05)
-        channel = grpc.insecure_channel(f"unix://{grpc_path}", options=grpc_options())
+    with kvtierd("cp", "dram.capacity=512MiB", "dram.extent_size=64MiB",
+                 "server.write_grant_bytes=64MiB") as daemon:
+        channel = grpc.insecure_channel(f"unix://{daemon.grpc_path}", options=grpc_options())
         health = health_pb2_grpc.HealthStub(channel)
         req = health_pb2.HealthCheckRequest()
-        with kvtier.Client(sock, namespace="cp", block_bytes=BLOCK, model_uid="m") as c:
+        with kvtier.Client(daemon.socket_dir, namespace="cp", block_bytes=BLOCK, model_uid="m") as c:
             # Fill the pool first (its extents made, every claim then evicts).
             data = [np.zeros(BLOCK, np.uint8)] * 32
             for j in range(300):
@@ -179,7 +158,7 @@ def _daemon_mode(seconds: float) -> dict[str, float]:
             # Reserve + commit of 1 key, back to back.
             lat: list[float] = []
             i = 0
-            k0 = _ticks(daemon.pid)
+            k0 = daemon.cpu_ticks()
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < seconds:
                 a = time.perf_counter()
@@ -188,29 +167,24 @@ def _daemon_mode(seconds: float) -> dict[str, float]:
                     r.commit()
                 lat.append(time.perf_counter() - a)
                 i += 1
-            ticks = _ticks(daemon.pid) - k0
+            ticks = daemon.cpu_ticks() - k0
             out["one_key_p50_ms"] = _p50(lat) * 1e3
             out["one_key_x_empty"] = out["one_key_p50_ms"] / out["empty_call_p50_ms"]
             out["one_key_daemon_cpu_us"] = ticks / os.sysconf("SC_CLK_TCK") / len(lat) * 1e6
             out["one_key_ticks"] = ticks
             # Puts of 32 x 64 KiB.
             n = 0
-            k0 = _ticks(daemon.pid)
+            k0 = daemon.cpu_ticks()
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < seconds:
                 c.put([b"p%06d-%02d" % (n, b) for b in range(32)], data)
                 n += 1
             el = time.perf_counter() - t0
-            ticks = _ticks(daemon.pid) - k0
+            ticks = daemon.cpu_ticks() - k0
             out["put32_blocks_per_s"] = n * 32 / el
             out["put32_daemon_cpu_us_per_block"] = ticks / os.sysconf("SC_CLK_TCK") / (n * 32) * 1e6
             out["put32_ticks"] = ticks
         channel.close()
-    finally:
-        daemon.terminate()
-        daemon.wait(30)
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
     return out
 
 

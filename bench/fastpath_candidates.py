@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -103,17 +102,16 @@ def main() -> int:
     args = ap.parse_args()
 
     import grpc
+    from _kvtierd import kvtierd  # (bench/, the script's directory: on sys.path)
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     import kvtier
-    from kvtier._admin import wait_serving
     from kvtier.v1 import kvtier_pb2 as pb
     from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
     base = tempfile.mkdtemp(prefix="kvt-cand-")
-    shm = f"/dev/shm/kvt-cand-{os.getpid()}"
     procs: list[multiprocessing.Process] = []
-    daemon = None
+    stack = contextlib.ExitStack()
     try:
         calls: dict[str, Callable[[], None]] = {}
         for name, target, extra in [
@@ -129,20 +127,16 @@ def main() -> int:
             ready.wait(10)
             calls[name] = _rtt(_connect(path))
 
-        sock_dir = os.path.join(base, "sock")
-        daemon = subprocess.Popen([
-            sys.executable, "-m", "kvtierd", "--set", f"server.socket_dir={sock_dir}",
-            "--set", f"dram.shm_dir={shm}", "--set", "dram.capacity=64MiB",
-            "--set", "dram.extent_size=16MiB", "--set", "metrics.address=",
-            "--set", "spill.ssd_dir=", "--set", "log.level=warning"])
-        wait_serving(sock_dir, daemon)
+        daemon = stack.enter_context(kvtierd("cand", "dram.capacity=64MiB",
+                                             "dram.extent_size=16MiB", "log.level=warning"))
+        sock_dir = daemon.socket_dir
         fast = kvtier.Client(sock_dir, namespace="cand", block_bytes=4096, model_uid="m",
                              fast_path=True)
         slow = kvtier.Client(sock_dir, namespace="cand", block_bytes=4096, model_uid="m",
                              fast_path=False)
         assert fast.fast_path and not slow.fast_path
         fast.put([b"k"], [b"v"])
-        ch = grpc.insecure_channel(f"unix:{os.path.join(sock_dir, 'kvtier.sock')}")
+        ch = grpc.insecure_channel(f"unix://{daemon.grpc_path}")
         health = health_pb2_grpc.HealthStub(ch)
         stub = pb_grpc.KVTierStub(ch)
         hreq = health_pb2.HealthCheckRequest(service="")
@@ -168,13 +162,10 @@ def main() -> int:
         slow.close()
         ch.close()
     finally:
+        stack.close()  # the daemon
         for p in procs:
             p.kill()
-        if daemon is not None:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(20)
         shutil.rmtree(base, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
 
     raw = sorted(samples[names[0]])[len(samples[names[0]]) // 2]
     rows = []

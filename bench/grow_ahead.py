@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from typing import Any
 
 import numpy as np
+from _kvtierd import kvtierd  # (bench/, the script's directory: on sys.path)
 
 import kvtier
 from kvtier.units import parse_size
@@ -40,35 +36,15 @@ def _p(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, int(len(v) * q))]
 
 
-def _start(work: str, shm: str, dram: int, extent: int, grow_ahead: bool) -> subprocess.Popen[bytes]:
-    sock = os.path.join(work, "sock")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "kvtierd", "--set", f"server.socket_dir={sock}",
-         "--set", f"dram.shm_dir={shm}", "--set", f"dram.capacity={dram}",
-         "--set", f"dram.extent_size={extent}", "--set", "metrics.address=",
-         "--set", "spill.ssd_dir=", "--set", f"dram.grow_ahead={str(grow_ahead).lower()}"],
-        stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "kvtierd.log"), "w"), env=env)
-    deadline = time.monotonic() + 30
-    while not os.path.exists(os.path.join(sock, "kvtier-session.sock")):
-        if time.monotonic() > deadline or daemon.poll() is not None:
-            daemon.kill()
-            raise RuntimeError("kvtierd did not start")
-        time.sleep(0.05)
-    return daemon
-
-
 def one_daemon(dram: int, extent: int, grow_ahead: bool, gap: float, seed: int
                ) -> dict[str, Any]:
     """Put rounds into a fresh daemon until its DRAM is full; the puts' seconds."""
-    work = tempfile.mkdtemp(prefix="kvtier-ga-")
-    shm = f"/dev/shm/kvtier-bench-ga-{uuid.uuid4().hex[:12]}"
-    daemon = _start(work, shm, dram, extent, grow_ahead)
     rng = np.random.default_rng(seed)
     blocks = [rng.integers(0, 255, BLOCK, dtype=np.uint8) for _ in range(BLOCKS)]
     puts: list[float] = []
-    try:
-        with kvtier.Client(os.path.join(work, "sock"), namespace="ga", block_bytes=BLOCK,
+    with kvtierd("ga", f"dram.capacity={dram}", f"dram.extent_size={extent}",
+                 f"dram.grow_ahead={str(grow_ahead).lower()}") as daemon:
+        with kvtier.Client(daemon.socket_dir, namespace="ga", block_bytes=BLOCK,
                            model_uid="m") as c:
             for r in range(10_000):
                 dram_tier = next(t for t in c.stats()["tiers"] if "DRAM" in t["tier"])
@@ -80,16 +56,7 @@ def one_daemon(dram: int, extent: int, grow_ahead: bool, gap: float, seed: int
                 c.put(ks, blocks)
                 puts.append(time.perf_counter() - t0)
             final = c.stats()
-    finally:
-        daemon.terminate()
-        try:
-            daemon.wait(20)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait(10)
-        log = open(os.path.join(work, "kvtierd.log")).read()
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
+    log = daemon.final_log
     ns = next(n for n in final["namespaces"] if n["name"] == "ga")
     return {"grow_ahead": grow_ahead, "puts_s": puts, "extents": int(ns["segments"]),
             "evictions": int(final["evictions"]),

@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from typing import Any
 
 import grpc
 import numpy as np
+from _kvtierd import kvtierd  # (bench/, the script's directory: on sys.path)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvtier
@@ -44,28 +40,14 @@ def main() -> int:
     ap.add_argument("--grant-bytes", default="64MiB")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
-    work = tempfile.mkdtemp(prefix="kvtier-wp-")
-    sock = os.path.join(work, "sock")
-    shm = f"/dev/shm/kvtier-bench-wp-{uuid.uuid4().hex[:12]}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "kvtierd", "--set", f"server.socket_dir={sock}",
-         "--set", f"dram.shm_dir={shm}", "--set", "dram.capacity=256MiB",
-         "--set", "dram.extent_size=64MiB", "--set", "metrics.address=",
-         "--set", "spill.ssd_dir=", "--set", f"server.write_grant_bytes={args.grant_bytes}"],
-        stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "kvtierd.log"), "w"), env=env)
     out: dict[str, Any] = {"command": sys.argv, "samples": args.samples, "modes": {}}
-    try:
-        deadline = time.monotonic() + 30
-        while not os.path.exists(os.path.join(sock, "kvtier-session.sock")):
-            if time.monotonic() > deadline or daemon.poll() is not None:
-                raise RuntimeError("kvtierd did not start")
-            time.sleep(0.05)
-        channel = grpc.insecure_channel("unix://" + os.path.join(sock, "kvtier.sock"))
+    with kvtierd("wp", "dram.capacity=256MiB", "dram.extent_size=64MiB",
+                 f"server.write_grant_bytes={args.grant_bytes}") as daemon:
+        channel = grpc.insecure_channel(f"unix://{daemon.grpc_path}")
         health = health_pb2_grpc.HealthStub(channel)
         req = health_pb2.HealthCheckRequest()
         health.Check(req, timeout=10)
-        with kvtier.Client(sock, namespace="wp", block_bytes=65536, model_uid="m") as c:
+        with kvtier.Client(daemon.socket_dir, namespace="wp", block_bytes=65536, model_uid="m") as c:
             c.put([b"prime"], [np.zeros(16, np.uint8)])  # a call: the daemon grants after it
             time.sleep(0.2)
             empty = []
@@ -103,11 +85,6 @@ def main() -> int:
                       f"{row['reserve_commit_p99_s'] * 1e3:.3f} ms, commit p50 "
                       f"{row['commit_p50_s'] * 1e3:.3f} ms, {local}/{args.samples} from grants")
         channel.close()
-    finally:
-        daemon.terminate()
-        daemon.wait(30)
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
