@@ -200,11 +200,18 @@ def grpc_options() -> list[tuple[str, Any]]:
     ]
 
 
+#: The key type ``as_keys`` passes through as it is.
+_BYTES_ONLY: Final = frozenset({bytes})
+
+
 def as_keys(keys: Sequence[bytes]) -> list[bytes]:
     if isinstance(keys, (bytes, bytearray, memoryview)):
         raise InvalidArgument("keys must be a sequence of bytes objects, not one bytes object")
+    given = list(keys)
+    if set(map(type, given)) <= _BYTES_ONLY:  # the usual case, without Python per key
+        return given
     out = []
-    for i, key in enumerate(keys):
+    for i, key in enumerate(given):
         if not isinstance(key, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"keys[{i}] is {type(key).__name__}, expected bytes")
         out.append(bytes(key))
