@@ -143,7 +143,7 @@ def test_records_put_as_columns_are_the_records_put_as_tuples() -> None:
     recs = [(1, 11, b"x", 1, None), (2, 2**64 - 1, b"y" * 64, 2, 2**64 - 1), (3, 0, b"z", 3, 0)]
     pages = [SessionPage("ns", writes=True) for _ in range(2)]
     assert _native.commits_put(pages[0].mapping, 126, recs) == 129
-    assert _native.commits_put_columns(pages[1].mapping, 126, *map(list, zip(*recs))) == 129
+    assert _native.commits_put_columns(pages[1].mapping, 126, *map(list, zip(*recs, strict=True))) == 129
     ring = slice(_W_RING, _W_RING + _page.RING_RECORDS * _RECORD)
     assert pages[0].mapping[ring] == pages[1].mapping[ring]  # wrapped around the same way
     assert _native.commits_put(pages[0].mapping, 0, [r[:4] + (None,) for r in recs]) == 3
