@@ -11,6 +11,7 @@
  *   index_remove_many(buf, keys)            1 per key that was there (bytes)
  *   index_get(buf, key)                     (tier, ref) or None
  *   index_locate(buf, key)                  (segment, slot, offset, length, checksum) or None
+ *   index_present_many(buf, keys)           1 per key the table holds, else 0 (bytes; a reader's)
  *   index_lookup(buf, keys, stats=None)     (tiers of the leading hits, final) or None
  *   index_acquire(buf, keys, page, at)      lease the leading hits without a call, or None
  *   hazards_clear(page, at, n)              end such a lease
@@ -1049,6 +1050,61 @@ kvt_py_index_find_many(PyObject *Py_UNUSED(m), PyObject *args)
             const idx_entry *e = w_find_from(&t, &fs[k], hs[k], &slot);
             out[i + k] = e == NULL || e->segment == 0 ? 0 : (uint64_t)e->segment << 32 | e->slot;
         }
+    }
+done:
+    Py_XDECREF(seq);
+    PyBuffer_Release(&buf);
+    return ret;
+}
+
+/* index_present_many(buf, keys): the reader's batch presence test, for a client that
+ * reads the table while the daemon writes it (a reserve from grants marks the keys the
+ * table holds EXISTS, as a Reserve call would): bytes, 1 per key the table holds now (a
+ * live entry, key-only entries included), else 0.  Each entry is read under its seqlock
+ * (r_find_from, as index_lookup), so a key the writer leaves alone is never missed nor
+ * garbled; an entry that stays busy past the spin limit, a key past the probe limit or a
+ * superseded table answer 0 (absent): the answer is a hint, and a key that is present
+ * after all is EXISTS at commit instead.  Every key must be bytes of 1..64 bytes
+ * (ValueError otherwise, nothing answered).  Keys are hashed and prefetched
+ * LOOKUP_AHEAD ahead of their probe. */
+PyObject *
+kvt_py_index_present_many(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer buf;
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "y*O:index_present_many", &buf, &keys))
+        return NULL;
+    PyObject *ret = NULL, *seq = NULL;
+    table t;
+    if (open_table(&buf, &t) < 0)
+        goto done;
+    seq = PySequence_Fast(keys, "keys must be a sequence of bytes");
+    if (seq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) { /* checked first: the look-ahead reads them raw */
+        PyObject *k = items[i];
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) < 1 || PyBytes_GET_SIZE(k) > MAX_KEY) {
+            PyErr_Format(PyExc_ValueError, "keys[%zd] is not bytes of 1..%d bytes", i, MAX_KEY);
+            goto done;
+        }
+    }
+    ret = PyBytes_FromStringAndSize(NULL, n);
+    if (ret == NULL)
+        goto done;
+    char *out = PyBytes_AS_STRING(ret);
+    if (__atomic_load_n(&t.h->flags, __ATOMIC_ACQUIRE) & KVT_IDX_SUPERSEDED) {
+        memset(out, 0, (size_t)n);
+        goto done;
+    }
+    lookahead ahead;
+    lookahead_start(&ahead, &t, items, n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        fingerprint f;
+        snapshot snap;
+        uint64_t h = lookahead_next(&ahead, i, &f);
+        out[i] = (char)(r_find_from(&t, &f, h, &snap) == R_HIT);
     }
 done:
     Py_XDECREF(seq);

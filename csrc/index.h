@@ -44,6 +44,7 @@
 #define KVT_W_GRANTS_N 256
 #define KVT_GRANT_VALID (1ull << 63)
 #define KVT_GRANT_TAKEN (1ull << 62) /* set by the writer filling the slot */
+#define KVT_GRANT_SEGMENT_MASK 0x3FFFFFFFull /* a grant word's segment: bits 32..61 */
 #define KVT_W_RING 18944      /* the commit records */
 #define KVT_W_RECORD 96
 #define KVT_W_RING_N 128
@@ -80,6 +81,7 @@ PyObject *kvt_py_index_get(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_lookup(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_locate(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_find_many(PyObject *m, PyObject *args);
+PyObject *kvt_py_index_present_many(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_set_slots(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_acquire(PyObject *m, PyObject *args);
 PyObject *kvt_py_hazards_clear(PyObject *m, PyObject *args);
@@ -87,8 +89,10 @@ PyObject *kvt_py_hazards_collect(PyObject *m, PyObject *arg);
 PyObject *kvt_py_hazards_list(PyObject *m, PyObject *arg);
 PyObject *kvt_py_hazards_expire(PyObject *m, PyObject *args);
 PyObject *kvt_py_grants_take(PyObject *m, PyObject *args);
+PyObject *kvt_py_grants_take_columns(PyObject *m, PyObject *args);
 PyObject *kvt_py_grants_untake(PyObject *m, PyObject *args);
 PyObject *kvt_py_commits_put(PyObject *m, PyObject *args);
+PyObject *kvt_py_commits_put_columns(PyObject *m, PyObject *args);
 PyObject *kvt_py_done_wait(PyObject *m, PyObject *args);
 PyObject *kvt_py_commits_take(PyObject *m, PyObject *args);
 PyObject *kvt_py_commits_done(PyObject *m, PyObject *args);

@@ -2241,6 +2241,9 @@ static PyMethodDef native_methods[] = {
      "index_lookup(buf, keys, stats=None): (tiers of the leading hits, final), or None."},
     {"index_locate", kvt_py_index_locate, METH_VARARGS,
      "index_locate(buf, key): (segment, slot, offset, length, checksum) of key, or None."},
+    {"index_present_many", kvt_py_index_present_many, METH_VARARGS,
+     "index_present_many(buf, keys): bytes, 1 per key the table holds now, else 0 (a reader's "
+     "batch test: seqlocked, safe while the daemon writes)."},
     {"index_set_slots", kvt_py_index_set_slots, METH_VARARGS,
      "index_set_slots(buf, table, slots, segment, slot_bytes, start): the keys of COMMITTED "
      "slot-table entries into the table; (index stopped at, [indices left out])."},
@@ -2260,10 +2263,16 @@ static PyMethodDef native_methods[] = {
      "hazards_collect(pages): the set of non-zero hazards the pages hold (after a full fence)."},
     {"grants_take", kvt_py_grants_take, METH_VARARGS,
      "grants_take(page, n): [(index, word)] of n grants now taken by this writer, or None."},
+    {"grants_take_columns", kvt_py_grants_take_columns, METH_VARARGS,
+     "grants_take_columns(page, n, slot_bytes): (entries, words, segment ids, offsets) of n "
+     "grants now taken by this writer, or None."},
     {"grants_untake", kvt_py_grants_untake, METH_VARARGS,
      "grants_untake(page, taken): give back grants taken and not committed."},
     {"commits_put", kvt_py_commits_put, METH_VARARGS,
      "commits_put(page, head, records): write [(grant, key, length, checksum|None)] at head; the new head."},
+    {"commits_put_columns", kvt_py_commits_put_columns, METH_VARARGS,
+     "commits_put_columns(page, head, entries, words, keys, lengths, sums): commits_put from "
+     "columns (sums: None, or an int or None per record); the new head."},
     {"done_wait", kvt_py_done_wait, METH_VARARGS,
      "done_wait(page, target, seconds): wait (GIL released) until DONE reaches target; True if so."},
     {"commits_take", kvt_py_commits_take, METH_VARARGS,

@@ -17,9 +17,13 @@
  * The writer waits on that word.
  *
  *   grants_take(page, n)           [(index, word)] of n grants now taken, or None
+ *   grants_take_columns(page, n, slot_bytes)
+ *                                  the same as columns: (entries, words, segment ids, offsets)
  *   grants_untake(page, taken)     give back grants taken and not committed
  *   commits_put(page, head, recs)  write records [(grant, word, key, length, checksum|None)]
  *                                  at head; the last one ends the batch; returns new head
+ *   commits_put_columns(page, head, entries, words, keys, lengths, sums|None)
+ *                                  the same from columns (no tuple per record)
  *   done_wait(page, target, secs)  wait until DONE reaches target (GIL released)
  *   commits_take(page, tail, max_length, held)
  *                                  the daemon: (head, batches, keys, columns, flags) of
@@ -94,25 +98,14 @@ untake(Py_buffer *page, const Py_ssize_t *idx, const uint64_t *words, Py_ssize_t
     }
 }
 
-PyObject *
-kvt_py_grants_take(PyObject *Py_UNUSED(m), PyObject *args)
+/* Take n grants (CAS VALID -> VALID | TAKEN, first fit): their entries and the words
+ * taken into idx and words (KVT_W_GRANTS_N room each); 1, or 0 with none taken (the page
+ * has fewer than n). */
+static int
+take(Py_buffer *page, Py_ssize_t n, Py_ssize_t *idx, uint64_t *words)
 {
-    PyObject *page_obj;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "On:grants_take", &page_obj, &n))
-        return NULL;
-    Py_buffer page;
-    if (get_wpage(page_obj, &page) < 0)
-        return NULL;
-    PyObject *ret = NULL;
-    if (n < 1 || n > KVT_W_GRANTS_N) {
-        ret = Py_NewRef(Py_None);
-        goto done;
-    }
-    Py_ssize_t idx[KVT_W_GRANTS_N];
-    uint64_t words[KVT_W_GRANTS_N];
     Py_ssize_t got = 0;
-    uint64_t *g = W_U64(&page, KVT_W_GRANTS);
+    uint64_t *g = W_U64(page, KVT_W_GRANTS);
     for (Py_ssize_t i = 0; i < KVT_W_GRANTS_N && got < n; i++) {
         uint64_t v = __atomic_load_n(&g[i], __ATOMIC_ACQUIRE);
         if (!(v & KVT_GRANT_VALID) || (v & KVT_GRANT_TAKEN))
@@ -124,24 +117,112 @@ kvt_py_grants_take(PyObject *Py_UNUSED(m), PyObject *args)
         }
     }
     if (got < n) {
-        untake(&page, idx, words, got);
+        untake(page, idx, words, got);
+        return 0;
+    }
+    return 1;
+}
+
+PyObject *
+kvt_py_grants_take(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *page_obj;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "On:grants_take", &page_obj, &n))
+        return NULL;
+    Py_buffer page;
+    if (get_wpage(page_obj, &page) < 0)
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t idx[KVT_W_GRANTS_N];
+    uint64_t words[KVT_W_GRANTS_N];
+    if (n < 1 || n > KVT_W_GRANTS_N || !take(&page, n, idx, words)) {
         ret = Py_NewRef(Py_None);
         goto done;
     }
     if ((ret = PyList_New(n)) == NULL) {
-        untake(&page, idx, words, got);
+        untake(&page, idx, words, n);
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *t = Py_BuildValue("(nK)", idx[i], (unsigned long long)words[i]);
         if (t == NULL) {
-            untake(&page, idx, words, got);
+            untake(&page, idx, words, n);
             Py_CLEAR(ret);
             goto done;
         }
         PyList_SET_ITEM(ret, i, t);
     }
 done:
+    PyBuffer_Release(&page);
+    return ret;
+}
+
+/* A list of n Python ints from the u64s at v (stride u64s apart), or NULL. */
+static PyObject *
+u64_list(const uint64_t *v, Py_ssize_t n)
+{
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PyLong_FromUnsignedLongLong(v[i]);
+        if (o == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, o);
+    }
+    return out;
+}
+
+/* grants_take_columns(page, n, slot_bytes): grants_take as columns, for a writer's hot
+ * path (no tuple per grant): (entries, words, segment ids, offsets), four lists of n
+ * ints, the last two decoded from the words (segment: bits 32..61, slot: bits 0..31;
+ * offset: slot * slot_bytes, saturated at 2**64 - 1: the words are the daemon's, and an
+ * offset past the mapping is refused by the view made of it), or None (none taken). */
+PyObject *
+kvt_py_grants_take_columns(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *page_obj;
+    Py_ssize_t n;
+    unsigned long long slot_bytes;
+    if (!PyArg_ParseTuple(args, "OnK:grants_take_columns", &page_obj, &n, &slot_bytes))
+        return NULL;
+    Py_buffer page;
+    if (get_wpage(page_obj, &page) < 0)
+        return NULL;
+    PyObject *ret = NULL, *cols[4] = {NULL, NULL, NULL, NULL};
+    Py_ssize_t idx[KVT_W_GRANTS_N];
+    uint64_t words[KVT_W_GRANTS_N], col[KVT_W_GRANTS_N];
+    if (n < 1 || n > KVT_W_GRANTS_N || !take(&page, n, idx, words)) {
+        ret = Py_NewRef(Py_None);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        col[i] = (uint64_t)idx[i];
+    if ((cols[0] = u64_list(col, n)) == NULL || (cols[1] = u64_list(words, n)) == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++)
+        col[i] = (words[i] >> 32) & KVT_GRANT_SEGMENT_MASK;
+    if ((cols[2] = u64_list(col, n)) == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t off;
+        if (__builtin_mul_overflow(words[i] & 0xFFFFFFFFull, (uint64_t)slot_bytes, &off))
+            off = UINT64_MAX;
+        col[i] = off;
+    }
+    if ((cols[3] = u64_list(col, n)) == NULL)
+        goto fail;
+    ret = PyTuple_Pack(4, cols[0], cols[1], cols[2], cols[3]);
+    if (ret != NULL)
+        goto done;
+fail:
+    untake(&page, idx, words, n);
+done:
+    for (int c = 0; c < 4; c++)
+        Py_XDECREF(cols[c]);
     PyBuffer_Release(&page);
     return ret;
 }
@@ -178,6 +259,54 @@ done:
     return ret;
 }
 
+/* Record i of a batch of n at ring position pos: the grant's entry and word, the key
+ * (1..KVT_W_KEY_MAX bytes), its length (< 2**32), its checksum (has_sum).  0, or -1 with
+ * ValueError set (nothing written). */
+static int
+record_put(Py_buffer *page, unsigned long long pos, Py_ssize_t i, Py_ssize_t n, uint32_t grant,
+           uint64_t word, const Py_buffer *key, unsigned long long length, uint64_t sum,
+           int has_sum)
+{
+    if (key->len < 1 || key->len > KVT_W_KEY_MAX || length > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "a record's key is 1..64 bytes, its length < 2**32");
+        return -1;
+    }
+    unsigned char *r = RECORD(page, pos % KVT_W_RING_N);
+    uint32_t l32 = (uint32_t)length;
+    memcpy(r + KVT_R_GRANT, &grant, 4);
+    memcpy(r + KVT_R_WORD, &word, 8);
+    memcpy(r + KVT_R_LENGTH, &l32, 4);
+    memcpy(r + KVT_R_CHECKSUM, &sum, 8);
+    r[KVT_R_KEYLEN] = (unsigned char)key->len;
+    r[KVT_R_FLAGS] = (unsigned char)((has_sum ? KVT_W_HAS_SUM : 0) | (i == n - 1 ? KVT_W_LAST : 0));
+    r[KVT_R_RESULT] = 0;
+    memcpy(r + KVT_R_KEY, key->buf, (size_t)key->len);
+    return 0;
+}
+
+/* A checksum argument: None (has 0), or an int < 2**64.  0, or -1 with an error set. */
+static int
+get_sum(PyObject *obj, uint64_t *sum, int *has)
+{
+    *sum = 0;
+    *has = obj != Py_None;
+    if (!*has)
+        return 0;
+    unsigned long long s = PyLong_AsUnsignedLongLong(obj);
+    if (s == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *sum = s;
+    return 0;
+}
+
+/* The records before the head that publishes them: the new head. */
+static PyObject *
+publish(Py_buffer *page, unsigned long long head, Py_ssize_t n)
+{
+    __atomic_store_n(W_U64(page, KVT_W_HEAD), head + (unsigned long long)n, __ATOMIC_RELEASE);
+    return PyLong_FromUnsignedLongLong(head + (unsigned long long)n);
+}
+
 PyObject *
 kvt_py_commits_put(PyObject *Py_UNUSED(m), PyObject *args)
 {
@@ -201,43 +330,90 @@ kvt_py_commits_put(PyObject *Py_UNUSED(m), PyObject *args)
         unsigned long long word;
         Py_buffer key;
         unsigned long long length;
-        PyObject *sum;
+        PyObject *sum_obj;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "IKy*KO", &grant, &word, &key,
-                              &length, &sum))
+                              &length, &sum_obj))
             goto done;
-        int bad = key.len < 1 || key.len > KVT_W_KEY_MAX || length > UINT32_MAX;
-        unsigned long long s = 0;
-        if (!bad && sum != Py_None) {
-            s = PyLong_AsUnsignedLongLong(sum);
-            if (s == (unsigned long long)-1 && PyErr_Occurred()) {
-                PyBuffer_Release(&key);
-                goto done;
-            }
-        }
-        if (bad) {
-            PyBuffer_Release(&key);
-            PyErr_SetString(PyExc_ValueError, "a record's key is 1..64 bytes, its length < 2**32");
-            goto done;
-        }
-        unsigned char *r = RECORD(&page, (head + (unsigned long long)i) % KVT_W_RING_N);
-        uint32_t g32 = grant, l32 = (uint32_t)length;
-        uint64_t s64 = s, w64 = word;
-        memcpy(r + KVT_R_GRANT, &g32, 4);
-        memcpy(r + KVT_R_WORD, &w64, 8);
-        memcpy(r + KVT_R_LENGTH, &l32, 4);
-        memcpy(r + KVT_R_CHECKSUM, &s64, 8);
-        r[KVT_R_KEYLEN] = (unsigned char)key.len;
-        r[KVT_R_FLAGS] = (unsigned char)((sum != Py_None ? KVT_W_HAS_SUM : 0)
-                                     | (i == n - 1 ? KVT_W_LAST : 0));
-        r[KVT_R_RESULT] = 0;
-        memcpy(r + KVT_R_KEY, key.buf, (size_t)key.len);
+        uint64_t sum;
+        int has, bad = get_sum(sum_obj, &sum, &has) < 0
+                       || record_put(&page, head + (unsigned long long)i, i, n, grant, word, &key,
+                                     length, sum, has) < 0;
         PyBuffer_Release(&key);
+        if (bad)
+            goto done;
     }
-    /* The records before the head that publishes them. */
-    __atomic_store_n(W_U64(&page, KVT_W_HEAD), head + (unsigned long long)n, __ATOMIC_RELEASE);
-    ret = PyLong_FromUnsignedLongLong(head + (unsigned long long)n);
+    ret = publish(&page, head, n);
 done:
     Py_XDECREF(seq);
+    PyBuffer_Release(&page);
+    return ret;
+}
+
+/* commits_put_columns(page, head, entries, words, keys, lengths, sums): commits_put of
+ * the records (entries[i], words[i], keys[i], lengths[i], sums[i]) without a tuple per
+ * record: sequences of one length (sums: None for no checksums at all, or a sequence of
+ * ints and Nones). */
+PyObject *
+kvt_py_commits_put_columns(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *page_obj, *cols[5];
+    unsigned long long head;
+    if (!PyArg_ParseTuple(args, "OKOOOOO:commits_put_columns", &page_obj, &head, &cols[0],
+                          &cols[1], &cols[2], &cols[3], &cols[4]))
+        return NULL;
+    Py_buffer page;
+    if (get_wpage(page_obj, &page) < 0)
+        return NULL;
+    static const char *const names[5] = {"entries", "words", "keys", "lengths", "sums"};
+    PyObject *ret = NULL, *seq[5] = {NULL, NULL, NULL, NULL, NULL};
+    int ncols = cols[4] == Py_None ? 4 : 5;
+    Py_ssize_t n = -1;
+    for (int c = 0; c < ncols; c++) {
+        if ((seq[c] = PySequence_Fast(cols[c], "a column must be a sequence")) == NULL)
+            goto done;
+        Py_ssize_t len = PySequence_Fast_GET_SIZE(seq[c]);
+        if (n >= 0 && len != n) {
+            PyErr_Format(PyExc_ValueError, "%s and %s differ in length (%zd != %zd)", names[0],
+                         names[c], n, len);
+            goto done;
+        }
+        n = len;
+    }
+    if (n < 1 || n > KVT_W_RING_N) {
+        PyErr_SetString(PyExc_ValueError, "a batch is 1..KVT_W_RING_N records");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long grant = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(seq[0], i));
+        if (grant == (unsigned long)-1 && PyErr_Occurred())
+            goto done;
+        if (grant > UINT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "a grant entry is < 2**32");
+            goto done;
+        }
+        unsigned long long word = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq[1], i));
+        if (word == (unsigned long long)-1 && PyErr_Occurred())
+            goto done;
+        unsigned long long length = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq[3], i));
+        if (length == (unsigned long long)-1 && PyErr_Occurred())
+            goto done;
+        uint64_t sum = 0;
+        int has = 0;
+        if (ncols == 5 && get_sum(PySequence_Fast_GET_ITEM(seq[4], i), &sum, &has) < 0)
+            goto done;
+        Py_buffer key;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq[2], i), &key, PyBUF_SIMPLE) < 0)
+            goto done;
+        int bad = record_put(&page, head + (unsigned long long)i, i, n, (uint32_t)grant, word,
+                             &key, length, sum, has) < 0;
+        PyBuffer_Release(&key);
+        if (bad)
+            goto done;
+    }
+    ret = publish(&page, head, n);
+done:
+    for (int c = 0; c < 5; c++)
+        Py_XDECREF(seq[c]);
     PyBuffer_Release(&page);
     return ret;
 }

@@ -45,7 +45,15 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Collection,
+    Generator,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from typing import Any, Final, Generic, NoReturn, TypeAlias, TypeVar
 
 import grpc
@@ -53,7 +61,14 @@ import numpy as np
 from google.protobuf.json_format import MessageToDict
 
 from kvtier import _accel, _index
-from kvtier._index import MAX_KEY_BYTES, Grant, LocalIndex, LocalSlot, LocalWrites
+from kvtier._index import (
+    MAX_KEY_BYTES,
+    CommitColumns,
+    LocalIndex,
+    LocalSlot,
+    LocalWrites,
+    TakenGrants,
+)
 from kvtier._paths import GRPC_SOCKET_NAME, SESSION_SOCKET_NAME, default_socket_dir
 from kvtier._session import LinkBroken, SegmentMaps, SessionLink, open_request
 from kvtier._wire import SESSION_METADATA
@@ -185,11 +200,18 @@ def grpc_options() -> list[tuple[str, Any]]:
     ]
 
 
+#: The key type ``as_keys`` passes through as it is.
+_BYTES_ONLY: Final = frozenset({bytes})
+
+
 def as_keys(keys: Sequence[bytes]) -> list[bytes]:
     if isinstance(keys, (bytes, bytearray, memoryview)):
         raise InvalidArgument("keys must be a sequence of bytes objects, not one bytes object")
+    given = list(keys)
+    if set(map(type, given)) <= _BYTES_ONLY:  # the usual case, without Python per key
+        return given
     out = []
-    for i, key in enumerate(keys):
+    for i, key in enumerate(given):
         if not isinstance(key, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"keys[{i}] is {type(key).__name__}, expected bytes")
         out.append(bytes(key))
@@ -278,10 +300,16 @@ class Call:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SyncMaps:
-    """Map the segments ``slots`` live in (the daemon's extents at ``version``)."""
+    """Map the segments ``segment_ids`` (those some slots live in: ``segment_ids_of``;
+    the daemon's extents at ``version``)."""
 
     version: int
-    slots: Sequence[pb.SlotRef] | Sequence[LocalSlot]
+    segment_ids: Collection[int]
+
+
+def segment_ids_of(slots: Iterable[pb.SlotRef | LocalSlot]) -> set[int]:
+    """The segments ``slots`` live in."""
+    return {s.segment_id for s in slots}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -336,21 +364,29 @@ class CommitHere:
     daemon's answer is waited for); the result is one ``_index`` result per record."""
 
     writes: LocalWrites
-    records: list[tuple[int, int, bytes, int, int | None]]
+    records: CommitColumns
     session_gen: int
 
 
 @dataclasses.dataclass(slots=True)
 class LocalReserve:
     """A reserve the grants answered: the shape of a ``ReserveResponse``, and the
-    grants (one per RESERVED key, in order) that hold the slots."""
+    grants (one per RESERVED key, in order) that hold the slots, as columns: where
+    each slot is (``grants.segment_ids``, ``grants.offsets``) without an object per
+    slot; ``slots`` makes them for whoever wants them."""
 
     writes: LocalWrites
-    statuses: list[int]
-    slots: list[LocalSlot]
-    grants: list[Grant]
+    statuses: list[KeyStatus]
+    grants: TakenGrants
     segments_version: int
+    block_bytes: int
     reservation_id: int = 0
+
+    @property
+    def slots(self) -> list[LocalSlot]:
+        bb = self.block_bytes
+        return [LocalSlot(seg, off, bb, 0, False)
+                for seg, off in zip(self.grants.segment_ids, self.grants.offsets, strict=True)]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -552,12 +588,12 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
                 return None
         return err
 
-    def _maps_missing(self, version: int,
-                      slots: Sequence[pb.SlotRef] | Sequence[LocalSlot]) -> list[int] | None:
-        """Segments to map before views of ``slots`` can be made (None: nothing to do)."""
+    def _maps_missing(self, version: int, segment_ids: Iterable[int]) -> list[int] | None:
+        """Segments to map before views of slots in ``segment_ids`` can be made (None:
+        nothing to do)."""
         if self._closed:
             raise FailedPrecondition(f"{self._NAME} is closed")
-        missing = self._maps.missing(s.segment_id for s in slots)
+        missing = self._maps.missing(segment_ids)
         if version == self._maps.version and not missing:
             return None
         return missing
@@ -617,23 +653,22 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         if self._open_reservations >= writes.max_reservations:
             return None  # the call refuses, with the limit's message
         if (not 0 < n <= index.max_keys or len(set(keys)) != n
-                or not all(0 < len(k) <= MAX_KEY_BYTES for k in keys)):
+                or min(map(len, keys)) < 1 or max(map(len, keys)) > MAX_KEY_BYTES):
             return None  # the call says what is wrong
-        statuses = [KeyStatus.EXISTS if index.present(k) else KeyStatus.RESERVED for k in keys]
-        want = statuses.count(KeyStatus.RESERVED)
-        grants: list[Grant] = []
+        present = index.present_many(keys)  # one native call, under the table's seqlock
+        want = present.count(0)
+        statuses = ([KeyStatus.RESERVED] * n if want == n else
+                    [KeyStatus.EXISTS if p else KeyStatus.RESERVED for p in present])
+        grants = _index.NO_GRANTS
         if want:
             try:
-                got = writes.take(want)
+                got = writes.take_columns(want, self._maps.slot_bytes)
             except ValueError:  # the page was unmapped (the session was replaced)
                 return None
             if got is None:
                 return None
             grants = got
-        slot_bytes = self._maps.slot_bytes
-        slots = [LocalSlot(g.segment_id, g.slot * slot_bytes, self.block_bytes, 0, False)
-                 for g in grants]
-        return LocalReserve(writes, list(map(int, statuses)), slots, grants, self._maps.version)
+        return LocalReserve(writes, statuses, grants, self._maps.version, self.block_bytes)
 
     def _commit_here(self, step: CommitHere) -> bytes:
         """Publish a reservation's commit records in the page and wait for the results."""
@@ -686,7 +721,7 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         local: LocalReserve | None = (yield GrantHere(keys)) if here else None
         if local is not None:
             try:
-                yield SyncMaps(local.segments_version, local.slots)
+                yield SyncMaps(local.segments_version, set(local.grants.segment_ids))
                 return self._new_reservation(keys, local)
             except FailedPrecondition:
                 local.writes.untake(local.grants)  # a segment this process cannot map: call
@@ -695,7 +730,7 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
                 raise
         resp = yield Call("Reserve", pb.ReserveRequest(keys=keys, packed_slots=True))
         try:
-            yield SyncMaps(resp.segments_version, reserved_slots(resp))
+            yield SyncMaps(resp.segments_version, segment_ids_of(reserved_slots(resp)))
             return self._new_reservation(keys, resp)
         except BaseException:
             if resp.reservation_id:
@@ -737,7 +772,7 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         its release ends it whole); a local lease raises FailedPrecondition
         instead (the caller asks the daemon).  A block whose memory faults
         while it is verified does the same, and is deleted as corrupted."""
-        yield SyncMaps(answer.segments_version, answer.slots)
+        yield SyncMaps(answer.segments_version, segment_ids_of(answer.slots))
         usable = self._maps.mapped_prefix(answer.slots)
         if usable < len(answer.slots):
             seg = answer.slots[usable].segment_id
@@ -834,18 +869,40 @@ class ReservationState:
         self.reservation_id = resp.reservation_id
         #: Made from grants (no Reserve call): committed through the page.
         self._local = resp if isinstance(resp, LocalReserve) else None
-        by_value = _KEY_STATUS
-        self.statuses = [by_value[s] if s in by_value else KeyStatus(s) for s in resp.statuses]
-        self._reserved = tuple(i for i, s in enumerate(self.statuses)
-                               if s == KeyStatus.RESERVED)
-        self.buffers: list[np.ndarray | None] = [None] * len(keys)
-        self.lengths: list[int | None] = [None] * len(keys)
+        n = len(keys)
         self._block_bytes = client.block_bytes
-        slots: Iterator[pb.SlotRef | LocalSlot] = iter(
-            resp.slots if isinstance(resp, LocalReserve) else reserved_slots(resp))
-        for i, status in enumerate(self.statuses):
-            if status == KeyStatus.RESERVED:
-                self.buffers[i] = client._maps.view(next(slots), self._block_bytes, writable=True)
+        #: Where the k-th reserved key's slot is: its segment and offset (columns; the
+        #: views of ``buffers`` are made only when asked for).
+        self._segment_ids: Sequence[int]
+        self._offsets: Sequence[int]
+        if isinstance(resp, LocalReserve):
+            self.statuses = resp.statuses
+            grants = resp.grants
+            self._segment_ids, self._offsets = grants.segment_ids, grants.offsets
+            self._reserved = (tuple(range(n)) if len(grants) == n else
+                              tuple(i for i, s in enumerate(self.statuses)
+                                    if s == KeyStatus.RESERVED))
+        else:
+            by_value = _KEY_STATUS
+            self.statuses = [by_value[s] if s in by_value else KeyStatus(s)
+                             for s in resp.statuses]
+            self._reserved = tuple(i for i, s in enumerate(self.statuses)
+                                   if s == KeyStatus.RESERVED)
+            slots = reserved_slots(resp)
+            if len(slots) < len(self._reserved):
+                raise FailedPrecondition(f"the daemon reserved {len(self._reserved)} keys "
+                                         f"with {len(slots)} slots")
+            slots = slots[:len(self._reserved)]
+            self._segment_ids = [s.segment_id for s in slots]
+            self._offsets = [s.offset for s in slots]
+        #: The arrays over the reserved slots' segments (segment id -> array), checked
+        #: here as a view of each slot would be (FailedPrecondition otherwise); they hold
+        #: the mappings until ``release_views``.
+        self._slot_arrays = client._maps.slot_arrays(self._segment_ids, self._offsets,
+                                                     self._block_bytes, writable=True)
+        self._buffers: list[np.ndarray | None] | None = None  # made by ``buffers``
+        self._released = False
+        self.lengths: list[int | None] = [None] * n
         self.done = (self.reservation_id == 0 if self._local is None
                      else not self._local.grants)
         #: Checksums of the reserved slots, when ``write_all_hashed`` filled them all and
@@ -893,6 +950,32 @@ class ReservationState:
         """Indices of the keys this reservation lets you write."""
         return list(self._reserved)
 
+    @property
+    def buffers(self) -> list[np.ndarray | None]:
+        """A writable uint8 view of ``block_bytes`` of each RESERVED key's slot (None for
+        the others, and for all of them once the reservation ended).  Made on first use
+        (a put copies through ``_pieces`` without them), then the same list."""
+        bufs = self._buffers
+        if bufs is None:
+            bufs = [None] * len(self.keys)
+            if not self._released:
+                arrays, bb = self._slot_arrays, self._block_bytes
+                for i, seg, off in zip(self._reserved, self._segment_ids, self._offsets,
+                                       strict=True):
+                    bufs[i] = arrays[seg][off:off + bb]
+            self._buffers = bufs
+        return bufs
+
+    def _pieces(self, nbytes: Sequence[int]) -> list[list[np.ndarray]]:
+        """The first ``nbytes[k]`` bytes of the k-th reserved key's slot, one piece list
+        each (``scatter_copy``'s shape).  InvalidArgument once the reservation ended (its
+        views are released), as a write to a key it does not hold."""
+        if self._released:
+            raise InvalidArgument(f"keys[{self._reserved[0]}] is not reserved by this call")
+        arrays = self._slot_arrays
+        return [[arrays[seg][off:off + n]]
+                for seg, off, n in zip(self._segment_ids, self._offsets, nbytes, strict=True)]
+
     def write(self, i: int, data: Any) -> None:
         """Copy ``data`` (any buffer) into the slot of ``keys[i]`` and record its length."""
         buf = self.buffers[i]
@@ -910,16 +993,14 @@ class ReservationState:
     def _copy_in(self, srcs: Sequence[memoryview]) -> None:
         """The bytes of ``srcs[k]`` (flat views ``as_bytes_view`` made) into the slot of
         the k-th reserved key, in one guarded copy call."""
-        reserved = self._reserved
-        pieces = []
-        for i, src in zip(reserved, srcs, strict=True):
-            buf = self.buffers[i]
-            if buf is None:
-                raise InvalidArgument(f"keys[{i}] is not reserved by this call")
-            pieces.append([buf[:src.nbytes]])
-        self._guarded(_accel.scatter_copy, srcs, pieces)
-        for i, src in zip(reserved, srcs, strict=True):
-            self.lengths[i] = src.nbytes
+        self._sums = None
+        if not srcs:
+            return
+        nbytes = [src.nbytes for src in srcs]
+        self._guarded(_accel.scatter_copy, srcs, self._pieces(nbytes))
+        lengths = self.lengths
+        for i, n in zip(self._reserved, nbytes, strict=True):
+            lengths[i] = n
         self._sums = None
 
     def write_blocks(self, blocks: Sequence[Any]) -> None:
@@ -941,16 +1022,16 @@ class ReservationState:
     def write_all_hashed(self, views: Sequence[memoryview]) -> None:
         """``write_all``, checksumming each block in the same pass over it (the commit
         then sends those checksums)."""
-        reserved = self.reserved
-        pieces = []
-        for i in reserved:
-            buf = self.buffers[i]
-            if buf is None:
-                raise InvalidArgument(f"keys[{i}] is not reserved by this call")
-            pieces.append([buf[:views[i].nbytes]])
-        sums = self._guarded(_accel.scatter_hash, [views[i] for i in reserved], pieces)
-        for i in reserved:
-            self.lengths[i] = views[i].nbytes
+        reserved = self._reserved
+        if not reserved:
+            self._sums = []
+            return
+        srcs = [views[i] for i in reserved]
+        nbytes = [src.nbytes for src in srcs]
+        sums = self._guarded(_accel.scatter_hash, srcs, self._pieces(nbytes))
+        lengths = self.lengths
+        for i, n in zip(reserved, nbytes, strict=True):
+            lengths[i] = n
         self._sums = sums
 
     def commit_request(self, checksum: bool) -> pb.CommitRequest:
@@ -977,7 +1058,9 @@ class ReservationState:
         return lengths, sums if hashed is None else hashed
 
     def release_views(self) -> None:
-        self.buffers = [None] * len(self.keys)
+        self._released = True
+        self._buffers = [None] * len(self.keys)
+        self._slot_arrays = {}
 
     def _finish(self) -> None:
         if not self.done:
@@ -985,14 +1068,16 @@ class ReservationState:
             self._count(-1)
         self.release_views()
 
-    def commit_records(self, checksum: bool) -> list[tuple[int, int, bytes, int, int | None]]:
-        """The commit records of a reservation made from grants (csrc/writes.c): each
-        names its grant's entry and the word it took there (the slot it filled)."""
+    def commit_records(self, checksum: bool) -> CommitColumns:
+        """The commit records of a reservation made from grants (csrc/writes.c), as
+        columns: each names its grant's entry and the word it took there (the slot it
+        filled), its key, length and checksum."""
         assert self._local is not None
         lengths, sums = self._lengths_and_sums(checksum)
-        each: list[int] | list[None] = sums if sums is not None else [None] * len(lengths)
-        return [(g.entry, g.word, self.keys[i], n, s) for g, i, n, s in
-                zip(self._local.grants, self.reserved, lengths, each, strict=True)]
+        grants = self._local.grants
+        keys = (self.keys if len(self._reserved) == len(self.keys)
+                else [self.keys[i] for i in self._reserved])
+        return CommitColumns(grants.entries, grants.words, keys, lengths, sums)
 
     def _commit_steps(self) -> Steps[int]:
         if self.done and self.fault is None:
@@ -1001,8 +1086,8 @@ class ReservationState:
             if self.fault is not None:  # a write lost its slot: never committed
                 raise FailedPrecondition(str(self.fault))
             checksum = self._client.checksum
-            hashed = (sum(b.nbytes for b in self.buffers if b is not None)
-                      if checksum and self._sums is None else 0)
+            hashed = (len(self._reserved) * self._block_bytes
+                      if checksum and self._sums is None and not self._released else 0)
             if self._local is not None:
                 return (yield from self._commit_here_steps(checksum, hashed))
             req = yield Work(functools.partial(self.commit_request, checksum), hashed)
@@ -1027,9 +1112,11 @@ class ReservationState:
             results: bytes = yield CommitHere(local.writes, records, self.session_gen)
         finally:
             self._finish()
-        # Grants whose key turned out present stay granted: give them back for reuse.
-        kept = [g for g, r in zip(local.grants, results, strict=True) if r != _index.COMMITTED]
-        if kept:
+        committed = results.count(_index.COMMITTED)
+        if committed < len(results):
+            # Grants whose key turned out present stay granted: give them back for reuse.
+            kept = [g for g, r in zip(local.grants, results, strict=True)
+                    if r != _index.COMMITTED]
             local.writes.untake(kept)
         if _index.INVALID in results:
             raise InvalidArgument("the daemon refused this commit's records as malformed")
@@ -1038,7 +1125,7 @@ class ReservationState:
                            "reservations.ttl without a commit)")
         if _index.FAILED in results:
             raise Unavailable("the daemon could not record this commit; retry")
-        return results.count(_index.COMMITTED)
+        return committed
 
     def _abort_steps(self) -> Steps[None]:
         if self.done:

@@ -24,12 +24,13 @@ daemon's doorbell (a pipe) and waits on the page's DONE word for the results.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import mmap
 import os
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final, NamedTuple
 
 import numpy as np
@@ -143,6 +144,54 @@ class Grant(NamedTuple):
         return self.word & _GRANT_SLOT_MASK
 
 
+class TakenGrants:
+    """Grants taken by one writer, as columns (``grants_take_columns``): no object per
+    grant on the put path.  Iterating (or indexing) makes the ``Grant`` of each, for the
+    rare paths (giving grants back, tests)."""
+
+    __slots__ = ("entries", "words", "segment_ids", "offsets")
+
+    def __init__(self, entries: list[int], words: list[int], segment_ids: list[int],
+                 offsets: list[int]) -> None:
+        #: Each grant's entry in the page, and the word taken there.
+        self.entries = entries
+        self.words = words
+        #: Where each grant's slot is: its segment, and its byte offset in the segment's data.
+        self.segment_ids = segment_ids
+        self.offsets = offsets
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def __getitem__(self, i: int) -> Grant:
+        return Grant(self.entries[i], self.words[i])
+
+    def __iter__(self) -> Iterator[Grant]:
+        return map(Grant, self.entries, self.words)
+
+
+#: No grants (a reservation whose keys all exist).
+NO_GRANTS: Final = TakenGrants([], [], [], [])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CommitColumns:
+    """A commit's records as columns (``commits_put_columns``): per record, its grant's
+    entry and word, the key, the length and the checksum (``sums`` None: none at all)."""
+
+    entries: Sequence[int]
+    words: Sequence[int]
+    keys: Sequence[bytes]
+    lengths: Sequence[int]
+    sums: Sequence[int | None] | None
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
 #: What one ring writes (an eventfd takes exactly 8 bytes: the value to add).
 _RING_BYTES: Final = struct.pack("<Q", 1)
 
@@ -186,9 +235,25 @@ class LocalWrites:
             return None
         return [Grant._make(g) for g in got]
 
-    def untake(self, grants: list[Grant]) -> None:
+    def take_columns(self, n: int, slot_bytes: int) -> TakenGrants | None:
+        """``take`` as columns (no object per grant), with where each slot is (its
+        segment, and ``slot * slot_bytes``); None as ``take``."""
+        if not 0 < n <= min(GRANTS_N, RING_RECORDS):
+            return None
+        got = _native.grants_take_columns(self._page, n, slot_bytes)
+        if got is None:
+            if n > self._want:
+                self._want = n
+                _native.page_store(self._page, _W_WANT, n)
+            return None
+        return TakenGrants(*got)
+
+    def untake(self, grants: Sequence[Grant] | TakenGrants) -> None:
         """Give back grants taken and not committed (the daemon may take them back)."""
-        _native.grants_untake(self._page, grants)
+        if isinstance(grants, TakenGrants):
+            grants = list(grants)
+        if grants:
+            _native.grants_untake(self._page, grants)
 
     def ring(self) -> None:
         """Wake the daemon: 8 bytes of 1 into the doorbell (the write end of a pipe the
@@ -199,14 +264,20 @@ class LocalWrites:
         except OSError:
             pass  # full (rung already), or closed: the session is over, and the wait says so
 
-    def commit(self, records: list[tuple[int, int, bytes, int, int | None]],
+    def commit(self, records: list[tuple[int, int, bytes, int, int | None]] | CommitColumns,
                alive: Callable[[], bool], timeout: float) -> bytes:
-        """Publish ``records`` (grant entry, grant word, key, length, checksum) as one all-or-nothing
-        commit, ring the daemon and wait for its results (one byte per record);
-        raises TimeoutError (after ``timeout``) or ConnectionError (``alive`` said no)."""
+        """Publish ``records`` (grant entry, grant word, key, length, checksum; or those
+        columns) as one all-or-nothing commit, ring the daemon and wait for its results
+        (one byte per record); raises TimeoutError (after ``timeout``) or
+        ConnectionError (``alive`` said no)."""
         with self._lock:
             start = self._head
-            self._head = _native.commits_put(self._page, start, records)
+            if isinstance(records, CommitColumns):
+                self._head = _native.commits_put_columns(self._page, start, records.entries,
+                                                         records.words, records.keys,
+                                                         records.lengths, records.sums)
+            else:
+                self._head = _native.commits_put(self._page, start, records)
             self.ring()
             waited = 0.0
             while not _native.done_wait(self._page, self._head, _WAIT_SLICE):
@@ -311,10 +382,16 @@ class LocalIndex:
 
     def present(self, key: bytes) -> bool:
         """Whether the table holds ``key`` now (a hint: it may come or go at once)."""
+        return self.present_many([key]) == b"\1"
+
+    def present_many(self, keys: list[bytes]) -> bytes:
+        """One byte per key: 1 if the table holds it now, else 0 (a hint, as ``present``;
+        read under the table's seqlock, ``index_present_many``).  All 0 when the table
+        cannot answer (closed by another thread: the session was replaced)."""
         try:
-            return _native.index_locate(self._table, key) is not None
+            return _native.index_present_many(self._table, keys)
         except ValueError:
-            return False
+            return bytes(len(keys))
 
     def close(self) -> None:
         if self.writes is not None:

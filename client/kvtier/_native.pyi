@@ -100,6 +100,11 @@ def index_set_slots(buf: _Buffer, table: _Buffer, slots: _Buffer, segment: int,
 def index_find_many(buf: _Buffer, keys: Sequence[bytes]) -> bytes:
     """One u64 per key: segment << 32 | slot of its live entry, or 0 (the writer's view)."""
 
+def index_present_many(buf: _Buffer, keys: Sequence[bytes]) -> bytes:
+    """One byte per key: 1 if the table holds it now, else 0 (the reader's view: seqlocked,
+    safe while the daemon writes; a busy entry, a key past the probe limit or a superseded
+    table answer 0).  ValueError unless every key is bytes of 1..64 bytes."""
+
 def index_acquire(buf: _Buffer, keys: list[bytes], page: _Buffer, at: int,
                   serial: int) -> list[tuple[int, int, int, int, bool]] | None:
     """Lease the leading keys present without a call, with hazards (and the lease's serial)
@@ -122,6 +127,11 @@ def hazards_expire(page: _Buffer, index: int, hazard: int) -> bool:
 def grants_take(page: _Buffer, n: int) -> list[tuple[int, int]] | None:
     """Take n grants of the page's write area: [(entry, word)], or None (none taken)."""
 
+def grants_take_columns(page: _Buffer, n: int, slot_bytes: int
+                        ) -> tuple[list[int], list[int], list[int], list[int]] | None:
+    """``grants_take`` as columns: (entries, words, segment ids, offsets = slot *
+    slot_bytes, saturated at 2**64 - 1), or None (none taken)."""
+
 def grants_untake(page: _Buffer, taken: Sequence[tuple[int, int]]) -> None:
     """Give back grants taken and not committed."""
 
@@ -129,6 +139,12 @@ def commits_put(page: _Buffer, head: int,
                 records: Sequence[tuple[int, int, bytes, int, int | None]]) -> int:
     """Write commit records (grant entry, grant word, key, length, checksum) at head, the
     last ending the batch, then publish them; the new head."""
+
+def commits_put_columns(page: _Buffer, head: int, entries: Sequence[int],
+                        words: Sequence[int], keys: Sequence[bytes], lengths: Sequence[int],
+                        sums: Sequence[int | None] | None) -> int:
+    """``commits_put`` of the records (entries[i], words[i], keys[i], lengths[i], sums[i])
+    without a tuple per record (sums None: no checksums); the new head."""
 
 def done_wait(page: _Buffer, target: int, seconds: float) -> bool:
     """Wait (GIL released) until the page's DONE word reaches target; True if it did."""

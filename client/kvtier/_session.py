@@ -661,25 +661,57 @@ class SegmentMaps:
         resp, fds = link.request(map_request(ask, index=index))
         self.mapped(resp, fds, asked_index=index)
 
-    def view(self, ref: pb.SlotRef | LocalSlot, length: int, *, writable: bool) -> np.ndarray:
+    def _array(self, segment_id: int, writable: bool) -> np.ndarray:
+        """The array over segment ``segment_id``'s whole mapping (a slot's view is a slice
+        of it); FailedPrecondition when it is not mapped."""
         arrays = self._arrays[writable]
-        whole = arrays.get(ref.segment_id)
+        whole = arrays.get(segment_id)
         if whole is None:
-            mm = self._maps.get(ref.segment_id)
+            mm = self._maps.get(segment_id)
             if mm is None:
                 why = (" (its data file is shorter than its layout: truncated)"
-                       if ref.segment_id in self._unmapped else "")
-                raise FailedPrecondition(
-                    f"segment {ref.segment_id} is not mapped in this process{why}")
+                       if segment_id in self._unmapped else "")
+                raise FailedPrecondition(f"segment {segment_id} is not mapped in this process{why}")
             whole = np.frombuffer(mm, dtype=np.uint8)
             if not writable:
                 whole.flags.writeable = False
-            arrays[ref.segment_id] = whole
+            arrays[segment_id] = whole
+        return whole
+
+    def view(self, ref: pb.SlotRef | LocalSlot, length: int, *, writable: bool) -> np.ndarray:
+        whole = self._array(ref.segment_id, writable)
         end = ref.offset + length
         if end > whole.size:
             raise FailedPrecondition(f"a slot of segment {ref.segment_id} ends at {end}, past "
                                      f"its {whole.size} mapped bytes")
         return whole[ref.offset:end]
+
+    def slot_arrays(self, segment_ids: Sequence[int], offsets: Sequence[int], length: int, *,
+                    writable: bool) -> dict[int, np.ndarray]:
+        """The arrays over the segments that slots ``(segment_ids[i], offsets[i])`` of
+        ``length`` bytes lie in (segment id -> array; slot i's view is
+        ``array[offsets[i]:offsets[i] + length]``), every slot checked as ``view``
+        checks it, without a view per slot: FailedPrecondition, with ``view``'s
+        message, for the first slot (in order) that is not mapped or ends past its
+        segment's mapping.  The arrays hold their mappings: a segment unmapped later
+        stays mapped while a caller keeps them."""
+        got: dict[int, np.ndarray] = {}
+        try:
+            segs = set(segment_ids)
+            for seg in segs:
+                got[seg] = self._array(seg, writable)
+            if len(segs) == 1:
+                ok = not offsets or max(offsets) + length <= got[segment_ids[0]].size
+            else:
+                ok = all(off + length <= got[seg].size
+                         for seg, off in zip(segment_ids, offsets, strict=True))
+        except FailedPrecondition:
+            ok = False
+        if not ok:  # the first slot that fails, with view's error
+            for seg, off in zip(segment_ids, offsets, strict=True):
+                self.view(LocalSlot(seg, off, length, 0, False), length, writable=writable)
+            got = {seg: self._array(seg, writable) for seg in set(segment_ids)}
+        return got
 
     def _drop(self, seg_id: int) -> None:
         for arrays in self._arrays:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import types
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -43,7 +43,6 @@ from kvtier._core import (
     arun_steps,
     grpc_options,
 )
-from kvtier._index import LocalSlot
 from kvtier._session import AsyncSessionLink, map_request
 from kvtier.errors import FailedPrecondition, KVTierError, Unavailable
 from kvtier.v1 import kvtier_pb2 as pb
@@ -146,7 +145,7 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
         if isinstance(step, Call):
             return await self._call(step.method, step.request, retry=step.retry)
         if isinstance(step, SyncMaps):
-            await self._sync_maps(step.version, step.slots)
+            await self._sync_maps(step.version, step.segment_ids)
         elif isinstance(step, Work):
             if step.nbytes >= OFFLOAD_BYTES:
                 return await asyncio.to_thread(step.fn)  # the copies: off the loop
@@ -234,14 +233,13 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
                 return  # the session ended: the call that follows says so
             self._maps.mapped(resp, fds, asked_index=True)
 
-    async def _sync_maps(self, version: int,
-                         slots: Sequence[pb.SlotRef] | Sequence[LocalSlot]) -> None:
-        if self._maps_missing(version, slots) is None:
+    async def _sync_maps(self, version: int, segment_ids: Collection[int]) -> None:
+        if self._maps_missing(version, segment_ids) is None:
             return
         if self._maps_lock is None:
             self._maps_lock = asyncio.Lock()
         async with self._maps_lock:  # one mapping update at a time
-            missing = self._maps_missing(version, slots)
+            missing = self._maps_missing(version, segment_ids)
             if missing is None:
                 return
             if self._maps.unmappable(missing):  # fds kept: map them again, off the loop

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import types
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -41,7 +41,6 @@ from kvtier._core import (
     grpc_options,
     run_steps,
 )
-from kvtier._index import LocalSlot
 from kvtier.errors import KVTierError
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -198,7 +197,7 @@ class Client(ClientCore[Reservation, Lease]):
         if isinstance(step, Call):
             return self._call(step.method, step.request, retry=step.retry)
         if isinstance(step, SyncMaps):
-            self._sync_maps(step.version, step.slots)
+            self._sync_maps(step.version, step.segment_ids)
         elif isinstance(step, Work):
             return step.fn()  # copies and checksums release the GIL
         elif isinstance(step, SendRelease):
@@ -248,10 +247,9 @@ class Client(ClientCore[Reservation, Lease]):
             raise err
         return self._call(method, request, retry=False)  # a restarted daemon
 
-    def _sync_maps(self, version: int,
-                   slots: Sequence[pb.SlotRef] | Sequence[LocalSlot]) -> None:
+    def _sync_maps(self, version: int, segment_ids: Collection[int]) -> None:
         with self._lock:
-            missing = self._maps_missing(version, slots)
+            missing = self._maps_missing(version, segment_ids)
             if missing is not None:
                 self._maps.fetch(self._live_link(), missing, version=version)
 

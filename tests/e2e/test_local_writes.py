@@ -246,3 +246,93 @@ def test_a_writer_scribbling_its_write_area_costs_only_itself(daemon: DaemonProc
     assert s.tiers[0].reserved_bytes == 0
     assert daemon.check() == []
     assert "Traceback" not in daemon.log()
+
+
+def test_a_reservation_from_grants_makes_its_views_on_first_use(daemon: DaemonProc) -> None:
+    """A put copies through (segment, offset) columns: no view per slot is made unless
+    ``buffers`` is read, and then it is the same writable view a Reserve gives."""
+    with _client(daemon) as c:
+        c.put([b"prime-%d" % i for i in range(4)], [b"p"] * 4)
+        assert _granted(daemon, 4) >= 4
+        with c.reserve([b"v0", b"prime-0", b"v1"]) as r:
+            assert r.local and r.statuses[1] == kvtier.KeyStatus.EXISTS
+            assert r._buffers is None  # none made yet
+            bufs = r.buffers
+            assert r.buffers is bufs and bufs[1] is None
+            for b in (bufs[0], bufs[2]):
+                assert b is not None and b.flags.writeable and b.size == BB
+            assert bufs[2] is not None
+            bufs[2][:3] = np.frombuffer(b"abc", np.uint8)
+            r.lengths[2] = 3
+            r.write(0, b"hello")
+            assert r.commit() == 2
+            assert r.buffers == [None, None, None]  # views end with the reservation
+            with pytest.raises(errors.InvalidArgument, match="not reserved"):
+                r.write(0, b"late")
+            with pytest.raises(errors.InvalidArgument, match=r"keys\[0\] is not reserved"):
+                r.write_blocks([b"late", b"", b"late"])
+        assert [g.tobytes() for g in c.get([b"v0", b"prime-0", b"v1"])] == [b"hello", b"p", b"abc"]
+        # Without reading buffers: the copy is straight into the slots.
+        with c.reserve([b"w0", b"w1"]) as r:
+            r.write_blocks([b"x" * 10, b"y" * BB])
+            assert r._buffers is None
+            assert r.commit() == 2
+        assert [g.tobytes() for g in c.get([b"w0", b"w1"])] == [b"x" * 10, b"y" * BB]
+    assert daemon.check() == []
+
+
+def test_a_granted_slot_past_its_segment_is_refused_as_a_view_is_and_the_put_calls(
+        daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grant's slot is the daemon's word: one that lies past its segment's mapping is
+    refused when the reservation is made (FailedPrecondition, with the message a view of
+    it gives), its grants go back, and the put asks the daemon instead."""
+    from kvtier._index import LocalSlot
+
+    with _client(daemon) as c:
+        c.put([b"prime-%d" % i for i in range(2)], [b"p"] * 2)
+        assert _granted(daemon, 2) >= 2
+        seg = next(iter(c._maps.mappings()))
+        for slots in ([(seg, 0), (seg, 2**40)], [(seg, 0), (10**6, 0)], [(10**6, 0)]):
+            bad = slots[-1]
+            with pytest.raises(errors.FailedPrecondition) as by_view:
+                c._maps.view(LocalSlot(bad[0], bad[1], BB, 0, False), BB, writable=True)
+            with pytest.raises(errors.FailedPrecondition) as by_columns:
+                c._maps.slot_arrays([s for s, _ in slots], [o for _, o in slots], BB,
+                                    writable=True)
+            assert str(by_columns.value) == str(by_view.value)
+        assert set(c._maps.slot_arrays([seg, seg], [0, BB], BB, writable=True)) == {seg}
+        index = c._maps.index
+        assert index is not None and index.writes is not None
+        writes = index.writes
+        real_take = writes.take_columns
+        taken: list[list[int]] = []
+
+        def far(n: int, slot_bytes: int) -> kvtier._index.TakenGrants | None:
+            got = real_take(n, slot_bytes)
+            if got is not None:
+                taken.append(list(got.entries))
+                got.offsets = [2**64 - 1] * len(got)
+            return got
+
+        monkeypatch.setattr(writes, "take_columns", far)
+        calls: list[str] = []
+        real_call = c._call
+
+        def call(method: str, request: object, **kw: object) -> object:
+            calls.append(method)
+            return real_call(method, request, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(c, "_call", call)
+        assert c.put([b"far-0", b"far-1"], [b"a", b"b"]) == 2
+        assert taken and "Reserve" in calls
+        # The grants taken went back (none is held taken by this writer).
+        assert all(_native_grant_free(index, e) for e in taken[0])
+        monkeypatch.undo()
+        assert [g.tobytes() for g in c.get([b"far-0", b"far-1"])] == [b"a", b"b"]
+    assert daemon.check() == []
+
+
+def _native_grant_free(index: kvtier._index.LocalIndex, entry: int) -> bool:
+    """Whether grant ``entry`` of the session page is not taken by a writer."""
+    word = int(np.frombuffer(index._page, np.uint64, 1, _page.W_GRANTS + 8 * entry)[0])
+    return word & _page.GRANT_TAKEN == 0

@@ -107,6 +107,76 @@ def test_grants_taken_committed_and_answered_across_threads() -> None:
     page.close()
 
 
+def test_grants_taken_as_columns_decode_their_words_and_go_back_whole() -> None:
+    """The writer's hot path takes grants as columns (no object per grant): entries,
+    words, and where each slot is (segment, slot * slot_bytes), the offset saturated
+    where a daemon's word and slot size would overflow it (the view refuses it)."""
+    page = SessionPage("ns", writes=True)
+    writes, bell = _writer(page)
+    page.set_grant(0, GRANT_VALID | 7 << 32 | 3)
+    page.set_grant(5, W9)
+    page.set_grant(9, GRANT_VALID | 0x3FFF_FFFF << 32 | 0xFFFF_FFFF)
+    got = writes.take_columns(2, 4096)
+    assert got is not None and len(got) == 2 and got
+    assert (got.entries, got.words, got.segment_ids, got.offsets) == (
+        [0, 5], [GRANT_VALID | 7 << 32 | 3, W9], [7, 7], [3 * 4096, 9 * 4096])
+    assert list(got) == [_index.Grant(0, GRANT_VALID | 7 << 32 | 3), _index.Grant(5, W9)]
+    assert got[1].slot == 9 and page.grant_word(5) == W9 | GRANT_TAKEN
+    # Fewer left than asked: none taken, the page asks for that many.
+    assert writes.take_columns(2, 4096) is None and page.wanted() == 2
+    assert page.grant_word(9) & GRANT_TAKEN == 0
+    far = writes.take_columns(1, 2**40)
+    assert far is not None and (far.segment_ids, far.offsets) == ([0x3FFF_FFFF], [2**64 - 1])
+    writes.untake(got)
+    writes.untake(far)
+    writes.untake(_index.NO_GRANTS)
+    assert [page.grant_word(e) & GRANT_TAKEN for e in (0, 5, 9)] == [0, 0, 0]
+    assert writes.take_columns(0, 4096) is None and writes.take_columns(257, 4096) is None
+    with pytest.raises(ValueError):
+        _native.grants_take_columns(bytearray(8), 1, 4096)  # no write area
+    writes.close()
+    os.close(bell)
+    page.close()
+
+
+def test_records_put_as_columns_are_the_records_put_as_tuples() -> None:
+    recs = [(1, 11, b"x", 1, None), (2, 2**64 - 1, b"y" * 64, 2, 2**64 - 1), (3, 0, b"z", 3, 0)]
+    pages = [SessionPage("ns", writes=True) for _ in range(2)]
+    assert _native.commits_put(pages[0].mapping, 126, recs) == 129
+    assert _native.commits_put_columns(pages[1].mapping, 126, *map(list, zip(*recs, strict=True))) == 129
+    ring = slice(_W_RING, _W_RING + _page.RING_RECORDS * _RECORD)
+    assert pages[0].mapping[ring] == pages[1].mapping[ring]  # wrapped around the same way
+    assert _native.commits_put(pages[0].mapping, 0, [r[:4] + (None,) for r in recs]) == 3
+    assert _native.commits_put_columns(pages[1].mapping, 0, [1, 2, 3], [11, 2**64 - 1, 0],
+                                       [b"x", b"y" * 64, b"z"], (1, 2, 3), None) == 3
+    assert pages[0].mapping[ring] == pages[1].mapping[ring]  # sums None: no checksum at all
+    taken = pages[1].take_commits()
+    assert taken is not None and taken.records() == [
+        (1, 11, b"x", 1, 0, 0), (2, 2**64 - 1, b"y" * 64, 2, 0, 0), (3, 0, b"z", 3, 0, LAST)]
+    m = pages[1].mapping
+    with pytest.raises(ValueError, match="entries and keys differ in length"):
+        _native.commits_put_columns(m, 0, [1, 2], [0, 0], [b"k"], [1, 1], None)
+    with pytest.raises(ValueError, match="entries and sums differ in length"):
+        _native.commits_put_columns(m, 0, [1], [0], [b"k"], [1], [None, None])
+    for key, length in ((b"", 1), (b"k" * 65, 1), (b"k", 2**32)):
+        with pytest.raises(ValueError, match="a record's key"):
+            _native.commits_put_columns(m, 0, [1], [0], [key], [length], None)
+    for n in (0, 129):
+        with pytest.raises(ValueError, match="a batch is"):
+            _native.commits_put_columns(m, 0, [0] * n, [0] * n, [b"k"] * n, [1] * n, None)
+    with pytest.raises(OverflowError):
+        _native.commits_put_columns(m, 0, [2**32], [0], [b"k"], [1], None)
+    with pytest.raises(OverflowError):
+        _native.commits_put_columns(m, 0, [1], [0], [b"k"], [1], [2**64])
+    with pytest.raises(TypeError):
+        _native.commits_put_columns(m, 0, [1], [0], ["k"], [1], None)  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        _native.commits_put_columns(m, 0, 1, [0], [b"k"], [1], None)  # type: ignore[arg-type]
+    assert struct.unpack_from("<Q", m, _W_HEAD)[0] == 3  # nothing published by a refusal
+    for p in pages:
+        p.close()
+
+
 def test_a_writer_whose_daemon_went_stops_waiting() -> None:
     page = SessionPage("ns", writes=True)
     writes, bell = _writer(page)

@@ -222,6 +222,49 @@ def test_find_many_answers_each_keys_ref_through_growth_hiding_and_left_out_keys
     assert crowded.find_many(near[:1]).tolist() == [0]  # closed: holds nothing
 
 
+def _entry_of(mm: mmap.mmap, key: bytes) -> int:
+    """The byte offset of the live entry holding 16-byte ``key`` (its fingerprint is the
+    key itself: fp0, fp1 at bytes 8..24 of the entry)."""
+    cap = struct.unpack_from("<Q", mm, 16)[0]
+    for i in range(cap):
+        at = 64 + i * 64
+        if mm[at + 4] == 1 and mm[at + 8:at + 24] == key:
+            return at
+    raise AssertionError("no entry holds the key")
+
+
+def test_present_many_reads_each_entry_under_its_seqlock() -> None:
+    """The client's batch presence test (a reserve from grants): 1 per key the table
+    holds (key-only entries and hashed keys too), 0 otherwise; an entry the writer is
+    changing (odd sequence number) past the spin limit, and a superseded table, read as
+    absent, where the writer's own probe (index_find_many, index_locate) sees it."""
+    t = _table()
+    keys = [secrets.token_bytes(16) for _ in range(20)] + [b"short", b"l" * 64]
+    for i, k in enumerate(keys):
+        assert _native.index_set(t, k, 1, 0, None if i % 3 else (1, i, 0, 1, None)) == 1
+    absent = [secrets.token_bytes(16), b"nope"]
+    assert _native.index_present_many(t, keys + absent) == b"\1" * len(keys) + b"\0\0"
+    assert _native.index_present_many(t, []) == b""
+    assert _native.index_present_many(t, [absent[0], keys[0], absent[1], keys[-1]]) == \
+        b"\0\1\0\1"
+    busy = _entry_of(t, keys[4])
+    seq = struct.unpack_from("<I", t, busy)[0]
+    struct.pack_into("<I", t, busy, seq + 1)  # the writer mid-change (and descheduled)
+    assert _native.index_present_many(t, keys[3:6]) == b"\1\0\1"
+    assert _native.index_locate(t, keys[4]) is not None  # the writer's view: no seqlock
+    struct.pack_into("<I", t, busy, seq + 2)  # the change done
+    assert _native.index_present_many(t, keys[3:6]) == b"\1\1\1"
+    for bad in ([b""], [b"k" * 65], [keys[0], "str"], [keys[0], 7]):
+        with pytest.raises(ValueError, match="keys\\[[01]\\] is not bytes"):
+            _native.index_present_many(t, bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        _native.index_present_many(t, 5)  # type: ignore[arg-type]
+    _native.index_set_flags(t, SUPERSEDED)
+    assert _native.index_present_many(t, keys[:3]) == b"\0\0\0"
+    with pytest.raises(ValueError):
+        _native.index_present_many(bytearray(64), keys[:1])  # no table
+
+
 def test_key_index_mirrors_the_dict_and_refuses_other_mutations() -> None:
     idx: KeyIndex[int] = KeyIndex()
     idx[b"early"] = 0
@@ -282,7 +325,7 @@ def test_a_reader_never_misses_a_key_another_process_leaves_alone() -> None:
     writer = ctx.Process(target=_churn, args=(mm, toggled, 1.5))
     writer.start()
     try:
-        lookups = answered = 0
+        lookups = answered = all_present = 0
         while writer.is_alive():
             # None: an entry stayed busy past the spin limit (the writer was descheduled
             # mid-change on a loaded machine), and the client asks the daemon instead.
@@ -291,9 +334,13 @@ def test_a_reader_never_misses_a_key_another_process_leaves_alone() -> None:
             for k in toggled[:10]:
                 one = _native.index_lookup(mm, [k])
                 assert one in ((b"\x01", True), (b"", True), None)
+            # The batch presence test: 0 only for an entry busy past the spin limit.
+            present = _native.index_present_many(mm, stable + toggled)
+            assert set(present) <= {0, 1}
             lookups += 1
             answered += got is not None
-        assert lookups > 10 and answered > lookups // 2
+            all_present += present[:len(stable)] == b"\x01" * len(stable)
+        assert lookups > 10 and answered > lookups // 2 and all_present > lookups // 2
     finally:
         writer.join(10)
     assert writer.exitcode == 0
