@@ -208,6 +208,11 @@ class _Table:
                                             name="kvtier-index-populate", daemon=True)
         self._populating.start()
 
+    @property
+    def populating(self) -> bool:
+        """Whether its pages are still being populated (``populate_in_background``)."""
+        return self._populating is not None and self._populating.is_alive()
+
     def close(self) -> None:
         if self._populating is not None:  # (it holds the mapping until it is done)
             self._populating.join()
@@ -416,8 +421,12 @@ class SharedIndex:
                 self._table.populate_in_background()
         at = 0
         while self._table is not None and at < len(slots):
+            # (More threads only once the table's pages are in: while its populating
+            # thread runs, inserts on more threads fault the same memfd it fills, and
+            # were slower than one.)
+            n = threads if not self._table.populating else 1
             at, out = _native.index_set_slots(self._table.mm, table, slots, segment_id,
-                                              slot_bytes, at, threads)
+                                              slot_bytes, at, n)
             left += out
             if at < len(slots) and self._replace() is None:
                 left += range(at, len(slots))

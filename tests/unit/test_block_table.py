@@ -1296,6 +1296,14 @@ def test_index_rows_and_populate() -> None:
     assert sorted(got) == want
     mm[32:40] = (3).to_bytes(8, "little")  # the header's live count, lowered: rows still all
     assert sorted(np.frombuffer(shared.rows(), dtype="<u8").reshape(-1, 3).tolist()) == want
+    # ``populating`` says whether a background populate still runs (adoption inserts on
+    # one thread until it is done).
+    table = shared._table
+    assert not table.populating
+    table.populate_in_background()
+    assert table._populating is not None
+    table._populating.join()
+    assert not table.populating
     shared.close()
 
 
