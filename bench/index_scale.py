@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
+from typing import Any
 
 import grpc
 import numpy as np
@@ -120,7 +121,7 @@ def found_all(sock_dir: str, block: int, batches: list[list[bytes]]) -> float:
             time.sleep(0.01)
 
 
-def run_one(n: int, block: int, rounds: int) -> dict[str, float]:
+def run_one(n: int, block: int, rounds: int, restarts: int = 1) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="kvt-index-", dir="/tmp")
     shm_dir = f"/dev/shm/kvtier-bench-index-{uuid.uuid4().hex[:8]}"
     notify_path = os.path.join(tmp, "notify")
@@ -133,7 +134,7 @@ def run_one(n: int, block: int, rounds: int) -> dict[str, float]:
     total = n + SMALL_BLOCKS
     capacity = -(-(total * (slot + 256) + (256 << 20)) // (1 << 20)) << 20
     procs: list[subprocess.Popen[bytes]] = []
-    row: dict[str, float] = {"blocks": n, "block_bytes": block, "pool_bytes": capacity}
+    row: dict[str, Any] = {"blocks": n, "block_bytes": block, "pool_bytes": capacity}
     try:
         proc, _ = start(sock_dir, shm_dir, capacity, notify, notify_path)
         procs.append(proc)
@@ -173,29 +174,43 @@ def run_one(n: int, block: int, rounds: int) -> dict[str, float]:
             row["empty_grpc_call_us"] = p50_us(lambda: health.Check(req), rounds)
         proc.send_signal(signal.SIGKILL)
         proc.wait(60)
-        # An empty daemon (its own pool directory) as the baseline: start to first answer.
-        empty_shm = shm_dir + "-empty"
-        t0 = time.perf_counter()
-        empty, row["empty_start_to_ready_s"] = start(sock_dir, empty_shm, capacity, notify,
-                                                     notify_path)
-        try:
-            # a session opened: it serves
-            row["empty_start_to_serving_s"] = found_all(sock_dir, block, []) - t0
-        finally:
-            empty.terminate()
-            empty.wait(60)
-            shutil.rmtree(empty_shm, ignore_errors=True)
         batches = [keys_of(at, min(BATCH, n - at)) for at in range(0, n, BATCH)]
-        t0 = time.perf_counter()
-        proc, warm = start(sock_dir, shm_dir, capacity, notify, notify_path)
-        procs.append(proc)
-        row["warm_start_to_all_found_s"] = found_all(sock_dir, block, batches) - t0
-        row["found_after_empty_s"] = (row["warm_start_to_all_found_s"]
-                                      - row["empty_start_to_serving_s"])
-        st = fetch_stats(sock_dir)
-        assert st.recovered_blocks == n, (st.recovered_blocks, n)
-        row["warm_start_to_ready_s"] = warm
-        row["warm_recovery_s"] = st.recovery_seconds
+        pairs: list[dict[str, float]] = []
+        for r in range(restarts):
+            if r:  # the last warm daemon, killed as the first was
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(60)
+            pair: dict[str, float] = {}
+            # An empty daemon (its own pool directory) as the baseline: start to first answer.
+            empty_shm = shm_dir + "-empty"
+            t0 = time.perf_counter()
+            empty, pair["empty_start_to_ready_s"] = start(sock_dir, empty_shm, capacity, notify,
+                                                          notify_path)
+            try:
+                # a session opened: it serves
+                pair["empty_start_to_serving_s"] = found_all(sock_dir, block, []) - t0
+            finally:
+                empty.terminate()
+                empty.wait(60)
+                shutil.rmtree(empty_shm, ignore_errors=True)
+            t0 = time.perf_counter()
+            proc, pair["warm_start_to_ready_s"] = start(sock_dir, shm_dir, capacity, notify,
+                                                        notify_path)
+            procs.append(proc)
+            pair["warm_start_to_all_found_s"] = found_all(sock_dir, block, batches) - t0
+            pair["found_after_empty_s"] = (pair["warm_start_to_all_found_s"]
+                                           - pair["empty_start_to_serving_s"])
+            st = fetch_stats(sock_dir)
+            assert st.recovered_blocks == n, (st.recovered_blocks, n)
+            pair["warm_recovery_s"] = st.recovery_seconds
+            pairs.append(pair)
+            print(f"  restart {r + 1}: {json.dumps(pair)}", file=sys.stderr, flush=True)
+        # The medians of the restarts (each one pair: an empty daemon, then the warm one).
+        for name in pairs[0]:
+            row[name] = statistics.median(p[name] for p in pairs)
+        if restarts > 1:
+            row["restarts"] = restarts
+            row["found_after_empty_s_each"] = [p["found_after_empty_s"] for p in pairs]
         # All of the restarted daemon's anonymous memory (its baseline included), per block.
         row["anon_bytes_per_block_after_restart"] = rss_anon_kib(proc.pid) * 1024 / n
         return row
@@ -208,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", default="1M", help="block counts, comma-separated (256K = 2**18, 1M = 2**20)")
     p.add_argument("--block", default="4KiB", help="bytes per block")
     p.add_argument("--rounds", type=int, default=200, help="lookups per p50")
+    p.add_argument("--restarts", type=int, default=1,
+                   help="warm restarts after the fill, each against an empty daemon started "
+                        "just before it; the figures are their medians (one run on a small VM "
+                        "spreads by +-0.1 s)")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     block = parse_size(args.block)
@@ -216,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         shift = {"K": 10, "M": 20}.get(count[-1:], 0)
         n = int(count[:-1] if shift else count) << shift
         print(f"{n} blocks of {block} bytes: filling ...", file=sys.stderr, flush=True)
-        rows.append(run_one(n, block, args.rounds))
+        rows.append(run_one(n, block, args.rounds, args.restarts))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(f"{'blocks':>9} {'anon B/blk':>10} {'table B/blk':>11} {'cpu us/blk 4096':>15} "
           f"{'cpu us/blk 32':>13} {'lookup4096 fast us':>18} {'grpc us':>9} "
@@ -235,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def at(name: str) -> float:
             slope = (b[name] - a[name]) / (b["blocks"] - a["blocks"])
-            return b[name] + slope * (big - b["blocks"])
+            return float(b[name] + slope * (big - b["blocks"]))
 
         extra = {"blocks": big, "anon_bytes": b["anon_bytes_per_block"] * big,
                  "warm_start_to_all_found_s": at("warm_start_to_all_found_s"),
