@@ -745,3 +745,31 @@ def test_refills_come_in_batches_within_a_share_of_the_namespace_and_never_grow_
     assert env.store.evictions == evictions + target // 2  # one claim of half the batch
     assert env.store.check() == []
     _detach(env, s, page, writes, bell)
+
+
+def test_grants_are_columns_a_batch_adds_and_drops() -> None:
+    """``Grants``: words and generations by page entry and a count -- a batch added and
+    dropped at once, membership for Python and numpy integers, refs and places read back
+    from the words, and ``problems`` for a count or a word that is off."""
+    from kvtierd.store.types import Grants
+
+    g = Grants()
+    assert len(g) == 0 and not g and list(g) == []
+    entries = g.free_entries(3)
+    assert entries.tolist() == [0, 1, 2]
+    refs = np.array([5 << 32 | 7, 5 << 32 | 8, 6 << 32 | 1], dtype=np.uint64)
+    words = g.add(entries, refs, np.array([11, 12, 13], dtype=np.uint64))
+    assert words.tolist() == [int(r) | GRANT_VALID for r in refs.tolist()]
+    assert len(g) == 3 and list(g) == [0, 1, 2] and 1 in g and np.uint64(2) in g
+    assert 3 not in g and -1 not in g and "1" not in g and GRANTS_N not in g
+    assert g.refs().tolist() == refs.tolist() and g.refs([2]).tolist() == [6 << 32 | 1]
+    assert g.places() == [(5, 7, 11), (5, 8, 12), (6, 1, 13)]
+    assert g.free_entries(2).tolist() == [3, 4] and g.problems() == []
+    g.drop(np.array([1], dtype=np.uint64))
+    assert list(g) == [0, 2] and len(g) == 2 and g.free_entries(1).tolist() == [1]
+    g.words[1] = 9  # a word that is no grant, and one more than counted
+    assert g.problems() == ["2 grants counted, 3 held",
+                            "grant words that are no grant at entries [1]"]
+    g.words[1] = 0
+    g.drop([0, 2])
+    assert len(g) == 0 and g.problems() == []

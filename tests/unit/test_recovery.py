@@ -534,8 +534,9 @@ def test_the_median_last_access_is_exact_below_its_sample_and_close_above() -> N
 @pytest.mark.parametrize(("given", "want"), [(None, "1"), ("3", "3")])
 def test_kvtierd_keeps_openblas_to_one_thread_unless_told(given: str | None, want: str) -> None:
     """kvtierd's entry sets OPENBLAS_NUM_THREADS=1 before numpy loads (its threads spin
-    between calls: a core of a small host taken from recovery and the event loop); an
-    operator's own value stays."""
+    between calls: a core of a small host taken from recovery and the event loop), so
+    the process has no thread but its own after numpy's import; an operator's own value
+    stays."""
     import subprocess
     import sys
 
@@ -544,6 +545,9 @@ def test_kvtierd_keeps_openblas_to_one_thread_unless_told(given: str | None, wan
         env["OPENBLAS_NUM_THREADS"] = given
     out = subprocess.run(
         [sys.executable, "-c", "import os, kvtierd.__main__, numpy; "
-         "print(os.environ['OPENBLAS_NUM_THREADS'])"],
+         "print(os.environ['OPENBLAS_NUM_THREADS'], len(os.listdir('/proc/self/task')))"],
         env=env, capture_output=True, text=True, check=True, timeout=60)
-    assert out.stdout.strip() == want
+    value, threads = out.stdout.split()
+    assert value == want
+    if given is None:
+        assert threads == "1"

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import enum
 import logging
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Final
 
@@ -409,7 +410,11 @@ class Grants:
         return self._n > 0
 
     def __contains__(self, g: object) -> bool:
-        return isinstance(g, int) and 0 <= g < len(self.words) and bool(self.words[g])
+        try:
+            i = operator.index(g)  # (a numpy integer too)
+        except TypeError:
+            return False
+        return 0 <= i < len(self.words) and bool(self.words[i])
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.entries().tolist())
