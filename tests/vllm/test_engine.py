@@ -29,6 +29,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM connector tests need kvtier[vllm] (make install)")
 
 import kvtier  # noqa: E402
+from kvtier._core import segment_ids_of  # noqa: E402
 from kvtier.hashing import block_keys  # noqa: E402
 from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
 from kvtier.vllm import request_salt  # noqa: E402
@@ -187,7 +188,7 @@ class Lab:
                            model_uid=ns.model_uid) as c:
             resp = c._call("Acquire", pb.AcquireRequest(keys=[key]))
             assert resp.hits == 1
-            c._sync_maps(resp.segments_version, resp.slots)
+            c._sync_maps(resp.segments_version, segment_ids_of(resp.slots))
             view = c._maps.view(resp.slots[0], resp.slots[0].length, writable=True)
             view[100] ^= 0xFF
             del view

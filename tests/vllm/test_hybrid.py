@@ -36,6 +36,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 import kvtier  # noqa: E402
 import kvtier.v1.kvtier_pb2 as pb  # noqa: E402
+from kvtier._core import segment_ids_of  # noqa: E402
 from kvtier._kv_groups import GroupPlan, plan_groups  # noqa: E402
 from kvtier.hashing import block_keys  # noqa: E402
 from kvtier.vllm import (  # noqa: E402
@@ -77,7 +78,7 @@ def _count(out: dict[str, Any], name: str) -> float:
 def _scribble(c: kvtier.Client, key: bytes) -> None:
     """Flip a byte of ``key``'s block in kvtierd's DRAM (its checksum fails at load)."""
     resp = c._call("Acquire", pb.AcquireRequest(keys=[key]))
-    c._sync_maps(resp.segments_version, resp.slots)
+    c._sync_maps(resp.segments_version, segment_ids_of(resp.slots))
     view = c._maps.view(resp.slots[0], resp.slots[0].length, writable=True)
     view[100] ^= 0xFF
     del view
