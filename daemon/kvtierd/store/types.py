@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import enum
 import logging
-import operator
 from collections.abc import Iterator, Sequence
 from typing import Final
 
@@ -410,10 +409,9 @@ class Grants:
         return self._n > 0
 
     def __contains__(self, g: object) -> bool:
-        try:
-            i = operator.index(g)  # (a numpy integer too)
-        except TypeError:
+        if not isinstance(g, (int, np.integer)):  # (a numpy integer too)
             return False
+        i = int(g)
         return 0 <= i < len(self.words) and bool(self.words[i])
 
     def __iter__(self) -> Iterator[int]:
