@@ -394,6 +394,19 @@ lookahead_next(lookahead *a, Py_ssize_t i, fingerprint *f)
     return h;
 }
 
+/* The index of the first of keys[0..n) that is not bytes of 1..MAX_KEY bytes, or -1: the
+ * batch lookups check every key before their look-ahead reads them raw. */
+static Py_ssize_t
+first_bad_key(PyObject *const *keys, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = keys[i];
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) < 1 || PyBytes_GET_SIZE(k) > MAX_KEY)
+            return i;
+    }
+    return -1;
+}
+
 static int
 get_key(PyObject *obj, Py_buffer *key)
 {
@@ -1083,12 +1096,10 @@ kvt_py_index_present_many(PyObject *Py_UNUSED(m), PyObject *args)
         goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) { /* checked first: the look-ahead reads them raw */
-        PyObject *k = items[i];
-        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) < 1 || PyBytes_GET_SIZE(k) > MAX_KEY) {
-            PyErr_Format(PyExc_ValueError, "keys[%zd] is not bytes of 1..%d bytes", i, MAX_KEY);
-            goto done;
-        }
+    Py_ssize_t bad = first_bad_key(items, n);
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "keys[%zd] is not bytes of 1..%d bytes", bad, MAX_KEY);
+        goto done;
     }
     ret = PyBytes_FromStringAndSize(NULL, n);
     if (ret == NULL)
@@ -1174,12 +1185,9 @@ kvt_py_index_acquire(PyObject *Py_UNUSED(m), PyObject *args)
         ret = Py_NewRef(Py_None);
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = items[i];
-        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) < 1 || PyBytes_GET_SIZE(k) > MAX_KEY) {
-            ret = Py_NewRef(Py_None);
-            goto done;
-        }
+    if (first_bad_key(items, n) >= 0) {
+        ret = Py_NewRef(Py_None);
+        goto done;
     }
     snaps = PyMem_Malloc(sizeof(snapshot) * (size_t)(n > 0 ? n : 1));
     if (snaps == NULL) {
@@ -1426,12 +1434,9 @@ kvt_py_index_lookup(PyObject *Py_UNUSED(m), PyObject *args)
     }
     /* Every key is checked first, as the daemon does: a malformed one anywhere in the
      * list (past a miss too) gets the daemon's answer (an error), not a count. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = items[i];
-        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) < 1 || PyBytes_GET_SIZE(k) > MAX_KEY) {
-            ret = Py_NewRef(Py_None);
-            goto done;
-        }
+    if (first_bad_key(items, n) >= 0) {
+        ret = Py_NewRef(Py_None);
+        goto done;
     }
     PyObject *tiers = PyBytes_FromStringAndSize(NULL, n);
     if (tiers == NULL)

@@ -229,11 +229,16 @@ class LocalWrites:
             return None
         got = _native.grants_take(self._page, n)
         if got is None:  # the Reserve call the caller makes instead brings more
-            if n > self._want:
-                self._want = n
-                _native.page_store(self._page, _W_WANT, n)
+            self._ask_for(n)
             return None
         return [Grant._make(g) for g in got]
+
+    def _ask_for(self, n: int) -> None:
+        """The page had fewer than ``n`` grants: it asks for ``n`` (the daemon grants as
+        many after the writer's next Reserve call or commit)."""
+        if n > self._want:
+            self._want = n
+            _native.page_store(self._page, _W_WANT, n)
 
     def take_columns(self, n: int, slot_bytes: int) -> TakenGrants | None:
         """``take`` as columns (no object per grant), with where each slot is (its
@@ -242,9 +247,7 @@ class LocalWrites:
             return None
         got = _native.grants_take_columns(self._page, n, slot_bytes)
         if got is None:
-            if n > self._want:
-                self._want = n
-                _native.page_store(self._page, _W_WANT, n)
+            self._ask_for(n)
             return None
         return TakenGrants(*got)
 

@@ -354,12 +354,12 @@ class StoreBase:
         caller freed them already)."""
         page = session.ns.pages.get(session.id)
         entries = list(entries)
-        refs = session.grants.refs(entries).tolist()
+        refs = session.grants.refs(entries)
         if quarantine is None and not freed:
-            session.ns.table.release_claims(np.array(refs, dtype=np.uint64))
+            session.ns.table.release_claims(refs)
         session.grants.drop(entries)
         by_id = session.ns.by_id
-        for g, ref in zip(entries, refs, strict=True):
+        for g, ref in zip(entries, refs.tolist(), strict=True):
             session.grant_seen.pop(g, None)
             if page is not None:
                 page.set_grant(g, 0)
