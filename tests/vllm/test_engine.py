@@ -35,6 +35,7 @@ from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
 from kvtier.vllm import request_salt  # noqa: E402
 from tests.conftest import DaemonProc, start_daemon, stop_daemon  # noqa: E402
 from tests.vllm import tinymodel  # noqa: E402
+from tests.vllm.logs import failure_excerpt  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BLOCK = 128  # vLLM's CPU block size
@@ -82,17 +83,21 @@ class Engine:
         with open(self.log_path) as f:
             return f.read()
 
+    def diagnosis(self) -> str:
+        """Why the engine failed: every traceback and error in its log, then the tail."""
+        return failure_excerpt(self.log())
+
     def result(self, timeout: float = ENGINE_DEADLINE) -> dict[str, Any]:
         """The next phase's RESULT (the engine started, or went on after ``next()``)."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            assert left > 0, f"no result from the engine in {timeout} s:\n{self.log()[-4000:]}"
+            assert left > 0, f"no result from the engine in {timeout} s:\n{self.diagnosis()}"
             try:
                 line = self._lines.get(timeout=left)
             except queue.Empty:
                 continue
-            assert line is not None, f"the engine exited:\n{self.log()[-6000:]}"
+            assert line is not None, f"the engine exited:\n{self.diagnosis()}"
             if line.startswith("RESULT "):
                 out: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
                 return out
@@ -101,7 +106,7 @@ class Engine:
         """Let the engine run its next phase."""
         while True:
             line = self._lines.get(timeout=ENGINE_DEADLINE)
-            assert line is not None, f"the engine exited:\n{self.log()[-6000:]}"
+            assert line is not None, f"the engine exited:\n{self.diagnosis()}"
             if line == "READY":
                 break
         assert self.proc.stdin is not None
@@ -423,7 +428,6 @@ def _serve(lab: Lab, name: str) -> tuple[subprocess.Popen[str], int, str]:
           "kv_connector_extra_config": {"socket_dir": lab.socket_dir}}
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", lab.model,
