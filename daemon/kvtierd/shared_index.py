@@ -119,8 +119,9 @@ class PageRecords:
     """The commit records a ring brought, as columns (``SessionPage.take_commits``).
     Each batch (ending with a ``LAST`` record, or the last one taken) was checked
     natively as a whole: ``batches`` holds (start, end, refusal), the refusal INVALID
-    (a record out of range, a grant entry or key twice), LOST (a word that is not the
-    one the session's grant entry holds) or 0 (it may commit)."""
+    (a key or length out of range, a grant entry or key twice), LOST (an entry past
+    the grant table, or a word that is not the one the session's grant entry holds)
+    or 0 (it may commit)."""
 
     batches: list[tuple[int, int, int]]
     keys: list[bytes]

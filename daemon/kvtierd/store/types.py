@@ -568,8 +568,13 @@ class CommitResult(enum.IntEnum):
     COMMITTED = _page.COMMITTED
     EXISTS = _page.EXISTS  # the key was present (or being written): the grant stays
     INVALID = _page.INVALID  # the record's batch was malformed: nothing of it committed
-    LOST = _page.LOST  # a grant of the batch is no longer this session's (expired)
-    FAILED = _page.FAILED  # the daemon could not write the slot table: nothing committed
+    #: a record of the batch names no grant this session holds (committed already,
+    #: earlier in the ring or before; taken back; expired; never its own): nothing of it
+    #: committed, the writer's slot is gone (docs/security.md, "Record answers")
+    LOST = _page.LOST
+    #: the daemon itself failed (its slot table could not be written): nothing
+    #: committed; never the answer to anything a writer did
+    FAILED = _page.FAILED
 
 
 @dataclasses.dataclass(slots=True)
