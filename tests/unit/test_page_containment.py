@@ -162,7 +162,7 @@ def test_counters_are_cut_to_what_a_client_could_have_done() -> None:
     page = SessionPage("ns")
     now = [100.0]
     try:
-        take = lambda: page.take(max_keys=64, slot_bytes=4096, clock=lambda: now[0])  # noqa: E731
+        take = lambda: page.take(max_keys=64, block_bytes=4096, clock=lambda: now[0])  # noqa: E731
         assert take() == (0,) * 7
         # Honest counts pass as they are.
         struct.pack_into("<7Q", page.mapping, 0, 3, 10, 2, 1, 5, 1, 5 * 4096)

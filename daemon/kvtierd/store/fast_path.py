@@ -18,7 +18,7 @@ from kvtier.errors import (
     Unauthenticated,
 )
 from kvtierd.access import Right
-from kvtierd.counters import saturating_add
+from kvtierd.counters import ClientReported, saturating_add
 from kvtierd.shared_index import (
     GRANT_TAKEN,
     GRANTS_N,
@@ -63,6 +63,8 @@ class FastPath(Operations):
         no slot it names is reused until the page lets go of it or the session ends."""
         if session.closed:
             raise Unauthenticated("session is closed")
+        if session.ns.reported is None:  # no client of it counted anything before
+            session.ns.reported = ClientReported(self._clock())
         session.ns.pages[session.id] = page
 
     # ------------------------------------------------ writes without a call (csrc/writes.c)
@@ -332,11 +334,21 @@ class FastPath(Operations):
                 out[s.ns.name] = out.get(s.ns.name, 0) + idle
         return out
 
-    def count_reads(self, ns: Namespace, hits: int, misses: int) -> None:
-        """Add what ``ns``'s clients counted of their acquires without a call (bounded
-        by the caller; the totals saturate)."""
-        ns.hits = saturating_add(ns.hits, hits)
-        ns.misses = saturating_add(ns.misses, misses)
+    def add_reported(self, ns: Namespace, steps: tuple[int, ...], *,
+                     cut: bool = False) -> tuple[int, ...]:
+        """Add what ``ns``'s clients report of their lookups and acquires without a call
+        since the last fold (``SessionPage.take``'s steps, summed over the pages) to
+        the namespace's client-reported figures, never to the daemon's own: cut to
+        what the host could have done since the last fold (``ClientReported.add``).
+        ``cut``: a session's take already cut a step (counted as one cut).  Returns
+        what was added."""
+        if ns.reported is None:
+            ns.reported = ClientReported(self._clock())
+        added = ns.reported.add(steps, self._clock(), slots=ns.table.n_slots,
+                                block_bytes=ns.block_bytes)
+        if cut and added == tuple(max(s, 0) for s in steps):
+            ns.reported.cut = saturating_add(ns.reported.cut, 1)
+        return added
 
 
 def _still_held(words: npt.NDArray[np.uint64], records: PageRecords, lo: int, hi: int) -> bool:
