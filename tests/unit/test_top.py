@@ -258,3 +258,14 @@ def test_the_cluster_row_shows_what_this_host_lends_and_its_traffic() -> None:
     cells = row(lines, "cluster").split()
     assert cells[:5] == ["cluster", "-", "4.0", "GiB", "-"], cells
     assert "3.0 MiB/s" in row(lines, "cluster")
+
+
+def test_kvtier_stats_shows_client_reported_hits_apart_from_the_daemons() -> None:
+    from kvtier.cli import render_namespaces
+
+    s = stats(namespaces=[pb.NamespaceStats(
+        name="llama", hits=1, misses=3, client_reported=pb.ClientReported(
+            lookup_hits=6, lookup_misses=2, acquire_hits=3, acquire_misses=1))])
+    header, line = render_namespaces(s).splitlines()[:2]
+    assert header.split()[-4:] == ["hit", "ratio", "client-reported", "hit"]
+    assert line.split()[-2:] == ["25.0%", "75.0%"]  # Acquire calls; the clients' word
