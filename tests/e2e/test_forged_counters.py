@@ -184,9 +184,11 @@ def test_stepping_every_counter_of_250_pages_moves_no_host_figure(workdir: str) 
             assert (dram.read_bytes, dram.reads) == (5000, 3)
         assert d.check() == []
     finally:
-        words.clear()
-        for p in pages:
-            p.close()
-        for link in links:
-            link.close()
-        stop_daemon(d)
+        try:
+            words.clear()
+            for p in pages:
+                p.close()
+            for link in links:
+                link.close()
+        finally:
+            stop_daemon(d)  # whatever failed above: no daemon is left running
