@@ -64,8 +64,11 @@
 #define KVT_W_COMMITTED 1
 #define KVT_W_EXISTS 2        /* the key was present (or being written): the grant stays */
 #define KVT_W_INVALID 3       /* the batch was malformed: nothing of it committed */
-#define KVT_W_LOST 4          /* a grant of the batch is no longer the session's */
-#define KVT_W_FAILED 5        /* the daemon could not write the slot table */
+#define KVT_W_LOST 4          /* a record of the batch names no grant the session holds
+                               * (committed already, taken back, expired, never its own):
+                               * nothing of it committed (docs/security.md) */
+#define KVT_W_FAILED 5        /* the daemon itself failed (its slot table could not be
+                               * written): nothing of it committed; never a writer's fault */
 
 /* native.c: njobs jobs of job_size bytes from jobs, job 0 on the calling thread and
  * the others on their own pthreads, all joined before it returns. */

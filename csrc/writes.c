@@ -499,9 +499,14 @@ kvt_py_done_wait(PyObject *Py_UNUSED(m), PyObject *args)
 /* The columns commits_take answers, each n u64 (kvtierd.shared_index.PageRecords). */
 enum { COL_GRANT, COL_WORD, COL_REF, COL_LENGTH, COL_SUM, COL_HAS_SUM, COL_N };
 
-/* Why the batch lo..hi (its columns and keys) cannot commit, or 0: a record out of
- * range or a grant or key named twice is INVALID; a record whose word is not the
- * grant its entry holds (held: the session's words, NULL: none) is LOST. */
+/* Why the batch lo..hi (its columns and keys) cannot commit, or 0: a key or length
+ * out of range or a grant entry or key named twice is INVALID (the batch is
+ * malformed); a record that names no grant the session holds is LOST, however it got
+ * there: an entry past the grant table, a word of 0, or a word that is not the one
+ * its entry holds (held: the session's words, NULL: none) -- committed, taken back,
+ * expired, another session's or namespace's slot.  INVALID is answered before LOST.
+ * (FastPath.commit_granted checks again, per batch, the grants that the batches
+ * before it in the same ring ended.) */
 static uint8_t
 refuse_batch(const uint64_t *cols, Py_ssize_t n, const uint64_t *words, PyObject *keys,
              Py_ssize_t lo, Py_ssize_t hi, uint64_t max_length, const uint64_t *held)
@@ -510,10 +515,13 @@ refuse_batch(const uint64_t *cols, Py_ssize_t n, const uint64_t *words, PyObject
     uint64_t seen[KVT_W_GRANTS_N / 64] = {0};
     for (Py_ssize_t i = lo; i <= hi; i++) {
         Py_ssize_t klen = PyBytes_GET_SIZE(PyList_GET_ITEM(keys, i));
-        if (klen == 0 || length[i] == 0 || length[i] > max_length ||
-            grant[i] >= KVT_W_GRANTS_N || (seen[grant[i] / 64] >> (grant[i] % 64) & 1))
+        if (klen == 0 || length[i] == 0 || length[i] > max_length)
             return KVT_W_INVALID;
-        seen[grant[i] / 64] |= 1ull << (grant[i] % 64);
+        if (grant[i] < KVT_W_GRANTS_N) { /* past the table: no grant (LOST below) */
+            if (seen[grant[i] / 64] >> (grant[i] % 64) & 1)
+                return KVT_W_INVALID;
+            seen[grant[i] / 64] |= 1ull << (grant[i] % 64);
+        }
         const char *k = PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
         for (Py_ssize_t j = lo; j < i; j++) { /* a batch is at most KVT_W_RING_N records */
             PyObject *other = PyList_GET_ITEM(keys, j);
@@ -522,7 +530,8 @@ refuse_batch(const uint64_t *cols, Py_ssize_t n, const uint64_t *words, PyObject
         }
     }
     for (Py_ssize_t i = lo; i <= hi; i++)
-        if (held == NULL || words[i] == 0 || held[grant[i]] != words[i])
+        if (held == NULL || grant[i] >= KVT_W_GRANTS_N || words[i] == 0 ||
+            held[grant[i]] != words[i])
             return KVT_W_LOST;
     return 0;
 }

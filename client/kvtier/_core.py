@@ -1121,8 +1121,9 @@ class ReservationState:
         if _index.INVALID in results:
             raise InvalidArgument("the daemon refused this commit's records as malformed")
         if _index.LOST in results:
-            raise NotFound("reservation is not open: it expired (its slots were held past "
-                           "reservations.ttl without a commit)")
+            raise NotFound("reservation is not open: a slot of this commit is no longer "
+                           "this session's (held past reservations.ttl, or committed "
+                           "already); write the blocks again")
         if _index.FAILED in results:
             raise Unavailable("the daemon could not record this commit; retry")
         return committed

@@ -99,13 +99,23 @@ def render_stats(s: pb.StatsResponse) -> str:
 
 
 def render_namespaces(s: pb.StatsResponse) -> str:
-    rows = [["namespace", "block", "blocks", "leased", "free slots", "sessions", "hit ratio"]]
+    """The namespaces: the daemon's own figures ("hit ratio": its Acquire calls), and
+    apart, what their clients report of reads without a call ("client-reported hit":
+    bounded, never verified; docs/security.md)."""
+    rows = [["namespace", "block", "blocks", "leased", "free slots", "sessions", "hit ratio",
+             "client-reported hit"]]
     for ns in s.namespaces:
-        asked = ns.hits + ns.misses
-        ratio = f"{ns.hits / asked:.1%}" if asked else "-"
+        r = ns.client_reported
+        reported = _ratio(r.lookup_hits + r.acquire_hits, r.lookup_misses + r.acquire_misses)
         rows.append([ns.name, format_bytes(ns.block_bytes), str(ns.committed_blocks),
-                     str(ns.leased_blocks), str(ns.free_slots), str(ns.sessions), ratio])
+                     str(ns.leased_blocks), str(ns.free_slots), str(ns.sessions),
+                     _ratio(ns.hits, ns.misses), reported])
     return table(rows)
+
+
+def _ratio(hits: int, misses: int) -> str:
+    asked = hits + misses
+    return f"{hits / asked:.1%}" if asked else "-"
 
 
 def _as_json(s: pb.StatsResponse) -> str:

@@ -4,8 +4,15 @@ One screen, readable at 80 columns: a header (version, uptime, boot epoch,
 warm/cold, sessions, leases, reservations); the tiers (occupancy, blocks,
 read and write throughput); the spill counters (demotions and promotions per
 second, queue depth, faults, checksum failures); the namespaces (blocks,
-leased, sessions, hit ratio over the last interval and since start), most
-active first; and the five slowest RPC methods by p99.
+leased, sessions, hit ratio of Acquire calls over the last interval and since
+start), most active first; what clients report doing without a call, per
+namespace, apart and labelled as theirs (lookups and acquires per second, their
+hit ratio, bytes read per second, folds cut to a bound); and the five slowest
+RPC methods by p99.
+
+Every figure but the client-reported table is the daemon's own: what it did or
+saw.  The client-reported table is what tenants' pages say (bounded by what the
+host could do, never verified) and is in no other figure on the screen.
 
 Everything comes from the Stats RPC.  Its byte, block, hit and call counts are
 cumulative since the daemon started, so a rate is the difference between two
@@ -32,7 +39,7 @@ import sys
 import termios
 import time
 import tty
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import NamedTuple, TextIO
 
@@ -44,6 +51,8 @@ from kvtier.v1 import kvtier_pb2 as pb
 
 #: How many RPC methods the slowest-RPC table shows.
 SLOWEST_RPCS = 5
+#: How many namespaces the client-reported table shows (the most active).
+REPORTED_ROWS = 5
 
 #: A Stats call that takes longer than this counts as "unreachable": long
 #: enough for a daemon busy with a large commit, short enough that ``q`` (read
@@ -201,6 +210,8 @@ def render(prev: Sample | None, cur: Sample, width: int = 80, height: int | None
         nrows.append([n.name, str(n.committed_blocks), str(n.leased_blocks), str(n.sessions),
                       _ratio(dh, dm) if base is not None else "-", _ratio(n.hits, n.misses)])
 
+    reported = _reported_table(s, ps, per_s, base is not None, width)
+
     slow = sorted(s.rpcs, key=lambda r: (-r.p99_seconds, -r.max_seconds, r.method))[:SLOWEST_RPCS]
     rrows = [["slowest rpcs", "calls", "calls/s", "errors", "p50 ms", "p99 ms", "max ms"]]
     before_calls = {r.method: r.calls for r in ps.rpcs}
@@ -210,7 +221,7 @@ def render(prev: Sample | None, cur: Sample, width: int = 80, height: int | None
                       f"{r.max_seconds * 1e3:.3f}"])
     rpcs = _fitted_table(rrows, width) if slow else ["no RPCs yet"]
 
-    fixed = head + tiers + spill + [""] + [""] + rpcs
+    fixed = head + tiers + spill + [""] + [""] + reported + rpcs
     if not s.namespaces:
         namespaces = ["no namespaces"]
     else:
@@ -220,8 +231,39 @@ def render(prev: Sample | None, cur: Sample, width: int = 80, height: int | None
             shown = max(room - 2, 0)  # keep the heading and a "more" line
             hidden = len(namespaces) - 1 - shown
             namespaces = namespaces[: 1 + shown] + [f"... {hidden} more namespaces"]
-    lines = head + tiers + spill + [""] + namespaces + [""] + rpcs
+    lines = head + tiers + spill + [""] + namespaces + [""] + reported + rpcs
     return [line[:width] for line in lines]
+
+
+def _reported_table(s: pb.StatsResponse, ps: pb.StatsResponse,
+                    per_s: Callable[[float, float], float], interval: bool,
+                    width: int) -> list[str]:
+    """The client-reported table and a blank line after it, or nothing when no client
+    reported anything: per namespace (the most active ``REPORTED_ROWS``), lookups and
+    acquires per second, their hit ratio (over the interval when there is one, else
+    since start), bytes read per second, and the folds cut to a bound."""
+    before = {n.name: n.client_reported for n in ps.namespaces}
+    rows = []
+    for n in s.namespaces:
+        r = n.client_reported
+        if not (r.lookups or r.acquires or r.cut):
+            continue
+        b = before.get(n.name, pb.ClientReported()) if interval else pb.ClientReported()
+        hits = max(r.lookup_hits - b.lookup_hits, 0) + max(r.acquire_hits - b.acquire_hits, 0)
+        misses = (max(r.lookup_misses - b.lookup_misses, 0)
+                  + max(r.acquire_misses - b.acquire_misses, 0))
+        keys = per_s(r.lookups + r.acquires, b.lookups + b.acquires)
+        rows.append((-keys, n.name, [
+            n.name, f"{per_s(r.lookups, b.lookups):.1f}", f"{per_s(r.acquires, b.acquires):.1f}",
+            _ratio(hits, misses), _rate(per_s(r.read_bytes, b.read_bytes)), str(r.cut)]))
+    if not rows:
+        return []
+    rows.sort(key=lambda x: (x[0], x[1]))
+    table = [["client-reported", "lookups/s", "acquires/s", "hit", "read", "cut"]]
+    table += [r for _k, _n, r in rows[:REPORTED_ROWS]]
+    title = "reported by clients, without a call (bounded, not verified; in no figure above):"
+    more = [f"... {len(rows) - REPORTED_ROWS} more"] if len(rows) > REPORTED_ROWS else []
+    return [title, *_fitted_table(table, width), *more, ""]
 
 
 def render_unreachable(error: str, socket: str | None, interval: float,

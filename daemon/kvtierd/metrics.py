@@ -47,8 +47,9 @@ RPC_WINDOW = 1024
 
 @dataclass
 class TierIO:
-    """Bytes and blocks moved through one tier since start (what ``kvtier top`` rates);
-    each saturates (``kvtierd.counters``)."""
+    """Bytes and blocks moved through one tier since start (what ``kvtier top`` rates),
+    as the daemon moved or served them (never what a client reports); each saturates
+    (``kvtierd.counters``)."""
 
     read_bytes: int = 0
     written_bytes: int = 0
@@ -89,13 +90,16 @@ class Metrics:
         # Registered first: a registry collects in registration order.
         self._prelude = _OnLoop(_Hooks(self.before_scrape), None)
         registry.register(self._prelude)
-        self.lookups = Counter("kvtier_lookups", "Lookup calls", ["namespace"], registry=registry)
+        # The daemon's own counts: what clients report without a call has series of its
+        # own (kvtier_client_reported_*, collected from the namespaces at scrape time).
+        self.lookups = Counter("kvtier_lookups", "Lookup calls the daemon answered",
+                               ["namespace"], registry=registry)
         self.hit_blocks = Counter(
-            "kvtier_hit_blocks", "Blocks found by lookup/acquire", ["namespace", "op"],
+            "kvtier_hit_blocks", "Blocks found by Lookup/Acquire calls", ["namespace", "op"],
             registry=registry,
         )
         self.missed_blocks = Counter(
-            "kvtier_missed_blocks", "Blocks asked for by lookup/acquire and not found",
+            "kvtier_missed_blocks", "Blocks asked for by Lookup/Acquire calls and not found",
             ["namespace", "op"], registry=registry,
         )
         self.reserved_blocks = Counter(
@@ -367,12 +371,48 @@ class _TieringCollector(Collector):
                                 value=t.queue_depth())
 
 
+def _client_reported(store: Store) -> Iterator[CounterMetricFamily]:
+    """What each namespace's clients report doing without a call (``kvtierd.counters``):
+    series of their own, named ``kvtier_client_reported_*``, so that no sum of the
+    daemon's series (``kvtier_lookups``, ``kvtier_hit_blocks``, ...) includes them."""
+    note = (" (client-reported: what the namespace's clients say they did without a call, "
+            "bounded by what the host could do, never verified)")
+    lookups = CounterMetricFamily("kvtier_client_reported_lookups",
+                                  "Lookups answered from the shared index" + note,
+                                  labels=["namespace"])
+    acquires = CounterMetricFamily("kvtier_client_reported_acquires",
+                                   "Acquires leased without a call" + note, labels=["namespace"])
+    blocks = CounterMetricFamily("kvtier_client_reported_blocks",
+                                 "Keys those lookups and acquires found (result=hit) and did "
+                                 "not (result=miss)" + note, labels=["namespace", "op", "result"])
+    nbytes = CounterMetricFamily("kvtier_client_reported_read_bytes",
+                                 "Bytes of the blocks leased without a call" + note,
+                                 labels=["namespace"])
+    cut = CounterMetricFamily("kvtier_client_reported_cut",
+                              "Folds of a namespace's page counters in which a reported count "
+                              "was cut to its bound (a client that lies, or a bug)",
+                              labels=["namespace"])
+    for ns in list(store.namespaces.values()):
+        r = ns.reported
+        if r is None:
+            continue
+        lookups.add_metric([ns.name], r.lookups)
+        acquires.add_metric([ns.name], r.acquires)
+        for op, result, n in (("lookup", "hit", r.lookup_hits), ("lookup", "miss", r.lookup_misses),
+                              ("acquire", "hit", r.acquire_hits),
+                              ("acquire", "miss", r.acquire_misses)):
+            blocks.add_metric([ns.name, op, result], n)
+        nbytes.add_metric([ns.name], r.read_bytes)
+        cut.add_metric([ns.name], r.cut)
+    yield from (lookups, acquires, blocks, nbytes, cut)
+
+
 class _StoreCollector(Collector):
     def __init__(self, store: Store) -> None:
         self._store = store
         self._started = time.time()
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         store = self._store
         idle = store.idle_grants()
         acct = store.dram_bytes(idle)
@@ -407,6 +447,7 @@ class _StoreCollector(Collector):
         yield ns_blocks
         yield ns_bytes
         yield ns_sessions
+        yield from _client_reported(store)
         recovered = GaugeMetricFamily(
             "kvtier_recovered_blocks", "Blocks re-adopted from a previous run at start",
             labels=["namespace"],

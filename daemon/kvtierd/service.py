@@ -35,6 +35,7 @@ from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.access import AccessPolicy, AdminSessions, Identity, Right
 from kvtierd.cluster.tier import ClusterTier
 from kvtierd.config import LimitsConfig
+from kvtierd.counters import ClientReported
 from kvtierd.metrics import Metrics
 from kvtierd.segments import MAX_KEY_BYTES
 from kvtierd.shared_index import SessionPage
@@ -526,6 +527,16 @@ def _cluster_stats(cluster: ClusterTier) -> pb.TierStats:
               f"agent started {cc.agent_starts}x"))
 
 
+def _client_reported(r: ClientReported | None) -> pb.ClientReported | None:
+    """A namespace's client-reported figures (``kvtierd.counters``), or None: none yet."""
+    if r is None:
+        return None
+    return pb.ClientReported(
+        lookups=r.lookups, lookup_hits=r.lookup_hits, lookup_misses=r.lookup_misses,
+        acquires=r.acquires, acquire_hits=r.acquire_hits, acquire_misses=r.acquire_misses,
+        read_bytes=r.read_bytes, cut=r.cut)
+
+
 def _rpc_stats(metrics: Metrics) -> list[pb.RpcStats]:
     out = []
     for method, w in sorted(metrics.rpcs.items()):
@@ -579,7 +590,7 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
             reserved_blocks=ns.reserved - idle.get(ns.name, 0),
             granted_blocks=idle.get(ns.name, 0), free_slots=ns.free_slots(), leased_blocks=store.leased_blocks(ns),
             sessions=ns.sessions, hits=ns.hits, misses=ns.misses,
-            recovered_blocks=ns.recovered,
+            recovered_blocks=ns.recovered, client_reported=_client_reported(ns.reported),
         )
         for ns in store.namespaces.values()
     ]

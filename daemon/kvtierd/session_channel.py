@@ -32,8 +32,9 @@ is closed.
 the namespace's shared index (read-only; ``kvtierd.shared_index``), which
 the client searches for a ``Lookup`` without calling, and a lookup counters
 page (read-write, this session's alone) where it adds what it looked up;
-the daemon adds those counts to its metrics before each scrape and when the
-session ends, trusting them for nothing else.  A client whose table says
+the daemon adds those counts to the namespace's client-reported figures before
+each scrape and each Stats and when the session ends, never to its own (host-wide)
+figures, and trusts them for nothing else (``kvtierd.counters``).  A client whose table says
 ``SUPERSEDED`` asks for the new one with ``MapSegments(want_index=True)``.
 """
 
@@ -76,7 +77,7 @@ from kvtierd.metrics import Metrics
 from kvtierd.segments import UID_BYTES, Segment
 from kvtierd.service import FastCallFailed, FastContext, Method
 from kvtierd.shared_index import HAZARDS_N, SessionPage
-from kvtierd.store import Peer, Session, Store
+from kvtierd.store import Namespace, Peer, Session, Store
 
 log = logging.getLogger(__name__)
 
@@ -239,30 +240,30 @@ class SessionChannel:
 
     def fold_counters(self) -> None:
         """Add what the sessions' clients counted in their pages since the last fold
-        to the lookup metrics (on the loop; before each scrape)."""
-        for name in {page.namespace for page in self._counters.values()}:
+        to their namespaces' client-reported figures (on the loop; before each scrape
+        and each Stats).  Never to the daemon's own: those count what it did."""
+        by_ns: dict[str, list[SessionPage]] = {}
+        for page in self._counters.values():
+            by_ns.setdefault(page.namespace, []).append(page)
+        for name, pages in by_ns.items():
             ns = self.store.namespaces.get(name)
             if ns is not None:
                 self.store.note_reads(ns)  # CLOCK bits and prefetch hits of reads without a call
-        for page in self._counters.values():
-            self._fold(page)
+            self._fold(ns, pages)
 
-    def _fold(self, page: SessionPage) -> None:
-        name = page.namespace
-        ns = self.store.namespaces.get(name)
-        # The client's counts, cut to what it could have done (SessionPage.take).
-        lookups, hits, misses, acquires, got, missed, nbytes = page.take(
-            max_keys=self.max_keys, slot_bytes=0 if ns is None else ns.slot_bytes)
-        if lookups or hits or misses:
-            self.metrics.lookups.labels(name).inc(lookups)
-            self.metrics.hit_blocks.labels(name, "lookup").inc(hits)
-            self.metrics.missed_blocks.labels(name, "lookup").inc(misses)
-        if acquires or got or missed:
-            self.metrics.tier_io("dram", "read", nbytes, got)
-            self.metrics.hit_blocks.labels(name, "acquire").inc(got)
-            self.metrics.missed_blocks.labels(name, "acquire").inc(missed)
-            if ns is not None:
-                self.store.count_reads(ns, got, missed)
+    def _fold(self, ns: Namespace | None, pages: list[SessionPage]) -> None:
+        """The pages' counts since their last take, each cut to what its client could
+        have done (``SessionPage.take``), summed, to the namespace's client-reported
+        figures (``Store.add_reported``: cut to what the host could have done)."""
+        block_bytes = 0 if ns is None else ns.block_bytes
+        total = [0] * 7
+        cut = False
+        for page in pages:
+            for i, step in enumerate(page.take(max_keys=self.max_keys, block_bytes=block_bytes)):
+                total[i] += step
+            cut = cut or page.cut
+        if ns is not None and (any(total) or cut):
+            self.store.add_reported(ns, tuple(total), cut=cut)
 
     async def start(self) -> None:
         try:
@@ -416,7 +417,7 @@ class SessionChannel:
                         self._ring(session, page)
                 if page is not None:
                     self.store.note_reads(session.ns)
-                    self._fold(page)
+                    self._fold(self.store.namespaces.get(page.namespace), [page])
                 aborted, released = self.store.close_session(session)  # and its hazards
                 if page is not None:
                     page.close()

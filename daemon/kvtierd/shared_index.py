@@ -119,8 +119,9 @@ class PageRecords:
     """The commit records a ring brought, as columns (``SessionPage.take_commits``).
     Each batch (ending with a ``LAST`` record, or the last one taken) was checked
     natively as a whole: ``batches`` holds (start, end, refusal), the refusal INVALID
-    (a record out of range, a grant entry or key twice), LOST (a word that is not the
-    one the session's grant entry holds) or 0 (it may commit)."""
+    (a key or length out of range, a grant entry or key twice), LOST (an entry past
+    the grant table, or a word that is not the one the session's grant entry holds)
+    or 0 (it may commit)."""
 
     batches: list[tuple[int, int, int]]
     keys: list[bytes]
@@ -525,7 +526,8 @@ class SessionPage:
     * a ring of the blocks it read that way (``accessed``: read hints, CLOCK bits).
 
     The page is the client's to write, so it is trusted for nothing the daemon
-    relies on: a count that went backwards or jumped implausibly adds 0, a hazard
+    relies on: its counts are kept apart as client-reported (``kvtierd.counters``),
+    and one that went backwards or jumped implausibly adds 0; a hazard
     only keeps slots of the session's own namespace (at most ``HAZARDS_N``), a
     ring entry names a block the store looks up and checks.  The memfd is sealed
     against resizing (a client cannot make a read fault)."""
@@ -538,8 +540,9 @@ class SessionPage:
     #: Keys a session's lookups may report per second (hit and missed).
     MAX_KEYS_PER_SECOND: Final = 1 << 24
     #: Blocks a session's acquires may report leasing per second (and with them,
-    #: ``slot_bytes`` each, the bytes leased: 64 GB/s of 64 KiB blocks, about a
-    #: host's memory bandwidth).
+    #: ``block_bytes`` each, the bytes leased: 64 GiB/s of 64 KiB blocks per session;
+    #: a namespace's sessions together are held to the host's memory bandwidth,
+    #: ``kvtierd.counters.HOST_READ_BYTES_PER_SECOND``).
     MAX_BLOCKS_PER_SECOND: Final = 1 << 20
 
     def __init__(self, namespace: str, max_leases: int = 1 << 32, *, writes: bool = False,
@@ -573,31 +576,35 @@ class SessionPage:
         self._w_tail = 0
         self._last = (0,) * 7
         self._taken_at: float | None = None
+        #: Whether the last ``take`` cut a step (backwards, a jump, past a bound).
+        self.cut = False
         self._ring_tail = 0
 
     @property
     def mapping(self) -> mmap.mmap:
         return self._mm
 
-    def take(self, *, max_keys: int | None = None, slot_bytes: int | None = None,
+    def take(self, *, max_keys: int | None = None, block_bytes: int | None = None,
              clock: Callable[[], float] = time.monotonic) -> tuple[int, ...]:
         """(lookups, lookup hits, lookup misses, acquires, acquire hits, acquire misses,
         bytes leased) added since the last take.
 
         The client writes these: a step that went backwards or jumped past
-        ``MAX_STEP`` is 0, and with ``max_keys`` and ``slot_bytes`` (what the daemon
-        feeds its metrics with) every step is also cut to what the client could
-        have done: the keys hit or missed to ``max_keys`` per lookup or acquire,
-        the bytes leased to ``slot_bytes`` per acquired key, and all of them to
-        rates no client reaches without a call (``MAX_*_PER_SECOND`` over the
-        time since the last take, plus a second).  So a hostile page
-        moves the host's counters no faster than a client at full speed would."""
+        ``MAX_STEP`` is 0, and with ``max_keys`` and ``block_bytes`` (the keys one
+        call can name, the bytes one block can hold) every step is also cut to
+        what the client could have done: the keys hit or missed to ``max_keys``
+        per lookup or acquire, the bytes leased to ``block_bytes`` per acquired
+        key, and all of them to rates no client reaches without a call
+        (``MAX_*_PER_SECOND`` over the time since the last take, plus a second).
+        ``cut`` says whether this take cut anything.  What comes out is the
+        client's word all the same: the daemon keeps it apart from its own figures
+        (``kvtierd.counters``)."""
         now = struct.unpack_from("<7Q", self._mm, 0)
-        steps = [n - last if 0 <= n - last <= self.MAX_STEP else 0
-                 for n, last in zip(now, self._last, strict=True)]
+        raw = tuple(n - last for n, last in zip(now, self._last, strict=True))
+        steps = [d if 0 <= d <= self.MAX_STEP else 0 for d in raw]
         self._last = now
         t = clock()
-        if max_keys is not None and slot_bytes is not None:
+        if max_keys is not None and block_bytes is not None:
             # Seconds this take covers, plus one of slack (the first take: two).
             span = 1.0 + (min(max(t - self._taken_at, 0.0), 3600.0)
                           if self._taken_at is not None else 1.0)
@@ -610,9 +617,10 @@ class SessionPage:
             blocks = min(acquires * max_keys, int(self.MAX_BLOCKS_PER_SECOND * span))
             got = min(got, blocks)
             missed = min(missed, blocks - got)
-            nbytes = min(nbytes, got * slot_bytes)
+            nbytes = min(nbytes, got * block_bytes)
             steps = [lookups, hits, misses, acquires, got, missed, nbytes]
         self._taken_at = t
+        self.cut = tuple(steps) != raw
         return tuple(steps)
 
     # ------------------------------------------------------------ hazards

@@ -239,7 +239,8 @@ def _dram_write_rate(s: Screen) -> float:
     return 0.0
 
 
-def test_once_prints_namespaces_tiers_and_rpcs_as_plain_text(daemon: DaemonProc) -> None:
+def test_once_prints_namespaces_tiers_and_rpcs_as_plain_text(daemon: DaemonProc,
+                                                            transport: str) -> None:
     with kvtier.Client(daemon.socket_dir, namespace=NS, block_bytes=BLOCK, model_uid="m") as c:
         keys = kvtier.block_keys(list(range(16 * 8)), 16, salt=b"once")
         assert c.put(keys, [np.full(BLOCK, i, np.uint8) for i in range(8)]) == 8
@@ -256,7 +257,15 @@ def test_once_prints_namespaces_tiers_and_rpcs_as_plain_text(daemon: DaemonProc)
     assert all(len(line) <= 80 for line in lines), out.stdout
     assert lines[0].startswith("kvtierd ") and "rates over the last" in out.stdout
     ns = [line for line in lines if line.startswith(NS)]
-    assert len(ns) == 1 and ns[0].split()[1] == "8", out.stdout  # 8 blocks
+    assert ns and ns[0].split()[1] == "8", out.stdout  # 8 blocks
+    # The lookup and the get made without a call are the client's report: a table of
+    # their own (the namespace's row there, no cut), in no figure of the daemon's.
+    if transport == "fast":
+        at = next(i for i, line in enumerate(lines) if line.startswith("client-reported"))
+        assert lines[at - 1].startswith("reported by clients, without a call"), out.stdout
+        assert len(ns) == 2 and ns[1] == lines[at + 1] and ns[1].split()[-1] == "0", out.stdout
+    else:
+        assert len(ns) == 1 and not any(line.startswith("client-reported") for line in lines)
     assert any(line.split()[:1] == ["dram"] for line in lines), out.stdout
     at = next(i for i, line in enumerate(lines) if line.startswith("slowest rpcs"))
     methods = [line.split()[0] for line in lines[at + 1:] if line.strip()]

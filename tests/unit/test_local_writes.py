@@ -235,12 +235,11 @@ _Raw = tuple[int, int, bytes, int, int, int]  # grant, word, key (0..80 bytes), 
 def _model_refusal(batch: list[_Raw], max_length: int, held: list[int] | None) -> int:
     """What the native check answers for one batch (its docstring, in Python)."""
     keys = [k if len(k) <= 64 else b"" for _g, _w, k, *_ in batch]
-    grants = [g for g, *_ in batch]
+    grants = [g for g, *_ in batch if g < GRANTS_N]  # an entry past the table: no grant
     if (any(not k for k in keys) or any(not 0 < n <= max_length for *_, n, _s, _f in batch)
-            or any(g >= GRANTS_N for g in grants) or len(set(grants)) != len(grants)
-            or len(set(keys)) != len(keys)):
+            or len(set(grants)) != len(grants) or len(set(keys)) != len(keys)):
         return CommitResult.INVALID
-    if held is None or any(w == 0 or held[g] != w for g, w, *_ in batch):
+    if held is None or any(g >= GRANTS_N or w == 0 or held[g] != w for g, w, *_ in batch):
         return CommitResult.LOST
     return 0
 
@@ -495,6 +494,173 @@ def test_a_present_key_keeps_its_grant_and_a_bad_batch_commits_nothing(
     _detach(env, s, page, writes, bell)
 
 
+def _ring(page: SessionPage, batches: list[list[tuple[int, int, bytes, int, int | None]]]
+          ) -> int:
+    """Records (entry, word, key, length, checksum) written as ``batches`` in one ring, as
+    a writer that names any word it likes would; returns the ring's first position."""
+    first = head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
+    for batch in batches:
+        head = _native.commits_put(page.mapping, head, batch)
+    return int(first)
+
+
+def _answer(env: StoreEnv, s: Session, page: SessionPage) -> tuple[list[int], bytes]:
+    """The daemon's take of the ring: (each batch's native refusal, each record's answer)."""
+    taken = page.take_commits(s.ns.block_bytes, s.grants.words)
+    assert taken is not None
+    results, _made = env.store.commit_granted(s, taken)
+    page.finish_commits(results)
+    return [why for _lo, _hi, why in taken.batches], results
+
+
+MANY = 12  # grants of the test below: batches of more than 8 records too
+
+
+@pytest.fixture
+def granting_many(store_factory: Callable[..., StoreEnv]) -> StoreEnv:
+    return store_factory(capacity=CAPACITY, extent_size=1 << 20, grant_bytes=MANY * BLOCK)
+
+
+def test_a_grant_committed_earlier_in_the_ring_is_lost_not_failed(
+        granting_many: StoreEnv) -> None:
+    """Issue 36: a grant committed by one batch and named again by a later batch of the
+    same ring was FAILED (the slot table refused a slot that is no longer reserved),
+    telling the writer the daemon failed.  The native check passes both (it saw the
+    grants held when the ring was taken); the store's check per batch answers LOST,
+    for a batch of one record and one of more than 8 (the vectorized compare)."""
+    env = granting_many
+    s = session(env)
+    put(env, s, [b"first"])
+    page, writes, bell = _attach(env, s)
+    assert env.store.refill_grants(s, MANY) == MANY
+    e = sorted(s.grants)
+    w = [int(s.grants.words[g]) for g in e]
+    _ring(page, [[(e[0], w[0], b"a", 5, None)],
+                 [(e[0], w[0], b"b", 5, None)],  # committed just before: LOST
+                 [(e[1], w[1], b"c", 5, None)],  # still held: commits
+                 [(g, wd, f"m{i}".encode(), 5, None)  # 10 records, one of them committed
+                  for i, (g, wd) in enumerate(zip(e[1:11], w[1:11], strict=True))],
+                 [(e[2], w[2], b"d", 5, None)]])  # untouched by the refused batch: commits
+    refusals, results = _answer(env, s, page)
+    assert refusals == [0, 0, 0, 0, 0]  # the native check could not know
+    assert results == bytes([CommitResult.COMMITTED, CommitResult.LOST, CommitResult.COMMITTED,
+                             *[CommitResult.LOST] * 10, CommitResult.COMMITTED])
+    assert env.store.lookup(s, [b"a"]) == 1 and env.store.lookup(s, [b"c"]) == 1
+    assert env.store.lookup(s, [b"b"]) == 0 and env.store.lookup(s, [b"m1"]) == 0
+    assert len(s.grants) == MANY - 3 and env.store.check() == []
+    # The same batch of more than 8 records whose grants are all still held commits.
+    held = sorted(s.grants)
+    _ring(page, [[(e[0], w[0], b"x", 5, None)],  # committed in an earlier ring: LOST
+                 [(held[0], int(s.grants.words[held[0]]), b"y", 5, None)],
+                 [(g, int(s.grants.words[g]), f"n{g}".encode(), 5, None) for g in held[1:]]])
+    refusals, results = _answer(env, s, page)
+    assert refusals == [CommitResult.LOST, 0, 0]  # an earlier ring's: the native check
+    assert results == bytes([CommitResult.LOST, CommitResult.COMMITTED,
+                             *[CommitResult.COMMITTED] * (len(held) - 1)])
+    assert len(s.grants) == 0 and env.store.check() == []
+    _detach(env, s, page, writes, bell)
+
+
+def test_every_way_a_grant_stops_being_the_sessions_is_lost(granting: StoreEnv) -> None:
+    """LOST however the record's grant stopped being (or never was) the session's: taken
+    back idle, expired, an entry past the grant table, another session's grant, another
+    namespace's slot, the session ended; each refused by the native check (``batches``)
+    and answered LOST by the store, nothing committed, the store consistent."""
+    env = granting
+    s, other, b = session(env), session(env), session(env, "B")
+    put(env, s, [b"first"])
+    put(env, b, [b"b-first"])
+    page, writes, bell = _attach(env, s)
+    opage, owrites, obell = _attach(env, other)
+    bpage, bwrites, bbell = _attach(env, b)
+    assert env.store.refill_grants(s, GRANTS) == GRANTS
+    assert env.store.refill_grants(other, 1) == 1 and env.store.refill_grants(b, 1) == 1
+    e = sorted(s.grants)
+    word = {g: int(s.grants.words[g]) for g in e}
+    o_entry = next(iter(other.grants))
+    o_word = int(other.grants.words[o_entry])
+    b_word = int(b.grants.words[next(iter(b.grants))])
+
+    def lost(record: tuple[int, int, bytes, int, int | None]) -> None:
+        _ring(page, [[record]])
+        assert _answer(env, s, page) == ([CommitResult.LOST], bytes([CommitResult.LOST]))
+        assert env.store.lookup(s, [record[2]]) == 0 and env.store.check() == []
+
+    # Taken back idle (the writer had not taken it): the entry holds nothing now.
+    assert page.revoke_grant(e[0], word[e[0]])
+    env.store._end_grants(s, [e[0]])
+    assert e[0] not in s.grants
+    lost((e[0], word[e[0]], b"revoked", 5, None))
+    # Past the grant table, with a word the session does hold.
+    lost((GRANTS_N, word[e[1]], b"past", 5, None))
+    lost((2**32 - 1, word[e[1]], b"past2", 5, None))
+    # Another session's grant (same namespace), in its entry and in one of ours.
+    lost((o_entry, o_word, b"foreign", 5, None))
+    lost((e[1], o_word, b"foreign2", 5, None))
+    # Another namespace's slot.
+    lost((e[1], b_word, b"other-ns", 5, None))
+    # A word of 0, and a word with no VALID bit.
+    lost((e[1], 0, b"zero", 5, None))
+    lost((e[1], word[e[1]] & ~GRANT_VALID, b"invalid-bit", 5, None))
+    # Expired: held taken past the reservation TTL, quarantined.
+    got = writes.take(1)
+    assert got is not None
+    env.clock.advance(env.store.reservation_ttl)
+    env.store.expire()
+    env.clock.advance(env.store.reservation_ttl)
+    env.store.expire()
+    assert got[0].entry not in s.grants
+    lost((got[0].entry, got[0].word, b"expired", 5, None))
+    # A grant held now commits: the refusals cost the writer nothing else.
+    assert env.store.refill_grants(s, GRANTS) > 0
+    held = next(iter(s.grants))
+    _ring(page, [[(held, int(s.grants.words[held]), b"fine", 5, None)]])
+    assert _answer(env, s, page) == ([0], bytes([CommitResult.COMMITTED]))
+    # The session ended (its grants with it): LOST, whatever the record says.
+    env.store.refill_grants(s, GRANTS)
+    g = next(iter(s.grants))
+    record = (g, int(s.grants.words[g]), b"closed", 5, None)
+    _ring(page, [[record]])
+    taken = page.take_commits(s.ns.block_bytes, s.grants.words)
+    assert taken is not None and taken.batches == [(0, 1, 0)]
+    env.store.close_session(s)
+    results, made = env.store.commit_granted(s, taken)
+    assert results == bytes([CommitResult.LOST]) and made == []
+    writes.close()
+    os.close(bell)
+    page.close()
+    _detach(env, other, opage, owrites, obell)
+    _detach(env, b, bpage, bwrites, bbell)
+    assert env.store.check() == []
+
+
+def test_failed_only_when_the_daemon_fails(granting: StoreEnv,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAILED is the daemon's own failure (a slot table it cannot write): a batch whose
+    grants are all held, refused by the table, is FAILED, nothing of it committed, and
+    its grants stay the session's for the writer's retry."""
+    env = granting
+    s = session(env)
+    put(env, s, [b"first"])
+    page, writes, bell = _attach(env, s)
+    assert env.store.refill_grants(s, GRANTS) == GRANTS
+    g = sorted(s.grants)
+    table = s.ns.table
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(type(table), "commit", broken)
+    _ring(page, [[(g[0], int(s.grants.words[g[0]]), b"k", 5, None)]])
+    assert _answer(env, s, page) == ([0], bytes([CommitResult.FAILED]))
+    assert g[0] in s.grants and env.store.lookup(s, [b"k"]) == 0
+    monkeypatch.undo()
+    _ring(page, [[(g[0], int(s.grants.words[g[0]]), b"k", 5, None)]])
+    assert _answer(env, s, page) == ([0], bytes([CommitResult.COMMITTED]))
+    assert env.store.check() == []
+    _detach(env, s, page, writes, bell)
+
+
 def test_refills_evict_like_a_reserve_when_the_namespace_cannot_grow(
         granting: StoreEnv) -> None:
     env = granting
@@ -611,6 +777,8 @@ def test_any_write_area_leaves_the_store_consistent(
             if taken is not None:
                 results, _made = env.store.commit_granted(a, taken)
                 assert len(results) == len(taken)
+                # Whatever the page says, the daemon did not fail: never FAILED.
+                assert CommitResult.FAILED not in results, results
                 page.finish_commits(results)
             env.store.refill_grants(a, page.wanted())
         assert len(a.grants) <= GRANTS

@@ -23,7 +23,14 @@ from prometheus_client import CollectorRegistry
 from kvtier import _native, _page
 from kvtier._index import LocalIndex, _hazard_limit
 from kvtier.v1 import kvtier_pb2 as pb
-from kvtierd.counters import COUNTER_CAP, saturating_add
+from kvtierd.counters import (
+    COUNTER_CAP,
+    HOST_CALLS_PER_SECOND,
+    HOST_KEYS_PER_SECOND,
+    HOST_READ_BYTES_PER_SECOND,
+    ClientReported,
+    saturating_add,
+)
 from kvtierd.metrics import Metrics
 from kvtierd.shared_index import (
     HAZARDS_N,
@@ -162,7 +169,7 @@ def test_counters_are_cut_to_what_a_client_could_have_done() -> None:
     page = SessionPage("ns")
     now = [100.0]
     try:
-        take = lambda: page.take(max_keys=64, slot_bytes=4096, clock=lambda: now[0])  # noqa: E731
+        take = lambda: page.take(max_keys=64, block_bytes=4096, clock=lambda: now[0])  # noqa: E731
         assert take() == (0,) * 7
         # Honest counts pass as they are.
         struct.pack_into("<7Q", page.mapping, 0, 3, 10, 2, 1, 5, 1, 5 * 4096)
@@ -190,6 +197,48 @@ def test_counters_are_cut_to_what_a_client_could_have_done() -> None:
         assert take() == (0,) * 7
     finally:
         page.close()
+
+
+_Steps = tuple[int, int, int, int, int, int, int]
+
+
+@settings(max_examples=200, deadline=None)
+@given(folds=st.lists(st.tuples(st.floats(0.0, 5.0), st.tuples(*[st.integers(-5, 2**62)] * 7)),
+                      max_size=30),
+       slots=st.integers(0, 1 << 20), block_bytes=st.integers(1, 1 << 26))
+def test_a_namespaces_reported_figures_stay_within_the_hosts_ceilings(
+        folds: list[tuple[float, _Steps]], slots: int, block_bytes: int) -> None:
+    """Whatever its pages' steps and however often they are folded, a namespace's
+    client-reported totals are at most each ceiling times the seconds since it began
+    counting (docs/security.md), hits at most its slots per call, bytes at most
+    ``block_bytes`` per acquired block; honest steps within the ceilings pass whole."""
+    r = ClientReported(100.0)
+    now = 100.0
+    for dt, steps in folds:
+        now += dt
+        added = r.add(steps, now, slots=slots, block_bytes=block_bytes)
+        assert all(0 <= a <= max(s, 0) for a, s in zip(added, steps, strict=True))
+        assert r.cut >= (added != tuple(max(s, 0) for s in steps))
+    t = now - r.since
+    assert r.lookups <= HOST_CALLS_PER_SECOND * t and r.acquires <= HOST_CALLS_PER_SECOND * t
+    assert r.lookup_hits + r.lookup_misses <= HOST_KEYS_PER_SECOND * t
+    assert r.acquire_hits + r.acquire_misses <= HOST_KEYS_PER_SECOND * t
+    assert r.read_bytes <= HOST_READ_BYTES_PER_SECOND * t
+    assert r.lookup_hits <= r.lookups * slots and r.acquire_hits <= r.acquires * slots
+    assert r.read_bytes <= r.acquire_hits * block_bytes
+
+
+def test_honest_reports_pass_whole_and_a_forged_one_is_cut_and_counted() -> None:
+    r = ClientReported(10.0)
+    honest = (100, 900, 100, 10, 80, 5, 80 * 4096)
+    assert r.add(honest, 11.0, slots=1000, block_bytes=4096) == honest and r.cut == 0
+    # No time passed: nothing can have happened, whatever is said.
+    assert r.add(honest, 11.0, slots=1000, block_bytes=4096) == (0,) * 7 and r.cut == 1
+    # A second later: bytes cut to the memory bandwidth and to block_bytes per block.
+    forged = (1, 10**6, 0, 1, 10**6, 0, 1 << 60)
+    added = r.add(forged, 12.0, slots=1000, block_bytes=4096)
+    assert added == (1, 1000, 0, 1, 1000, 0, 1000 * 4096) and r.cut == 2
+    assert (r.lookups, r.acquire_hits, r.read_bytes) == (101, 1080, 1080 * 4096)
 
 
 def test_totals_saturate_instead_of_overflowing_the_wire() -> None:

@@ -159,6 +159,43 @@ def test_every_line_fits_the_width_whatever_the_values() -> None:
         assert len(lines) <= 24
 
 
+def test_client_reported_figures_are_shown_apart_and_in_no_host_figure() -> None:
+    """What clients report without a call has its own table, labelled as theirs; the
+    tier rates and the namespace table's hit ratio are the daemon's own figures."""
+    def reported(**kw: int) -> pb.ClientReported:
+        return pb.ClientReported(**kw)
+
+    ns0 = [pb.NamespaceStats(name="llama", hits=1, misses=1, client_reported=reported()),
+           pb.NamespaceStats(name="quiet")]
+    prev = Sample(0.0, stats(namespaces=ns0,
+                             io=[pb.TierIO(tier=pb.TIER_DRAM, read_bytes=0)]))
+    big = 135 << 50  # the forged 135 PiB of issue 36, had it got through
+    cur = Sample(2.0, stats(uptime_seconds=102.0, namespaces=[
+        pb.NamespaceStats(name="llama", hits=1, misses=1, client_reported=reported(
+            lookups=20, lookup_hits=30, lookup_misses=10, acquires=4, acquire_hits=8,
+            read_bytes=8 * MiB, cut=3)),
+        pb.NamespaceStats(name="quiet")], io=[pb.TierIO(tier=pb.TIER_DRAM, read_bytes=0)]))
+    lines = render(prev, cur, 80)
+    assert row(lines, "dram").split()[-4:-2] == ["0", "B/s"]  # the daemon read nothing
+    assert section(lines, "namespace")[0].split()[-2:] == ["-", "50.0%"]  # Acquire calls
+    assert any(line.startswith("reported by clients, without a call") for line in lines)
+    table = section(lines, "client-reported")
+    # namespace, lookups/s, acquires/s, hit (38 of 48 keys), read/s, cut
+    assert [line.split() for line in table] == [
+        ["llama", "10.0", "2.0", "79.2%", "4.0", "MiB/s", "3"]]
+    # A namespace whose clients reported nothing has no row; none at all: no table.
+    lines = render(None, Sample(1.0, stats(namespaces=ns0)), 80)
+    assert not any(line.startswith("client-reported") for line in lines)
+    # Huge reported values still fit the width.
+    huge = Sample(1.0, stats(namespaces=[pb.NamespaceStats(
+        name="x" * 100 + str(i), client_reported=reported(
+            lookups=big, lookup_hits=big, acquires=big, acquire_hits=big, read_bytes=big,
+            cut=big)) for i in range(9)]))
+    lines = render(None, huge, 80, 24)
+    assert all(len(line) <= 80 for line in lines) and len(lines) <= 24
+    assert len(section(lines, "client-reported")) == top.REPORTED_ROWS + 1  # and "... more"
+
+
 def test_a_long_namespace_name_is_cut_rather_than_its_numbers() -> None:
     name = "qwen3-235b-a22b/tp8/bf16/" + "x" * 80
     s = stats(namespaces=[pb.NamespaceStats(name=name, committed_blocks=123_456_789,
@@ -221,3 +258,14 @@ def test_the_cluster_row_shows_what_this_host_lends_and_its_traffic() -> None:
     cells = row(lines, "cluster").split()
     assert cells[:5] == ["cluster", "-", "4.0", "GiB", "-"], cells
     assert "3.0 MiB/s" in row(lines, "cluster")
+
+
+def test_kvtier_stats_shows_client_reported_hits_apart_from_the_daemons() -> None:
+    from kvtier.cli import render_namespaces
+
+    s = stats(namespaces=[pb.NamespaceStats(
+        name="llama", hits=1, misses=3, client_reported=pb.ClientReported(
+            lookup_hits=6, lookup_misses=2, acquire_hits=3, acquire_misses=1))])
+    header, line = render_namespaces(s).splitlines()[:2]
+    assert header.split()[-4:] == ["hit", "ratio", "client-reported", "hit"]
+    assert line.split()[-2:] == ["25.0%", "75.0%"]  # Acquire calls; the clients' word

@@ -322,7 +322,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., note: _Optional[str] = ..., granted_bytes: _Optional[int] = ..., granted_blocks: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("name", "block_bytes", "model_uid", "slot_bytes", "segments", "committed_blocks", "reserved_blocks", "free_slots", "leased_blocks", "sessions", "hits", "misses", "recovered_blocks", "granted_blocks")
+    __slots__ = ("name", "block_bytes", "model_uid", "slot_bytes", "segments", "committed_blocks", "reserved_blocks", "free_slots", "leased_blocks", "sessions", "hits", "misses", "recovered_blocks", "granted_blocks", "client_reported")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_UID_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +337,7 @@ class NamespaceStats(_message.Message):
     MISSES_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GRANTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_REPORTED_FIELD_NUMBER: _ClassVar[int]
     name: str
     block_bytes: int
     model_uid: str
@@ -351,7 +352,28 @@ class NamespaceStats(_message.Message):
     misses: int
     recovered_blocks: int
     granted_blocks: int
-    def __init__(self, name: _Optional[str] = ..., block_bytes: _Optional[int] = ..., model_uid: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., free_slots: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., recovered_blocks: _Optional[int] = ..., granted_blocks: _Optional[int] = ...) -> None: ...
+    client_reported: ClientReported
+    def __init__(self, name: _Optional[str] = ..., block_bytes: _Optional[int] = ..., model_uid: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., free_slots: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., recovered_blocks: _Optional[int] = ..., granted_blocks: _Optional[int] = ..., client_reported: _Optional[_Union[ClientReported, _Mapping]] = ...) -> None: ...
+
+class ClientReported(_message.Message):
+    __slots__ = ("lookups", "lookup_hits", "lookup_misses", "acquires", "acquire_hits", "acquire_misses", "read_bytes", "cut")
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HITS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MISSES_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRES_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_HITS_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    lookups: int
+    lookup_hits: int
+    lookup_misses: int
+    acquires: int
+    acquire_hits: int
+    acquire_misses: int
+    read_bytes: int
+    cut: int
+    def __init__(self, lookups: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., acquires: _Optional[int] = ..., acquire_hits: _Optional[int] = ..., acquire_misses: _Optional[int] = ..., read_bytes: _Optional[int] = ..., cut: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "namespaces", "sessions", "leases", "reservations", "evictions", "mlocked", "mlock_error", "prefault_seconds", "daemon_version", "boot_epoch", "uptime_seconds", "warm_start", "recovered_blocks", "recovery_seconds", "dropped_segments", "demotions", "promotions", "prefetches", "prefetch_hits", "spill_queue_depth", "spill_checksum_failures", "spill_faults", "ssd_direct_io", "ssd_adopted_blocks", "ssd_adopt_seconds", "dropped_spill_files", "backpressure_waits", "io", "rpcs", "hazard_blocks", "granted_blocks")

@@ -18,7 +18,7 @@ from kvtier.errors import (
     Unauthenticated,
 )
 from kvtierd.access import Right
-from kvtierd.counters import saturating_add
+from kvtierd.counters import ClientReported, saturating_add
 from kvtierd.shared_index import (
     GRANT_TAKEN,
     GRANTS_N,
@@ -44,6 +44,7 @@ _COMMITTED: Final = int(CommitResult.COMMITTED)
 _WRITE: Final = int(Right.WRITE)
 _EXISTS: Final = int(CommitResult.EXISTS)
 _LENGTH: Final = 3  # PageRecords.columns' row of lengths
+_GRANT, _WORD = 0, 1  # ... of grant entries and of the words the writer took
 
 #: A writer's grants are refilled in batches of at least this many slots (one claim,
 #: one eviction plan for them all): refilling one slot per commit of one key cost a
@@ -62,6 +63,8 @@ class FastPath(Operations):
         no slot it names is reused until the page lets go of it or the session ends."""
         if session.closed:
             raise Unauthenticated("session is closed")
+        if session.ns.reported is None:  # no client of it counted anything before
+            session.ns.reported = ClientReported(self._clock())
         session.ns.pages[session.id] = page
 
     # ------------------------------------------------ writes without a call (csrc/writes.c)
@@ -216,21 +219,34 @@ class FastPath(Operations):
         ``SessionPage.take_commits`` copied them out of its page (grant entry, grant
         word, key, length, checksum, flags) and checked them against the session's
         grants, in batches that end with a ``LAST`` record, each all or nothing.  A
-        record whose word is not the grant the entry holds now (the writer filled a
-        slot the daemon took back, and the entry was granted again since) is
-        ``LOST``, never committed into the entry's new slot.  Returns each record's
-        ``CommitResult`` and the blocks made."""
+        batch with a record that names no grant the session holds when the batch is
+        committed is ``LOST`` whole, however it got there: the grant was committed
+        (earlier in this ring or in an earlier one), taken back idle, expired, ended
+        with the session, or never granted (an entry past the grant table, another
+        session's or namespace's slot, an entry granted again since: never committed
+        into the entry's new slot).  ``FAILED`` only when the daemon could not write
+        its slot table (``docs/security.md``, "Record answers").  Returns each
+        record's ``CommitResult`` and the blocks made."""
         results = bytearray()
         made: list[Block] = []
+        # The native check compared every batch with the grants held when the ring was
+        # taken; a batch that committed ended some of them, so the batches after it are
+        # compared again with the grants held now (a grant committed earlier in this
+        # ring and named again is LOST, never FAILED: the daemon did not fail).
+        changed = False
         for lo, hi, refused in records.batches:
-            if refused or session.closed:
-                results += bytes([refused or CommitResult.LOST]) * (hi - lo)
+            if not refused and (session.closed or (
+                    changed and not _still_held(session.grants.words, records, lo, hi))):
+                refused = CommitResult.LOST
+            if refused:
+                results += bytes([refused]) * (hi - lo)
                 continue
             try:
                 codes, blocks = self._commit_batch(session, records, lo, hi, exists)
             except (OSError, ValueError) as exc:  # a slot table that cannot be written
                 log.warning("commit of %d granted slots failed: %s", hi - lo, exc)
                 codes, blocks = bytes([CommitResult.FAILED]) * (hi - lo), []
+            changed = changed or _COMMITTED in codes  # some committed: their grants ended
             results += codes
             made += blocks
         return bytes(results), made
@@ -318,8 +334,29 @@ class FastPath(Operations):
                 out[s.ns.name] = out.get(s.ns.name, 0) + idle
         return out
 
-    def count_reads(self, ns: Namespace, hits: int, misses: int) -> None:
-        """Add what ``ns``'s clients counted of their acquires without a call (bounded
-        by the caller; the totals saturate)."""
-        ns.hits = saturating_add(ns.hits, hits)
-        ns.misses = saturating_add(ns.misses, misses)
+    def add_reported(self, ns: Namespace, steps: tuple[int, ...], *,
+                     cut: bool = False) -> tuple[int, ...]:
+        """Add what ``ns``'s clients report of their lookups and acquires without a call
+        since the last fold (``SessionPage.take``'s steps, summed over the pages) to
+        the namespace's client-reported figures, never to the daemon's own: cut to
+        what the host could have done since the last fold (``ClientReported.add``).
+        ``cut``: a session's take already cut a step (counted as one cut).  Returns
+        what was added."""
+        if ns.reported is None:
+            ns.reported = ClientReported(self._clock())
+        added = ns.reported.add(steps, self._clock(), slots=ns.table.n_slots,
+                                block_bytes=ns.block_bytes)
+        if cut and added == tuple(max(s, 0) for s in steps):
+            ns.reported.cut = saturating_add(ns.reported.cut, 1)
+        return added
+
+
+def _still_held(words: npt.NDArray[np.uint64], records: PageRecords, lo: int, hi: int) -> bool:
+    """Whether every record of records[lo:hi] names the grant its entry holds now
+    (``words``: the session's grant words; the native check made sure the entries are
+    in range)."""
+    cols = records.columns
+    if hi - lo <= 8:  # (numpy's fancy indexing costs more than a few item reads)
+        return all(int(words[g]) == w for g, w in zip(
+            cols[_GRANT, lo:hi].tolist(), cols[_WORD, lo:hi].tolist(), strict=True))
+    return bool((words[cols[_GRANT, lo:hi]] == cols[_WORD, lo:hi]).all())

@@ -20,6 +20,7 @@ from kvtier.errors import (
 )
 from kvtierd.access import Identity
 from kvtierd.block_table import ENTRY_DTYPE, PREFETCHED, BlockTable, Counts
+from kvtierd.counters import ClientReported
 from kvtierd.segments import (
     Segment,
     SlotState,
@@ -206,8 +207,14 @@ class Namespace:
     next_extent_index: int = 0
     segments_version: int = 1
     sessions: int = 0
+    #: Keys of Acquire calls the daemon found and did not find (the daemon's own count;
+    #: what clients report of their acquires without a call is in ``reported``).
     hits: int = 0
     misses: int = 0
+    #: What its clients report doing without a call (their pages' counters), bounded,
+    #: never verified, never in a host-wide figure (``kvtierd.counters``); made when its
+    #: first session page is attached (its clock starts then: no client counted before).
+    reported: ClientReported | None = None
     recovered: int = 0  # blocks re-adopted from a previous run's segments
     # False while the layout only comes from recovered segments: the first
     # declaration of this boot may then differ, and reformats the namespace.
@@ -568,8 +575,13 @@ class CommitResult(enum.IntEnum):
     COMMITTED = _page.COMMITTED
     EXISTS = _page.EXISTS  # the key was present (or being written): the grant stays
     INVALID = _page.INVALID  # the record's batch was malformed: nothing of it committed
-    LOST = _page.LOST  # a grant of the batch is no longer this session's (expired)
-    FAILED = _page.FAILED  # the daemon could not write the slot table: nothing committed
+    #: a record of the batch names no grant this session holds (committed already,
+    #: earlier in the ring or before; taken back; expired; never its own): nothing of it
+    #: committed, the writer's slot is gone (docs/security.md, "Record answers")
+    LOST = _page.LOST
+    #: the daemon itself failed (its slot table could not be written): nothing
+    #: committed; never the answer to anything a writer did
+    FAILED = _page.FAILED
 
 
 @dataclasses.dataclass(slots=True)
