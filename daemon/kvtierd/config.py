@@ -1367,6 +1367,7 @@ def reference_table() -> str:
 
 
 def _yaml_text(value: object) -> str:
-    if isinstance(value, str):
-        return value if value else '""'
+    """``value`` as it is written in the file (text YAML would read otherwise is quoted)."""
+    if isinstance(value, str) and _safe_load(value) == value:
+        return value
     return json.dumps(value)
