@@ -549,122 +549,6 @@ def _parse_text(value: object, key: str) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Sources.  Each yields {dotted key: (raw value, where it came from)}.
-# ---------------------------------------------------------------------------
-
-_Raw = dict[str, tuple[object, str]]
-
-
-def _known(section: str | None) -> str:
-    keys = TOP_LEVEL_KEYS if section is None else SECTION_KEYS[section]
-    return "(known: " + ", ".join(sorted(keys)) + ")"
-
-
-def _from_file(path: str | os.PathLike[str]) -> _Raw:
-    where = os.fspath(path)
-    try:
-        with open(where, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: config file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(f"{where}: cannot read config file: {reason}") from None
-    try:
-        data = _safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{where}: invalid YAML: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{where}: expected a mapping of sections at the top level, "
-            f"got {type(data).__name__} {data!r}"
-        )
-    raw: _Raw = {}
-    for name, body in data.items():
-        if name not in TOP_LEVEL_KEYS:
-            raise ConfigError(f"{where}: unknown key {str(name)!r} {_known(None)}")
-        if name == "instance":
-            raw["instance"] = (body, where)
-            continue
-        if body is None:  # a section whose keys are all commented out
-            continue
-        if not isinstance(body, dict):
-            raise ConfigError(
-                f"{name}: expected a mapping of {', '.join(SECTION_KEYS[name])}, "
-                f"got {body!r} (from {where})"
-            )
-        for sub, value in body.items():
-            if sub not in SECTION_KEYS[name]:
-                raise ConfigError(f"{where}: unknown key '{name}.{sub}' {_known(name)}")
-            raw[f"{name}.{sub}"] = (value, where)
-    return raw
-
-
-def _scalar(text: str, key: str, where: str) -> object:
-    """Read an env/override value as a YAML scalar (text keys keep non-text scalars as written)."""
-    try:
-        value = _safe_load(text)
-    except yaml.YAMLError:
-        value = text
-    if value is None or (key in _TEXT_KEYS and not isinstance(value, str)):
-        return text
-    return value
-
-
-def _from_env(env: Mapping[str, str]) -> _Raw:
-    raw: _Raw = {}
-    for name in sorted(env):
-        if not name.startswith("KVTIER_"):
-            continue
-        rest = name[len("KVTIER_") :]
-        if rest == "INSTANCE":
-            raw["instance"] = (_scalar(env[name], "instance", name), name)
-            continue
-        section = next((s for s in SECTIONS if rest.startswith(s.upper() + "_")), None)
-        if section is None:
-            continue  # KVTIER_SOCKET_DIR, KVTIER_CONFIG, ...: not ours
-        sub = rest[len(section) + 1 :]
-        keys = [k for k in SECTION_KEYS[section] if k.upper() == sub]
-        if not keys:
-            raise ConfigError(f"{name}: unknown key '{section}.{sub.lower()}' {_known(section)}")
-        key = f"{section}.{keys[0]}"
-        raw[key] = (_scalar(env[name], key, name), name)
-    return raw
-
-
-def _from_overrides(overrides: Sequence[str]) -> _Raw:
-    if isinstance(overrides, str):
-        raise TypeError("overrides must be a sequence of 'section.key=value' strings, not a str")
-    raw: _Raw = {}
-    for item in overrides:
-        where = f"override {item!r}"
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise ConfigError(f"{where}: expected 'section.key=value'")
-        key = key.strip()
-        section, dot, sub = key.partition(".")
-        if not dot:
-            if key != "instance":
-                raise ConfigError(f"{where}: unknown key {key!r} {_known(None)}")
-        elif section not in SECTION_KEYS:
-            raise ConfigError(f"{where}: unknown key {key!r} {_known(None)}")
-        elif sub not in SECTION_KEYS[section]:
-            raise ConfigError(f"{where}: unknown key {key!r} {_known(section)}")
-        raw[key] = (_scalar(text, key, where), where)
-    return raw
-
-
-def _socket_dir_source(env: Mapping[str, str]) -> str:
-    if env.get("KVTIER_SOCKET_DIR", ""):
-        return "KVTIER_SOCKET_DIR"
-    if env.get("XDG_RUNTIME_DIR", ""):
-        return "default under XDG_RUNTIME_DIR"
-    return "default"
-
-
-# ---------------------------------------------------------------------------
 # The schema's building blocks.  Each key is one dataclass field declared with
 # :func:`setting`: its type (the annotation), default, kind (how its value is
 # read, written back and described) and doc.  Loading, ``--set``, the
@@ -1198,6 +1082,122 @@ _KEYS: Final[Mapping[str, tuple[dataclasses.Field[Any], Setting]]] = {
 }
 #: Keys whose value is text: an env/override scalar YAML would read as non-text is kept as written.
 _TEXT_KEYS: Final = frozenset(key for key, (_, s) in _KEYS.items() if s.kind.text)
+
+
+# ---------------------------------------------------------------------------
+# Sources.  Each yields {dotted key: (raw value, where it came from)}.
+# ---------------------------------------------------------------------------
+
+_Raw = dict[str, tuple[object, str]]
+
+
+def _known(section: str | None) -> str:
+    keys = TOP_LEVEL_KEYS if section is None else SECTION_KEYS[section]
+    return "(known: " + ", ".join(sorted(keys)) + ")"
+
+
+def _from_file(path: str | os.PathLike[str]) -> _Raw:
+    where = os.fspath(path)
+    try:
+        with open(where, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{where}: cannot read config file: {reason}") from None
+    try:
+        data = _safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: invalid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{where}: expected a mapping of sections at the top level, "
+            f"got {type(data).__name__} {data!r}"
+        )
+    raw: _Raw = {}
+    for name, body in data.items():
+        if name not in TOP_LEVEL_KEYS:
+            raise ConfigError(f"{where}: unknown key {str(name)!r} {_known(None)}")
+        if name == "instance":
+            raw["instance"] = (body, where)
+            continue
+        if body is None:  # a section whose keys are all commented out
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(
+                f"{name}: expected a mapping of {', '.join(SECTION_KEYS[name])}, "
+                f"got {body!r} (from {where})"
+            )
+        for sub, value in body.items():
+            if sub not in SECTION_KEYS[name]:
+                raise ConfigError(f"{where}: unknown key '{name}.{sub}' {_known(name)}")
+            raw[f"{name}.{sub}"] = (value, where)
+    return raw
+
+
+def _scalar(text: str, key: str, where: str) -> object:
+    """Read an env/override value as a YAML scalar (text keys keep non-text scalars as written)."""
+    try:
+        value = _safe_load(text)
+    except yaml.YAMLError:
+        value = text
+    if value is None or (key in _TEXT_KEYS and not isinstance(value, str)):
+        return text
+    return value
+
+
+def _from_env(env: Mapping[str, str]) -> _Raw:
+    raw: _Raw = {}
+    for name in sorted(env):
+        if not name.startswith("KVTIER_"):
+            continue
+        rest = name[len("KVTIER_") :]
+        if rest == "INSTANCE":
+            raw["instance"] = (_scalar(env[name], "instance", name), name)
+            continue
+        section = next((s for s in SECTIONS if rest.startswith(s.upper() + "_")), None)
+        if section is None:
+            continue  # KVTIER_SOCKET_DIR, KVTIER_CONFIG, ...: not ours
+        sub = rest[len(section) + 1 :]
+        keys = [k for k in SECTION_KEYS[section] if k.upper() == sub]
+        if not keys:
+            raise ConfigError(f"{name}: unknown key '{section}.{sub.lower()}' {_known(section)}")
+        key = f"{section}.{keys[0]}"
+        raw[key] = (_scalar(env[name], key, name), name)
+    return raw
+
+
+def _from_overrides(overrides: Sequence[str]) -> _Raw:
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a sequence of 'section.key=value' strings, not a str")
+    raw: _Raw = {}
+    for item in overrides:
+        where = f"override {item!r}"
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(f"{where}: expected 'section.key=value'")
+        key = key.strip()
+        section, dot, sub = key.partition(".")
+        if not dot:
+            if key != "instance":
+                raise ConfigError(f"{where}: unknown key {key!r} {_known(None)}")
+        elif section not in SECTION_KEYS:
+            raise ConfigError(f"{where}: unknown key {key!r} {_known(None)}")
+        elif sub not in SECTION_KEYS[section]:
+            raise ConfigError(f"{where}: unknown key {key!r} {_known(section)}")
+        raw[key] = (_scalar(text, key, where), where)
+    return raw
+
+
+def _socket_dir_source(env: Mapping[str, str]) -> str:
+    if env.get("KVTIER_SOCKET_DIR", ""):
+        return "KVTIER_SOCKET_DIR"
+    if env.get("XDG_RUNTIME_DIR", ""):
+        return "default under XDG_RUNTIME_DIR"
+    return "default"
 
 
 # ---------------------------------------------------------------------------
