@@ -86,6 +86,7 @@ __all__ = [
     "parse_duration",
     "parse_size",
     "reference_table",
+    "required",
     "setting",
     "validate",
 ]
@@ -747,7 +748,8 @@ def _metrics_endpoint(address: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------
 # The schema.  Field names are the YAML keys.  Constructing these directly
-# (e.g. in tests) skips validation; the daemon always goes through load_config.
+# (e.g. in tests) skips parsing and validate(); the daemon always goes through
+# load_config.
 # ---------------------------------------------------------------------------
 
 
@@ -1294,8 +1296,6 @@ def _check_tls(server: ServerConfig) -> None:
         path = getattr(server, k)
         if path and not os.access(path, os.R_OK):
             raise ConfigError(f"server.{k}: cannot read {path!r}")
-
-
 
 
 def _check_separate_dirs(cfg: Config) -> None:
