@@ -577,7 +577,7 @@ async def bench_promotion(root: str, shm_dir: str, rounds: int, warmup: int,
     store = make_store(shm_dir, cap, ext)
     ssd = SsdTier(os.path.join(root, "promo"), capacity=256 * MiB, file_bytes=256 * MiB,
                   direct="true")
-    t = Tiering(store, ssd=ssd, policy=SpillPolicy(), io_threads=IO_THREADS)
+    t = Tiering(store, ssd=ssd, policy=SpillPolicy.with_defaults(), io_threads=IO_THREADS)
     await t.start()
     src = ShmSlots(block, 8, fill=True)
     raw = ShmSlots(block, 1, fill=False)
@@ -692,7 +692,7 @@ async def bench_workload(root: str, shm_dir: str, block: int, dram_slots: int, f
     ssd_dir = os.path.join(root, "workload")
     ssd = (SsdTier(ssd_dir, capacity=ssd_capacity, file_bytes=DEFAULT_FILE_BYTES,
                    direct="true") if ssd_capacity is not None else None)
-    t = Tiering(store, ssd=ssd, policy=SpillPolicy(), io_threads=IO_THREADS)
+    t = Tiering(store, ssd=ssd, policy=SpillPolicy.with_defaults(), io_threads=IO_THREADS)
     await t.start()
     base = ShmSlots(block, 1, fill=True)
     out_buf = ShmSlots(block, 1, fill=False)

@@ -393,9 +393,7 @@ def _make_tiering(cfg: Config, store: Store, metrics: Metrics) -> Tiering:
                       direct=sp.ssd_direct_io)
         ssd.quota_of = lambda namespace: cfg.access.quotas(namespace)[1]
     shared = SharedTier(sp.shared_dir) if sp.shared_dir else None
-    policy = SpillPolicy(clean_ahead=sp.clean_ahead, queue_depth=sp.queue_depth,
-                         backpressure_timeout=sp.backpressure_timeout,
-                         shared_write=sp.shared_write, cluster_write=cfg.cluster.write)
+    policy = SpillPolicy.from_config(sp, cfg.cluster)
     cluster = _make_cluster(cfg.cluster, store) if cfg.cluster.enabled else None
     return Tiering(store, ssd=ssd, shared=shared, cluster=cluster, policy=policy,
                    io_threads=sp.io_threads, observer=metrics)
@@ -408,14 +406,7 @@ def _make_cluster(cc: ClusterConfig, store: Store) -> ClusterTier:
         naming = Naming(load_secret(cc.secret_file))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cluster.secret_file: {exc}") from None
-    metadata = cc.metadata_server or f"http://{cc.master.rpartition(':')[0]}:8080/metadata"
-    settings = ClusterSettings(
-        master=cc.master, metadata_server=metadata, protocol=cc.protocol,
-        device_name=cc.device_name, segment_bytes=cc.segment_bytes,
-        prefault_segment=cc.prefault_segment, segment_owner=cc.segment_owner,
-        local_hostname=cc.hostname, bind_address=cc.bind_address, replicas=cc.replicas,
-        request_timeout=cc.request_timeout, setup_timeout=cc.setup_timeout)
-    cluster = ClusterTier(settings, naming, segments=store.live_segments)
+    cluster = ClusterTier(ClusterSettings.from_config(cc), naming, segments=store.live_segments)
     store.on_extent = cluster.premap
     return cluster
 

@@ -2,7 +2,7 @@
 
 Sources, lowest to highest precedence:
 
-1. built-in defaults (the ``DEFAULT_*`` constants below);
+1. built-in defaults (each key's, declared with it below);
 2. a YAML file: ``path``, or ``$KVTIER_CONFIG`` when no path is given;
 3. environment variables ``KVTIER_INSTANCE`` and ``KVTIER_<SECTION>_<KEY>``
    (e.g. ``KVTIER_DRAM_CAPACITY=2GiB``); other ``KVTIER_*`` variables that
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import math
 import mmap
 import os
@@ -61,7 +62,6 @@ from kvtierd.access import (
     NamespaceRule,
     Principal,
     PrincipalError,
-    default_principals,
     parse_principal,
 )
 
@@ -76,6 +76,8 @@ __all__ = [
     "ReservationConfig",
     "ServerConfig",
     "SpillConfig",
+    "Kind",
+    "Setting",
     "default_spill_dir",
     "config_to_dict",
     "format_duration",
@@ -83,6 +85,10 @@ __all__ = [
     "load_config",
     "parse_duration",
     "parse_size",
+    "reference_table",
+    "required",
+    "setting",
+    "validate",
 ]
 
 _T = TypeVar("_T")
@@ -193,152 +199,6 @@ _DURATION_EXAMPLE: Final = "a duration like '30s'"
 _DURATION_UNITS_HINT: Final = "units: ms, s, m, h; a bare number is seconds"
 
 
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the key and the problem."""
-
-
-# ---------------------------------------------------------------------------
-# The schema.  Field names are the YAML keys.  Constructing these directly
-# (e.g. in tests) skips validation; the daemon always goes through load_config.
-# ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ServerConfig:
-    """The gRPC and session sockets."""
-
-    socket_dir: str
-    socket_mode: int = DEFAULT_SOCKET_MODE
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    max_keys_per_call: int = DEFAULT_MAX_KEYS_PER_CALL
-    grace: float = DEFAULT_GRACE
-    #: Optional TCP listener for remote administration, "host:port"; "" = none.  TLS only.
-    tcp_address: str = ""
-    tls_cert: str = ""        # PEM server certificate (chain)
-    tls_key: str = ""         # PEM private key of tls_cert
-    tls_client_ca: str = ""   # PEM CA bundle that signs client certificates
-    tls_client_auth: str = "none"  # none (server-only TLS) or required (mutual TLS)
-    #: Serve KVTier calls on the session channel too (FastCall), not only over gRPC.
-    fast_path: bool = True
-    #: Bytes of slots each writing session may hold reserved ahead, to fill and commit
-    #: without a call (0: writes always call Reserve); capped at a 16th of DRAM.
-    write_grant_bytes: int = DEFAULT_WRITE_GRANT_BYTES
-
-    @property
-    def grpc_socket(self) -> str:
-        """Path of the gRPC control-plane socket."""
-        return os.path.join(self.socket_dir, GRPC_SOCKET_NAME)
-
-    @property
-    def session_socket(self) -> str:
-        """Path of the session (fd-passing) socket."""
-        return os.path.join(self.socket_dir, SESSION_SOCKET_NAME)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DramConfig:
-    """The shared-memory DRAM tier."""
-
-    shm_dir: str
-    capacity: int = DEFAULT_DRAM_CAPACITY
-    extent_size: int = DEFAULT_EXTENT_SIZE
-    prefault_threads: int = DEFAULT_PREFAULT_THREADS
-    mlock: bool = DEFAULT_MLOCK
-    grow_ahead: bool = DEFAULT_GROW_AHEAD
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class LeaseConfig:
-    """Read leases (pins granted by acquire)."""
-
-    ttl: float = DEFAULT_LEASE_TTL
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReservationConfig:
-    """Write reservations (slots granted by reserve, awaiting commit)."""
-
-    ttl: float = DEFAULT_RESERVATION_TTL
-
-
-def _metrics_defaults() -> tuple[str, int]:
-    host, _, port = DEFAULT_METRICS_ADDRESS.rpartition(":")
-    return host, int(port)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class MetricsConfig:
-    """The Prometheus endpoint.
-
-    ``address`` is what was configured; ``host`` and ``port`` are parsed from
-    it (``host`` is None when disabled; an IPv6 host is kept without brackets).
-    """
-
-    address: str = DEFAULT_METRICS_ADDRESS
-    host: str | None = dataclasses.field(default=_metrics_defaults()[0], metadata={"derived": True})
-    port: int = dataclasses.field(default=_metrics_defaults()[1], metadata={"derived": True})
-
-    @property
-    def enabled(self) -> bool:
-        """Whether the metrics endpoint is served."""
-        return self.host is not None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class LogConfig:
-    """Logging."""
-
-    level: str = DEFAULT_LOG_LEVEL
-    #: ``auto`` (JSON unless stderr is a terminal), ``json`` or ``text``.
-    format: str = DEFAULT_LOG_FORMAT
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SpillConfig:
-    """The spill tiers below DRAM (each disabled while its directory is empty)."""
-
-    ssd_dir: str = ""
-    ssd_capacity: int = DEFAULT_SSD_CAPACITY
-    ssd_file_size: int = DEFAULT_SSD_FILE_SIZE
-    ssd_direct_io: str = "auto"
-    shared_dir: str = ""
-    shared_write: str = "demotion"
-    clean_ahead: float = DEFAULT_CLEAN_AHEAD
-    queue_depth: int = DEFAULT_QUEUE_DEPTH
-    io_threads: int = DEFAULT_IO_THREADS
-    backpressure_timeout: float = DEFAULT_BACKPRESSURE_TIMEOUT
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class LimitsConfig:
-    """Per-client limits; each refusal is RESOURCE_EXHAUSTED naming the limit."""
-
-    max_sessions_per_uid: int = DEFAULT_MAX_SESSIONS_PER_UID
-    max_leases_per_session: int = DEFAULT_MAX_LEASES_PER_SESSION
-    max_reservations_per_session: int = DEFAULT_MAX_RESERVATIONS_PER_SESSION
-    #: Hazard entries (blocks leased without a call) the pages of one uid's sessions,
-    #: and of one namespace's, may use in all; a session gets its share when it opens.
-    max_hazards_per_uid: int = DEFAULT_MAX_HAZARDS_PER_UID
-    max_hazards_per_namespace: int = DEFAULT_MAX_HAZARDS_PER_NAMESPACE
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class EventsConfig:
-    """KV events for cache-aware routers (``kvtierd.events``): off while ``endpoint``
-    is empty."""
-
-    #: Where the ZMQ PUB socket binds: ``tcp://HOST:PORT`` or ``ipc:///path``.
-    endpoint: str = ""
-    #: Where the ZMQ ROUTER socket for replay and snapshot requests binds ("": none).
-    replay_endpoint: str = ""
-    #: Batches kept for replay; an older start gets a snapshot instead.
-    buffer_batches: int = DEFAULT_EVENT_BUFFER_BATCHES
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.endpoint)
-
-
 #: When the cluster tier gets blocks (``cluster.write``).
 CLUSTER_WRITE_POLICIES: Final = ("demotion", "commit")
 #: Mooncake transfer-engine protocols (``cluster.protocol``).
@@ -358,127 +218,9 @@ DEFAULT_CLUSTER_SETUP_TIMEOUT: Final = 60.0
 DEFAULT_CLUSTER_PREFAULT_SEGMENT: Final = True
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ClusterConfig:
-    """The cluster tier on Mooncake Store (``kvtierd.cluster``): off while ``master``
-    is empty."""
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key and the problem."""
 
-    #: The Mooncake master's RPC address, ``HOST:PORT``.
-    master: str = ""
-    #: Mooncake's metadata server: ``http://HOST:PORT/metadata`` (the master's own
-    #: with ``--enable_http_metadata_server``), ``etcd://...`` or ``redis://...``;
-    #: "" means the master's host on port 8080.
-    metadata_server: str = ""
-    #: The file holding the secret every daemon of the cluster shares (mode 0600).
-    secret_file: str = ""
-    #: The transfer engine's protocol.
-    protocol: str = "tcp"
-    #: The RDMA device(s) for ``protocol: rdma`` (e.g. ``mlx5_0``), else "".
-    device_name: str = ""
-    #: Memory this host lends the cluster (a Mooncake global segment, in the agent).
-    segment_bytes: int = DEFAULT_CLUSTER_SEGMENT_BYTES
-    #: Fault in every page of the lent segment once the agent has joined (in the
-    #: background), so the first writes into it do not pay the page faults; the host
-    #: then holds all of ``segment_bytes`` from the start. Nothing to do with a
-    #: ``segment_owner``.
-    prefault_segment: bool = DEFAULT_CLUSTER_PREFAULT_SEGMENT
-    #: ``HOST:PORT``: the segment of a standalone ``mooncake_client --host=HOST:PORT``
-    #: on this host that lends the memory instead (the agent lends none, and this
-    #: host's blocks outlive kvtierd's restarts and its agent's crashes); "": none.
-    segment_owner: str = ""
-    #: The address the transfer engine advertises to other hosts (an address of one
-    #: of this host's interfaces); "" lets Mooncake pick (the first non-loopback one).
-    bind_address: str = ""
-    #: This host's name in the cluster ("" : bind_address, else the hostname).
-    hostname: str = ""
-    #: Copies of each block the cluster keeps (on different hosts when it can).
-    replicas: int = 1
-    #: When blocks go to the cluster: "demotion" (DRAM's, or the SSD tier's evictions)
-    #: or "commit" (also every committed block at once).
-    write: str = "demotion"
-    #: A request the agent has not answered for this long kills and restarts it.
-    request_timeout: float = DEFAULT_CLUSTER_REQUEST_TIMEOUT
-    #: How long the agent may take to join the cluster before it is restarted.
-    setup_timeout: float = DEFAULT_CLUSTER_SETUP_TIMEOUT
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.master)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Config:
-    """The whole daemon configuration; build it with :func:`load_config`."""
-
-    server: ServerConfig
-    dram: DramConfig
-    instance: str = DEFAULT_INSTANCE
-    leases: LeaseConfig = dataclasses.field(default_factory=LeaseConfig)
-    reservations: ReservationConfig = dataclasses.field(default_factory=ReservationConfig)
-    spill: SpillConfig = dataclasses.field(default_factory=SpillConfig)
-    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
-    log: LogConfig = dataclasses.field(default_factory=LogConfig)
-    access: AccessPolicy = dataclasses.field(default_factory=AccessPolicy)
-    limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
-    events: EventsConfig = dataclasses.field(default_factory=EventsConfig)
-    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
-
-
-#: Section name -> its dataclass, in the order the YAML file documents them.
-SECTIONS: Final[Mapping[str, type[Any]]] = {
-    "server": ServerConfig,
-    "dram": DramConfig,
-    "leases": LeaseConfig,
-    "reservations": ReservationConfig,
-    "spill": SpillConfig,
-    "metrics": MetricsConfig,
-    "log": LogConfig,
-    "access": AccessPolicy,
-    "limits": LimitsConfig,
-    "events": EventsConfig,
-    "cluster": ClusterConfig,
-}
-
-
-def _section_keys(cls: type[Any]) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("derived", False))
-
-
-#: Section name -> the keys it accepts (its dataclass fields less derived ones).
-SECTION_KEYS: Final[Mapping[str, tuple[str, ...]]] = {
-    name: _section_keys(cls) for name, cls in SECTIONS.items()
-}
-#: Keys accepted at the top level of the file.
-TOP_LEVEL_KEYS: Final = ("instance", *SECTIONS)
-#: Keys whose value is text: an env/override scalar YAML would read as non-text is kept as written.
-_TEXT_KEYS: Final = frozenset(
-    {
-        "instance",
-        "server.socket_dir",
-        "server.socket_mode",
-        "dram.shm_dir",
-        "spill.ssd_dir",
-        "spill.shared_dir",
-        "spill.shared_write",
-        "metrics.address",
-        "log.level",
-        "log.format",
-        "server.tcp_address",
-        "server.tls_cert",
-        "server.tls_key",
-        "server.tls_client_ca",
-        "server.tls_client_auth",
-        "cluster.master",
-        "cluster.metadata_server",
-        "cluster.secret_file",
-        "cluster.protocol",
-        "cluster.device_name",
-        "cluster.bind_address",
-        "cluster.hostname",
-        "cluster.write",
-        "cluster.segment_owner",
-    }
-)
 
 
 # ---------------------------------------------------------------------------
@@ -692,36 +434,6 @@ def _parse_metrics_address(value: object, key: str) -> tuple[str, str | None, in
     return address, host, int(port_text)
 
 
-def _parse_tcp_address(value: object, key: str) -> str:
-    address, _, _ = _parse_metrics_address(value, key)
-    return address
-
-
-def _check_tls(server: ServerConfig) -> None:
-    """TCP is TLS only: a listener without a certificate is refused, loopback or not."""
-    if not server.tcp_address:
-        return
-    missing = [k for k in ("tls_cert", "tls_key") if not getattr(server, k)]
-    if missing:
-        raise ConfigError(
-            f"server.tcp_address {server.tcp_address!r} needs TLS: set "
-            f"{' and '.join('server.' + k for k in missing)} (kvtierd never serves TCP in "
-            "plaintext, on loopback or elsewhere)")
-    if server.tls_client_auth != "none" and not server.tls_client_ca:
-        raise ConfigError(f"server.tls_client_auth={server.tls_client_auth} needs "
-                          "server.tls_client_ca, the CA bundle that signs client certificates")
-    for k in ("tls_cert", "tls_key", "tls_client_ca"):
-        path = getattr(server, k)
-        if path and not os.access(path, os.R_OK):
-            raise ConfigError(f"server.{k}: cannot read {path!r}")
-
-
-def _parse_log_level(value: object, key: str) -> str:
-    if not isinstance(value, str) or value.strip().lower() not in LOG_LEVELS:
-        raise _fail(key, "one of " + ", ".join(LOG_LEVELS), value)
-    return value.strip().lower()
-
-
 def _parse_choice(choices: Sequence[str]) -> Callable[[object, str], str]:
     def parse(value: object, key: str) -> str:
         if not isinstance(value, str) or value.strip().lower() not in choices:
@@ -788,6 +500,590 @@ def _path_parser(env: Mapping[str, str]) -> Callable[[object, str], str]:
         return os.path.normpath(text)
 
     return parse
+
+
+def _parse_zmq_endpoint(value: object, key: str) -> str:
+    """``""`` (off), ``tcp://HOST:PORT`` (a port of 0 is refused: routers must be told
+    where to connect) or ``ipc:///absolute/path``."""
+    expected = "'', tcp://HOST:PORT or ipc:///absolute/path"
+    if not isinstance(value, str):
+        raise _fail(key, expected, value)
+    if value == "":
+        return value
+    if value.startswith("ipc://"):
+        if not value[len("ipc://"):].startswith("/"):
+            raise _fail(key, expected, value)
+        return value
+    if value.startswith("tcp://"):
+        host, sep, port = value[len("tcp://"):].rpartition(":")
+        if sep and host and port.isdigit() and 0 < int(port) < 65536:
+            return value
+    raise _fail(key, expected, value)
+
+
+def _parse_host_port(value: object, key: str) -> str:
+    """``""`` (off) or ``HOST:PORT`` (``[v6]:PORT`` for IPv6)."""
+    expected = "'' or HOST:PORT"
+    if not isinstance(value, str):
+        raise _fail(key, expected, value)
+    if value == "":
+        return value
+    host, sep, port = value.rpartition(":")
+    if sep and host and port.isdigit() and 0 < int(port) < 65536 and "/" not in host:
+        return value
+    raise _fail(key, expected, value)
+
+
+def _parse_metadata_server(value: object, key: str) -> str:
+    expected = "'', http://HOST:PORT/PATH, etcd://HOST:PORT or redis://HOST:PORT"
+    if not isinstance(value, str):
+        raise _fail(key, expected, value)
+    if value == "" or value.split("://", 1)[0] in ("http", "etcd", "redis") and "://" in value:
+        return value
+    raise _fail(key, expected, value)
+
+
+def _parse_text(value: object, key: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(key, "a string", value)
+    return value
+
+
+# ---------------------------------------------------------------------------
+# The schema's building blocks.  Each key is one dataclass field declared with
+# :func:`setting`: its type (the annotation), default, kind (how its value is
+# read, written back and described) and doc.  Loading, ``--set``, the
+# environment, :func:`config_to_dict` and :func:`reference_table` all walk
+# these declarations; nothing else lists the keys.
+# ---------------------------------------------------------------------------
+
+#: The field-metadata name under which a key's :class:`Setting` is stored.
+_SETTING: Final = "kvtier.setting"
+
+_Parse = Callable[[object, str, "_Loading"], Any]
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Kind:
+    """How one kind of value is read (``parse``), written back in the file's own
+    notation (``fmt``, inverted by ``parse``) and named in the reference (``name``).
+
+    ``text``: the value is text, so an environment or ``--set`` value that YAML
+    would read as something else (``0660``, ``""``) is kept as written.
+    """
+
+    name: str
+    parse: _Parse
+    fmt: Callable[[Any], Any] = _same
+    text: bool = False
+
+
+def _kind(name: str, parse: Callable[[object, str], Any], *,
+          fmt: Callable[[Any], Any] = _same, text: bool = False) -> Kind:
+    """A :class:`Kind` whose parser needs nothing but the value and its key."""
+    return Kind(name, lambda value, key, _loading: parse(value, key), fmt, text)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Setting:
+    """One key's declaration, kept in its field's metadata (see :func:`setting`)."""
+
+    kind: Kind
+    doc: str
+    #: The default at load time when it depends on the environment or on other keys
+    #: (called with the loading state and the dotted key); else the field's default.
+    default_from: Callable[[_Loading, str], Any] | None = None
+    #: The reference's words for such a default.
+    default_doc: str = ""
+    #: Fields computed from the value (``metrics.host``/``port`` from the address).
+    derive: Callable[[Any], Mapping[str, Any]] | None = None
+
+
+def setting(default: _T, kind: Kind, doc: str, *,
+            default_from: Callable[[_Loading, str], Any] | None = None,
+            default_doc: str = "",
+            derive: Callable[[Any], Mapping[str, Any]] | None = None) -> _T:
+    """A config key: a dataclass field with ``default`` and its :class:`Setting`."""
+    meta = Setting(kind, doc, default_from, default_doc, derive)
+    return dataclasses.field(default=default, metadata={_SETTING: meta})
+
+
+def required(kind: Kind, doc: str, *, default_from: Callable[[_Loading, str], Any],
+             default_doc: str) -> Any:
+    """A key whose field has no default (the loader always computes one)."""
+    return dataclasses.field(metadata={_SETTING: Setting(kind, doc, default_from, default_doc)})
+
+
+class _Loading:
+    """One load in progress: the raw values, the environment, the values parsed so far."""
+
+    def __init__(self, raw: _Raw, env: Mapping[str, str]) -> None:
+        self.raw = raw
+        self.env = env
+        self.values: dict[str, Any] = {}  # dotted key -> its final value
+        self.parse_path = _path_parser(env)
+
+    def parse(self, key: str, kind: Kind, value: object, where: str) -> Any:
+        """``value`` read by ``kind``; an error names ``key`` and ``where`` it came from."""
+        try:
+            return kind.parse(value, key, self)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (from {where})") from None
+
+
+# ---------------------------------------------------------------------------
+# The kinds of values the keys take.
+# ---------------------------------------------------------------------------
+
+
+def _size_kind(lo: int = 0, hi: int | None = None) -> Kind:
+    name = "size" if not lo else f"size, >= {format_size(lo)}"
+    if hi is not None:
+        name = f"size, {format_size(lo)} .. {hi} bytes"
+    return _kind(name, lambda value, key: _parse_size_in(value, key, lo, hi), fmt=format_size)
+
+
+def _int_kind(lo: int, hi: int | None = None) -> Kind:
+    name = f"integer, {lo} .. {hi}" if hi is not None else f"integer, >= {lo}"
+    return _kind(name, lambda value, key: _parse_int(value, key, lo, hi))
+
+
+def _choice_kind(choices: Sequence[str]) -> Kind:
+    return _kind("one of " + ", ".join(choices), _parse_choice(choices), text=True)
+
+
+def _parse_optional_path(value: object, key: str, loading: _Loading) -> str:
+    if isinstance(value, str) and value.strip() == "":
+        return ""
+    return loading.parse_path(value, key)
+
+
+def _parse_extent(value: object, key: str, loading: _Loading) -> int:
+    n = _parse_size_in(value, key, MIN_EXTENT_SIZE)
+    if n % EXTENT_ALIGNMENT:
+        raise _fail(key, f"a multiple of the page size ({EXTENT_ALIGNMENT} bytes)", value)
+    capacity = loading.values["dram.capacity"]
+    if n > capacity:
+        raise _fail(key, f"a size of at most dram.capacity ({format_size(capacity)})", value)
+    return n
+
+
+def _parse_file_size(value: object, key: str) -> int:
+    n = _parse_size_in(value, key, 1 * MiB)
+    if n % 4096:
+        raise _fail(key, "a multiple of 4096 bytes", value)
+    return n
+
+
+def _parse_address(value: object, key: str) -> str:
+    address, _, _ = _parse_metrics_address(value, key)
+    return address
+
+
+def _format_rules(rules: Sequence[NamespaceRule]) -> list[dict[str, Any]]:
+    return [{"match": r.match, "read": [str(p) for p in r.read],
+             "write": [str(p) for p in r.write], "admin": [str(p) for p in r.admin],
+             "dram_quota": format_size(r.dram_quota), "ssd_quota": format_size(r.ssd_quota)}
+            for r in rules]
+
+
+_BOOL: Final = _kind("boolean", _parse_bool)
+_TEXT: Final = _kind("text", _parse_text, text=True)
+_SIZE: Final = _size_kind()
+_DURATION: Final = _kind("duration", parse_duration, fmt=format_duration)
+_POSITIVE_DURATION: Final = _kind("duration, > 0", _parse_positive_duration, fmt=format_duration)
+_TTL: Final = _kind(f"duration, {format_duration(MIN_TTL)} .. {format_duration(MAX_TTL)}",
+                    _parse_ttl, fmt=format_duration)
+_INSTANCE: Final = _kind("name, 1-64 of [A-Za-z0-9_-]", _parse_instance, text=True)
+_PATH: Final = Kind("absolute path", lambda value, key, loading: loading.parse_path(value, key),
+                    text=True)
+_OPTIONAL_PATH: Final = Kind('absolute path, or ""', _parse_optional_path, text=True)
+_SOCKET_MODE: Final = _kind("octal mode string", _parse_socket_mode,
+                            fmt=lambda mode: f"0{mode:03o}", text=True)
+_ADDRESS: Final = _kind('host:port, [ipv6]:port, or ""', _parse_address, text=True)
+_HOST_PORT: Final = _kind('HOST:PORT, or ""', _parse_host_port, text=True)
+_ZMQ_ENDPOINT: Final = _kind('tcp://HOST:PORT, ipc:///path, or ""', _parse_zmq_endpoint,
+                             text=True)
+_METADATA_SERVER: Final = _kind('http://, etcd:// or redis:// URL, or ""',
+                                _parse_metadata_server, text=True)
+_DIRECT_IO: Final = _kind("auto, true or false", _parse_direct_io)  # YAML's booleans too
+_FRACTION: Final = _kind("number, 0 .. 0.9", _parse_fraction)
+_EXTENT: Final = Kind(f"size, >= {format_size(MIN_EXTENT_SIZE)}, a page multiple, "
+                      "<= dram.capacity", _parse_extent, format_size)
+_FILE_SIZE: Final = _kind("size, >= 1MiB, a multiple of 4096", _parse_file_size,
+                          fmt=format_size)
+_PRINCIPALS: Final = _kind("list of principals", _parse_principals,
+                           fmt=lambda principals: [str(p) for p in principals])
+_RULES: Final = _kind("list of rules", _parse_rules, fmt=_format_rules)
+
+
+def _default_socket_dir(loading: _Loading, key: str) -> str:
+    return str(loading.parse(key, _PATH, default_socket_dir(loading.env),
+                             _socket_dir_source(loading.env)))
+
+
+def _default_shm_dir(loading: _Loading, key: str) -> str:
+    return str(loading.parse(key, _PATH, default_shm_dir(loading.values["instance"]),
+                             "default for the instance"))
+
+
+def _default_extent(loading: _Loading, key: str) -> int:
+    """The default extent shrinks to fit a pool smaller than it (an explicit one must fit)."""
+    capacity: int = loading.values["dram.capacity"]
+    return min(DEFAULT_EXTENT_SIZE, capacity - capacity % EXTENT_ALIGNMENT)
+
+
+def _default_ssd_dir(loading: _Loading, key: str) -> str:
+    return default_spill_dir(loading.env, loading.values["instance"])
+
+
+def _metrics_endpoint(address: str) -> dict[str, Any]:
+    _, host, port = _parse_metrics_address(address, "metrics.address")
+    return {"host": host, "port": port}
+
+
+# ---------------------------------------------------------------------------
+# The schema.  Field names are the YAML keys.  Constructing these directly
+# (e.g. in tests) skips parsing and validate(); the daemon always goes through
+# load_config.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The gRPC and session sockets."""
+
+    socket_dir: str = required(
+        _PATH, "Directory of the gRPC socket (kvtier.sock) and the session socket "
+        "(kvtier-session.sock); clients apply the same default.",
+        default_from=_default_socket_dir,
+        default_doc="`$KVTIER_SOCKET_DIR`, else `$XDG_RUNTIME_DIR/kvtier`, "
+                    "else `/tmp/kvtier-<uid>`")
+    socket_mode: int = setting(
+        DEFAULT_SOCKET_MODE, _SOCKET_MODE,
+        'File mode of both sockets, quoted ("0660"); the owner must keep rw.')
+    max_message_bytes: int = setting(
+        DEFAULT_MAX_MESSAGE_BYTES, _size_kind(MIN_MAX_MESSAGE_BYTES, MAX_MAX_MESSAGE_BYTES),
+        "Largest gRPC message received or sent.")
+    max_keys_per_call: int = setting(
+        DEFAULT_MAX_KEYS_PER_CALL, _int_kind(1, MAX_KEYS_PER_CALL_LIMIT),
+        "Most keys one call may carry; a larger batch is refused (INVALID_ARGUMENT).")
+    grace: float = setting(
+        DEFAULT_GRACE, _DURATION,
+        "On SIGTERM, how long in-flight calls may run before they are cancelled.")
+    tcp_address: str = setting(
+        "", _ADDRESS, 'Optional TCP listener for remote administration; "" = none. '
+        "TLS only: it needs tls_cert and tls_key.")
+    tls_cert: str = setting("", _OPTIONAL_PATH, "PEM server certificate (chain).")
+    tls_key: str = setting("", _OPTIONAL_PATH, "PEM private key of tls_cert (mode 0600).")
+    tls_client_ca: str = setting(
+        "", _OPTIONAL_PATH, "PEM CA bundle that signs client certificates.")
+    tls_client_auth: str = setting(
+        "none", _choice_kind(TLS_CLIENT_AUTH),
+        "none: server-only TLS; required: mutual TLS, the certificate's common name is "
+        "the caller (cert:NAME).")
+    fast_path: bool = setting(
+        True, _BOOL, "Serve KVTier calls on the session channel too (and lookups from the "
+        "shared index), not only over gRPC.")
+    write_grant_bytes: int = setting(
+        DEFAULT_WRITE_GRANT_BYTES, _SIZE,
+        "Bytes of slots each writing session may hold reserved ahead, to fill and commit "
+        "without a call; at most a 16th of dram.capacity is used; 0 = off.")
+
+    @property
+    def grpc_socket(self) -> str:
+        """Path of the gRPC control-plane socket."""
+        return os.path.join(self.socket_dir, GRPC_SOCKET_NAME)
+
+    @property
+    def session_socket(self) -> str:
+        """Path of the session (fd-passing) socket."""
+        return os.path.join(self.socket_dir, SESSION_SOCKET_NAME)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DramConfig:
+    """The shared-memory DRAM tier."""
+
+    shm_dir: str = required(
+        _PATH, "Directory of the shared-memory segment files (created with mode 0700).",
+        default_from=_default_shm_dir, default_doc="`/dev/shm/kvtier-<uid>-<instance>`")
+    capacity: int = setting(
+        DEFAULT_DRAM_CAPACITY, _size_kind(MIN_DRAM_CAPACITY),
+        "Global DRAM budget shared by all namespaces.")
+    extent_size: int = setting(
+        DEFAULT_EXTENT_SIZE, _EXTENT, "How much a namespace's pool grows at a time.",
+        default_from=_default_extent,
+        default_doc=f"`{format_size(DEFAULT_EXTENT_SIZE)}`, or dram.capacity when smaller")
+    prefault_threads: int = setting(
+        DEFAULT_PREFAULT_THREADS, _int_kind(0), "Threads that pre-fault new extents; 0 = auto.")
+    mlock: bool = setting(
+        DEFAULT_MLOCK, _BOOL, "mlock extents so they never swap, when RLIMIT_MEMLOCK permits.")
+    grow_ahead: bool = setting(
+        DEFAULT_GROW_AHEAD, _BOOL,
+        "Make a namespace's next extent in the background before a request needs the room "
+        "(from the unused budget only).")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaseConfig:
+    """Read leases (pins granted by acquire)."""
+
+    ttl: float = setting(
+        DEFAULT_LEASE_TTL, _TTL,
+        "A read lease not released within this expires; its blocks become evictable again.")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReservationConfig:
+    """Write reservations (slots granted by reserve, awaiting commit)."""
+
+    ttl: float = setting(
+        DEFAULT_RESERVATION_TTL, _TTL,
+        "A write reservation not committed within this is aborted and its slots freed.")
+
+
+def _metrics_defaults() -> tuple[str, int]:
+    host, _, port = DEFAULT_METRICS_ADDRESS.rpartition(":")
+    return host, int(port)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """The Prometheus endpoint.
+
+    ``address`` is what was configured; ``host`` and ``port`` are parsed from
+    it (``host`` is None when disabled; an IPv6 host is kept without brackets).
+    """
+
+    address: str = setting(
+        DEFAULT_METRICS_ADDRESS, _ADDRESS,
+        'Prometheus endpoint; port 0 picks a free port; "" disables it.',
+        derive=_metrics_endpoint)
+    host: str | None = dataclasses.field(default=_metrics_defaults()[0], metadata={"derived": True})
+    port: int = dataclasses.field(default=_metrics_defaults()[1], metadata={"derived": True})
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the metrics endpoint is served."""
+        return self.host is not None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LogConfig:
+    """Logging."""
+
+    level: str = setting(DEFAULT_LOG_LEVEL, _choice_kind(LOG_LEVELS), "Lowest level logged.")
+    format: str = setting(
+        DEFAULT_LOG_FORMAT, _choice_kind(LOG_FORMATS),
+        "auto: JSON lines unless stderr is a terminal (then text).")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpillConfig:
+    """The spill tiers below DRAM (each disabled while its directory is empty)."""
+
+    ssd_dir: str = setting(
+        "", _OPTIONAL_PATH, 'The local SSD tier\'s directory, on a local NVMe filesystem; '
+        '"" = no SSD tier.',
+        default_from=_default_ssd_dir,
+        default_doc="`$STATE_DIRECTORY/<instance>/spill` under systemd, else "
+                    "`${XDG_STATE_HOME:-~/.local/state}/kvtier/<instance>/spill`")
+    ssd_capacity: int = setting(
+        DEFAULT_SSD_CAPACITY, _size_kind(1 * MiB),
+        "Bytes of spill files the SSD tier may create; beyond it the least recently used "
+        "blocks are dropped (or passed to the shared tier).")
+    ssd_file_size: int = setting(
+        DEFAULT_SSD_FILE_SIZE, _FILE_SIZE, "Largest spill file.")
+    ssd_direct_io: str = setting(
+        "auto", _DIRECT_IO, "O_DIRECT for the SSD tier: auto (when the filesystem takes it), "
+        "true (refuse to start without it) or false.")
+    shared_dir: str = setting(
+        "", _OPTIONAL_PATH, 'Shared-filesystem tier: a directory several hosts\' daemons '
+        'share (Lustre, NFS, GCS-fuse); "" = none.')
+    shared_write: str = setting(
+        "demotion", _choice_kind(SHARED_WRITE_POLICIES),
+        "When blocks are written there: demotion (leaving the SSD tier, or DRAM without one) "
+        "or commit (also every commit).")
+    clean_ahead: float = setting(
+        DEFAULT_CLEAN_AHEAD, _FRACTION,
+        "Fraction of DRAM kept demoted ahead of need at the LRU end.")
+    queue_depth: int = setting(
+        DEFAULT_QUEUE_DEPTH, _int_kind(1, 65536), "Blocks in flight to the spill tiers at once.")
+    io_threads: int = setting(DEFAULT_IO_THREADS, _int_kind(1, 64), "Threads doing spill I/O.")
+    backpressure_timeout: float = setting(
+        DEFAULT_BACKPRESSURE_TIMEOUT, _POSITIVE_DURATION,
+        "How long a reserve waits for demotion to make room in a full DRAM tier before "
+        "RESOURCE_EXHAUSTED.")
+
+
+_DEFAULT_PRINCIPALS_DOC: Final = "root, the daemon's user, and the group kvtier if it exists"
+
+#: The ``access`` section is :class:`kvtierd.access.AccessPolicy` itself, the policy the
+#: service checks; its keys are declared here by field name (so access.py needs nothing
+#: from the config), and their defaults are the policy's own.
+_ACCESS_SETTINGS: Final[Mapping[str, Setting]] = {
+    "enabled": Setting(_BOOL, "Check who may read, write and administer each namespace; "
+                              "false lets everyone who reaches the sockets do everything."),
+    "admin": Setting(_PRINCIPALS, "Daemon-wide admins: every namespace's stats, check, evict, "
+                                  "drain, ls --keys.", default_doc=_DEFAULT_PRINCIPALS_DOC),
+    "default": Setting(_PRINCIPALS, "Who may read and write a namespace no rule matches.",
+                       default_doc=_DEFAULT_PRINCIPALS_DOC),
+    "namespaces": Setting(_RULES, "Rules, first match wins: match (a name or glob), read, "
+                                  "write, admin, dram_quota, ssd_quota."),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    """Per-client limits; each refusal is RESOURCE_EXHAUSTED naming the limit."""
+
+    max_sessions_per_uid: int = setting(
+        DEFAULT_MAX_SESSIONS_PER_UID, _int_kind(1), "Sessions one uid may hold open at once.")
+    max_leases_per_session: int = setting(
+        DEFAULT_MAX_LEASES_PER_SESSION, _int_kind(1), "Leases one session may hold at once.")
+    max_reservations_per_session: int = setting(
+        DEFAULT_MAX_RESERVATIONS_PER_SESSION, _int_kind(1),
+        "Open reservations one session may hold at once.")
+    max_hazards_per_uid: int = setting(
+        DEFAULT_MAX_HAZARDS_PER_UID, _int_kind(0),
+        "Blocks one uid's sessions may lease without a call at once (hazard entries in "
+        "their pages); a session gets its share when it opens.")
+    max_hazards_per_namespace: int = setting(
+        DEFAULT_MAX_HAZARDS_PER_NAMESPACE, _int_kind(0),
+        "The same bound for all sessions of one namespace.")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """KV events for cache-aware routers (``kvtierd.events``): off while ``endpoint``
+    is empty."""
+
+    endpoint: str = setting("", _ZMQ_ENDPOINT, 'Where the ZMQ PUB socket binds; "" = off.')
+    replay_endpoint: str = setting(
+        "", _ZMQ_ENDPOINT, 'Where the ZMQ ROUTER socket for replay and snapshot requests '
+        'binds; "" = none.')
+    buffer_batches: int = setting(
+        DEFAULT_EVENT_BUFFER_BATCHES, _int_kind(1, 1_000_000),
+        "Batches kept for replay; an older start gets a snapshot instead.")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoint)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """The cluster tier on Mooncake Store (``kvtierd.cluster``): off while ``master``
+    is empty."""
+
+    master: str = setting("", _HOST_PORT, "The Mooncake master's RPC address; \"\" = off.")
+    metadata_server: str = setting(
+        "", _METADATA_SERVER, "Mooncake's metadata server (http://HOST:PORT/metadata, "
+        'etcd://..., redis://...); "" = the master\'s host on port 8080.')
+    secret_file: str = setting(
+        "", _OPTIONAL_PATH, "The file (mode 0600) of the secret every daemon of the cluster "
+        "shares; required with master.")
+    protocol: str = setting("tcp", _choice_kind(CLUSTER_PROTOCOLS),
+                            "The transfer engine's protocol.")
+    device_name: str = setting(
+        "", _TEXT, 'The RDMA device(s) for protocol rdma (e.g. mlx5_0); "" for tcp.')
+    segment_bytes: int = setting(
+        DEFAULT_CLUSTER_SEGMENT_BYTES, _SIZE,
+        "Memory this host lends the cluster (a Mooncake global segment, held by the agent).")
+    prefault_segment: bool = setting(
+        DEFAULT_CLUSTER_PREFAULT_SEGMENT, _BOOL,
+        "Fault in the whole lent segment in the background once the agent has joined; "
+        "the host then holds all of segment_bytes from the start.")
+    segment_owner: str = setting(
+        "", _HOST_PORT, "The segment of a standalone mooncake_client on this host that lends "
+        'the memory instead (outliving kvtierd\'s restarts); "" = the agent lends it.')
+    bind_address: str = setting(
+        "", _TEXT, 'The address other hosts reach this one at; "" lets Mooncake pick the '
+        "first non-loopback interface.")
+    hostname: str = setting(
+        "", _TEXT, 'This host\'s name in the cluster; "" = bind_address, else the hostname.')
+    replicas: int = setting(1, _int_kind(1, 16), "Copies of each block the cluster keeps.")
+    write: str = setting(
+        "demotion", _choice_kind(CLUSTER_WRITE_POLICIES),
+        "When blocks go to the cluster: demotion (what DRAM demotes or the SSD tier evicts) "
+        "or commit (also every committed block at once).")
+    request_timeout: float = setting(
+        DEFAULT_CLUSTER_REQUEST_TIMEOUT, _POSITIVE_DURATION,
+        "A request the agent has not answered for this long gets it killed and restarted.")
+    setup_timeout: float = setting(
+        DEFAULT_CLUSTER_SETUP_TIMEOUT, _POSITIVE_DURATION,
+        "How long the agent may take to join the cluster before it is restarted.")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.master)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Config:
+    """The whole daemon configuration; build it with :func:`load_config`."""
+
+    server: ServerConfig
+    dram: DramConfig
+    instance: str = setting(
+        DEFAULT_INSTANCE, _INSTANCE, "Name of this daemon; its shared-memory directory and "
+        "locks are named after it, so two daemons on one host need different names.")
+    leases: LeaseConfig = dataclasses.field(default_factory=LeaseConfig)
+    reservations: ReservationConfig = dataclasses.field(default_factory=ReservationConfig)
+    spill: SpillConfig = dataclasses.field(default_factory=SpillConfig)
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    access: AccessPolicy = dataclasses.field(default_factory=AccessPolicy)
+    limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
+    events: EventsConfig = dataclasses.field(default_factory=EventsConfig)
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+
+
+#: Section name -> its dataclass, in the order the YAML file documents them.
+SECTIONS: Final[Mapping[str, type[Any]]] = {
+    "server": ServerConfig,
+    "dram": DramConfig,
+    "leases": LeaseConfig,
+    "reservations": ReservationConfig,
+    "spill": SpillConfig,
+    "metrics": MetricsConfig,
+    "log": LogConfig,
+    "access": AccessPolicy,
+    "limits": LimitsConfig,
+    "events": EventsConfig,
+    "cluster": ClusterConfig,
+}
+
+_Declared = tuple[tuple["dataclasses.Field[Any]", Setting], ...]
+
+
+def _declared(cls: type[Any]) -> _Declared:
+    """The keys ``cls`` (a section, or Config for ``instance``) declares, in field order;
+    fields without a setting (``metrics.host``, the sections of Config) are not keys."""
+    outside = _ACCESS_SETTINGS if cls is AccessPolicy else {}
+    return tuple((f, f.metadata.get(_SETTING) or outside[f.name])
+                 for f in dataclasses.fields(cls)
+                 if _SETTING in f.metadata or f.name in outside)
+
+
+#: Section name -> the keys it accepts.
+SECTION_KEYS: Final[Mapping[str, tuple[str, ...]]] = {
+    name: tuple(f.name for f, _ in _declared(cls)) for name, cls in SECTIONS.items()
+}
+#: Keys accepted at the top level of the file.
+TOP_LEVEL_KEYS: Final = (*(f.name for f, _ in _declared(Config)), *SECTIONS)
+#: Every key, dotted, with its field and setting, in the file's order.
+_KEYS: Final[Mapping[str, tuple[dataclasses.Field[Any], Setting]]] = {
+    **{f.name: (f, s) for f, s in _declared(Config)},
+    **{f"{name}.{f.name}": (f, s) for name, cls in SECTIONS.items() for f, s in _declared(cls)},
+}
+#: Keys whose value is text: an env/override scalar YAML would read as non-text is kept as written.
+_TEXT_KEYS: Final = frozenset(key for key, (_, s) in _KEYS.items() if s.kind.text)
 
 
 # ---------------------------------------------------------------------------
@@ -937,253 +1233,104 @@ def load_config(
 
 
 def _build(raw: _Raw, env: Mapping[str, str]) -> Config:
-    def take(key: str, parse: Callable[[object, str], _T], default: _T) -> _T:
-        if key not in raw:
-            return default
-        value, where = raw[key]
-        try:
-            return parse(value, key)
-        except ConfigError as exc:
-            raise ConfigError(f"{exc} (from {where})") from None
+    """Each key parsed by its kind (or given its default), then the checks across keys."""
+    loading = _Loading(raw, env)
+    top = _values(Config, "", loading)  # instance first: later defaults name it
+    sections = {name: cls(**_values(cls, f"{name}.", loading)) for name, cls in SECTIONS.items()}
+    cfg = Config(**top, **sections)
+    validate(cfg)
+    return cfg
 
-    parse_path = _path_parser(env)
 
-    def parse_optional_path(value: object, key: str) -> str:
-        if isinstance(value, str) and value.strip() == "":
-            return ""
-        return parse_path(value, key)
+def _values(cls: type[Any], prefix: str, loading: _Loading) -> dict[str, Any]:
+    """The field values of ``cls``'s keys: parsed where a source gives them, else defaults."""
+    values: dict[str, Any] = {}
+    for f, s in _declared(cls):
+        key = prefix + f.name
+        if key in loading.raw:
+            value = loading.parse(key, s.kind, *loading.raw[key])
+        elif s.default_from is not None:
+            value = s.default_from(loading, key)
+        else:
+            value = _field_default(f)
+        loading.values[key] = value
+        values[f.name] = value
+        if s.derive is not None:
+            values.update(s.derive(value))
+    return values
 
-    instance = take("instance", _parse_instance, DEFAULT_INSTANCE)
-    raw.setdefault("server.socket_dir", (default_socket_dir(env), _socket_dir_source(env)))
-    raw.setdefault("dram.shm_dir", (default_shm_dir(instance), "default for the instance"))
 
-    server = ServerConfig(
-        socket_dir=take("server.socket_dir", parse_path, ""),
-        socket_mode=take("server.socket_mode", _parse_socket_mode, DEFAULT_SOCKET_MODE),
-        max_message_bytes=take(
-            "server.max_message_bytes",
-            lambda v, k: _parse_size_in(v, k, MIN_MAX_MESSAGE_BYTES, MAX_MAX_MESSAGE_BYTES),
-            DEFAULT_MAX_MESSAGE_BYTES,
-        ),
-        max_keys_per_call=take(
-            "server.max_keys_per_call",
-            lambda v, k: _parse_int(v, k, 1, MAX_KEYS_PER_CALL_LIMIT),
-            DEFAULT_MAX_KEYS_PER_CALL,
-        ),
-        grace=take("server.grace", parse_duration, DEFAULT_GRACE),
-        tcp_address=take("server.tcp_address", _parse_tcp_address, ""),
-        tls_cert=take("server.tls_cert", parse_optional_path, ""),
-        tls_key=take("server.tls_key", parse_optional_path, ""),
-        tls_client_ca=take("server.tls_client_ca", parse_optional_path, ""),
-        tls_client_auth=take("server.tls_client_auth", _parse_choice(TLS_CLIENT_AUTH), "none"),
-        fast_path=take("server.fast_path", _parse_bool, True),
-        write_grant_bytes=take("server.write_grant_bytes",
-                               lambda v, k: _parse_size_in(v, k, 0), DEFAULT_WRITE_GRANT_BYTES),
-    )
-    _check_tls(server)
-    capacity = take(
-        "dram.capacity",
-        lambda v, k: _parse_size_in(v, k, MIN_DRAM_CAPACITY),
-        DEFAULT_DRAM_CAPACITY,
-    )
+def _field_default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
-    def parse_extent(value: object, key: str) -> int:
-        n = _parse_size_in(value, key, MIN_EXTENT_SIZE)
-        if n % EXTENT_ALIGNMENT:
-            raise _fail(key, f"a multiple of the page size ({EXTENT_ALIGNMENT} bytes)", value)
-        if n > capacity:
-            raise _fail(key, f"a size of at most dram.capacity ({format_size(capacity)})", value)
-        return n
 
-    # The default extent shrinks to fit a pool smaller than it (an explicit one must fit).
-    default_extent = min(DEFAULT_EXTENT_SIZE, capacity - capacity % EXTENT_ALIGNMENT)
-    dram = DramConfig(
-        shm_dir=take("dram.shm_dir", parse_path, ""),
-        capacity=capacity,
-        extent_size=take("dram.extent_size", parse_extent, default_extent),
-        prefault_threads=take(
-            "dram.prefault_threads", lambda v, k: _parse_int(v, k, 0), DEFAULT_PREFAULT_THREADS
-        ),
-        mlock=take("dram.mlock", _parse_bool, DEFAULT_MLOCK),
-        grow_ahead=take("dram.grow_ahead", _parse_bool, DEFAULT_GROW_AHEAD),
-    )
-    ssd_dir = take("spill.ssd_dir", parse_optional_path, default_spill_dir(env, instance))
-    shared_dir = take("spill.shared_dir", parse_optional_path, "")
-    for a, b in ((ssd_dir, shared_dir), (ssd_dir, dram.shm_dir), (shared_dir, dram.shm_dir)):
+# ---------------------------------------------------------------------------
+# The checks across keys (each key's own range is checked by its kind).
+# ---------------------------------------------------------------------------
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError when keys that are each valid do not go together."""
+    _check_tls(cfg.server)
+    _check_separate_dirs(cfg)
+    _check_events(cfg.events)
+    _check_cluster(cfg.cluster, cfg.spill)
+
+
+def _check_tls(server: ServerConfig) -> None:
+    """TCP is TLS only: a listener without a certificate is refused, loopback or not."""
+    if not server.tcp_address:
+        return
+    missing = [k for k in ("tls_cert", "tls_key") if not getattr(server, k)]
+    if missing:
+        raise ConfigError(
+            f"server.tcp_address {server.tcp_address!r} needs TLS: set "
+            f"{' and '.join('server.' + k for k in missing)} (kvtierd never serves TCP in "
+            "plaintext, on loopback or elsewhere)")
+    if server.tls_client_auth != "none" and not server.tls_client_ca:
+        raise ConfigError(f"server.tls_client_auth={server.tls_client_auth} needs "
+                          "server.tls_client_ca, the CA bundle that signs client certificates")
+    for k in ("tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(server, k)
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"server.{k}: cannot read {path!r}")
+
+
+def _check_separate_dirs(cfg: Config) -> None:
+    ssd_dir, shared_dir, shm_dir = cfg.spill.ssd_dir, cfg.spill.shared_dir, cfg.dram.shm_dir
+    for a, b in ((ssd_dir, shared_dir), (ssd_dir, shm_dir), (shared_dir, shm_dir)):
         if a and b and (a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)):
             raise ConfigError(f"spill: {a!r} and {b!r} overlap; dram.shm_dir, spill.ssd_dir "
                               "and spill.shared_dir must be separate directories")
 
-    def parse_file_size(value: object, key: str) -> int:
-        n = _parse_size_in(value, key, 1 * MiB)
-        if n % 4096:
-            raise _fail(key, "a multiple of 4096 bytes", value)
-        return n
 
-    spill = SpillConfig(
-        ssd_dir=ssd_dir,
-        ssd_capacity=take("spill.ssd_capacity", lambda v, k: _parse_size_in(v, k, 1 * MiB),
-                          DEFAULT_SSD_CAPACITY),
-        ssd_file_size=take("spill.ssd_file_size", parse_file_size, DEFAULT_SSD_FILE_SIZE),
-        ssd_direct_io=take("spill.ssd_direct_io", _parse_direct_io, "auto"),
-        shared_dir=shared_dir,
-        shared_write=take("spill.shared_write", _parse_choice(SHARED_WRITE_POLICIES), "demotion"),
-        clean_ahead=take("spill.clean_ahead", _parse_fraction, DEFAULT_CLEAN_AHEAD),
-        queue_depth=take("spill.queue_depth", lambda v, k: _parse_int(v, k, 1, 65536),
-                         DEFAULT_QUEUE_DEPTH),
-        io_threads=take("spill.io_threads", lambda v, k: _parse_int(v, k, 1, 64),
-                        DEFAULT_IO_THREADS),
-        backpressure_timeout=take("spill.backpressure_timeout", _parse_positive_duration,
-                                  DEFAULT_BACKPRESSURE_TIMEOUT),
-    )
-    address, host, port = take(
-        "metrics.address",
-        _parse_metrics_address,
-        _parse_metrics_address(DEFAULT_METRICS_ADDRESS, "metrics.address"),
-    )
-    return Config(
-        instance=instance,
-        server=server,
-        dram=dram,
-        leases=LeaseConfig(
-            ttl=take("leases.ttl", _parse_ttl, DEFAULT_LEASE_TTL),
-        ),
-        reservations=ReservationConfig(
-            ttl=take("reservations.ttl", _parse_ttl, DEFAULT_RESERVATION_TTL),
-        ),
-        spill=spill,
-        metrics=MetricsConfig(address=address, host=host, port=port),
-        log=LogConfig(
-            level=take("log.level", _parse_log_level, DEFAULT_LOG_LEVEL),
-            format=take("log.format", _parse_choice(LOG_FORMATS), DEFAULT_LOG_FORMAT),
-        ),
-        access=AccessPolicy(
-            enabled=take("access.enabled", _parse_bool, True),
-            admin=take("access.admin", _parse_principals, default_principals()),
-            default=take("access.default", _parse_principals, default_principals()),
-            namespaces=take("access.namespaces", _parse_rules, ()),
-        ),
-        limits=LimitsConfig(
-            max_sessions_per_uid=take("limits.max_sessions_per_uid",
-                                      lambda v, k: _parse_int(v, k, 1), DEFAULT_MAX_SESSIONS_PER_UID),
-            max_leases_per_session=take("limits.max_leases_per_session",
-                                        lambda v, k: _parse_int(v, k, 1),
-                                        DEFAULT_MAX_LEASES_PER_SESSION),
-            max_reservations_per_session=take("limits.max_reservations_per_session",
-                                              lambda v, k: _parse_int(v, k, 1),
-                                              DEFAULT_MAX_RESERVATIONS_PER_SESSION),
-            max_hazards_per_uid=take("limits.max_hazards_per_uid",
-                                     lambda v, k: _parse_int(v, k, 0),
-                                     DEFAULT_MAX_HAZARDS_PER_UID),
-            max_hazards_per_namespace=take("limits.max_hazards_per_namespace",
-                                           lambda v, k: _parse_int(v, k, 0),
-                                           DEFAULT_MAX_HAZARDS_PER_NAMESPACE),
-        ),
-        events=_events_config(take),
-        cluster=_cluster_config(take, parse_optional_path, shared_dir),
-    )
-
-
-def _parse_zmq_endpoint(value: object, key: str) -> str:
-    """``""`` (off), ``tcp://HOST:PORT`` (a port of 0 is refused: routers must be told
-    where to connect) or ``ipc:///absolute/path``."""
-    expected = "'', tcp://HOST:PORT or ipc:///absolute/path"
-    if not isinstance(value, str):
-        raise _fail(key, expected, value)
-    if value == "":
-        return value
-    if value.startswith("ipc://"):
-        if not value[len("ipc://"):].startswith("/"):
-            raise _fail(key, expected, value)
-        return value
-    if value.startswith("tcp://"):
-        host, sep, port = value[len("tcp://"):].rpartition(":")
-        if sep and host and port.isdigit() and 0 < int(port) < 65536:
-            return value
-    raise _fail(key, expected, value)
-
-
-def _events_config(take: Callable[..., Any]) -> EventsConfig:
-    endpoint = take("events.endpoint", _parse_zmq_endpoint, "")
-    replay = take("events.replay_endpoint", _parse_zmq_endpoint, "")
-    if replay and not endpoint:
+def _check_events(events: EventsConfig) -> None:
+    if events.replay_endpoint and not events.endpoint:
         raise ConfigError("events.replay_endpoint is set but events.endpoint is not: "
                           "replays serve what the endpoint publishes")
-    if replay and replay == endpoint:
+    if events.replay_endpoint and events.replay_endpoint == events.endpoint:
         raise ConfigError("events.endpoint and events.replay_endpoint must differ")
-    return EventsConfig(
-        endpoint=endpoint, replay_endpoint=replay,
-        buffer_batches=take("events.buffer_batches", lambda v, k: _parse_int(v, k, 1, 1_000_000),
-                            DEFAULT_EVENT_BUFFER_BATCHES),
-    )
 
 
-def _parse_host_port(value: object, key: str) -> str:
-    """``""`` (off) or ``HOST:PORT`` (``[v6]:PORT`` for IPv6)."""
-    expected = "'' or HOST:PORT"
-    if not isinstance(value, str):
-        raise _fail(key, expected, value)
-    if value == "":
-        return value
-    host, sep, port = value.rpartition(":")
-    if sep and host and port.isdigit() and 0 < int(port) < 65536 and "/" not in host:
-        return value
-    raise _fail(key, expected, value)
-
-
-def _parse_metadata_server(value: object, key: str) -> str:
-    expected = "'', http://HOST:PORT/PATH, etcd://HOST:PORT or redis://HOST:PORT"
-    if not isinstance(value, str):
-        raise _fail(key, expected, value)
-    if value == "" or value.split("://", 1)[0] in ("http", "etcd", "redis") and "://" in value:
-        return value
-    raise _fail(key, expected, value)
-
-
-def _parse_text(value: object, key: str) -> str:
-    if not isinstance(value, str):
-        raise _fail(key, "a string", value)
-    return value
-
-
-def _cluster_config(take: Callable[..., Any], parse_optional_path: Callable[[object, str], str],
-                    shared_dir: str) -> ClusterConfig:
-    master = take("cluster.master", _parse_host_port, "")
-    metadata = take("cluster.metadata_server", _parse_metadata_server, "")
-    secret_file = take("cluster.secret_file", parse_optional_path, "")
-    write = take("cluster.write", _parse_choice(CLUSTER_WRITE_POLICIES), "demotion")
-    cfg = ClusterConfig(
-        master=master,
-        metadata_server=metadata,
-        secret_file=secret_file,
-        protocol=take("cluster.protocol", _parse_choice(CLUSTER_PROTOCOLS), "tcp"),
-        device_name=take("cluster.device_name", _parse_text, ""),
-        segment_bytes=take("cluster.segment_bytes", lambda v, k: _parse_size_in(v, k, 0),
-                           DEFAULT_CLUSTER_SEGMENT_BYTES),
-        prefault_segment=take("cluster.prefault_segment", _parse_bool,
-                              DEFAULT_CLUSTER_PREFAULT_SEGMENT),
-        segment_owner=take("cluster.segment_owner", _parse_host_port, ""),
-        bind_address=take("cluster.bind_address", _parse_text, ""),
-        hostname=take("cluster.hostname", _parse_text, ""),
-        replicas=take("cluster.replicas", lambda v, k: _parse_int(v, k, 1, 16), 1),
-        write=write,
-        request_timeout=take("cluster.request_timeout", _parse_positive_duration,
-                             DEFAULT_CLUSTER_REQUEST_TIMEOUT),
-        setup_timeout=take("cluster.setup_timeout", _parse_positive_duration,
-                           DEFAULT_CLUSTER_SETUP_TIMEOUT),
-    )
-    if not master:
-        return cfg
-    if not secret_file:
+def _check_cluster(cluster: ClusterConfig, spill: SpillConfig) -> None:
+    if not cluster.master:
+        return
+    if not cluster.secret_file:
         raise ConfigError("cluster.master is set but cluster.secret_file is not: every daemon "
                           "of a cluster needs the same secret (docs/deployment.md, Fleet)")
-    if cfg.protocol == "rdma" and not cfg.device_name:
+    if cluster.protocol == "rdma" and not cluster.device_name:
         raise ConfigError("cluster.protocol is rdma but cluster.device_name is empty")
-    if shared_dir and write == "demotion":
+    if spill.shared_dir and cluster.write == "demotion":
         raise ConfigError("cluster.write: demotion with spill.shared_dir set: the shared tier "
                           "keeps what the SSD tier evicts, so nothing would reach the cluster; "
                           "set cluster.write: commit")
-    return cfg
+
+
+# ---------------------------------------------------------------------------
+# Writing it back: the effective config, and the docs' reference table.
+# ---------------------------------------------------------------------------
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
@@ -1193,64 +1340,34 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     socket mode as ``"0660"``, metrics as its ``address``; loading the result
     as a file gives an equal Config.
     """
-    s, d = cfg.server, cfg.dram
-    return {
-        "instance": cfg.instance,
-        "server": {
-            "socket_dir": s.socket_dir,
-            "socket_mode": f"0{s.socket_mode:03o}",
-            "max_message_bytes": format_size(s.max_message_bytes),
-            "max_keys_per_call": s.max_keys_per_call,
-            "grace": format_duration(s.grace),
-            "tcp_address": s.tcp_address,
-            "tls_cert": s.tls_cert,
-            "tls_key": s.tls_key,
-            "tls_client_ca": s.tls_client_ca,
-            "tls_client_auth": s.tls_client_auth,
-            "fast_path": s.fast_path,
-            "write_grant_bytes": format_size(s.write_grant_bytes),
-        },
-        "dram": {
-            "shm_dir": d.shm_dir,
-            "capacity": format_size(d.capacity),
-            "extent_size": format_size(d.extent_size),
-            "prefault_threads": d.prefault_threads,
-            "mlock": d.mlock,
-            "grow_ahead": d.grow_ahead,
-        },
-        "leases": {"ttl": format_duration(cfg.leases.ttl)},
-        "reservations": {"ttl": format_duration(cfg.reservations.ttl)},
-        "spill": {
-            "ssd_dir": cfg.spill.ssd_dir,
-            "ssd_capacity": format_size(cfg.spill.ssd_capacity),
-            "ssd_file_size": format_size(cfg.spill.ssd_file_size),
-            "ssd_direct_io": cfg.spill.ssd_direct_io,
-            "shared_dir": cfg.spill.shared_dir,
-            "shared_write": cfg.spill.shared_write,
-            "clean_ahead": cfg.spill.clean_ahead,
-            "queue_depth": cfg.spill.queue_depth,
-            "io_threads": cfg.spill.io_threads,
-            "backpressure_timeout": format_duration(cfg.spill.backpressure_timeout),
-        },
-        "metrics": {"address": cfg.metrics.address},
-        "log": {"level": cfg.log.level, "format": cfg.log.format},
-        "access": {
-            "enabled": cfg.access.enabled,
-            "admin": [str(p) for p in cfg.access.admin],
-            "default": [str(p) for p in cfg.access.default],
-            "namespaces": [
-                {"match": r.match, "read": [str(p) for p in r.read],
-                 "write": [str(p) for p in r.write], "admin": [str(p) for p in r.admin],
-                 "dram_quota": format_size(r.dram_quota), "ssd_quota": format_size(r.ssd_quota)}
-                for r in cfg.access.namespaces
-            ],
-        },
-        "limits": dataclasses.asdict(cfg.limits),
-        "events": dataclasses.asdict(cfg.events),
-        "cluster": {
-            **dataclasses.asdict(cfg.cluster),
-            "segment_bytes": format_size(cfg.cluster.segment_bytes),
-            "request_timeout": format_duration(cfg.cluster.request_timeout),
-            "setup_timeout": format_duration(cfg.cluster.setup_timeout),
-        },
-    }
+    out = _dump(cfg)
+    for name in SECTIONS:
+        out[name] = _dump(getattr(cfg, name))
+    return out
+
+
+def _dump(obj: object) -> dict[str, Any]:
+    return {f.name: s.kind.fmt(getattr(obj, f.name)) for f, s in _declared(type(obj))}
+
+
+#: Where the generated table stands in the docs (between the two marker lines).
+REFERENCE_DOC: Final = "docs/deployment.md"
+REFERENCE_BEGIN: Final = ("<!-- config-reference: generated from daemon/kvtierd/config.py by "
+                          "scripts/config_reference.py; do not edit -->")
+REFERENCE_END: Final = "<!-- end config-reference -->"
+
+
+def reference_table() -> str:
+    """Every key as a Markdown table row: its kind, its default and what it does."""
+    rows = ["| key | value | default | what it does |", "| --- | --- | --- | --- |"]
+    for key, (f, s) in _KEYS.items():
+        default = s.default_doc or f"`{_yaml_text(s.kind.fmt(_field_default(f)))}`"
+        rows.append(f"| `{key}` | {s.kind.name} | {default} | {s.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+def _yaml_text(value: object) -> str:
+    """``value`` as it is written in the file (text YAML would read otherwise is quoted)."""
+    if isinstance(value, str) and _safe_load(value) == value:
+        return value
+    return json.dumps(value)

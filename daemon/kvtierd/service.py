@@ -514,7 +514,7 @@ _TIER_OF_NAME = {"dram": pb.TIER_DRAM, "ssd": pb.TIER_SSD, "shared": pb.TIER_SHA
 def _cluster_stats(cluster: ClusterTier) -> pb.TierStats:
     """The cluster tier's row: the memory this host lends it, and whether it is joined."""
     cc = cluster.counters
-    s = cluster.settings
+    s = cluster.settings.config
     state = (f"joined as {cluster.segment_name}" if cluster.ready
              else f"DOWN: {cluster.down_reason}")
     if s.segment_owner:

@@ -74,6 +74,7 @@ import numpy as np
 from kvtier.errors import CapacityExhausted, Corrupted, FailedPrecondition, NotFound
 from kvtierd.block_table import PREFETCHED
 from kvtierd.cluster.tier import ClusterTier
+from kvtierd.config import ClusterConfig, SpillConfig
 from kvtierd.logs import Throttle, event, more
 from kvtierd.shared_index import SessionPage
 from kvtierd.spill.blockio import fault_kind, memory_fault
@@ -142,11 +143,28 @@ DRAIN_SCAN_LIMIT: Final = 4096
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SpillPolicy:
-    clean_ahead: float = 0.1
-    queue_depth: int = 64
-    backpressure_timeout: float = 10.0
-    shared_write: str = "demotion"  # or "commit"
-    cluster_write: str = "demotion"  # or "commit"
+    """How blocks move down: the ``spill`` keys the movement follows and ``cluster.write``.
+
+    No defaults of its own: build it from the config (:meth:`from_config`), or from
+    the config's defaults (:meth:`with_defaults`, for tests and benchmarks).
+    """
+
+    clean_ahead: float
+    queue_depth: int
+    backpressure_timeout: float
+    shared_write: str  # "demotion" or "commit"
+    cluster_write: str  # "demotion" or "commit"
+
+    @classmethod
+    def from_config(cls, spill: SpillConfig, cluster: ClusterConfig) -> SpillPolicy:
+        return cls(clean_ahead=spill.clean_ahead, queue_depth=spill.queue_depth,
+                   backpressure_timeout=spill.backpressure_timeout,
+                   shared_write=spill.shared_write, cluster_write=cluster.write)
+
+    @classmethod
+    def with_defaults(cls, **changes: Any) -> SpillPolicy:
+        """The config's defaults, with ``changes`` (field name -> value)."""
+        return dataclasses.replace(cls.from_config(SpillConfig(), ClusterConfig()), **changes)
 
 
 @dataclasses.dataclass
@@ -315,7 +333,7 @@ class Tiering:
         self._by_id = {t.tier: t for t in self.lower}
         self._local = [t for t in self.lower if t.local]  # their indexes: loop-safe lookups
         self._remote = [t for t in self.lower if not t.local]  # every lookup is I/O
-        self.policy = policy or SpillPolicy()
+        self.policy = policy or SpillPolicy.with_defaults()
         #: Where every committed block is published (``shared_write: commit``,
         #: ``cluster.write: commit``).
         self._write_through = [t for t in self.lower

@@ -101,7 +101,7 @@ async def tiered(shm_dir: str, *, ssd_dir: str | None = None, shared_dir: str | 
            if ssd_dir else None)
     shared = SharedTier(shared_dir, io=io) if shared_dir else None
     t = Tiering(senv.store, ssd=ssd, shared=shared,
-                policy=policy or SpillPolicy(backpressure_timeout=5.0), io_threads=2)
+                policy=policy or SpillPolicy.with_defaults(backpressure_timeout=5.0), io_threads=2)
     await t.start()
     env = Env(senv, t)
     try:

@@ -25,7 +25,7 @@ from .test_spill_faults import SPILL_FILE, FaultyIO, another_shm_dir, data_offse
 
 __all__ = ["disk_dir"]  # a fixture
 
-QUIET = SpillPolicy(clean_ahead=0.0, backpressure_timeout=5.0)
+QUIET = SpillPolicy.with_defaults(clean_ahead=0.0, backpressure_timeout=5.0)
 
 
 async def list_all(env: Env, name: str, page_size: int) -> list[list[bytes]]:
@@ -241,8 +241,9 @@ def test_evict_all_covers_dram_ssd_and_their_shared_copies(shm_dir: str, disk_di
     async def go() -> None:
         ssd, shared = f"{disk_dir}/ssd", f"{disk_dir}/shared"
         async with tiered(shm_dir, ssd_dir=ssd, shared_dir=shared,
-                          policy=SpillPolicy(clean_ahead=0.0, backpressure_timeout=5.0,
-                                             shared_write="commit")) as env:
+                          policy=SpillPolicy.with_defaults(clean_ahead=0.0,
+                                                           backpressure_timeout=5.0,
+                                                           shared_write="commit")) as env:
             s = env.session()
             other = env.session("B")
             ks = keys(50)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
+import socket
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -1137,3 +1140,135 @@ def test_the_cluster_segment_is_prefaulted_unless_turned_off(tmp_path: Path) -> 
     assert load_config(path, env=dict(BASE_ENV)).cluster.prefault_segment is False
     with pytest.raises(ConfigError, match="cluster.prefault_segment"):
         load_config(write(tmp_path, "cluster:\n  prefault_segment: 2\n"), env=dict(BASE_ENV))
+
+
+# ---------------------------------------------------------------------------
+# The schema: each key declared once; loading, dumping and the docs from it
+# ---------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDED = Path(__file__).with_name("config_golden.json")
+#: Messages the schema changed on purpose: the events endpoints are text keys now (every
+#: key whose kind reads text is), so a value YAML reads as a number is quoted as written.
+CHANGED = {
+    "events.endpoint=5": "events.endpoint: expected '', tcp://HOST:PORT or ipc:///absolute/"
+                         "path, got '5' (from override 'events.endpoint=5')",
+    "events.replay_endpoint=7": "events.replay_endpoint: expected '', tcp://HOST:PORT or "
+                                "ipc:///absolute/path, got '7' (from override "
+                                "'events.replay_endpoint=7')",
+}
+
+
+def _recorded() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(RECORDED.read_text())
+    return data
+
+
+def _outcome(path: Path | None, env: Mapping[str, str], overrides: list[str]) -> dict[str, Any]:
+    """What a load makes: its dump in the file's order, or its error."""
+    try:
+        cfg = load_config(path, env=dict(env), overrides=overrides)
+    except ConfigError as exc:
+        return {"error": str(exc)}
+    return {"error": None, "dump": json.dumps(config_to_dict(cfg))}
+
+
+def test_dumps_are_those_recorded_before_the_schema_key_for_key_and_in_order() -> None:
+    rec = _recorded()
+    for case in rec["dumps"]:
+        path = ROOT / case["file"] if case["file"] else None
+        got = _outcome(path, rec["base_env"], [*rec["fixed_overrides"], *case["overrides"]])
+        assert got == {"error": None, "dump": json.dumps(case["dump"])}, case["name"]
+
+
+def test_overrides_give_the_values_and_messages_recorded_before_the_schema() -> None:
+    rec = _recorded()
+    for case in rec["errors"]:
+        got = _outcome(None, rec["base_env"], [*rec["fixed_overrides"], *case["overrides"]])
+        expected = CHANGED.get(" ".join(case["overrides"]), case["error"])
+        assert got["error"] == expected, case["overrides"]
+
+
+def test_environment_gives_the_values_and_messages_recorded_before_the_schema() -> None:
+    rec = _recorded()
+    for case in rec["env_cases"]:
+        got = _outcome(None, {**rec["base_env"], **case["env"]}, rec["fixed_overrides"])
+        assert got["error"] == case["error"], case["env"]
+        if case["error"] is None:
+            assert got["dump"] == json.dumps(case["dump"]), case["env"]
+
+
+def test_files_give_the_values_and_messages_recorded_before_the_schema(tmp_path: Path) -> None:
+    rec = _recorded()
+    for case in rec["files"]:
+        path = write(tmp_path, case["text"], "c.yaml")
+        got = _outcome(path, rec["base_env"], rec["fixed_overrides"])
+        error = got["error"] and got["error"].replace(str(path), "FILE")
+        assert error == case["error"], case["text"]
+        if case["error"] is None:
+            assert got["dump"] == json.dumps(case["dump"]), case["text"]
+
+
+def test_docs_reference_table_is_what_the_schema_generates() -> None:
+    text = (ROOT / C.REFERENCE_DOC).read_text()
+    _, begin, rest = text.partition(C.REFERENCE_BEGIN + "\n")
+    table, end, _ = rest.partition(C.REFERENCE_END)
+    assert begin and end, f"the marker lines are missing from {C.REFERENCE_DOC}"
+    assert table == C.reference_table(), "stale: run python scripts/config_reference.py"
+
+
+def test_reference_lists_every_key_once_in_the_files_order() -> None:
+    keys = re.findall(r"^\| `([a-z_.]+)` \|", C.reference_table(), re.M)
+    assert keys == ["instance", *(f"{s}.{k}" for s, ks in C.SECTION_KEYS.items() for k in ks)]
+
+
+def test_text_keys_are_the_keys_whose_kind_reads_text() -> None:
+    before = {"instance", "server.socket_dir", "server.socket_mode", "dram.shm_dir",
+              "spill.ssd_dir", "spill.shared_dir", "spill.shared_write", "metrics.address",
+              "log.level", "log.format", "server.tcp_address", "server.tls_cert",
+              "server.tls_key", "server.tls_client_ca", "server.tls_client_auth",
+              "cluster.master", "cluster.metadata_server", "cluster.secret_file",
+              "cluster.protocol", "cluster.device_name", "cluster.bind_address",
+              "cluster.hostname", "cluster.write", "cluster.segment_owner"}
+    assert C._TEXT_KEYS == before | {"events.endpoint", "events.replay_endpoint"}
+
+
+def test_spill_policy_takes_its_defaults_and_values_from_the_config() -> None:
+    from kvtierd.tiering import SpillPolicy
+
+    # The values SpillPolicy restated as its own defaults before.
+    assert SpillPolicy.with_defaults() == SpillPolicy(
+        clean_ahead=0.1, queue_depth=64, backpressure_timeout=10.0, shared_write="demotion",
+        cluster_write="demotion")
+    assert SpillPolicy.with_defaults(queue_depth=1).queue_depth == 1
+    cfg = load(overrides=["spill.clean_ahead=0.2", "spill.queue_depth=8",
+                          "spill.backpressure_timeout=1500ms", "spill.shared_dir=/mnt/s",
+                          "spill.shared_write=commit", "cluster.write=commit"])
+    assert SpillPolicy.from_config(cfg.spill, cfg.cluster) == SpillPolicy(
+        clean_ahead=0.2, queue_depth=8, backpressure_timeout=1.5, shared_write="commit",
+        cluster_write="commit")
+
+
+@pytest.mark.parametrize(("overrides", "agent"), [
+    ([], {"master": "10.0.0.1:50051", "metadata_server": "http://10.0.0.1:8080/metadata",
+          "protocol": "tcp", "device_name": "", "segment_bytes": 1 << 30, "segment_owner": "",
+          "prefault_segment": True, "local_buffer_bytes": 16 << 20, "local_hostname": None,
+          "replicas": 1, "threads": 4}),
+    (["cluster.segment_owner=10.0.0.2:15077", "cluster.bind_address=10.0.0.2",
+      "cluster.protocol=rdma", "cluster.device_name=mlx5_0", "cluster.replicas=3",
+      "cluster.metadata_server=etcd://e:2379", "cluster.segment_bytes=4GiB",
+      "cluster.hostname=h7"],
+     {"master": "10.0.0.1:50051", "metadata_server": "etcd://e:2379", "protocol": "rdma",
+      "device_name": "mlx5_0", "segment_bytes": 0, "segment_owner": "10.0.0.2:15077",
+      "prefault_segment": False, "local_buffer_bytes": 16 << 20, "local_hostname": "h7",
+      "replicas": 3, "threads": 4}),
+])
+def test_cluster_settings_give_the_agent_what_the_config_says(overrides: list[str],
+                                                              agent: dict[str, Any]) -> None:
+    """The agent's config as the daemon built it before ClusterSettings read the config."""
+    from kvtierd.cluster.tier import ClusterSettings
+
+    cc = load(overrides=["cluster.master=10.0.0.1:50051", "cluster.secret_file=/s",
+                         *overrides]).cluster
+    expected = {**agent, "local_hostname": agent["local_hostname"] or socket.gethostname()}
+    assert ClusterSettings.from_config(cc).agent_config() == expected

@@ -59,7 +59,7 @@ def test_a_delete_racing_a_write_through_publish_wins(shm_dir: str,
 
     async def go() -> None:
         async with tiered(shm_dir, shared_dir=shared, io=io,
-                          policy=SpillPolicy(shared_write="commit")) as env:
+                          policy=SpillPolicy.with_defaults(shared_write="commit")) as env:
             s = env.session()
             k = keys(1)
             await env.put(s, k)  # committed: its publish starts and is held at the rename
@@ -87,7 +87,7 @@ def test_a_delete_racing_an_ssd_to_shared_hand_off_wins(shm_dir: str,
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=os.path.join(disk_dir, "ssd"), shared_dir=shared,
                           io=io, ssd_capacity=1 * MiB, file_bytes=1 * MiB,
-                          policy=SpillPolicy(shared_write="demotion")) as env:
+                          policy=SpillPolicy.with_defaults(shared_write="demotion")) as env:
             s = env.session()
             ks = keys(60)
             writer = asyncio.ensure_future(env.put_all(s, ks))  # DRAM -> SSD -> shared

@@ -499,7 +499,7 @@ def test_very_slow_disk_times_out_the_reserve_and_loses_nothing(shm_dir: str,
 
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir, io=io,
-                          policy=SpillPolicy(backpressure_timeout=0.3)) as env:
+                          policy=SpillPolicy.with_defaults(backpressure_timeout=0.3)) as env:
             try:
                 s = env.session()
                 ks = keys(30)

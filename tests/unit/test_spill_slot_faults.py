@@ -40,7 +40,7 @@ from .spill_harness import DRAM, Env, MiB, disk_dir, keys, payload
 __all__ = ["disk_dir"]  # a fixture
 
 #: No background demotion: the tests demote with a drain, at the moment they choose.
-QUIET = SpillPolicy(clean_ahead=0.0, backpressure_timeout=5.0)
+QUIET = SpillPolicy.with_defaults(clean_ahead=0.0, backpressure_timeout=5.0)
 
 
 # ================================================================ helpers
@@ -211,7 +211,8 @@ def _publish_faulted(shm_dir: str, disk_dir: str, *, checksums: bool) -> None:  
 
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=os.path.join(disk_dir, "ssd"), shared_dir=shared,
-                          policy=SpillPolicy(clean_ahead=0.0, shared_write="commit")) as (
+                          policy=SpillPolicy.with_defaults(clean_ahead=0.0,
+                                                           shared_write="commit")) as (
                               env, rec):
             s = env.session()
             cuts: list[tuple[str, int]] = []

@@ -185,7 +185,7 @@ def test_host_b_hits_what_host_a_wrote_through(shm_dir: str, disk_dir: str) -> N
     shared = os.path.join(disk_dir, "shared")
 
     async def go() -> None:
-        policy = SpillPolicy(shared_write="commit")
+        policy = SpillPolicy.with_defaults(shared_write="commit")
         async with tiered(a_dir, ssd_dir=os.path.join(disk_dir, "ssdA"), shared_dir=shared,
                           policy=policy) as a, \
                 tiered(b_dir, ssd_dir=os.path.join(disk_dir, "ssdB"), shared_dir=shared,
@@ -354,7 +354,8 @@ def test_delete_during_its_demotion_stays_deleted_across_a_crash(shm_dir: str,
 
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir,
-                          policy=SpillPolicy(queue_depth=1, backpressure_timeout=5.0)) as env:
+                          policy=SpillPolicy.with_defaults(queue_depth=1,
+                                                           backpressure_timeout=5.0)) as env:
             s, ssd = env.session(), env.t.ssd
             assert ssd is not None
             write_in, write_go = threading.Event(), threading.Event()

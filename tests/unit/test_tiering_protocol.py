@@ -174,7 +174,7 @@ async def tiered(shm_dir: str, below: Sequence[Tier], *, ssd_dir: str | None = N
     senv = make_store(shm_dir, capacity=DRAM, extent_size=MiB + 4 * 4096)
     ssd = (SsdTier(ssd_dir, capacity=ssd_capacity, file_bytes=1 * MiB) if ssd_dir else None)
     t = Tiering(senv.store, ssd=ssd, below=below,
-                policy=policy or SpillPolicy(backpressure_timeout=5.0), io_threads=2)
+                policy=policy or SpillPolicy.with_defaults(backpressure_timeout=5.0), io_threads=2)
     await t.start()
     env = Env(senv, t)
     try:
@@ -298,7 +298,7 @@ def test_a_tier_that_cannot_answer_is_a_miss_and_a_counted_fault(shm_dir: str) -
 
 
 def _write_through() -> SpillPolicy:
-    return SpillPolicy(backpressure_timeout=5.0, cluster_write="commit")
+    return SpillPolicy.with_defaults(backpressure_timeout=5.0, cluster_write="commit")
 
 
 def test_a_commit_is_published_to_a_batched_tier_in_one_write_many(shm_dir: str) -> None:
@@ -327,7 +327,8 @@ def test_a_commit_larger_than_the_queue_depth_is_published_whole(shm_dir: str) -
     published whole, in one batch (cut at queue_depth, a P/D consumer would wait for
     blocks that never come)."""
     many = ManyTier()
-    policy = SpillPolicy(backpressure_timeout=5.0, cluster_write="commit", queue_depth=4)
+    policy = SpillPolicy.with_defaults(backpressure_timeout=5.0, cluster_write="commit",
+                                       queue_depth=4)
 
     async def go() -> None:
         async with tiered(shm_dir, [many], policy=policy) as env:

@@ -71,8 +71,8 @@ class TieringMachine(RuleBasedStateMachine):
         if recover_dram:
             recover(self.store, self.shm)
         ssd = SsdTier(self.ssd_dir, capacity=16 * MiB, file_bytes=1 * MiB)
-        self.t = Tiering(self.store, ssd=ssd, policy=SpillPolicy(backpressure_timeout=5.0),
-                         io_threads=2)
+        self.t = Tiering(self.store, ssd=ssd,
+                         policy=SpillPolicy.with_defaults(backpressure_timeout=5.0), io_threads=2)
         self.run(self.t.start())
         self.sessions: dict[str, Session] = {
             ns: self.store.open_session(ns, bb, "m", PEER) for ns, bb in NAMESPACES.items()}

@@ -60,6 +60,7 @@ from kvtier import _accel
 from kvtier.errors import Corrupted
 from kvtierd.cluster import agent as agent_mod
 from kvtierd.cluster.format import HEADER_BYTES, BadObject, Naming
+from kvtierd.config import ClusterConfig
 from kvtierd.logs import Throttle, event, more
 from kvtierd.segments import Segment
 from kvtierd.spill.ssd import SpillFull
@@ -110,35 +111,38 @@ def _rc_error(rc: int, what: str) -> OSError:
     return OSError(errno.EIO, f"{what}: Mooncake error {rc}")
 
 
+#: The agent's registered local buffer (Mooncake's staging memory for transfers).
+LOCAL_BUFFER_BYTES: Final = 16 << 20
+#: The agent's worker threads for batched puts and gets.
+AGENT_THREADS: Final = 4
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ClusterSettings:
-    """What the agent needs (``config.ClusterConfig`` resolved)."""
+    """What the agent needs: the ``cluster`` section (``config``), its metadata server
+    resolved, and the agent's own sizes."""
 
-    master: str
+    config: ClusterConfig
+    #: ``cluster.metadata_server``, or the master's host on port 8080 when that is "".
     metadata_server: str
-    protocol: str = "tcp"
-    device_name: str = ""
-    segment_bytes: int = 1 << 30
-    prefault_segment: bool = True
-    segment_owner: str = ""
-    local_buffer_bytes: int = 16 << 20
-    local_hostname: str = ""
-    bind_address: str = ""
-    replicas: int = 1
-    request_timeout: float = 30.0
-    setup_timeout: float = 60.0
-    threads: int = 4
+    local_buffer_bytes: int = LOCAL_BUFFER_BYTES
+    threads: int = AGENT_THREADS
+
+    @classmethod
+    def from_config(cls, cc: ClusterConfig) -> ClusterSettings:
+        metadata = cc.metadata_server or f"http://{cc.master.rpartition(':')[0]}:8080/metadata"
+        return cls(config=cc, metadata_server=metadata)
 
     def agent_config(self) -> dict[str, Any]:
-        return {"master": self.master, "metadata_server": self.metadata_server,
-                "protocol": self.protocol, "device_name": self.device_name,
-                "segment_bytes": 0 if self.segment_owner else self.segment_bytes,
-                "segment_owner": self.segment_owner,
-                "prefault_segment": self.prefault_segment and not self.segment_owner,
+        cc = self.config
+        return {"master": cc.master, "metadata_server": self.metadata_server,
+                "protocol": cc.protocol, "device_name": cc.device_name,
+                "segment_bytes": 0 if cc.segment_owner else cc.segment_bytes,
+                "segment_owner": cc.segment_owner,
+                "prefault_segment": cc.prefault_segment and not cc.segment_owner,
                 "local_buffer_bytes": self.local_buffer_bytes,
-                "local_hostname": self.local_hostname or self.bind_address
-                or socket.gethostname(),
-                "replicas": self.replicas, "threads": self.threads}
+                "local_hostname": cc.hostname or cc.bind_address or socket.gethostname(),
+                "replicas": cc.replicas, "threads": self.threads}
 
 
 @dataclasses.dataclass
@@ -301,8 +305,8 @@ class ClusterTier:
         env[agent_mod.ENV_FD] = str(theirs.fileno())
         env[agent_mod.ENV_CONFIG] = json.dumps(self.settings.agent_config())
         env.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
-        if self.settings.bind_address:
-            env["MC_TCP_BIND_ADDRESS"] = self.settings.bind_address
+        if self.settings.config.bind_address:
+            env["MC_TCP_BIND_ADDRESS"] = self.settings.config.bind_address
         try:
             proc = subprocess.Popen([sys.executable, "-m", "kvtierd.cluster.agent"], env=env,
                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
@@ -332,7 +336,7 @@ class ClusterTier:
 
     def _handshake(self, a: _Agent) -> bool:
         a.sock.settimeout(1.0)
-        deadline = time.monotonic() + self.settings.setup_timeout
+        deadline = time.monotonic() + self.settings.config.setup_timeout
         while not self._stop.is_set():
             try:
                 data = a.sock.recv(agent_mod.MAX_MESSAGE)
@@ -340,7 +344,7 @@ class ClusterTier:
                 if time.monotonic() > deadline:
                     self.counters.agent_failures += 1
                     self._down(f"the cluster agent did not join within "
-                               f"{self.settings.setup_timeout:g} s", "setup")
+                               f"{self.settings.config.setup_timeout:g} s", "setup")
                     return False
                 continue
             except OSError:
@@ -356,7 +360,7 @@ class ClusterTier:
                 a.ready = True
                 was = self.down_reason
                 self.down_reason = None
-                log.info("cluster: joined %s as segment %s%s", self.settings.master,
+                log.info("cluster: joined %s as segment %s%s", self.settings.config.master,
                          a.segment_name, f" (after: {was})" if was != NOT_JOINED else "",
                          extra=event("cluster_up", segment=a.segment_name))
                 return True
@@ -459,10 +463,10 @@ class ClusterTier:
         now = time.monotonic()
         with a.lock:
             oldest = min((t for _f, t in a.pending.values()), default=now)
-        if now - oldest > self.settings.request_timeout and a.proc.poll() is None:
+        if now - oldest > self.settings.config.request_timeout and a.proc.poll() is None:
             self.counters.agent_kills += 1
             self._down(f"a request to the cluster agent was outstanding for more than "
-                       f"{self.settings.request_timeout:g} s; killed it", "timeout")
+                       f"{self.settings.config.request_timeout:g} s; killed it", "timeout")
             a.proc.kill()
 
     def _reap(self, a: _Agent, joined: bool) -> None:
@@ -811,7 +815,7 @@ class ClusterTier:
                 rcs = self._call("put", [prefix + k.hex() for k in keys],
                                  np.array(sids[c : c + PUT_BATCH], dtype=np.int64).tobytes(),
                                  np.array(offs[c : c + PUT_BATCH], dtype=np.int64).tobytes(),
-                                 lengths.tobytes(), bb, headers, self.settings.replicas,
+                                 lengths.tobytes(), bb, headers, self.settings.config.replicas,
                                  agent=a)
             except OSError as exc:  # the whole batch: each block's error, as one by one
                 for i in idx:
