@@ -213,43 +213,50 @@ def check_prefix_keyed(trace: Trace) -> None:
 
 
 def default_traces(scale: float = 1.0, seed: int = 40) -> list[TraceInfo]:
-    """The study's traces; ``scale`` multiplies the request counts (the tests use small)."""
+    """The study's traces; ``scale`` multiplies the request counts (the tests use small
+    ones).  At scale 1 each replays in about a second per policy and size."""
     def n(x: int) -> int:
         return max(20, int(x * scale))
 
-    high = conversations(n(30_000), 3000, 1.1, 4, 32, 26)
-    low = conversations(n(30_000), 20_000, 0.8, 16, 8, 26)
+    high = conversations(n(10_000), 3000, 1.1, 4, 32, 26)
+    low = conversations(n(10_000), 20_000, 0.8, 16, 8, 26)
     return [
-        TraceInfo("high-reuse", high, 16, "issue 26's default trace: 3,000 Zipf-1.1 users, 4 "
-                  "prompts of 32 blocks, conversations of up to 12 rounds of 2-8 blocks",
-                  {"requests": n(30_000), "users": 3000, "zipf": 1.1, "prompts": 4,
+        TraceInfo("high-reuse", high, 16, "issue 26's default trace, first 10,000 requests: "
+                  "3,000 Zipf-1.1 users, 4 prompts of 32 blocks, conversations of up to 12 "
+                  "rounds of 2-8 blocks",
+                  {"requests": n(10_000), "users": 3000, "zipf": 1.1, "prompts": 4,
                    "prompt_blocks": 32, "seed": 26}),
-        TraceInfo("low-reuse", low, 16, "issue 26's low-reuse trace: 20,000 Zipf-0.8 users, "
-                  "16 prompts of 8 blocks", {"requests": n(30_000), "users": 20_000,
-                                             "zipf": 0.8, "prompts": 16, "prompt_blocks": 8,
-                                             "seed": 26}),
-        TraceInfo("agentic", agentic(n(12_000), 64, 48, (1, 4), (20, 120), seed), 16,
-                  "64 concurrent agent sessions of 20-120 turns, each re-sending its context "
-                  "(48-block shared tool prefix + every earlier turn) and growing 1-4 blocks",
-                  {"requests": n(12_000), "active": 64, "tools_blocks": 48,
+        TraceInfo("low-reuse", low, 16, "issue 26's low-reuse trace, first 10,000 requests: "
+                  "20,000 Zipf-0.8 users, 16 prompts of 8 blocks",
+                  {"requests": n(10_000), "users": 20_000, "zipf": 0.8, "prompts": 16,
+                   "prompt_blocks": 8, "seed": 26}),
+        TraceInfo("agentic", agentic(n(4_000), 64, 48, (1, 4), (20, 120), seed), 16,
+                  "64 concurrent agent sessions of 20-120 turns (Zipf 1 over sessions), each "
+                  "re-sending its context (48-block shared tool prefix + every earlier turn) "
+                  "and growing 1-4 blocks a turn",
+                  {"requests": n(4_000), "active": 64, "tools_blocks": 48,
                    "turn_blocks": [1, 4], "turns": [20, 120], "seed": seed}),
-        TraceInfo("shared-prompts", shared_prompts(n(40_000), 12, (16, 160), 1.0, (1, 6), 0.3,
+        TraceInfo("shared-prompts", shared_prompts(n(8_000), 300, (8, 64), 0.9, (1, 4), 0.3,
                                                    seed), 16,
-                  "12 system prompts of 16-160 blocks (Zipf 1) under single-shot queries of "
-                  "1-6 blocks; 30 % are follow-ups of one of the last 200 requests",
-                  {"requests": n(40_000), "prompts": 12, "prompt_blocks": [16, 160],
-                   "zipf": 1.0, "query_blocks": [1, 6], "followup": 0.3, "seed": seed}),
-        TraceInfo("documents", documents(n(20_000), 0.1, (100, 400), 0.2,
-                                         conversations(n(20_000), 3000, 1.1, 4, 32, seed + 1),
+                  "300 system prompts of 8-64 blocks (Zipf 0.9) under single-shot user "
+                  "queries of 1-4 blocks; 30 % are follow-ups of one of the last 200 requests",
+                  {"requests": n(8_000), "prompts": 300, "prompt_blocks": [8, 64],
+                   "zipf": 0.9, "query_blocks": [1, 4], "followup": 0.3, "seed": seed}),
+        TraceInfo("documents", documents(n(6_000), 0.1, (100, 400), 0.2,
+                                         conversations(n(6_000), 3000, 1.1, 4, 32, seed + 1),
                                          seed), 16,
-                  "10 % one-off long documents (100-400 blocks, 20 % asked once more within "
-                  "50 requests) among the high-reuse conversations",
-                  {"requests": n(20_000), "doc_share": 0.1, "doc_blocks": [100, 400],
+                  "10 % one-off long documents (100-400 blocks under a 4-block instruction; "
+                  "20 % asked once more within 50 requests) among high-reuse conversations",
+                  {"requests": n(6_000), "doc_share": 0.1, "doc_blocks": [100, 400],
                    "reread": 0.2, "seed": seed}),
         TraceInfo("vllm-serving", serving_replay(), 128,
                   "bench/vllm_serving.py's defaults replayed: 12 users x 5 rounds, 1,024-token "
                   "system prompt, 256-token messages, 16-token answers, 128-token blocks",
                   {"users": 12, "rounds": 5, "system_tokens": 1024, "message_tokens": 256,
+                   "answer_tokens": 16, "rate": 2.0, "seed": 0}),
+        TraceInfo("vllm-serving-48x8", serving_replay(users=48, rounds=8), 128,
+                  "the same workload with --users 48 --rounds 8 (the default is 60 requests)",
+                  {"users": 48, "rounds": 8, "system_tokens": 1024, "message_tokens": 256,
                    "answer_tokens": 16, "rate": 2.0, "seed": 0}),
     ]
 
@@ -398,7 +405,7 @@ def native_clock(i: int, n: int, new: bool) -> int:
 
 def replay_clock(trace: Trace, cap: int, chance: Chance = native_clock,
                  probation: float = 0.0, window: int = 0, orphans_first: bool = False,
-                 leaf_first: bool = False) -> Result:
+                 leaf_first: bool = False, gclock: int = 0) -> Result:
     """The native table's CLOCK (csrc/blocks.c ``victims_clock``), generalised to a small
     counter per slot.  Slots 0..cap-1; free slots are handed out lowest first; the hand
     passes slots in order, skips pinned ones (the request's present keys: their counter
@@ -417,6 +424,10 @@ def replay_clock(trace: Trace, cap: int, chance: Chance = native_clock,
     needed of slots it would take, and takes the deepest of them (a key's depth: its
     position in the request that inserted it, which the store learns from the order of a
     put's keys); the others stay, and the hand has passed them.
+
+    ``gclock`` > 0 (GCLOCK): a read adds its chance to the counter, up to ``gclock``,
+    instead of raising it to the chance: a key read often survives more passes of the
+    hand, and a chain's head, read by every request of the chain, outlives its tail.
 
     ``orphans_first``: the hand takes a slot whose key's predecessor is not cached (an
     orphan: no prefix hit can reach it, and the next request holding it re-inserts the
@@ -451,9 +462,10 @@ def replay_clock(trace: Trace, cap: int, chance: Chance = native_clock,
                 pos.append(i)
             else:
                 res.block_hits += 1
-                c = chance(i, n, False)
-                if c > cnt[s]:
-                    cnt[s] = c
+                if gclock:
+                    cnt[s] = min(gclock, cnt[s] + chance(i, n, False))
+                else:
+                    cnt[s] = max(cnt[s], chance(i, n, False))
                 read_since[s] = True
                 pinned.add(s)
         take = min(cap - filled, len(new))
@@ -504,7 +516,7 @@ def replay_clock(trace: Trace, cap: int, chance: Chance = native_clock,
                 walked += 1
                 if s not in cands:
                     cands.append(s)
-                if len(cands) < window * short and walked < cap:
+                if len(cands) < window * short and spins < cap:
                     continue
                 best = sorted(range(len(cands)), key=lambda j: (-dep[cands[j]], j))[:short]
                 for j in sorted(best):
@@ -617,3 +629,142 @@ def replay_belady_block(trace: Trace, cap: int) -> Result:
         for e in aside:
             heapq.heappush(heap, e)
     return res
+
+
+# --------------------------------------------------------------------------- the study
+
+
+def leaf_bit(i: int, n: int, new: bool) -> int:
+    """Two chances for a key with a successor in its request, one for the request's last
+    key (the chain's leaf); a new key gets one chance less (CLOCK gives it none)."""
+    return (1 if i < n - 1 else 0) + (0 if new else 1)
+
+
+def tail_distance(i: int, n: int, new: bool) -> int:
+    """Chances by distance from the request's last key: 1 for the last 4 keys, 2 for the
+    4 before, 3 further in (a 2-bit counter); new keys one less."""
+    return min(3, (0 if new else 1) + (n - 1 - i) // 4)
+
+
+@dataclass
+class PolicySpec:
+    name: str
+    kind: str   # reference, native, candidate, offline
+    run: Callable[[Trace, int], Result]
+    state: str  # per-block state a native version needs
+
+
+POLICIES: list[PolicySpec] = [
+    PolicySpec("exact LRU", "reference", replay_lru,
+               "an ordered list: two links and a hash entry per block"),
+    PolicySpec("exact LRU, tail first", "reference",
+               lambda t, c: replay_lru(t, c, tail_first=True),
+               "as exact LRU; a request's keys touched last to first"),
+    PolicySpec("CLOCK (native today)", "native", replay_clock,
+               "1 reference bit (csrc/blocks.c R_REF)"),
+    PolicySpec("S3-FIFO", "reference", replay_s3fifo,
+               "2-bit frequency, queue links, a ghost FIFO of 90 % of the blocks' keys"),
+    PolicySpec("CLOCK + leaf bit", "candidate", lambda t, c: replay_clock(t, c, leaf_bit),
+               "2-bit counter: 1 bit more than today (a spare bit of `bits`)"),
+    PolicySpec("CLOCK + tail distance", "candidate",
+               lambda t, c: replay_clock(t, c, tail_distance),
+               "2-bit counter: 1 bit more than today"),
+    PolicySpec("GCLOCK, 2-bit", "candidate", lambda t, c: replay_clock(t, c, gclock=3),
+               "2-bit counter: 1 bit more than today"),
+    PolicySpec("CLOCK, deepest of 2x", "candidate", lambda t, c: replay_clock(t, c, window=2),
+               "16-bit depth (the record's spare u16) + a window of 2n candidates per call"),
+    PolicySpec("CLOCK + orphans first", "candidate",
+               lambda t, c: replay_clock(t, c, orphans_first=True),
+               "parent slot (u32) + 8-bit slot epochs (own, parent's): 16 B a record"),
+    PolicySpec("CLOCK + leaf first", "candidate",
+               lambda t, c: replay_clock(t, c, leaf_first=True),
+               "parent slot (u32) + child count (u16) + epochs: 18 B, over the 16 B budget"),
+    PolicySpec("CLOCK + probation 10 %", "candidate",
+               lambda t, c: replay_clock(t, c, probation=0.10),
+               "1 bit (in the ring) + a ring of refs, 10 % of the slots: +0.8 B a block"),
+    PolicySpec("Belady per block", "offline", replay_belady_block,
+               "offline: the whole future"),
+    PolicySpec("OPT, every key admitted", "offline",
+               lambda t, c: replay_opt(t, c, admit_all=True), "offline: the whole future"),
+    PolicySpec("OPT (the bound)", "offline", replay_opt, "offline: the whole future"),
+]
+BOUND = "OPT (the bound)"
+BASE = "exact LRU"
+CLOCK_NAME = "CLOCK (native today)"
+
+
+def study(traces: list[TraceInfo], sizes: list[float], bytes_per_token: int,
+          policies: list[PolicySpec] | None = None, out: Callable[[str], None] = print,
+          ) -> list[dict[str, object]]:
+    """Every policy on every trace and cache size; one row per (trace, size, policy)."""
+    import time
+
+    policies = policies or POLICIES
+    rows: list[dict[str, object]] = []
+    for ti in traces:
+        check_prefix_keyed(ti.trace)
+        distinct = len({k for keys in ti.trace for k in keys})
+        reads = sum(len(keys) for keys in ti.trace)
+        out(f"\n{ti.name}: {len(ti.trace)} requests, {reads} block reads, {distinct} distinct "
+            f"blocks of {ti.block_tokens} tokens, longest request {max(map(len, ti.trace))}"
+            f" blocks\n  {ti.about}")
+        out(f"  {'policy':<26}" + "".join(f"{f'{s:.0%}: ratio (vs LRU) gap%':>30}"
+                                          for s in sizes))
+        cells: dict[str, list[dict[str, object]]] = {}
+        for size in sizes:
+            cap = max(1, int(size * distinct))
+            got: dict[str, tuple[Result, float]] = {}
+            for p in policies:
+                t0 = time.perf_counter()
+                r = p.run(ti.trace, cap)
+                got[p.name] = (r, time.perf_counter() - t0)
+            lru = got[BASE][0].ratio
+            opt = got[BOUND][0].ratio if BOUND in got else float("nan")
+            clock = got.get(CLOCK_NAME)
+            clock_ns = (clock[1] / max(1, clock[0].victims) * 1e9) if clock else None
+            for p in policies:
+                r, sec = got[p.name]
+                gap = opt - lru
+                closed = (r.ratio - lru) / gap if gap > 1e-9 else (1.0 if r.ratio >= lru
+                                                                 else 0.0)
+                ns = sec / max(1, r.victims) * 1e9
+                gib = cap * ti.block_tokens * bytes_per_token / (1 << 30)
+                row = {"trace": ti.name, "size": size, "cap_blocks": cap, "policy": p.name,
+                       "kind": p.kind, "state": p.state, "hit_ratio": r.ratio,
+                       "block_hit_ratio": r.block_hits / r.reads,
+                       "prefix_hits": r.hits, "reads": r.reads,
+                       "hit_tokens_per_gib": r.hits * ti.block_tokens / gib,
+                       "minus_lru_points": 100 * (r.ratio - lru),
+                       "gap_closed": closed, "victims": r.victims,
+                       "examined_per_victim": r.examined / max(1, r.victims),
+                       "sim_ns_per_victim": ns,
+                       "sim_cost_vs_clock": (ns / clock_ns) if clock_ns else None,
+                       "seconds": sec}
+                rows.append(row)
+                cells.setdefault(p.name, []).append(row)
+        for p in policies:
+            out(f"  {p.name:<26}" + "".join(
+                f"{c['hit_ratio']:>12.4f} ({c['minus_lru_points']:+6.2f}) "  # type: ignore[str-format]
+                f"{100 * c['gap_closed']:>7.0f}%" for c in cells[p.name]))  # type: ignore[operator]
+    return rows
+
+
+def verdicts(rows: list[dict[str, object]], sizes: tuple[float, ...] = (0.10, 0.25),
+             ) -> dict[str, dict[str, object]]:
+    """Per candidate: does it close >= half the LRU-to-OPT gap and never fall below exact
+    LRU, at each of ``sizes`` on every trace; the worst cell of each."""
+    out: dict[str, dict[str, object]] = {}
+    for row in rows:
+        if row["size"] not in sizes or row["kind"] in ("offline",) or row["policy"] == BASE:
+            continue
+        v = out.setdefault(str(row["policy"]), {"meets": True, "worst_gap_closed": 1e9,
+                                                "worst_minus_lru_points": 1e9, "cells": 0,
+                                                "cells_meeting": 0})
+        ok = row["gap_closed"] >= 0.5 and row["minus_lru_points"] >= -1e-9  # type: ignore[operator]
+        v["cells"] += 1  # type: ignore[operator]
+        v["cells_meeting"] += int(ok)  # type: ignore[operator]
+        v["meets"] = bool(v["meets"]) and ok
+        v["worst_gap_closed"] = min(v["worst_gap_closed"], row["gap_closed"])  # type: ignore[type-var]
+        v["worst_minus_lru_points"] = min(v["worst_minus_lru_points"],  # type: ignore[type-var]
+                                          row["minus_lru_points"])
+    return out
