@@ -295,21 +295,32 @@ def lead(keys: Sequence[int], cached: object) -> int:
 
 def replay_lru(trace: Trace, cap: int, tail_first: bool = False) -> Result:
     """Exact LRU (an ``OrderedDict``): present keys move to the end, absent ones are
-    inserted, in the request's order (``tail_first``: in reverse, so the head is newest)."""
+    inserted, in the request's order (``tail_first``: in reverse, so the head is newest).
+    The victim is the least recent key not in the request (its keys are pinned)."""
     tr, reads = truncate(trace, cap)
     res = Result(reads=reads)
     lru: collections.OrderedDict[int, None] = collections.OrderedDict()
     for keys in tr:
         res.hits += lead(keys, lru)
+        res.block_hits += sum(1 for k in keys if k in lru)
+        cur = set(keys)
         for k in (reversed(keys) if tail_first else keys):
             if k in lru:
                 lru.move_to_end(k)
-                res.block_hits += 1
-            else:
-                lru[k] = None
-                if len(lru) > cap:
-                    lru.popitem(last=False)
-                    res.victims += 1
+                continue
+            lru[k] = None
+            if len(lru) > cap:
+                aside = []
+                while True:
+                    v, _ = lru.popitem(last=False)
+                    res.examined += 1
+                    if v not in cur:
+                        break
+                    aside.append(v)
+                for v in reversed(aside):
+                    lru[v] = None
+                    lru.move_to_end(v, last=False)
+                res.victims += 1
     return res
 
 
