@@ -1,5 +1,6 @@
 """Eviction policy study (issue 26): exact LRU against the native block table's sampled
 LRU and CLOCK, on a prefix-reuse trace; and the native cost of choosing a victim.
+With ``--study prefix`` (issue 40): prefix-hit policies against the offline optimum.
 
 The trace (seeded): multi-round conversations of ``--users`` users whose
 popularity is Zipf(``--zipf``); each conversation starts from one of
@@ -33,6 +34,21 @@ bytes per slot.  Last, what the store's batch calls cost per block from Python
 table sizes.
 
     .venv/bin/python bench/eviction_policy.py --json bench/results/eviction-policy.json
+
+``--study prefix`` (issue 40; bench/prefix_eviction.py, pure Python, no native table):
+seven seeded traces (the two above, long agentic sessions, many users under shared system
+prompts, one-off long documents, and bench/vllm_serving.py's requests replayed at its
+defaults and at 48 users x 8 rounds), each replayed at ``--sizes`` of its distinct blocks by
+exact LRU, CLOCK as csrc/blocks.c implements it, S3-FIFO, chain-aware CLOCK candidates and
+the offline optimum of prefix hits (exact, see prefix_eviction's docstring).  Reported per
+cell: the prefix-hit ratio, minus exact LRU in points, the share of the LRU-to-optimum gap
+closed, prefix-hit tokens per GiB of cache (``--bytes-per-token`` of KV: Llama-3.1-8B in
+bf16 by default, 32 layers x 8 KV heads x 128 x K and V x 2 B = 128 KiB; the blocks'
+tokens are the trace's: 16, and vLLM CPU's 128 for the serving replay), and records
+examined and simulator ns per victim (relative to CLOCK's: a rough figure only).
+
+    .venv/bin/python bench/eviction_policy.py --study prefix \
+        --json bench/results/eviction-policy-prefix.json
 """
 
 from __future__ import annotations
@@ -48,6 +64,9 @@ from typing import Any
 import numpy as np
 
 from kvtierd.block_table import BlockTable, Policy
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+import prefix_eviction  # noqa: E402 -- bench/ is not a package
 
 BLOCK = 4096
 ROUND_BLOCKS = (2, 8)  # blocks a round adds: the user's turn and the answer
@@ -275,6 +294,14 @@ def parse_count(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--study", choices=("native", "prefix"), default="native",
+                    help="native: issue 26's study (default); prefix: issue 40's")
+    ap.add_argument("--scale", type=float, default=1.0, help="prefix study: multiplies the "
+                    "traces' request counts")
+    ap.add_argument("--traces", default="", help="prefix study: comma-separated trace names "
+                    "(default: all)")
+    ap.add_argument("--bytes-per-token", type=int, default=131072, help="prefix study: KV "
+                    "bytes per token (default Llama-3.1-8B, bf16)")
     ap.add_argument("--requests", type=int, default=30_000)
     ap.add_argument("--users", type=int, default=3000)
     ap.add_argument("--zipf", type=float, default=1.1)
@@ -290,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                     "call costs")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    if args.study == "prefix":
+        return prefix_study(args)
 
     t0 = time.perf_counter()
     trace = make_trace(args.requests, args.users, args.zipf, args.prompts, args.prompt_blocks,
@@ -355,6 +384,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n >> 10}k slots: " + ", ".join(f"{k} {v:.0f}" for k, v in ops.items()))
     print(f"total {time.perf_counter() - t0:.0f} s")
     if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+def prefix_study(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    sizes = args.sizes if args.sizes != [0.10, 0.25, 0.50] else [0.10, 0.25]
+    traces = prefix_eviction.default_traces(args.scale)
+    if args.traces:
+        want = args.traces.split(",")
+        traces = [t for t in traces if t.name in want]
+    print(f"prefix-hit ratio per policy; in brackets minus exact LRU (points), then the share "
+          f"of the gap from exact LRU to {prefix_eviction.BOUND} closed")
+    rows = prefix_eviction.study(traces, sizes, args.bytes_per_token)
+    verdict = prefix_eviction.verdicts(rows, tuple(s for s in sizes if s <= 0.25))
+    print("\ncandidates: >= half the gap and never below exact LRU, at 10 % and 25 % on "
+          "every trace?")
+    for name, v in verdict.items():
+        print(f"  {name:<26} {'yes' if v['meets'] else 'no ':<4} {v['cells_meeting']}/"
+              f"{v['cells']} cells; worst: {100 * v['worst_gap_closed']:.0f}% of the gap, "
+              f"{v['worst_minus_lru_points']:+.2f} points vs LRU")
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        out = {"study": "prefix", "issue": 40,
+               "args": {k: v for k, v in vars(args).items() if k != "json"} | {"sizes": sizes},
+               "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
+                           "processor": platform.processor()},
+               "traces": [{"name": t.name, "about": t.about, "params": t.params,
+                           "block_tokens": t.block_tokens, "requests": len(t.trace),
+                           "reads": sum(map(len, t.trace)),
+                           "distinct": len({k for keys in t.trace for k in keys})}
+                          for t in traces],
+               "policies": [{"name": p.name, "kind": p.kind, "state": p.state}
+                            for p in prefix_eviction.POLICIES],
+               "rows": rows, "verdicts": verdict}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0
