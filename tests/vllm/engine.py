@@ -8,8 +8,7 @@ process prints ``READY`` and waits for a line on stdin, so a test can act (kill 
 corrupt a block) between phases without starting another engine.  After each phase it
 prints one ``RESULT {json}`` line: per prompt the generated token ids (with ``logprobs``:
 the top ``logprobs`` log-probabilities of every step), vLLM's ``num_cached_tokens`` and the
-wall time, plus the connector's counters so far; with ``kv_digests``, the digest of every
-block of the engine's KV cache that holds anything (:func:`kv_block_digests`).
+wall time, plus the connector's counters so far.
 
 The engine keeps vLLM-CPU's thread count as it is: a kvtier engine must compute exactly as
 an engine without a connector by itself (``kvtier._vllm_plugin.keep_cpu_threads``), so only
@@ -49,29 +48,6 @@ def _counters(llm: Any) -> dict[str, float]:
     return out
 
 
-def kv_block_digests(worker: Any) -> dict[str, int]:
-    """Runs in the worker: the BLAKE2b digest of each block of the KV cache that holds
-    anything, its layers' pages concatenated layer-major (a kvtier block's bytes, for
-    single-tensor layouts such as vLLM-CPU's), to the block's id."""
-    import hashlib
-
-    import torch
-
-    caches = [t for t in worker.model_runner.kv_caches if t is not None]
-    num_blocks = int(caches[0].shape[0])
-    pages = [t.view(num_blocks, -1).view(torch.uint8) for t in caches]
-    used = torch.zeros(num_blocks, dtype=torch.bool)
-    for p in pages:
-        used |= (p != 0).any(dim=1)
-    out: dict[str, int] = {}
-    for block in used.nonzero().flatten().tolist():
-        h = hashlib.blake2b(digest_size=16)
-        for p in pages:
-            h.update(p[block].numpy().tobytes())
-        out[h.hexdigest()] = block
-    return out
-
-
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
@@ -79,9 +55,6 @@ def main() -> None:
         # vLLM-CPU reserves one more core when a connector other than kvtier's is
         # configured: keep the model on the threads it has without one.
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    if spec.get("kv_digests"):
-        # collective_rpc sends kv_block_digests to the worker pickled (this process only).
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
 
     ktc = _kv_transfer(spec.get("connector"), spec.get("kv_role", "kv_both"))
@@ -123,8 +96,6 @@ def main() -> None:
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
                      use_tqdm=False)
         result: dict[str, Any] = {"prompts": results, "counters": _counters(llm)}
-        if spec.get("kv_digests"):
-            result["kv"] = llm.collective_rpc(kv_block_digests)[0]
         print("RESULT " + json.dumps(result), flush=True)
 
 

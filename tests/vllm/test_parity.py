@@ -5,8 +5,7 @@ are nearly tied, so any change in how the engine computes (a thread count, a ker
 chunking, a byte of KV) shows as a different greedy token within a few steps.  Engines,
 each a fresh process started once for the module (together: each start costs 30-60 s):
 
-* ``ref``: no connector: vLLM alone.  Its answers, and the digest of every KV block it
-  computed;
+* ``ref``: no connector: vLLM alone, the answers to match;
 * ``both`` (``kv_both``, ``load_mode: auto``): set A cold (computes and saves), again
   (loads in the step, from DRAM), and again after kvtierd drained the blocks to its SSD
   tier and dropped them from DRAM (loads in the background, promoted from SSD);
@@ -14,15 +13,12 @@ each a fresh process started once for the module (together: each start costs 30-
 * ``consumer`` (``kv_consumer``): set B, loading what the producer saved.
 
 Prompts are seeded, their lengths just below, on and just above block boundaries, sent in
-batches of concurrent requests.  Every answer equals vLLM alone's token for token, and the
-bytes kvtier holds for a prompt's blocks (the bytes it hands a loading engine) are bytes
-vLLM alone computed for them.  The P/D proxy, hybrid and MLA models have their parity
+batches of concurrent requests.  Every answer equals vLLM alone's token for token.  The P/D proxy, hybrid and MLA models have their parity
 tests in test_pd.py and test_hybrid.py; bench/parity.py runs the same on hundreds of prompts.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import shutil
@@ -34,11 +30,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM connector tests need kvtier[vllm] (make install)")
 
-import kvtier  # noqa: E402
 import kvtier.v1.kvtier_pb2 as pb  # noqa: E402
 from kvtier._admin import admin_call  # noqa: E402
-from kvtier.hashing import block_keys  # noqa: E402
-from kvtier.vllm import request_salt  # noqa: E402
 from tests.conftest import DaemonProc, start_daemon, stop_daemon  # noqa: E402
 from tests.vllm import tinymodel  # noqa: E402
 from tests.vllm.test_engine import Engine  # noqa: E402
@@ -47,7 +40,7 @@ pytestmark = [pytest.mark.timeout(900)]
 
 BLOCK = 128
 ANSWER = 24
-SALT = request_salt("", None, None)
+LAYERS = 3
 #: Set A (kv_both) and set B (producer/consumer): lengths around block boundaries.
 LENGTHS_A = (127, 128, 129, 383, 384, 385, 1023, 1024, 1025, 1407, 1408, 1900)
 LENGTHS_B = (255, 256, 257, 1151, 1152, 1153)
@@ -85,7 +78,7 @@ B = prompts(LENGTHS_B, 2)
 class Lab:
     def __init__(self, base: str) -> None:
         self.base = base
-        self.model = str(tinymodel.build(os.path.join(base, "model"), layers=3,
+        self.model = str(tinymodel.build(os.path.join(base, "model"), layers=LAYERS,
                                          dtype="bfloat16"))
         self.daemon: DaemonProc = start_daemon(
             base, "--set", f"spill.ssd_dir={os.path.join(base, 'ssd')}",
@@ -100,7 +93,7 @@ class Lab:
               **extra: Any) -> None:
         spec: dict[str, Any] = {
             "model": self.model, "phases": phases, "dtype": "bfloat16", "max_model_len": 2048,
-            "prefix_caching": False, "kv_digests": role is None,
+            "prefix_caching": False,
             "connector": None if role is None else {"socket_dir": self.socket_dir,
                                                     "timeout": 5.0, **extra}}
         if role is not None:
@@ -110,15 +103,6 @@ class Lab:
     def namespace(self) -> pb.NamespaceStats:
         (ns,) = [n for n in self.daemon.stats().namespaces if n.name.startswith("vllm/model-")]
         return ns
-
-    def stored_digests(self, batch: list[list[int]]) -> list[str]:
-        """The digest of every block kvtierd holds for ``batch``'s full blocks."""
-        ns = self.namespace()
-        keys = [k for p in batch for k in block_keys(p, BLOCK, SALT)]
-        with kvtier.Client(self.socket_dir, namespace=ns.name, block_bytes=ns.block_bytes,
-                           model_uid=ns.model_uid) as c:
-            assert c.lookup(keys) == len(keys)
-            return [hashlib.blake2b(bytes(b), digest_size=16).hexdigest() for b in c.get(keys)]
 
     def to_ssd_only(self) -> None:
         """Every DRAM block of the namespace copied to the SSD tier, then dropped from DRAM."""
@@ -166,8 +150,6 @@ def test_kv_both_answers_as_vllm_alone_cold_from_dram_and_from_ssd(
     # Every block full once computed: the prompt's and those its answer filled (the last
     # answer token's KV is never computed).
     assert count(cold, "saved_blocks") == sum((len(p) + ANSWER - 1) // BLOCK for p in A)
-    # What kvtier holds for each block is what vLLM alone computed for it, byte for byte.
-    assert set(lab.stored_digests(A)) <= set(ref["kv"])
 
     both.next()  # in the step, from DRAM
     dram = both.result()
@@ -191,7 +173,6 @@ def test_a_producer_and_its_consumer_answer_as_vllm_alone(
     want = tokens(ref)[len(A):]
     produced = lab.engines["producer"].result()
     assert tokens(produced) == want
-    assert set(lab.stored_digests(B)) <= set(ref["kv"])
 
     consumer = lab.engines["consumer"]
     consumer.result()  # the empty first phase: the engine is up
