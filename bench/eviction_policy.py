@@ -76,28 +76,11 @@ MAX_ROUNDS = 12
 
 def make_trace(requests: int, users: int, zipf: float, prompts: int, prompt_blocks: int,
                seed: int) -> list[list[int]]:
-    """Each request's block keys, in prefix order (ints: keys only need identity)."""
-    rng = np.random.default_rng(seed)
-    weights = 1.0 / np.arange(1, users + 1) ** zipf
-    who = rng.choice(users, size=requests, p=weights / weights.sum())
-    conv = np.full(users, -1)
-    length = np.zeros(users, dtype=np.int64)
-    rounds = np.zeros(users, dtype=np.int64)
-    next_conv = 0
-    trace: list[list[int]] = []
-    for u in who.tolist():
-        if conv[u] < 0 or rounds[u] >= MAX_ROUNDS or rng.random() < NEW_CONVERSATION:
-            conv[u], length[u], rounds[u] = next_conv, 0, 0
-            next_conv += 1
-        prompt = u % prompts
-        grow = int(rng.integers(ROUND_BLOCKS[0], ROUND_BLOCKS[1] + 1))
-        base = (1 << 40) + int(conv[u]) * 4096
-        keys = [prompt * 4096 + i for i in range(prompt_blocks)]
-        keys += [base + j for j in range(int(length[u]) + grow)]
-        length[u] += grow
-        rounds[u] += 1
-        trace.append(keys)
-    return trace
+    """Each request's block keys, in prefix order (ints: keys only need identity): the
+    conversations trace of bench/prefix_eviction.py with this study's round shape."""
+    return prefix_eviction.conversations(requests, users, zipf, prompts, prompt_blocks, seed,
+                                         round_blocks=ROUND_BLOCKS, new_conv=NEW_CONVERSATION,
+                                         max_rounds=MAX_ROUNDS)
 
 
 def replay_exact_lru(trace: list[list[int]], cap: int) -> tuple[int, int]:
