@@ -52,7 +52,6 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -63,8 +62,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvtier import bench as kb
-from kvtier._admin import fetch_stats, wait_serving
+from kvtier._admin import fetch_stats
 from kvtier._fmt import table
+from kvtier.bench.private_daemon import (
+    daemon_args,
+    start_private_daemon,
+    stop_private_daemon,
+)
 from kvtier.errors import KVTierError, PermissionDenied
 from kvtier.units import GiB, format_bytes
 from kvtierd.config import config_to_dict, load_config
@@ -156,40 +160,27 @@ def check_config(name: str, overrides: list[str], sizes: list[int],
 @contextlib.contextmanager
 def own_daemon(name: str, workdir: str, capacity: int, extent: int, sizes: list[int],
                info: dict[str, Any], aa: bool = False) -> Iterator[str]:
-    """One kvtierd on temp sockets and a fresh shm directory; yields its socket dir."""
+    """One private kvtierd on temp sockets and a fresh shm directory; yields its socket dir."""
     socket_dir = os.path.join(workdir, f"sock-{name}")
     shm_dir = f"{kb.SHM_PREFIX}access-{name}-{uuid.uuid4().hex[:12]}"
-    log_path = os.path.join(workdir, f"kvtierd-{name}.log")
     overrides = daemon_overrides(name, socket_dir, shm_dir, capacity, extent, aa)
     info.update(check_config(name, overrides, sizes, aa))
-    args = [sys.executable, "-m", "kvtierd"]
-    for item in overrides:
-        args += ["--set", item]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     info.update(capacity=capacity, extent_size=extent, shm_dir=shm_dir, socket_dir=socket_dir,
-                args=args[1:])
-    kb._progress(f"starting kvtierd {name.upper()} (capacity {format_bytes(capacity, exact=True)}, "
-                 f"extents {format_bytes(extent, exact=True)}, shm {shm_dir})")
-    proc = None
+                args=daemon_args(socket_dir, shm_dir, overrides)[1:])
+    kb.progress(f"starting kvtierd {name.upper()} (capacity {format_bytes(capacity, exact=True)}, "
+                f"extents {format_bytes(extent, exact=True)}, shm {shm_dir})")
+    d = start_private_daemon(socket_dir, *overrides, shm_dir=shm_dir,
+                             log_path=os.path.join(workdir, f"kvtierd-{name}.log"),
+                             bound_to_parent=True)
+    info["pid"] = d.pid
     try:
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    stdin=subprocess.DEVNULL, preexec_fn=kb._die_with_parent)
-        info["pid"] = proc.pid
-        try:
-            wait_serving(socket_dir, proc)
-        except BaseException:
-            print(kb._tail(log_path), file=sys.stderr)
-            raise
         yield socket_dir
     finally:
-        if proc is not None:
-            kb._stop(proc)
-            info["exit_status"] = proc.returncode
-            if proc.returncode not in (0, None):
-                kb._progress(f"kvtierd {name.upper()} exited with status {proc.returncode}; "
-                             f"log tail:\n{kb._tail(log_path)}")
-        shutil.rmtree(shm_dir, ignore_errors=True)
+        stop_private_daemon(d)
+        info["exit_status"] = d.proc.returncode
+        if d.proc.returncode not in (0, None):
+            kb.progress(f"kvtierd {name.upper()} exited with status {d.proc.returncode}; "
+                        f"log tail:\n{d.log_tail(4000)}")
 
 
 def probe(socket_dir: str) -> str:
@@ -230,7 +221,7 @@ def wait_idle(pids: list[int], window: float = 0.3, timeout: float = 10.0) -> fl
 
 
 def machine() -> dict[str, Any]:
-    m = kb._machine()
+    m = kb.machine()
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         m["git_head"] = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
@@ -251,7 +242,7 @@ def abba(i: int, first: int = 0) -> tuple[str, str]:
     return CONFIGS if (i + first) % 2 == 0 else (CONFIGS[1], CONFIGS[0])
 
 
-class _PairWorker(kb._Worker):
+class _PairWorker(kb.Worker):
     """``kvtier bench``'s client worker with one client per daemon.
 
     A ``pair`` task times put or get batches (``kvtier bench``'s own batch
@@ -456,7 +447,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": [],
     }
     for stale in kb.remove_stale_shm_dirs():
-        kb._progress(f"removed {stale} (left by a benchmark that was killed)")
+        kb.progress(f"removed {stale} (left by a benchmark that was killed)")
     expected_probe = {"on": "ok" if args.aa else "PermissionDenied", "off": "ok"}
     with contextlib.ExitStack() as outer:
         workdir = outer.enter_context(tempfile.TemporaryDirectory(prefix="kvtb-access-",
@@ -475,7 +466,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rec: dict[str, Any] = {"round": rnd, "started_first": first[0],
                                    "loadavg": list(os.getloadavg()), "daemons": {},
                                    "throughput": {}, "latency": {}}
-            kb._progress(f"round {rnd + 1}/{args.rounds}: loadavg {rec['loadavg'][0]:.2f}")
+            kb.progress(f"round {rnd + 1}/{args.rounds}: loadavg {rec['loadavg'][0]:.2f}")
             rdir = os.path.join(workdir, f"r{rnd}")
             os.mkdir(rdir)
             with contextlib.ExitStack() as stack:
@@ -514,7 +505,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         out["foreign_cpu"] = meter.stop()
                         rec["throughput"][key] = out
                         j += 1
-                        kb._progress(f"  {key}: ON {out['on']['bytes_per_s'] / GiB:.2f} OFF "
+                        kb.progress(f"  {key}: ON {out['on']['bytes_per_s'] / GiB:.2f} OFF "
                                      f"{out['off']['bytes_per_s'] / GiB:.2f} GiB/s (ON/OFF "
                                      f"{out['on']['bytes_per_s'] / out['off']['bytes_per_s']:.3f}"
                                      f", {out['pairs']} pairs)")
@@ -523,7 +514,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                            args.latency_samples, args.warmup, rnd + j, pool)
                 rec["latency"] = {"foreign_cpu": meter.stop(), **lat}
                 lk = {n: lat[n]["lookup"] for n in CONFIGS}
-                kb._progress(
+                kb.progress(
                     f"  lookup p50: ON {lk['on']['p50_s'] * 1e3:.3f} OFF "
                     f"{lk['off']['p50_s'] * 1e3:.3f} ms; p99: ON "
                     f"{lk['on']['p99_s'] * 1e3:.3f} OFF {lk['off']['p99_s'] * 1e3:.3f} ms")
@@ -627,7 +618,7 @@ def render(res: dict[str, Any]) -> str:
             x["name"], x["unit"], f"{x['on_median'] * scale:.3f}", f"{x['off_median'] * scale:.3f}",
             f"{x['ratio_median']:.3f}", f"[{x['ratio_min']:.3f}-{x['ratio_max']:.3f}]",
             "-" if x["ratio_pooled"] is None else f"{x['ratio_pooled']:.3f}",
-            kb._fmt_pct(x["other_cpu_median"]), x["goal"] if x["judged"] else "-",
+            kb.fmt_pct(x["other_cpu_median"]), x["goal"] if x["judged"] else "-",
             ("PASS" if x["met"] else "FAIL") if x["judged"] else "info"])
     out.append(table(rows))
     out += ["", "== ON/OFF ratio per round =="]
@@ -725,7 +716,7 @@ def main(argv: list[str]) -> int:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
             f.write("\n")
-        kb._progress(f"raw results written to {args.json}")
+        kb.progress(f"raw results written to {args.json}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The write path's fixed costs (issue 26): a commit of 1 and of 32 blocks through the
+"""The write path's fixed costs: a commit of 1 and of 32 blocks through the
 session page, in the store alone and through a daemon, for one or several source trees
 in the same run (rounds alternate between trees, so a before / after pair sees the
 same machine).
@@ -9,7 +9,11 @@ Per tree and round:
   (``Store.commit_from_page``: the native take and check, the commit transition, the
   grant refill), the writer's half included (taking grants, writing records); 64 KiB
   blocks in a 256 MiB pool in steady state (every claim evicts), the writer asking for
-  1 or 32 grants.  CPU microseconds per commit and per block.
+  1 or 32 grants.  CPU microseconds per commit and per block, of the whole and of the
+  daemon's half alone (the thread's CPU inside ``commit_from_page``).
+* ``calls``: in-process, Reserve + Commit calls (``Store.reserve`` / ``Store.commit``)
+  of 4096 keys of 4 KiB in a 64 MiB pool kept full (every claim evicts): the store's
+  CPU per block on the call path, which puts larger than a page's grants take.
 * ``daemon``: a kvtierd of that tree (fast path, writes without a call); an empty gRPC
   call (health Check, the baseline), then reserve + commit of 1 key back to back (p50,
   and its ratio to the empty call's p50), then puts of 32 x 64 KiB (blocks/s), all
@@ -48,15 +52,11 @@ def _p50(xs: list[float]) -> float:
 
 
 # ------------------------------------------------------------------ store, in-process
-def _store_mode(batch: int, seconds: float) -> dict[str, float]:
-    import asyncio
-
-    from kvtier import _native, _page
-    from kvtier._index import LocalWrites
+def _private_store(capacity: int, extent: int, **options: Any) -> tuple[str, Any]:
+    """A store of its own /dev/shm directory (returned, for the caller to remove), with
+    no growth ahead (the fill is what is measured)."""
     from kvtierd.segments import Segment
-    from kvtierd.shared_index import SessionPage
     from kvtierd.store import Store
-    from kvtierd.store.types import Peer
 
     shm = tempfile.mkdtemp(dir="/dev/shm", prefix="kvt-bench-cp-")
 
@@ -65,10 +65,21 @@ def _store_mode(batch: int, seconds: float) -> dict[str, float]:
                               index=index, layout=layout, boot_epoch=7, mlock=False,
                               prefault_threads=1)
 
-    store = Store(capacity=256 << 20, extent_size=64 << 20, extent_factory=factory,
-                  lease_ttl=30.0, reservation_ttl=60.0, boot_epoch=7, publish=True,
-                  grant_bytes=256 * BLOCK)
+    store = Store(capacity=capacity, extent_size=extent, extent_factory=factory,
+                  lease_ttl=30.0, reservation_ttl=60.0, boot_epoch=7, publish=True, **options)
     store.grow_ahead = False
+    return shm, store
+
+
+def _store_mode(batch: int, seconds: float) -> dict[str, float]:
+    import asyncio
+
+    from kvtier import _native, _page
+    from kvtier._index import LocalWrites
+    from kvtierd.shared_index import SessionPage
+    from kvtierd.store.types import Peer
+
+    shm, store = _private_store(256 << 20, 64 << 20, grant_bytes=256 * BLOCK)
     store.commit_handles = False  # as kvtierd without a write-through tier
     s = store.open_session("bench", BLOCK, "m", Peer(1, 0, 0))
     filled = 0
@@ -90,6 +101,7 @@ def _store_mode(batch: int, seconds: float) -> dict[str, float]:
     struct.pack_into("<Q", page.mapping, _page.W_WANT, batch)
     head = struct.unpack_from("<Q", page.mapping, _page.W_HEAD)[0]
     key = 0
+    daemon_ns = 0  # the daemon's half alone: CPU in commit_from_page
 
     def one() -> None:
         nonlocal head, key
@@ -102,12 +114,16 @@ def _store_mode(batch: int, seconds: float) -> dict[str, float]:
                    for i, g in enumerate(got)]
         key += batch
         head = _native.commits_put(page.mapping, head, records)
+        nonlocal daemon_ns
+        d0 = time.thread_time_ns()
         out = store.commit_from_page(s, page)
+        daemon_ns += time.thread_time_ns() - d0
         assert out.committed == batch, out
 
     for _ in range(max(200, 4000 // batch)):  # warm: the pool full, claims evict
         one()
     n = 0
+    daemon_ns = 0
     c0, t0 = time.process_time(), time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         one()
@@ -122,21 +138,62 @@ def _store_mode(batch: int, seconds: float) -> dict[str, float]:
     shutil.rmtree(shm, ignore_errors=True)
     if problems:
         raise RuntimeError(f"check() after the run: {problems[:3]}")
-    return {"commits": n, "us_per_commit": cpu / n * 1e6, "us_per_block": cpu / n / batch * 1e6}
+    return {"commits": n, "us_per_commit": cpu / n * 1e6, "us_per_block": cpu / n / batch * 1e6,
+            "daemon_us_per_commit": daemon_ns / n / 1e3,
+            "daemon_us_per_block": daemon_ns / n / batch / 1e3}
+
+
+def _calls_mode(batch: int, seconds: float, block: int = 4 << 10) -> dict[str, float]:
+    """Reserve + Commit calls of ``batch`` keys of ``block`` bytes, in-process, in a
+    64 MiB pool kept full (every claim evicts): the store's CPU per block (no wire, no
+    writer: the calls alone)."""
+    import asyncio
+
+    from kvtierd.store.types import Peer
+
+    shm, store = _private_store(64 << 20, 16 << 20)
+    store.commit_handles = False
+    s = store.open_session("bench", block, "m", Peer(1, 0, 0))
+    lengths = [block] * batch
+    key = 0
+
+    async def put() -> None:
+        nonlocal key
+        res = await store.reserve(s, [b"c%011d" % (key + i) for i in range(batch)])
+        key += batch
+        store.commit(s, res.reservation_id, lengths, None)
+
+    async def run() -> tuple[int, float]:
+        for _ in range(3 * (64 << 20) // (block * batch)):  # filled, then every claim evicts
+            await put()
+        n, c0, t0 = 0, time.process_time(), time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            await put()
+            n += 1
+        return n, time.process_time() - c0
+
+    n, cpu = asyncio.run(run())
+    problems = store.check()
+    store.close_session(s)
+    store.close_all()
+    shutil.rmtree(shm, ignore_errors=True)
+    if problems:
+        raise RuntimeError(f"check() after the run: {problems[:3]}")
+    return {"puts": n, "us_per_block": cpu / n / batch * 1e6}
 
 
 # ------------------------------------------------------------------ through a daemon
 def _daemon_mode(seconds: float) -> dict[str, float]:
     import grpc
     import numpy as np
-    from _kvtierd import kvtierd  # (bench/, the script's directory: on sys.path)
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     import kvtier
     from kvtier._core import grpc_options
+    from kvtier.bench.private_daemon import private_daemon
 
     out: dict[str, float] = {}
-    with kvtierd("cp", "dram.capacity=512MiB", "dram.extent_size=64MiB",
+    with private_daemon("cp", "dram.capacity=512MiB", "dram.extent_size=64MiB",
                  "server.write_grant_bytes=64MiB") as daemon:
         channel = grpc.insecure_channel(f"unix://{daemon.grpc_path}", options=grpc_options())
         health = health_pb2_grpc.HealthStub(channel)
@@ -211,6 +268,8 @@ def main() -> int:
     if args.child:
         if args.child == "daemon":
             res = _daemon_mode(args.seconds)
+        elif args.child.startswith("calls"):
+            res = _calls_mode(int(args.child.removeprefix("calls")), args.seconds)
         else:
             res = _store_mode(int(args.child.removeprefix("store")), args.seconds)
         print(json.dumps(res))
@@ -219,12 +278,16 @@ def main() -> int:
     runs: dict[str, list[dict[str, Any]]] = {str(t): [] for t in trees}
     for r in range(args.rounds):
         for t in trees if r % 2 == 0 else reversed(trees):
-            row = {m: _child(t, m, args.seconds) for m in ("store1", "store32", "daemon")}
+            row = {m: _child(t, m, args.seconds)
+                   for m in ("store1", "store32", "calls4096", "daemon")}
             runs[str(t)].append(row)
             print(f"round {r + 1} {t}: {json.dumps(row)}", flush=True)
     print()
     cols = [("store, 1 key: CPU us/commit", "store1", "us_per_commit"),
+            ("  the daemon's half (commit_from_page)", "store1", "daemon_us_per_commit"),
             ("store, 32 keys: CPU us/block", "store32", "us_per_block"),
+            ("  the daemon's half (commit_from_page)", "store32", "daemon_us_per_block"),
+            ("store, calls of 4096 x 4 KiB: CPU us/block", "calls4096", "us_per_block"),
             ("empty gRPC call p50 ms", "daemon", "empty_call_p50_ms"),
             ("reserve+commit 1 key p50 ms", "daemon", "one_key_p50_ms"),
             ("  x empty call", "daemon", "one_key_x_empty"),

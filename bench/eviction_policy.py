@@ -1,6 +1,6 @@
-"""Eviction policy study (issue 26): exact LRU against the native block table's sampled
+"""Eviction policy study: exact LRU against the native block table's sampled
 LRU and CLOCK, on a prefix-reuse trace; and the native cost of choosing a victim.
-With ``--study prefix`` (issue 40): prefix-hit policies against the offline optimum.
+With ``--study prefix``: prefix-hit policies against the offline optimum.
 
 The trace (seeded): multi-round conversations of ``--users`` users whose
 popularity is Zipf(``--zipf``); each conversation starts from one of
@@ -35,7 +35,7 @@ table sizes.
 
     .venv/bin/python bench/eviction_policy.py --json bench/results/eviction-policy.json
 
-``--study prefix`` (issue 40; bench/prefix_eviction.py, pure Python, no native table):
+``--study prefix`` (bench/prefix_eviction.py, pure Python, no native table):
 seven seeded traces (the two above, long agentic sessions, many users under shared system
 prompts, one-off long documents, and bench/vllm_serving.py's requests replayed at its
 defaults and at 48 users x 8 rounds), each replayed at ``--sizes`` of its distinct blocks by
@@ -278,7 +278,8 @@ def parse_count(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--study", choices=("native", "prefix"), default="native",
-                    help="native: issue 26's study (default); prefix: issue 40's")
+                    help="native: sampled LRU and CLOCK against exact LRU (default); "
+                         "prefix: prefix-hit policies against the exact optimum")
     ap.add_argument("--scale", type=float, default=1.0, help="prefix study: multiplies the "
                     "traces' request counts")
     ap.add_argument("--traces", default="", help="prefix study: comma-separated trace names "

@@ -1,4 +1,4 @@
-"""Round-trip floors of the fast-path candidates, measured side by side (issue 14).
+"""Round-trip floors of the fast-path candidates, measured side by side.
 
 Each row is the p50/p99 of one request/answer round trip from a Python client
 (blocking Unix stream socket, 64-byte messages unless said), in one run,
@@ -102,10 +102,10 @@ def main() -> int:
     args = ap.parse_args()
 
     import grpc
-    from _kvtierd import kvtierd  # (bench/, the script's directory: on sys.path)
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     import kvtier
+    from kvtier.bench.private_daemon import private_daemon
     from kvtier.v1 import kvtier_pb2 as pb
     from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -127,7 +127,7 @@ def main() -> int:
             ready.wait(10)
             calls[name] = _rtt(_connect(path))
 
-        daemon = stack.enter_context(kvtierd("cand", "dram.capacity=64MiB",
+        daemon = stack.enter_context(private_daemon("cand", "dram.capacity=64MiB",
                                              "dram.extent_size=16MiB", "log.level=warning"))
         sock_dir = daemon.socket_dir
         fast = kvtier.Client(sock_dir, namespace="cand", block_bytes=4096, model_uid="m",

@@ -22,9 +22,9 @@ import time
 from typing import Any
 
 import numpy as np
-from _kvtierd import kvtierd  # (bench/, the script's directory: on sys.path)
 
 import kvtier
+from kvtier.bench.private_daemon import private_daemon
 from kvtier.units import parse_size
 
 BLOCK = 2 << 20
@@ -42,7 +42,7 @@ def one_daemon(dram: int, extent: int, grow_ahead: bool, gap: float, seed: int
     rng = np.random.default_rng(seed)
     blocks = [rng.integers(0, 255, BLOCK, dtype=np.uint8) for _ in range(BLOCKS)]
     puts: list[float] = []
-    with kvtierd("ga", f"dram.capacity={dram}", f"dram.extent_size={extent}",
+    with private_daemon("ga", f"dram.capacity={dram}", f"dram.extent_size={extent}",
                  f"dram.grow_ahead={str(grow_ahead).lower()}") as daemon:
         with kvtier.Client(daemon.socket_dir, namespace="ga", block_bytes=BLOCK,
                            model_uid="m") as c:

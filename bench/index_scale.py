@@ -1,4 +1,4 @@
-"""Index scale benchmark (issue 14, item 5): the daemon's memory per block, big lookups,
+"""Index scale benchmark: the daemon's memory per block, big lookups,
 and warm restarts, with millions of small blocks.
 
 For each block count N: start a fresh kvtierd with a pool just big enough for N

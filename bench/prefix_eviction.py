@@ -1,4 +1,4 @@
-"""Prefix-aware eviction (issue 40): traces, the offline optimum and policy simulators.
+"""Prefix-aware eviction: traces, the offline optimum and policy simulators.
 
 Pure Python (numpy only for the seeded traces): ``bench/eviction_policy.py --study prefix``
 runs it; the unit tests import it without the native extension.
@@ -56,7 +56,7 @@ class TraceInfo:
 def conversations(requests: int, users: int, zipf: float, prompts: int, prompt_blocks: int,
                   seed: int, round_blocks: tuple[int, int] = (2, 8), new_conv: float = 0.15,
                   max_rounds: int = 12) -> Trace:
-    """bench/eviction_policy.py's issue-26 trace (``make_trace``), the same keys for the
+    """bench/eviction_policy.py's native-policy study's trace (``make_trace``), the same keys for the
     same arguments: multi-round conversations of Zipf-popular users from shared prompts."""
     rng = np.random.default_rng(seed)
     weights = 1.0 / np.arange(1, users + 1) ** zipf
@@ -221,12 +221,12 @@ def default_traces(scale: float = 1.0, seed: int = 40) -> list[TraceInfo]:
     high = conversations(n(10_000), 3000, 1.1, 4, 32, 26)
     low = conversations(n(10_000), 20_000, 0.8, 16, 8, 26)
     return [
-        TraceInfo("high-reuse", high, 16, "issue 26's default trace, first 10,000 requests: "
+        TraceInfo("high-reuse", high, 16, "the native-policy study's default trace, first 10,000 requests: "
                   "3,000 Zipf-1.1 users, 4 prompts of 32 blocks, conversations of up to 12 "
                   "rounds of 2-8 blocks",
                   {"requests": n(10_000), "users": 3000, "zipf": 1.1, "prompts": 4,
                    "prompt_blocks": 32, "seed": 26}),
-        TraceInfo("low-reuse", low, 16, "issue 26's low-reuse trace, first 10,000 requests: "
+        TraceInfo("low-reuse", low, 16, "the native-policy study's low-reuse trace, first 10,000 requests: "
                   "20,000 Zipf-0.8 users, 16 prompts of 8 blocks",
                   {"requests": n(10_000), "users": 20_000, "zipf": 0.8, "prompts": 16,
                    "prompt_blocks": 8, "seed": 26}),

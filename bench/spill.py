@@ -725,7 +725,7 @@ async def bench_workload(root: str, shm_dir: str, block: int, dram_slots: int, f
             fill_s = time.perf_counter() - t0
         for _ in range(500):  # let the demoter finish what it planned
             await asyncio.sleep(0.01)
-            if not t.queue_depth() and not t._plan():
+            if not t.queue_depth() and not t.demoter.plan():
                 break
         rng = random.Random(seed)
         hits = {TIER_DRAM: 0, TIER_SSD: 0}

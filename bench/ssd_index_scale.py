@@ -1,4 +1,4 @@
-"""SSD-tier index scale benchmark (issue 26): the daemon's memory per SSD-tier entry and
+"""SSD-tier index scale benchmark: the daemon's memory per SSD-tier entry and
 its re-adoption time, with millions of entries, before and after the compact index.
 
 For each entry count N: write spill files of 4 KiB slots holding N committed entries
@@ -19,8 +19,8 @@ implementation, open an ``SsdTier`` over them and measure
   ``find_many`` and ``SsdAdapter.held_many`` (one native call: what the tiering asks
   now, once per lookup), in the same rounds as the per-key ``held``, on the same keys;
   and the tiering's own lookup of 4096 keys that miss DRAM and hit the SSD tier
-  (``Tiering._locate`` over a DRAM index that holds none of them: one ``held_many``),
-  against the per-key walk it made before (``Tiering._local_copy`` a key: ``held``
+  (``Promoter.locate`` over a DRAM index that holds none of them: one ``held_many``),
+  against the per-key walk it made before (``Below.local_copy`` a key: ``held``
   through the adapter, key by key), the same keys in the same round.
 
 ``--impl before`` loads ``daemon/kvtierd/spill/ssd.py`` as of ``--before-ref`` (git;
@@ -180,17 +180,17 @@ def child(root: str, impl: str, ref: str, n: int, capacity: int) -> dict[str, fl
             entries = tier.find_many(NAMESPACE, keys, SLOT, mhash)
             find_many_times.append(time.perf_counter() - t1)
             assert all(e is not None for e in entries)
-            geometry_t = tiering._geometry(dram_miss)
+            geometry_t = tiering.below.geometry(dram_miss)
             t1 = time.perf_counter()
-            walk = [tiering._local_copy(NAMESPACE, k, geometry_t) for k in keys]
+            walk = [tiering.below.local_copy(NAMESPACE, k, geometry_t) for k in keys]
             walk_times.append(time.perf_counter() - t1)
             assert all(c is not None for c in walk)
             t1 = time.perf_counter()
-            tiers = loop.run_until_complete(tiering._locate(dram_miss, keys))
+            tiers = loop.run_until_complete(tiering.promoter.locate(dram_miss, keys))
             locate_times.append(time.perf_counter() - t1)
             assert len(tiers) == len(keys)
     if batched:
-        tiering._pool.shutdown()
+        tiering.work.pool.shutdown()
         loop.close()
     tier.close()
     row = {"entries": n, "adopt_s": adopt_s, "anon_bytes": after - before,

@@ -19,7 +19,7 @@ request is one streaming ``POST /v1/completions`` (token ids in, ``return_token_
 ``VLLM_CPU_KVCACHE_SPACE=1`` (its minimum: the variable is whole GiB) and
 ``--num-gpu-blocks-override`` so that the users' distinct KV is ``--kv-ratio`` (4) times what
 the engine holds, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (the model runner on one core with or
-without a connector; see docs/benchmarks.md "Why a connector-configured cold run was faster").
+without a connector; see bench/results/HISTORY.md "Why a connector-configured cold run was faster").
 
 **Configurations**, each in fresh server processes (and a fresh kvtierd / LMCache server):
 
@@ -30,7 +30,7 @@ without a connector; see docs/benchmarks.md "Why a connector-configured cold run
 * ``kvtier_async`` KVTierConnector with ``load_mode: async`` (DRAM as ``kvtier``);
 * ``example``      vLLM's ExampleConnector (safetensors files in a temp dir);
 * ``lmcache``      LMCache's multi-process server (``lmcache server``) through vLLM's
-                   ``LMCacheMPConnector``; needs ``--lmcache-venv`` (see docs/benchmarks.md).
+                   ``LMCacheMPConnector``; needs ``--lmcache-venv`` (see bench/results/HISTORY.md).
 
 Reported per configuration: requests/s and output tokens/s over the workload's makespan, TTFT
 and inter-token latency p50/p99 (ITL: gaps between streamed chunks after the first), and from

@@ -30,6 +30,7 @@ import numpy as np
 
 import kvtier
 from kvtier._admin import fetch_stats
+from kvtier.bench.private_daemon import daemon_args, daemon_env
 from kvtierd.config import parse_size
 
 BATCH_BYTES = 256 << 20  # bytes per put batch while filling
@@ -38,14 +39,12 @@ BATCH_BYTES = 256 << 20  # bytes per put batch while filling
 def start(sock_dir: str, shm_dir: str, capacity: int, notify: socket.socket,
           notify_path: str) -> tuple[subprocess.Popen[bytes], float]:
     """Start kvtierd; return it and the seconds from spawn to READY=1."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env["NOTIFY_SOCKET"] = notify_path
+    # Not start_private_daemon: the time to READY=1 is the figure, read off NOTIFY_SOCKET.
+    env = daemon_env({"NOTIFY_SOCKET": notify_path})
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtierd", "--set", f"server.socket_dir={sock_dir}",
-         "--set", f"dram.shm_dir={shm_dir}", "--set", f"dram.capacity={capacity}",
-         "--set", "dram.extent_size=256MiB", "--set", "metrics.address=",
-         "--set", "log.level=warning", "--set", "spill.ssd_dir="],
+        daemon_args(sock_dir, shm_dir, [f"dram.capacity={capacity}", "dram.extent_size=256MiB",
+                                        "log.level=warning"]),
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     notify.settimeout(600)

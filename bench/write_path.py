@@ -23,10 +23,10 @@ from typing import Any
 
 import grpc
 import numpy as np
-from _kvtierd import kvtierd  # (bench/, the script's directory: on sys.path)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvtier
+from kvtier.bench.private_daemon import private_daemon
 
 
 def _p(values: list[float], q: float) -> float:
@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     out: dict[str, Any] = {"command": sys.argv, "samples": args.samples, "modes": {}}
-    with kvtierd("wp", "dram.capacity=256MiB", "dram.extent_size=64MiB",
+    with private_daemon("wp", "dram.capacity=256MiB", "dram.extent_size=64MiB",
                  f"server.write_grant_bytes={args.grant_bytes}") as daemon:
         channel = grpc.insecure_channel(f"unix://{daemon.grpc_path}")
         health = health_pb2_grpc.HealthStub(channel)

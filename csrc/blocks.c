@@ -1,9 +1,9 @@
 /*
  * kvtier._native.BlockTable: one namespace's DRAM blocks as compact native
- * records, driven by batched calls (issue 26: no Python object per block).
+ * records, driven by batched calls (no Python object per block).
  *
  * A block's durable fields (state, key, length, checksum, generation, epoch,
- * last access) live in its extent's persisted slot table (csrc/blocks.h, the
+ * last access) live in its extent's persisted slot table (csrc/layout.h, the
  * daemon-only .meta mapping); the table writes them there itself, in the order
  * that makes a crash at any instant safe (segments.py: a commit writes every
  * field and the entry checksum first and the state byte last; a free flips the
@@ -12,7 +12,7 @@
  * and CLOCK reference bits, and the free-list link.  Counters per extent and
  * per table are kept in O(1) by account() around every change of a record.
  *
- * Blocks are named by refs: extent_id << 32 | slot (uint64; an extent id is
+ * Blocks are named by refs: KVT_REF(extent_id, slot) (csrc/layout.h; an extent id is
  * below 2**31, as in the pages' hazard and grant words).  Every batch call
  * takes its refs (and other columns) as C-contiguous buffers of native uint64
  * (numpy arrays, bytes), copies and validates all of them first, and changes
@@ -25,7 +25,7 @@
  * the GIL (it tries, and else releases the GIL to wait), so no lock order
  * between the two can deadlock.
  *
- * Eviction, bounded work per call (DESIGN 7a: constant memory per block):
+ * Eviction, bounded work per call (and constant memory per block):
  *   sampled LRU (Redis' approximation): each victim is the oldest by the
  *     persisted last access of `sample` random evictable slots, with a pool of
  *     KVT_POOL_N good candidates kept across calls (optional);
@@ -59,7 +59,7 @@
 #define R_CHOSEN 0x10     /* picked by the victims() call running now (cleared before it returns) */
 
 /* Largest extent id: refs and the pages' words keep 31 bits for it. */
-#define KVT_MAX_EXTENT_ID 0x7FFFFFFFu
+#define KVT_MAX_EXTENT_ID KVT_REF_SEGMENT_MASK
 /* Largest extent: slot numbers are 32 bits, and the free list stores slot + 1. */
 #define KVT_MAX_SLOTS 0x7FFFFFFFu
 /* Batches below this many items apply with the GIL held: releasing and taking
@@ -163,7 +163,7 @@ entry_of(const kvt_extent *e, uint32_t slot)
 static inline uint64_t
 ref_of(const kvt_extent *e, uint32_t slot)
 {
-    return (uint64_t)e->id << 32 | slot;
+    return KVT_REF(e->id, slot);
 }
 
 /* The state byte, ordered after (commit) or before (free) the other writes of
@@ -325,7 +325,7 @@ resolve(BlockTable *t, const uint64_t *refs, Py_ssize_t n, kvt_loc *locs, const 
     kvt_extent *last = NULL;
 
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t id = refs[i] >> 32, slot = refs[i] & 0xFFFFFFFFu;
+        uint64_t id = KVT_REF_SEGMENT(refs[i]), slot = KVT_REF_SLOT(refs[i]);
         kvt_extent *e = (last != NULL && last->id == id) ? last : find_ext(t, id, NULL);
 
         if (e == NULL) {
@@ -678,14 +678,14 @@ bt_remove_extent(BlockTable *t, PyObject *args, PyObject *kwargs)
 }
 
 /* ------------------------------------------------------------------------- */
-/* Adoption (recovery.scan_slots, in C)                                       */
+/* Adoption (tests/unit/slot_oracle.py is its Python model)                   */
 /* ------------------------------------------------------------------------- */
 
 enum {
     D_KEY_LEN, D_LENGTH, D_FLAGS, D_SUM_FLAG, D_GEN, D_SEQ, D_EPOCH, D_CUT, D_SUM, D_STATE, D_N
 };
 
-/* The reasons, word for word as recovery.scan_slots counts them. */
+/* The reasons, word for word as the oracle (tests/unit/slot_oracle.py) counts them. */
 static const char *const drop_reason[D_N] = {
     "key length out of range",
     "length out of range",
@@ -773,7 +773,7 @@ adopt_run(adopt_job *j)
         else {
             if (st != KVT_ST_FREE)
                 write_free(e, s);
-            /* Generations start again below the upper half (recovery.scan_slots keeps
+            /* Generations start again below the upper half (the oracle keeps
              * that in memory; here the table is the memory). */
             if (gen >= KVT_MAX_GENERATION / 2)
                 st64(p + KVT_SLOT_GENERATION, 0);
@@ -791,7 +791,7 @@ adopt_run(adopt_job *j)
 
 PyDoc_STRVAR(bt_adopt_doc,
 "adopt($self, extent_id, boot_epoch, intact_bytes, referenced_from=2**64-1, /)\n--\n\n"
-"Take over a previous run's slot table (recovery.scan_slots, in C): every\n"
+"Take over a previous run's slot table: every\n"
 "field of every COMMITTED entry is checked (key length, length against\n"
 "block_bytes, flags, checksum flag, generation and access bounds, commit\n"
 "epoch <= boot_epoch, data past intact_bytes of the data file, the seeded\n"
@@ -881,7 +881,9 @@ in_sorted(const uint64_t *v, Py_ssize_t n, uint64_t x)
     return lo < n && v[lo] == x;
 }
 
-/* An optional skip set (hazards): its refs sorted, bit 63 (the hazard bit) dropped. */
+/* An optional skip set (hazards): its refs sorted, bit 63 (the hazard bit) dropped.
+ * Sorted only when it is not already (the daemon passes its hazards sorted, and a
+ * client may write thousands of them). */
 static int
 get_skip(PyObject *obj, uint64_t **skip, Py_ssize_t *n)
 {
@@ -891,9 +893,14 @@ get_skip(PyObject *obj, uint64_t **skip, Py_ssize_t *n)
         return 0;
     if (copy_u64s(obj, "skip", skip, n) < 0)
         return -1;
-    for (Py_ssize_t i = 0; i < *n; i++)
+    int sorted = 1;
+    for (Py_ssize_t i = 0; i < *n; i++) {
         (*skip)[i] &= ~(1ULL << 63);
-    qsort(*skip, (size_t)*n, 8, cmp_u64);
+        if (i > 0 && (*skip)[i] < (*skip)[i - 1])
+            sorted = 0;
+    }
+    if (!sorted)
+        qsort(*skip, (size_t)*n, 8, cmp_u64);
     return 0;
 }
 
@@ -1051,7 +1058,7 @@ bt_claim(BlockTable *t, PyObject *args, PyObject *kwargs)
     }
     if (got < n) { /* the skipped ones were needed: put back what was taken */
         for (Py_ssize_t i = got; i-- > 0;) {
-            kvt_extent *e = find_ext(t, refs[i] >> 32, NULL);
+            kvt_extent *e = find_ext(t, KVT_REF_SEGMENT(refs[i]), NULL);
             fl_push(e, (uint32_t)refs[i]);
         }
         tunlock(t);
@@ -1059,7 +1066,7 @@ bt_claim(BlockTable *t, PyObject *args, PyObject *kwargs)
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        kvt_extent *e = find_ext(t, refs[i] >> 32, NULL);
+        kvt_extent *e = find_ext(t, KVT_REF_SEGMENT(refs[i]), NULL);
         uint32_t s = (uint32_t)refs[i];
         kvt_rec *r = &e->rec[s];
         account(t, e, r, -1);
@@ -1178,9 +1185,37 @@ commit_run(commit_job *j)
     }
 }
 
+/* The keys of the n slots just committed at locs into the index in ib, a run of slots
+ * of one extent per call (kvt_index_put_slots); the index (in locs) they went in to,
+ * with left (the indices left out) and *n_left.  No Python: runs without the GIL. */
+static Py_ssize_t
+publish_run(const BlockTable *t, Py_buffer *ib, const kvt_loc *locs, Py_ssize_t n,
+            uint64_t *run, Py_ssize_t *left, Py_ssize_t *n_left)
+{
+    Py_ssize_t i0 = 0;
+    *n_left = 0;
+    while (i0 < n) {
+        kvt_extent *e = locs[i0].e;
+        Py_ssize_t i1 = i0, got, nl = 0;
+        while (i1 < n && locs[i1].e == e) {
+            run[i1] = locs[i1].slot;
+            i1++;
+        }
+        got = kvt_index_put_slots(ib, e->meta, run + i0, i1 - i0, e->id, t->slot_bytes,
+                                  left + *n_left, &nl);
+        for (Py_ssize_t k = *n_left; k < *n_left + nl; k++)
+            left[k] += i0;
+        *n_left += nl;
+        if (got < i1 - i0) /* 3/4 full (never -1: the caller opened the index first) */
+            return i0 + (got > 0 ? got : 0);
+        i0 = i1;
+    }
+    return n;
+}
+
 PyDoc_STRVAR(bt_commit_doc,
 "commit($self, refs, keys, lengths, checksums, has_checksum, first_access, epoch,\n"
-"       release=None, /)\n--\n\n"
+"       release=None, index=None, /)\n--\n\n"
 "Make RESERVED slots COMMITTED, all or nothing: each slot-table entry gets\n"
 "keys[i] (bytes, 1..64), lengths[i] (uint64, 1..block_bytes), checksums[i]\n"
 "when has_checksum[i] (uint64 buffer and uint8 buffer, or None: no\n"
@@ -1191,7 +1226,13 @@ PyDoc_STRVAR(bt_commit_doc,
 "RESERVED slot or one twice, a key or length is out of range, or\n"
 "first_access + n reaches 2**48; TypeError when a key is not bytes.  With\n"
 "release, those RESERVED slots are freed in the same call (the length-0 slots\n"
-"of a Commit): every slot of both named once.");
+"of a Commit): every slot of both named once.  With index (a writable\n"
+"buffer holding a shared index, csrc/index.c), the keys are published there\n"
+"in the same call, read from the entries just written (index_set_slots'\n"
+"rules), and it returns (done, left): the refs before done went in, but for\n"
+"left's indices (a key the index held already, or one past the probe limit);\n"
+"done < n when the index reached 3/4 full (the caller grows it and publishes\n"
+"the rest).  ValueError (nothing written) when index holds no index.");
 
 static PyObject *
 bt_commit(BlockTable *t, PyObject *args)
@@ -1205,16 +1246,39 @@ bt_commit(BlockTable *t, PyObject *args)
     Py_ssize_t n_len = 0, n_sum = 0, i;
     PyObject *out = NULL;
 
-    PyObject *release_obj = Py_None;
+    PyObject *release_obj = Py_None, *index_obj = Py_None;
     kvt_batch rb;
     kvt_loc *all = NULL;
+    /* Publishing in the index (index given): its buffer, the slots of one extent's run,
+     * the indices left out. */
+    Py_buffer ib;
+    int have_index = 0;
+    uint64_t *run = NULL;
+    Py_ssize_t *left = NULL, n_left = 0, done = 0;
 
     memset(&rb, 0, sizeof rb);
-    if (!PyArg_ParseTuple(args, "OOOOOKK|O:commit", &refs_obj, &keys_obj, &lengths_obj,
-                          &sums_obj, &has_obj, &first_access, &epoch, &release_obj))
+    if (!PyArg_ParseTuple(args, "OOOOOKK|OO:commit", &refs_obj, &keys_obj, &lengths_obj,
+                          &sums_obj, &has_obj, &first_access, &epoch, &release_obj,
+                          &index_obj))
         return NULL;
-    if (ready(t) < 0 || batch_copy(refs_obj, &b) < 0)
+    if (ready(t) < 0)
         return NULL;
+    if (index_obj != Py_None) {
+        /* Checked before anything changes: a commit never half-publishes for want of
+         * an index. */
+        if (PyObject_GetBuffer(index_obj, &ib, PyBUF_WRITABLE) < 0)
+            return NULL;
+        have_index = 1;
+        if (kvt_index_put_slots(&ib, NULL, NULL, 0, 0, 0, NULL, &n_left) < 0) {
+            PyBuffer_Release(&ib);
+            return NULL;
+        }
+    }
+    if (batch_copy(refs_obj, &b) < 0) {
+        if (have_index)
+            PyBuffer_Release(&ib);
+        return NULL;
+    }
     memset(&j, 0, sizeof j);
     if (release_obj != Py_None && batch_copy(release_obj, &rb) < 0)
         goto fail;
@@ -1306,7 +1370,11 @@ bt_commit(BlockTable *t, PyObject *args)
         goto fail;
     }
     all = PyMem_Malloc((size_t)(b.n + rb.n > 0 ? b.n + rb.n : 1) * sizeof *all);
-    if (all == NULL) {
+    if (have_index) {
+        run = PyMem_Malloc((size_t)(b.n > 0 ? b.n : 1) * sizeof *run);
+        left = PyMem_Malloc((size_t)(b.n > 0 ? b.n : 1) * sizeof *left);
+    }
+    if (all == NULL || (have_index && (run == NULL || left == NULL))) {
         PyErr_NoMemory();
         goto fail;
     }
@@ -1340,10 +1408,34 @@ bt_commit(BlockTable *t, PyObject *args)
     APPLY(t, b.n, commit_run(&j));
     if (rb.n)
         free_slots(t, rb.locs, rb.n);
+    if (have_index) /* (under the lock: the extents' mappings stay while it reads them) */
+        APPLY(t, b.n, done = publish_run(t, &ib, b.locs, b.n, run, left, &n_left));
     tunlock(t);
-    out = Py_None;
-    Py_INCREF(out);
+    if (!have_index) {
+        out = Py_None;
+        Py_INCREF(out);
+    }
+    else {
+        PyObject *lst = PyList_New(n_left);
+        if (lst != NULL) {
+            for (i = 0; i < n_left; i++) {
+                PyObject *v = PyLong_FromSsize_t(left[i]);
+                if (v == NULL) {
+                    Py_CLEAR(lst);
+                    break;
+                }
+                PyList_SET_ITEM(lst, i, v);
+            }
+        }
+        if (lst != NULL) {
+            out = Py_BuildValue("(nN)", done, lst);
+        }
+    }
 fail:
+    if (have_index)
+        PyBuffer_Release(&ib);
+    PyMem_Free(run);
+    PyMem_Free(left);
     Py_XDECREF(seq);
     PyMem_Free(all);
     batch_free(&rb);
@@ -1693,8 +1785,8 @@ bt_touch(BlockTable *t, PyObject *args, PyObject *kwargs)
         uint32_t s;
         kvt_rec *r;
         if (hints) {
-            uint64_t id = b.refs[i] >> 32, slot = b.refs[i] & 0xFFFFFFFFu;
-            e = find_ext(t, id & 0x7FFFFFFFu, NULL); /* a hazard word's top bit dropped */
+            uint64_t id = KVT_REF_SEGMENT(b.refs[i]), slot = KVT_REF_SLOT(b.refs[i]);
+            e = find_ext(t, id & KVT_REF_SEGMENT_MASK, NULL); /* a hazard word's top bit dropped */
             if (e == NULL || slot >= e->n_slots)
                 continue;
             s = (uint32_t)slot;
@@ -1877,7 +1969,7 @@ victims_lru(vjob *v, uint64_t *out, Py_ssize_t n, int sample, int use_pool)
             /* the oldest pooled candidate that is still eligible and unread since */
             while (t->pool_n > 0 && best_e == NULL) {
                 kvt_pooled c = t->pool[0];
-                kvt_extent *e = find_ext(t, c.ref >> 32, NULL);
+                kvt_extent *e = find_ext(t, KVT_REF_SEGMENT(c.ref), NULL);
                 uint32_t s = (uint32_t)c.ref;
                 memmove(&t->pool[0], &t->pool[1], (size_t)(t->pool_n - 1) * sizeof t->pool[0]);
                 t->pool_n--;
@@ -2001,7 +2093,7 @@ static void
 unchoose(BlockTable *t, const uint64_t *refs, Py_ssize_t n)
 {
     for (Py_ssize_t i = 0; i < n; i++) {
-        kvt_extent *e = find_ext(t, refs[i] >> 32, NULL);
+        kvt_extent *e = find_ext(t, KVT_REF_SEGMENT(refs[i]), NULL);
         e->rec[(uint32_t)refs[i]].bits &= (uint8_t)~R_CHOSEN;
     }
 }
@@ -2722,7 +2814,7 @@ bt_get_n_slots(BlockTable *t, void *Py_UNUSED(closure))
 }
 
 /* ------------------------------------------------------------------------- */
-/* Store.check's rows (issue 26)                                              */
+/* Store.check's rows                                                          */
 /* ------------------------------------------------------------------------- */
 
 /* One slot as Store.check reads it (24 bytes; index.c's check_keys reads them). */
@@ -2879,7 +2971,7 @@ static PyType_Spec bt_spec = {
  * _usage: which extents to adopt first, and the access the CLOCK bits start from). */
 const char kvt_slot_usage_doc[] =
 "slot_usage($module, table, /)\n--\n\n"
-"One pass over a slot table (whole entries of SLOT_LAYOUT['entry_bytes']): the\n"
+"One pass over a slot table (whole entries of LAYOUT['SLOT_BYTES']): the\n"
 "COMMITTED entries whose last access is in bounds (< max_access_seq), as\n"
 "(count, newest last access or 0, their last accesses: bytes of u64 in slot\n"
 "order).  Nothing is validated but the state byte and that bound (adopt() does\n"
@@ -2942,21 +3034,15 @@ kvt_blocks_init(PyObject *module)
         return -1;
     }
     Py_DECREF(type);
-    layout = Py_BuildValue(
-        "{sisisisisisisisisisisisisisisisisisisisKsK}",
-        "table_offset", KVT_SLOT_TABLE_OFFSET, "entry_bytes", KVT_SLOT_BYTES,
-        "state", KVT_SLOT_STATE, "key_len", KVT_SLOT_KEY_LEN, "flags", KVT_SLOT_FLAGS,
-        "length", KVT_SLOT_LENGTH, "checksum", KVT_SLOT_CHECKSUM,
-        "generation", KVT_SLOT_GENERATION, "epoch", KVT_SLOT_EPOCH, "key", KVT_SLOT_KEY,
-        "entry_sum", KVT_SLOT_ENTRY_SUM, "last_access", KVT_SLOT_LAST_ACCESS,
-        "max_key", KVT_SLOT_MAX_KEY, "sum_from", KVT_SLOT_SUM_FROM, "sum_to", KVT_SLOT_SUM_TO,
-        "has_checksum", KVT_SLOT_HAS_CHECKSUM, "record_bytes", (int)sizeof(kvt_rec),
-        "policy_lru", KVT_POLICY_LRU, "policy_clock", KVT_POLICY_CLOCK,
-        "max_generation", (unsigned long long)KVT_MAX_GENERATION,
-        "max_access_seq", (unsigned long long)KVT_MAX_ACCESS_SEQ);
+    /* The slot entry's layout is csrc/layout.h's (LAYOUT, FIELDS: csrc/layout.c); these
+     * are the table's own. */
+    layout = Py_BuildValue("{sisisisisisi}", "record_bytes", (int)sizeof(kvt_rec),
+                           "policy_lru", KVT_POLICY_LRU, "policy_clock", KVT_POLICY_CLOCK,
+                           "lower_dirty", KVT_LOWER_DIRTY, "lower_clean", KVT_LOWER_CLEAN,
+                           "lower_unspillable", KVT_LOWER_UNSPILLABLE);
     if (layout == NULL)
         return -1;
-    if (PyModule_AddObjectRef(module, "SLOT_LAYOUT", layout) < 0) {
+    if (PyModule_AddObjectRef(module, "BLOCK_TABLE", layout) < 0) {
         Py_DECREF(layout);
         return -1;
     }

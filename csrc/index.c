@@ -62,9 +62,6 @@
 
 #define IDX_MAGIC 0x31305844495456ULL /* "VTIDX01" */
 #define IDX_VERSION 2u
-#define IDX_HEADER 64u
-#define IDX_ENTRY 64u
-#define IDX_MAX_PROBE 1024u
 #define SPIN_LIMIT 10000
 #define MAX_KEY 64
 
@@ -108,8 +105,8 @@ typedef struct {
     int has_checksum;
 } location;
 
-_Static_assert(sizeof(idx_header) == IDX_HEADER, "header is 64 bytes");
-_Static_assert(sizeof(idx_entry) == IDX_ENTRY, "entry is 64 bytes");
+_Static_assert(sizeof(idx_header) == KVT_IDX_HEADER_BYTES, "header is 64 bytes");
+_Static_assert(sizeof(idx_entry) == KVT_IDX_ENTRY_BYTES, "entry is 64 bytes");
 
 typedef struct {
     uint64_t fp0, fp1;
@@ -162,26 +159,26 @@ home(const table *t, const fingerprint *f)
 static int
 open_table(Py_buffer *buf, table *t)
 {
-    if (buf->len < (Py_ssize_t)IDX_HEADER) {
+    if (buf->len < (Py_ssize_t)KVT_IDX_HEADER_BYTES) {
         PyErr_SetString(PyExc_ValueError, "index buffer is shorter than its header");
         return -1;
     }
     idx_header *h = (idx_header *)buf->buf;
     uint64_t cap = h->capacity;
-    if (h->magic != IDX_MAGIC || h->version != IDX_VERSION || h->entry_bytes != IDX_ENTRY) {
+    if (h->magic != IDX_MAGIC || h->version != IDX_VERSION || h->entry_bytes != KVT_IDX_ENTRY_BYTES) {
         PyErr_SetString(PyExc_ValueError, "index buffer does not hold a version-2 index");
         return -1;
     }
     if (cap == 0 || (cap & (cap - 1)) != 0 || cap > ((uint64_t)1 << 40)
-        || (uint64_t)buf->len < IDX_HEADER + cap * IDX_ENTRY) {
+        || (uint64_t)buf->len < KVT_IDX_HEADER_BYTES + cap * KVT_IDX_ENTRY_BYTES) {
         PyErr_SetString(PyExc_ValueError, "index capacity does not match its buffer");
         return -1;
     }
     t->h = h;
-    t->e = (idx_entry *)((char *)buf->buf + IDX_HEADER);
+    t->e = (idx_entry *)((char *)buf->buf + KVT_IDX_HEADER_BYTES);
     t->mask = cap - 1;
     t->seed = h->seed;
-    t->max_probe = h->max_probe == 0 || h->max_probe > cap ? (uint32_t)(cap < IDX_MAX_PROBE ? cap : IDX_MAX_PROBE)
+    t->max_probe = h->max_probe == 0 || h->max_probe > cap ? (uint32_t)(cap < KVT_IDX_MAX_PROBE ? cap : KVT_IDX_MAX_PROBE)
                                                           : h->max_probe;
     return 0;
 }
@@ -466,24 +463,24 @@ kvt_py_index_format(PyObject *Py_UNUSED(m), PyObject *args)
 {
     Py_buffer buf;
     unsigned long long cap, seed;
-    unsigned int max_probe = IDX_MAX_PROBE;
+    unsigned int max_probe = KVT_IDX_MAX_PROBE;
     if (!PyArg_ParseTuple(args, "w*KK|I:index_format", &buf, &cap, &seed, &max_probe))
         return NULL;
     PyObject *ret = NULL;
     if (cap < 8 || (cap & (cap - 1)) != 0 || cap > ((uint64_t)1 << 40)) {
         PyErr_Format(PyExc_ValueError, "capacity %llu is not a power of two in 8..2**40", cap);
-    } else if ((uint64_t)buf.len < IDX_HEADER + cap * IDX_ENTRY) {
+    } else if ((uint64_t)buf.len < KVT_IDX_HEADER_BYTES + cap * KVT_IDX_ENTRY_BYTES) {
         PyErr_Format(PyExc_ValueError, "a table of %llu entries needs %llu bytes, buffer has %zd",
-                     cap, (unsigned long long)(IDX_HEADER + cap * IDX_ENTRY), buf.len);
+                     cap, (unsigned long long)(KVT_IDX_HEADER_BYTES + cap * KVT_IDX_ENTRY_BYTES), buf.len);
     } else {
         idx_header *h = (idx_header *)buf.buf;
-        memset(h, 0, IDX_HEADER);
+        memset(h, 0, KVT_IDX_HEADER_BYTES);
         h->version = IDX_VERSION;
-        h->entry_bytes = IDX_ENTRY;
+        h->entry_bytes = KVT_IDX_ENTRY_BYTES;
         h->capacity = cap;
         h->seed = seed;
-        if (max_probe == 0 || max_probe > IDX_MAX_PROBE)
-            max_probe = IDX_MAX_PROBE;
+        if (max_probe == 0 || max_probe > KVT_IDX_MAX_PROBE)
+            max_probe = KVT_IDX_MAX_PROBE;
         h->max_probe = (uint32_t)(cap < max_probe ? cap : max_probe);
         __atomic_store_n(&h->magic, IDX_MAGIC, __ATOMIC_RELEASE);
         ret = Py_NewRef(Py_None);
@@ -634,17 +631,32 @@ kvt_py_index_remove_many(PyObject *Py_UNUSED(m), PyObject *args)
     if (out == NULL)
         goto done;
     char *hit = PyBytes_AS_STRING(out);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        fingerprint f;
-        if (key_fp(items[i], &f) < 0) {
+    /* Hashed and prefetched a group at a time, as index_find_many: an eviction's keys
+     * are scattered over the table, and one cache miss each was most of its removal. */
+    fingerprint fs[LOOKUP_AHEAD];
+    uint64_t hs[LOOKUP_AHEAD];
+    for (Py_ssize_t i = 0; i < n; i += LOOKUP_AHEAD) {
+        int m = n - i < LOOKUP_AHEAD ? (int)(n - i) : LOOKUP_AHEAD, bad = 0;
+        for (int k = 0; k < m; k++) {
+            if (key_fp(items[i + k], &fs[k]) < 0) {
+                m = k; /* the keys before it are removed, as one by one */
+                bad = 1;
+                break;
+            }
+            hs[k] = home(&t, &fs[k]);
+            __builtin_prefetch(&t.e[hs[k]], 1, 3);
+        }
+        for (int k = 0; k < m; k++) {
+            idx_entry *slot;
+            idx_entry *e = w_find_from(&t, &fs[k], hs[k], &slot);
+            if (e != NULL)
+                remove_entry(&t, e);
+            hit[i + k] = (char)(e != NULL);
+        }
+        if (bad) {
             Py_DECREF(out);
             goto done;
         }
-        idx_entry *slot;
-        idx_entry *e = w_find(&t, &f, &slot);
-        if (e != NULL)
-            remove_entry(&t, e);
-        hit[i] = (char)(e != NULL);
     }
     ret = out;
 done:
@@ -777,6 +789,32 @@ set_slots_run(set_slots_job *j)
             j->left[j->n_left++] = i;
     }
     j->k = j->m;
+}
+
+/* kvt_index_put_slots (csrc/index.h): a commit's keys published by the block table in
+ * the same call that committed them (BlockTable.commit's index), read from the slot
+ * entries it just wrote: index_set_slots without its Python steps.  The caller checked
+ * the slots (COMMITTED, key length: it wrote them).  Returns how many of slots went in
+ * order (n, or where the table reached 3/4 full: the caller grows it and goes on), -1
+ * with a Python error when buf holds no index; left (room for n) gets the indices of
+ * keys the table held already or past the probe limit. */
+Py_ssize_t
+kvt_index_put_slots(Py_buffer *buf, const uint8_t *tab, const uint64_t *slots, Py_ssize_t n,
+                    uint32_t segment, uint64_t slot_bytes, Py_ssize_t *left, Py_ssize_t *n_left)
+{
+    set_slots_job j;
+    memset(&j, 0, sizeof j);
+    if (open_table(buf, &j.t) < 0)
+        return -1;
+    j.m = n;
+    j.slots = slots;
+    j.tab = tab;
+    j.segment = segment;
+    j.slot_bytes = slot_bytes;
+    j.left = left;
+    set_slots_run(&j);
+    *n_left = j.n_left;
+    return j.k;
 }
 
 /* Adoption's inserts on several threads (index_set_slots with threads > 1).  Each
@@ -1023,7 +1061,7 @@ done:
 }
 
 /* index_find_many(buf, keys): the writer's batch lookup, for the daemon's own use of the
- * table as its key index (issue 26): one u64 per key, segment << 32 | slot of its live
+ * table as its key index: one u64 per key, segment << 32 | slot of its live
  * entry, or 0 (absent, or a key-only entry).  A fingerprint match, not a key match: the
  * caller checks hashed keys against the slot entry (BlockTable.match_keys). */
 PyObject *
@@ -1061,7 +1099,7 @@ kvt_py_index_find_many(PyObject *Py_UNUSED(m), PyObject *args)
         for (int k = 0; k < m; k++) {
             idx_entry *slot;
             const idx_entry *e = w_find_from(&t, &fs[k], hs[k], &slot);
-            out[i + k] = e == NULL || e->segment == 0 ? 0 : (uint64_t)e->segment << 32 | e->slot;
+            out[i + k] = e == NULL || e->segment == 0 ? 0 : KVT_REF(e->segment, e->slot);
         }
     }
 done:
@@ -1124,7 +1162,7 @@ done:
 }
 
 /* ---------------------------------------------------------------- leases without a call
- * A session's page (KVT_PAGE_*, index.h) is the client's to write.  To lease
+ * A session's page (KVT_PAGE_*, layout.h) is the client's to write.  To lease
  * the blocks of keys it finds, a reader publishes a hazard for each block's
  * slot in the page, then (after a full fence) checks that every entry it read
  * still has the same sequence number and that the table is not superseded.
@@ -1137,7 +1175,7 @@ done:
 static inline uint64_t
 hazard_of(uint32_t segment, uint32_t slot)
 {
-    return KVT_HAZARD_BIT | ((uint64_t)segment << 32) | slot;
+    return KVT_HAZARD_BIT | KVT_REF(segment, slot);
 }
 
 static int
@@ -1613,44 +1651,7 @@ kvt_py_index_fingerprints(PyObject *Py_UNUSED(m), PyObject *args)
     return ret;
 }
 
-/* page_layout(): every offset, size and flag of index.h's session page, by name (the
- * KVT_ prefix dropped): Python's one source for them (client/kvtier/_page.py). */
-PyObject *
-kvt_py_page_layout(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(args))
-{
-    static const struct {
-        const char *name;
-        unsigned long long value;
-    } fields[] = {
-#define F(x) {#x, (unsigned long long)(KVT_##x)}
-        F(IDX_SUPERSEDED), F(IDX_MISS_NOT_FINAL),
-        F(PAGE_BYTES), F(PAGE_COUNTERS), F(PAGE_COUNTERS_N), F(PAGE_HAZARD_HI),
-        F(PAGE_RING_HEAD), F(PAGE_MAX_LEASES), F(PAGE_MAX_RESERVATIONS),
-        F(PAGE_LOCAL_RESERVATIONS), F(PAGE_MAX_HAZARDS), F(MAX_HAZARDS_SET), F(PAGE_RING),
-        F(PAGE_RING_N), F(PAGE_HAZARDS), F(PAGE_SERIALS), F(PAGE_HAZARDS_N), F(HAZARD_BIT),
-        F(WPAGE_BYTES), F(W_HEAD), F(W_DONE), F(W_WAITERS), F(W_WANT), F(W_GRANTS),
-        F(W_GRANTS_N), F(GRANT_VALID), F(GRANT_TAKEN), F(W_RING), F(W_RECORD), F(W_RING_N),
-        F(W_KEY_MAX), F(R_GRANT), F(R_LENGTH), F(R_CHECKSUM), F(R_KEYLEN), F(R_FLAGS),
-        F(R_RESULT), F(R_KEY), F(R_WORD), F(W_HAS_SUM), F(W_LAST), F(W_COMMITTED),
-        F(W_EXISTS), F(W_INVALID), F(W_LOST), F(W_FAILED),
-#undef F
-    };
-    PyObject *out = PyDict_New();
-    if (out == NULL)
-        return NULL;
-    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(fields[i].value);
-        if (v == NULL || PyDict_SetItemString(out, fields[i].name, v) < 0) {
-            Py_XDECREF(v);
-            Py_DECREF(out);
-            return NULL;
-        }
-        Py_DECREF(v);
-    }
-    return out;
-}
-
-/* ---------------------------------------------------------------- the cross-check (issue 26)
+/* ---------------------------------------------------------------- the cross-check
  * Store.check without a Python object per block: check_snapshot copies what the check
  * reads into compact rows on the event loop (BlockTable.check_rows: 24 bytes a slot;
  * index_rows: 24 bytes a live entry), and check_keys compares them in a worker thread

@@ -17,9 +17,10 @@
  *   install_fault_guard()            turn a SIGBUS in the calls above into OSError
  *   fault_guard_installed()          whether install_fault_guard() has run
  *
- *   The shared index's functions (csrc/index.c, csrc/writes.c) and BlockTable with
- *   SLOT_LAYOUT (csrc/blocks.c: a namespace's blocks as native records, added to
- *   the module by its exec slot) are listed here too.
+ *   The shared index's functions (csrc/index.c, csrc/writes.c) are listed here too;
+ *   BlockTable with BLOCK_TABLE (csrc/blocks.c: a namespace's blocks as native records)
+ *   and LAYOUT with FIELDS (csrc/layout.c: every number of csrc/layout.h) are added to
+ *   the module by its exec slots.
  *
  * All take buffer-protocol objects (mmap, memoryview, bytearray, numpy array).
  *
@@ -1854,18 +1855,12 @@ done:
 }
 
 /* ------------------------------------------------------------------------- */
-/* The SSD tier's key index (kvtierd/spill/ssd.py), many keys in one call     */
+/* The SSD tier's key index (kvtierd/spill/ssd_index.py), many keys a call   */
 /* ------------------------------------------------------------------------- */
 
-/* The slot-table entry (kvtierd/spill/format.py): 256 bytes; byte 1 the key's length,
- * byte 2 the namespace's; the key zero-padded to 64 bytes at 48, the namespace
- * zero-padded to 128 right after it.  The index hashes those 192 bytes (XXH3-64,
- * seeded with key_len | ns_len << 8: ssd.key_hash, the hash_rows of a re-adoption). */
-#define KVT_SSD_ENTRY ((size_t)256)
-#define KVT_SSD_KEY_AT ((size_t)48)
-#define KVT_SSD_MAX_KEY ((size_t)64)
-#define KVT_SSD_NAME ((size_t)128)
-#define KVT_SSD_FIELD (KVT_SSD_MAX_KEY + KVT_SSD_NAME)
+/* The slot-table entry (KVT_SSD_*, csrc/layout.h): the index hashes an entry's
+ * KVT_SSD_FIELD bytes of zero-padded key and namespace (XXH3-64, seeded with
+ * key_len | ns_len << 8: ssd.key_hash, the hash_rows of a re-adoption). */
 
 /* Below this many keys the call keeps the GIL (a probe is ~0.1 us). */
 #define KVT_SSD_NOGIL_KEYS 64
@@ -1906,12 +1901,12 @@ kvt_ssd_row(const kvt_ssd_file *files, size_t n_files, uint64_t v, uint64_t *sid
 }
 
 /* Whether an entry holds the key and namespace of field (both lengths, then the padded
- * field in one comparison, as SsdTier._probe confirms). */
+ * field in one comparison, as SsdKeyIndex.probe confirms). */
 static inline int
 kvt_ssd_holds(const unsigned char *row, const unsigned char *field, unsigned klen,
               unsigned nlen)
 {
-    return row[1] == klen && row[2] == nlen
+    return row[KVT_SSD_KEY_LEN] == klen && row[KVT_SSD_NS_LEN] == nlen
            && memcmp(row + KVT_SSD_KEY_AT, field, KVT_SSD_FIELD) == 0;
 }
 
@@ -2290,8 +2285,6 @@ static PyMethodDef native_methods[] = {
      "page_store(page, offset, value): an atomic store of the u64 at offset."},
     {"grants_store", kvt_py_grants_store, METH_VARARGS,
      "grants_store(page, entries, words): atomic stores of grant entries' u64 words."},
-    {"page_layout", kvt_py_page_layout, METH_NOARGS,
-     "page_layout(): {name: value} of csrc/index.h's session page layout (KVT_ dropped)."},
     {"index_copy", kvt_py_index_copy, METH_VARARGS,
      "index_copy(dst, src): put src's live entries into dst; (copied, skipped)."},
     {"index_info", kvt_py_index_info, METH_VARARGS,
@@ -2316,12 +2309,17 @@ static PyMethodDef native_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* csrc/layout.c: adds LAYOUT and FIELDS (csrc/layout.h) to the module. */
+int kvt_layout_init(PyObject *module);
+
 /* The module has no per-interpreter state (the fault guard is per process and
  * per thread, not per interpreter), so it is safe in subinterpreters and
  * without a GIL. */
 static PyModuleDef_Slot native_slots[] = {
-    /* BlockTable and SLOT_LAYOUT (csrc/blocks.c) */
+    /* BlockTable and BLOCK_TABLE (csrc/blocks.c) */
     {Py_mod_exec, (void *)kvt_blocks_init},
+    /* LAYOUT and FIELDS (csrc/layout.c) */
+    {Py_mod_exec, (void *)kvt_layout_init},
 #ifdef Py_mod_multiple_interpreters
     {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
 #endif

@@ -1,5 +1,5 @@
 /*
- * Writes without a call: the write area of a session's page (csrc/writes.h).
+ * Writes without a call: the write area of a session's page (its layout: csrc/layout.h).
  *
  * The daemon keeps a few free slots of the session's namespace reserved for it
  * ahead of time, "grants", and names them in the page (one u64 each:
@@ -69,7 +69,7 @@
 #define W_U32(p, off) ((uint32_t *)((char *)(p)->buf + (off)))
 #define RECORD(p, i) ((unsigned char *)(p)->buf + KVT_W_RING + (size_t)(i) * KVT_W_RECORD)
 
-/* Record layout: csrc/index.h's KVT_R_* offsets. */
+/* Record layout: csrc/layout.h's KVT_R_* offsets. */
 _Static_assert(KVT_R_KEY + KVT_W_KEY_MAX <= KVT_R_WORD && KVT_R_WORD + 8 <= KVT_W_RECORD,
                "a record holds its key and the grant word");
 
@@ -204,12 +204,12 @@ kvt_py_grants_take_columns(PyObject *Py_UNUSED(m), PyObject *args)
     if ((cols[0] = u64_list(col, n)) == NULL || (cols[1] = u64_list(words, n)) == NULL)
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++)
-        col[i] = (words[i] >> 32) & KVT_GRANT_SEGMENT_MASK;
+        col[i] = KVT_REF_SEGMENT(words[i]) & KVT_GRANT_SEGMENT_MASK;
     if ((cols[2] = u64_list(col, n)) == NULL)
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t off;
-        if (__builtin_mul_overflow(words[i] & 0xFFFFFFFFull, (uint64_t)slot_bytes, &off))
+        if (__builtin_mul_overflow(KVT_REF_SLOT(words[i]), (uint64_t)slot_bytes, &off))
             off = UINT64_MAX;
         col[i] = off;
     }

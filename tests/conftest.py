@@ -2,27 +2,42 @@
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import pytest
 
-from kvtier._admin import fetch_stats, run_check, wait_serving
+from kvtier._admin import fetch_stats, run_check
 from kvtier._core import FAST_PATH_ENV
+from kvtier.bench.private_daemon import (
+    PrivateDaemon,
+    start_private_daemon,
+    stop_private_daemon,
+)
 from kvtier.v1 import kvtier_pb2 as pb
 
-#: Test folders whose every test runs over both client transports (DESIGN: the fast path
-#: keeps every guarantee), unless marked ``one_transport`` (it speaks raw frames or gRPC
+#: Test folders whose every test runs over both client transports (the fast path
+#: keeps every guarantee the call path gives), unless marked ``one_transport`` (it speaks raw frames or gRPC
 #: itself, so a client transport does not change what it tests).
 BOTH_TRANSPORTS = ("tests/e2e/", "tests/crash/")
+
+
+#: Tests that may wait for an install still going on in the background (the vLLM TPU
+#: venv's download, ``make install``'s ``VLLM_TPU_BACKGROUND``): collected last, so the
+#: rest of the suite runs meanwhile.
+RUN_LAST = ("tests/jax_engines/test_vllm_tpu.py",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    last = [item for item in items if item.nodeid.startswith(RUN_LAST)]
+    if last:
+        items[:] = [item for item in items if not item.nodeid.startswith(RUN_LAST)] + last
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -47,19 +62,8 @@ TEST_CAPACITY = "32MiB"
 TEST_EXTENT = "4MiB"
 
 
-@dataclasses.dataclass
-class DaemonProc:
-    """A kvtierd child process and where it listens."""
-
-    proc: subprocess.Popen[str]
-    socket_dir: str
-    shm_dir: str
-    log_path: str
-    args: list[str]
-
-    @property
-    def grpc_path(self) -> str:
-        return os.path.join(self.socket_dir, "kvtier.sock")
+class DaemonProc(PrivateDaemon):
+    """A kvtierd child process and where it listens, with the calls tests make of it."""
 
     def stats(self) -> pb.StatsResponse:
         return fetch_stats(self.socket_dir, timeout=10)
@@ -68,21 +72,10 @@ class DaemonProc:
         """The daemon's store.check(): empty when index, slot tables and accounting agree."""
         return run_check(self.socket_dir, timeout=30)
 
-    def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
-
     def metrics_port(self) -> int:
         m = re.search(r"metrics 127\.0\.0\.1:(\d+)", self.log())
         assert m, "daemon log has no metrics address"
         return int(m.group(1))
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
 
 def start_daemon(base: str, *extra: str, capacity: str = TEST_CAPACITY,
@@ -90,49 +83,35 @@ def start_daemon(base: str, *extra: str, capacity: str = TEST_CAPACITY,
                  env: Mapping[str, str] | None = None,
                  prefix: Sequence[str] = ()) -> DaemonProc:
     """Start kvtierd with a clean environment (no inherited ``KVTIER_*``) plus ``env``;
-    ``prefix``: a command that execs it (``ip netns exec NAME``: the same pid)."""
-    socket_dir = os.path.join(base, "sock")
-    shm_dir = shm_dir or f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}"
-    log_path = os.path.join(base, f"kvtierd-{uuid.uuid4().hex[:6]}.log")
-    args = [
-        *prefix, sys.executable, "-m", "kvtierd",
-        "--set", f"server.socket_dir={socket_dir}",
-        "--set", f"dram.shm_dir={shm_dir}",
-        "--set", f"dram.capacity={capacity}",
-        "--set", f"dram.extent_size={extent}",
-        "--set", "metrics.address=127.0.0.1:0",
-        "--set", "log.level=debug",
-        "--set", "log.format=text",  # tests read the log; the JSON format has its own tests
-        # No SSD tier unless a test asks for one (its later --set wins): by default it
-        # would spill under ~/.local/state, shared by every test.
-        "--set", "spill.ssd_dir=",
-        *extra,
-    ]
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    child_env.update(env or {})
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=child_env,
-                                text=True)
-    d = DaemonProc(proc, socket_dir, shm_dir, log_path, args)
-    try:
-        wait_serving(socket_dir, proc)
-    except BaseException:
-        stop_daemon(d)
-        print(d.log(), file=sys.stderr)
-        raise
+    ``prefix``: a command that execs it (``ip netns exec NAME``: the same pid).  ``extra``:
+    more kvtierd arguments (``--set KEY=VALUE``: later ones win)."""
+    d = start_private_daemon(
+        os.path.join(base, "sock"), f"dram.capacity={capacity}", f"dram.extent_size={extent}",
+        "log.level=debug",
+        "log.format=text",  # tests read the log; the JSON format has its own tests
+        argv=extra, shm_dir=shm_dir or f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}",
+        metrics="127.0.0.1:0", env=env, prefix=prefix, cls=DaemonProc)
+    assert isinstance(d, DaemonProc)
     return d
 
 
 def stop_daemon(d: DaemonProc, *, keep_shm: bool = False) -> None:
-    if d.proc.poll() is None:
-        d.proc.send_signal(signal.SIGTERM)
-        try:
-            d.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            d.proc.kill()
-            d.proc.wait(10)
-    if not keep_shm:
-        shutil.rmtree(d.shm_dir, ignore_errors=True)
+    stop_private_daemon(d, keep_shm=keep_shm)
+
+
+@contextlib.contextmanager
+def temp_daemon(*extra: str, **kwargs: Any) -> Iterator[DaemonProc]:
+    """``start_daemon`` in a temp dir of its own (module-scoped fixtures), stopped and the
+    dir removed after; the daemon must then have exited 0."""
+    base = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    d = start_daemon(base, *extra, **kwargs)
+    try:
+        yield d
+    finally:
+        stop_daemon(d)
+        log = d.log()
+        shutil.rmtree(base, ignore_errors=True)
+    assert d.proc.returncode == 0, log
 
 
 @pytest.fixture

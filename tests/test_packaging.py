@@ -35,8 +35,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvtier._admin import wait_serving
 from kvtierd.config import load_config
-from tests.conftest import DaemonProc, stop_daemon, wait_serving
+from tests.conftest import DaemonProc, stop_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "kvtierd.service"
@@ -446,7 +447,8 @@ def test_build_context_has_sources_and_nothing_built() -> None:
                    "csrc/native.c", "client/kvtier/__init__.py", "daemon/kvtierd/__main__.py",
                    "client/kvtier/v1/kvtier_pb2.py"):
         assert not ignored(needed, patterns), f".dockerignore drops {needed}"
-    for junk in (".venv/bin/python", ".git/HEAD", "client/kvtier/_native.cpython-311-x86_64-linux-gnu.so",
+    for junk in (".venv/bin/python", ".venv-jax/bin/python", ".venv-vllm-tpu/bin/python",
+                 ".git/HEAD", "client/kvtier/_native.cpython-311-x86_64-linux-gnu.so",
                  "kvtier.egg-info/PKG-INFO", "build/lib/x.py", "daemon/kvtierd/__pycache__/app.pyc",
                  "tests/conftest.py"):
         assert ignored(junk, patterns), f".dockerignore lets {junk} into the image build"

@@ -176,7 +176,8 @@ class Bench:
 
     # ------------------------------------------------------------ the run
     def run(self) -> None:
-        from kvtier.bench import capacity_for, own_daemon
+        from kvtier.bench import capacity_for
+        from kvtier.bench.servers import own_daemon
 
         extent = 64 * MiB
         e2e_block = self.e2e_layout().block_bytes

@@ -218,12 +218,17 @@ def hash_rows(buf: Any, stride: int, start: int, stop: int, seeds: Any) -> bytes
     return out.tobytes()
 
 
-#: The SSD tier's slot-table entry, as ``ssd_find_slots`` reads it (kvtierd.spill.format):
-#: its size, where the zero-padded key (64 bytes) and then namespace (128) start.
-_SSD_ENTRY: Final = 256
-_SSD_KEY_AT: Final = 48
-_SSD_MAX_KEY: Final = 64
-_SSD_NAME: Final = 128
+#: The SSD tier's slot-table entry, as ``ssd_find_slots`` reads it (csrc/layout.h, the
+#: module's LAYOUT): its size, where its key's and namespace's lengths are, where the
+#: zero-padded key and then namespace start, and their widths.  Without the module
+#: there is no layout (and no SSD tier: the daemon needs the module).
+_SSD: Final[dict[str, int]] = dict(_native.LAYOUT) if _HAVE_NATIVE else {}
+_SSD_ENTRY: Final = _SSD.get("SSD_ENTRY", 0)
+_SSD_KEY_LEN: Final = _SSD.get("SSD_KEY_LEN", 0)
+_SSD_NS_LEN: Final = _SSD.get("SSD_NS_LEN", 0)
+_SSD_KEY_AT: Final = _SSD.get("SSD_KEY_AT", 0)
+_SSD_MAX_KEY: Final = _SSD.get("SSD_MAX_KEY", 0)
+_SSD_NAME: Final = _SSD.get("SSD_NAME", 0)
 
 
 def ssd_find_slots(buckets: Any, tables: Sequence[Any], bases: Sequence[int],
@@ -244,6 +249,9 @@ def ssd_find_slots(buckets: Any, tables: Sequence[Any], bases: Sequence[int],
     """
     if NATIVE:
         return _native.ssd_find_slots(buckets, tables, bases, keys, namespace)
+    if not _SSD_ENTRY:
+        raise RuntimeError("ssd_find_slots reads csrc/layout.h's SSD entry from "
+                           "kvtier._native, which is not built")
     with ExitStack() as stack:
         bv = stack.enter_context(memoryview(buckets))
         nv = stack.enter_context(memoryview(namespace))
@@ -255,7 +263,7 @@ def ssd_find_slots(buckets: Any, tables: Sequence[Any], bases: Sequence[int],
             raise ValueError(f"buckets has {nbytes} bytes, not a power of two of 8-byte words")
         ns = nv.tobytes()
         if len(ns) > _SSD_NAME:
-            raise ValueError(f"namespace has {len(ns)} bytes (at most 128)")
+            raise ValueError(f"namespace has {len(ns)} bytes (at most {_SSD_NAME})")
         tables, bases = list(tables), list(bases)
         if len(tables) != len(bases):
             raise ValueError(f"tables and bases differ in length ({len(tables)} and "
@@ -292,7 +300,8 @@ def ssd_find_slots(buckets: Any, tables: Sequence[Any], bases: Sequence[int],
                     if at >= 0 and sid - bases[at] < len(rows[at]) // _SSD_ENTRY:
                         off = (sid - bases[at]) * _SSD_ENTRY
                         row = rows[at]
-                        if (row[off + 1] == len(key) and row[off + 2] == len(ns)
+                        if (row[off + _SSD_KEY_LEN] == len(key)
+                                and row[off + _SSD_NS_LEN] == len(ns)
                                 and row[off + _SSD_KEY_AT : off + _SSD_KEY_AT + len(field)]
                                 == field):
                             out[k] = sid

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from typing import Any, Final
+from typing import Any
 
 import grpc
 
@@ -20,10 +20,6 @@ from kvtier._wire import SESSION_METADATA
 from kvtier.errors import KVTierError, Unavailable, from_rpc_error
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
-
-#: Display names of the tiers (``kvtier stats``, ``ls --keys``, ``evict --tier``, ``top``).
-TIER_NAMES: Final = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_SHARED: "shared",
-                     pb.TIER_CLUSTER: "cluster"}
 
 
 def admin_call(socket: str | None, method: str, request: Any, timeout: float) -> Any:

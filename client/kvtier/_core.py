@@ -62,7 +62,6 @@ from google.protobuf.json_format import MessageToDict
 
 from kvtier import _accel, _index
 from kvtier._index import (
-    MAX_KEY_BYTES,
     CommitColumns,
     LocalIndex,
     LocalSlot,
@@ -263,6 +262,20 @@ def copy_out(views: Sequence[np.ndarray], out: Sequence[Any] | None
     return got, None
 
 
+def copy_out_verified(views: Sequence[np.ndarray], out: Sequence[Any] | None,
+                      checksums: Sequence[int | None] | None
+                      ) -> tuple[list[np.ndarray], int | None, int | None]:
+    """``copy_out``, then each copy checked against ``checksums`` (None: not checked):
+    (the copies, the first view whose memory was gone, the first copy that failed its
+    checksum; None where there is none)."""
+    got, gone = copy_out(views, out)
+    if checksums is not None:
+        for i, (copy, want) in enumerate(zip(got, checksums, strict=False)):
+            if want is not None and _accel.checksum(copy) != want:
+                return got, gone, i
+    return got, gone, None
+
+
 def check_out(keys: Sequence[bytes], out: Sequence[Any] | None) -> None:
     if out is not None and len(out) != len(keys):
         raise InvalidArgument(f"keys and out differ in length ({len(keys)} != {len(out)})")
@@ -323,8 +336,8 @@ class Work:
 @dataclasses.dataclass(frozen=True, slots=True)
 class LookHere:
     """Look ``keys`` up in the shared index (opening the session first; mapping the
-    new table first when the daemon replaced it); the result is ``_look_here``'s, or
-    with ``lease``, ``_lease_here``'s."""
+    new table first when the daemon replaced it); the result is ``SharedMemoryAnswers.look``'s, or
+    with ``lease``, ``SharedMemoryAnswers.lease``'s."""
 
     keys: Sequence[bytes]
     lease: bool = False
@@ -353,7 +366,7 @@ class LocalAcquire:
 @dataclasses.dataclass(frozen=True, slots=True)
 class GrantHere:
     """Reserve ``keys`` from the slots the daemon granted ahead (opening the session
-    first); the result is ``_grant_here``'s (None: call Reserve)."""
+    first); the result is ``SharedMemoryAnswers.grant``'s (None: call Reserve)."""
 
     keys: Sequence[bytes]
 
@@ -396,7 +409,32 @@ class SendRelease:
     lease_id: int
 
 
-Step: TypeAlias = Call | SyncMaps | Work | SendRelease | LookHere | GrantHere | CommitHere
+@dataclasses.dataclass(frozen=True, slots=True)
+class Start:
+    """Begin ``step`` (a session-bound Call, or a CommitHere) without waiting for its
+    answer; the result is a handle that exactly one ``Finish`` must be given, on every
+    path (a commit started holds the page's ring until then)."""
+
+    step: Call | CommitHere
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finish:
+    """Wait for what ``Start`` began; the result is the step's, or its error."""
+
+    handle: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Next:
+    """The next item of ``items`` (an iterator, or with AsyncClient an async iterator
+    too), or None at its end."""
+
+    items: Any
+
+
+Step: TypeAlias = (Call | SyncMaps | Work | SendRelease | LookHere | GrantHere | CommitHere
+                   | Start | Finish | Next)
 _T = TypeVar("_T")
 #: An operation: yields steps, is sent each step's result, returns its own.
 Steps: TypeAlias = Generator[Step, Any, _T]
@@ -613,82 +651,6 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
         except Unauthenticated:
             raise session_lost(what) from None
 
-    def _look_here(self, keys: Sequence[bytes]) -> tuple[bytes, bool] | None:
-        """A lookup in the shared index (None: it cannot answer, ask the daemon).
-
-        Needs no lock: it reads the current session's mappings once, and a table
-        another thread unmaps meanwhile answers None."""
-        index = self._maps.index
-        link = self._link
-        if index is None or link is None or self._closed or not link.quiet():
-            return None
-        return index.lookup(keys if type(keys) is list else list(keys))
-
-    def _lease_here(self, keys: Sequence[bytes]) -> LocalAcquire | None:
-        """An acquire answered from the shared index (None: ask the daemon)."""
-        index = self._maps.index
-        link = self._link
-        if (index is None or link is None or self._closed or not self.local_leases
-                or not link.quiet()):
-            return None
-        got = index.acquire(keys if type(keys) is list else list(keys))
-        if got is None:
-            return None
-        slots, at, serial = got
-        return LocalAcquire(index, at, slots, lease_id=serial if slots else 0,
-                            segments_version=self._maps.version)
-
-    def _grant_here(self, keys: Sequence[bytes]) -> LocalReserve | None:
-        """A reserve answered from the slots granted ahead (None: call Reserve).  Keys
-        the shared index holds are EXISTS, as a Reserve would say; one that another
-        writer is writing, or commits first, is EXISTS at commit instead."""
-        index = self._maps.index
-        link = self._link
-        writes = None if index is None else index.writes
-        if (writes is None or index is None or link is None or self._closed
-                or not self.local_writes or self._maps.read_only or not link.quiet()):
-            return None
-        keys = keys if type(keys) is list else list(keys)
-        n = len(keys)
-        if self._open_reservations >= writes.max_reservations:
-            return None  # the call refuses, with the limit's message
-        if (not 0 < n <= index.max_keys or len(set(keys)) != n
-                or min(map(len, keys)) < 1 or max(map(len, keys)) > MAX_KEY_BYTES):
-            return None  # the call says what is wrong
-        present = index.present_many(keys)  # one native call, under the table's seqlock
-        want = present.count(0)
-        statuses = ([KeyStatus.RESERVED] * n if want == n else
-                    [KeyStatus.EXISTS if p else KeyStatus.RESERVED for p in present])
-        grants = _index.NO_GRANTS
-        if want:
-            try:
-                got = writes.take_columns(want, self._maps.slot_bytes)
-            except ValueError:  # the page was unmapped (the session was replaced)
-                return None
-            if got is None:
-                return None
-            grants = got
-        return LocalReserve(writes, statuses, grants, self._maps.version, self.block_bytes)
-
-    def _commit_here(self, step: CommitHere) -> bytes:
-        """Publish a reservation's commit records in the page and wait for the results."""
-        link = self._link
-        if step.session_gen != self._session_gen or link is None:
-            raise session_lost("reservation")
-        try:
-            return step.writes.commit(step.records, lambda: not link.hung_up(), self.timeout)
-        except (ConnectionError, ValueError):  # the daemon went, or the page was unmapped
-            raise session_lost("reservation") from None
-        except TimeoutError as exc:
-            raise DeadlineExceeded(str(exc)) from None
-
-    def _here(self, step: LookHere) -> Any:
-        return self._lease_here(step.keys) if step.lease else self._look_here(step.keys)
-
-    def _index_stale(self) -> bool:
-        index = self._maps.index
-        return index is not None and index.superseded
-
     def _lookup_any_steps(self, keys: Sequence[bytes], prefetch: bool,
                           here: tuple[bytes, bool] | None = None) -> Steps[Sequence[int]]:
         """The wire tier of each leading present key: from the shared index when it can
@@ -796,10 +758,86 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
             pass
 
     def _put_steps(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> Steps[int]:
-        keys = as_keys(keys)
-        if len(keys) != len(blocks):
-            raise InvalidArgument(f"keys and blocks differ in length ({len(keys)} != {len(blocks)})")
-        views = [as_bytes_view(b, i, self.block_bytes) for i, b in enumerate(blocks)]
+        return (yield from self._put_many_steps(iter(((keys, blocks),)), split=True, one=True))
+
+    def _put_many_steps(self, items: Any, *, split: bool = False, one: bool = False
+                        ) -> Steps[int]:
+        """Store the (keys, blocks) items of the iterator ``items`` in batches, in order:
+        one per item (with ``split``, a large item is cut in several: ``put_batches``);
+        returns how many were stored.
+
+        Batch i+1 is reserved and copied while batch i's commit is in flight; a
+        batch's commit is started only once the one before it answered, so the
+        batches are stored in order, each all or nothing.  On an error the
+        batches before the failing one stay stored, that batch and the rest are
+        not (nothing more is read from ``items``), and the error, a KVTierError,
+        carries ``stored``: how many keys the call stored before it.  Returns once
+        every commit it started has answered, on every path.  With ``one`` (``items``
+        holds one item) its last batch commits as ``commit`` does, without a Start:
+        nothing is left to overlap it with."""
+        stored = 0
+        pending: tuple[ReservationState, Any] | None = None  # a commit in flight
+        try:
+            while True:
+                item = yield Next(items)
+                if item is None:
+                    break
+                try:
+                    keys, blocks = item
+                except (TypeError, ValueError):
+                    raise InvalidArgument(f"an item to put is a (keys, blocks) pair, not "
+                                          f"{type(item).__name__}") from None
+                keys = as_keys(keys)
+                if len(keys) != len(blocks):
+                    raise InvalidArgument(f"keys and blocks differ in length ({len(keys)} != "
+                                          f"{len(blocks)})")
+                views = [as_bytes_view(b, i, self.block_bytes) for i, b in enumerate(blocks)]
+                cuts = self.put_batches([v.nbytes for v in views]) if split else [(0, len(keys))]
+                for lo, hi in cuts:
+                    if pending is not None and not self._can_overlap():
+                        stored += yield from self._answered_steps(*pending)
+                        pending = None
+                    r = yield from self._written_steps(keys[lo:hi], views[lo:hi])
+                    h = None
+                    try:
+                        if pending is not None:  # the batch before answers first
+                            done, pending = pending, None
+                            stored += yield from self._answered_steps(*done)
+                        if one and hi == len(keys):
+                            stored += yield from r._commit_steps()
+                        else:
+                            h = yield from r._commit_start_steps()
+                    except BaseException as exc:
+                        yield from r._exit_steps(type(exc))
+                        raise
+                    if h is not None:
+                        pending = (r, h)
+            if pending is not None:
+                done, pending = pending, None
+                stored += yield from self._answered_steps(*done)
+        except BaseException as exc:
+            if pending is not None:  # answered before the error leaves
+                try:
+                    stored += yield from self._answered_steps(*pending)
+                except BaseException:  # noqa: BLE001 (the first error is the one raised)
+                    pass
+            if isinstance(exc, KVTierError):
+                exc.stored = stored  # type: ignore[attr-defined]
+            raise
+        return stored
+
+    def _answered_steps(self, r: ReservationState, handle: Any) -> Steps[int]:
+        """The answer of ``r``'s commit in flight (``handle``); a failed one is ended as
+        a failed ``commit`` inside ``with`` would be (aborted where still open)."""
+        try:
+            return (yield from r._commit_finish_steps(handle))
+        except BaseException as exc:
+            yield from r._exit_steps(type(exc))
+            raise
+
+    def _written_steps(self, keys: list[bytes], views: list[memoryview]) -> Steps[_R]:
+        """A reservation of ``keys`` with the blocks ``views`` copied in, ready to commit
+        (a slot granted ahead that lost its memory: once more through a Reserve call)."""
         here = True
         while True:
             r = yield from self._reserve_steps(keys, here)
@@ -807,7 +845,7 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
                 yield Work(functools.partial(r.write_all_hashed if self.checksum else r.write_all,
                                              views),
                            sum(views[i].nbytes for i in r.reserved))
-                return (yield from r._commit_steps())
+                return r
             except BaseException as exc:
                 yield from r._exit_steps(type(exc))
                 if here and r.local and r.fault is not None:
@@ -815,16 +853,50 @@ class ClientCore(abc.ABC, Generic[_R, _L]):
                     continue
                 raise
 
+    #: A put is cut into batches of at least this many bytes (so one of twice this is
+    #: the smallest cut): a cut pays off only when a batch's copy takes longer than a
+    #: commit's fixed cost (the daemon's ~0.1 ms of work and two wake-ups per ring),
+    #: which each batch costs again.  Measured on a loaded 2-vCPU host, 32 x 64 KiB
+    #: (2 MiB) in 2 or 4 batches moved 0.8x / 0.45x the bytes of one batch, and 32 x
+    #: 512 KiB in 4 batches 0.6-1.2x, with 1.9-2.1x the daemon's CPU per block
+    #: (docs/benchmarks.md); batches of 16 MiB or more keep that cost near 1%.
+    put_batch_bytes = 16 << 20
+    #: At most this many batches a put: each costs the daemon a commit's fixed work.
+    put_max_batches = 4
+
+    def put_batches(self, nbytes: Sequence[int]) -> list[tuple[int, int]]:
+        """The batches (index ranges, in order) a put of blocks of ``nbytes`` is cut into."""
+        n = len(nbytes)
+        total = sum(nbytes)
+        k = max(1, min(self.put_max_batches, n, total // max(1, self.put_batch_bytes)))
+        if k == 1:
+            return [(0, n)]
+        return [(n * j // k, n * (j + 1) // k) for j in range(k)]
+
+    def _can_overlap(self) -> bool:
+        """Whether a put may open its next reservation while one is committing (the
+        session's reservation limit, where the page says it, leaves room for both)."""
+        index = self._maps.index
+        writes = None if index is None else index.writes
+        return writes is None or writes.max_reservations - self._open_reservations >= 1
+
     def _get_steps(self, keys: Sequence[bytes], out: Sequence[Any] | None
                    ) -> Steps[list[np.ndarray]]:
         check_out(keys, out)
-        lease = yield from self._acquire_steps(keys)
+        # The copies are verified, not the slots: a writer of the namespace can change a
+        # slot (or cut its data file, which the audit gives back as zeros) between a check
+        # of the slot and the copy, and what the caller gets is the copy.
+        lease = yield from self._acquire_steps(keys, verify=False)
+        want = lease.checksums if self.checksum else None
         try:
-            got, gone = yield Work(functools.partial(copy_out, lease.views, out),
-                                   sum(v.nbytes for v in lease.views))
+            got, gone, bad = yield Work(functools.partial(copy_out_verified, lease.views, out,
+                                                          want),
+                                        sum(v.nbytes for v in lease.views) * (2 if want else 1))
         except BaseException as exc:
             yield from lease._exit_steps(type(exc))
             raise
+        if bad is not None:
+            yield from lease._drop_corrupted_steps([bad])  # raises Corrupted, as acquire does
         yield from lease._release_steps(wait=False)  # every copy is done
         if gone is not None:  # its memory was gone: a miss from there on
             yield from self._forget_steps(lease.keys[gone])
@@ -1080,23 +1152,17 @@ class ReservationState:
         return CommitColumns(grants.entries, grants.words, keys, lengths, sums)
 
     def _commit_steps(self) -> Steps[int]:
-        if self.done and self.fault is None:
+        what = yield from self._commit_prepare_steps()
+        if what is None:
             return 0
+        if isinstance(what, CommitHere):
+            try:
+                results: bytes = yield what
+            finally:
+                self._finish()
+            return self._local_answer(results)
         try:
-            if self.fault is not None:  # a write lost its slot: never committed
-                raise FailedPrecondition(str(self.fault))
-            checksum = self._client.checksum
-            hashed = (len(self._reserved) * self._block_bytes
-                      if checksum and self._sums is None and not self._released else 0)
-            if self._local is not None:
-                return (yield from self._commit_here_steps(checksum, hashed))
-            req = yield Work(functools.partial(self.commit_request, checksum), hashed)
-        except FailedPrecondition:
-            if self.fault is not None:
-                yield from self._exit_steps(FailedPrecondition)  # abort, quietly
-            raise
-        try:
-            resp = yield from self._client._bound_call("Commit", req, self.session_gen,
+            resp = yield from self._client._bound_call("Commit", what.request, self.session_gen,
                                                        "reservation")
         except SessionLost:
             self._finish()
@@ -1104,14 +1170,72 @@ class ReservationState:
         self._finish()
         return int(resp.committed)
 
-    def _commit_here_steps(self, checksum: bool, hashed: int) -> Steps[int]:
+    def _commit_start_steps(self) -> Steps[Any]:
+        """``_commit_steps`` up to the commit sent, not waited for: the handle for
+        ``_commit_finish_steps``, which must follow on every path (None: nothing to
+        commit, nothing to finish)."""
+        what = yield from self._commit_prepare_steps()
+        if what is None:
+            return None
+        if isinstance(what, CommitHere):
+            try:
+                return (yield Start(what))
+            except BaseException:
+                self._finish()  # never published (the session ended): nothing committed
+                raise
+        if self.session_gen != self._client._session_gen:
+            self._finish()
+            raise session_lost("reservation")
+        try:
+            return (yield Start(what))
+        except (SessionLost, Unauthenticated):
+            self._finish()
+            raise session_lost("reservation") from None
+
+    def _commit_finish_steps(self, handle: Any) -> Steps[int]:
+        """The answer of the commit ``_commit_start_steps`` sent; returns as ``commit``."""
+        if self._local is not None:
+            try:
+                results: bytes = yield Finish(handle)
+            finally:
+                self._finish()
+            return self._local_answer(results)
+        try:
+            resp = yield Finish(handle)
+        except Unauthenticated:
+            self._finish()
+            raise session_lost("reservation") from None
+        except SessionLost:
+            self._finish()
+            raise
+        self._finish()
+        return int(resp.committed)
+
+    def _commit_prepare_steps(self) -> Steps[CommitHere | Call | None]:
+        """What commits this reservation: the page's records (a CommitHere) or the
+        Commit call; None when there is nothing to commit."""
+        if self.done and self.fault is None:
+            return None
+        try:
+            if self.fault is not None:  # a write lost its slot: never committed
+                raise FailedPrecondition(str(self.fault))
+            checksum = self._client.checksum
+            hashed = (len(self._reserved) * self._block_bytes
+                      if checksum and self._sums is None and not self._released else 0)
+            if self._local is not None:
+                records = yield Work(functools.partial(self.commit_records, checksum), hashed)
+                return CommitHere(self._local.writes, records, self.session_gen)
+            req = yield Work(functools.partial(self.commit_request, checksum), hashed)
+        except FailedPrecondition:
+            if self.fault is not None:
+                yield from self._exit_steps(FailedPrecondition)  # abort, quietly
+            raise
+        return Call("Commit", req, retry=False)
+
+    def _local_answer(self, results: bytes) -> int:
+        """What a commit through the page answered: how many were committed, or the error."""
         local = self._local
         assert local is not None
-        records = yield Work(functools.partial(self.commit_records, checksum), hashed)
-        try:
-            results: bytes = yield CommitHere(local.writes, records, self.session_gen)
-        finally:
-            self._finish()
         committed = results.count(_index.COMMITTED)
         if committed < len(results):
             # Grants whose key turned out present stay granted: give them back for reuse.

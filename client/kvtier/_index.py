@@ -35,7 +35,7 @@ from typing import Final, NamedTuple
 
 import numpy as np
 
-from kvtier import _accel, _page
+from kvtier import _accel, _page, _slot_ref
 
 try:
     from kvtier import _native
@@ -44,7 +44,7 @@ except ImportError:  # not built: the client calls Lookup
 
 #: Whether this build can search a shared index.
 AVAILABLE: Final = _native is not None and _accel.NATIVE
-#: The page's layout (csrc/index.h, read through ``kvtier._page``): the header's flags
+#: The page's layout (csrc/layout.h, read through ``kvtier._page``): the header's flags
 #: word; the session page, its hazards' bound word, how many hazards it holds; the write
 #: area, its wanted-grants word, how many grants and records it holds; a record's results.
 SUPERSEDED: Final = _page.SUPERSEDED
@@ -62,8 +62,6 @@ GRANTS_N: Final = _page.GRANTS_N
 RING_RECORDS: Final = _page.RING_RECORDS
 #: Longest key (a commit record's, as the slot table's).
 MAX_KEY_BYTES: Final = _page.KEY_MAX
-_GRANT_SLOT_MASK: Final = 0xFFFF_FFFF
-_GRANT_SEGMENT_MASK: Final = 0x3FFF_FFFF
 COMMITTED: Final = _page.COMMITTED
 EXISTS: Final = _page.EXISTS
 INVALID: Final = _page.INVALID
@@ -133,15 +131,15 @@ class Grant(NamedTuple):
     """A slot the daemon reserved ahead for this session, taken by this writer."""
 
     entry: int  # its entry in the page
-    word: int  # the entry's value: VALID | segment << 32 | slot
+    word: int  # the entry's value: VALID | slot ref (kvtier._slot_ref)
 
     @property
     def segment_id(self) -> int:
-        return self.word >> 32 & _GRANT_SEGMENT_MASK
+        return _slot_ref.segment_of(self.word) & _page.GRANT_SEGMENT_MASK
 
     @property
     def slot(self) -> int:
-        return self.word & _GRANT_SLOT_MASK
+        return _slot_ref.slot_of(self.word)
 
 
 class TakenGrants:
@@ -204,6 +202,10 @@ class LocalWrites:
         self._page = page
         self._bell = os.dup(doorbell_fd)
         self._lock = threading.Lock()
+        #: Held from a commit's ``publish`` to its ``wait``'s end: one commit in the ring
+        #: at a time (a lock of its own: a writer opens its next reservation, which
+        #: takes ``_lock``, while its commit is in flight).
+        self._ring_lock = threading.Lock()
         self._head = 0
         self._want = 0
         #: The session's reservation limit (the daemon's word); reservations made here
@@ -273,7 +275,19 @@ class LocalWrites:
         columns) as one all-or-nothing commit, ring the daemon and wait for its results
         (one byte per record); raises TimeoutError (after ``timeout``) or
         ConnectionError (``alive`` said no)."""
-        with self._lock:
+        return self.wait(self.publish(records), alive, timeout)
+
+    def publish(self, records: list[tuple[int, int, bytes, int, int | None]] | CommitColumns
+                ) -> tuple[int, int]:
+        """The first half of ``commit``: publish ``records`` and ring the daemon, without
+        waiting; the ticket for ``wait``, which must follow (in any thread).
+
+        From here to that ``wait`` the ring is this commit's: a commit of another
+        thread waits, so the records in flight never exceed the ring and each
+        writer's results are its own.  Raises ValueError (nothing published, the
+        ring free again) for malformed records or an unmapped page."""
+        self._ring_lock.acquire()
+        try:
             start = self._head
             if isinstance(records, CommitColumns):
                 self._head = _native.commits_put_columns(self._page, start, records.entries,
@@ -282,14 +296,26 @@ class LocalWrites:
             else:
                 self._head = _native.commits_put(self._page, start, records)
             self.ring()
+        except BaseException:
+            self._ring_lock.release()
+            raise
+        return start, len(records)
+
+    def wait(self, ticket: tuple[int, int], alive: Callable[[], bool], timeout: float) -> bytes:
+        """The second half of ``commit``: wait for the daemon's results of the records
+        ``publish`` put (one byte per record) and free the ring; raises as ``commit``."""
+        start, n = ticket
+        try:
             waited = 0.0
-            while not _native.done_wait(self._page, self._head, _WAIT_SLICE):
+            while not _native.done_wait(self._page, start + n, _WAIT_SLICE):
                 waited += _WAIT_SLICE
                 if not alive():
                     raise ConnectionError("the session ended while the daemon committed")
                 if waited >= timeout:
                     raise TimeoutError(f"the daemon did not commit within {timeout:g} s")
-            return _native.commit_results(self._page, start, len(records))
+            return _native.commit_results(self._page, start, n)
+        finally:
+            self._ring_lock.release()
 
     def close(self) -> None:
         bell, self._bell = self._bell, -1

@@ -214,16 +214,24 @@ def index_populate(buf: _Buffer, write: bool = True, touch: bool = True) -> bool
     """Fault every page of buf in now (GIL released); False: madvise could not (then,
     with touch, each page was touched)."""
 
-def page_layout() -> dict[str, int]:
-    """csrc/index.h's session page layout, by name (KVT_ dropped)."""
+# The shared layouts (csrc/layout.h, exported by csrc/layout.c): Python's one source of
+# every offset and size of the slot entry, the SSD entry, the session page, its commit
+# records and the slot ref (kvtier._page, kvtier._slot_ref, kvtierd.layout).
+
+#: Every constant of csrc/layout.h, by name without its KVT_ prefix.
+LAYOUT: dict[str, int]
+#: Each record's fields ("slot_entry", "ssd_entry", "commit_record"): name -> (offset,
+#: bytes, kind), kind "u" a little-endian unsigned integer, "s" a byte string.
+FIELDS: dict[str, dict[str, tuple[int, int, str]]]
 
 
 # The block table (csrc/blocks.c): a namespace's DRAM blocks as native records over the
-# persisted slot tables; kvtierd.block_table wraps it.  Refs are uint64 extent_id << 32 |
-# slot, passed and returned as buffers of native uint64 (numpy arrays, bytes).
+# persisted slot tables; kvtierd.block_table wraps it.  Refs are uint64 slot refs
+# (kvtier._slot_ref), passed and returned as buffers of native uint64 (numpy arrays, bytes).
 
-#: The slot entry's layout (csrc/blocks.h): byte offsets, sizes and bounds.
-SLOT_LAYOUT: dict[str, int]
+#: The table's own constants (csrc/blocks.h): its record's bytes, the eviction policies'
+#: and the lower-tier states' codes.
+BLOCK_TABLE: dict[str, int]
 
 @final
 class BlockTable:
@@ -256,9 +264,11 @@ class BlockTable:
         """Free RESERVED slots and end the pins of unpin; the DOOMED refs freed."""
     def commit(self, refs: _Buffer, keys: Sequence[bytes], lengths: _Buffer,
                checksums: _Buffer | None, has_checksum: _Buffer | None, first_access: int,
-               epoch: int, release: _Buffer | None = None, /) -> None:
+               epoch: int, release: _Buffer | None = None, index: _Buffer | None = None,
+               /) -> tuple[int, list[int]] | None:
         """Make RESERVED slots COMMITTED (the slot table's entries, state byte last) and
-        free the RESERVED slots of release."""
+        free the RESERVED slots of release; with index, publish their keys there too:
+        (done, left)."""
     def pin(self, refs: _Buffer, /) -> None:
         """Pin COMMITTED blocks (count + 1 per ref)."""
     def unpin(self, refs: _Buffer, /) -> bytes:

@@ -1,9 +1,9 @@
-"""The session page's layout: every offset, size and flag, from ``csrc/index.h``.
+"""The session page's layout: every offset, size and flag, from ``csrc/layout.h``.
 
 A session's page is shared by the client (``kvtier._index``) and the daemon
 (``kvtierd.shared_index``), and read and written by native code on both sides
-(``csrc/index.c``, ``csrc/writes.c``).  ``csrc/index.h`` is its one definition:
-the names here are read from it at import (``_native.page_layout()``), never
+(``csrc/index.c``, ``csrc/writes.c``).  ``csrc/layout.h`` is its one definition:
+the names here are read from it at import (``_native.LAYOUT``), never
 written as numbers of their own.  Without the native module there is no page
 (``AVAILABLE`` is False on both sides) and every value here is 0.
 """
@@ -17,14 +17,20 @@ try:
 except ImportError:  # not built: no page is ever made or mapped
     _native = None  # type: ignore[assignment]
 
-_L: Final[dict[str, int]] = _native.page_layout() if _native is not None else {}
+_L: Final[dict[str, int]] = _native.LAYOUT if _native is not None else {}
 
 
 def _get(name: str) -> int:
-    return _L.get(name, 0)
+    """The header's constant ``name`` (a KeyError for a name the module does not export:
+    a module built from another header); 0 without the module."""
+    return _L[name] if _native is not None else 0
 
 
-#: The shared index header's flags word.
+#: The shared index: its header's and entries' bytes, the longest probe, and the
+#: header's flags word.
+INDEX_HEADER_BYTES: Final = _get("IDX_HEADER_BYTES")
+INDEX_ENTRY_BYTES: Final = _get("IDX_ENTRY_BYTES")
+INDEX_MAX_PROBE: Final = _get("IDX_MAX_PROBE")
 SUPERSEDED: Final = _get("IDX_SUPERSEDED")
 MISS_NOT_FINAL: Final = _get("IDX_MISS_NOT_FINAL")
 
@@ -59,6 +65,8 @@ W_GRANTS: Final = _get("W_GRANTS")
 GRANTS_N: Final = _get("W_GRANTS_N")
 GRANT_VALID: Final = _get("GRANT_VALID")
 GRANT_TAKEN: Final = _get("GRANT_TAKEN")
+#: A grant word's segment id (bits 32..61: above them, VALID and TAKEN).
+GRANT_SEGMENT_MASK: Final = _get("GRANT_SEGMENT_MASK")
 W_RING: Final = _get("W_RING")
 RECORD_BYTES: Final = _get("W_RECORD")
 RING_RECORDS: Final = _get("W_RING_N")

@@ -155,9 +155,17 @@ class SessionLink:
         Raises the call's error as the kvtier exception (the session goes on),
         or ``LinkBroken`` if the connection failed (the session has ended).
         """
-        call_id = self._send(pb.SessionRequest(call=pb.FastCall(
+        return self.wait_call(method, self.send_call(method, request, timeout), timeout)
+
+    def send_call(self, method: str, request: Message, timeout: float) -> int:
+        """``call``'s first half: send the request; its id, for ``wait_call`` (which must
+        follow: until then the answer is kept for it)."""
+        return self._send(pb.SessionRequest(call=pb.FastCall(
             method=method, request=request.SerializeToString(),
             timeout_ms=max(1, math.ceil(timeout * 1000)))))
+
+    def wait_call(self, method: str, call_id: int, timeout: float) -> Any:
+        """``call``'s second half: the answer to ``call_id``, raised as ``call`` does."""
         resp, fds = self._wait(call_id, timeout + _HUNG_AFTER)
         try:
             return _reply(method, resp, fds)

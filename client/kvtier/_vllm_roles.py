@@ -97,7 +97,7 @@ class Waits:
     :data:`RECHECK` seconds (an idle engine steps in a tight loop), and never sooner after
     the end of the last one than that lookup took: a lookup of blocks still on their way
     asks the cluster (a round trip to its master, 10-25 ms on a loaded host), and lookups
-    back to back would take the CPU the producer's publish needs (see docs/benchmarks.md).
+    back to back would take the CPU the producer's publish needs (see bench/results/HISTORY.md, the P/D section).
     """
 
     #: Seconds between two lookups of a held request, at least.

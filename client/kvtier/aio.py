@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import types
-from collections.abc import Collection, Sequence
+from collections.abc import AsyncIterable, Collection, Iterable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -27,14 +27,17 @@ from kvtier._core import (
     Call,
     ClientCore,
     CommitHere,
+    Finish,
     GrantHere,
     LeaseState,
     LocalAcquire,
     LocalReserve,
     LookHere,
     Metadata,
+    Next,
     ReservationState,
     SendRelease,
+    Start,
     Step,
     Steps,
     SyncMaps,
@@ -44,11 +47,17 @@ from kvtier._core import (
     grpc_options,
 )
 from kvtier._session import AsyncSessionLink, map_request
+from kvtier._shared_answers import SharedMemoryAnswers
 from kvtier.errors import FailedPrecondition, KVTierError, Unavailable
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
 _T = TypeVar("_T")
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class AsyncReservation(ReservationState):
@@ -116,6 +125,8 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
         super().__init__(socket, namespace=namespace, block_bytes=block_bytes,
                          model_uid=model_uid, timeout=timeout, checksum=checksum,
                          reconnect_max=reconnect_max, fast_path=fast_path)
+        #: Lookups, acquires, reserves and commits without a call, where they can.
+        self._shared = SharedMemoryAnswers(self)
         self._alink: AsyncSessionLink | None = None
         self._channel: grpc.aio.Channel | None = None
         self._session_lock: asyncio.Lock | None = None
@@ -152,14 +163,30 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
             return step.fn()
         elif isinstance(step, LookHere):
             await self._ensure_session()
-            if self._index_stale():
+            if self._shared.index_stale():
                 await self._refresh_index()
-            return self._here(step)
+            return self._shared.answer(step)
         elif isinstance(step, GrantHere):
             await self._ensure_session()
-            return self._grant_here(step.keys)
+            return self._shared.grant(step.keys)
         elif isinstance(step, CommitHere):
-            return await asyncio.to_thread(self._commit_here, step)  # waits for the daemon
+            return await asyncio.to_thread(self._shared.commit, step)  # waits for the daemon
+        elif isinstance(step, Start):
+            task = asyncio.ensure_future(self._do(step.step))
+            # Finish awaits it; this only keeps an error left behind by a cancelled
+            # caller from being reported as never retrieved.
+            task.add_done_callback(_retrieve)
+            return task
+        elif isinstance(step, Finish):
+            return await step.handle
+        elif isinstance(step, Next):
+            items = step.items
+            if hasattr(items, "__anext__"):
+                try:
+                    return await items.__anext__()
+                except StopAsyncIteration:
+                    return None
+            return next(items, None)
         elif isinstance(step, SendRelease):
             alink = self._alink
             if alink is not None and alink.fast_path:
@@ -225,7 +252,7 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
             self._maps_lock = asyncio.Lock()
         async with self._maps_lock:
             alink = self._alink
-            if not self._index_stale() or alink is None:
+            if not self._shared.index_stale() or alink is None:
                 return
             try:
                 resp, fds = await alink.request(map_request([], index=True))
@@ -256,13 +283,13 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
 
     # ------------------------------------------------------------- API (as Client's)
     async def lookup(self, keys: Sequence[bytes], *, prefetch: bool = False) -> int:
-        here = self._look_here(keys)  # the shared index's answer, when it is final
+        here = self._shared.look(keys)  # the shared index's answer, when it is final
         if here is not None and here[1]:
             return len(here[0])
         return await self._run(self._lookup_steps(keys, prefetch, here))
 
     async def lookup_tiers(self, keys: Sequence[bytes], *, prefetch: bool = False) -> list[Tier]:
-        here = self._look_here(keys)
+        here = self._shared.look(keys)
         if here is not None and here[1]:
             return [Tier(t) for t in here[0]]
         return await self._run(self._lookup_tiers_steps(keys, prefetch, here))
@@ -275,7 +302,14 @@ class AsyncClient(ClientCore[AsyncReservation, AsyncLease]):
         return await self._run(self._acquire_steps(keys, verify))
 
     async def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
+        """As ``Client.put`` (in batches past ``put_batch_bytes`` * 2, each all or nothing)."""
         return await self._run(self._put_steps(keys, blocks))
+
+    async def put_many(self, items: Iterable[tuple[Sequence[bytes], Sequence[Any]]]
+                       | AsyncIterable[tuple[Sequence[bytes], Sequence[Any]]]) -> int:
+        """As ``Client.put_many``; ``items`` may also be an async iterable."""
+        it = items.__aiter__() if isinstance(items, AsyncIterable) else iter(items)
+        return await self._run(self._put_many_steps(it))
 
     async def get(self, keys: Sequence[bytes], out: Sequence[Any] | None = None
                   ) -> list[np.ndarray]:

@@ -19,9 +19,10 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from kvtier._admin import TIER_NAMES, admin_call, fetch_stats, health, run_check
+from kvtier._admin import admin_call, fetch_stats, health, run_check
 from kvtier._core import DEFAULT_TIMEOUT
 from kvtier._fmt import table
+from kvtier._wire import TIER_NAMES, TIER_OF_NAME
 from kvtier.errors import InvalidArgument, KVTierError
 from kvtier.units import format_bytes
 from kvtier.v1 import kvtier_pb2 as pb
@@ -138,8 +139,6 @@ LS_PAGE_ALL = 1000
 #: progress output prints one line per call, so one line a second.
 DRAIN_POLL_MS = 1000
 
-_TIER_OF_NAME = {name: tier for tier, name in TIER_NAMES.items()}
-
 
 def read_keys(path: str) -> list[bytes]:
     """Keys for ``kvtier evict --keys-from``: one hex key per line (``-``: stdin).
@@ -182,7 +181,7 @@ def evict(socket: str | None, namespace: str, keys: list[bytes] | None, tiers: l
           *, batch: int = EVICT_BATCH, timeout: float = DEFAULT_TIMEOUT) -> tuple[int, int]:
     """Evict ``keys`` (None: the whole namespace) from ``tiers`` (empty: every tier),
     ``batch`` keys per call.  Returns (evicted, skipped because leased or moving)."""
-    wire = [_TIER_OF_NAME[t] for t in tiers]
+    wire = [TIER_OF_NAME[t] for t in tiers]
     if keys is None:
         resp = admin_call(socket, "Evict",
                            pb.EvictRequest(namespace=namespace, all=True, tiers=wire), timeout)
@@ -428,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("--all", action="store_true", help="with --keys: every page")
     ev = sub.add_parser("evict", help="drop a namespace's blocks from some or all tiers")
     ev.add_argument("--namespace", required=True)
-    ev.add_argument("--tier", action="append", choices=sorted(_TIER_OF_NAME), default=[],
+    ev.add_argument("--tier", action="append", choices=sorted(TIER_OF_NAME), default=[],
                     help="only the copies on this tier (repeatable; default: every tier)")
     which = ev.add_mutually_exclusive_group(required=True)
     which.add_argument("--keys-from", metavar="FILE",

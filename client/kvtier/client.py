@@ -3,7 +3,8 @@
 Control goes over gRPC on a Unix socket; bytes never do: ``reserve`` hands
 out writable numpy views of shared-memory slots and ``acquire`` read-only
 ones.  Every call makes a fixed number of RPCs however many keys it carries
-(``put``: Reserve + Commit; ``get``: Acquire + Release).
+(``put``: Reserve + Commit per batch, at most ``put_max_batches``; ``get``:
+Acquire + Release).
 
 What every call does is written once in ``kvtier._core`` (shared with
 ``AsyncClient``); this module is the blocking transport that runs it.
@@ -11,9 +12,10 @@ What every call does is written once in ``kvtier._core`` (shared with
 
 from __future__ import annotations
 
+import functools
 import os
 import types
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -24,6 +26,7 @@ from kvtier._core import (
     Call,
     ClientCore,
     CommitHere,
+    Finish,
     GrantHere,
     KeyStatus,
     LeaseState,
@@ -31,8 +34,10 @@ from kvtier._core import (
     LocalReserve,
     LookHere,
     Metadata,
+    Next,
     ReservationState,
     SendRelease,
+    Start,
     Step,
     Steps,
     SyncMaps,
@@ -41,6 +46,7 @@ from kvtier._core import (
     grpc_options,
     run_steps,
 )
+from kvtier._shared_answers import SharedMemoryAnswers
 from kvtier.errors import KVTierError
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -176,6 +182,8 @@ class Client(ClientCore[Reservation, Lease]):
         super().__init__(socket, namespace=namespace, block_bytes=block_bytes,
                          model_uid=model_uid, timeout=timeout, checksum=checksum,
                          reconnect_max=reconnect_max, fast_path=fast_path)
+        #: Lookups, acquires, reserves and commits without a call, where they can.
+        self._shared = SharedMemoryAnswers(self)
         self._pending_release: grpc.Future[Any] | None = None
         self._adopt(self._connect())
         self._channel = grpc.insecure_channel(f"unix:{self.grpc_path}",
@@ -204,20 +212,63 @@ class Client(ClientCore[Reservation, Lease]):
             self._send_release(step.lease_id)
         elif isinstance(step, LookHere):
             self._ensure_session()
-            if self._index_stale():
+            if self._shared.index_stale():
                 with self._lock:
-                    if self._index_stale() and self._link is not None:
+                    if self._shared.index_stale() and self._link is not None:
                         try:
                             self._maps.fetch(self._link, [], index=True)
                         except KVTierError:
                             return None  # the session ended: the call that follows says so
-            return self._here(step)
+            return self._shared.answer(step)
         elif isinstance(step, GrantHere):
             self._ensure_session()
-            return self._grant_here(step.keys)
+            return self._shared.grant(step.keys)
         elif isinstance(step, CommitHere):
-            return self._commit_here(step)  # waits for the daemon, GIL released
+            return self._shared.commit(step)  # waits for the daemon, GIL released
+        elif isinstance(step, Start):
+            return self._start(step.step)
+        elif isinstance(step, Finish):
+            return step.handle()
+        elif isinstance(step, Next):
+            return next(step.items, None)
         return None
+
+    def _start(self, step: Call | CommitHere) -> Callable[[], Any]:
+        """Begin a commit through the page or a session-bound call without waiting;
+        the function that waits for its answer (``Finish``)."""
+        if isinstance(step, CommitHere):
+            return functools.partial(self._shared.commit_wait, self._shared.commit_start(step))
+        assert not step.retry, "only a call never retried in a new session is started"
+        method, request = step.method, step.request
+        metadata = self._ensure_session()
+        link = self._link
+
+        def failed(exc: grpc.RpcError | KVTierError) -> KVTierError:
+            err = self._failed(method, metadata, exc, retry=False)
+            assert err is not None  # (never retried)
+            return err
+
+        if link is not None and link.fast_path and request.ByteSize() <= link.max_call_bytes:
+            try:
+                call_id = link.send_call(method, request, self.timeout)
+            except KVTierError as exc:
+                raise failed(exc) from None
+
+            def answer() -> Any:
+                try:
+                    return link.wait_call(method, call_id, self.timeout)
+                except KVTierError as exc:
+                    raise failed(exc) from None
+            return answer
+        fut = getattr(self._stub, method).future(request, timeout=self.timeout,
+                                                 metadata=metadata)
+
+        def result() -> Any:
+            try:
+                return fut.result()
+            except grpc.RpcError as exc:
+                raise failed(exc) from None
+        return result
 
     def _ensure_session(self) -> Metadata:
         with self._lock:
@@ -289,14 +340,14 @@ class Client(ClientCore[Reservation, Lease]):
         ``prefetch=True`` also starts promoting the hits below DRAM into DRAM
         in the background, so a following ``acquire``/``get`` finds them there.
         """
-        here = self._look_here(keys)  # the shared index's answer, when it is final
+        here = self._shared.look(keys)  # the shared index's answer, when it is final
         if here is not None and here[1]:
             return len(here[0])
         return self._run(self._lookup_steps(keys, prefetch, here))
 
     def lookup_tiers(self, keys: Sequence[bytes], *, prefetch: bool = False) -> list[Tier]:
         """The tier of each leading present key (callers can decide whether loading pays)."""
-        here = self._look_here(keys)
+        here = self._shared.look(keys)
         if here is not None and here[1]:
             return [Tier(t) for t in here[0]]
         return self._run(self._lookup_tiers_steps(keys, prefetch, here))
@@ -318,8 +369,26 @@ class Client(ClientCore[Reservation, Lease]):
         return self._run(self._acquire_steps(keys, verify))
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> int:
-        """Store each block under its key, skipping present keys; returns how many were stored."""
+        """Store each block under its key, skipping present keys; returns how many were stored.
+
+        A put of less than ``put_batch_bytes`` * 2 is one batch: all or nothing.  A
+        larger one is cut into up to ``put_max_batches`` batches, stored in key
+        order, each all or nothing, the copy of each overlapping the commit of the
+        one before; on an error the batches before the failing one stay stored
+        (a leading run of ``keys``: what a lookup of them finds), the others are
+        not, and the error's ``stored`` says how many keys were.  It returns (or
+        raises) once every commit it sent has answered.
+        """
         return self._run(self._put_steps(keys, blocks))
+
+    def put_many(self, items: Iterable[tuple[Sequence[bytes], Sequence[Any]]]) -> int:
+        """``put`` of each (keys, blocks) of ``items`` in turn, as one stream: the next
+        item is read and copied while the commit of the one before is in flight.
+        Each batch is all or nothing and they are stored in order; on an error
+        nothing more is read from ``items``, what was stored stays (the error's
+        ``stored`` says how many keys) and the rest is not.  Returns how many keys
+        were stored, once every commit has answered."""
+        return self._run(self._put_many_steps(iter(items)))
 
     def get(self, keys: Sequence[bytes], out: Sequence[Any] | None = None) -> list[np.ndarray]:
         """Copies of the blocks of the longest present prefix of ``keys``.

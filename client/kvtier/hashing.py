@@ -15,15 +15,20 @@ different prefixes, Mooncake#644).  Known-answer vectors pin the output in
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-#: Digest width in bytes (128 bits: the floor DESIGN.md sets, never truncated).
+#: Digest width in bytes (128 bits, never truncated: a collision must stay out of reach).
 KEY_BYTES = 16
 #: Domain tag for the first block, so kvtier keys never equal other BLAKE2b uses.
 _DOMAIN = b"kvtier.block_keys.v1"
+#: Domain of request salts.  It names the vLLM connector, which defined it first; every
+#: engine integration salts with it, so engines name the same tokens the same way.
+_SALT_DOMAIN = "kvtier.vllm.v1"
 
 
 def block_keys(
@@ -61,3 +66,15 @@ def block_keys(
         prev = hashlib.blake2b(prev + data[i * step : (i + 1) * step], digest_size=KEY_BYTES).digest()
         keys.append(prev)
     return keys
+
+
+def request_salt(salt: str, cache_salt: str | None, lora: Any) -> bytes:
+    """The key salt of a request: the engine integration's ``salt``, the request's
+    ``cache_salt`` (a tenant's), its LoRA adapter (anything with ``lora_name``,
+    ``lora_int_id``, ``lora_path``; None for the base model).  Every engine integration
+    (``kvtier.vllm``, ``kvtier.sglang_jax``) salts its keys with it."""
+    adapter = None
+    if lora is not None:
+        adapter = [str(getattr(lora, "lora_name", "")), int(getattr(lora, "lora_int_id", 0)),
+                   str(getattr(lora, "lora_path", ""))]
+    return json.dumps([_SALT_DOMAIN, salt, cache_salt or "", adapter]).encode()

@@ -6,7 +6,8 @@ prompt prefix of ``n`` pages is ``n`` keys from ``kvtier.block_keys``::
     import kvtier, kvtier.jax as kj
 
     cache = [(k, v) for k, v in kv_arrays]   # per layer [pages, page_tokens, kv_heads, head_dim]
-    layout = kj.layout_of(cache)             # kj.fused_layout_of(...) for vLLM-TPU caches
+    layout = kj.layout_of(cache)             # kj.packed_layout_of(...) for the JAX engines'
+                                             # [pages, tokens, heads, packing, head_dim]
     with kvtier.Client(**kj.namespace_for(layout, "llama3-8b@rev1")) as client:
         keys = kvtier.block_keys(token_ids, layout.page_tokens, salt=b"tenant")
         kj.save(client, cache, page_ids, keys)         # skips keys already stored
@@ -37,6 +38,9 @@ Copies per page (a page of all layers), by backend and direction:
   ``jax.device_put`` of the slot views (one host->device transfer per block;
   the runtime may stage it through a pinned buffer first), then the same
   in-place update on the device (one device-local copy).
+
+``load_leased`` is ``load`` from a lease the caller took first, for an engine that
+must know its blocks are held before it commits to loading them (``kvtier.sglang_jax``).
 
 Pages move as their bits (unsigned ints of the dtype's width, bitcast inside
 the jitted functions at no cost), never as floats: XLA's CPU backend computes
@@ -75,7 +79,7 @@ per batch-size bucket.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import jax
@@ -84,8 +88,8 @@ import numpy as np
 import numpy.typing as npt
 from jax import lax
 
-from kvtier import _accel
-from kvtier.client import Client
+from kvtier import _accel, errors
+from kvtier.client import Client, Lease
 from kvtier.paged import (
     GeometryMismatch,
     NamespaceArgs,
@@ -95,6 +99,7 @@ from kvtier.paged import (
     fused_layout_of,
     layout_of,
     namespace_for,
+    packed_layout_of,
     valid_page_ids,
 )
 
@@ -166,38 +171,73 @@ def load(client: Client, keys: Sequence[bytes], cache: Sequence[Layer],
     if not ids:
         return list(cache), 0
     with client.acquire(keys) as lease:
-        n = lease.hits
-        if n == 0:
-            return list(cache), 0
-        if donate and _on_one_cpu(arrays):
-            arrays, gone = _load_in_place(arrays, lease.views[:n], ids[:n], lay)
-            if gone is not None:
-                lease.drop_gone(gone)  # released; a miss from there on
-                return cast(list[Layer], _rebuild(arrays, lay)), gone
-            lease.release(wait=False)
-            return cast(list[Layer], _rebuild(arrays, lay)), n
-        views = list(lease.views)
-        if client.fault_guard:  # XLA reads private copies, never a slot (outside the guard)
-            views, gone = _private_copies(views, lay)
-            if gone is not None:
-                lease.drop_gone(gone)
-                n = gone
-                if n == 0:
-                    return list(cache), 0
-        blocks = _block_arrays(views, lay, arrays[0].sharding)
-        del views
-        if not donate:  # update copies instead, so the caller's arrays stay valid
-            arrays = [jnp.array(a, copy=True) for a in arrays]
-        for block, page in zip(blocks, ids, strict=False):  # ids[:n]
-            for first in range(0, len(arrays), _GROUP):
-                group = arrays[first : first + _GROUP]
-                arrays[first : first + _GROUP] = _update(group, block, page, first)
-        for a in arrays:  # every read of the slots is done: the lease may go
-            a.block_until_ready()
-        del blocks
-        if not lease.done:
-            lease.release(wait=False)
+        return _load_leased(client, lease, cache, arrays, ids, lay, donate)
+
+
+def load_leased(client: Client, lease: Lease, cache: Sequence[Layer], page_ids: Sequence[int],
+                *, layout: PagedKVLayout | None = None, donate: bool = True) -> tuple[list[Layer], int]:
+    """:func:`load` from a lease the caller took (``client.acquire(keys)``), and end it.
+
+    For an engine that must know its blocks are leased before it commits to loading
+    them (sglang-jax's HiCache un-tombstones its tree nodes before the copy).
+    ``page_ids[i]`` receives the block of ``lease.keys[i]``, for the lease's hits;
+    ``page_ids`` may be longer (the pages after the hits keep their contents).  The
+    lease is released (or ended) on return and on error.  Returns and raises as
+    :func:`load`.
+    """
+    with lease:
+        lay, arrays = _prepare(client, cache, layout)
+        ids = valid_page_ids(page_ids, len(page_ids), int(arrays[0].shape[0]), unique=True)
+        if len(ids) < lease.hits:
+            raise ValueError(f"the lease holds {lease.hits} blocks, page_ids has {len(ids)}")
+        return _load_leased(client, lease, cache, arrays, ids[: lease.hits], lay, donate)
+
+
+def _load_leased(client: Client, lease: Lease, cache: Sequence[Layer], arrays: list[jax.Array],
+                 ids: list[int], lay: PagedKVLayout, donate: bool) -> tuple[list[Layer], int]:
+    """The body of :func:`load` once ``lease`` is held (the caller's ``with`` ends it)."""
+    n = lease.hits
+    if n == 0:
+        return list(cache), 0
+    if donate and _on_one_cpu(arrays):
+        arrays, gone = _load_in_place(arrays, lease.views[:n], ids[:n], lay)
+        if gone is not None:
+            _after_copies(lease.drop_gone, gone)  # released; a miss from there on
+            return cast(list[Layer], _rebuild(arrays, lay)), gone
+        _after_copies(lease.release, wait=False)
+        return cast(list[Layer], _rebuild(arrays, lay)), n
+    views = list(lease.views)
+    if client.fault_guard:  # XLA reads private copies, never a slot (outside the guard)
+        views, gone = _private_copies(views, lay)
+        if gone is not None:
+            lease.drop_gone(gone)
+            n = gone
+            if n == 0:
+                return list(cache), 0
+    blocks = _block_arrays(views, lay, arrays[0].sharding)
+    del views
+    if not donate:  # update copies instead, so the caller's arrays stay valid
+        arrays = [jnp.array(a, copy=True) for a in arrays]
+    for block, page in zip(blocks, ids, strict=False):  # ids[:n]
+        for first in range(0, len(arrays), _GROUP):
+            group = arrays[first : first + _GROUP]
+            arrays[first : first + _GROUP] = _update(group, block, page, first)
+    for a in arrays:  # every read of the slots is done: the lease may go
+        a.block_until_ready()
+    del blocks
+    if not lease.done:
+        _after_copies(lease.release, wait=False)
     return cast(list[Layer], _rebuild(arrays, lay)), n
+
+
+def _after_copies(end: Callable[..., None], *args: Any, **kw: Any) -> None:
+    """End a lease once its blocks are copied (the cache arrays were donated: raising now
+    would lose them).  A lease whose session died with kvtierd (killed or restarted
+    under the copy) is gone already, and the bytes copied were committed ones."""
+    try:
+        end(*args, **kw)
+    except errors.KVTierError:
+        pass
 
 
 # ---------------------------------------------------------------- internals
@@ -226,7 +266,8 @@ def _flatten(cache: Sequence[Layer], lay: PagedKVLayout) -> list[jax.Array]:
             if not isinstance(a, jax.Array):
                 raise TypeError(f"layer {li} holds a {type(a).__name__}, not a jax.Array")
             shape = tuple(int(d) for d in a.shape)
-            if len(shape) != 4 or shape[1:] != want_shape or a.dtype != want_dtype:
+            if len(shape) != 1 + len(want_shape) or shape[1:] != want_shape \
+                    or a.dtype != want_dtype:
                 raise GeometryMismatch(
                     f"layer {li} has an array of shape {list(shape)} {a.dtype}; layout "
                     f"{lay.layout!r} needs [pages, {', '.join(map(str, want_shape))}] "
@@ -346,10 +387,25 @@ def _load_in_place(arrays: list[jax.Array], views: Sequence[np.ndarray], ids: Se
     return owned, None
 
 
+_spec: Callable[..., jax.sharding.PartitionSpec] = jax.sharding.PartitionSpec  # (untyped)
+
+
 @jax.jit
 def _take(a: jax.Array, ids: jax.Array) -> jax.Array:
-    """Pages ``ids`` of ``a``, as unsigned ints of the same width (bits kept exactly)."""
-    return jnp.take(_as_bits(a), ids, axis=0, mode="clip")
+    """Pages ``ids`` of ``a``, as unsigned ints of the same width (bits kept exactly).
+
+    An array on a mesh of explicit axes (sglang-jax's and tpu-inference's caches) names
+    the gather's output sharding, which JAX will not guess: ``a``'s own, but the page
+    axis whole (the pages taken are few, and any may sit on any shard)."""
+    bits = _as_bits(a)
+    sharding = jax.typeof(a).sharding
+    mesh = getattr(sharding, "mesh", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and any(
+            t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+        out = jax.sharding.NamedSharding(sharding.mesh, _spec(None, *spec[1:]))
+        return bits.at[ids].get(mode="clip", out_sharding=out)
+    return jnp.take(bits, ids, axis=0, mode="clip")
 
 
 def _stage(arrays: Sequence[jax.Array], pages: list[int]) -> list[np.ndarray]:
@@ -427,6 +483,8 @@ __all__ = [
     "fused_layout_of",
     "layout_of",
     "load",
+    "load_leased",
     "namespace_for",
+    "packed_layout_of",
     "save",
 ]

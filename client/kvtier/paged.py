@@ -17,6 +17,11 @@ slice of that layer's array at the page index.  Supported per-layer layouts:
               (``num_combined_kv_heads``) stores them.
 ``"single"``  one array ``[pages, page_tokens, kv_heads, head_dim]`` (K only, or
               an MLA latent cache, or any one-array-per-layer cache).
+``"packed"``  one array ``[pages, page_tokens, ceil(2 * kv_heads / packing), packing,
+              head_dim]``: K and V interleaved along the heads (K0, V0, K1, ...), ``packing``
+              heads of a narrow dtype side by side (1 for 32-bit, 2 for bfloat16, 4 for
+              8-bit), as the JAX engines keep them (tpu-inference's ``runner.kv_caches``,
+              sglang-jax's ``MHATokenToKVPool.kv_buffer``).
 
 The bytes of a page are copied as they are (no dtype conversion, no
 transposition), so a load into a cache of the same layout is bit-exact.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import operator
 import re
 from collections.abc import Sequence
@@ -33,7 +39,7 @@ from typing import Any, Final, TypedDict
 
 import numpy as np
 
-LAYOUTS: Final = ("kv", "fused", "single")
+LAYOUTS: Final = ("kv", "fused", "single", "packed")
 #: The daemon's limit on namespace names (characters of [A-Za-z0-9._/-]).
 _NAME_MAX: Final = 128
 #: Sizes of the dtypes numpy lacks, so a torch-only install (no ml_dtypes) can size a page.
@@ -55,13 +61,17 @@ class PagedKVLayout:
     kv_heads: int  # K (or V) heads; a fused array has 2 * kv_heads along its head axis
     head_dim: int
     dtype: str  # numpy dtype name ("bfloat16" via ml_dtypes, "float16", ...)
+    packing: int = 1  # "packed" only: heads side by side in the packing axis
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
-        for name in ("num_layers", "page_tokens", "kv_heads", "head_dim"):
+        for name in ("num_layers", "page_tokens", "kv_heads", "head_dim", "packing"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.packing != 1 and self.layout != "packed":
+            raise ValueError(f"packing is a property of the 'packed' layout; layout "
+                             f"{self.layout!r} needs packing=1, got {self.packing}")
 
     @property
     def arrays_per_layer(self) -> int:
@@ -69,6 +79,9 @@ class PagedKVLayout:
 
     @property
     def heads_per_array(self) -> int:
+        """Length of an array's head axis (for "packed": the axis before ``packing``)."""
+        if self.layout == "packed":
+            return -(-2 * self.kv_heads // self.packing)
         return 2 * self.kv_heads if self.layout == "fused" else self.kv_heads
 
     @property
@@ -77,13 +90,16 @@ class PagedKVLayout:
         return size if size is not None else dtype_of(self.dtype).itemsize
 
     @property
-    def array_page_shape(self) -> tuple[int, int, int]:
-        """Shape of one page of one array: ``(page_tokens, heads, head_dim)``."""
+    def array_page_shape(self) -> tuple[int, ...]:
+        """Shape of one page of one array: ``(page_tokens, heads, head_dim)``, and for
+        "packed" ``(page_tokens, heads, packing, head_dim)``."""
+        if self.layout == "packed":
+            return (self.page_tokens, self.heads_per_array, self.packing, self.head_dim)
         return (self.page_tokens, self.heads_per_array, self.head_dim)
 
     @property
     def array_page_bytes(self) -> int:
-        return self.page_tokens * self.heads_per_array * self.head_dim * self.itemsize
+        return math.prod(self.array_page_shape) * self.itemsize
 
     @property
     def block_bytes(self) -> int:
@@ -92,9 +108,11 @@ class PagedKVLayout:
 
     def describe(self) -> str:
         """``block_bytes`` spelled out, for error messages."""
+        packs = f" x {self.packing} packed" if self.layout == "packed" else ""
         return (f"{self.num_layers} layers x {self.arrays_per_layer} arrays x "
-                f"{self.page_tokens} tokens x {self.heads_per_array} heads x {self.head_dim} "
-                f"dims x {self.itemsize} bytes ({self.dtype}) = {self.block_bytes}")
+                f"{self.page_tokens} tokens x {self.heads_per_array} heads{packs} x "
+                f"{self.head_dim} dims x {self.itemsize} bytes ({self.dtype}) = "
+                f"{self.block_bytes}")
 
     def offsets(self) -> list[tuple[int, int]]:
         """(layer, array) -> byte offset inside a block, in storage order."""
@@ -134,6 +152,36 @@ def layout_of(cache: Sequence[Any]) -> PagedKVLayout:
 def fused_layout_of(cache: Sequence[Any]) -> PagedKVLayout:
     """Layout of a vLLM-TPU style cache: per layer ``[pages, page_tokens, 2*kv_heads, head_dim]``."""
     return _infer(cache, fused=True)
+
+
+def packed_layout_of(cache: Sequence[Any]) -> PagedKVLayout:
+    """Layout of a JAX engine's cache (tpu-inference, sglang-jax): per layer one array
+    ``[pages, page_tokens, ceil(2*kv_heads/packing), packing, head_dim]``.
+
+    ``kv_heads`` is read as ``heads * packing / 2``: the head slots the array holds (a
+    padded odd head count under packing counts its padding).
+    """
+    if len(cache) == 0:
+        raise ValueError("the cache has no layers")
+    first = cache[0]
+    if isinstance(first, (tuple, list)):
+        raise ValueError("a packed KV cache has one array per layer, not (k, v) pairs")
+    shape = tuple(int(d) for d in first.shape)
+    if len(shape) != 5:
+        raise ValueError(f"packed layer arrays must be [pages, page_tokens, heads, packing, "
+                         f"head_dim], got shape {shape}")
+    dtype = _dtype_name(first.dtype)
+    for li, a in enumerate(cache):
+        if isinstance(a, (tuple, list)) or tuple(int(d) for d in a.shape) != shape \
+                or _dtype_name(a.dtype) != dtype:
+            raise ValueError(f"layer {li} is not shaped like layer 0 ({shape} {dtype}): "
+                             "all layers must match")
+    _, page_tokens, heads, packing, head_dim = shape
+    if heads * packing % 2:
+        raise ValueError(f"a packed KV array holds K and V: heads x packing must be even, got "
+                         f"{heads} x {packing}")
+    return PagedKVLayout("packed", len(cache), page_tokens, heads * packing // 2, head_dim,
+                         dtype, packing)
 
 
 def _infer(cache: Sequence[Any], *, fused: bool) -> PagedKVLayout:
@@ -198,6 +246,8 @@ def namespace_for(layout: PagedKVLayout, model: str) -> NamespaceArgs:
     """
     geometry = (f"{layout.layout}-L{layout.num_layers}-p{layout.page_tokens}"
                 f"-h{layout.kv_heads}-d{layout.head_dim}-{layout.dtype}")
+    if layout.layout == "packed":
+        geometry += f"-k{layout.packing}"
     name = re.sub(r"[^A-Za-z0-9._/-]", "-", model) or "-"
     room = _NAME_MAX - len(geometry) - 1
     if len(name) > room:
@@ -207,12 +257,13 @@ def namespace_for(layout: PagedKVLayout, model: str) -> NamespaceArgs:
                          model_uid=model)
 
 
-def differences(shape: tuple[int, ...], dtype: str, want: tuple[int, int, int],
+def differences(shape: tuple[int, ...], dtype: str, want: tuple[int, ...],
                 want_dtype: str) -> str:
     """What differs between a cache array and a layout, e.g. ``page_tokens 32 != 16``."""
-    if len(shape) != 4:
-        return f"{len(shape)} dimensions, not 4"
-    names = ("page_tokens", "heads", "head_dim")
+    if len(shape) != 1 + len(want):
+        return f"{len(shape)} dimensions, not {1 + len(want)}"
+    names = (("page_tokens", "heads", "packing", "head_dim") if len(want) == 4
+             else ("page_tokens", "heads", "head_dim"))
     out = [f"{n} {got} != {exp}" for n, got, exp in zip(names, shape[1:], want, strict=True)
            if got != exp]
     if dtype != want_dtype:

@@ -43,8 +43,9 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import NamedTuple, TextIO
 
-from kvtier._admin import TIER_NAMES, fetch_stats
+from kvtier._admin import fetch_stats
 from kvtier._fmt import table
+from kvtier._wire import TIER_NAMES
 from kvtier.errors import KVTierError
 from kvtier.units import format_bytes
 from kvtier.v1 import kvtier_pb2 as pb

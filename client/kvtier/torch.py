@@ -292,7 +292,7 @@ def _flatten(cache: Sequence[Layer], lay: PagedKVLayout) -> list[torch.Tensor]:
                 raise TypeError(f"layer {li} holds a {type(a).__name__}, not a torch.Tensor")
             shape = tuple(int(d) for d in a.shape)
             name = _dtype_name(a.dtype)
-            if len(shape) != 4 or shape[1:] != want_shape or name != lay.dtype:
+            if len(shape) != 1 + len(want_shape) or shape[1:] != want_shape or name != lay.dtype:
                 raise GeometryMismatch(
                     f"layer {li} has a tensor of shape {list(shape)} {name}; layout "
                     f"{lay.layout!r} needs [pages, {', '.join(map(str, want_shape))}] "
@@ -350,7 +350,7 @@ def _host_u8(arrays: Sequence[torch.Tensor]) -> list[np.ndarray] | None:
     return out
 
 
-def _block_shape(lay: PagedKVLayout) -> tuple[int, int, int, int]:
+def _block_shape(lay: PagedKVLayout) -> tuple[int, ...]:
     return (lay.num_layers * lay.arrays_per_layer, *lay.array_page_shape)
 
 

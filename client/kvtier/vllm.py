@@ -98,9 +98,10 @@ from kvtier._kv_groups import (
     longest_hit,
     plan_groups,
 )
+from kvtier._reconnect import LazyClient
 from kvtier._vllm_roles import Role, Waits, announced_blocks, producer_params
 from kvtier.client import Client
-from kvtier.hashing import block_keys
+from kvtier.hashing import block_keys, request_salt
 from kvtier.paged import NamespaceArgs, PagedKVLayout
 
 if TYPE_CHECKING:
@@ -122,7 +123,6 @@ _MAX_PENDING_SAVES: Final = 8
 FAILURE_POLICIES: Final = ("recompute", "fail")
 #: Keys of the model's config.json that do not change its KV.
 _VOLATILE_CONFIG: Final = frozenset({"transformers_version", "_name_or_path", "_commit_hash"})
-_SALT_DOMAIN: Final = "kvtier.vllm.v1"
 #: Counters the connector keeps (vLLM stats and Prometheus ``vllm:kvtier_<name>``).
 COUNTERS: Final = (
     "lookups",           # scheduler: Lookup calls
@@ -280,15 +280,6 @@ def namespace_args(prefix: str, identity: str, digest: str, geometry: CacheGeome
     return NamespaceArgs(namespace=name[:128], block_bytes=geometry.block_bytes, model_uid=uid)
 
 
-def request_salt(salt: str, cache_salt: str | None, lora: Any) -> bytes:
-    """The key salt of a request: the connector's salt, the request's ``cache_salt``, its LoRA."""
-    adapter = None
-    if lora is not None:
-        adapter = [str(getattr(lora, "lora_name", "")), int(getattr(lora, "lora_int_id", 0)),
-                   str(getattr(lora, "lora_path", ""))]
-    return json.dumps([_SALT_DOMAIN, salt, cache_salt or "", adapter]).encode()
-
-
 def refusal(request: Request) -> str | None:
     """Why a request's KV must not be matched or saved by token ids (None: it may be)."""
     if request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
@@ -368,39 +359,25 @@ class _Link:
                  throttle: _Throttle) -> None:
         self._cfg, self.args = cfg, args
         self._counters, self._throttle = counters, throttle
-        self._lock = threading.Lock()
-        self._client: Client | None = None
-        self._retry_at = 0.0
-        self._delay = 0.5
+        self._lazy = LazyClient(
+            lambda: Client(cfg.socket_dir, **args, timeout=cfg.timeout, checksum=cfg.checksum),
+            on_failure=self._connect_failed, on_open=self._opened)
+
+    def _connect_failed(self, exc: BaseException) -> None:
+        self._counters.add(f"failures_{_failure_kind(exc)}")
+        self._throttle.warn("connect", "cannot open namespace %s (%s: %s); is kvtierd "
+                            "running? Serving without it, retrying", self.args["namespace"],
+                            type(exc).__name__, exc)
+
+    def _opened(self, client: Client) -> None:
+        logger.info("kvtier: namespace %s (block %d bytes) at %s", self.args["namespace"],
+                    self.args["block_bytes"], client.grpc_path)
 
     def client(self) -> Client | None:
-        with self._lock:
-            if self._client is not None:
-                return self._client
-            now = time.monotonic()
-            if now < self._retry_at:
-                return None
-            try:
-                self._client = Client(self._cfg.socket_dir, **self.args, timeout=self._cfg.timeout,
-                                      checksum=self._cfg.checksum)
-            except (errors.KVTierError, OSError) as exc:
-                self._retry_at = now + self._delay
-                self._delay = min(2 * self._delay, 30.0)
-                self._counters.add(f"failures_{_failure_kind(exc)}")
-                self._throttle.warn("connect", "cannot open namespace %s (%s: %s); is kvtierd "
-                                    "running? Serving without it, retrying", self.args["namespace"],
-                                    type(exc).__name__, exc)
-                return None
-            self._delay = 0.5
-            logger.info("kvtier: namespace %s (block %d bytes) at %s", self.args["namespace"],
-                        self.args["block_bytes"], self._client.grpc_path)
-            return self._client
+        return self._lazy.get()
 
     def close(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+        self._lazy.close()
 
 
 # ---------------------------------------------------------------- stats surfaced by vLLM
@@ -514,9 +491,13 @@ class _Request:
 
 class _Scheduler:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                 cfg: ConnectorConfig, counters: _Counters, throttle: _Throttle) -> None:
+                 cfg: ConnectorConfig, counters: _Counters, throttle: _Throttle,
+                 tp_size: int | None = None) -> None:
+        """``tp_size``: the shards a block is stored in (default: the tensor-parallel size;
+        1 where one process holds every rank's KV, as a JAX engine's global arrays do)."""
         self._cfg, self._counters, self._throttle = cfg, counters, throttle
-        tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        tp = int(vllm_config.parallel_config.tensor_parallel_size) if tp_size is None \
+            else tp_size
         self._plans = plan_groups(kv_cache_config, tp)
         self._block = self._plans[0].block_tokens
         # vLLM takes block-level load failures from single-group models only, and recomputes
@@ -993,14 +974,26 @@ class _Worker:
         self._counters.add("load_seconds", time.perf_counter() - t0)
         return failed
 
+    def _copy_in(self, client: Client, spec: LoadSpec, io: _GroupIO,
+                 phases: dict[str, float]) -> int:
+        """Copy the leading stored blocks of ``spec`` into the engine's cache; how many.
+
+        Raises as ``kvtier.torch.load`` (the JAX engines' worker copies through
+        ``kvtier.jax`` instead)."""
+        return kt.load(client, spec.keys, io.cache, spec.block_ids, layout=io.layout,
+                       phases=phases)
+
+    def _copy_out(self, client: Client, io: _GroupIO, keys: list[bytes], ids: list[int]) -> int:
+        """Store blocks ``ids`` of the engine's cache under ``keys``; how many were written."""
+        return kt.save(client, io.cache, ids, keys, layout=io.layout)
+
     def _load_one(self, client: Client, spec: LoadSpec, io: _GroupIO) -> int:
         ns = io.link.args["namespace"]
         for attempt in range(2):
             try:
                 phases: dict[str, float] = {}
                 try:
-                    n = kt.load(client, spec.keys, io.cache, spec.block_ids, layout=io.layout,
-                                phases=phases)
+                    n = self._copy_in(client, spec, io, phases)
                 finally:
                     self._counters.add("load_acquire_seconds", phases.get("acquire", 0.0))
                     self._counters.add("load_copy_seconds", phases.get("copy", 0.0))
@@ -1069,7 +1062,7 @@ class _Worker:
                 if client is None:
                     continue
                 try:
-                    written = kt.save(client, io.cache, ids, keys, layout=io.layout)
+                    written = self._copy_out(client, io, keys, ids)
                 except Exception as exc:  # noqa: BLE001 (a failed save is a later miss)
                     self._failed("save", exc, io.link.args["namespace"])
                     continue
@@ -1111,6 +1104,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """
 
     _cache_hit_source = CacheHitSource.HOST
+    #: What moves the bytes on the worker side (:mod:`kvtier.vllm_tpu` has a JAX one).
+    _worker_class: type[_Worker] = _Worker
+    #: One process holds every tensor-parallel rank's KV in global arrays (JAX engines):
+    #: a block is stored whole, in one namespace.
+    _one_shard: bool = False
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
@@ -1139,10 +1137,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             if role == KVConnectorRole.SCHEDULER:
                 self._scheduler = _Scheduler(vllm_config, kv_cache_config, self._cfg,
-                                             self._counters, self._throttle)
+                                             self._counters, self._throttle,
+                                             tp_size=1 if self._one_shard else None)
             else:
-                self._worker = _Worker(vllm_config, kv_cache_config, self._cfg, self._counters,
-                                       self._throttle)
+                self._worker = self._worker_class(vllm_config, kv_cache_config, self._cfg,
+                                                  self._counters, self._throttle)
         except Unsupported as exc:
             logger.error("kvtier: the connector is off for this engine: %s", exc)
 

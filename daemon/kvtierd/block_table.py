@@ -1,24 +1,24 @@
 """A namespace's DRAM blocks in native records: ``kvtier._native.BlockTable`` (csrc/blocks.c).
 
-Issue 26: no Python object per block.  A block's durable fields stay where
-they are, in its extent's persisted slot table (``segments``: state, key,
-length, checksum, generation, epoch, last access); the table keeps only
-what is volatile, 12 bytes a slot: a copy of the state, the pin count, the
-lower-tier state (DIRTY / CLEAN / UNSPILLABLE), the prefetched and CLOCK
-bits and the free-list link.  It writes the slot-table entries itself, in
+No Python object per block.  A block's durable fields stay where they are, in
+its extent's persisted slot table (``segments``: state, key, length, checksum,
+generation, epoch, last access; laid out in ``csrc/layout.h``); the table keeps
+only what is volatile, 12 bytes a slot: a copy of the state, the pin count, the
+lower-tier state (DIRTY / CLEAN / UNSPILLABLE), the prefetched and CLOCK bits
+and the free-list link.  It writes the slot-table entries itself, in
 segments.py's crash-safe order and byte for byte its format.
 
-Blocks are named by **refs**, ``extent_id << 32 | slot`` (the segment id;
-``refs_of``), passed in and out as numpy ``uint64`` arrays: one call per
-batch, never an object per block.  Every call validates its whole batch
-first and changes nothing when one item is invalid (``ValueError`` naming
-the index); large batches apply with the GIL released.
+Blocks are named by slot refs (``kvtier._slot_ref``: the segment id and the
+slot in one u64), passed in and out as numpy ``uint64`` arrays: one call per
+batch, never an object per block.  Every call validates its whole batch first
+and changes nothing when one item is invalid (``ValueError`` naming the index);
+large batches apply with the GIL released.
 
 Operations (each one native call):
 
 * extents: ``add_segment`` / ``add_extent`` (fresh, all FREE),
-  ``remove_extent``, ``adopt`` (a previous run's table, validated exactly as
-  ``recovery.scan_slots`` does), ``committed`` (an extent's block refs);
+  ``remove_extent``, ``adopt`` (a previous run's table, every slot validated
+  first), ``committed`` (an extent's block refs);
 * keys: ``match_keys`` (refs against keys, from the slot entries: the check
   of a shared-index hit whose entry holds the key's hash);
 * write path: ``claim(n, skip)`` (FREE -> RESERVED, all or nothing; says how
@@ -35,40 +35,14 @@ Operations (each one native call):
   access, what reclaim across namespaces compares), ``inspect``, ``check``
   (records against slot tables), ``native_bytes``.
 
-How ``store.Store`` maps onto it (the next step; one table per namespace,
-the shared index as the key index, whose ``ref`` field holds the block's
-ref):
+The store (``kvtierd.store``) keeps one table per namespace (``Namespace.table``),
+with the shared index as its key index, whose ``ref`` field holds the block's ref:
+claims, eviction and reclaim in ``store.room``, commits and pins in ``store.base``,
+deletes, evictions and demotion candidates in ``store.operations``, warm starts in
+``store.adoption``, ``check_rows`` and ``check`` in ``store.store``.
 
-* ``_take_slots``/``_claim``: ``claim(n, skip=hazards)``; when short,
-  ``victims(short, policy, skip=hazards, spill=spill_enabled)`` then
-  ``evict(victims, reserve=True)`` (victims leave the shared index first;
-  a short answer with ``counts()['dirty']`` blocks left is ``NeedDemotion``);
-  ``_find_room``'s reclaim of other namespaces' extents reads their
-  ``counts(extent)`` (committed, pinned, dirty) instead of walking an LRU;
-* ``_commit_batch`` / ``_apply_end_reservation``: ``commit(refs, keys,
-  lengths, checksums, first_access, epoch)`` for the committed ones and
-  ``release_claims`` for the length-0 ones and for ``abort``; expiry keeps
-  the refs quarantined (still RESERVED) and releases them later;
-* ``acquire``/``_pin``: ``touch(refs, seq)`` then ``pin(refs)``;
-  ``release``/``_apply_end_lease``: ``unpin(refs)`` (its result: the doomed
-  blocks just freed); ``pin_blocks``/``unpin`` for tiering the same;
-* ``delete``/``_delete_blocks``/``drop_lost``: ``delete(refs)`` after the keys
-  left the shared index; ``evict_block``: ``evict(refs)``;
-* ``note_reads``: ``touch(hazard_words, seq, hints=True)`` (garbage skipped);
-* ``set_lower``: ``set_lower(refs, lower, generations)``;
-  ``demotion_candidates``: ``dirty(limit, policy)``;
-* ``adopt_extent``: ``add_segment`` + ``adopt(seg, boot_epoch,
-  referenced_from=<median last access of all extents>)`` + ``committed(extent)``
-  for the shared index (keys read from the table);
-  ``finish_recovery``: the access sequence goes on from ``max_last_access``
-  (past 2**47: ``rescale_access`` first);
-* ``_retire_extents``/``_reformat``: ``remove_extent`` (before the segment
-  is closed: the table holds its mapping exported until then);
-* ``lookup``/``acquire`` through the shared index: ``match_keys(refs, keys)``
-  for the hits whose keys the index holds hashed (not 16 bytes);
-* ``check``: ``check()`` plus the shared index against ``committed`` refs.
-
-Eviction is not exact LRU: DESIGN 7a asks for constant memory per block.
+Eviction is not exact LRU, which needs an ordered structure per block: the
+per-block state stays a fixed-size record.
 ``Policy.LRU`` is Redis' sampled approximation on the persisted last access
 (``sample`` random evictable slots per victim, the oldest goes, with a pool of
 16 candidates kept across calls); ``Policy.CLOCK`` sets a bit at every access
@@ -80,17 +54,19 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import mmap
 from collections.abc import Sequence
 from typing import Final, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
+from kvtier import _slot_ref
 from kvtierd.segments import SLOT_ENTRY_BYTES, TABLE_OFFSET, Segment
 
 try:
     from kvtier import _native
-except ImportError:  # not built: the store keeps its Python bookkeeping
+except ImportError:  # not built: no table (and no daemon: the store runs on it)
     _native = None  # type: ignore[assignment]
 
 #: Whether this build has the native block table.
@@ -150,25 +126,15 @@ class Adoption:
     dropped: dict[str, int]
 
 
-def refs_of(extent_id: int, slots: npt.ArrayLike) -> Refs:
-    """The refs of ``slots`` of one extent."""
-    return (np.uint64(extent_id) << np.uint64(32)) | np.asarray(slots, dtype=np.uint64)
-
-
-def split(refs: Refs) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
-    """(extent ids, slots) of refs."""
-    return refs >> np.uint64(32), refs & np.uint64(0xFFFF_FFFF)
-
-
 def by_extent(refs: Refs) -> list[tuple[int, npt.NDArray[np.bool_] | None]]:
     """Each extent id among ``refs`` with the mask of its refs -- None when every ref
     is of that one extent (the usual batch: no pass over the refs per extent)."""
     if not len(refs):
         return []
-    first = int(refs[0]) >> 32
+    first = _slot_ref.segment_of(int(refs[0]))
     if len(refs) == 1:
         return [(first, None)]
-    ids = refs >> np.uint64(32)
+    ids = _slot_ref.segments_of(refs)
     if bool((ids == first).all()):
         return [(first, None)]
     return [(ext_id, ids == ext_id) for ext_id in np.unique(ids).tolist()]
@@ -217,7 +183,7 @@ class BlockTable:
 
     def add_extent(self, extent_id: int, n_slots: int, meta: object, created_unix_ns: int) -> None:
         """Add a fresh extent: every slot FREE.  ``meta``: a writable buffer of its slot
-        table (``n_slots`` entries of 128 bytes).  ValueError for an id taken."""
+        table (``n_slots`` entries of ``SLOT_ENTRY_BYTES``).  ValueError for an id taken."""
         self._t.add_extent(extent_id, n_slots, meta, created_unix_ns)
 
     def remove_extent(self, extent_id: int, *, force: bool = False) -> tuple[int, int]:
@@ -227,8 +193,8 @@ class BlockTable:
 
     def adopt(self, seg: Segment, boot_epoch: int, *, referenced_from: int = 2**64 - 1
               ) -> Adoption:
-        """Validate a previous run's slot table of an extent just added (``add_segment``),
-        as ``recovery.scan_slots``: valid COMMITTED entries become unpinned DIRTY blocks,
+        """Validate a previous run's slot table of an extent just added (``add_segment``)
+        (tests/unit/slot_oracle.py states the rules): valid COMMITTED entries become unpinned DIRTY blocks,
         RESERVED ones stay reserved (quarantine: ``release_claims`` them later), the rest
         are freed in the table too.  Blocks last accessed at ``referenced_from`` or later
         get their CLOCK bit (pass the median last access of every extent, from
@@ -277,12 +243,17 @@ class BlockTable:
 
     def commit(self, refs: npt.ArrayLike, keys: Sequence[bytes], lengths: npt.ArrayLike,
                checksums: Sequence[int | None] | npt.ArrayLike | None, *, first_access: int,
-               epoch: int, release: npt.ArrayLike | None = None) -> None:
+               epoch: int, release: npt.ArrayLike | None = None,
+               index: mmap.mmap | None = None) -> tuple[int, list[int]] | None:
         """Make RESERVED slots COMMITTED with their keys, lengths and checksums (None: no
         checksum; per block or for all), last access ``first_access + i``; with
         ``release``, those RESERVED slots are freed in the same call.  ValueError
         (nothing written) for a slot not RESERVED, a key or length out of range, columns
-        of different lengths, a slot named twice."""
+        of different lengths, a slot named twice, an ``index`` that holds no index.
+        With ``index`` (a shared index's buffer, ``SharedIndex.room_for``), the keys
+        are published there in the same call: returns (done, left), the refs before
+        ``done`` published but those at ``left`` (held already or past the probe
+        limit), the rest left to the caller (the index filled); else None."""
         sums: npt.NDArray[np.uint64] | None = None
         has: npt.NDArray[np.uint8] | None = None
         if checksums is not None:
@@ -292,8 +263,8 @@ class BlockTable:
                 sums = np.array([0 if c is None else c for c in items], dtype=np.uint64)
             else:
                 sums = _u64(items if items is not None else checksums)  # type: ignore[arg-type]
-        self._t.commit(_u64(refs), keys, _u64(lengths), sums, has, first_access, epoch,
-                       None if release is None else _u64(release))
+        return self._t.commit(_u64(refs), keys, _u64(lengths), sums, has, first_access,
+                              epoch, None if release is None else _u64(release), index)
 
     # ------------------------------------------------------------ read path
     def pin(self, refs: npt.ArrayLike) -> None:

@@ -121,7 +121,8 @@ DEFAULT_PREFAULT_THREADS: Final = 0
 #: Keep the DRAM tier out of swap whenever RLIMIT_MEMLOCK lets us; silently skipped otherwise.
 DEFAULT_MLOCK: Final = True
 #: Make a namespace's next extent in the background once its free slots run low, so the
-#: request that needs them does not wait 0.1-0.9 s for the pre-fault (issue 27).
+#: request that needs them does not wait 0.1-0.9 s for the pre-fault (a P/D hand-off
+#: measured that wait in its TTFT).
 DEFAULT_GROW_AHEAD: Final = True
 #: Far longer than a client holds a block for a copy, short enough that a crashed client's pins free.
 DEFAULT_LEASE_TTL: Final = 300.0
@@ -212,7 +213,7 @@ DEFAULT_CLUSTER_REQUEST_TIMEOUT: Final = 30.0
 DEFAULT_CLUSTER_SETUP_TIMEOUT: Final = 60.0
 #: On: the lent segment is memory the host has budgeted for the cluster (as DRAM's
 #: extents, which are pre-faulted too), and a batched put of 31 x 2 MiB into a cold
-#: segment took 34-78 ms against 11-13 ms into a pre-faulted one (docs/benchmarks.md);
+#: segment took 34-78 ms against 11-13 ms into a pre-faulted one (bench/results/HISTORY.md);
 #: the cost is ``segment_bytes`` of RAM held from the agent's start (0.3-0.7 s per
 #: GiB here, in the background, after the agent has joined).
 DEFAULT_CLUSTER_PREFAULT_SEGMENT: Final = True
@@ -895,8 +896,8 @@ class SpillConfig:
                     "`${XDG_STATE_HOME:-~/.local/state}/kvtier/<instance>/spill`")
     ssd_capacity: int = setting(
         DEFAULT_SSD_CAPACITY, _size_kind(1 * MiB),
-        "Bytes of spill files the SSD tier may create; beyond it the least recently used "
-        "blocks are dropped (or passed to the shared tier).")
+        "Bytes of spill files the SSD tier may create; beyond it the blocks its CLOCK "
+        "picks are dropped (or passed to the shared tier).")
     ssd_file_size: int = setting(
         DEFAULT_SSD_FILE_SIZE, _FILE_SIZE, "Largest spill file.")
     ssd_direct_io: str = setting(
@@ -911,7 +912,7 @@ class SpillConfig:
         "or commit (also every commit).")
     clean_ahead: float = setting(
         DEFAULT_CLEAN_AHEAD, _FRACTION,
-        "Fraction of DRAM kept demoted ahead of need at the LRU end.")
+        "Fraction of DRAM kept demoted ahead of need among the blocks eviction takes next.")
     queue_depth: int = setting(
         DEFAULT_QUEUE_DEPTH, _int_kind(1, 65536), "Blocks in flight to the spill tiers at once.")
     io_threads: int = setting(DEFAULT_IO_THREADS, _int_kind(1, 64), "Threads doing spill I/O.")

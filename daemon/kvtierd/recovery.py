@@ -6,11 +6,12 @@ clients.  So every ``*.meta`` file is attached and validated
 (``Segment.attach``: header, geometry, sizes); a segment that fails is
 removed ("reformatted") with the reason logged, never half-used, and so is a
 data file without metadata (format 1 kept both in one ``.seg`` file: such
-files from an older kvtierd are a cold start).  Then every slot of every
-valid segment is checked here (``scan_slots``) — state, key length, length,
-flags, generation, access sequence, commit epoch, the entry checksum, and
-whether a client cut its data off — before the store may adopt it; a slot
-that fails is freed and counted with its reason (``RecoveryReport.dropped_slots``).
+files from an older kvtierd are a cold start).  Then the store adopts every
+valid segment (``Store.adopt_segment``: ``BlockTable.adopt`` in native code), which
+checks every slot first — state, key length, length, flags, generation, access
+sequence, commit epoch, the entry checksum, and whether a client cut its data off;
+a slot that fails is freed and counted with its reason
+(``RecoveryReport.dropped_slots``).
 Valid extents are adopted most recently used first, so when ``dram.capacity``
 shrank the coldest extents are the ones dropped.  The store's ``check()``
 runs after the last one (kvtierd runs it right after READY, off the loop).  Data pages are not touched here (the daemon never
@@ -29,27 +30,19 @@ from typing import Final
 
 import numpy as np
 
-from kvtier import _accel, _native
+from kvtier import _native
 from kvtier.errors import CapacityExhausted, FailedPrecondition
 from kvtierd import shared_index
 from kvtierd.logs import event
 from kvtierd.segments import (
     DATA_SUFFIX,
-    ENTRY_SUM_AT,
-    FLAG_HAS_CHECKSUM,
-    KEY_OFFSET,
-    MAX_ACCESS_SEQ,
-    MAX_GENERATION,
-    MAX_KEY_BYTES,
     META_SUFFIX,
-    SLOT_DTYPE,
     SLOT_ENTRY_BYTES,
     TABLE_OFFSET,
     Segment,
     SegmentInvalid,
-    SlotState,
 )
-from kvtierd.store import AdoptedSlots, Store
+from kvtierd.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -71,98 +64,6 @@ class RecoveryReport:
     @property
     def warm(self) -> bool:
         return bool(self.blocks)
-
-
-def scan_slots(seg: Segment, *, boot_epoch: int) -> tuple[AdoptedSlots, collections.Counter[str]]:
-    """Validate every slot of an attached segment; what the store may adopt, and what not.
-
-    COMMITTED slots whose every field is in bounds and whose entry checksum
-    verifies become blocks; RESERVED slots are quarantined (a writer of the
-    previous daemon may still be copying); everything else is freed, in the
-    table too.  Generations out of range are reset.  Reasons for dropped
-    COMMITTED slots (and for state bytes that are no state) are counted.
-    """
-    lay = seg.layout
-    n = lay.n_slots
-    raw = seg.raw_table()  # one copy of the table: the numpy view and the row hashes read it
-    table = np.frombuffer(raw, dtype=SLOT_DTYPE, count=n)
-    state, klen, flags = table["state"], table["key_len"], table["flags"]
-    length, csum, gen = table["length"], table["checksum"], table["generation"]
-    last, epoch = table["last_access"], table["epoch"]
-    slot_end = (np.arange(n, dtype=np.uint64) + 1) * np.uint64(lay.slot_bytes)
-    dropped: collections.Counter[str] = collections.Counter()
-    ok = state == SlotState.COMMITTED
-    checks = (
-        ("key length out of range", (klen < 1) | (klen > MAX_KEY_BYTES)),
-        ("length out of range", (length < 1) | (length > lay.block_bytes)),
-        ("unknown flags", (flags & ~np.uint8(FLAG_HAS_CHECKSUM)) != 0),
-        ("checksum without its flag", ((flags & FLAG_HAS_CHECKSUM) == 0) & (csum != 0)),
-        ("generation out of range", gen >= MAX_GENERATION),
-        ("access sequence out of range", last >= MAX_ACCESS_SEQ),
-        ("commit epoch from the future", epoch > boot_epoch),
-        ("data cut off by a client", slot_end > np.uint64(seg.intact_bytes)),
-    )
-    for reason, bad in checks:
-        hit = ok & bad
-        if hit.any():
-            dropped[reason] += int(hit.sum())
-            ok &= ~bad
-    # Entry checksums of every row in one native call (entry_seed() vectorised: uint64
-    # arithmetic wraps like its mask), then the keys of the rows that pass.
-    seeds = (np.uint64(seg.created_unix_ns & (2**64 - 1))
-             ^ (np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)))
-    sums = np.frombuffer(_accel.hash_rows(raw, SLOT_ENTRY_BYTES, 1, ENTRY_SUM_AT, seeds),
-                         dtype=np.uint64)
-    mismatch = ok & (sums != table["entry_sum"])
-    if mismatch.any():
-        dropped["entry checksum mismatch"] += int(mismatch.sum())
-        ok &= ~mismatch
-    keys = _keys(raw, np.flatnonzero(ok), klen[ok])
-    bad_state = state > SlotState.DOOMED
-    if bad_state.any():
-        dropped["invalid state byte"] += int(bad_state.sum())
-    reserved = state == SlotState.RESERVED
-    to_free = ~ok & ~reserved
-    for slot in np.flatnonzero(to_free & (state != SlotState.FREE)).tolist():
-        seg.mark_free(slot)
-    # A slot that is not adopted starts its generations again when they ran (or were
-    # forged) into the upper half: reserves count up from there, and a block committed
-    # at 2**48 would be dropped at the next start.  Adopted blocks keep theirs (at least
-    # 2**47 reserves of headroom).
-    restart_gen = ~ok & (gen >= MAX_GENERATION // 2)
-    gens = np.where(restart_gen, 0, gen)
-    for slot in np.flatnonzero(restart_gen & reserved).tolist():
-        seg.mark_reserved(slot, 0)  # still quarantined: its writer may still be copying
-    has_sum = (flags[ok] & FLAG_HAS_CHECKSUM).astype(bool)
-    sums = csum[ok].tolist()
-    adopted = AdoptedSlots(
-        slots=np.flatnonzero(ok).tolist(),
-        keys=keys,
-        lengths=length[ok].tolist(),
-        checksums=sums if has_sum.all() else [
-            c if h else None for c, h in zip(sums, has_sum.tolist(), strict=True)],
-        last_access=last[ok].tolist(),
-        reserved=np.flatnonzero(reserved).tolist(),
-        free=np.flatnonzero(to_free).tolist(),
-        generations=gens.tolist(),
-    )
-    return adopted, dropped
-
-
-def _keys(raw: bytes, slots: np.ndarray, lengths: np.ndarray) -> list[bytes]:
-    """The keys of ``slots`` (in that order) from a slot table's bytes.
-
-    Keys of one length come out of numpy at once (a ``V`` record's ``tolist()``
-    is its bytes, trailing NULs kept); tables hold one key length or a few.
-    """
-    rows = np.frombuffer(raw, dtype=np.uint8).reshape(-1, SLOT_ENTRY_BYTES)
-    out = np.empty(len(slots), dtype=object)
-    for k in np.unique(lengths).tolist():
-        pick = lengths == k
-        cols = np.ascontiguousarray(rows[slots[pick], KEY_OFFSET : KEY_OFFSET + k])
-        out[pick] = cols.view(f"V{k}").ravel().tolist()
-    keys: list[bytes] = out.tolist()
-    return keys
 
 
 def recover(store: Store, shm_dir: str, *, check: bool = True) -> RecoveryReport:
@@ -213,7 +114,8 @@ def recover(store: Store, shm_dir: str, *, check: bool = True) -> RecoveryReport
             seg.close(unlink=True, free=True)
             _drop(report, seg.path, f"dropped: {exc}")
             continue
-        # Every slot validated natively, as scan_slots does (tests prove them equal).
+        # Every slot validated natively (tests/unit/slot_oracle.py states the same rules
+        # in numpy, and the tests prove the two equal).
         n, dropped = store.adopt_segment(seg, referenced_from=recent, expect=room)
         if dropped:
             report.dropped_slots.update(dropped)

@@ -13,7 +13,7 @@ Format version 2: each extent is a pair of files in the daemon's shm directory::
 Only the ``.seg`` file's descriptor is ever sent to a client (read-only to
 readers), so what a client can reach is payload: the metadata the daemon
 relies on after a crash lives where no client fd or mapping reaches
-(issue 13; format 1 kept both in one file, and a writer could forge it).
+(format 1 kept both in one file, and a writer could forge it).
 A client can still truncate, extend or punch holes in its data file; the
 daemon touches data only through native calls that turn the resulting SIGBUS
 into an error (``kvtier._accel.install_fault_guard``) and through syscalls,
@@ -57,6 +57,7 @@ import numpy as np
 import xxhash
 
 from kvtier import _accel
+from kvtierd.layout import CONSTANTS, SLOT_ENTRY
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +67,13 @@ FORMAT_VERSION: Final = 2
 #: The daemon-only file (header + slot table) and the data file clients map.
 META_SUFFIX: Final = ".meta"
 DATA_SUFFIX: Final = ".seg"
-#: One page: the header never shares a page with the slot table or data.
-HEADER_BYTES: Final = 4096
-TABLE_OFFSET: Final = HEADER_BYTES
-#: 128 bytes: room for a 64-byte key plus fixed fields, cache-line multiple.
-SLOT_ENTRY_BYTES: Final = 128
-MAX_KEY_BYTES: Final = 64
+#: Where the slot table starts: the header page comes first, and never shares a page
+#: with the slot table or data.
+TABLE_OFFSET: Final = CONSTANTS["SLOT_TABLE_OFFSET"]
+HEADER_BYTES: Final = TABLE_OFFSET
+#: The slot entry (csrc/layout.h): room for a 64-byte key plus fixed fields.
+SLOT_ENTRY_BYTES: Final = SLOT_ENTRY.size
+MAX_KEY_BYTES: Final = CONSTANTS["SLOT_MAX_KEY"]
 NAME_BYTES: Final = 128
 UID_BYTES: Final = 256
 
@@ -80,48 +82,44 @@ UID_BYTES: Final = 256
 _HEADER = struct.Struct(f"<8sIIIQQQQQQH{NAME_BYTES}sH{UID_BYTES}s")
 _HEADER_SUM = struct.Struct("<Q")
 # state, key_len, flags, pad, pad32, length, checksum, generation, epoch, key, entry_sum,
-# last_access.  The entry checksum covers the bytes [1, ENTRY_SUM_AT): everything but the
-# state byte (written last at commit, first at free) and the last access (rewritten at
-# every read, and only an LRU hint).
-_SLOT = struct.Struct(f"<BBBBIQQQQ{MAX_KEY_BYTES}sQQ")
+# last_access.  The entry checksum covers the bytes [_SUM_FROM, ENTRY_SUM_AT): everything
+# but the state byte (written last at commit, first at free) and the last access
+# (rewritten at every read, and only an LRU hint).
+_SLOT = SLOT_ENTRY.struct()
 assert _SLOT.size <= SLOT_ENTRY_BYTES
-#: Byte offsets of the key, the entry checksum and the last access inside a slot entry.
-KEY_OFFSET: Final = 40
-ENTRY_SUM_AT: Final = 104
-_LAST_ACCESS_AT: Final = 112
+#: Byte offsets of the state byte, the key, the entry checksum and the last access
+#: inside a slot entry.
+_STATE_AT: Final = SLOT_ENTRY.offset("state")
+KEY_OFFSET: Final = SLOT_ENTRY.offset("key")
+ENTRY_SUM_AT: Final = SLOT_ENTRY.offset("entry_sum")
+_LAST_ACCESS_AT: Final = SLOT_ENTRY.offset("last_access")
+_SUM_FROM: Final = CONSTANTS["SLOT_SUM_FROM"]
+assert CONSTANTS["SLOT_SUM_TO"] == ENTRY_SUM_AT
+_SEED_MUL: Final = CONSTANTS["SLOT_SEED_MUL"]
 _SUM = struct.Struct("<Q")
 #: Largest generation and access sequence a slot may carry (adoption drops or
 #: resets bigger ones): at a million reserves a second, 2**48 lasts nine years.
-MAX_GENERATION: Final = 1 << 48
-MAX_ACCESS_SEQ: Final = 1 << 48
+MAX_GENERATION: Final = CONSTANTS["MAX_GENERATION"]
+MAX_ACCESS_SEQ: Final = CONSTANTS["MAX_ACCESS_SEQ"]
 _MASK64: Final = (1 << 64) - 1
 assert _HEADER.size + _HEADER_SUM.size <= HEADER_BYTES
 
-FLAG_HAS_CHECKSUM: Final = 1
+FLAG_HAS_CHECKSUM: Final = CONSTANTS["SLOT_HAS_CHECKSUM"]
 
 #: The slot entry as a numpy record, for scanning whole tables at attach time.
-SLOT_DTYPE: Final = np.dtype(
-    {
-        "names": ["state", "key_len", "flags", "length", "checksum", "last_access",
-                  "generation", "epoch", "key", "entry_sum"],
-        "formats": ["u1", "u1", "u1", "<u8", "<u8", "<u8", "<u8", "<u8", f"S{MAX_KEY_BYTES}",
-                    "<u8"],
-        "offsets": [0, 1, 2, 8, 16, _LAST_ACCESS_AT, 24, 32, KEY_OFFSET, ENTRY_SUM_AT],
-        "itemsize": SLOT_ENTRY_BYTES,
-    }
-)
+SLOT_DTYPE: Final = SLOT_ENTRY.dtype()
 
 
 
 
 def entry_seed(created_unix_ns: int, slot: int) -> int:
     """The entry checksum's seed: binds a row to its segment and its slot."""
-    return (created_unix_ns ^ (slot * 0x9E3779B97F4A7C15)) & _MASK64
+    return (created_unix_ns ^ (slot * _SEED_MUL)) & _MASK64
 
 
 def entry_sum(entry: bytes, seed: int) -> int:
     """Checksum of one slot entry: every field but the state byte and the last access."""
-    return xxhash.xxh3_64_intdigest(entry[1:ENTRY_SUM_AT], seed)
+    return xxhash.xxh3_64_intdigest(entry[_SUM_FROM:ENTRY_SUM_AT], seed)
 
 
 class SegmentInvalid(ValueError):
@@ -133,10 +131,10 @@ class SegmentInvalid(ValueError):
 class SlotState(enum.IntEnum):
     """The persisted state byte of a slot."""
 
-    FREE = 0
-    RESERVED = 1
-    COMMITTED = 2
-    DOOMED = 3  # deleted while leased: freed at the last release, never re-adopted
+    FREE = CONSTANTS["ST_FREE"]
+    RESERVED = CONSTANTS["ST_RESERVED"]
+    COMMITTED = CONSTANTS["ST_COMMITTED"]
+    DOOMED = CONSTANTS["ST_DOOMED"]  # deleted while leased: freed at the last release, never re-adopted
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -314,18 +312,27 @@ class Segment:
             meta_fd = _create_file(meta_path, layout.meta_bytes, undo)
             mm = _map(fd, layout.data_bytes, undo)
             meta = _map(meta_fd, layout.meta_bytes, undo)
-            _accel.prefault(mm, prefault_threads)
             _accel.prefault(meta, 1)
+            # mlock faults the pages in as it locks them: touching them first as well
+            # only walked them twice (~10% more of the kernel's time per page, which is
+            # all of what a fill costs beyond a steady put: docs/decisions.md).  The
+            # touch is for a mapping left unlocked.
+            if mlock:
+                meta_error, data_error = _mlock(meta), _mlock(mm)
+                mlock_error = meta_error or data_error
+            else:
+                data_error = mlock_error = "mlock disabled by config (dram.mlock: false)"
+            if data_error is not None:
+                _accel.prefault(mm, prefault_threads)
             undo.pop_all()
         prefault_seconds = time.perf_counter() - t0
         created = time.time_ns()
         seg = cls(
             segment_id=segment_id, path=path, fd=fd, mm=mm, meta_path=meta_path,
             meta_fd=meta_fd, meta=meta, namespace=namespace, model_uid=model_uid, index=index,
-            layout=layout, created_unix_ns=created, mlock_error=None,
+            layout=layout, created_unix_ns=created, mlock_error=mlock_error,
             prefault_seconds=prefault_seconds,
         )
-        seg.mlock_error = seg._mlock() if mlock else "mlock disabled by config (dram.mlock: false)"
         seg._write_header(boot_epoch)
         mib = layout.file_bytes / 2**20
         log.info(
@@ -525,19 +532,19 @@ class Segment:
             key, 0, last_access,
         )
         total = entry_sum(packed, entry_seed(self.created_unix_ns, slot))
-        self.meta[off + 1 : off + ENTRY_SUM_AT] = packed[1:ENTRY_SUM_AT]
+        self.meta[off + _SUM_FROM : off + ENTRY_SUM_AT] = packed[_SUM_FROM:ENTRY_SUM_AT]
         _SUM.pack_into(self.meta, off + ENTRY_SUM_AT, total)
         _SUM.pack_into(self.meta, off + _LAST_ACCESS_AT, last_access)
-        self.meta[off] = SlotState.COMMITTED
+        self.meta[off + _STATE_AT] = SlotState.COMMITTED
 
     def mark_doomed(self, slot: int) -> None:
         """A deleted block still being read: a restart must not bring it back."""
-        self.meta[self._entry_offset(slot)] = SlotState.DOOMED
+        self.meta[self._entry_offset(slot) + _STATE_AT] = SlotState.DOOMED
 
     def mark_free(self, slot: int) -> None:
         """Invalidate first: the state byte flips, then the entry checksum is cleared."""
         off = self._entry_offset(slot)
-        self.meta[off] = SlotState.FREE
+        self.meta[off + _STATE_AT] = SlotState.FREE
         _SUM.pack_into(self.meta, off + ENTRY_SUM_AT, 0)
 
     def touch(self, slot: int, last_access: int) -> None:

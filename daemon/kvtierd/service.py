@@ -20,7 +20,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvtier import __version__
-from kvtier._wire import SESSION_METADATA
+from kvtier._wire import SESSION_METADATA, TIER_NAMES, TIER_OF_NAME
 from kvtier.errors import (
     CapacityExhausted,
     Internal,
@@ -462,7 +462,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         if not request.all:
             validate_keys(request.keys, self.max_keys)
         for i, tier in enumerate(request.tiers):
-            if tier not in _TIER_OF_NAME.values():
+            if tier not in TIER_NAMES:
                 raise InvalidArgument(f"tiers[{i}] = {tier} is not a tier (TIER_DRAM, TIER_SSD, "
                                       "TIER_SHARED or TIER_CLUSTER)")
         result = await self.tiering.evict(request.namespace,
@@ -505,10 +505,6 @@ def _parse_page_token(token: bytes) -> bytes | None:
     if not token.startswith(_PAGE_TOKEN_V1) or not 0 < len(key) <= MAX_KEY_BYTES:
         raise InvalidArgument("page_token is not a next_page_token of ListKeys")
     return key
-
-
-_TIER_OF_NAME = {"dram": pb.TIER_DRAM, "ssd": pb.TIER_SSD, "shared": pb.TIER_SHARED,
-                 "cluster": pb.TIER_CLUSTER}
 
 
 def _cluster_stats(cluster: ClusterTier) -> pb.TierStats:
@@ -627,9 +623,9 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
         ssd_adopt_seconds=ssd.counters.adopt_seconds if ssd else 0.0,
         dropped_spill_files=list(ssd.counters.dropped_files) if ssd else [],
         backpressure_waits=c.backpressure_waits,
-        io=[pb.TierIO(tier=_TIER_OF_NAME[name], read_bytes=io.read_bytes,
+        io=[pb.TierIO(tier=TIER_OF_NAME[name], read_bytes=io.read_bytes,
                       written_bytes=io.written_bytes, reads=io.reads, writes=io.writes)
-            for name, io in sorted(metrics.io.items(), key=lambda kv: _TIER_OF_NAME[kv[0]])]
+            for name, io in sorted(metrics.io.items(), key=lambda kv: TIER_OF_NAME[kv[0]])]
         if metrics is not None else [],
         rpcs=_rpc_stats(metrics) if metrics is not None else [],
     )

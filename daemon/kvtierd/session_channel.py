@@ -747,7 +747,7 @@ class SessionChannel:
                                  and session.id in self._counters
                                  and conn.index_sent != serial) else None
         segs = self.store.segments(ns)
-        # Only this namespace's segments can ever be sent (DESIGN invariant 5).
+        # Only this namespace's segments can ever be sent (a client maps only the namespaces it may).
         send = [s for s in segs if s.segment_id in want]
         msg = pb.SessionResponse(
             call_id=call_id,

@@ -7,9 +7,8 @@ memory (layout and concurrency in ``csrc/index.c``), hands its clients the
 table read-only with the segments, and a client answers a lookup by itself:
 no round trip, no daemon CPU.
 
-The daemon is the only writer, from the event loop, and the table mirrors the
-store's index exactly: ``KeyIndex`` (the ``Namespace.index`` mapping) writes
-every key that enters or leaves it.  A key enters only at commit (or at
+The daemon is the only writer, from the event loop, and the table *is* the
+store's key index (``kvtierd.store.keys``): a key enters only at commit (or at
 recovery), so a client never sees a block that is not visible; it leaves
 before the delete or eviction returns.  What a client cannot learn from the
 table, it asks the daemon: a namespace with tiers below DRAM sets
@@ -41,12 +40,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Final, NamedTuple, TypeAlias, TypeVar
+from typing import Final, NamedTuple, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
-from kvtier import _accel, _page
+from kvtier import _accel, _page, _slot_ref
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +57,14 @@ except ImportError:  # not built: nothing is published, clients call Lookup
 #: Whether this build can publish (the table code is native only).
 AVAILABLE: Final = _native is not None and _accel.NATIVE
 
-HEADER_BYTES: Final = 64
-ENTRY_BYTES: Final = 64
-#: A new namespace's table: 1024 entries (32 KiB); it doubles as keys arrive.
+#: The table's geometry, its header's flags word and the session page's layout:
+#: ``csrc/layout.h``, read through ``kvtier._page`` (its one definition).
+HEADER_BYTES: Final = _page.INDEX_HEADER_BYTES
+ENTRY_BYTES: Final = _page.INDEX_ENTRY_BYTES
+#: A new namespace's table: 1024 entries (64 KiB); it doubles as keys arrive.
 MIN_CAPACITY: Final = 1024
 #: Entries a probe may visit (csrc/index.c's limit): honest keys never need that many.
-MAX_PROBE: Final = 1024
-#: The header's flags word, and the session page's layout: ``csrc/index.h``, read
-#: through ``kvtier._page`` (its one definition).
+MAX_PROBE: Final = _page.INDEX_MAX_PROBE
 SUPERSEDED: Final = _page.SUPERSEDED
 MISS_NOT_FINAL: Final = _page.MISS_NOT_FINAL
 #: The tier a published key is in (the wire's TIER_DRAM).
@@ -97,6 +96,10 @@ HAS_SUM: Final = _page.HAS_SUM
 LAST: Final = _page.LAST
 HAZARDS_N: Final = _page.HAZARDS_N
 HAZARD_BIT: Final = _page.HAZARD_BIT
+_REF_BITS: Final = np.uint64(~HAZARD_BIT & (2**64 - 1))
+_HAZARD_BIT64: Final = np.uint64(HAZARD_BIT)
+_NO_WORDS: Final = np.zeros(0, dtype=np.uint64)
+_NO_WORDS.flags.writeable = False
 
 #: Where a published block is: (segment id, slot, offset, length, checksum or None).
 Location: TypeAlias = tuple[int, int, int, int, "int | None"]
@@ -107,7 +110,7 @@ class CommitRecord(NamedTuple):
     writer filled the slot of grant entry ``grant`` (whose word it read as ``word``)."""
 
     grant: int  # the grant entry, 0 .. GRANTS_N - 1
-    word: int  # the grant word the writer took (VALID | segment << 32 | slot)
+    word: int  # the grant word the writer took (VALID | slot ref)
     key: bytes
     length: int
     checksum: int  # meaningful with HAS_SUM in flags
@@ -142,7 +145,7 @@ class PageRecords:
 
 def hazard_of(segment_id: int, slot: int) -> int:
     """The value a client's page holds while it leases the block in ``slot``."""
-    return HAZARD_BIT | segment_id << 32 | slot
+    return HAZARD_BIT | _slot_ref.encode(segment_id, slot)
 
 # Linux's memfd seals; F_SEAL_FUTURE_WRITE (5.1) is not in Python's fcntl yet.
 _F_SEAL_SHRINK: Final = 0x0002
@@ -397,6 +400,32 @@ class SharedIndex:
                 self.add(key, loc)  # (leaves the set when it goes in)
         self._flags()
 
+    def room_for(self, n: int) -> mmap.mmap | None:
+        """The current table's buffer when it takes ``n`` more keys without growing
+        (``add_slots``' rule: at most ``GROW_LOAD`` full), else None: the keys then go
+        in through ``add_slots``, which grows it.  A commit hands the buffer to
+        ``BlockTable.commit``, which publishes the keys it commits in the same call."""
+        t = self._table
+        return None if t is None or self._rebuild_for(t, n) else t.mm
+
+    @staticmethod
+    def _rebuild_for(t: _Table, n: int) -> int:
+        """0 when ``t`` takes ``n`` more keys as it is (used entries, tombstones too, at
+        most ``GROW_LOAD`` of it), else the entries of the table to rebuild it into,
+        sized for its live keys (a rebuild leaves its tombstones behind): grown for them
+        as before when they need it, else the same size while they and ``n`` more fill
+        at most a third of it (twice that past a third: a rebuild at once again).
+        (Sized for the used entries, a pool that evicts as it commits doubled its table
+        at every rebuild, without bound: the tombstones of its evictions counted as
+        keys.)"""
+        _, live, used, _ = _native.index_info(t.mm)
+        if capacity_for(used + n, t.capacity) == t.capacity:
+            return 0
+        grown = capacity_for(live + n, t.capacity)
+        if grown > t.capacity:
+            return grown
+        return t.capacity if 3 * (live + n) <= t.capacity else 2 * t.capacity
+
     def add_slots(self, table: memoryview, slots: npt.NDArray[np.uint64], segment_id: int,
                   slot_bytes: int, *, room: int = 0, threads: int = 1) -> list[int]:
         """Publish the keys of COMMITTED slot-table entries (an adopted extent's blocks),
@@ -413,9 +442,8 @@ class SharedIndex:
         t = self._table
         if t is None:
             return list(range(len(slots)))
-        used = _native.index_info(t.mm)[2]
-        want = capacity_for(used + max(len(slots), room), t.capacity)
-        if want > t.capacity:
+        want = self._rebuild_for(t, max(len(slots), room))
+        if want:
             if self._replace(want) is None:
                 return list(range(len(slots)))
             if self._table is not None and want * ENTRY_BYTES >= POPULATE_MIN_BYTES:
@@ -436,8 +464,8 @@ class SharedIndex:
         return left
 
     def find_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
-        """The daemon's batch lookup (the table as its key index, issue 26): each key's
-        block ref, ``segment_id << 32 | slot`` (``block_table.refs_of``), or 0 when the
+        """The daemon's batch lookup (the table as its key index): each key's
+        block's slot ref (``kvtier._slot_ref``), or 0 when the
         table does not hold it (hidden keys are absent).  A fingerprint match: a key
         that is not 16 bytes long is held as a hash, so the caller checks such hits
         against the slot entry's key (``BlockTable.match_keys``).  Keys the table left
@@ -451,7 +479,7 @@ class SharedIndex:
             for i, key in enumerate(keys):
                 loc = self.unpublished.get(key)
                 if loc is not None and not out[i]:
-                    out[i] = loc[0] << 32 | loc[1]
+                    out[i] = _slot_ref.encode(loc[0], loc[1])
         return out
 
     def fingerprints(self) -> list[bytes]:
@@ -515,7 +543,7 @@ class SharedIndex:
 
 
 class SessionPage:
-    """A session's page (``csrc/index.h``'s ``KVT_PAGE_*``), which its client writes:
+    """A session's page (``csrc/layout.h``'s ``KVT_PAGE_*``), which its client writes:
 
     * counters: the lookups, hit and missed keys it answered from the table, and
       its acquires without a call, their hit and missed keys and bytes; ``take``
@@ -562,7 +590,8 @@ class SessionPage:
         struct.pack_into("<Q", self._mm, _MAX_HAZARDS, MAX_HAZARDS_SET | self.max_hazards)
         # The hazards as last read (``_read``): their words, serials and what they give.
         self._hz_raw = b""
-        self._hz_set: frozenset[int] = frozenset()
+        self._hz_words: npt.NDArray[np.uint64] = _NO_WORDS
+        self._hz_set: frozenset[int] | None = frozenset()
         self._hz_leases = 0
         # For ``expire``: the words and serials the last sweep saw, and since when
         # each entry has held what it holds.
@@ -574,7 +603,7 @@ class SessionPage:
         self.writes = writes
         #: Commit records taken so far (the daemon's own count; the page's is the client's).
         self._w_tail = 0
-        self._last = (0,) * 7
+        self._last = (0,) * _page.COUNTERS_N
         self._taken_at: float | None = None
         #: Whether the last ``take`` cut a step (backwards, a jump, past a bound).
         self.cut = False
@@ -599,7 +628,7 @@ class SessionPage:
         ``cut`` says whether this take cut anything.  What comes out is the
         client's word all the same: the daemon keeps it apart from its own figures
         (``kvtierd.counters``)."""
-        now = struct.unpack_from("<7Q", self._mm, 0)
+        now = struct.unpack_from(f"<{_page.COUNTERS_N}Q", self._mm, _page.COUNTERS)
         raw = tuple(n - last for n, last in zip(now, self._last, strict=True))
         steps = [d if 0 <= d <= self.MAX_STEP else 0 for d in raw]
         self._last = now
@@ -635,23 +664,35 @@ class SessionPage:
         hi: int = struct.unpack_from("<Q", self._mm, _HAZARD_HI)[0]
         return min(hi, self.max_hazards)
 
-    def hazards(self) -> frozenset[int]:
-        """The hazard values the page holds now (call after ``fence``)."""
+    def hazard_words(self) -> npt.NDArray[np.uint64]:
+        """The hazard values the page holds now, sorted, each once, read-only (call
+        after ``fence``).  The same array while the page's words do not move."""
         if not self.max_hazards:
-            return self._hz_set
+            return self._hz_words
         n = self._bound()
         raw = self._mm[_HAZARDS:_HAZARDS + 8 * n]
         if raw != self._hz_raw:
             words = np.frombuffer(raw, dtype="<u8")
-            self._hz_set = frozenset(words[words != 0].tolist())
+            unique = np.unique(words[words != 0]).astype(np.uint64, copy=False)
+            unique.flags.writeable = False
+            self._hz_words = unique
+            self._hz_set = None  # made when asked
             self._hz_raw = raw
             self._hz_leases = -1  # counted when asked
+        return self._hz_words
+
+    def hazards(self) -> frozenset[int]:
+        """``hazard_words`` as a set (tests and per-value questions; the reserve path
+        uses the array)."""
+        words = self.hazard_words()
+        if self._hz_set is None:
+            self._hz_set = frozenset(words.tolist())
         return self._hz_set
 
     def leases(self) -> int:
         """Leases the client holds without a call (distinct serials among its hazards)."""
         fence()
-        self.hazards()
+        self.hazard_words()
         if self._hz_leases < 0:
             words = np.frombuffer(self._hz_raw, dtype="<u8")
             serials = np.frombuffer(self._mm, dtype="<u8", count=len(words), offset=_SERIALS)
@@ -768,106 +809,77 @@ def fence() -> None:
     _native.hazards_collect(())
 
 
-def collect_hazards(pages: Iterable[SessionPage]) -> HazardSet:
+def collect_hazards(pages: Iterable[SessionPage], last: HazardSet | None = None) -> HazardSet:
     """Every hazard ``pages`` hold, read after a full fence (so after every removal
     from the table this thread made before the call).  Pages whose words did not
-    move since they were last read cost a comparison (``SessionPage.hazards``), and
-    those with no share are not read at."""
+    move since they were last read cost a comparison (``SessionPage.hazard_words``),
+    and those with no share are not read at.  ``last``: the set an earlier call
+    returned for the same pages, returned again if no page moved (its union and
+    refs, made once, are kept)."""
     fence()
-    return HazardSet([s for p in pages if p.max_hazards and (s := p.hazards())])
+    arrays = [w for p in pages if p.max_hazards and len(w := p.hazard_words())]
+    if last is not None and len(last._arrays) == len(arrays) and all(
+            a is b for a, b in zip(last._arrays, arrays, strict=True)):
+        return last
+    return HazardSet(arrays)
 
 
 class HazardSet(AbstractSet[int]):
-    """The union of some pages' hazards as of one ``collect_hazards``: membership asks
-    each page's set (no union is built on the reserve path); size and iteration
-    build the union, once."""
+    """The union of some pages' hazards as of one ``collect_hazards``, as numpy
+    arrays: however many values a client writes, the daemon spends no Python step
+    on each (the union, sorted, and the refs the hazards name are made once, when
+    first asked)."""
 
-    __slots__ = ("_sets", "_union")
+    __slots__ = ("_arrays", "_words", "_refs")
 
-    def __init__(self, sets: list[frozenset[int]]) -> None:
-        self._sets = sets
-        self._union: frozenset[int] | None = None
+    def __init__(self, arrays: list[npt.NDArray[np.uint64]]) -> None:
+        self._arrays = arrays
+        self._words: npt.NDArray[np.uint64] | None = None
+        self._refs: npt.NDArray[np.uint64] | None = None
+
+    @property
+    def words(self) -> npt.NDArray[np.uint64]:
+        """Every hazard value, sorted, each once."""
+        if self._words is None:
+            if not self._arrays:
+                self._words = _NO_WORDS
+            elif len(self._arrays) == 1:
+                self._words = self._arrays[0]
+            else:
+                self._words = np.unique(np.concatenate(self._arrays))
+        return self._words
+
+    @property
+    def refs(self) -> npt.NDArray[np.uint64]:
+        """The slot refs the hazards name (their flag bit off), sorted, each once."""
+        if self._refs is None:
+            words = self.words
+            if not len(words) or words[0] & _HAZARD_BIT64:
+                # Every word has the flag (the smallest has it): the refs keep their order.
+                self._refs = words & _REF_BITS
+            else:
+                self._refs = np.unique(words & _REF_BITS)
+        return self._refs
 
     def __contains__(self, value: object) -> bool:
-        return any(value in s for s in self._sets)
+        if not isinstance(value, int) or not 0 <= value < 1 << 64:
+            return False
+        return self.any_of(np.array([value], dtype=np.uint64))
+
+    def any_of(self, values: npt.NDArray[np.uint64]) -> bool:
+        """One of ``values`` is a hazard (a binary search each: the hazards may be
+        thousands, the values few)."""
+        words = self.words
+        if not len(words) or not len(values):
+            return False
+        at = np.minimum(np.searchsorted(words, values), len(words) - 1)
+        return bool((words[at] == values).any())
 
     def __bool__(self) -> bool:
-        return bool(self._sets)
-
-    def _all(self) -> frozenset[int]:
-        if self._union is None:
-            self._union = frozenset().union(*self._sets)
-        return self._union
+        return bool(self._arrays)
 
     def __len__(self) -> int:
-        return len(self._all())
+        return len(self.words)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._all())
-
-
-_V = TypeVar("_V")
-
-
-class KeyIndex(dict[bytes, _V]):
-    """A namespace's key index (a dict) that mirrors its keys into a ``SharedIndex``.
-
-    Only the mutations the store makes are supported: ``d[k] = v``, ``del d[k]``
-    and ``update(pairs)``.  Reads are the plain dict's.  ``watch(keys, stored)``,
-    when set, hears the keys that come in (stored) and go (not): the KV events
-    (``kvtierd.events``).
-    """
-
-    __slots__ = ("shared", "locate", "watch")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shared: SharedIndex | None = None
-        self.locate: Callable[[_V], Location] | None = None
-        self.watch: Callable[[list[bytes], bool], None] | None = None
-
-    def __setitem__(self, key: bytes, value: _V) -> None:
-        if self.shared is not None and self.locate is not None:
-            self.shared.add(key, self.locate(value))
-        if self.watch is not None and key not in self:
-            self.watch([key], True)
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key: bytes) -> None:
-        super().__delitem__(key)
-        if self.shared is not None:
-            self.shared.discard(key)
-        if self.watch is not None:
-            self.watch([key], False)
-
-    def update(self, pairs: Iterable[tuple[bytes, _V]]) -> None:  # type: ignore[override]
-        if self.shared is None and self.watch is None:
-            dict.update(self, pairs)  # nothing to mirror (recovery publishes afterwards)
-            return
-        pairs = list(pairs)
-        shared, locate = self.shared, self.locate
-        if (len(pairs) > 1 and not any(k in self for k, _ in pairs)
-                and (shared is None
-                     or (locate is not None and not any(k in shared.unpublished
-                                                        for k, _ in pairs)))):
-            if shared is not None and locate is not None:  # new keys: one native call
-                shared.add_many([(k, locate(v)) for k, v in pairs])
-            if self.watch is not None:
-                self.watch([k for k, _ in pairs], True)
-            dict.update(self, pairs)
-            return
-        for key, value in pairs:
-            self[key] = value
-
-    def publish(self, shared: SharedIndex | None, locate: Callable[[_V], Location]) -> None:
-        """Start mirroring into ``shared`` (its keys now: all of this index's, each at
-        ``locate(value)``)."""
-        self.shared = shared
-        self.locate = locate
-        if shared is not None:
-            shared.add_many((k, locate(v)) for k, v in self.items())
-
-    def _unsupported(self, *args: object, **kwargs: object) -> None:
-        raise TypeError("KeyIndex supports d[k] = v, del d[k] and update() only")
-
-    pop = popitem = clear = setdefault = __ior__ = _unsupported  # type: ignore[assignment]
+        return iter(self.words.tolist())

@@ -1,4 +1,4 @@
-"""Access control and limits (issue 6): tenants, read-only sessions, admins, quotas of use.
+"""Access control and limits: tenants, read-only sessions, admins, quotas of use.
 
 Tenant B runs as uid 65534 (the worker drops to it after importing, so the
 daemon's SO_PEERCRED sees that uid); tenant A and the admin are root.

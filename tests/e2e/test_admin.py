@@ -1,5 +1,5 @@
 """End to end: the admin commands ``kvtier ls --keys``, ``kvtier evict``, ``kvtier drain``
-(issue 7) against real kvtierd processes.
+against real kvtierd processes.
 
 The CLI runs in this process (``kvtier.cli.main``; its output captured, so not
 a TTY) except where a test wants a separate process; the RPCs' error

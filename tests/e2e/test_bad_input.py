@@ -15,7 +15,6 @@ import array
 import asyncio
 import os
 import random
-import shutil
 import signal
 import socket
 import struct
@@ -39,7 +38,7 @@ from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.segments import META_SUFFIX, read_header, segment_file_name
 from kvtierd.session_channel import MAX_OPEN_FRAME, MAX_REQUEST_FRAME
-from tests.conftest import DaemonProc, start_daemon, stop_daemon
+from tests.conftest import DaemonProc, temp_daemon
 
 #: The module daemon runs with a small per-call key limit so "too many keys" is cheap.
 MAX_KEYS = 8
@@ -67,15 +66,8 @@ PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 @pytest.fixture(scope="module")
 def d() -> Iterator[DaemonProc]:
     """One daemon for the whole module: the cases below do not interfere."""
-    base = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
-    proc = start_daemon(base, "--set", f"server.max_keys_per_call={MAX_KEYS}", capacity="64MiB")
-    try:
+    with temp_daemon("--set", f"server.max_keys_per_call={MAX_KEYS}", capacity="64MiB") as proc:
         yield proc
-    finally:
-        stop_daemon(proc)
-        log = proc.log()
-        shutil.rmtree(base, ignore_errors=True)
-    assert proc.proc.returncode == 0, log
 
 
 _log_mark = {"at": 0}

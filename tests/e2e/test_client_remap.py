@@ -1,7 +1,7 @@
-"""Clients never see a segment the daemon retired as an error (issue 25, item 5).
+"""Clients never see a segment the daemon retired as an error.
 
 Under eviction pressure the daemon reclaims extents from one namespace for
-another: it unlinks the extent's data file, and (from issue 25 on) cuts it to
+another: it unlinks the extent's data file, and cuts it to
 0 bytes right away so its memory goes even while clients keep fds.  A client
 that was sent the fd just before, or maps it just after, finds a file shorter
 than its ``SegmentInfo``.  Here a watcher in the test does the cutting for
@@ -88,7 +88,7 @@ print(f"REMAP ops={ops} errors={errors_seen} kept_fds={kept} faults={faults}", f
 
 class Cutter:
     """Cuts every data file of ``shm_dir`` to 0 bytes as soon as it is unlinked (what the
-    daemon does to a retired extent's file from issue 25 on), from a thread."""
+    daemon does to a retired extent's file after a grace period), from a thread."""
 
     def __init__(self, shm_dir: str) -> None:
         self.shm_dir = shm_dir

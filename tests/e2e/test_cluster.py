@@ -1,4 +1,4 @@
-"""The cluster tier (issue 15): two kvtierd "hosts" in two network namespaces this test
+"""The cluster tier: two kvtierd "hosts" in two network namespaces this test
 creates (a veth pair, private addresses on the veth only) and a real ``mooncake_master``.
 
 A block committed on host A is found by a lookup on host B (tier CLUSTER), promoted

@@ -261,6 +261,37 @@ def test_corrupted_block_is_never_served_and_becomes_a_miss(daemon: DaemonProc) 
     assert daemon.check() == []
 
 
+def test_get_verifies_what_it_copied_not_the_slot_before_the_copy(
+        daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer of the namespace changes a committed block's bytes after the get leased
+    it and before its copy (as a cut data file, given back as zeros by the audit, does):
+    the get raises Corrupted rather than return the changed bytes, and the block is a
+    miss from then on."""
+    import kvtier._core as core
+
+    with kvtier.Client(daemon.socket_dir, namespace="sum2", block_bytes=4096, model_uid="m",
+                       checksum=True) as c:
+        with c.reserve([b"k"]) as r:
+            r.write(0, b"good bytes")
+            scribble = r.buffers[0]
+            r.commit()
+        assert scribble is not None
+        assert bytes(c.get([b"k"])[0][:10]) == b"good bytes"
+        real = core.copy_out
+
+        def copy_after_a_scribble(views: Any, out: Any) -> Any:
+            scribble[0] = ord("X")  # between the lease and the copy
+            return real(views, out)
+
+        monkeypatch.setattr(core, "copy_out", copy_after_a_scribble)
+        with pytest.raises(errors.Corrupted, match="failed its checksum"):
+            c.get([b"k"])
+        monkeypatch.setattr(core, "copy_out", real)
+        assert c.lookup([b"k"]) == 0
+        assert daemon.stats().leases == 0
+    assert daemon.check() == []
+
+
 def test_metrics_endpoint_reports_occupancy_and_events(daemon: DaemonProc, transport: str) -> None:
     with kvtier.Client(daemon.socket_dir, namespace="met", block_bytes=4096, model_uid="m") as c:
         c.put([b"a", b"b"], [b"1", b"2"])
@@ -283,7 +314,7 @@ def test_metrics_endpoint_reports_occupancy_and_events(daemon: DaemonProc, trans
             samples[name] = float(value)
     assert samples['kvtier_committed_blocks_total{namespace="met"}'] == 2
     # A lookup call is the daemon's to count; one answered from the shared index (the
-    # fast path) is what the client reports, in series of its own (issue 36).
+    # fast path) is what the client reports, in series of its own.
     if transport == "grpc":
         assert samples['kvtier_hit_blocks_total{namespace="met",op="lookup"}'] == 2
         assert samples['kvtier_missed_blocks_total{namespace="met",op="lookup"}'] == 1

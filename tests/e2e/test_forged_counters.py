@@ -1,4 +1,4 @@
-"""Figures a tenant cannot forge (issue 36): page counters never reach the host's figures.
+"""Figures a tenant cannot forge: page counters never reach the host's figures.
 
 A session's page carries counters its client writes (lookups, hits, misses,
 acquires, bytes leased without a call).  One uid stepping them once took the

@@ -1,6 +1,6 @@
 """A hostile writer of namespace A, with every fd and mapping the daemon gives it.
 
-DESIGN invariant 8 and issue 13: whatever a writer does to its data files —
+The daemon's promise to a tenant's neighbours: whatever a writer does to its data files —
 truncate them, extend them, punch holes, ``madvise(MADV_REMOVE)``, close and
 reopen them, scribble over every byte, close its session and come back —
 kvtierd stays up, the

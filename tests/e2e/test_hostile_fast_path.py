@@ -1,4 +1,4 @@
-"""A hostile fast-path client of namespace A cannot stall, starve or bloat the daemon (issue 25).
+"""A hostile fast-path client of namespace A cannot stall, starve or bloat the daemon.
 
 The attacker (``fast_path_attacker.py``) is its own process, runs as uid 65534
 with rights on namespace A only, and attacks through the real client library's
@@ -326,7 +326,7 @@ def _attack(d: DaemonProc, traffic: _Traffic, mode: str, base: tuple[float, floa
     elif mode == "counters":
         dram = [io for io in stats.io if io.tier == pb.TIER_DRAM]
         # The attack steps A's page counters by 2^40 every 10 ms: they reach only A's
-        # client-reported figures (issue 36), never the host's DRAM reads (which count
+        # client-reported figures, never the host's DRAM reads (which count
         # the Acquire calls the daemon served: B's and C's reads here are without one).
         bound = (ATTACK_SECONDS + 10) * SessionPage.MAX_BLOCKS_PER_SECOND * BLOCK
         assert not dram or dram[0].read_bytes <= bound, dram

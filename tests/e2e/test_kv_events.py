@@ -1,4 +1,4 @@
-"""KV events (issue 15): a ZMQ subscriber rebuilds, from the events alone, exactly the
+"""KV events: a ZMQ subscriber rebuilds, from the events alone, exactly the
 keys per tier that ``kvtier ls --keys`` reports: under writes, evictions, demotions to
 the SSD tier and deletes, after a snapshot request, and after a daemon SIGKILL."""
 

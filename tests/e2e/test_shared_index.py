@@ -67,7 +67,7 @@ def test_a_lookup_makes_no_call_and_is_counted(daemon: DaemonProc,
         assert c.lookup([b"short", *keys]) == 0  # other lengths: fingerprinted
         assert c.lookup(keys[39:]) == 1
         samples = _scrape(daemon)  # the counters page is read before the scrape
-        # The client's counts: series of their own, never the daemon's (issue 36).
+        # The client's counts: series of their own, never the daemon's.
         assert samples['kvtier_client_reported_lookups_total{namespace="idx"}'] == 4
         blocks = 'kvtier_client_reported_blocks_total{namespace="idx",op="lookup",result="%s"}'
         assert samples[blocks % "hit"] == 40 + 3 + 1

@@ -28,8 +28,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvtier
-from kvtier._admin import fetch_stats
-from tests.conftest import TEST_CAPACITY, TEST_EXTENT, DaemonProc, stop_daemon, wait_serving
+from kvtier._admin import fetch_stats, wait_serving
+from kvtier.bench.private_daemon import daemon_args
+from tests.conftest import TEST_CAPACITY, TEST_EXTENT, DaemonProc, stop_daemon
 
 #: What these tests check does not depend on the client transport (the adapters,
 #: the tools and the daemon's own interfaces); they run once, on the default (fast).
@@ -122,16 +123,9 @@ def spawn(workdir: str, env_extra: dict[str, str], *, wrapper: tuple[str, ...] =
     socket_dir = os.path.join(workdir, "sock")
     shm_dir = shm_dir or f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}"
     log_path = os.path.join(workdir, f"kvtierd-{uuid.uuid4().hex[:6]}.log")
-    args = [
-        *wrapper, sys.executable, "-m", "kvtierd",
-        "--set", f"server.socket_dir={socket_dir}",
-        "--set", f"dram.shm_dir={shm_dir}",
-        "--set", f"dram.capacity={TEST_CAPACITY}",
-        "--set", f"dram.extent_size={TEST_EXTENT}",
-        "--set", "metrics.address=127.0.0.1:0",
-        "--set", "log.level=debug",
-        "--set", "spill.ssd_dir=",  # as conftest: no spill under ~/.local/state
-    ]
+    args = daemon_args(socket_dir, shm_dir, [f"dram.capacity={TEST_CAPACITY}",
+                                             f"dram.extent_size={TEST_EXTENT}", "log.level=debug"],
+                       metrics="127.0.0.1:0", prefix=wrapper)
     drop = ("KVTIER_", "NOTIFY_SOCKET", "WATCHDOG_", "LISTEN_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(env_extra)

@@ -1,4 +1,4 @@
-"""The optional TCP listener (issue 6): TLS only, client certificates, cert-based admin."""
+"""The optional TCP listener: TLS only, client certificates, cert-based admin."""
 
 from __future__ import annotations
 

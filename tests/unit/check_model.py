@@ -1,6 +1,6 @@
 """The model of ``Store.check``'s cross-check: the check as it was written in Python,
 per slot, over full copies of the slot tables, the native records and the shared
-index's fingerprints (before issue 26 made it native and compact, ``store/check.py``).
+index's fingerprints (before the check ran on compact native rows, ``store/check.py``).
 ``test_store_check.py`` holds the two equal on every deliberate corruption."""
 
 

@@ -87,7 +87,7 @@ class Env:
         """Let the demoter finish what it has planned."""
         for _ in range(200):
             await asyncio.sleep(0.01)
-            if not self.t.queue_depth() and not self.t._plan():
+            if not self.t.queue_depth() and not self.t.demoter.plan():
                 return
 
 

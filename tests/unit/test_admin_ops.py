@@ -1,4 +1,4 @@
-"""The admin operations of ``Tiering``: list_keys, evict and drain (issue 7).
+"""The admin operations of ``Tiering``: list_keys, evict and drain.
 
 Real segments and real spill files, through ``spill_harness.tiered`` (30 DRAM
 slots of 64 KiB, an SSD tier in a directory on a disk filesystem); every

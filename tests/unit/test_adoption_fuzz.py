@@ -1,4 +1,4 @@
-"""Adoption fuzzing (issue 13): arbitrary bytes in a stopped daemon's metadata.
+"""Adoption fuzzing: arbitrary bytes in a stopped daemon's metadata.
 
 Hypothesis writes a few arbitrary bytes anywhere into the header and slot
 table of namespace A's ``.meta`` file, as left by a daemon killed while

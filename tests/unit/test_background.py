@@ -93,22 +93,22 @@ def test_prefetches_are_bounded_and_a_failing_one_is_counted(
             first = ks[:3]
             assert all(k not in s.ns.index for k in first)
             # A full queue: the lookup answers but does not add a prefetch.
-            env.t._queued_prefetches = tiering.MAX_QUEUED_PREFETCHES
+            env.t.promoter.queued_prefetches = tiering.MAX_QUEUED_PREFETCHES
             assert await env.t.lookup(s, first, prefetch=True) == [TIER_SSD] * 3
-            assert env.t.counters.skipped_prefetches == 1 and not env.t._tasks
-            env.t._queued_prefetches = 0
+            assert env.t.counters.skipped_prefetches == 1 and not env.t.work.tasks
+            env.t.promoter.queued_prefetches = 0
 
             async def broken(*a: Any, **k: Any) -> None:
                 raise RuntimeError("a bug in promotion")
 
-            monkeypatch.setattr(env.t, "_promote", broken)
+            monkeypatch.setattr(env.t.promoter, "promote", broken)
             assert await env.t.lookup(s, first, prefetch=True) == [TIER_SSD] * 3
-            while env.t._tasks:
+            while env.t.work.tasks:
                 await asyncio.sleep(0.01)
-            assert errors == ["prefetch"] and env.t._queued_prefetches == 0
+            assert errors == ["prefetch"] and env.t.promoter.queued_prefetches == 0
             monkeypatch.undo()
             assert await env.t.lookup(s, first, prefetch=True) == [TIER_SSD] * 3  # still works
-            while env.t._tasks:
+            while env.t.work.tasks:
                 await asyncio.sleep(0.01)
             assert all(k in s.ns.index for k in first)
 

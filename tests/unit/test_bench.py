@@ -353,15 +353,15 @@ def test_aggregate_two_clients_and_their_server_cpu() -> None:
     block, batch = 64 << 10, 32
     per = [_worker_result(10, block, batch, 0.5, [100, 130]),
            _worker_result(10, block, batch, 0.6, [101, 134])]
-    row = bench._aggregate("kvtier-fast", "put", block, batch, per, 10 * 2**30)
+    row = bench.aggregate("kvtier-fast", "put", block, batch, per, 10 * 2**30)
     assert row["transport"] == "fast" and row["clients"] == 2 and row["iters"] == 20
     assert row["bytes_per_s"] == pytest.approx(20 * batch * block / 0.6)  # over the slower one
     assert list(row["phase_ms_per_batch"]) == ["reserve", "copy", "commit"]
     assert row["server_cpu_ticks"] == 34  # first start to last end
     assert row["server_cpu_ms_per_batch"] == pytest.approx(34 / bench.CLK_TCK / 20 * 1e3)
     per[1]["server_ticks"] = None
-    assert bench._aggregate("kvtier-grpc", "get", block, batch, per, 1.0)["server_cpu_ticks"] is None
-    red = bench._aggregate("redis", "get", block, batch, per[:1], 1.0)
+    assert bench.aggregate("kvtier-grpc", "get", block, batch, per, 1.0)["server_cpu_ticks"] is None
+    red = bench.aggregate("redis", "get", block, batch, per[:1], 1.0)
     assert red["transport"] is None and list(red["phase_ms_per_batch"]) == ["mget"]
 
 

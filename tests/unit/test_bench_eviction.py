@@ -43,7 +43,7 @@ def test_quick_run_compares_every_policy_with_exact_lru(tmp_path: pathlib.Path) 
         assert row["native_bytes_per_slot"] <= 16
 
 
-# ----------------------------------------------------------------------------- issue 40:
+# ----------------------------------------------------------------------------- the prefix study:
 # the prefix-hit simulators of bench/prefix_eviction.py (pure Python, no native table)
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -120,7 +120,7 @@ def test_exact_lru_on_a_hand_made_trace() -> None:
     assert (r.hits, r.block_hits) == (3, 3)
     # the bound keeps [1 2] through the one-off [4 5] (bypassed) and 3 as well
     assert pe.replay_opt(trace, 3).hits == 2 + 3
-    # bench/eviction_policy.py's issue-26 replay is the same LRU
+    # bench/eviction_policy.py's native-policy replay is the same LRU
     if block_table.AVAILABLE:
         sys.path.insert(0, str(ROOT / "bench"))
         import eviction_policy

@@ -2,7 +2,7 @@
 
 Unit tests per operation, a Hypothesis state machine against a plain Python
 model, and adoption fuzzing that holds the native ``adopt`` to exactly what
-``recovery.scan_slots`` accepts, on slot tables in segments.py's real format.
+``slot_oracle.scan_slots`` accepts, on slot tables in segments.py's real format.
 Pure native: tests/unit/test_native_sanitized.py runs this file again under
 ASan/UBSan.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import mmap
 import os
 import shutil
 import uuid
@@ -28,9 +29,11 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvtier._slot_ref import encode_many as refs_of
+from kvtier._slot_ref import split
 from kvtierd import block_table as bt
 from kvtierd import segments
-from kvtierd.block_table import BlockTable, Policy, refs_of, split
+from kvtierd.block_table import BlockTable, Policy
 from kvtierd.segments import (
     SLOT_DTYPE,
     SLOT_ENTRY_BYTES,
@@ -50,10 +53,10 @@ FREE, RESERVED, COMMITTED, DOOMED = 0, 1, 2, 3
 DIRTY, CLEAN, UNSPILLABLE = 0, 1, 2
 
 
-def _native_layout() -> dict[str, int]:
+def _native_constants() -> dict[str, int]:
     from kvtier import _native
 
-    return dict(_native.SLOT_LAYOUT)
+    return dict(_native.BLOCK_TABLE)
 
 
 def table(n_slots: int = 16, extent_id: int = 1, *, seed: int = 1
@@ -99,20 +102,24 @@ def make_segment(directory: str, n_slots: int, *, segment_id: int = 5) -> Segmen
 
 
 def test_slot_dtype_offsets_equal_the_native_layout() -> None:
-    native = _native_layout()
+    from kvtier import _native
+
+    layout, fields = _native.LAYOUT, _native.FIELDS["slot_entry"]
     for name in SLOT_DTYPE.names:
-        assert SLOT_DTYPE.fields[name][1] == native[name], name
-    assert SLOT_DTYPE.itemsize == SLOT_ENTRY_BYTES == native["entry_bytes"]
-    assert TABLE_OFFSET == native["table_offset"]
-    assert segments.KEY_OFFSET == native["key"]
-    assert segments.ENTRY_SUM_AT == native["entry_sum"] == native["sum_to"]
-    assert segments._LAST_ACCESS_AT == native["last_access"]
-    assert segments.MAX_KEY_BYTES == native["max_key"]
-    assert segments.FLAG_HAS_CHECKSUM == native["has_checksum"]
-    assert segments.MAX_GENERATION == native["max_generation"]
-    assert segments.MAX_ACCESS_SEQ == native["max_access_seq"]
-    assert native["sum_from"] == 1  # segments.entry_sum hashes entry[1:ENTRY_SUM_AT]
+        assert SLOT_DTYPE.fields[name][1] == fields[name][0], name
+        assert SLOT_DTYPE.fields[name][0].itemsize == fields[name][1], name
+    assert SLOT_DTYPE.itemsize == SLOT_ENTRY_BYTES == layout["SLOT_BYTES"]
+    assert TABLE_OFFSET == layout["SLOT_TABLE_OFFSET"]
+    assert segments.KEY_OFFSET == layout["SLOT_KEY"]
+    assert segments.ENTRY_SUM_AT == layout["SLOT_ENTRY_SUM"] == layout["SLOT_SUM_TO"]
+    assert segments._LAST_ACCESS_AT == layout["SLOT_LAST_ACCESS"]
+    assert segments.MAX_KEY_BYTES == layout["SLOT_MAX_KEY"]
+    assert segments.FLAG_HAS_CHECKSUM == layout["SLOT_HAS_CHECKSUM"]
+    assert segments.MAX_GENERATION == layout["MAX_GENERATION"]
+    assert segments.MAX_ACCESS_SEQ == layout["MAX_ACCESS_SEQ"]
+    assert layout["SLOT_SUM_FROM"] == 1  # segments.entry_sum hashes entry[1:ENTRY_SUM_AT]
     assert [s.value for s in SlotState] == [FREE, RESERVED, COMMITTED, DOOMED]
+    native = _native_constants()
     assert (Policy.LRU, Policy.CLOCK) == (native["policy_lru"], native["policy_clock"])
 
 
@@ -122,7 +129,7 @@ def test_native_record_is_at_most_16_bytes_a_slot() -> None:
     empty = t.native_bytes
     t.add_extent(1, n, bytearray(n * SLOT_ENTRY_BYTES), CREATED)
     per_slot = (t.native_bytes - empty) / n
-    assert _native_layout()["record_bytes"] == 12
+    assert _native_constants()["record_bytes"] == 12
     assert per_slot <= 16, per_slot
 
 
@@ -209,7 +216,7 @@ def test_release_claims_frees_only_reserved_slots_all_or_nothing() -> None:
 
 
 def test_commit_writes_entries_segments_and_recovery_read_back(shm_dir: str) -> None:
-    from kvtierd.recovery import scan_slots
+    from .slot_oracle import scan_slots
 
     seg = make_segment(shm_dir, 6)
     t = BlockTable(BLOCK, SLOT)
@@ -257,6 +264,67 @@ def test_commit_validates_the_whole_batch_first() -> None:
         t.commit(refs, [b"k1", "k2", b"k3"], [1, 1, 1], None,  # type: ignore[list-item]
                  first_access=1, epoch=EPOCH)
     assert bytes(meta) == before and t.counts().reserved == 3 and t.check() == []
+
+
+def _index(capacity: int = 64) -> mmap.mmap:
+    from kvtier import _native
+
+    mm = mmap.mmap(-1, 64 + capacity * 64)
+    _native.index_format(mm, capacity, 1)
+    return mm
+
+
+def test_commit_with_an_index_publishes_its_keys_from_the_entries_it_wrote() -> None:
+    from kvtier import _native
+
+    t, _meta = table(4, extent_id=1)
+    meta2 = bytearray(4 * SLOT_ENTRY_BYTES)
+    t.add_extent(2, 4, meta2, CREATED)
+    refs = np.concatenate([claimed(t, 6)])
+    assert set(split(refs)[0].tolist()) == {1, 2}  # a batch over two extents
+    idx = _index()
+    _native.index_set(idx, b"held", 1, 0, (9, 9, 0, 1, None))  # a key the index has
+    keys = [b"k%d" % i for i in range(5)] + [b"held"]
+    has = [1, 0, 1, 0, 1, 0]
+    sums = [i if h else None for i, h in enumerate(has)]
+    published = t.commit(refs, keys, np.arange(1, 7), sums, first_access=1, epoch=EPOCH,
+                         index=idx)
+    assert published is not None
+    done, left = published
+    assert done == 6 and left == [5]  # the key held already is the caller's to decide
+    segs, slots = split(refs)
+    for i, key in enumerate(keys[:5]):
+        assert _native.index_locate(idx, key) == (
+            int(segs[i]), int(slots[i]), int(slots[i]) * SLOT, i + 1, i if has[i] else None)
+    assert _native.index_locate(idx, b"held") == (9, 9, 0, 1, None)
+    assert t.counts().committed == 6 and t.check() == []
+
+
+def test_commit_into_a_full_index_commits_all_and_says_where_publishing_stopped() -> None:
+    from kvtier import _native
+
+    t, _meta = table(16)
+    idx = _index(16)
+    for i in range(10):
+        assert _native.index_set(idx, b"old%d" % i, 1, 0) == 1
+    refs = claimed(t, 5)
+    published = t.commit(refs, [b"k%d" % i for i in range(5)], [1] * 5, None,
+                         first_access=1, epoch=EPOCH, index=idx)
+    assert published == (2, [])  # 3/4 of 16: the caller grows the index for the rest
+    assert _native.index_info(idx)[1] == 12 and t.counts().committed == 5
+
+
+def test_commit_with_a_buffer_that_holds_no_index_changes_nothing() -> None:
+    t, meta = table(4)
+    refs = claimed(t, 2)
+    before = bytes(meta)
+    with pytest.raises(ValueError, match="version-2"):
+        t.commit(refs, [b"a", b"b"], [1, 1], None, first_access=1, epoch=EPOCH,
+                 index=mmap.mmap(-1, 4096))
+    with pytest.raises(BufferError):
+        t.commit(refs, [b"a", b"b"], [1, 1], None, first_access=1, epoch=EPOCH,
+                 index=bytes(4096))  # type: ignore[arg-type]  # (read-only)
+    assert bytes(meta) == before and t.counts().reserved == 2 and t.check() == []
 
 
 # ------------------------------------------------------------------ read path
@@ -558,7 +626,7 @@ def fuzz_segment() -> Iterator[Segment]:
        cut=st.one_of(st.none(), st.integers(0, N_FUZZ * SLOT)))
 def test_native_adopt_accepts_exactly_what_scan_slots_accepts(
         fuzz_segment: Segment, specs: list[SlotSpec], cut: int | None) -> None:
-    from kvtierd.recovery import scan_slots
+    from .slot_oracle import scan_slots
 
     seg = fuzz_segment
     for slot, spec in enumerate(specs):
@@ -913,7 +981,7 @@ def test_adoption_fuzzing_saw_adopted_and_dropped_slots() -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_native_adopt_matches_scan_slots_on_tables_of_random_bytes(
         fuzz_segment: Segment, seed: int) -> None:
-    from kvtierd.recovery import scan_slots
+    from .slot_oracle import scan_slots
 
     seg = fuzz_segment
     rng = np.random.default_rng(seed)
@@ -1344,9 +1412,9 @@ def test_check_keys_counts_and_compares_rows() -> None:
 
 def test_by_extent_groups_refs_by_their_extent() -> None:
     assert bt.by_extent(np.zeros(0, dtype=np.uint64)) == []
-    one = bt.refs_of(7, [3, 1, 2])
+    one = refs_of(7, [3, 1, 2])
     assert bt.by_extent(one) == [(7, None)]  # one extent: no mask
-    mixed = np.concatenate([bt.refs_of(9, [0, 5]), bt.refs_of(7, [4])])
+    mixed = np.concatenate([refs_of(9, [0, 5]), refs_of(7, [4])])
     groups = bt.by_extent(mixed)
     assert [g for g, _ in groups] == [7, 9]
     assert [mask.tolist() for _, mask in groups if mask is not None] == [

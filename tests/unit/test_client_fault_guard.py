@@ -9,7 +9,7 @@ process must exit normally (no SIGBUS), well before the daemon's audit
 (every 2 s) sets the files back.  Without the guard (``KVTIER_FAULT_GUARD=0``)
 the same reader dies of SIGBUS: the truncation really faults.
 
-Segment fds that cannot be mapped (item 5 of issue 25: the daemon cuts a
+Segment fds that cannot be mapped (the daemon cuts a
 retired extent's file to 0; a writer cuts a live one) are tested on
 ``SegmentMaps`` directly, and end to end: a client opened while its
 namespace's files are cut short opens, misses and recovers.

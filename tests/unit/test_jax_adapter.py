@@ -7,10 +7,8 @@ the run time); every test works in a namespace of its own.  Caches are tiny
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +18,7 @@ import numpy as np
 import pytest
 
 import kvtier
-from tests.conftest import DaemonProc, start_daemon, stop_daemon
+from tests.conftest import DaemonProc, temp_daemon
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
@@ -35,13 +33,8 @@ LAYOUTS = ["kv", "fused", "single"]
 
 @pytest.fixture(scope="module")
 def shared_daemon() -> Iterator[DaemonProc]:
-    base = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
-    d = start_daemon(base, capacity="64MiB", extent="2MiB")
-    yield d
-    stop_daemon(d)
-    log = d.log()
-    shutil.rmtree(base, ignore_errors=True)
-    assert d.proc.returncode == 0, log
+    with temp_daemon(capacity="64MiB", extent="2MiB") as d:
+        yield d
 
 
 def make_cache(layout: str, dtype: str, seed: int, pages: int = PAGES) -> list[Any]:
@@ -352,3 +345,84 @@ def test_load_updates_in_place_whatever_the_cache_size() -> None:
 
     small, big = best_of(16), best_of(16 * 256)  # 2 x 8 MiB: a sweep takes milliseconds
     assert big < max(10 * small, 0.001), (small, big)
+
+
+def make_packed(dtype: str, seed: int, packing: int, pages: int = PAGES) -> list[jax.Array]:
+    """A JAX engine's cache (tpu-inference, sglang-jax): per layer one array
+    ``[pages, page_tokens, 2*kv_heads/packing, packing, head_dim]`` of random bytes."""
+    rng = np.random.default_rng(seed)
+    dt = dtype_of(dtype)
+    shape = (pages, PAGE_TOKENS, 2 * KV_HEADS // packing, packing, HEAD_DIM * dt.itemsize)
+    return [jnp.asarray(rng.integers(0, 256, shape, np.uint8).view(dt)) for _ in range(LAYERS)]
+
+
+@pytest.mark.parametrize(("dtype", "packing"), [("float32", 1), ("bfloat16", 2), ("int8", 4)])
+def test_packed_layout_round_trip_is_byte_exact(shared_daemon: DaemonProc, dtype: str,
+                                                packing: int) -> None:
+    src = make_packed(dtype, seed=31, packing=packing)
+    dst = make_packed(dtype, seed=32, packing=packing)
+    lay = kj.packed_layout_of(src)
+    assert (lay.layout, lay.kv_heads, lay.packing, lay.dtype) == ("packed", KV_HEADS, packing,
+                                                                   dtype)
+    assert lay.block_bytes == LAYERS * PAGE_TOKENS * 2 * KV_HEADS * HEAD_DIM * lay.itemsize
+    assert f"-k{packing}" in kj.namespace_for(lay, "m")["namespace"]
+    keys = keys_for(3)
+    want, before = host_bytes(src), host_bytes(dst)
+    with client_for(shared_daemon, lay) as c:
+        assert kj.save(c, src, [2, 5, 8], keys, layout=lay) == 3
+        out, n = kj.load(c, keys, dst, [1, 6, 11], layout=lay)
+    assert n == 3
+    got = host_bytes(out)
+    for a in range(LAYERS):
+        for s_page, d_page in zip([2, 5, 8], [1, 6, 11], strict=True):
+            assert np.array_equal(got[a][d_page], want[a][s_page])
+        for page in set(range(PAGES)) - {1, 6, 11}:
+            assert np.array_equal(got[a][page], before[a][page])
+
+
+def test_packed_layout_refuses_a_cache_of_another_geometry(shared_daemon: DaemonProc) -> None:
+    lay = kj.packed_layout_of(make_packed("bfloat16", seed=33, packing=2))
+    other = make_packed("bfloat16", seed=34, packing=1)  # same bytes per page, other shape
+    assert kj.packed_layout_of(other).block_bytes == lay.block_bytes
+    with client_for(shared_daemon, lay) as c, pytest.raises(GeometryMismatch, match="packing"):
+        kj.save(c, other, [0], keys_for(1), layout=lay)
+    with pytest.raises(ValueError, match="one array per layer"):
+        kj.packed_layout_of([(other[0], other[1])])
+
+
+def test_load_leased_fills_the_lease_hits_and_ends_the_lease(shared_daemon: DaemonProc) -> None:
+    src = make_packed("float32", seed=35, packing=1)
+    dst = make_packed("float32", seed=36, packing=1)
+    lay = kj.packed_layout_of(src)
+    keys = keys_for(4)
+    want, before = host_bytes(src), host_bytes(dst)
+    with client_for(shared_daemon, lay) as c:
+        assert kj.save(c, src, [0, 1], keys[:2], layout=lay) == 2
+        lease = c.acquire(keys)  # 2 hits of 4: the pages after them keep their bytes
+        assert lease.hits == 2
+        out, n = kj.load_leased(c, lease, dst, [7, 3, 4, 5], layout=lay)
+        assert (n, lease.done) == (2, True)
+        deadline = time.monotonic() + 10  # released without waiting for the answer
+        while shared_daemon.stats().leases and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert shared_daemon.stats().leases == 0
+    got = host_bytes(out)
+    for a in range(LAYERS):
+        assert np.array_equal(got[a][7], want[a][0])
+        assert np.array_equal(got[a][3], want[a][1])
+        for page in (4, 5):
+            assert np.array_equal(got[a][page], before[a][page])
+
+
+def test_the_device_gather_names_its_sharding_on_a_mesh_of_explicit_axes() -> None:
+    """sglang-jax's and tpu-inference's caches live on a mesh of explicit axes, where JAX
+    will not guess a gather's output sharding; the accelerators' save path gathers the
+    pages there (``_stage``: a device gather, then one transfer per array)."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((1, 1), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+    spec: Any = PartitionSpec("data", None, "tensor", None, None)
+    host = np.random.default_rng(0).random((8, 4, 2, 1, 16), dtype=np.float32)
+    cache = jax.device_put(host, NamedSharding(mesh, spec))
+    staged = kj._stage([cache], [5, 2, 7])
+    assert np.array_equal(staged[0][:3], host[[5, 2, 7]].view(np.uint8))

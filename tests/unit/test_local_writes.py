@@ -14,7 +14,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -511,6 +511,38 @@ def _answer(env: StoreEnv, s: Session, page: SessionPage) -> tuple[list[int], by
     results, _made = env.store.commit_granted(s, taken)
     page.finish_commits(results)
     return [why for _lo, _hi, why in taken.batches], results
+
+
+def test_keys_a_lower_tier_holds_are_exists_asked_once_per_batch(granting: StoreEnv) -> None:
+    """A page commit asks the tiers below DRAM about a batch's new keys in one question
+    (``Below.held_below``): those held there are EXISTS and keep their grants."""
+    env = granting
+    s = session(env)
+    put(env, s, [b"present"])
+    page, writes, bell = _attach(env, s)
+    env.store.refill_grants(s, GRANTS)
+    g = writes.take(4)
+    assert g is not None
+    asked: list[list[bytes]] = []
+
+    def held(keys: Sequence[bytes]) -> list[bool]:
+        asked.append(list(keys))
+        return [k == b"below" for k in keys]
+
+    records = [(g[0].entry, b"new", 5, None), (g[1].entry, b"below", 5, None),
+               (g[2].entry, b"present", 5, None), (g[3].entry, b"other", 5, None)]
+    head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
+    _native.commits_put(page.mapping, head, _as_taken(page, records))
+    taken = page.take_commits(s.ns.block_bytes, s.grants.words)
+    assert taken is not None
+    results, _made = env.store.commit_granted(s, taken, held)
+    page.finish_commits(results)
+    assert results == bytes([CommitResult.COMMITTED, CommitResult.EXISTS, CommitResult.EXISTS,
+                             CommitResult.COMMITTED])
+    assert asked == [[b"new", b"below", b"other"]]  # the new keys, once
+    assert g[1].entry in s.grants and g[0].entry not in s.grants
+    assert env.store.lookup(s, [b"below"]) == 0 and env.store.check() == []
+    _detach(env, s, page, writes, bell)
 
 
 MANY = 12  # grants of the test below: batches of more than 8 records too

@@ -1,4 +1,4 @@
-"""What a session page costs the daemon and what it can make the daemon believe (issue 25).
+"""What a session page costs the daemon and what it can make the daemon believe.
 
 The page is the client's to write at any time.  These tests write it as a hostile
 client would, through the same mapping the client library uses, and check the
@@ -89,8 +89,40 @@ def test_the_union_follows_every_change_of_every_page(
             assert set(got) == want and len(got) == len(want) and bool(got) == bool(want)
             assert all(v in got for v in want) and hazard_of(99, 1) not in got
             assert collect_hazards(live.values()) == want
+            again = collect_hazards(live.values(), got)
+            assert again is got  # nothing moved: the same set, its union made once
+            mask = (1 << 63) - 1
+            assert got.refs.tolist() == sorted({v & mask for v in want})
+            probe = np.array(sorted(want)[:2] + [hazard_of(99, 1)], dtype=np.uint64)
+            assert got.any_of(probe) == bool(want) and not got.any_of(probe[-1:])
     finally:
         for page in pages.values():
+            page.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=60), st.lists(st.integers(0, 2**64 - 1),
+                                                                      max_size=60))
+def test_any_words_a_client_writes_read_as_exactly_the_set_they_are(
+        one: list[int], two: list[int]) -> None:
+    """Words without the hazard flag, repeated, zero, at the ends of the range: the union,
+    its refs (flag off, each once, sorted) and membership are exactly a set's."""
+    pages = [SessionPage("ns"), SessionPage("ns")]
+    try:
+        for page, values in zip(pages, (one, two), strict=True):
+            _write(page, {i: (v, 1) for i, v in enumerate(values)})
+        got = collect_hazards(pages)
+        want = {v for v in one + two if v}
+        assert set(got) == want and len(got) == len(want)
+        assert all(v in got for v in want) and 0 not in got and -1 not in got
+        mask = (1 << 63) - 1
+        assert got.refs.tolist() == sorted({v & mask for v in want})
+        words = got.words.tolist()
+        assert words == sorted(want)
+        _write(pages[0], {0: (0 if one and one[0] else 5, 1)})  # a page moves: a new set
+        assert collect_hazards(pages, got) is not got or not one
+    finally:
+        for page in pages:
             page.close()
 
 

@@ -1,4 +1,4 @@
-"""The session page is defined once (``csrc/index.h``): Python reads the layout from the
+"""The session page is defined once (``csrc/layout.h``): Python reads the layout from the
 native module (``kvtier._page``), the regions fit their pages without overlapping, and
 no Python file writes a page offset as a number of its own."""
 
@@ -13,7 +13,7 @@ from kvtier import _native, _page
 from kvtierd import shared_index
 from kvtierd.store import CommitResult
 
-pytestmark = pytest.mark.skipif(not hasattr(_native, "page_layout"), reason="no native build")
+pytestmark = pytest.mark.skipif(not hasattr(_native, "LAYOUT"), reason="no native build")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def _disjoint(regions: dict[str, tuple[int, int]], size: int) -> None:
 
 
 def test_python_reads_the_header() -> None:
-    layout = _native.page_layout()
+    layout = _native.LAYOUT
     assert _page.PAGE_BYTES == layout["PAGE_BYTES"] > 0
     assert _page.W_WANT == layout["W_WANT"] and _page.R_WORD == layout["R_WORD"]
     assert shared_index.PAGE_BYTES == _page.PAGE_BYTES
@@ -61,12 +61,14 @@ def test_the_page_regions_fit_and_do_not_overlap() -> None:
     }
     _disjoint(write_area, _page.WPAGE_BYTES)
     assert min(start for start, _n in write_area.values()) >= _page.PAGE_BYTES
-    _disjoint({
-        "grant": (_page.R_GRANT, 4), "length": (_page.R_LENGTH, 4),
-        "checksum": (_page.R_CHECKSUM, u64), "keylen": (_page.R_KEYLEN, 1),
-        "flags": (_page.R_FLAGS, 1), "result": (_page.R_RESULT, 1),
-        "key": (_page.R_KEY, _page.KEY_MAX), "word": (_page.R_WORD, u64),
-    }, _page.RECORD_BYTES)
+    record = _native.FIELDS["commit_record"]
+    assert [record[n][0] for n in ("grant", "length", "checksum", "key_len", "flags",
+                                   "result", "key", "word")] == [
+        _page.R_GRANT, _page.R_LENGTH, _page.R_CHECKSUM, _page.R_KEYLEN, _page.R_FLAGS,
+        _page.R_RESULT, _page.R_KEY, _page.R_WORD]
+    assert record["key"][1] == _page.KEY_MAX
+    _disjoint({name: (offset, size) for name, (offset, size, _kind) in record.items()},
+              _page.RECORD_BYTES)
     # The u64 words are aligned (atomics), the flag bits distinct.
     for off in (_page.HAZARD_HI, _page.MAX_HAZARDS, _page.RING, _page.HAZARDS, _page.SERIALS,
                 _page.W_HEAD, _page.W_WANT, _page.W_GRANTS, _page.W_RING, _page.R_WORD,
@@ -91,4 +93,4 @@ def test_no_python_file_defines_a_page_offset_itself() -> None:
         for path in (ROOT / folder).rglob("*.py"):
             for m in _HARD_CODED.finditer(path.read_text()):
                 found.append(f"{path.relative_to(ROOT)}: {m.group(0).strip()}")
-    assert found == [], "page offsets come from kvtier._page (csrc/index.h):\n" + "\n".join(found)
+    assert found == [], "page offsets come from kvtier._page (csrc/layout.h):\n" + "\n".join(found)

@@ -1,7 +1,7 @@
 """Recovery: re-adopting segments of a previous run into a fresh store.
 
-What a previous run left is validated like network input (DESIGN.md section 5,
-invariant 8): every slot field, the entry checksum, the data file's size.  The
+What a previous run left is validated like network input (no file a
+client could reach is trusted): every slot field, the entry checksum, the data file's size.  The
 tests below corrupt exactly one field of one slot of a stopped segment's
 ``.meta`` file and check that only that slot is dropped, with its reason
 counted, and that the store works afterwards.

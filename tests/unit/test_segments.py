@@ -936,3 +936,34 @@ def test_close_waits_for_an_audit_in_progress(seg: Segment) -> None:
         t.join(5)
         closer.join(5)
     assert result == [None] and seg.closed
+
+
+def _rss_of(path: str) -> int:
+    """Bytes of this process's mapping of ``path`` resident now (/proc/self/smaps)."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                inside = head[-1] == path
+            elif inside and head[0] == "Rss:":
+                rss += int(head[1]) * 1024
+    return rss
+
+
+@pytest.mark.parametrize("mlock", [False, True])
+def test_a_new_extent_is_resident_whether_mlock_faults_it_in_or_the_touch_does(
+        shm_dir: str, mlock: bool) -> None:
+    """mlock faults the pages in itself, so create touches them only when they were not
+    locked (mlock off, or refused): either way no page is missing after it."""
+    layout = SegmentLayout.fit(10_000, 4 * MiB)
+    assert layout is not None
+    s = Segment.create(shm_dir, segment_id=12, namespace="n", model_uid="m", index=0,
+                       layout=layout, boot_epoch=1, mlock=mlock, prefault_threads=1)
+    try:
+        if not mlock:
+            assert s.mlock_error is not None
+        assert _rss_of(s.path) == layout.data_bytes
+        assert not any(bytes(s.data_view(0, layout.slot_bytes)))  # zeros, as fallocate left them
+    finally:
+        s.close(unlink=True)

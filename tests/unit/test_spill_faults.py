@@ -31,9 +31,7 @@ from typing import Any
 import pytest
 
 from kvtier.errors import CapacityExhausted
-from kvtierd import tiering as tiering_mod
 from kvtierd.block_table import Policy
-from kvtierd.logs import Throttle
 from kvtierd.spill import format as fmt
 from kvtierd.spill.blockio import BlockIO
 from kvtierd.spill.ssd import SsdEntry, SsdTier
@@ -293,10 +291,9 @@ def spilled(env: Env, s: Session, ks: Sequence[bytes]) -> list[bytes]:
 # ================================================================ 1. disk full on writes
 @pytest.mark.parametrize("where", ["data", "table", "fallocate"])
 def test_disk_full_makes_blocks_unspillable_and_dram_keeps_serving(
-        shm_dir: str, disk_dir: str, where: str, caplog: pytest.LogCaptureFixture,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENOSPC on every spill write: nothing spills, DRAM evicts as without spill tiers."""
-    monkeypatch.setattr(tiering_mod, "_throttle", Throttle())  # fresh: no earlier test's lines
+        shm_dir: str, disk_dir: str, where: str, caplog: pytest.LogCaptureFixture) -> None:
+    """ENOSPC on every spill write: nothing spills, DRAM evicts as without spill tiers.
+    (Each ``Tiering`` throttles its own log lines: no earlier test's lines count here.)"""
     io = FaultyIO()
     if where == "data":
         rule = io.fail("pwrite", errno.ENOSPC, path=SPILL_FILE,

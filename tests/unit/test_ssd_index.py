@@ -1,4 +1,4 @@
-"""The SSD tier's compact bookkeeping (issue 26): slot columns, the open-addressing key
+"""The SSD tier's compact bookkeeping: slot columns, the open-addressing key
 index, CLOCK eviction and vectorised re-adoption, against a plain-dict model."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from hypothesis.stateful import (
 
 from kvtierd.spill import format as fmt
 from kvtierd.spill import ssd as ssd_mod
+from kvtierd.spill import ssd_files, ssd_index
 from kvtierd.spill.blockio import aligned_buffer
 from kvtierd.spill.ssd import SpillFull, SsdTier
 from tests.unit.spill_harness import disk_dir  # noqa: F401  (fixture)
@@ -66,15 +67,15 @@ def _read(ssd: SsdTier, ns: str, key: bytes) -> bytes | None:
 def weak_hash(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every key hashes to one of 4 values: every probe, deletion and adoption meets
     collisions (the index must still tell keys apart by their bytes).  The batch lookup
-    hashes in C, with the real hash: here it is ``_probe`` key by key instead
+    hashes in C, with the real hash: here it is ``SsdKeyIndex.probe`` key by key instead
     (test_ssd_lookup.py puts the native one through collisions of its own)."""
-    real_field, real_rows = ssd_mod.field_hash, ssd_mod._row_key_hashes
+    real_field, real_rows = ssd_index.field_hash, ssd_index.row_key_hashes
     weak = 3 << 62  # (the index uses a hash's upper half)
-    monkeypatch.setattr(ssd_mod, "field_hash", lambda *a: real_field(*a) & weak)
-    monkeypatch.setattr(ssd_mod, "_row_key_hashes",
+    monkeypatch.setattr(ssd_index, "field_hash", lambda *a: real_field(*a) & weak)
+    monkeypatch.setattr(ssd_index, "row_key_hashes",
                         lambda table, n: real_rows(table, n) & np.uint64(weak))
-    monkeypatch.setattr(SsdTier, "_find_slots", lambda self, nsid, keys: np.array(
-        [self._probe(nsid, k)[1] for k in keys], np.int64))
+    monkeypatch.setattr(ssd_index.SsdKeyIndex, "find_slots", lambda self, ns, keys: np.array(
+        [self.probe(k, ns, ns.ljust(fmt.NAME_BYTES, b"\0"))[1] for k in keys], np.int64))
 
 
 class SsdMachine(RuleBasedStateMachine):
@@ -229,7 +230,7 @@ def test_the_key_index_grows_and_finds_every_key_after_deletions(tier: SsdTier) 
     keys = [b"%016d" % i for i in range(1500)]
     for k in keys:
         _write(tier, "a", k, k * 4)
-    assert len(tier._buckets) >= 2048 and tier.check() == []  # grown
+    assert len(tier.key_index.buckets) >= 2048 and tier.check() == []  # grown
     assert tier.remove("a", keys[::3]) == 500
     for i, k in enumerate(keys):
         assert (_read(tier, "a", k) == k * 4) == (i % 3 != 0)
@@ -267,7 +268,7 @@ def test_readoption_keeps_the_newest_copy_of_a_key_written_twice(disk_dir: str) 
     ssd.flush_frees()
     f = old.file
     f.table[old.slot * fmt.ENTRY_BYTES : (old.slot + 1) * fmt.ENTRY_BYTES] = saved
-    ssd._write_table(f)
+    ssd_files.write_table(ssd.io, ssd._lock, f)
     ssd.close()
     fresh = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
     fresh.open()
@@ -292,7 +293,7 @@ def test_readoption_frees_entries_with_junk_past_their_key(disk_dir: str) -> Non
     row[fmt.ENTRY_SUM_AT : fmt.ENTRY_SUM_AT + 8] = xxhash.xxh3_64_intdigest(
         bytes(row[: fmt.ENTRY_SUM_AT])).to_bytes(8, "little")
     e.file.table[off : off + fmt.ENTRY_BYTES] = bytes(row)
-    ssd._write_table(e.file)
+    ssd_files.write_table(ssd.io, ssd._lock, e.file)
     ssd.close()
     fresh = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
     fresh.open()
@@ -374,8 +375,8 @@ def test_a_full_tier_empties_the_coldest_file_of_another_size(disk_dir: str) -> 
 def test_readoption_places_runs_that_wrap_round_the_index(
         disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """Every key hashing to the last bucket: the rebuild's runs wrap to the start."""
-    monkeypatch.setattr(ssd_mod, "field_hash", lambda *a: 1023 << 32)
-    monkeypatch.setattr(ssd_mod, "_row_key_hashes",
+    monkeypatch.setattr(ssd_index, "field_hash", lambda *a: 1023 << 32)
+    monkeypatch.setattr(ssd_index, "row_key_hashes",
                         lambda table, n: np.full(n, 1023 << 32, np.uint64))
     ssd = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
     ssd.open()
@@ -389,7 +390,7 @@ def test_readoption_places_runs_that_wrap_round_the_index(
     fresh.open()
     try:
         assert fresh.counters.adopted == 38 and fresh.check() == []
-        assert int(fresh._buckets[0]) != 0  # wrapped
+        assert int(fresh.key_index.buckets[0]) != 0  # wrapped
         for i in range(40):
             assert _read(fresh, "a", b"k%d" % i) == (None if i in (3, 17) else b"%d" % i)
         assert fresh.remove("a", [b"k0", b"k39"]) == 2 and fresh.check() == []
@@ -401,10 +402,10 @@ def test_slot_ids_are_renumbered_before_they_outgrow_32_bits(
         disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """Files come and go (reclaimed for another slot size): the ids of their slots
     are never reused while a file has them, and renumbered when the next would not fit."""
-    monkeypatch.setattr(ssd_mod, "MAX_SLOT_IDS", 40)
+    monkeypatch.setattr(ssd_index, "MAX_SLOT_IDS", 40)
     rebuilt: list[int] = []
-    rebuild = SsdTier._rebuild_from_files
-    monkeypatch.setattr(SsdTier, "_rebuild_from_files",
+    rebuild = ssd_index.SsdKeyIndex.rebuild
+    monkeypatch.setattr(ssd_index.SsdKeyIndex, "rebuild",
                         lambda self: (rebuilt.append(1), rebuild(self))[1])
     # Room for one file: each change of slot size reclaims it for a new one.
     ssd = SsdTier(disk_dir, capacity=40 * KiB, file_bytes=40 * KiB, direct="false")
@@ -418,7 +419,7 @@ def test_slot_ids_are_renumbered_before_they_outgrow_32_bits(
                 _write(ssd, "a", b"r%d-%d" % (rnd, i), payload)
                 model[b"r%d-%d" % (rnd, i)] = payload
             assert ssd.check() == []
-            assert all(f.base + f.n_slots < 40 for f in ssd._by_base)
+            assert all(f.base + f.n_slots < 40 for f in ssd.key_index.files)
             for key, payload in model.items():
                 assert _read(ssd, "a", key) == payload
         assert rebuilt  # (renumbered at least once)
@@ -435,7 +436,7 @@ def test_batch_lookups_of_thousands_of_keys_over_many_files(tier: SsdTier) -> No
     for k in keys[:400:4]:
         _write(tier, "a", k, k + b"!")  # rewritten: another slot
     tier.remove("a", keys[1000:1100])
-    assert len(tier._by_base) > 1
+    assert len(tier.key_index.files) > 1
     asked = keys + [b"", b"x" * 65]
     many = tier.find_many("a", asked, 8192, 7)
     one = [tier.find("a", k, 8192, 7) for k in asked]
@@ -458,9 +459,9 @@ def test_batch_lookups_go_to_the_native_call_in_pieces(
         _write(tier, "a", k, k)
     want = tier.length_of_many("a", keys)
     calls: list[int] = []
-    real = ssd_mod._accel.ssd_find_slots
-    monkeypatch.setattr(ssd_mod, "FIND_BATCH", 7)
-    monkeypatch.setattr(ssd_mod._accel, "ssd_find_slots",
+    real = ssd_index._accel.ssd_find_slots
+    monkeypatch.setattr(ssd_index, "FIND_BATCH", 7)
+    monkeypatch.setattr(ssd_index._accel, "ssd_find_slots",
                         lambda b, t, s, ks, ns: (calls.append(len(ks)), real(b, t, s, ks, ns))[1])
     assert tier.length_of_many("a", keys) == want
     assert [e is not None for e in tier.find_many("a", keys, 8192, 7)] == [

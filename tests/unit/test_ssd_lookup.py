@@ -1,5 +1,5 @@
 """``_accel.ssd_find_slots``: the SSD tier's key index asked about many keys in one call
-(issue 26), on the C extension and on the Python fallback, against a dict model.
+, on the C extension and on the Python fallback, against a dict model.
 
 The indexes here are built by hand the way ``kvtierd.spill.ssd`` builds its own (the
 tags from ``ssd.key_hash``, Python's xxhash), so every hit the native code finds proves

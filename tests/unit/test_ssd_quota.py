@@ -1,4 +1,4 @@
-"""SSD quotas per namespace (issue 6): a namespace at quota evicts its own blocks only."""
+"""SSD quotas per namespace: a namespace at quota evicts its own blocks only."""
 
 from __future__ import annotations
 

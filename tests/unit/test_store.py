@@ -1056,3 +1056,21 @@ def test_segment_factory_is_called_with_namespace_index_layout_and_id(shm_dir: s
     assert len({sid for *_, sid in seen}) == 2
     assert store.check() == []
     store.close_all()
+
+
+def test_a_namespace_that_evicts_as_it_commits_keeps_its_index_table_at_one_size(
+        store_factory: Callable[..., StoreEnv]) -> None:
+    """Each eviction leaves a tombstone in the shared index; a rebuild drops them, so a
+    pool that evicts as it commits rebuilds its table at the size its live keys need,
+    never doubling it for tombstones (256 slots of 4 KiB, 40 rounds of 64 new keys)."""
+    env = store_factory(capacity=1 << 20, extent_size=1 << 20)
+    s = session(env, block_bytes=4096)
+    sizes = []
+    for r in range(40):
+        ks = keys(64, "e", 64 * r)
+        res = env.reserve(s, ks)
+        assert env.store.commit(s, res.reservation_id, [1] * 64, None) == 64
+        sizes.append(s.ns.index.table.capacity)
+    assert present(env, s, keys(64, "e", 64 * 39)) == keys(64, "e", 64 * 39)
+    assert env.store.evictions >= 40 * 64 - 256
+    assert max(sizes) <= 1024  # a third of it holds the live keys (<= 256) and 64 more

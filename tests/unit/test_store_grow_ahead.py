@@ -1,4 +1,4 @@
-"""Growth ahead of need (``dram.grow_ahead``, issue 27): a claim that leaves a namespace
+"""Growth ahead of need (``dram.grow_ahead``): a claim that leaves a namespace
 few free slots makes its next extent in the background, from the unused budget only.
 
 Each scenario runs in one event loop (the growth is a task on it) with an extent

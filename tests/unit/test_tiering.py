@@ -67,7 +67,7 @@ def test_lookups_reserves_and_deletes_ask_the_ssd_tier_once_per_batch(
         shm_dir: str, disk_dir: str) -> None:
     """Keys below DRAM are looked up in the SSD tier's index once per request
     (``length_of_many``: one native call), not key by key, with the answers a walk key
-    by key gives: the prefix, its tiers, EXISTS for a writer."""
+    by key gives: the prefix, its tiers, EXISTS for a writer (a Reserve, a page commit)."""
 
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
@@ -79,12 +79,12 @@ def test_lookups_reserves_and_deletes_ask_the_ssd_tier_once_per_batch(
             assert ssd is not None
             on_ssd = [k for k in ks if k not in s.ns.index]
             assert len(on_ssd) >= 20
-            geometry = env.t._geometry(s.ns)
+            geometry = env.t.below.geometry(s.ns)
             # What the walk key by key answers (asked before the counting starts).
             asked = ks + keys(3, "gone") + ks[:4]
             want: list[int] = []
             for k in asked:
-                local = env.t._local_copy(s.ns.name, k, geometry)
+                local = env.t.below.local_copy(s.ns.name, k, geometry)
                 if k not in s.ns.index and local is None:
                     break
                 want.append(TIER_DRAM if k in s.ns.index else TIER_SSD)
@@ -103,8 +103,13 @@ def test_lookups_reserves_and_deletes_ask_the_ssd_tier_once_per_batch(
                 assert await env.put(s, on_ssd[:10] + fresh) == (
                     [ReserveStatus.EXISTS] * 10 + [ReserveStatus.RESERVED] * 3)
                 assert (one, len(many)) == ([], 2) and many[1] == 13
+                # A page commit's question (``held_below``): one lookup for the batch.
+                held = env.t.below.held_below(s)
+                assert held is not None
+                assert held(on_ssd[:4] + fresh) == [True] * 4 + [False] * 3
+                assert (one, len(many)) == ([], 3) and many[2] == 7
                 assert await env.t.delete(s, on_ssd[:5] + keys(2, "gone")) == 5
-                assert (one, len(many)) == ([], 3)
+                assert (one, len(many)) == ([], 4)
                 assert await env.t.lookup(s, on_ssd[:5]) == []
             finally:
                 del ssd.length_of, ssd.length_of_many
@@ -371,7 +376,7 @@ def test_delete_during_its_demotion_stays_deleted_across_a_crash(shm_dir: str,
                 await env.put(s, keys(30)[i : i + 5])  # DRAM full: the demoter takes the tail
             while not write_in.is_set():
                 await asyncio.sleep(0.01)
-            ((_, k),) = env.t._demoting
+            ((_, k),) = env.t.moves.demoting_keys()
             delete = asyncio.ensure_future(env.t.delete(s, [k]))
             await asyncio.sleep(0.05)
             assert not delete.done()  # waits for the write in flight

@@ -1,4 +1,4 @@
-"""``Tiering._locate`` (lookup, and acquire past DRAM's prefix) asks the local tiers once
+"""``Promoter.locate`` (lookup, and acquire past DRAM's prefix) asks the local tiers once
 per batch (``held_many``); its answers are those of the walk key by key it replaced,
 kept here as the reference: DRAM hits, local copies, runs of keys only a remote tier
 holds (batched or not), keys being deleted, for any mix of them."""
@@ -65,30 +65,30 @@ class FakeTier:
 async def walk_key_by_key(t: Tiering, ns: Any, keys: Sequence[bytes]) -> list[int]:
     """``_locate`` as it was before the batch lookup (f40ecb2): a key at a time."""
     tiers: list[int] = []
-    geometry = t._geometry(ns)
+    geometry = t.below.geometry(ns)
     in_dram = ns.index.find(keys).tolist() if keys else []
     i = 0
     while i < len(keys):
         key = keys[i]
-        if (ns.name, key) in t._deleting:
+        if t.moves.hidden(ns.name, key):
             break
         if in_dram[i]:
             tiers.append(TIER_DRAM)
             i += 1
             continue
-        local = t._local_copy(ns.name, key, geometry)
+        local = t.below.local_copy(ns.name, key, geometry)
         if local is not None:
             tiers.append(local[0].tier)
             i += 1
             continue
-        if not t._remote:
+        if not t.below.remote:
             break
         j = i + 1
         while (j < len(keys) and not in_dram[j]
-               and t._local_copy(ns.name, keys[j], geometry) is None
-               and (ns.name, keys[j]) not in t._deleting):
+               and t.below.local_copy(ns.name, keys[j], geometry) is None
+               and not t.moves.hidden(ns.name, keys[j])):
             j += 1
-        found = await t._locate_remote_async(ns.name, list(keys[i:j]), geometry)
+        found = await t.below.locate_remote(ns.name, list(keys[i:j]), geometry)
         tiers.extend(found)
         if len(found) < j - i:
             break
@@ -111,20 +111,21 @@ def test_locate_answers_what_the_walk_key_by_key_answered(
         tiers.append(local)
     if "remote" in layout or "batched" in layout:
         tiers.append(FakeTier(TIER_CLUSTER, False, remote, batched="batched" in layout))
-    t = Tiering(types.SimpleNamespace(), below=tiers, io_threads=1)  # type: ignore[arg-type]
+    store = types.SimpleNamespace(pin_blocks=lambda blocks: [], unpin=lambda lease: None)
+    t = Tiering(store, below=tiers, io_threads=1)  # type: ignore[arg-type]
     try:
         ns = types.SimpleNamespace(name="a", block_bytes=4096, model_uid="m",
                                    index=FakeIndex(dram))
-        for k in deleting:
-            t._deleting[("a", k)] += 1
-        for k in doomed:  # a Delete during the key's demotion: its copies below are gone
-            t._demoting[("a", k)] = types.SimpleNamespace(doomed=True)  # type: ignore[assignment]
+        t.moves.hide(("a", k) for k in deleting)
+        # A Delete during the key's demotion: its copies below are gone.
+        demoting = [types.SimpleNamespace(ns=ns, key=k, doomed=True) for k in doomed]
 
         async def both() -> tuple[list[int], list[int]]:
-            return await t._locate(ns, keys), await walk_key_by_key(t, ns, keys)
+            return await t.promoter.locate(ns, keys), await walk_key_by_key(t, ns, keys)
 
         local.held_many_calls.clear()
-        got, want = asyncio.run(both())
+        with t.moves.demoting(demoting):  # type: ignore[arg-type]
+            got, want = asyncio.run(both())
         assert got == want
         if not tiers or not tiers[-1].local:
             return
@@ -133,4 +134,4 @@ def test_locate_answers_what_the_walk_key_by_key_answered(
             (i for i, k in enumerate(keys) if k in deleting), len(keys))])
         assert local.held_many_calls == ([n_below] if n_below else [])
     finally:
-        t._pool.shutdown()
+        t.work.pool.shutdown()

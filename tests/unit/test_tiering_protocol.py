@@ -1,4 +1,4 @@
-"""The policy walks ``Tiering.lower`` (``spill.tier.Tier``), never which tiers it has.
+"""The policy walks ``Tiering.lower`` (``spill.tier.LowerTier``), never which tiers it has.
 
 A third implementation -- an in-memory stand-in for the cluster tier
 (Mooncake Store), cross-host and not local -- is given to ``Tiering`` as
@@ -24,9 +24,9 @@ from kvtierd.spill.tier import (
     TIER_CLUSTER,
     Geometry,
     HandOff,
+    LowerTier,
     SharedAdapter,
     SsdAdapter,
-    Tier,
     WritesMany,
     _one_by_one,
 )
@@ -138,7 +138,7 @@ class DictTier:
 
 def test_the_adapters_and_a_third_tier_are_tiers() -> None:
     """Structural: mypy checks the adapters against the Protocol; this checks the fake."""
-    tiers: list[Tier] = [DictTier()]
+    tiers: list[LowerTier] = [DictTier()]
     assert tiers[0].tier == TIER_CLUSTER
     assert (SsdAdapter.local, SharedAdapter.local) == (True, False)
 
@@ -168,7 +168,7 @@ class ManyTier(DictTier):
 
 
 @asynccontextmanager
-async def tiered(shm_dir: str, below: Sequence[Tier], *, ssd_dir: str | None = None,
+async def tiered(shm_dir: str, below: Sequence[LowerTier], *, ssd_dir: str | None = None,
                  ssd_capacity: int = 8 * MiB,
                  policy: SpillPolicy | None = None) -> AsyncIterator[Env]:
     senv = make_store(shm_dir, capacity=DRAM, extent_size=MiB + 4 * 4096)

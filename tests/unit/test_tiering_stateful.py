@@ -96,7 +96,7 @@ class TieringMachine(RuleBasedStateMachine):
     async def _settle(self) -> None:
         for _ in range(500):
             await asyncio.sleep(0.002)
-            if not self.t.queue_depth() and not self.t._plan():
+            if not self.t.queue_depth() and not self.t.demoter.plan():
                 return
 
     def _view(self, ns: str, grant: object) -> memoryview:

@@ -169,7 +169,7 @@ def test_client_reported_figures_are_shown_apart_and_in_no_host_figure() -> None
            pb.NamespaceStats(name="quiet")]
     prev = Sample(0.0, stats(namespaces=ns0,
                              io=[pb.TierIO(tier=pb.TIER_DRAM, read_bytes=0)]))
-    big = 135 << 50  # the forged 135 PiB of issue 36, had it got through
+    big = 135 << 50  # the 135 PiB a tenant once forged, had it got through
     cur = Sample(2.0, stats(uptime_seconds=102.0, namespaces=[
         pb.NamespaceStats(name="llama", hits=1, misses=1, client_reported=reported(
             lookups=20, lookup_hits=30, lookup_misses=10, acquires=4, acquire_hits=8,

@@ -7,10 +7,8 @@ CPU tensors with a fake cudart.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-import tempfile
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -23,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 import kvtier  # noqa: E402
 import kvtier.torch as kt  # noqa: E402
-from tests.conftest import DaemonProc, start_daemon, stop_daemon  # noqa: E402
+from tests.conftest import DaemonProc, temp_daemon  # noqa: E402
 
 PAGES = 8
 LAYERS = 2
@@ -36,14 +34,9 @@ LAYOUTS = ["kv", "fused", "single"]
 
 @pytest.fixture(scope="module")
 def kvd() -> Iterator[DaemonProc]:
-    base = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
     # Every test takes a namespace (an extent) of its own: small extents, room for all.
-    d = start_daemon(base, capacity="128MiB", extent="1MiB")
-    yield d
-    stop_daemon(d)
-    log = d.log()
-    shutil.rmtree(base, ignore_errors=True)
-    assert d.proc.returncode == 0, log
+    with temp_daemon(capacity="128MiB", extent="1MiB") as d:
+        yield d
 
 
 def make_cache(layout: str, dtype: str, *, seed: int | None = 0, layers: int = LAYERS,

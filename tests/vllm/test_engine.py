@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -35,94 +33,17 @@ from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
 from kvtier.vllm import request_salt  # noqa: E402
 from tests.conftest import DaemonProc, start_daemon, stop_daemon  # noqa: E402
 from tests.vllm import tinymodel  # noqa: E402
+from tests.vllm.driver import ENGINE_DEADLINE, Engine  # noqa: E402
 from tests.vllm.logs import failure_excerpt  # noqa: E402
+from tests.vllm.pdlab import child_env  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 BLOCK = 128  # vLLM's CPU block size
-ENGINE_DEADLINE = 240.0
 #: A 1500-token prompt: 11 full blocks claimable (the 12th holds the last token).
 P = [3 + (i * 7919) % 997 for i in range(1500)]
 FULL = (len(P) - 1) // BLOCK * BLOCK  # 1408
 #: Shares P's first 6 blocks (768 tokens), then differs.
 Q = P[:768] + [3 + (i * 104729) % 991 for i in range(732)]
 SHARED = 768
-
-
-class Engine:
-    """A running engine.py: phases are driven with ``result()`` and ``next()``."""
-
-    def __init__(self, base: str, spec: dict[str, Any], name: str) -> None:
-        path = os.path.join(base, f"{name}.json")
-        with open(path, "w") as f:
-            json.dump(spec, f)
-        self.log_path = os.path.join(base, f"{name}.log")
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        env.update(spec.pop("env", {}))
-        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(HERE)),
-                                             env.get("PYTHONPATH", "")])
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "engine.py"), path],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, env=env,
-                                     start_new_session=True)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        """Protocol lines to the queue; everything else (vLLM logs to stdout) to the log."""
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(("RESULT ", "READY")):
-                self._lines.put(line.rstrip("\n"))
-            else:
-                self._log.write(line)
-                self._log.flush()
-        self._lines.put(None)
-
-    def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
-
-    def diagnosis(self) -> str:
-        """Why the engine failed: every traceback and error in its log, then the tail."""
-        return failure_excerpt(self.log())
-
-    def result(self, timeout: float = ENGINE_DEADLINE) -> dict[str, Any]:
-        """The next phase's RESULT (the engine started, or went on after ``next()``)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, f"no result from the engine in {timeout} s:\n{self.diagnosis()}"
-            try:
-                line = self._lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            assert line is not None, f"the engine exited:\n{self.diagnosis()}"
-            if line.startswith("RESULT "):
-                out: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
-                return out
-
-    def next(self) -> None:
-        """Let the engine run its next phase."""
-        while True:
-            line = self._lines.get(timeout=ENGINE_DEADLINE)
-            assert line is not None, f"the engine exited:\n{self.diagnosis()}"
-            if line == "READY":
-                break
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()  # engine.py returns at its next READY
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
 
 
 class Lab:
@@ -137,6 +58,8 @@ class Lab:
         self.engines: list[Engine] = []
 
     def start_daemon(self) -> DaemonProc:
+        if self.daemon is not None and self.daemon.alive():  # a test run out of order
+            stop_daemon(self.daemon, keep_shm=True)  # one daemon at a time, none left
         d = start_daemon(self.base, capacity="128MiB", extent="16MiB",
                          **({"shm_dir": self.shm_dir} if self.shm_dir else {}))
         self.daemon, self.shm_dir = d, d.shm_dir
@@ -213,21 +136,37 @@ def lab() -> Iterator[Lab]:
     base = tempfile.mkdtemp(prefix="kvt-vllm-", dir="/tmp")
     lab = Lab(base)
     try:
+        # The engine without a connector starts now, beside the first test's engines (it
+        # touches no kvtierd): each start costs 30-60 s.
+        lab.engine("reference", [[{"tokens": P}, {"tokens": Q}]], connector=None)
         yield lab
     finally:
         lab.close()
         shutil.rmtree(base, ignore_errors=True)
 
 
+class Reference:
+    """What the engine generates with no connector at all: the engine started with the
+    lab, its answers waited for at their first use (so the test's own engines start
+    meanwhile)."""
+
+    def __init__(self, lab: Lab) -> None:
+        (self._engine,) = [e for e in lab.engines if e.log_path.endswith("/reference.log")]
+        self._answers: dict[str, list[int]] = {}
+
+    def __getitem__(self, prompt: str) -> list[int]:
+        if not self._answers:
+            out = self._engine.result()
+            self._engine.close()
+            p, q = out["prompts"]
+            assert p["cached"] == 0 and q["cached"] == 0
+            self._answers = {"P": p["tokens"], "Q": q["tokens"]}
+        return self._answers[prompt]
+
+
 @pytest.fixture(scope="module")
-def reference(lab: Lab) -> dict[str, list[int]]:
-    """What the engine generates with no connector at all."""
-    e = lab.engine("reference", [[{"tokens": P}, {"tokens": Q}]], connector=None)
-    out = e.result()
-    e.close()
-    p, q = out["prompts"]
-    assert p["cached"] == 0 and q["cached"] == 0
-    return {"P": p["tokens"], "Q": q["tokens"]}
+def reference(lab: Lab) -> Reference:
+    return Reference(lab)
 
 
 def _count(out: dict[str, Any], name: str) -> float:
@@ -235,7 +174,7 @@ def _count(out: dict[str, Any], name: str) -> float:
 
 
 def _corrupt_and_rerun(lab: Lab, engine: Engine, before: dict[str, Any],
-                       reference: dict[str, list[int]], bad: int) -> dict[str, Any]:
+                       reference: Reference, bad: int) -> dict[str, Any]:
     """Scribble over P's block ``bad`` in kvtierd, run the engine's next phase (P again):
     the blocks before it load, it and the rest are recomputed (counted), same tokens."""
     lab.scribble(block_keys(P, BLOCK, request_salt("", None, None))[bad])
@@ -250,7 +189,7 @@ def _corrupt_and_rerun(lab: Lab, engine: Engine, before: dict[str, Any],
 
 
 def test_a_fresh_engine_loads_what_another_saved_across_a_daemon_sigkill(
-        lab: Lab, reference: dict[str, list[int]]) -> None:
+        lab: Lab, reference: Reference) -> None:
     lab.start_daemon()
     a = lab.engine("a", [[{"tokens": P}]], prefix_caching=True)
     out = a.result()
@@ -308,7 +247,7 @@ def test_a_fresh_engine_loads_what_another_saved_across_a_daemon_sigkill(
 
 
 def test_an_engine_started_without_kvtierd_serves_and_connects_when_it_comes(
-        lab: Lab, reference: dict[str, list[int]]) -> None:
+        lab: Lab, reference: Reference) -> None:
     if lab.daemon is not None and lab.daemon.alive():
         lab.kill_daemon()
     d = lab.engine("d", [[{"tokens": P}], [{"tokens": P}]])
@@ -343,7 +282,7 @@ def test_another_model_gets_no_blocks(lab: Lab) -> None:
 
 
 def test_async_loads_give_the_same_tokens_and_report_failed_blocks(
-        lab: Lab, reference: dict[str, list[int]]) -> None:
+        lab: Lab, reference: Reference) -> None:
     """load_mode "async": hits load in the background while the request waits for them
     (vLLM's WAITING_FOR_REMOTE_KVS); two requests scheduled together both load, and a block
     that fails its checksum is recomputed through the same load-error path."""
@@ -426,8 +365,7 @@ def _serve(lab: Lab, name: str) -> tuple[subprocess.Popen[str], int, str]:
     # By name alone: kvtier registers KVTierConnector through vLLM's plugin entry point.
     kv = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
           "kv_connector_extra_config": {"socket_dir": lab.socket_dir}}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env = child_env()
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", lab.model,
@@ -437,8 +375,8 @@ def _serve(lab: Lab, name: str) -> tuple[subprocess.Popen[str], int, str]:
             stdout=f, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     deadline = time.monotonic() + ENGINE_DEADLINE
     while True:
-        assert proc.poll() is None, open(log).read()[-6000:]
-        assert time.monotonic() < deadline, open(log).read()[-6000:]
+        assert proc.poll() is None, failure_excerpt(open(log).read())
+        assert time.monotonic() < deadline, failure_excerpt(open(log).read())
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
             return proc, port, log

@@ -53,8 +53,8 @@ from kvtier.vllm import (  # noqa: E402
 )
 from tests.conftest import DaemonProc, start_daemon, stop_daemon  # noqa: E402
 from tests.vllm import tinyhybrid  # noqa: E402
+from tests.vllm.driver import Engine  # noqa: E402
 from tests.vllm.test_connector import FakeRequest, _vllm_config  # noqa: E402
-from tests.vllm.test_engine import Engine  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU block size (attention); its CPU MLA backend uses 16
 MLA_BLOCK = 16
@@ -117,12 +117,22 @@ class Lab:
 
     def run(self, name: str, model: str, prompts: list[list[int]], *,
             connector: bool = True) -> dict[str, Any]:
-        e = self.engine(name, model, [[{"tokens": p} for p in prompts]], connector=connector)
+        return self.run_together((name, model, prompts, connector))[0]
+
+    def run_together(self, *runs: tuple[str, str, list[list[int]], bool]
+                     ) -> list[dict[str, Any]]:
+        """Engines (name, model, prompts, with the connector) started at once -- each start
+        costs 30-80 s -- and the results of their one phase, in order."""
+        engines = [self.engine(name, model, [[{"tokens": p} for p in prompts]],
+                               connector=connector)
+                   for name, model, prompts, connector in runs]
         try:
-            return e.result()
+            return [e.result() for e in engines]
         finally:
-            e.close()
-            assert "Traceback" not in e.log(), e.diagnosis()
+            for e in engines:
+                e.close()
+            for e in engines:
+                assert "Traceback" not in e.log(), e.diagnosis()
 
     def namespaces(self, part: str) -> list[Any]:
         assert self.daemon is not None
@@ -166,12 +176,13 @@ def _gemma_plans(ns_block_bytes: int) -> tuple[GroupPlan, GroupPlan]:
 def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
         lab: Lab) -> None:
     model = str(tinyhybrid.build(os.path.join(lab.base, "gemma3"), "gemma3", window=WINDOW))
-    ref = lab.run("gemma-ref", model, [P, Q, R, S], connector=False)
+    # The engine without kvtier and A (computes P, R and S and saves every full block of
+    # both groups, once) side by side: the reference touches no kvtierd.
+    ref, a = lab.run_together(("gemma-ref", model, [P, Q, R, S], False),
+                              ("gemma-a", model, [P, R, S], True))
     ref_p, ref_q, ref_r, ref_s = (r["tokens"] for r in ref["prompts"])
     assert len({str(ref_p), str(ref_q), str(ref_r), str(ref_s)}) == 4
 
-    # A: computes P, R and S and saves every full block of both groups, once.
-    a = lab.run("gemma-a", model, [P, R, S])
     assert [p["tokens"] for p in a["prompts"]] == [ref_p, ref_r, ref_s]
     assert _count(a, "saved_blocks") == 3 * 2 * (len(P) // BLOCK)
     (ns,) = lab.namespaces("/L2-p128-h2-d32-float32")  # both groups: one layout, one namespace
@@ -273,10 +284,12 @@ def test_mla_latent_is_saved_once_and_loaded_by_a_fresh_engine(lab: Lab) -> None
     model = str(tinyhybrid.build(os.path.join(lab.base, "dsv2"), "deepseek-v2"))
     prompt = P[:900]
     full = (len(prompt) - 1) // MLA_BLOCK  # 56 blocks of 16 tokens
-    ref = lab.run("mla-ref", model, [prompt], connector=False)["prompts"][0]["tokens"]
+    # The engine without kvtier and A side by side (the reference touches no kvtierd).
+    alone, a = lab.run_together(("mla-ref", model, [prompt], False),
+                                ("mla-a", model, [prompt], True))
+    ref = alone["prompts"][0]["tokens"]
     assert len(set(ref)) > 1  # the model's output depends on its input (a KV bug shows)
     # A finds nothing: it computes every token, and answers as the engine without kvtier.
-    a = lab.run("mla-a", model, [prompt])
     assert a["prompts"][0]["tokens"] == ref
     assert _count(a, "loaded_blocks") == 0 and _count(a, "hit_tokens") == 0
     assert _count(a, "saved_blocks") == len(prompt) // MLA_BLOCK

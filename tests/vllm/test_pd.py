@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode (issue 27) against real vLLM OpenAI servers and kvtierds.
+"""Disaggregated prefill/decode against real vLLM OpenAI servers and kvtierds.
 
 * **One host**: a prefill server (``kv_producer``) and a decode server (``kv_consumer``)
   share one kvtierd; ``kvtier pd-proxy`` in front.
@@ -53,6 +53,9 @@ from tests.vllm.pdlab import (  # noqa: E402
 pytestmark = [pytest.mark.timeout(900)]
 
 ANSWER = 12  # tokens generated per request
+#: bfloat16: the tiny model's near-tied logits turn any difference in what a server
+#: computes into another token (tests/vllm/paritylab.py).
+DTYPE = "bfloat16"
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -83,7 +86,7 @@ def lab() -> Iterator[dict[str, Any]]:
     base = tempfile.mkdtemp(prefix="kvt-pd-", dir="/tmp")
     baseline: VllmServer | None = None
     try:
-        model = str(tinymodel.build(os.path.join(base, "model")))
+        model = str(tinymodel.build(os.path.join(base, "model"), dtype=DTYPE))
         # A chat template, so /v1/chat/completions works: the messages' contents in a row.
         cfg_path = os.path.join(model, "tokenizer_config.json")
         with open(cfg_path) as f:
@@ -91,7 +94,7 @@ def lab() -> Iterator[dict[str, Any]]:
         tok_cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
         with open(cfg_path, "w") as f:
             json.dump(tok_cfg, f)
-        baseline = VllmServer(base, "baseline", model, None)
+        baseline = VllmServer(base, "baseline", model, None, dtype=DTYPE)
         answers: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
         def expected(tokens: list[int], max_tokens: int = ANSWER) -> list[int]:
@@ -123,8 +126,9 @@ def one_host(lab: dict[str, Any]) -> Iterator[dict[str, Any]]:
         sock = daemon.socket_dir
         # async_save asked for and overridden: a producer saves within the step.
         prefill = VllmServer(base, "prefill", lab["model"],
-                             kvtier_ktc("kv_producer", sock, async_save=True))
-        decode = VllmServer(base, "decode", lab["model"], kvtier_ktc("kv_consumer", sock))
+                             kvtier_ktc("kv_producer", sock, async_save=True), dtype=DTYPE)
+        decode = VllmServer(base, "decode", lab["model"], kvtier_ktc("kv_consumer", sock),
+                             dtype=DTYPE)
         servers += [prefill, decode]
         start_all([lab["baseline"], prefill, decode])
         proxy = ProxyProc(base, "proxy", [prefill.url], [decode.url])
@@ -212,7 +216,9 @@ class TestOneHost:
             self, lab: dict[str, Any], one_host: dict[str, Any]) -> None:
         decode = one_host["decode"]
         tokens = prompt(400, 5)
-        n = 1500  # seconds of decoding: the first event must arrive long before the end
+        # ~6 s of decoding here (~2 ms a token): the first event must arrive long before
+        # the end, even to a reader the machine starves for a while
+        n = 2800
 
         def running() -> float:
             return decode.metrics().get("vllm:num_requests_running", -1.0)
@@ -227,7 +233,10 @@ class TestOneHost:
         # (Timing the events instead is no test on a busy machine: a starved reader finds
         # many in its socket at once; tests/unit/test_pd_proxy.py times them against a
         # server with set pauses.)
-        assert res["at_first"] == 1, res["at_first"]
+        times = res["times"]
+        assert res["at_first"] == 1, (
+            f"decode server running {res['at_first']} at the first event "
+            f"(first events at {times[:3]} s, the last at {times[-1]:.2f} s)")
         ids = [t for e in res["events"] for c in e.get("choices") or []
                for t in c.get("token_ids") or []]
         assert ids == lab["expected"](tokens, n)
@@ -273,10 +282,10 @@ def two_hosts(lab: dict[str, Any]) -> Iterator[dict[str, Any]]:
         ns_b = fleet.ns_b if fleet.netns else None
         prefill = VllmServer(base, "prefill-a", lab["model"],
                              kvtier_ktc("kv_producer", fleet.a.socket_dir), ns=ns_a,
-                             prefix=fleet.in_ns("a"), host=fleet.addr_a)
+                             prefix=fleet.in_ns("a"), host=fleet.addr_a, dtype=DTYPE)
         decode = VllmServer(base, "decode-b", lab["model"],
                             kvtier_ktc("kv_consumer", fleet.b.socket_dir, load_mode="auto"),
-                            ns=ns_b, prefix=fleet.in_ns("b"), host=fleet.addr_b)
+                            ns=ns_b, prefix=fleet.in_ns("b"), host=fleet.addr_b, dtype=DTYPE)
         servers += [prefill, decode]
         start_all([lab["baseline"], prefill, decode])
         proxy = ProxyProc(base, "proxy-a", [prefill.url], [decode.url], ns=ns_a,

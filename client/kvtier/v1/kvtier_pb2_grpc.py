@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class KVTierStub:
-    """Missing associated documentation comment in .proto file."""
+    """The calls; each lists the errors it may answer besides those every call may
+    ("Errors", at the top of this section).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -97,10 +99,14 @@ class KVTierStub:
 
 
 class KVTierServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The calls; each lists the errors it may answer besides those every call may
+    ("Errors", at the top of this section).
+    """
 
     def Lookup(self, request, context):
         """Length of the longest present prefix and the tier of each hit; no side effects.
+        INVALID_ARGUMENT: keys empty, over max_keys_per_call, or one not 1..64 bytes.
+        PERMISSION_DENIED: the session has no read right.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,6 +114,12 @@ class KVTierServicer:
 
     def Reserve(self, request, context):
         """Allocate writable slots; present keys come back as EXISTS.
+        INVALID_ARGUMENT: keys as for Lookup, or a key twice.
+        RESOURCE_EXHAUSTED: the session holds max_reservations_per_session; the
+        namespace is at its DRAM quota; DRAM is full of leased, reserved or (with no
+        spill tier to demote to, or none in time) unspilled blocks; a new extent could
+        not be made.  Nothing is reserved then.
+        PERMISSION_DENIED: the session has no write right (read_only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -115,6 +127,11 @@ class KVTierServicer:
 
     def Commit(self, request, context):
         """Make written slots visible, all-or-nothing.
+        INVALID_ARGUMENT: reservation_id 0; lengths not one per reserved slot, or one
+        outside 1..block_bytes; checksums neither empty nor one per slot.
+        NOT_FOUND: the reservation is not open in this session (never issued,
+        committed or aborted already, expired, or of a daemon since restarted).
+        PERMISSION_DENIED: the session has no write right.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,6 +139,8 @@ class KVTierServicer:
 
     def Abort(self, request, context):
         """Return reserved slots.
+        INVALID_ARGUMENT: reservation_id 0.  NOT_FOUND: as for Commit.
+        PERMISSION_DENIED: the session has no write right.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -129,6 +148,11 @@ class KVTierServicer:
 
     def Acquire(self, request, context):
         """Lease the longest present prefix for reading.
+        INVALID_ARGUMENT: keys as for Lookup, or a key twice.
+        RESOURCE_EXHAUSTED: the session holds max_leases_per_session leases (with
+        those it made without a call).  A promotion that finds no room is not an
+        error: the prefix ends there.
+        PERMISSION_DENIED: the session has no read right.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -136,25 +160,34 @@ class KVTierServicer:
 
     def Release(self, request, context):
         """End a lease.
+        INVALID_ARGUMENT: lease_id 0.  NOT_FOUND: the lease is not held by this
+        session (released already, expired, or of a daemon since restarted).
+        PERMISSION_DENIED: the session has no read right.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Delete keys from every tier; answers how many were present.
+        INVALID_ARGUMENT: keys as for Lookup.
+        PERMISSION_DENIED: the session has no write right.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The daemon's figures; a caller sees the namespaces it may administer (a
+        namespace session: its own).  Nothing but the errors of every call.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Check(self, request, context):
         """Cross-check the index against the segments' slot tables (admin, O(slots)).
+        PERMISSION_DENIED: the caller is not a daemon admin (access.admin).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -162,6 +195,10 @@ class KVTierServicer:
 
     def ListKeys(self, request, context):
         """Admin: a namespace's blocks in key order, one page at a time.
+        INVALID_ARGUMENT: no namespace; page_size 0 or over max_keys_per_call; a
+        page_token that is no next_page_token.
+        PERMISSION_DENIED: no admin right on the namespace.
+        NOT_FOUND: the namespace is not known to this daemon.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -169,6 +206,11 @@ class KVTierServicer:
 
     def Evict(self, request, context):
         """Admin: drop blocks of a namespace from some or all tiers.
+        INVALID_ARGUMENT: no namespace; both or neither of keys and all; keys as for
+        Lookup; a tier that is no tier.
+        PERMISSION_DENIED: no admin right on the namespace.
+        NOT_FOUND: the namespace is not known to this daemon.
+        FAILED_PRECONDITION: a tier asked for that this daemon does not have.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -176,6 +218,9 @@ class KVTierServicer:
 
     def Drain(self, request, context):
         """Admin: copy every DRAM block down to durable storage, reporting progress.
+        INVALID_ARGUMENT: wait_ms over 60000.
+        PERMISSION_DENIED: the caller is not a daemon admin.
+        FAILED_PRECONDITION: the daemon has no spill tier to drain to.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -253,7 +298,9 @@ def add_KVTierServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVTier:
-    """Missing associated documentation comment in .proto file."""
+    """The calls; each lists the errors it may answer besides those every call may
+    ("Errors", at the top of this section).
+    """
 
     @staticmethod
     def Lookup(request,

@@ -7,10 +7,16 @@
   kvtierd.cluster.agent``): it maps the daemon's DRAM segments, registers them
   with the transfer engine and moves bytes straight between them and the
   cluster;
-* ``tier``   -- the daemon's side: :class:`~kvtierd.cluster.tier.ClusterTier`,
-  a ``spill.tier.Tier`` that supervises the agent (starts it, restarts it with
-  back-off, kills it when it hangs) and turns its answers into hits, misses and
-  counted faults.
+* ``link``   -- the agent process from the daemon's side:
+  :class:`~kvtierd.cluster.link.AgentLink` starts it, restarts it with back-off,
+  kills it when it hangs, sends it requests and fails them fast while the master
+  does not answer (``MasterBreaker``);
+* ``slots``  -- DRAM slots named to the agent as (segment id, offset):
+  :class:`~kvtierd.cluster.slots.SlotMapper` has the agent map each segment
+  (ahead of its first publish) and unmap the retired ones;
+* ``tier``   -- :class:`~kvtierd.cluster.tier.ClusterTier`, the
+  ``spill.tier.LowerTier`` over the two: it turns tier calls into requests and
+  the agent's answers into hits, misses and counted faults.
 
 Why a child process (docs/decisions.md "The cluster tier on Mooncake Store"):
 Mooncake's ``setup`` holds the GIL for up to 90 s when the master is down, a

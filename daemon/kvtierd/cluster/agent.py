@@ -32,7 +32,7 @@ that mapping in ``/proc/self/maps`` by the memfd's device and inode -- no other
 mapping can carry them -- and pre-faults exactly those pages
 (``madvise(MADV_POPULATE_WRITE)``). Without it, ``setup`` lends Mooncake's own
 anonymous memory as before (first writes into a cold memfd cost more than into
-cold anonymous memory: docs/benchmarks.md).
+cold anonymous memory: bench/results/HISTORY.md).
 
 It checks every offset against its mapping before a transfer (Mooncake does
 not: a read past a buffer's end is a segfault), probes the master's port

@@ -5,7 +5,10 @@
 * ``format``   -- the on-disk formats: SSD spill files (slot table + data)
   and shared-tier block files (header + data);
 * ``ssd``      -- the local SSD tier: preallocated slot files, its own index,
-  CLOCK eviction and capacity, re-adoption at start;
+  CLOCK eviction and capacity, re-adoption at start (``SsdTier``, over
+  ``ssd_files``, ``ssd_index``, ``ssd_alloc``, ``ssd_adopt`` and ``ssd_check``);
+* ``tier``     -- the ``LowerTier`` protocol every tier below DRAM implements, and
+  the adapters that give the SSD and shared tiers its shape;
 * ``shared``   -- the shared-filesystem tier: content-addressed block files
   any host's daemon can read, with no coordinator.
 

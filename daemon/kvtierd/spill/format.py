@@ -39,17 +39,22 @@ from typing import Final
 import numpy as np
 import xxhash
 
+from kvtierd.layout import CONSTANTS, SSD_ENTRY
+
 PAGE: Final = 4096
-MAX_KEY_BYTES: Final = 64
-NAME_BYTES: Final = 128
+#: The slot entry's key and namespace fields (csrc/layout.h); a block file's header
+#: holds them at the same widths.
+MAX_KEY_BYTES: Final = CONSTANTS["SSD_MAX_KEY"]
+NAME_BYTES: Final = CONSTANTS["SSD_NAME"]
 
 # ------------------------------------------------------------------ SSD spill file
 SPILL_MAGIC: Final = b"KVTSPL\x00\x01"
 SPILL_VERSION: Final = 1
 HEADER_BYTES: Final = PAGE
 TABLE_OFFSET: Final = HEADER_BYTES
-#: 256 bytes: a 64-byte key and a 128-byte namespace plus the fixed fields.
-ENTRY_BYTES: Final = 256
+#: The slot entry (csrc/layout.h): a 64-byte key and a 128-byte namespace plus the
+#: fixed fields.
+ENTRY_BYTES: Final = SSD_ENTRY.size
 ENTRIES_PER_PAGE: Final = PAGE // ENTRY_BYTES
 
 # magic, version, n_slots, file_index, slot_bytes, table_offset, data_offset, created_ns
@@ -57,25 +62,19 @@ _SPILL_HEADER = struct.Struct("<8sIIIQQQQ")
 _SUM = struct.Struct("<Q")
 
 # state, key_len, ns_len, pad, pad32, length, checksum, block_bytes, model_hash, seq,
-# key, namespace
-_ENTRY = struct.Struct(f"<BBBBIQQQQQ{MAX_KEY_BYTES}s{NAME_BYTES}s")
-ENTRY_SUM_AT: Final = 240
+# key, namespace: every field before the entry's checksum.
+ENTRY_SUM_AT: Final = SSD_ENTRY.offset("entry_sum")
+_ENTRY = SSD_ENTRY.struct([n for n in SSD_ENTRY.fields if n != "entry_sum"])
 assert _ENTRY.size <= ENTRY_SUM_AT
 #: The entry's fields, for reading one entry in place (``unpack_from``).
 ENTRY_STRUCT: Final = _ENTRY
 
-#: The entry as a numpy record, for re-adopting whole tables at start.
-ENTRY_DTYPE: Final = np.dtype(
-    {
-        "names": ["state", "key_len", "ns_len", "length", "checksum", "block_bytes",
-                  "model_hash", "seq", "entry_sum"],
-        "formats": ["u1", "u1", "u1", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8"],
-        "offsets": [0, 1, 2, 8, 16, 24, 32, 40, ENTRY_SUM_AT],
-        "itemsize": ENTRY_BYTES,
-    }
-)
-KEY_AT: Final = 48
-NS_AT: Final = KEY_AT + MAX_KEY_BYTES
+#: The entry as a numpy record, for re-adopting whole tables at start (the key and the
+#: namespace are read from the raw rows).
+ENTRY_DTYPE: Final = SSD_ENTRY.dtype([n for n in SSD_ENTRY.fields if n not in ("key", "namespace")])
+KEY_AT: Final = SSD_ENTRY.offset("key")
+NS_AT: Final = SSD_ENTRY.offset("namespace")
+SEQ_AT: Final = SSD_ENTRY.offset("seq")
 
 
 class EntryState(enum.IntEnum):

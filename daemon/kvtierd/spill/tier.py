@@ -6,7 +6,7 @@ first, an evicting tier hands its evictions to the next, promotion reads from
 the fastest tier that holds a key.  It never asks *which* tier it has, only
 what a tier is like (``local``, ``cross_host``, ``durable_writes``).  A new
 tier -- the cluster tier on Mooncake Store (``kvtierd.cluster``) -- is a third
-implementation of :class:`Tier` appended to that list; the policy's loops do
+implementation of :class:`LowerTier` appended to that list; the policy's loops do
 not change.
 
 The mechanisms (``spill.ssd.SsdTier``, ``spill.shared.SharedTier``) keep their
@@ -30,17 +30,19 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Final, NamedTuple, Protocol, runtime_checkable
 
+from kvtier._wire import TIER_NAMES
 from kvtier.errors import Corrupted
+from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.spill.shared import SharedTier
 from kvtierd.spill.ssd import SsdTier
 
 log = logging.getLogger(__name__)
 
-#: Tier numbers (the wire enum ``kvtier.v1.Tier``).
-TIER_DRAM: Final = 1
-TIER_SSD: Final = 2
-TIER_SHARED: Final = 3
-TIER_CLUSTER: Final = 4
+#: Tier numbers: the wire enum ``kvtier.v1.Tier`` (their names: ``kvtier._wire.TIER_NAMES``).
+TIER_DRAM: Final[int] = pb.TIER_DRAM
+TIER_SSD: Final[int] = pb.TIER_SSD
+TIER_SHARED: Final[int] = pb.TIER_SHARED
+TIER_CLUSTER: Final[int] = pb.TIER_CLUSTER
 
 
 class Geometry(NamedTuple):
@@ -82,7 +84,7 @@ class BlockCopy(Protocol):
 HandOff = Callable[[BlockCopy, memoryview], None]
 
 
-class Tier(Protocol):
+class LowerTier(Protocol):
     """A tier below DRAM, as the tiering policy sees it.
 
     Blocking methods run on the tiering's worker threads; the ones marked
@@ -262,10 +264,10 @@ class WritesMany(Protocol):
 
 
 class SsdAdapter:
-    """:class:`Tier` over a :class:`~kvtierd.spill.ssd.SsdTier`."""
+    """:class:`LowerTier` over a :class:`~kvtierd.spill.ssd.SsdTier`."""
 
     tier = TIER_SSD
-    name = "ssd"
+    name = TIER_NAMES[TIER_SSD]
     local = True
     cross_host = False
     durable_writes = False
@@ -346,10 +348,10 @@ class SsdAdapter:
 
 
 class SharedAdapter:
-    """:class:`Tier` over a :class:`~kvtierd.spill.shared.SharedTier`."""
+    """:class:`LowerTier` over a :class:`~kvtierd.spill.shared.SharedTier`."""
 
     tier = TIER_SHARED
-    name = "shared"
+    name = TIER_NAMES[TIER_SHARED]
     local = False
     cross_host = True
     durable_writes = True  # published by fsync + rename
@@ -420,7 +422,7 @@ class SharedAdapter:
         return []
 
 
-def _one_by_one(tier: Tier, namespace: str, items: Sequence[tuple[bytes, memoryview]],
+def _one_by_one(tier: LowerTier, namespace: str, items: Sequence[tuple[bytes, memoryview]],
                 geometry: Geometry) -> list[tuple[int, int] | BaseException]:
     """``read_many`` for a tier without batches: ``read_into`` each, in order."""
     out: list[tuple[int, int] | BaseException] = []

@@ -91,7 +91,6 @@ from kvtierd.store.base import ExtentFactory, Pinned
 from kvtierd.store.check import CheckSnapshot
 from kvtierd.store.store import Store
 from kvtierd.store.types import (
-    EVICTION_SCAN_LIMIT,
     GRANT_IDLE_SECONDS,
     MAX_GROW_ROUNDS,
     MAX_KEPT_RETIRED,
@@ -115,7 +114,7 @@ from kvtierd.store.types import (
 )
 
 __all__ = [
-    "EVICTION_SCAN_LIMIT", "GRANT_IDLE_SECONDS", "MAX_GROW_ROUNDS", "MAX_KEPT_RETIRED",
+    "GRANT_IDLE_SECONDS", "MAX_GROW_ROUNDS", "MAX_KEPT_RETIRED",
     "MAX_READ_HINTS", "AcquireResult", "AdoptedSlots", "Block", "CheckSnapshot",
     "CommitResult", "Extent", "ExtentFactory", "Lease", "Lower", "Namespace", "NeedDemotion", "PageCommits",
     "Peer", "Pinned", "Reservation", "ReserveResult", "ReserveStatus", "Session", "SlotGrant", "Store",

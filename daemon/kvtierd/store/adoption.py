@@ -11,6 +11,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from kvtier import _slot_ref
 from kvtier.errors import (
     CapacityExhausted,
     FailedPrecondition,
@@ -61,7 +62,7 @@ class Adoption(FastPath):
     def adopt_segment(self, segment: Segment, *, referenced_from: int = 2**64 - 1,
                       expect: int = 0) -> tuple[int, dict[str, int]]:
         """Take over a segment of a previous run: every slot validated natively as
-        ``recovery.scan_slots`` does (``BlockTable.adopt``): valid COMMITTED entries
+        ``tests/unit/slot_oracle.scan_slots`` does (``BlockTable.adopt``): valid COMMITTED entries
         become visible blocks, RESERVED slots are quarantined for the reservation TTL
         (a writer of the previous daemon may still be copying), the rest are freed.
         Blocks last accessed at ``referenced_from`` or later keep their CLOCK bit.
@@ -110,7 +111,7 @@ class Adoption(FastPath):
         refs = ns.table.committed(seg.segment_id)
         if not len(refs):
             return 0
-        slots = refs & np.uint64(0xFFFF_FFFF)
+        slots = _slot_ref.slots_of(refs)
         n = seg.layout.n_slots
         table = memoryview(seg.meta)[TABLE_OFFSET : TABLE_OFFSET + n * SLOT_ENTRY_BYTES]
         try:
@@ -122,12 +123,12 @@ class Adoption(FastPath):
             here = self._adopt_left_out(ns, seg, refs, left) if left else set()
         except BaseException:  # the extent is not adopted: its keys leave the index again
             for r in refs.tolist():
-                key = seg.read_slot(r & 0xFFFF_FFFF).key
+                key = seg.read_slot(_slot_ref.slot_of(r)).key
                 if int(ns.index.find([key])[0]) == r:
                     ns.index.table.discard(key)
             raise
         if ns.index.watch is not None:
-            ns.index.watch([seg.read_slot(int(r) & 0xFFFF_FFFF).key for r in refs.tolist()
+            ns.index.watch([seg.read_slot(_slot_ref.slot_of(int(r))).key for r in refs.tolist()
                             if int(r) not in here], True)
         return len(refs) - len(here)
 
@@ -137,13 +138,13 @@ class Adoption(FastPath):
         key the index holds already (committed twice: never written so) keeps its copy
         last accessed most recently and the other is freed.  Returns the refs of this
         extent freed."""
-        mask = 0xFFFF_FFFF
+        mask = _slot_ref.SLOT_MASK
         apart: list[tuple[bytes, Location]] = []
         moves: list[tuple[bytes, Location]] = []
         lose: list[int] = []
 
         def segment_of(ref: int) -> Segment:
-            return seg if ref >> 32 == seg.segment_id else ns.by_id[ref >> 32].segment
+            return seg if _slot_ref.segment_of(ref) == seg.segment_id else ns.by_id[_slot_ref.segment_of(ref)].segment
 
         for i in left:
             ref = int(refs[i])
@@ -165,9 +166,9 @@ class Adoption(FastPath):
             ns.table.delete(np.array(lose, dtype=np.uint64))  # first: a refusal changes nothing
         for key, loc in apart + moves:
             ns.index.table.add(key, loc)
-        gone_elsewhere = sum(1 for r in lose if r >> 32 != seg.segment_id)
+        gone_elsewhere = sum(1 for r in lose if _slot_ref.segment_of(r) != seg.segment_id)
         ns.recovered -= gone_elsewhere
-        return {r for r in lose if r >> 32 == seg.segment_id}
+        return {r for r in lose if _slot_ref.segment_of(r) == seg.segment_id}
 
     def finish_recovery(self) -> None:
         """The access sequence goes on from the newest adopted one; when that is in the

@@ -12,12 +12,12 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from collections.abc import Set as AbstractSet
 from types import TracebackType
 
 import numpy as np
 import numpy.typing as npt
 
+from kvtier import _slot_ref
 from kvtierd.segments import (
     Segment,
     SegmentLayout,
@@ -25,6 +25,7 @@ from kvtierd.segments import (
 from kvtierd.shared_index import (
     GRANT_TAKEN,
     HAZARD_BIT,
+    HazardSet,
     collect_hazards,
     hazard_of,
 )
@@ -44,6 +45,7 @@ from kvtierd.store.types import (
 log = logging.getLogger(__name__)
 
 _NO_REFS = np.zeros(0, dtype=np.uint64)
+_HAZARD_BIT64 = np.uint64(HAZARD_BIT)
 
 
 
@@ -54,7 +56,7 @@ class _Raced(Exception):
 
 def _refs(places: Iterable[tuple[Extent, int]]) -> npt.NDArray[np.uint64]:
     """The refs of (extent, slot) places."""
-    return np.fromiter((e.segment.segment_id << 32 | slot for e, slot in places),
+    return np.fromiter((_slot_ref.encode(e.segment.segment_id, slot) for e, slot in places),
                        dtype=np.uint64)
 
 
@@ -125,36 +127,31 @@ class Pinned:
     reused.
     """
 
-    __slots__ = ("_ns", "hazards", "_segments", "_skip")
+    __slots__ = ("_ns", "hazards", "_segments")
 
-    def __init__(self, ns: Namespace, hazards: AbstractSet[int]) -> None:
+    def __init__(self, ns: Namespace, hazards: HazardSet) -> None:
         self._ns = ns
         #: The hazards of ``ns``'s pages (``hazard_of`` values).
         self.hazards = hazards
         self._segments: set[int] | None = None
-        self._skip: npt.NDArray[np.uint64] | None = None
 
     def slot(self, ext: Extent, slot: int) -> bool:
         """A client leases ``slot`` of ``ext`` without a call."""
         return bool(self.hazards) and hazard_of(ext.segment.segment_id, slot) in self.hazards
 
     def any_slot(self, refs: npt.NDArray[np.uint64]) -> bool:
-        """A client leases one of ``refs``' slots without a call (a set lookup a ref:
-        the hazards may be many, the refs few)."""
-        hazards = self.hazards
-        return bool(hazards) and any((HAZARD_BIT | r) in hazards for r in refs.tolist())
+        """A client leases one of ``refs``' slots without a call."""
+        return bool(self.hazards) and self.hazards.any_of(
+            np.asarray(refs, dtype=np.uint64) | _HAZARD_BIT64)
 
     def block(self, block: Block) -> bool:
         return block.pins > 0 or self.slot(block.extent, block.slot)
 
     def skip(self) -> npt.NDArray[np.uint64] | None:
-        """The hazards as refs the table skips (None: none)."""
+        """The hazards as refs the table skips (None: none), sorted."""
         if not self.hazards:
             return None
-        if self._skip is None:
-            words = np.fromiter(self.hazards, dtype=np.uint64, count=len(self.hazards))
-            self._skip = words & np.uint64(~HAZARD_BIT & (2**64 - 1))
-        return self._skip
+        return self.hazards.refs
 
     def extent(self, ext: Extent) -> bool:
         """Some block of ``ext`` is pinned.  A hazard counts only where it names a slot
@@ -165,10 +162,24 @@ class Pinned:
         if not self.hazards:
             return False
         if self._segments is None:
-            slots = {e.segment.segment_id: e.n_slots for e in self._ns.extents}
-            self._segments = {sid for v in self.hazards if (sid := v >> 32 & 0x7FFF_FFFF)
-                              in slots and v & 0xFFFF_FFFF < slots[sid]}
+            self._segments = self._named_segments()
         return ext.segment.segment_id in self._segments
+
+    def _named_segments(self) -> set[int]:
+        """The ids of ``ns``'s segments one of whose slots a hazard names (numpy
+        throughout: a client's hazards may be thousands)."""
+        extents = self._ns.extents
+        if not extents:
+            return set()
+        ids = np.array([e.segment.segment_id for e in extents], dtype=np.uint64)
+        n_slots = np.array([e.n_slots for e in extents], dtype=np.uint64)
+        order = np.argsort(ids)
+        ids, n_slots = ids[order], n_slots[order]
+        segs, slots = _slot_ref.split(self.hazards.refs)
+        segs &= np.uint64(_slot_ref.SEGMENT_MASK)
+        at = np.minimum(np.searchsorted(ids, segs), len(ids) - 1)
+        named = (ids[at] == segs) & (slots < n_slots[at])
+        return set(np.unique(segs[named]).tolist())
 
     def blocks(self) -> int:
         """Blocks leased, by calls or without (a hazard is a block)."""
@@ -315,10 +326,12 @@ class StoreBase:
         self._drop_namespace(ns)
         self.on_forget(ns.name)
 
-    def _hazards(self, ns: Namespace) -> AbstractSet[int]:
+    def _hazards(self, ns: Namespace) -> HazardSet:
         """The slots of ``ns`` its clients lease without a call (see csrc/index.c), read
         from the pages now, after a full fence."""
-        return collect_hazards(ns.pages.values())
+        hazards = collect_hazards(ns.pages.values(), ns.hazards)
+        ns.hazards = hazards
+        return hazards
 
     def _idle_grants_in(self, ext: Extent) -> list[tuple[Session, int]]:
         """The grants of ``ext``'s namespace's sessions in ``ext`` that no writer took
@@ -333,7 +346,7 @@ class StoreBase:
             page = owner.pages.get(session.id)
             held = session.grants.entries()
             words = session.grants.words[held]
-            mine = session.grants.refs(held) >> np.uint64(32) == ext.id
+            mine = _slot_ref.segments_of(session.grants.refs(held)) == ext.id
             for g, word in zip(held[mine].tolist(), words[mine].tolist(), strict=True):
                 if page is None or page.grant_word(g) == word:
                     out.append((session, g))
@@ -364,7 +377,7 @@ class StoreBase:
             if page is not None:
                 page.set_grant(g, 0)
             if quarantine is not None:
-                by_id[ref >> 32].quarantine[ref & 0xFFFF_FFFF] = quarantine  # still RESERVED
+                by_id[_slot_ref.segment_of(ref)].quarantine[_slot_ref.slot_of(ref)] = quarantine  # still RESERVED
 
     @staticmethod
     def _taken_grants(session: Session) -> int:
@@ -405,17 +418,25 @@ class StoreBase:
             if len(release):
                 ns.table.release_claims(release)
             return []
-        ns.table.commit(commits.refs, commits.keys, commits.lengths, commits.checksums,
-                        first_access=self._access(len(commits)), epoch=self.boot_epoch,
-                        release=release if len(release) else None)
-        ns.index.add_committed(commits.refs, commits.keys)  # from the slot entries just written
+        # The keys go in the shared index in the same native call, from the slot entries
+        # it just wrote, when the table has room for them (else they go in after, and
+        # the table grows for them).
+        index = ns.index.table.room_for(len(commits))
+        published = ns.table.commit(commits.refs, commits.keys, commits.lengths,
+                                    commits.checksums, first_access=self._access(len(commits)),
+                                    epoch=self.boot_epoch,
+                                    release=release if len(release) else None, index=index)
+        if published is None:
+            ns.index.add_committed(commits.refs, commits.keys)
+        else:
+            ns.index.committed_published(commits.refs, commits.keys, *published)
         if not (self.commit_handles if handles is None else handles):
             return []
         sums = commits.checksums
         sums = [None] * len(commits) if sums is None else (
             sums.tolist() if isinstance(sums, np.ndarray) else list(sums))
         by_id = ns.by_id
-        return [Block(ns, key, by_id[r >> 32], r & 0xFFFF_FFFF, length, c, gen)
+        return [Block(ns, key, by_id[_slot_ref.segment_of(r)], _slot_ref.slot_of(r), length, c, gen)
                 for r, gen, key, length, c in zip(
                     commits.refs.tolist(), commits.gens.tolist(), commits.keys,
                     commits.lengths.tolist(), sums, strict=True)]

@@ -1,7 +1,7 @@
 """``Store.check``: the cross-check of the index, counters and pins against the slot tables,
 on a snapshot (so it can run off the loop).
 
-No Python object per block (issue 26): the snapshot holds compact rows copied natively
+No Python object per block (a TiB pool holds millions): the snapshot holds compact rows copied natively
 (``BlockTable.check_rows``: 24 bytes a slot, with each committed key's shared-index
 fingerprint; ``_native.index_rows``: 24 bytes a published key), and the check compares
 the keys natively with the GIL released (``_native.check_keys``).  Python looks only at
@@ -22,7 +22,7 @@ from typing import Final
 
 import numpy as np
 
-from kvtier import _native
+from kvtier import _native, _slot_ref
 from kvtierd.segments import MAX_KEY_BYTES, SlotState
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def _cross_check(snap: CheckSnapshot) -> list[str]:
         held_by[(name, ext_id)][slot] = gen
     pins_by: dict[tuple[str, int], dict[int, int]] = collections.defaultdict(dict)
     for (name, ref), count in pins.items():
-        pins_by[(name, ref >> 32)][ref & 0xFFFF_FFFF] = count
+        pins_by[(name, _slot_ref.segment_of(ref))][_slot_ref.slot_of(ref)] = count
     extent_bytes = 0
     for nsv in snap.namespaces:
         name = nsv.name

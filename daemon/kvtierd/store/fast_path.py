@@ -40,6 +40,10 @@ from kvtierd.store.types import (
 
 log = logging.getLogger(__name__)
 
+#: Which of some keys a tier below DRAM holds (``Below.held_below``): such a key is
+#: EXISTS to a writer, as a DRAM block is.
+HeldBelow = Callable[[Sequence[bytes]], list[bool]]
+
 _COMMITTED: Final = int(CommitResult.COMMITTED)
 _WRITE: Final = int(Right.WRITE)
 _EXISTS: Final = int(CommitResult.EXISTS)
@@ -164,7 +168,7 @@ class FastPath(Operations):
         return granted
 
     def commit_from_page(self, session: Session, page: SessionPage,
-                         exists: Callable[[bytes], bool] | None = None) -> PageCommits:
+                         exists: HeldBelow | None = None) -> PageCommits:
         """The writes made without a call (``csrc/writes.c``), when ``session``'s client
         rings: commit the blocks its writer put in granted slots and named in its page
         (``commit_granted``), wake it, and grant it slots for the next ones (as many as
@@ -213,7 +217,7 @@ class FastPath(Operations):
         self,
         session: Session,
         records: PageRecords,
-        exists: Callable[[bytes], bool] | None = None,
+        exists: HeldBelow | None = None,
     ) -> tuple[bytes, list[Block]]:
         """Commit the blocks ``session``'s writer put in granted slots: ``records`` as
         ``SessionPage.take_commits`` copied them out of its page (grant entry, grant
@@ -257,7 +261,7 @@ class FastPath(Operations):
         records: PageRecords,
         lo: int,
         hi: int,
-        exists: Callable[[bytes], bool] | None,
+        exists: HeldBelow | None,
     ) -> tuple[bytes, list[Block]]:
         """One batch, records[lo:hi], that the native check let through, all or nothing:
         each new key COMMITTED (a key present, being written, or in a lower tier is
@@ -269,9 +273,15 @@ class FastPath(Operations):
         # (Python lists, not numpy reductions, for the flags: a batch is often 1 key.)
         new = (ns.index.find(keys) == 0).tolist()
         in_flight = ns.in_flight
-        if in_flight or exists is not None:
+        if in_flight:
             for i, key in enumerate(keys):
-                if new[i] and (key in in_flight or (exists is not None and exists(key))):
+                if new[i] and key in in_flight:
+                    new[i] = False
+        if exists is not None and (ask := [i for i, f in enumerate(new) if f]):
+            # One question about the batch's new keys (the tiers' batch lookups).
+            below = exists(keys if len(ask) == len(keys) else [keys[i] for i in ask])
+            for i, held in zip(ask, below, strict=True):
+                if held:
                     new[i] = False
         if all(new):
             codes = bytes([_COMMITTED]) * (hi - lo)

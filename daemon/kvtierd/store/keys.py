@@ -1,4 +1,5 @@
-"""A namespace's key index: the shared index its clients search *is* the index (issue 26).
+"""A namespace's key index: the shared index its clients search *is* the index (one
+table, not a Python dict beside it: memory per block stays at the native record).
 
 No Python object per key: the table (``kvtierd.shared_index``, native) maps each
 visible key to where its block is (segment id, slot, offset, length, checksum),
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from kvtier import _slot_ref
 from kvtierd.block_table import by_extent
 from kvtierd.segments import KEY_OFFSET, MAX_KEY_BYTES, SLOT_DTYPE, SLOT_ENTRY_BYTES, TABLE_OFFSET
 from kvtierd.shared_index import Location, SharedIndex
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from kvtierd.store.types import Block, Namespace
 
 
-_SLOT_MASK = np.uint64(0xFFFF_FFFF)
+_SLOT_MASK = np.uint64(_slot_ref.SLOT_MASK)
 
 
 def _hashed(keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
@@ -67,9 +69,9 @@ class Keys:
     def find(self, keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
         """Each key's block ref, 0 when absent (hashed hits checked against the slot)."""
         refs = self.table.find_many(keys)
-        hits = np.flatnonzero(refs)
-        if not len(hits):  # (a commit's new keys: nothing to check)
+        if not refs.any():  # (a commit's new keys: nothing to check; cheaper than nonzero)
             return refs
+        hits = np.flatnonzero(refs)
         at = hits[_hashed([keys[i] for i in hits.tolist()])]
         if len(at):
             ok = self._ns.table.match_keys(refs[at], [keys[i] for i in at.tolist()])
@@ -120,7 +122,7 @@ class Keys:
             refs = self._ns.table.committed(ext.id)
             if not len(refs):
                 continue
-            slots = (refs & np.uint64(0xFFFF_FFFF)).astype(np.int64)
+            slots = _slot_ref.slots_of(refs).astype(np.int64)
             rows = np.frombuffer(ext.segment.meta, dtype=SLOT_DTYPE, count=ext.n_slots,
                                  offset=TABLE_OFFSET)[slots]
             for ref, row in zip(refs.tolist(), rows, strict=True):
@@ -155,12 +157,30 @@ class Keys:
             finally:
                 view.release()
             for i in left:  # past the probe limit: kept apart (present ones: a bug)
-                slot = int(slots[i])
-                rec = seg.read_slot(slot)
-                self.table.add(rec.key, (ext_id, slot, seg.slot_offset(slot), rec.length,
-                                         rec.checksum))
+                self._add_apart(int(refs[i] if mine is None else refs[mine][i]))
         if keys and self.watch is not None:
             self.watch(list(keys), True)
+
+    def committed_published(self, refs: npt.NDArray[np.uint64], keys: Sequence[bytes],
+                            done: int, left: list[int]) -> None:
+        """``add_committed`` after ``BlockTable.commit`` published ``refs[:done]`` in the
+        table itself but for those at ``left``: those, and the rest (the table filled
+        up: ``add_committed`` grows it), go in here."""
+        for i in left:
+            self._add_apart(int(refs[i]))
+        if done < len(refs):
+            self.add_committed(refs[done:], ())
+        if keys and self.watch is not None:
+            self.watch(list(keys), True)
+
+    def _add_apart(self, ref: int) -> None:
+        """The block just committed at ``ref``, by its slot entry, through ``add`` (a key
+        past the probe limit is kept apart)."""
+        ext_id, slot = _slot_ref.segment_of(ref), _slot_ref.slot_of(ref)
+        seg = self._ns.by_id[ext_id].segment
+        rec = seg.read_slot(slot)
+        self.table.add(rec.key, (ext_id, slot, seg.slot_offset(slot), rec.length,
+                                 rec.checksum))
 
     def remove(self, keys: Sequence[bytes], *, hidden: bool = False) -> None:
         """Take ``keys`` out (they were present; ``hidden``: ``hide`` took them out of

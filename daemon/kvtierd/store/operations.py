@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvtier import _slot_ref
 from kvtier.errors import (
     CapacityExhausted,
     FailedPrecondition,
@@ -217,21 +218,28 @@ class Operations(Room):
             i = next(i for i, k in enumerate(keys) if not 0 < len(k) <= MAX_KEY_BYTES)
             raise InvalidArgument(f"keys[{i}] is {len(keys[i])} bytes (1..{MAX_KEY_BYTES} "
                                   "allowed)")  # the slot table holds no more
-        present = (ns.index.find(keys) if n else _NO_REFS).tolist()
-        statuses = [_EXISTS if p else _RESERVED for p in present]
-        if ns.in_flight and (flying := ns.in_flight.keys() & unique):
-            for i, key in enumerate(keys):
-                if key in flying and not present[i]:
-                    statuses[i] = _IN_FLIGHT
-        if exists is not None:
-            for i, st in enumerate(statuses):
-                if st == _RESERVED and exists(keys[i]):
-                    statuses[i] = _EXISTS
-        todo = [i for i, st in enumerate(statuses) if st == _RESERVED]
-        if not todo:
-            return ReserveResult(0, statuses, _NO_REFS, _NO_REFS, ns.block_bytes,
-                                 ns.segments_version)
-        new_keys = list(keys) if len(todo) == n else [keys[i] for i in todo]
+        found = ns.index.find(keys) if n else _NO_REFS
+        flying = ns.in_flight.keys() & unique if ns.in_flight else None
+        if not flying and exists is None and not found.any():
+            # Every key new (a writer's usual batch): no Python step per key to say so.
+            statuses = [_RESERVED] * n
+            new_keys = list(keys)
+        else:
+            present = found.tolist()
+            statuses = [_EXISTS if p else _RESERVED for p in present]
+            if flying:
+                for i, key in enumerate(keys):
+                    if key in flying and not present[i]:
+                        statuses[i] = _IN_FLIGHT
+            if exists is not None:
+                for i, st in enumerate(statuses):
+                    if st == _RESERVED and exists(keys[i]):
+                        statuses[i] = _EXISTS
+            todo = [i for i, st in enumerate(statuses) if st == _RESERVED]
+            if not todo:
+                return ReserveResult(0, statuses, _NO_REFS, _NO_REFS, ns.block_bytes,
+                                     ns.segments_version)
+            new_keys = list(keys) if len(todo) == n else [keys[i] for i in todo]
         refs, gens = self._claim_refs(ns, len(new_keys), may_grow=may_grow)
         rid = next(self._ids)
         now = self._clock()
@@ -240,7 +248,7 @@ class Operations(Room):
         ns.in_flight.update(dict.fromkeys(new_keys, rid))
         session.reservations[rid] = res
         self._reservations[rid] = res
-        return ReserveResult(rid, statuses, refs >> np.uint64(32),
+        return ReserveResult(rid, statuses, _slot_ref.segments_of(refs),
                              self._offsets(ns, refs), ns.block_bytes, ns.segments_version)
 
     def commit(
@@ -376,7 +384,7 @@ class Operations(Room):
         session.leases[lid] = lease
         self._leases[lid] = lease
         rows = ns.table.fields(refs)  # (pinned: they stay as read)
-        return AcquireResult(lid, refs >> np.uint64(32), self._offsets(ns, refs),
+        return AcquireResult(lid, _slot_ref.segments_of(refs), self._offsets(ns, refs),
                              rows["length"], rows["checksum"], rows["has_checksum"],
                              ns.segments_version)
 

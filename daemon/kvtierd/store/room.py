@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvtier import _slot_ref
 from kvtier.errors import (
     CapacityExhausted,
 )
@@ -99,13 +100,13 @@ class Room(StoreBase):
                partial: bool = False) -> list[tuple[Extent, int, int]]:
         """``_claim_refs`` as (extent, slot, generation) places."""
         refs, gens = self._claim_refs(ns, n, may_grow=may_grow, partial=partial)
-        return [(ns.by_id[r >> 32], r & 0xFFFF_FFFF, g)
+        return [(ns.by_id[_slot_ref.segment_of(r)], _slot_ref.slot_of(r), g)
                 for r, g in zip(refs.tolist(), gens.tolist(), strict=True)]
 
     @staticmethod
     def _offsets(ns: Namespace, refs: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
         """Each ref's slot offset in its data file (what clients address)."""
-        slots = refs & np.uint64(0xFFFF_FFFF)
+        slots = _slot_ref.slots_of(refs)
         out = slots * np.uint64(ns.slot_bytes)
         for ext_id, mine in by_extent(refs):  # an extent of another layout (recovered)
             slot_bytes = ns.by_id[ext_id].segment.layout.slot_bytes
@@ -555,7 +556,7 @@ class Room(StoreBase):
         # The hazards that name a free slot of ``ns`` (garbage names none): vectorised.
         exts = np.array(sorted(ns.by_id), dtype=np.uint64)
         sizes = np.array([ns.by_id[i].n_slots for i in sorted(ns.by_id)], dtype=np.uint64)
-        ids, slots = skip >> np.uint64(32), skip & np.uint64(0xFFFF_FFFF)
+        ids, slots = _slot_ref.split(skip)
         at = np.searchsorted(exts, ids)
         ok = at < len(exts)
         ok[ok] &= exts[at[ok]] == ids[ok]

@@ -14,7 +14,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from kvtier import _page
+from kvtier import _page, _slot_ref
 from kvtier.errors import (
     CapacityExhausted,
 )
@@ -26,6 +26,7 @@ from kvtierd.segments import (
     SlotState,
 )
 from kvtierd.shared_index import (
+    HazardSet,
     SessionPage,
 )
 from kvtierd.store.keys import Keys
@@ -34,9 +35,6 @@ log = logging.getLogger(__name__)
 
 
 
-#: Kept for callers of the old store: the block table bounds its own work per
-#: victims() call (csrc/blocks.c KVT_SCAN_BASE, KVT_SCAN_PER_VICTIM).
-EVICTION_SCAN_LIMIT: Final = 4096
 #: Grow/reclaim rounds one reserve may take before it settles for eviction;
 #: each round adds or reclaims at least one extent, so this bounds its work.
 MAX_GROW_ROUNDS: Final = 64
@@ -157,7 +155,7 @@ class Block:
 
     @property
     def ref(self) -> int:
-        return self.extent.segment.segment_id << 32 | self.slot
+        return _slot_ref.encode(self.extent.segment.segment_id, self.slot)
 
     def _record(self) -> tuple[int, int, int, int] | None:
         """(state, lower, flags, pins) while the slot holds this block, else None."""
@@ -222,6 +220,8 @@ class Namespace:
     grow_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     #: Session id -> the page where its client leases blocks without a call (hazards).
     pages: dict[int, SessionPage] = dataclasses.field(default_factory=dict)
+    #: The hazards its pages held when last read (``collect_hazards``'s ``last``).
+    hazards: HazardSet | None = None
     #: Segment id -> extent.
     by_id: dict[int, Extent] = dataclasses.field(default_factory=dict)
 
@@ -252,8 +252,8 @@ class Namespace:
 
     def block_at(self, ref: int) -> Block | None:
         """The handle of the block at ``ref`` (COMMITTED or DOOMED), else None."""
-        ext = self.by_id.get(ref >> 32)
-        slot = ref & 0xFFFF_FFFF
+        ext = self.by_id.get(_slot_ref.segment_of(ref))
+        slot = _slot_ref.slot_of(ref)
         if ext is None or slot >= ext.n_slots:
             return None
         rec = ext.segment.read_slot(slot)
@@ -317,7 +317,7 @@ class Victims:
         ns = self.ns
         by_id = ns.by_id
         rows = self.rows
-        return [Block(ns, key, by_id[r >> 32], r & 0xFFFF_FFFF, length, c if has else None, gen)
+        return [Block(ns, key, by_id[_slot_ref.segment_of(r)], _slot_ref.slot_of(r), length, c if has else None, gen)
                 for r, key, length, c, has, gen in zip(
                     self.refs.tolist(), self.keys, rows["length"].tolist(),
                     rows["checksum"].tolist(), rows["has_checksum"].tolist(),
@@ -341,7 +341,7 @@ class Reservation:
     def places(self) -> list[tuple[Extent, int, int]]:
         """(extent, slot, generation) per key (handles for the paths off the hot one)."""
         by_id = self.session.ns.by_id
-        return [(by_id[r >> 32], r & 0xFFFF_FFFF, g)
+        return [(by_id[_slot_ref.segment_of(r)], _slot_ref.slot_of(r), g)
                 for r, g in zip(self.refs.tolist(), self.gens.tolist(), strict=True)]
 
 
@@ -389,7 +389,7 @@ class Session:
     grants_used: float = 0.0  # the store's clock when a grant was last made or committed
 
 
-#: A grant word's slot ref: ``segment_id << 32 | slot`` (``block_table.refs_of``).
+#: A grant word's slot ref: ``segment_id << 32 | slot`` (``kvtier._slot_ref``).
 _GRANT_REF: Final = ~np.uint64(_page.GRANT_VALID | _page.GRANT_TAKEN)
 
 
@@ -441,7 +441,7 @@ class Grants:
     def places(self) -> list[tuple[int, int, int]]:
         """(extent id, slot, generation) of every grant held (checks, tests)."""
         held = self.entries()
-        return [(r >> 32, r & 0xFFFF_FFFF, gen) for r, gen in zip(
+        return [(_slot_ref.segment_of(r), _slot_ref.slot_of(r), gen) for r, gen in zip(
             (self.words[held] & _GRANT_REF).tolist(), self.gens[held].tolist(), strict=True)]
 
     def add(self, entries: npt.NDArray[np.uint64], refs: npt.NDArray[np.uint64],
@@ -551,7 +551,7 @@ class AcquireResult:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AdoptedSlots:
-    """A previous run's slot table as ``recovery.scan_slots`` validated it."""
+    """A previous run's slot table as ``tests/unit/slot_oracle.scan_slots`` validated it."""
 
     # One entry per block to adopt, in the same order in each list (columns: a
     # quarter of a million blocks adopt in a fraction of a second).
@@ -570,7 +570,7 @@ class AdoptedSlots:
 
 
 class CommitResult(enum.IntEnum):
-    """A commit record's result byte in the page (``csrc/index.h``'s ``KVT_W_*``)."""
+    """A commit record's result byte in the page (``csrc/layout.h``'s ``KVT_W_*``)."""
 
     COMMITTED = _page.COMMITTED
     EXISTS = _page.EXISTS  # the key was present (or being written): the grant stays

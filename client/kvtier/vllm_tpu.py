@@ -1,0 +1,179 @@
+"""vLLM TPU (``tpu-inference``) KV connector: the engine's offload tier is kvtierd.
+
+``pip install kvtier vllm-tpu``, start ``kvtierd``, then::
+
+    vllm serve MODEL --kv-transfer-config \\
+        '{"kv_connector":"TPUOffloadConnector","kv_connector_module_path":"kvtier.vllm_tpu","kv_role":"kv_both"}'
+
+The TPU platform admits only its own connector names (``TPUConnector``,
+``TPUConnectorHMA``, ``TPUOffloadConnector``, ``RaidenOffloadConnector``), and vLLM loads
+the class of that name from ``kv_connector_module_path`` before its own registry: so this
+module's :class:`TPUOffloadConnector` takes the place of tpu-inference's (whose host tier is
+a dict in the engine process) under the name the platform expects.
+
+It is :class:`kvtier.vllm.KVTierConnector` with another worker: the scheduler side, the
+keys (``kvtier.hashing``: a prompt's blocks have the same keys here as in the torch
+connector and in sglang-jax, only the namespaces differ), the roles (``kv_role``, P/D with
+``kvtier pd-proxy``), the counters and ``kv_connector_extra_config``
+(:class:`kvtier.vllm.ConnectorConfig`) are that connector's.  What differs:
+
+* **Bytes move through** :mod:`kvtier.jax`.  tpu-inference keeps one ``jax.Array`` per
+  layer, ``[num_blocks, block_size, ceil(2*kv_heads/packing), packing, head_dim]`` with K
+  and V heads interleaved (``kvtier.paged.packed_layout_of``); a kvtier block is one vLLM
+  block of every layer, in layer order.  The runner donates those arrays to every step and
+  gets new ones back, so the worker reads ``runner.kv_caches`` at each load and save and
+  assigns the updated arrays back after a load (``kvtier.jax.load`` donates them in turn).
+  tpu-inference hands the connector its runner (``register_runner``), never the arrays.
+* **One namespace for the whole model.**  One process drives every chip of the mesh and
+  its arrays are global (sharded over the chips): a block is stored whole, whatever the
+  tensor-parallel size, and a host with another mesh shape shares it.
+* **Loads and saves run in the step**, on the engine's thread, since a copy running beside
+  the next step would read or write arrays that step donates.  ``load_mode`` ``async`` and
+  ``auto`` keep their meaning for vLLM (the request waits in ``WAITING_FOR_REMOTE_KVS``
+  and is reported loaded through ``get_finished``) but copy within the step that starts
+  the load; ``async_save`` is ignored.
+* **Failure is a recompute**, as with the torch connector: kvtierd down or restarted, a
+  block gone, a bad checksum -- the blocks not loaded are reported to vLLM, which
+  recomputes them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from kvtier import jax as kj
+from kvtier._kv_groups import Unsupported, plan_groups
+from kvtier.client import Client
+from kvtier.paged import packed_layout_of
+from kvtier.vllm import (
+    KVTierConnector,
+    LoadSpec,
+    _GroupIO,
+    _Link,
+    _Worker,
+    logger,
+    model_fingerprint,
+    namespace_args,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+
+class _JaxWorker(_Worker):
+    """The worker of a tpu-inference engine: the runner's layer arrays, re-read each time.
+
+    ``_GroupIO.cache`` holds each group's layer indices into ``runner.kv_caches`` (the
+    arrays themselves change every step).
+    """
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._runner: Any = None
+
+    def register(self, kv_caches: Any) -> None:
+        raise Unsupported("tpu-inference registers its runner (register_runner), not arrays")
+
+    def register_runner(self, runner: Any) -> None:
+        """Find each KV cache group's layer arrays in ``runner.kv_caches``.
+
+        Raises Unsupported when a group's arrays are not packed pages of the size the
+        engine's KV cache spec gives (the connector is then off for this engine).
+        """
+        caches = list(getattr(runner, "kv_caches", None) or ())
+        if not caches or not all(isinstance(a, jax.Array) for a in caches):
+            raise Unsupported("the runner holds no jax.Array KV caches (runner.kv_caches)")
+        dp = int(getattr(runner, "dp_size", 1) or 1)
+        if dp > 1:
+            # The page axis is then split over the data-parallel ranks, each scheduling
+            # its own blocks: untested, so refused rather than risked.
+            raise Unsupported(f"data-parallel attention (dp_size {dp}) is not supported")
+        plans = plan_groups(self._kv_cache_config, 1)
+        index: dict[str, int] = dict(getattr(runner, "layer_name_to_kvcache_index", None)
+                                     or {})
+        if not index and len(plans) == 1 and len(plans[0].layer_names) == len(caches):
+            index = {n: i for i, n in enumerate(plans[0].layer_names)}
+        identity, digest = model_fingerprint(self._vllm_config, self._cfg.model_id)
+        links: dict[str, _Link] = {}
+        groups: dict[int, _GroupIO] = {}
+        for plan in plans:
+            missing = [n for n in plan.layer_names if n not in index]
+            if missing:
+                raise Unsupported(f"layers {missing[:3]} have no KV cache array")
+            layers = [int(index[n]) for n in plan.layer_names]
+            try:
+                layout = packed_layout_of([caches[i] for i in layers])
+            except (ValueError, IndexError) as exc:
+                raise Unsupported(f"the KV cache arrays of group {plan.index} are not "
+                                  f"tpu-inference's packed pages: {exc}") from None
+            if layout.block_bytes != plan.geometry.block_bytes:
+                raise Unsupported(f"a block of the KV cache arrays of group {plan.index} is "
+                                  f"{layout.block_bytes} bytes ({layout.describe()}), the "
+                                  f"KV cache spec says {plan.geometry.block_bytes}")
+            args = namespace_args(self._cfg.namespace_prefix, identity, digest,
+                                  plan.geometry, 0, 1)
+            link = links.get(args["namespace"])
+            if link is None:
+                link = links[args["namespace"]] = _Link(self._cfg, args, self._counters,
+                                                        self._throttle)
+            groups[plan.index] = _GroupIO(plan, link, layers, layout, True)
+        first = groups[plans[0].index]
+        logger.info("kvtier: tpu-inference KV cache, %d layer arrays of %s on %s",
+                    len(caches), first.layout.describe(),
+                    ", ".join(sorted({d.platform for d in caches[0].devices()})))
+        self._runner = runner
+        self._groups, self._links = groups, list(links.values())
+        self._link, self._cache, self._layout = first.link, first.cache, first.layout
+        for link in self._links:
+            link.client()  # connect now; says so in the log if kvtierd is not there
+
+    def _arrays(self, io: _GroupIO) -> tuple[list[Any], list[jax.Array]]:
+        caches = list(self._runner.kv_caches)
+        return caches, [caches[i] for i in io.cache]
+
+    def _copy_in(self, client: Client, spec: LoadSpec, io: _GroupIO,
+                 phases: dict[str, float]) -> int:
+        caches, arrays = self._arrays(io)
+        t0 = time.perf_counter()
+        # The arrays are donated (updated in place on one CPU device): from here on only
+        # the returned ones are valid, so they go back to the runner whatever n is.
+        new, n = kj.load(client, spec.keys, arrays, spec.block_ids, layout=io.layout)
+        for i, a in zip(io.cache, new, strict=True):
+            caches[i] = a
+        self._runner.kv_caches = caches
+        phases["copy"] = time.perf_counter() - t0
+        return n
+
+    def _copy_out(self, client: Client, io: _GroupIO, keys: list[bytes], ids: list[int]) -> int:
+        _, arrays = self._arrays(io)
+        return kj.save(client, arrays, ids, keys, layout=io.layout)
+
+
+class TPUOffloadConnector(KVTierConnector):
+    """kvtier's connector for tpu-inference, under a name the TPU platform admits
+    (``kv_connector: "TPUOffloadConnector"``, ``kv_connector_module_path: "kvtier.vllm_tpu"``).
+    """
+
+    _worker_class = _JaxWorker
+    _one_shard = True
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        return  # tpu-inference calls register_runner instead
+
+    def register_runner(self, runner: Any) -> None:
+        """tpu-inference's worker hook: the runner whose ``kv_caches`` the connector uses."""
+        worker = self._worker
+        if not isinstance(worker, _JaxWorker):
+            return
+        try:
+            worker.register_runner(runner)
+        except Unsupported as exc:
+            # The worker stays, with no groups: should the scheduler claim a hit, its load
+            # fails and vLLM recomputes it, instead of running on blocks never loaded.
+            logger.error("kvtier: the connector is off for this engine: %s", exc)
+
+
+__all__ = ["TPUOffloadConnector"]

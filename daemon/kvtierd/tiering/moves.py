@@ -1,0 +1,239 @@
+"""The movement table: every key of the tiering layer in motion, under one lock.
+
+A key is *moving* while a promotion brings it into DRAM, a demotion copies its
+DRAM block below, a write-through publish copies it to a cross-host tier, or a
+tier's eviction hands its copy to the next tier (an I/O thread).  It is
+*hidden* while a Delete or an Evict removes it below DRAM: lookups and
+promotions miss it, and no publish or hand-off of it starts.  A Delete waits
+until none of its keys is moving; an Evict and a drain leave moving keys
+alone.
+
+Demotions and publishes also pin their DRAM blocks for the move: the pin is
+granted when the move is recorded here and released when it ends, by the
+same pair of calls (``demoting``/``publishing``), so a move never holds a
+block the table does not list, nor the reverse.
+
+One ``threading.Lock`` guards every container: hand-offs run on I/O threads,
+everything else on the event loop.  The lock is never held across an await
+or a call into a tier or the store (a tier may call ``handing`` with its own
+lock held).  Each end of a move signals ``progress`` (``wait``), which the
+waiters above -- Delete, a reserve waiting for demotion, a drain -- poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+
+from kvtierd.store import Block, Store
+
+#: A key as the table knows it: (namespace, key).
+Key = tuple[str, bytes]
+
+
+class MovementTable:
+    """What is promoting, demoting, publishing, being handed on or hidden, and the
+    pins the demotions and publishes hold."""
+
+    def __init__(self, store: Store) -> None:
+        """``store``: whose ``pin_blocks``/``unpin`` pin the blocks of a move."""
+        self._store = store
+        self._lock = threading.Lock()
+        self._promoting: dict[Key, asyncio.Future[bool]] = {}
+        self._demoting: dict[Key, Block] = {}
+        self._publishing: collections.Counter[Key] = collections.Counter()
+        self._publishing_blocks = 0  # blocks whose publish has started (pinned)
+        self._handing: collections.Counter[Key] = collections.Counter()
+        # A count per key: a Delete and an Evict may hide one key at once.
+        self._hidden: collections.Counter[Key] = collections.Counter()
+        self._progress = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop that I/O threads signal progress to."""
+        self._loop = loop
+
+    # ---------------------------------------------------------------- questions
+    def moving(self, namespace: str, key: bytes) -> bool:
+        """A promotion, demotion, publish or hand-off of this key is in flight."""
+        with self._lock:
+            return self._moving((namespace, key))
+
+    def any_moving(self, namespace: str, keys: Iterable[bytes]) -> bool:
+        with self._lock:
+            return any(self._moving((namespace, key)) for key in keys)
+
+    def _moving(self, k: Key) -> bool:
+        return (k in self._promoting or k in self._demoting or k in self._publishing
+                or k in self._handing)
+
+    def hidden(self, namespace: str, key: bytes) -> bool:
+        """A Delete or an Evict is removing this key below DRAM."""
+        with self._lock:
+            return (namespace, key) in self._hidden
+
+    def first_hidden(self, namespace: str, keys: Sequence[bytes], start: int) -> int:
+        """The index of the first hidden key of ``keys[start:]``, ``len(keys)`` for none."""
+        with self._lock:
+            if self._hidden:
+                hidden = self._hidden
+                return next((i for i in range(start, len(keys))
+                             if (namespace, keys[i]) in hidden), len(keys))
+        return len(keys)
+
+    def deleted_while_demoting(self, namespace: str, keys: Sequence[bytes]) -> list[int]:
+        """The indexes of ``keys`` whose demotion is in flight although the block was
+        deleted meanwhile: the copy it is writing below will not be served."""
+        with self._lock:
+            if not self._demoting:
+                return []
+            blocks = [(i, b) for i, key in enumerate(keys)
+                      if (b := self._demoting.get((namespace, key))) is not None]
+        return [i for i, b in blocks if b.doomed]  # (reads the block table: outside the lock)
+
+    def demoting_keys(self) -> list[Key]:
+        with self._lock:
+            return list(self._demoting)
+
+    def in_flight(self) -> int:
+        """Blocks being demoted or published now (the spill queue's depth)."""
+        with self._lock:
+            return len(self._demoting) + self._publishing_blocks
+
+    def publishing(self) -> int:
+        """Blocks whose publish has started and not ended."""
+        with self._lock:
+            return self._publishing_blocks
+
+    # ---------------------------------------------------------------- progress
+    async def wait(self, timeout: float) -> None:
+        """Until a move ends, or ``timeout`` seconds."""
+        progress = self._progress
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(progress.wait(), timeout=timeout)
+
+    def signal(self) -> None:
+        """A move ended (event loop)."""
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    def _signal_threadsafe(self) -> None:
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                self._loop.call_soon_threadsafe(self.signal)
+
+    # ---------------------------------------------------------------- hiding
+    def hide(self, keys: Iterable[Key]) -> None:
+        with self._lock:
+            self._hidden.update(keys)
+
+    def unhide(self, keys: Iterable[Key]) -> None:
+        with self._lock:
+            _count_down(self._hidden, keys)
+
+    # ---------------------------------------------------------------- promotions
+    def claim_promotions(self, namespace: str, keys: Iterable[bytes],
+                         loop: asyncio.AbstractEventLoop
+                         ) -> tuple[list[bytes], list[asyncio.Future[bool]]]:
+        """Record a promotion of each of ``keys`` nobody is promoting yet.  Returns those
+        keys (the caller's to promote and ``end_promotion``) and the futures of the
+        promotions of the others already in flight (each set to whether its key is in
+        DRAM when it ends)."""
+        mine: list[bytes] = []
+        waits: list[asyncio.Future[bool]] = []
+        with self._lock:
+            for key in keys:
+                fut = self._promoting.get((namespace, key))
+                if fut is not None:
+                    waits.append(fut)
+                else:
+                    self._promoting[(namespace, key)] = loop.create_future()
+                    mine.append(key)
+        return mine, waits
+
+    def end_promotion(self, namespace: str, key: bytes, present: bool) -> None:
+        with self._lock:
+            fut = self._promoting.pop((namespace, key))
+        if not fut.done():
+            fut.set_result(present)
+
+    def promotions_of(self, namespace: str, keys: Iterable[bytes]) -> list[asyncio.Future[bool]]:
+        """The promotions of ``keys`` in flight."""
+        with self._lock:
+            return [f for k in keys if (f := self._promoting.get((namespace, k))) is not None]
+
+    # ---------------------------------------------------------------- demotions
+    @contextlib.contextmanager
+    def demoting(self, blocks: Sequence[Block]) -> Iterator[None]:
+        """Pin ``blocks`` and record their demotion for the ``with`` body (event loop)."""
+        leases = self._store.pin_blocks(blocks)
+        with self._lock:
+            for b in blocks:
+                self._demoting[(b.ns.name, b.key)] = b
+        try:
+            yield
+        finally:
+            with self._lock:
+                for b in blocks:
+                    self._demoting.pop((b.ns.name, b.key), None)
+            for lease in leases:
+                self._store.unpin(lease)
+            self.signal()
+
+    # ---------------------------------------------------------------- publishes
+    def will_publish(self, blocks: Sequence[Block]) -> None:
+        """Record the keys of a publish about to be started (``publishing`` ends it)."""
+        with self._lock:
+            self._publishing.update((b.ns.name, b.key) for b in blocks)
+
+    @contextlib.contextmanager
+    def publishing_blocks(self, blocks: Sequence[Block]) -> Iterator[None]:
+        """Pin the blocks of a publish ``will_publish`` recorded, for the ``with`` body;
+        at its end the publish is over (event loop)."""
+        leases = self._store.pin_blocks(blocks)
+        with self._lock:
+            self._publishing_blocks += len(blocks)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._publishing_blocks -= len(blocks)
+                _count_down(self._publishing, [(b.ns.name, b.key) for b in blocks])
+            for lease in leases:
+                self._store.unpin(lease)
+            self.signal()
+
+    # ---------------------------------------------------------------- hand-offs
+    @contextlib.contextmanager
+    def handing(self, key: Key) -> Iterator[bool]:
+        """A tier's eviction hands ``key`` to the next tier (an I/O thread).  Yields
+        False, recording nothing, when the key is hidden: it is not to be handed on.
+        Otherwise a Delete that starts meanwhile waits for it (and then removes what
+        it wrote): under the lock, a hand-off either sees a Delete's hide or is seen
+        by that Delete."""
+        with self._lock:
+            if key in self._hidden:
+                started = False
+            else:
+                self._handing[key] += 1
+                started = True
+        if not started:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            with self._lock:
+                _count_down(self._handing, [key])
+            self._signal_threadsafe()
+
+
+def _count_down(counter: collections.Counter[Key], keys: Iterable[Key]) -> None:
+    """Take one of each of ``keys`` from ``counter``, dropping the ones that reach 0."""
+    for k in keys:
+        counter[k] -= 1
+        if counter[k] <= 0:
+            del counter[k]

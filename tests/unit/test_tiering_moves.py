@@ -1,0 +1,88 @@
+"""``tiering.moves.MovementTable``: one table, one lock, for every key in motion."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import types
+from typing import Any
+
+from kvtierd.tiering import MovementTable
+
+
+class FakeStore:
+    """``pin_blocks``/``unpin`` that remember what is pinned."""
+
+    def __init__(self) -> None:
+        self.pinned: list[Any] = []
+
+    def pin_blocks(self, blocks: list[Any]) -> list[Any]:
+        self.pinned.extend(blocks)
+        return [("lease", b.key) for b in blocks]
+
+    def unpin(self, lease: Any) -> None:
+        self.pinned = [b for b in self.pinned if b.key != lease[1]]
+
+
+def block(key: bytes, doomed: bool = False) -> Any:
+    return types.SimpleNamespace(ns=types.SimpleNamespace(name="a"), key=key, doomed=doomed)
+
+
+def test_each_kind_of_move_makes_its_key_moving_until_it_ends() -> None:
+    store = FakeStore()
+    moves = MovementTable(store)  # type: ignore[arg-type]
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        moves.attach(loop)
+        mine, waits = moves.claim_promotions("a", [b"p"], loop)
+        assert mine == [b"p"] and not waits and moves.moving("a", b"p")
+        again, waits = moves.claim_promotions("a", [b"p"], loop)
+        assert again == [] and len(waits) == 1  # one read for concurrent promotions
+        moves.end_promotion("a", b"p", True)
+        assert await waits[0] is True and not moves.moving("a", b"p")
+
+        with moves.demoting([block(b"d")]):
+            assert moves.moving("a", b"d") and store.pinned and moves.in_flight() == 1
+        assert not moves.moving("a", b"d") and not store.pinned and moves.in_flight() == 0
+
+        moves.will_publish([block(b"u")])
+        assert moves.moving("a", b"u") and moves.publishing() == 0  # recorded, not started
+        with moves.publishing_blocks([block(b"u")]):
+            assert moves.publishing() == 1 and store.pinned
+        assert not moves.moving("a", b"u") and not store.pinned
+
+        with moves.handing(("a", b"h")) as started:
+            assert started and moves.moving("a", b"h")
+        assert not moves.any_moving("a", [b"p", b"d", b"u", b"h"])
+
+    asyncio.run(go())
+
+
+def test_a_hidden_key_is_not_handed_on_and_hides_count_per_caller() -> None:
+    moves = MovementTable(FakeStore())  # type: ignore[arg-type]
+    moves.hide([("a", b"k"), ("a", b"k")])  # a Delete and an Evict at once
+    assert moves.first_hidden("a", [b"x", b"k", b"y"], 0) == 1
+    assert moves.first_hidden("a", [b"x", b"k", b"y"], 2) == 3
+    out: list[bool] = []
+
+    def hand_off() -> None:  # an I/O thread
+        with moves.handing(("a", b"k")) as started:
+            out.append(started)
+
+    t = threading.Thread(target=hand_off)
+    t.start()
+    t.join()
+    assert out == [False] and not moves.moving("a", b"k")
+    moves.unhide([("a", b"k")])
+    assert moves.hidden("a", b"k")  # the other caller still hides it
+    moves.unhide([("a", b"k")])
+    assert not moves.hidden("a", b"k")
+
+
+def test_a_block_deleted_during_its_demotion_is_reported() -> None:
+    moves = MovementTable(FakeStore())  # type: ignore[arg-type]
+    assert moves.deleted_while_demoting("a", [b"x"]) == []
+    with moves.demoting([block(b"x"), block(b"y", doomed=True)]):
+        assert moves.deleted_while_demoting("a", [b"y", b"x", b"z"]) == [0]
+    assert moves.deleted_while_demoting("a", [b"y"]) == []

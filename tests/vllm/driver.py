@@ -1,0 +1,102 @@
+"""The test side of ``engine.py``: start one engine process and drive its phases.
+
+Used by the connector's engine tests, the parity tests and ``bench/parity.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from tests.vllm.logs import failure_excerpt
+from tests.vllm.pdlab import child_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: Seconds an engine may take to start or to answer one phase.
+ENGINE_DEADLINE = 240.0
+
+
+class Engine:
+    """A running engine.py: phases are driven with ``result()`` and ``next()``."""
+
+    def __init__(self, base: str, spec: dict[str, Any], name: str, *,
+                 python: str = sys.executable, script: str = os.path.join(HERE, "engine.py"),
+                 env: dict[str, str] | None = None) -> None:
+        """``script`` (vLLM's engine.py) run by ``python`` on ``spec``; ``env`` replaces
+        the vLLM child's environment (``pdlab.child_env``) for other engines."""
+        path = os.path.join(base, f"{name}.json")
+        with open(path, "w") as f:
+            json.dump(spec, f)
+        self.log_path = os.path.join(base, f"{name}.log")
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
+        if env is None:
+            env = child_env(spec.pop("env", {}))
+        self.proc = subprocess.Popen([python, script, path],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, env=env,
+                                     start_new_session=True)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        """Protocol lines to the queue; everything else (vLLM logs to stdout) to the log."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(("RESULT ", "READY")):
+                self._lines.put(line.rstrip("\n"))
+            else:
+                self._log.write(line)
+                self._log.flush()
+        self._lines.put(None)
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def diagnosis(self) -> str:
+        """Why the engine failed: every traceback and error in its log, then the tail."""
+        return failure_excerpt(self.log())
+
+    def result(self, timeout: float = ENGINE_DEADLINE) -> dict[str, Any]:
+        """The next phase's RESULT (the engine started, or went on after ``next()``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no result from the engine in {timeout} s:\n{self.diagnosis()}"
+            try:
+                line = self._lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            assert line is not None, f"the engine exited:\n{self.diagnosis()}"
+            if line.startswith("RESULT "):
+                out: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+                return out
+
+    def next(self) -> None:
+        """Let the engine run its next phase."""
+        while True:
+            line = self._lines.get(timeout=ENGINE_DEADLINE)
+            assert line is not None, f"the engine exited:\n{self.diagnosis()}"
+            if line == "READY":
+                break
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()  # engine.py returns at its next READY
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
