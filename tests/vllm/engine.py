@@ -60,6 +60,16 @@ def _record_block_ids() -> dict[tuple[int, ...], list[int]]:
     return seen
 
 
+def _settle_saves(wrapper: Any) -> None:
+    """In the worker: wait for the connector's background saves (their counters with them)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        worker = getattr(get_kv_transfer_group(), "_worker", None)
+        if worker is not None:
+            worker.settle()
+
+
 def _block_digests(wrapper: Any, blocks: list[list[int]]) -> list[list[str]]:
     """In the worker: per list of block ids, each block's digest over its layers."""
     import hashlib
@@ -143,9 +153,10 @@ def main() -> None:
                 if digests:
                     r["kv"] = kv[i]
                 results.append(r)
-        # Saves run in the background: give the last one time to finish, then run a prompt
+        # Saves run in the background: wait for the last ones to finish, then run a prompt
         # shorter than a block (nothing to look up or save) so its step reports the counters.
-        time.sleep(0.5)
+        if ktc is not None:
+            llm.collective_rpc(_settle_saves)
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
                      use_tqdm=False)
         result: dict[str, Any] = {"prompts": results, "counters": _counters(llm)}

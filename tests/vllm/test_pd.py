@@ -230,11 +230,15 @@ class TestOneHost:
         assert res["done"]
         # When the first event reached the client the decode server was still generating:
         # the proxy passes events on as they come, it does not collect the answer first.
-        # (Timing the events instead is no test on a busy machine: a starved reader finds
-        # many in its socket at once; tests/unit/test_pd_proxy.py times them against a
-        # server with set pauses.)
+        # Either of two signs shows it, and a proxy that collects shows neither: the decode
+        # server still running the request when the first event arrived, or the first event
+        # arriving seconds before the last (a collected answer arrives at once).  One alone
+        # is no test on a busy machine: a starved reader finds many events in its socket at
+        # once, and a decode server busy generating may answer /metrics only after it is
+        # done (CI saw 5.3 s).  tests/unit/test_pd_proxy.py times events against a server
+        # with set pauses.
         times = res["times"]
-        assert res["at_first"] == 1, (
+        assert res["at_first"] == 1 or times[-1] - times[0] > 2.0, (
             f"decode server running {res['at_first']} at the first event "
             f"(first events at {times[:3]} s, the last at {times[-1]:.2f} s)")
         ids = [t for e in res["events"] for c in e.get("choices") or []
