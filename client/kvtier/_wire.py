@@ -1,6 +1,6 @@
 """What both ends of the wire must agree on, defined once for the daemon and the client.
 
-The daemon (``kvtierd.session_channel``, ``kvtierd.service``) imports these
+The daemon (``kvtierd.session_channel.framing``, ``kvtierd.service``) imports these
 from here, as the client does: the daemon depends on ``kvtier``, never the
 reverse.  Changing a value here changes the protocol on both sides at once.
 

@@ -3,7 +3,8 @@
 Where things are (docs/architecture.md walks a put, a get and a restart through them):
   app.py             wiring: create_daemon() builds and starts everything
   service.py         where a gRPC request enters (validation, error mapping)
-  session_channel.py the session socket: namespace declaration, fd passing, liveness
+  session_channel/   the session socket: namespace declaration, fd passing, liveness,
+                     FastCalls, session pages, doorbells (parts: docstring)
   access.py          who may do what: principals, namespace rules, quotas
   store/             block tables, key indexes, CLOCK, reservations, leases (layers: docstring)
   block_table.py     a namespace's DRAM blocks in native records (csrc/blocks.c)
