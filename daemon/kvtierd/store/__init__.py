@@ -77,7 +77,7 @@ access is older than every block CLOCK would evict here, or any when this
 namespace has too few to evict (so the budget moves between namespaces).
 Eviction is the one place where DRAM blocks leave.
 
-Spill (``spill_enabled``, driven by ``kvtierd.tiering``): every block is
+Spill (``spill_enabled``, told by ``kvtierd.tiering``: ``attach_tiering``): every block is
 DIRTY (DRAM is its only copy), CLEAN (a spill tier holds a durable copy) or
 UNSPILLABLE (spilling it failed).  Only non-DIRTY blocks are evicted, and only
 extents without DIRTY blocks are reclaimed; a reserve that could be served by
@@ -87,7 +87,7 @@ waits for the demoter (back-pressure) and retries.
 
 from __future__ import annotations
 
-from kvtierd.store.base import ExtentFactory, Pinned
+from kvtierd.store.base import ExtentFactory, Pinned, StoreOptions
 from kvtierd.store.check import CheckSnapshot
 from kvtierd.store.store import Store
 from kvtierd.store.types import (
@@ -118,4 +118,5 @@ __all__ = [
     "MAX_READ_HINTS", "AcquireResult", "AdoptedSlots", "Block", "CheckSnapshot",
     "CommitResult", "Extent", "ExtentFactory", "Lease", "Lower", "Namespace", "NeedDemotion", "PageCommits",
     "Peer", "Pinned", "Reservation", "ReserveResult", "ReserveStatus", "Session", "SlotGrant", "Store",
+    "StoreOptions",
 ]
