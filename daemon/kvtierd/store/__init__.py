@@ -17,9 +17,14 @@ The package, layer on layer (each a class over the one before; calls go down):
 * ``operations``: the calls: sessions, lookup, reserve/commit/abort,
   acquire/release, delete, evict, and the tiering layer's hooks.
 * ``fast_path``: writes without a call (grants, page commits) and page counters.
-* ``adoption``: taking over a previous run's segments.
 * ``store``: ``Store`` itself, with expiry, accounting and ``check`` (``check``:
   the cross-check, on a snapshot).
+* ``adoption``: taking over a previous run's segments, at start-up -- functions that
+  take the store (``kvtierd.recovery`` calls them), not a layer.
+
+Every option a store has is given to its constructor (``StoreOptions``); what is
+known only once the store exists is told by a method (``attach_tiering``,
+``attach_cluster``, ``set_recovery_report``), never set as an attribute.
 Policy lives here; bytes never do.  The store decides which slot a key gets,
 when a block becomes visible, which block is evicted, and who holds what;
 the mechanism (``segments``) persists slot states; the service translates the
