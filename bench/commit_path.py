@@ -52,11 +52,11 @@ def _p50(xs: list[float]) -> float:
 
 
 # ------------------------------------------------------------------ store, in-process
-def _private_store(capacity: int, extent: int, **options: Any) -> tuple[str, Any]:
+def _private_store(capacity: int, extent: int, **kwargs: Any) -> tuple[str, Any]:
     """A store of its own /dev/shm directory (returned, for the caller to remove), with
     no growth ahead (the fill is what is measured)."""
     from kvtierd.segments import Segment
-    from kvtierd.store import Store
+    from kvtierd.store import Store, StoreOptions
 
     shm = tempfile.mkdtemp(dir="/dev/shm", prefix="kvt-bench-cp-")
 
@@ -66,8 +66,8 @@ def _private_store(capacity: int, extent: int, **options: Any) -> tuple[str, Any
                               prefault_threads=1)
 
     store = Store(capacity=capacity, extent_size=extent, extent_factory=factory,
-                  lease_ttl=30.0, reservation_ttl=60.0, boot_epoch=7, publish=True, **options)
-    store.grow_ahead = False
+                  lease_ttl=30.0, reservation_ttl=60.0, boot_epoch=7, publish=True,
+                  options=StoreOptions(grow_ahead=False), **kwargs)
     return shm, store
 
 
@@ -80,7 +80,7 @@ def _store_mode(batch: int, seconds: float) -> dict[str, float]:
     from kvtierd.store.types import Peer
 
     shm, store = _private_store(256 << 20, 64 << 20, grant_bytes=256 * BLOCK)
-    store.commit_handles = False  # as kvtierd without a write-through tier
+    store.attach_tiering(spill=False, commit_handles=False)  # as kvtierd without a write-through tier
     s = store.open_session("bench", BLOCK, "m", Peer(1, 0, 0))
     filled = 0
 
@@ -152,7 +152,7 @@ def _calls_mode(batch: int, seconds: float, block: int = 4 << 10) -> dict[str, f
     from kvtierd.store.types import Peer
 
     shm, store = _private_store(64 << 20, 16 << 20)
-    store.commit_handles = False
+    store.attach_tiering(spill=False, commit_handles=False)
     s = store.open_session("bench", block, "m", Peer(1, 0, 0))
     lengths = [block] * batch
     key = 0

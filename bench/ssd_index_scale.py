@@ -222,7 +222,8 @@ def _tiering_over(tier: Any) -> tuple[Any, Any, Any]:
 
     from kvtierd.tiering import Tiering
 
-    tiering = Tiering(types.SimpleNamespace(), ssd=tier, io_threads=1)  # type: ignore[arg-type]
+    tiering = Tiering(types.SimpleNamespace(attach_tiering=lambda **told: None), ssd=tier,  # type: ignore[arg-type]
+                      io_threads=1)
     ns = types.SimpleNamespace(name=NAMESPACE, block_bytes=SLOT, model_uid="bench",
                                index=_NoDram())
     return tiering, ns, asyncio.new_event_loop()

@@ -43,7 +43,7 @@ from kvtierd.service import KVTierService, add_to_server, methods
 from kvtierd.session_channel import SessionChannel
 from kvtierd.spill.shared import SharedTier
 from kvtierd.spill.ssd import SsdTier
-from kvtierd.store import Namespace, Store
+from kvtierd.store import Namespace, Store, StoreOptions
 from kvtierd.tiering import SpillPolicy, Tiering
 
 log = logging.getLogger(__name__)
@@ -407,7 +407,7 @@ def _make_cluster(cc: ClusterConfig, store: Store) -> ClusterTier:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cluster.secret_file: {exc}") from None
     cluster = ClusterTier(ClusterSettings.from_config(cc), naming, segments=store.live_segments)
-    store.on_extent = cluster.premap
+    store.attach_cluster(cluster.premap)
     return cluster
 
 
@@ -449,17 +449,16 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
             publish=cfg.server.fast_path and shared_index.AVAILABLE,
             grant_bytes=(min(cfg.server.write_grant_bytes, cfg.dram.capacity // 16)
                          if cfg.server.fast_path and shared_index.AVAILABLE else 0),
+            options=StoreOptions(dram_quota_of=lambda name: cfg.access.quotas(name)[0],
+                                 grow_ahead=cfg.dram.grow_ahead,
+                                 on_forget=metrics.forget_namespace),
         )
-        store.dram_quota_of = lambda name: cfg.access.quotas(name)[0]
-        store.grow_ahead = cfg.dram.grow_ahead
-        store.on_forget = metrics.forget_namespace
         # Nothing is served yet, so recovery may block: READY comes after it.
         report = recover(store, cfg.dram.shm_dir, check=False)
         for reason, n in report.dropped_slots.items():
             metrics.dropped_slots.labels(reason).inc(n)
         undo.callback(store.close_all)
-        store.recovery_seconds = report.seconds
-        store.dropped_segments = report.dropped
+        store.set_recovery_report(report.seconds, report.dropped)
         tiering = _make_tiering(cfg, store, metrics)
         await tiering.start()
         undo.push_async_callback(tiering.stop)

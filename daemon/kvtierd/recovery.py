@@ -7,7 +7,7 @@ clients.  So every ``*.meta`` file is attached and validated
 removed ("reformatted") with the reason logged, never half-used, and so is a
 data file without metadata (format 1 kept both in one ``.seg`` file: such
 files from an older kvtierd are a cold start).  Then the store adopts every
-valid segment (``Store.adopt_segment``: ``BlockTable.adopt`` in native code), which
+valid segment (``store.adoption.adopt_segment``: ``BlockTable.adopt`` in native code), which
 checks every slot first — state, key length, length, flags, generation, access
 sequence, commit epoch, the entry checksum, and whether a client cut its data off;
 a slot that fails is freed and counted with its reason
@@ -43,6 +43,7 @@ from kvtierd.segments import (
     SegmentInvalid,
 )
 from kvtierd.store import Store
+from kvtierd.store.adoption import adopt_segment, check_adoptable, finish_recovery
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +110,14 @@ def recover(store: Store, shm_dir: str, *, check: bool = True) -> RecoveryReport
         room = expect[seg.namespace]
         expect[seg.namespace] -= committed
         try:
-            store.check_adoptable(seg)
+            check_adoptable(store, seg)
         except (CapacityExhausted, FailedPrecondition) as exc:
             seg.close(unlink=True, free=True)
             _drop(report, seg.path, f"dropped: {exc}")
             continue
         # Every slot validated natively (tests/unit/slot_oracle.py states the same rules
         # in numpy, and the tests prove the two equal).
-        n, dropped = store.adopt_segment(seg, referenced_from=recent, expect=room)
+        n, dropped = adopt_segment(store, seg, referenced_from=recent, expect=room)
         if dropped:
             report.dropped_slots.update(dropped)
             log.warning("segment %s (namespace %r): dropped slots: %s", os.path.basename(seg.path),
@@ -125,7 +126,7 @@ def recover(store: Store, shm_dir: str, *, check: bool = True) -> RecoveryReport
                                     namespace=seg.namespace, reasons=dict(dropped)))
         report.segments += 1
         report.blocks[seg.namespace] = report.blocks.get(seg.namespace, 0) + n
-    store.finish_recovery()
+    finish_recovery(store)
     shared_index.drop_prepared()  # (made ahead for extents that were dropped)
     if check:
         report.problems = store.check()

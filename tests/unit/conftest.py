@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import pytest
 
 from kvtierd.segments import Segment, SegmentLayout
-from kvtierd.store import Block, Namespace, Peer, SlotGrant, Store
+from kvtierd.store import Block, Namespace, Peer, SlotGrant, Store, StoreOptions
 
 T = TypeVar("T")
 
@@ -139,6 +139,7 @@ def make_store(
     lease_ttl: float = 30.0,
     reservation_ttl: float = 10.0,
     grant_bytes: int = 0,
+    options: StoreOptions | None = None,
 ) -> StoreEnv:
     clock = FakeClock()
     evicted: list[Block] = []
@@ -153,6 +154,7 @@ def make_store(
         on_evict=evicted.append,
         publish=True,
         grant_bytes=grant_bytes,
+        options=options or StoreOptions(),
     )
     return StoreEnv(store, directory, clock, evicted)
 

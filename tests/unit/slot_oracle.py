@@ -1,7 +1,7 @@
 """The rules of a warm start's slot validation, stated in numpy: the oracle the native
 ``BlockTable.adopt`` is tested against (tests/unit/test_block_table.py).
 
-The daemon adopts a previous run's segments natively (``Store.adopt_segment``:
+The daemon adopts a previous run's segments natively (``store.adoption.adopt_segment``:
 ``BlockTable.adopt``, csrc/blocks.c); this is the same validation written plainly,
 over the same slot table, so a test can compare every verdict.
 """

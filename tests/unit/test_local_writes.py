@@ -26,7 +26,7 @@ from kvtier._index import LocalWrites
 from kvtierd.access import Right
 from kvtierd.segments import SegmentLayout, SlotState
 from kvtierd.shared_index import GRANT_TAKEN, GRANT_VALID, GRANTS_N, HAS_SUM, LAST, SessionPage
-from kvtierd.store import GRANT_IDLE_SECONDS, CommitResult, Session
+from kvtierd.store import GRANT_IDLE_SECONDS, CommitResult, Session, StoreOptions
 
 from .conftest import StoreEnv, close_store, make_store
 from .test_store import BLOCK, CAPACITY, keys, payload, put, session
@@ -905,8 +905,7 @@ def test_refills_come_in_batches_within_a_share_of_the_namespace_and_never_grow_
     assert layout is not None
     per = layout.n_slots  # 127
     env = store_factory(capacity=5 * layout.file_bytes, extent_size=extent,
-                        grant_bytes=256 * BLOCK)
-    env.store.grow_ahead = False
+                        grant_bytes=256 * BLOCK, options=StoreOptions(grow_ahead=False))
     s = session(env)
     put(env, s, [b"one"])
     assert env.store.grant_target(s.ns, 1) == per // GRANT_SHARE == 7  # one extent: a share

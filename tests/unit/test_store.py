@@ -23,7 +23,7 @@ from kvtier.errors import (
     Unauthenticated,
 )
 from kvtierd.segments import KEY_OFFSET, SLOT_ENTRY_BYTES, TABLE_OFFSET, SegmentLayout, SlotState
-from kvtierd.store import Extent, Namespace, ReserveStatus, Session, Store
+from kvtierd.store import Extent, Namespace, ReserveStatus, Session, Store, StoreOptions
 from kvtierd.store.keys import locate
 
 from .conftest import BOOT_EPOCH, PEER, StoreEnv, run, segment_factory
@@ -138,9 +138,11 @@ def test_sessions_of_one_namespace_share_it(env: StoreEnv) -> None:
     assert env.store.namespaces["A"].slot_bytes == BLOCK
 
 
-def test_a_namespace_holding_nothing_is_forgotten_with_its_last_session(env: StoreEnv) -> None:
+def test_a_namespace_holding_nothing_is_forgotten_with_its_last_session(
+        store_factory: Callable[..., StoreEnv]) -> None:
     forgotten: list[str] = []
-    env.store.on_forget = forgotten.append
+    env = store_factory(capacity=CAPACITY, extent_size=EXTENT,
+                        options=StoreOptions(on_forget=forgotten.append))
     a1, a2 = session(env), session(env)
     env.store.close_session(a1)
     assert "A" in env.store.namespaces  # a2 still uses it

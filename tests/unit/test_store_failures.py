@@ -39,6 +39,7 @@ from kvtierd.block_table import BlockTable
 from kvtierd.recovery import recover
 from kvtierd.segments import Segment, SegmentLayout, SlotState
 from kvtierd.store import Block, Lower, Namespace, Store
+from kvtierd.store.adoption import adopt_segment, finish_recovery
 
 from .conftest import BOOT_EPOCH, FakeClock, StoreEnv, close_store, run, segment_factory
 from .test_store import (
@@ -501,16 +502,16 @@ def test_adopt_segment_with_keys_committed_twice(failing: Callable[..., list[str
         segs = sorted((Segment.attach(e.segment.meta_path, segment_id=env.store.new_segment_id())
                        for e in (ext0, ext1)), key=lambda g: g.index)
         first, second = segs
-        env.store.adopt_segment(first)
+        adopt_segment(env.store, first)
 
         def op() -> None:
             try:
-                env.store.adopt_segment(second)
+                adopt_segment(env.store, second)
             except Injected:
                 second.close(unlink=False)  # not adopted: the caller's to close
                 raise
 
         return op
 
-    calls = failing(setup, finish=lambda env: env.store.finish_recovery())
+    calls = failing(setup, finish=lambda env: finish_recovery(env.store))
     assert calls == ["delete"]

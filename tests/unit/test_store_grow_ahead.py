@@ -9,6 +9,7 @@ an extent being made (and pre-faulted) in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import os
@@ -24,7 +25,7 @@ import pytest
 from kvtier.errors import CapacityExhausted
 from kvtierd.segments import Segment, SegmentLayout, segment_file_name
 from kvtierd.shared_index import SessionPage
-from kvtierd.store import Namespace, Session, Store
+from kvtierd.store import Namespace, Session, Store, StoreOptions
 from kvtierd.store.room import GROW_AHEAD_RETRY
 
 from .conftest import BOOT_EPOCH, PEER, FakeClock, segment_factory
@@ -75,12 +76,15 @@ def gate(shm_dir: str) -> Gate:
     return Gate(shm_dir)
 
 
-def make(gate: Gate, capacity: int, *, grant_bytes: int = 0) -> tuple[Store, FakeClock]:
+def make(gate: Gate, capacity: int, *, grant_bytes: int = 0, grow_ahead: bool = True,
+         dram_quota_of: Callable[[str], int] | None = None) -> tuple[Store, FakeClock]:
     clock = FakeClock()
+    options = StoreOptions(grow_ahead=grow_ahead)
+    if dram_quota_of is not None:
+        options = dataclasses.replace(options, dram_quota_of=dram_quota_of)
     store = Store(capacity=capacity, extent_size=EXTENT, extent_factory=gate,
                   lease_ttl=30.0, reservation_ttl=10.0, boot_epoch=BOOT_EPOCH, clock=clock,
-                  publish=True, grant_bytes=grant_bytes)
-    store.grow_ahead = True
+                  publish=True, grant_bytes=grant_bytes, options=options)
     return store, clock
 
 
@@ -250,10 +254,10 @@ def test_growth_ahead_never_passes_the_capacity_nor_evicts(
 
 
 def test_growth_ahead_never_passes_a_quota(gate: Gate, stores: list[Store]) -> None:
-    store, _clock = make(gate, 8 * EXTENT_FILE)
-    stores.append(store)
     quota = EXTENT_FILE + EXTENT_FILE // 2
-    store.dram_quota_of = lambda name: quota if name == "A" else 0
+    store, _clock = make(gate, 8 * EXTENT_FILE,
+                         dram_quota_of=lambda name: quota if name == "A" else 0)
+    stores.append(store)
     a = store.open_session("A", BLOCK, "m", PEER)
     b = store.open_session("B", BLOCK, "m", PEER)
 
@@ -273,9 +277,8 @@ def test_growth_ahead_never_passes_a_quota(gate: Gate, stores: list[Store]) -> N
 
 
 def test_a_quota_of_one_extent_grows_nothing_ahead(gate: Gate, stores: list[Store]) -> None:
-    store, _clock = make(gate, 8 * EXTENT_FILE)
+    store, _clock = make(gate, 8 * EXTENT_FILE, dram_quota_of=lambda name: EXTENT_FILE)
     stores.append(store)
-    store.dram_quota_of = lambda name: EXTENT_FILE
     s = store.open_session("A", BLOCK, "m", PEER)
 
     async def body() -> None:
@@ -410,8 +413,7 @@ def test_a_namespace_dropped_while_its_first_extent_is_made_gets_nothing(
 
 def test_growth_ahead_is_off_unless_the_daemon_turns_it_on(
         gate: Gate, stores: list[Store]) -> None:
-    store, _clock = make(gate, 4 * EXTENT_FILE)
-    store.grow_ahead = False
+    store, _clock = make(gate, 4 * EXTENT_FILE, grow_ahead=False)
     stores.append(store)
     s = store.open_session("A", BLOCK, "m", PEER)
 
@@ -516,8 +518,7 @@ def test_a_reserve_that_finds_no_room_while_another_namespace_grows_waits_for_it
 
 def test_a_reserve_with_no_room_and_no_growth_anywhere_still_refuses_at_once(
         gate: Gate, stores: list[Store]) -> None:
-    store, _clock = make(gate, EXTENT_FILE)
-    store.grow_ahead = False
+    store, _clock = make(gate, EXTENT_FILE, grow_ahead=False)
     stores.append(store)
     a = store.open_session("A", BLOCK, "m", PEER)
 
@@ -536,12 +537,12 @@ def test_a_reserve_with_no_room_and_no_growth_anywhere_still_refuses_at_once(
 
 def test_every_extent_made_is_told_to_on_extent_as_it_is_added(
         gate: Gate, stores: list[Store]) -> None:
-    """``Store.on_extent`` (the cluster tier maps each new extent into its agent then,
+    """``Store.attach_cluster`` (the cluster tier maps each new extent into its agent then,
     not at the extent's first publish): called once per extent, ahead or on demand."""
     store, _clock = make(gate, 4 * EXTENT_FILE)
     stores.append(store)
     told: list[int] = []
-    store.on_extent = lambda seg: told.append(seg.segment_id)
+    store.attach_cluster(lambda seg: told.append(seg.segment_id))
     s = store.open_session("A", BLOCK, "m", PEER)
 
     async def body() -> None:

@@ -111,7 +111,8 @@ def test_locate_answers_what_the_walk_key_by_key_answered(
         tiers.append(local)
     if "remote" in layout or "batched" in layout:
         tiers.append(FakeTier(TIER_CLUSTER, False, remote, batched="batched" in layout))
-    store = types.SimpleNamespace(pin_blocks=lambda blocks: [], unpin=lambda lease: None)
+    store = types.SimpleNamespace(pin_blocks=lambda blocks: [], unpin=lambda lease: None,
+                                  attach_tiering=lambda **told: None)
     t = Tiering(store, below=tiers, io_threads=1)  # type: ignore[arg-type]
     try:
         ns = types.SimpleNamespace(name="a", block_bytes=4096, model_uid="m",

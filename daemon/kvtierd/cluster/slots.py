@@ -76,7 +76,7 @@ class SlotMapper:
     def premap(self, seg: Segment) -> None:
         """Have the agent map a DRAM extent now, on a thread of its own, rather than at
         the extent's first publish (which then waits for the mapping: 1-10 ms); the
-        store calls this for every extent it makes (``Store.on_extent``), from the
+        store calls this for every extent it makes (``Store.attach_cluster``), from the
         event loop. Whatever goes wrong is left to that first publish."""
         a = self._link.agent
         if a is None or self._link.stopping:

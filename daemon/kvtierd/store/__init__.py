@@ -17,9 +17,14 @@ The package, layer on layer (each a class over the one before; calls go down):
 * ``operations``: the calls: sessions, lookup, reserve/commit/abort,
   acquire/release, delete, evict, and the tiering layer's hooks.
 * ``fast_path``: writes without a call (grants, page commits) and page counters.
-* ``adoption``: taking over a previous run's segments.
 * ``store``: ``Store`` itself, with expiry, accounting and ``check`` (``check``:
   the cross-check, on a snapshot).
+* ``adoption``: taking over a previous run's segments, at start-up -- functions that
+  take the store (``kvtierd.recovery`` calls them), not a layer.
+
+Every option a store has is given to its constructor (``StoreOptions``); what is
+known only once the store exists is told by a method (``attach_tiering``,
+``attach_cluster``, ``set_recovery_report``), never set as an attribute.
 Policy lives here; bytes never do.  The store decides which slot a key gets,
 when a block becomes visible, which block is evicted, and who holds what;
 the mechanism (``segments``) persists slot states; the service translates the
@@ -77,7 +82,7 @@ access is older than every block CLOCK would evict here, or any when this
 namespace has too few to evict (so the budget moves between namespaces).
 Eviction is the one place where DRAM blocks leave.
 
-Spill (``spill_enabled``, driven by ``kvtierd.tiering``): every block is
+Spill (``spill_enabled``, told by ``kvtierd.tiering``: ``attach_tiering``): every block is
 DIRTY (DRAM is its only copy), CLEAN (a spill tier holds a durable copy) or
 UNSPILLABLE (spilling it failed).  Only non-DIRTY blocks are evicted, and only
 extents without DIRTY blocks are reclaimed; a reserve that could be served by
@@ -87,7 +92,7 @@ waits for the demoter (back-pressure) and retries.
 
 from __future__ import annotations
 
-from kvtierd.store.base import ExtentFactory, Pinned
+from kvtierd.store.base import ExtentFactory, Pinned, StoreOptions
 from kvtierd.store.check import CheckSnapshot
 from kvtierd.store.store import Store
 from kvtierd.store.types import (
@@ -118,4 +123,5 @@ __all__ = [
     "MAX_READ_HINTS", "AcquireResult", "AdoptedSlots", "Block", "CheckSnapshot",
     "CommitResult", "Extent", "ExtentFactory", "Lease", "Lower", "Namespace", "NeedDemotion", "PageCommits",
     "Peer", "Pinned", "Reservation", "ReserveResult", "ReserveStatus", "Session", "SlotGrant", "Store",
+    "StoreOptions",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import itertools
 import logging
@@ -186,6 +187,32 @@ class Pinned:
         return self._ns.leased + len(self.hazards)
 
 
+def _no_quota(name: str) -> int:
+    return 0
+
+
+def _forget_nothing(name: str) -> None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreOptions:
+    """What the daemon decides about a store beyond its sizes, given to its constructor
+    (``Store(..., options=StoreOptions(...))``); a store made without one (tests,
+    benchmarks) has these defaults.  What is only known once the store exists is told
+    by a method instead: the tiers below it (``attach_tiering``), the cluster tier
+    (``attach_cluster``), recovery's figures (``set_recovery_report``)."""
+
+    #: Namespace name -> its DRAM quota in bytes (0: none); the daemon's come from the
+    #: access rules.  Consulted only when a reserve finds no free slot.
+    dram_quota_of: Callable[[str], int] = _no_quota
+    #: Grow namespaces ahead of need (``dram.grow_ahead``); without it a namespace grows
+    #: only when a reserve needs the room.
+    grow_ahead: bool = False
+    #: Called with the name of a namespace the store forgot (metrics drop its series).
+    on_forget: Callable[[str], None] = _forget_nothing
+
+
 class StoreBase:
     """The store's state and primitives (``kvtierd.store``'s docstring tells the whole).
 
@@ -207,7 +234,9 @@ class StoreBase:
         on_evicted: Callable[[str, int], None] | None = None,
         publish: bool = False,
         grant_bytes: int = 0,
+        options: StoreOptions = StoreOptions(),
     ) -> None:
+        self.options = options
         self.capacity = capacity
         #: Bytes of slots each session with a write page may hold reserved ahead.
         self.grant_bytes = grant_bytes
@@ -249,29 +278,59 @@ class StoreBase:
         self.evictions = 0
         #: Slots granted ahead per namespace, since metrics last took them (``take_granted``).
         self.granted: collections.Counter[str] = collections.Counter()
-        #: Namespace name -> its DRAM quota in bytes (0: none); the daemon sets it from
-        #: the access rules.  Consulted only when a reserve finds no free slot.
-        self.dram_quota_of: Callable[[str], int] = lambda name: 0
-        #: Called with the name of a namespace the store forgot (metrics drop its series).
-        self.on_forget: Callable[[str], None] = lambda name: None
         self.mlock_errors: list[str] = []
         self.prefault_seconds = 0.0
+        #: Recovery's figures (``set_recovery_report``); ``dropped_segments`` also
+        #: hears of namespaces reformatted later.
         self.recovery_seconds = 0.0
         self.dropped_segments: list[str] = []
         #: Hears every key that comes into or goes out of DRAM (``watch``).
         self._watch: Callable[[str, str, list[bytes], bool], None] | None = None
+        # ------------------------------------------------ growth (``room``)
+        #: Told of every extent added (``attach_cluster``).
+        self._on_extent: Callable[[Segment], None] | None = None
+        #: Growth ahead of need on now: ``options.grow_ahead``, until ``stop_growth``.
+        self.grow_ahead = options.grow_ahead
+        #: Extents made ahead of need so far.
+        self.grown_ahead = 0
+        #: Bytes of extents being made now (out of ``budget_free``, in no extent yet).
+        self.growing_bytes = 0
+        self._ahead_paused_until = float("-inf")
+        #: The growth ahead in flight, per namespace (at most one each).
+        self._ahead: dict[Namespace, asyncio.Task[None]] = {}
+        #: Extent creations in flight (``stop_growth`` waits for them).
+        self._making: set[asyncio.Future[Segment]] = set()
+
+    def attach_tiering(self, *, spill: bool, commit_handles: bool) -> None:
+        """Told by the tiering layer, which is built over the store (so not a constructor
+        option): ``spill``, a spill tier exists (evict only non-DIRTY blocks, and a miss
+        in a shared index is not final: the key may be below DRAM); ``commit_handles``,
+        page commits return handles of the blocks they made (only for a write-through
+        publish: a handle per block costs)."""
+        self._spill_enabled = spill
+        for ns in self.namespaces.values():
+            ns.index.table.set_lower_tiers(spill)
+        self.commit_handles = commit_handles
+
+    def attach_cluster(self, on_extent: Callable[[Segment], None]) -> None:
+        """Tell ``on_extent`` of every extent added from now on (the cluster tier maps it
+        into its agent; called on the event loop, so it must not block).  A method, not
+        a constructor option: the cluster tier is made after the store, whose live
+        segments it maps."""
+        self._on_extent = on_extent
+
+    def set_recovery_report(self, seconds: float, dropped: Sequence[str]) -> None:
+        """Recovery's figures (Stats, metrics): the time it took and the segments it
+        dropped.  A method, not a constructor option: recovery adopts into the store, so
+        its figures exist only once the store does."""
+        self.recovery_seconds = seconds
+        self.dropped_segments = list(dropped)
 
     @property
     def spill_enabled(self) -> bool:
-        """Set by the tiering layer when a spill tier exists: evict only non-DIRTY blocks
-        (and a miss in a shared index is not final: the key may be below DRAM)."""
+        """A spill tier exists (``attach_tiering``): evict only non-DIRTY blocks (and a
+        miss in a shared index is not final: the key may be below DRAM)."""
         return self._spill_enabled
-
-    @spill_enabled.setter
-    def spill_enabled(self, on: bool) -> None:
-        self._spill_enabled = on
-        for ns in self.namespaces.values():
-            ns.index.table.set_lower_tiers(on)
 
     def _new_namespace(self, name: str, block_bytes: int, model_uid: str,
                        slot_bytes: int, *, publish: bool = True) -> Namespace:
@@ -324,7 +383,7 @@ class StoreBase:
             return
         self._system_sessions.pop(ns.name, None)
         self._drop_namespace(ns)
-        self.on_forget(ns.name)
+        self.options.on_forget(ns.name)
 
     def _hazards(self, ns: Namespace) -> HazardSet:
         """The slots of ``ns`` its clients lease without a call (see csrc/index.c), read

@@ -8,7 +8,7 @@ import asyncio
 import functools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -216,7 +216,7 @@ class Room(StoreBase):
     def _at_quota(self, ns: Namespace) -> bool:
         """A namespace at its DRAM quota neither grows nor reclaims others' extents: it
         evicts its own blocks (access.namespaces[].dram_quota; checked off the fast path)."""
-        quota = self.dram_quota_of(ns.name)
+        quota = self.options.dram_quota_of(ns.name)
         return bool(quota) and SegmentLayout.fit(ns.block_bytes,
                                                  quota - ns.extent_bytes()) is None
 
@@ -288,7 +288,7 @@ class Room(StoreBase):
         if at_quota:
             raise CapacityExhausted(
                 f"namespace {ns.name!r} is at its DRAM quota ({ns.extent_bytes()} of "
-                f"{self.dram_quota_of(ns.name)} bytes): {n} "
+                f"{self.options.dram_quota_of(ns.name)} bytes): {n} "
                 f"slots needed, {got + len(same_ns)} obtainable by evicting its own "
                 f"blocks ({ns.leased} leased and {ns.reserved} reserved blocks cannot be "
                 "evicted)")
@@ -382,7 +382,7 @@ class Room(StoreBase):
         """The next extent of ``ns``: ``extent_size`` (or one slot, if that is more), less
         where the budget or the namespace's DRAM quota has less room; None: no room."""
         room = self.budget_free
-        quota = self.dram_quota_of(ns.name)
+        quota = self.options.dram_quota_of(ns.name)
         if quota:  # never grow past the namespace's DRAM quota
             room = min(room, quota - ns.extent_bytes())
         return SegmentLayout.fit(ns.block_bytes, min(room, max(
@@ -436,35 +436,14 @@ class Room(StoreBase):
         self.add_extent(ns, segment)
         return True
 
-    #: Told of every extent added (the cluster tier maps it into its agent); called
-    #: on the event loop, so it must not block.
-    on_extent: Callable[[Segment], None] | None = None
-
     # ------------------------------------------------ growth ahead of need
-    #: Set by the daemon (``dram.grow_ahead``); a store made without it grows only when
-    #: a reserve needs the room.
-    grow_ahead: bool = False
-    #: Extents made ahead of need so far.
-    grown_ahead: int = 0
-    #: Bytes of extents being made now (out of ``budget_free``, in no extent yet).
-    growing_bytes: int = 0
-    _ahead_paused_until: float = float("-inf")
-
-    @functools.cached_property
-    def _ahead(self) -> dict[Namespace, asyncio.Task[None]]:
-        """The growth ahead in flight, per namespace (at most one each)."""
-        return {}
+    # (its state: ``StoreBase.__init__``; on with ``StoreOptions.grow_ahead``)
 
     def _granted_in(self, ns: Namespace) -> int:
         """Slots of ``ns`` granted ahead to its writers: room its next writes take
         first (the fast path's free list), so growth ahead counts them as free."""
         sessions = self.sessions
         return sum(len(sessions[sid].grants) for sid in ns.pages if sid in sessions)
-
-    @functools.cached_property
-    def _making(self) -> set[asyncio.Future[Segment]]:
-        """Extent creations in flight (``stop_growth`` waits for them)."""
-        return set()
 
     def _grow_ahead(self, ns: Namespace, took: int) -> None:
         """After a claim of ``took`` slots of ``ns``: when it left fewer free slots than
@@ -585,8 +564,8 @@ class Room(StoreBase):
         self.prefault_seconds += segment.prefault_seconds
         if segment.mlock_error is not None:
             self.mlock_errors.append(segment.mlock_error)
-        if self.on_extent is not None:
-            self.on_extent(segment)
+        if self._on_extent is not None:
+            self._on_extent(segment)
 
     def _retire_extents(self, exts: Sequence[Extent], why: str) -> None:
         """Evict every block of these extents (holding no lease or reservation; slots

@@ -10,17 +10,18 @@ import numpy as np
 
 from kvtier import _native
 from kvtierd.logs import event
-from kvtierd.store.adoption import Adoption
 from kvtierd.store.base import _refs
 from kvtierd.store.check import CheckSnapshot, _cross_check, _ExtentView, _NamespaceView
+from kvtierd.store.fast_path import FastPath
 from kvtierd.store.types import Extent, Lease, Namespace, Session
 
 log = logging.getLogger(__name__)
 
 
-class Store(Adoption):
+class Store(FastPath):
     """Block tables, key indexes, reservations and leases over the DRAM extents (see the
-    package docstring)."""
+    package docstring).  A previous run's extents are adopted by the functions of
+    ``kvtierd.store.adoption`` (start-up only)."""
 
     async def drain(self) -> None:
         """Wait for extents being retired in the background."""

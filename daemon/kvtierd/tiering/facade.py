@@ -85,9 +85,8 @@ class Tiering:
         #: The tiers below DRAM, fastest first (``Below.lower``).
         self.lower = self.below.lower
         self.enabled = bool(self.lower)
-        store.spill_enabled = self.enabled
         # Page commits make block handles only for the write-through publish.
-        store.commit_handles = bool(self.below.write_through)
+        store.attach_tiering(spill=self.enabled, commit_handles=bool(self.below.write_through))
         self._wake = asyncio.Event()  # the demoter's: something to demote now
         self.copier = Copier(store, self.below, self.report)
         ctx = Context(store, self.below, self.moves, self.copier, self.report, self.work)
