@@ -5,8 +5,9 @@ Every engine is a process of the vLLM TPU venv (Python 3.12, ``make install`` bu
 ``VLLM_TPU``), running ``vllm_tpu_engine.py`` on the tiny random-weight Llama of
 ``tinyllama.py``, on the CPU, with the stand-ins for TPU hardware of ``tpu_standins.py``.
 Engines hold several phases, so the daemon is killed and restarted between two requests
-without another engine start (each start costs ~30 s here): three starts in all, run side
-by side.  Every
+without another engine start (each start costs ~30 s here): four starts in all, run side
+by side (the reference, a ``kv_both`` engine, a P/D producer, and a consumer that is also
+the first engine restarted).  Every
 answer is compared with an engine without a connector: kvtier may change how much is
 recomputed, never what is generated.
 """
@@ -56,7 +57,9 @@ class Engine(driver.Engine):
 
     def __init__(self, python: str, base: str, spec: dict[str, Any], name: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        env["PYTHONPATH"] = ROOT
+        # This checkout's kvtier, whichever checkout the venv was installed from (its
+        # editable finder comes after PYTHONPATH).
+        env["PYTHONPATH"] = os.pathsep.join((os.path.join(ROOT, "client"), ROOT))
         super().__init__(base, spec, name, python=python,
                          script=os.path.join(HERE, "vllm_tpu_engine.py"), env=env)
 
@@ -76,8 +79,10 @@ def _count(out: dict[str, Any], name: str) -> float:
 
 
 class Lab(common.Lab):
-    def engine(self, name: str, phases: list[list[list[int]]], *, kvtier: bool) -> Engine:
-        spec: dict[str, Any] = {"model": self.model, "phases": phases, "block": BLOCK}
+    def engine(self, name: str, phases: list[list[list[int]]], *, kvtier: bool,
+               role: str = "kv_both") -> Engine:
+        spec: dict[str, Any] = {"model": self.model, "phases": phases, "block": BLOCK,
+                                "kv_role": role}
         if kvtier:
             spec["kvtier"] = {"socket_dir": self.socket_dir, "timeout": 2.0}
         e = Engine(self.python, self.base, spec, name)
@@ -109,14 +114,17 @@ def lab() -> Iterator[Lab]:
 def test_vllm_tpu_offload_survives_daemon_kill_and_engine_restart(lab: Lab) -> None:
     """One engine starts with kvtierd down and serves; once kvtierd is up it saves P1
     into kvtierd; kvtierd is SIGKILLed mid-run and the engine answers on, the same; after
-    the daemon's restart it saves P3; then the engine is restarted: the fresh process
-    reports P1's and P3's full blocks as cached, loaded from kvtierd.  Every answer equals
-    that of an engine without a connector."""
+    the daemon's restart it saves P3; a P/D producer saves P2; then the engine is
+    restarted as a consumer: the fresh process reports the full blocks of P1, P3 (the first
+    engine's) and P2 (the producer's) as cached, loaded from kvtierd, and saves nothing.
+    Every answer equals that of an engine without a connector."""
     alone = lab.engine("alone", [[P1, P2, P3, P4]], kvtier=False)
     first = lab.engine("first", [[P2], [P1], [P4, P1], [P3]], kvtier=True)
+    producer = lab.engine("producer", [[], [P2]], kvtier=True, role="kv_producer")
     # The engine that replaces the first starts now (its start overlaps the first's run) and
-    # serves nothing until the first is gone: then it is the restarted engine.
-    second = lab.engine("second", [[], [P1, P3]], kvtier=True)
+    # serves nothing until the first is gone: then it is the restarted engine, a P/D
+    # consumer of the producer's blocks.
+    second = lab.engine("second", [[], [P1, P3, P2]], kvtier=True, role="kv_consumer")
     ref = dict(zip(("P1", "P2", "P3", "P4"),
                    (r["tokens"] for r in alone.result()["prompts"]), strict=True))
     alone.close()
@@ -152,17 +160,31 @@ def test_vllm_tpu_offload_survives_daemon_kill_and_engine_restart(lab: Lab) -> N
     first.close()
     assert _kvtier_frames(first.log()) == []
 
+    # The producer (up since the start, kvtierd down then) answers P2: its blocks are
+    # committed with the answer, which announces them.
+    assert producer.result()["prompts"] == []
+    producer.next()
+    out = producer.result()
+    producer.close()
+    assert out["prompts"][0] == {**out["prompts"][0], "tokens": ref["P2"], "cached": 0,
+                                 "params": {"kvtier": {"blocks": len(P2) // BLOCK}}}
+    assert lab.stored_blocks(P2) == len(P2) // BLOCK
+    assert _kvtier_frames(producer.log()) == []
+
     # The engine restarted: the fresh process, its prefix cache empty, gets the full blocks
-    # of both prompts from kvtierd (never the block holding the last token).
+    # of every prompt from kvtierd (never the block holding the last token).
     assert second.result()["prompts"] == []  # up, idle, its prefix cache empty
     second.next()
     out = second.result()
     second.close()
-    assert [r["tokens"] for r in out["prompts"]] == [ref["P1"], ref["P3"]]
-    assert [r["cached"] for r in out["prompts"]] == [FULL, FULL], \
+    assert [r["tokens"] for r in out["prompts"]] == [ref["P1"], ref["P3"], ref["P2"]]
+    hits = [FULL, FULL, len(P2) // BLOCK * BLOCK]
+    assert [r["cached"] for r in out["prompts"]] == hits, \
         "a fresh engine missed kvtier's blocks"
-    assert _count(out, "hit_tokens") == 2 * FULL
-    assert _count(out, "loaded_blocks") == 2 * FULL // BLOCK
+    assert _count(out, "hit_tokens") == sum(hits)
+    assert _count(out, "loaded_blocks") == sum(hits) // BLOCK
     assert _count(out, "failed_blocks") == 0
+    assert _count(out, "saved_blocks") + _count(out, "skipped_blocks") == 0, \
+        "a consumer saved"
     assert _kvtier_frames(second.log()) == []
     assert lab.daemon.check() == []

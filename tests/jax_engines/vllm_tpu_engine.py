@@ -7,9 +7,10 @@ the connector (``"kvtier"``: kvtier's ``TPUOffloadConnector`` with that
 ``kv_connector_extra_config``; absent: no connector) and a list of phases, each a list of
 prompts (token ids).  Before every phase but the first it prints ``READY`` and waits for a
 line on stdin, so a test can act (kill the daemon) between phases without another engine
-start.  After each phase it prints one ``RESULT {json}`` line: per prompt the generated
-token ids, vLLM's ``num_cached_tokens`` and the wall time, plus the connector's counters so
-far (``vllm:kvtier_*``).
+start.  ``"kv_role"`` is the connector's (default ``kv_both``).  After each phase it prints
+one ``RESULT {json}`` line: per prompt the generated token ids, vLLM's
+``num_cached_tokens``, the request's ``kv_transfer_params`` and the wall time, plus the
+connector's counters so far (``vllm:kvtier_*``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
                                               ignore_eos=True), use_tqdm=False)[0]
             results.append({"tokens": list(out.outputs[0].token_ids),
                             "cached": out.num_cached_tokens,
+                            "params": out.kv_transfer_params,
                             "seconds": time.perf_counter() - t0})
         # A prompt shorter than a block (nothing to look up or save): its step reports the
         # counters of the phase's last step.
