@@ -39,6 +39,12 @@ Copies per page (a page of all layers), by backend and direction:
   the runtime may stage it through a pinned buffer first), then the same
   in-place update on the device (one device-local copy).
 
+``snapshot`` + ``save_snapshot`` are ``save`` in two halves, for an engine that donates
+its arrays to the next step: ``snapshot`` gathers the pages on the device into new arrays
+and starts their transfer to the host (it returns at once, and the next step cannot touch
+them); ``save_snapshot``, on any thread, copies them into the reserved slots and commits
+(one copy more than ``save`` on CPU, the same copies on accelerators).
+
 ``load_leased`` is ``load`` from a lease the caller took first, for an engine that
 must know its blocks are held before it commits to loading them (``kvtier.sglang_jax``).
 
@@ -79,7 +85,7 @@ per batch-size bucket.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar, cast
 
 import jax
@@ -89,7 +95,7 @@ import numpy.typing as npt
 from jax import lax
 
 from kvtier import _accel, errors
-from kvtier.client import Client, Lease
+from kvtier.client import Client, Lease, Reservation
 from kvtier.paged import (
     GeometryMismatch,
     NamespaceArgs,
@@ -139,11 +145,69 @@ def save(client: Client, cache: Sequence[Layer], page_ids: Sequence[int] | npt.A
                 for i, page in zip(todo, pages, strict=True):
                     r._guarded(_accel.gather, _slot(r.buffers[i]), [h[page] for h in host])
             else:  # accelerators: move only the wanted pages, one transfer per array
-                staged = _stage(arrays, pages)
-                for k, i in enumerate(todo):
-                    r._guarded(_accel.gather, _slot(r.buffers[i]), [s[k] for s in staged])
-                del staged
+                _fill(r, enumerate(todo), _stage(arrays, pages))
             del host
+        return r.commit()
+
+
+class Snapshot:
+    """Pages of a cache copied out of it by :func:`snapshot`, for :func:`save_snapshot`.
+
+    Nothing done to the cache afterwards changes it: an engine may donate and overwrite
+    its arrays in the next step while the snapshot is stored from another thread.
+    """
+
+    __slots__ = ("_arrays", "layout", "pages")
+
+    def __init__(self, arrays: list[jax.Array], pages: int, layout: PagedKVLayout) -> None:
+        self._arrays, self.pages, self.layout = arrays, pages, layout
+
+    def __len__(self) -> int:
+        return self.pages
+
+    def host(self) -> list[np.ndarray]:
+        """Per cache array, its pages' bytes on the host (``[pages, page bytes]`` uint8,
+        padded rows after ``pages``); waits for the transfer :func:`snapshot` started."""
+        return [_as_u8(np.asarray(h)) for h in jax.device_get(self._arrays)]
+
+
+def snapshot(cache: Sequence[Layer], page_ids: Sequence[int], *,
+             layout: PagedKVLayout | None = None) -> Snapshot:
+    """Start copying pages ``page_ids`` of ``cache`` out of it; returns at once.
+
+    One gather of the pages into new arrays on the cache's devices (a device-local copy,
+    dispatched asynchronously: JAX orders it before any later use of the cache, donation
+    included), whose transfer to the host starts now.  :func:`save_snapshot` stores it,
+    from any thread.  Raises as :func:`save`.
+    """
+    lay = layout if layout is not None else layout_of(cache)
+    arrays = _flatten(cache, lay)
+    ids = valid_page_ids(page_ids, len(page_ids), int(arrays[0].shape[0]), unique=False)
+    if not ids:
+        return Snapshot([], 0, lay)
+    gathered = _gather(arrays, ids)
+    for g in gathered:
+        g.copy_to_host_async()
+    return Snapshot(gathered, len(ids), lay)
+
+
+def save_snapshot(client: Client, snap: Snapshot, keys: Sequence[bytes]) -> int:
+    """Store page ``i`` of ``snap`` under ``keys[i]``; returns how many were written.
+
+    As :func:`save`: keys already stored are skipped, one Reserve and one Commit.  Waits
+    for the snapshot's transfer (if any page is to be written); then one host copy per
+    page into its slot.  Raises ``GeometryMismatch`` when the client's ``block_bytes`` is
+    not the snapshot's, ValueError when ``keys`` is not one per page.
+    """
+    if len(keys) != snap.pages:
+        raise ValueError(f"keys and the snapshot's pages differ in length "
+                         f"({len(keys)} != {snap.pages})")
+    snap.layout.check_block_bytes(client.block_bytes)
+    if not keys:
+        return 0
+    with client.reserve(keys) as r:
+        if r.reserved:
+            _fill(r, zip(r.reserved, r.reserved, strict=True), snap.host())
         return r.commit()
 
 
@@ -408,12 +472,27 @@ def _take(a: jax.Array, ids: jax.Array) -> jax.Array:
     return jnp.take(bits, ids, axis=0, mode="clip")
 
 
-def _stage(arrays: Sequence[jax.Array], pages: list[int]) -> list[np.ndarray]:
-    """Only ``pages`` of each array, on the host: a device gather, then one transfer each."""
+def _gather(arrays: Sequence[jax.Array], pages: list[int]) -> list[jax.Array]:
+    """Only ``pages`` of each array, as new arrays of their bits on the same devices (the
+    batch padded to a bucket size, so rows ``len(pages)..`` repeat the last page)."""
     pad = _bucket(len(pages)) - len(pages)
     ids = jnp.asarray(pages + [pages[-1]] * pad, dtype=jnp.int32)
-    gathered = [_take(a, ids) for a in arrays]
-    return [_as_u8(np.asarray(h)) for h in jax.device_get(gathered)]
+    return [_take(a, ids) for a in arrays]
+
+
+def _stage(arrays: Sequence[jax.Array], pages: list[int]) -> list[np.ndarray]:
+    """Only ``pages`` of each array, on the host: a device gather, then one transfer each."""
+    return [_as_u8(np.asarray(h)) for h in jax.device_get(_gather(arrays, pages))]
+
+
+def _fill(r: Reservation, pairs: Iterable[tuple[int, int]], rows: Sequence[np.ndarray]) -> None:
+    """For each ``(row, i)`` of ``pairs``: reserved block ``i`` from that row of every
+    array's host pages ``rows``.
+
+    ``r._guarded``: a slot whose memory is gone aborts the reservation
+    (FailedPrecondition)."""
+    for k, i in pairs:
+        r._guarded(_accel.gather, _slot(r.buffers[i]), [h[k] for h in rows])
 
 
 def _block_arrays(views: Sequence[np.ndarray], lay: PagedKVLayout,
@@ -480,6 +559,7 @@ __all__ = [
     "GeometryMismatch",
     "NamespaceArgs",
     "PagedKVLayout",
+    "Snapshot",
     "fused_layout_of",
     "layout_of",
     "load",
@@ -487,4 +567,6 @@ __all__ = [
     "namespace_for",
     "packed_layout_of",
     "save",
+    "save_snapshot",
+    "snapshot",
 ]

@@ -831,6 +831,11 @@ class _GroupIO:
     writes: bool  # this rank stores the group (one rank per copy of a replicated latent)
 
 
+#: One group's save: its blocks' keys and what to store under them (the blocks' ids, or
+#: what the worker's ``_detach`` made of them for a background save).
+_SaveWork = tuple[_GroupIO, list[bytes], Any]
+
+
 class _Worker:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  cfg: ConnectorConfig, counters: _Counters, throttle: _Throttle) -> None:
@@ -983,9 +988,10 @@ class _Worker:
         return kt.load(client, spec.keys, io.cache, spec.block_ids, layout=io.layout,
                        phases=phases)
 
-    def _copy_out(self, client: Client, io: _GroupIO, keys: list[bytes], ids: list[int]) -> int:
-        """Store blocks ``ids`` of the engine's cache under ``keys``; how many were written."""
-        return kt.save(client, io.cache, ids, keys, layout=io.layout)
+    def _copy_out(self, client: Client, io: _GroupIO, keys: list[bytes], source: Any) -> int:
+        """Store ``source`` under ``keys``; how many were written.  ``source``: blocks of
+        the engine's cache (their ids), or what :meth:`_detach` made of them."""
+        return kt.save(client, io.cache, source, keys, layout=io.layout)
 
     def _load_one(self, client: Client, spec: LoadSpec, io: _GroupIO) -> int:
         ns = io.link.args["namespace"]
@@ -1045,24 +1051,31 @@ class _Worker:
             ids.append(b)
         if not batches:
             return
-        work = [(self._groups[g], keys, ids) for g, (keys, ids) in batches.items()]
+        work: list[_SaveWork] = [(self._groups[g], keys, ids)
+                                 for g, (keys, ids) in batches.items()]
         if self._saver is None:
             self._save_now(work)
             return
         if len(self._pending) >= _MAX_PENDING_SAVES:
             self.settle()
-        blocks = frozenset(b for _, _, ids in work for b in ids)
-        self._pending.append((self._saver.submit(self._save_now, work), blocks))
+        work, blocks = self._detach(work)
+        if work:
+            self._pending.append((self._saver.submit(self._save_now, work), blocks))
 
-    def _save_now(self, work: list[tuple[_GroupIO, list[bytes], list[int]]]) -> None:
+    def _detach(self, work: list[_SaveWork]) -> tuple[list[_SaveWork], frozenset[int]]:
+        """What a background save of ``work`` reads, and the vLLM blocks it reads until it
+        ends (:meth:`settle`).  A CPU cache's save reads the blocks themselves."""
+        return work, frozenset(b for _, _, ids in work for b in ids)
+
+    def _save_now(self, work: list[_SaveWork]) -> None:
         t0 = time.perf_counter()
         try:
-            for io, keys, ids in work:
+            for io, keys, source in work:
                 client = io.link.client()
                 if client is None:
                     continue
                 try:
-                    written = self._copy_out(client, io, keys, ids)
+                    written = self._copy_out(client, io, keys, source)
                 except Exception as exc:  # noqa: BLE001 (a failed save is a later miss)
                     self._failed("save", exc, io.link.args["namespace"])
                     continue
@@ -1109,14 +1122,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     #: One process holds every tensor-parallel rank's KV in global arrays (JAX engines):
     #: a block is stored whole, in one namespace.
     _one_shard: bool = False
+    #: Saves leave the step whatever ``async_save`` says (but a producer's, which its
+    #: answer waits for): the worker snapshots the blocks (JAX engines).
+    _saves_off_the_step: bool = False
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         # kv_role (P/D): a consumer never saves, a producer saves within the step.
-        self._kv_role = Role.of(self._kv_transfer_config.kv_role, save=cfg.save,
-                                load=cfg.load_mode != "off", async_save=cfg.async_save)
+        self._kv_role = self._role_policy(self._kv_transfer_config.kv_role, cfg)
         self._cfg = dataclasses.replace(cfg, save=self._kv_role.save,
                                         async_save=self._kv_role.async_save)
         self._waits = Waits(cfg.producer_wait) if self._kv_role.consumer else None
@@ -1144,6 +1159,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                                   self._counters, self._throttle)
         except Unsupported as exc:
             logger.error("kvtier: the connector is off for this engine: %s", exc)
+
+    @classmethod
+    def _role_policy(cls, kv_role: str | None, cfg: ConnectorConfig) -> Role:
+        """What this connector does under ``kv_role`` with ``cfg`` (ValueError: a bad role)."""
+        return Role.of(kv_role, save=cfg.save, load=cfg.load_mode != "off",
+                       async_save=cfg.async_save or cls._saves_off_the_step)
 
     @property
     def requires_kv_delivery(self) -> bool:

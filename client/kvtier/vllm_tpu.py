@@ -27,11 +27,17 @@ connector and in sglang-jax, only the namespaces differ), the roles (``kv_role``
 * **One namespace for the whole model.**  One process drives every chip of the mesh and
   its arrays are global (sharded over the chips): a block is stored whole, whatever the
   tensor-parallel size, and a host with another mesh shape shares it.
-* **Loads and saves run in the step**, on the engine's thread, since a copy running beside
-  the next step would read or write arrays that step donates.  ``load_mode`` ``async`` and
-  ``auto`` keep their meaning for vLLM (the request waits in ``WAITING_FOR_REMOTE_KVS``
-  and is reported loaded through ``get_finished``) but copy within the step that starts
-  the load; ``async_save`` is ignored.
+* **Loads run in the step**, on the engine's thread, since a copy running beside the next
+  step would write arrays that step donates.  ``load_mode`` ``async`` and ``auto`` keep
+  their meaning for vLLM (the request waits in ``WAITING_FOR_REMOTE_KVS`` and is reported
+  loaded through ``get_finished``) but copy within the step that starts the load.
+* **Saves leave the step**: the step only snapshots the blocks to save
+  (``kvtier.jax.snapshot``: a gather on the device into new arrays, their transfer to the
+  host started), which no later step can touch; a background thread writes the host bytes
+  into kvtier's slots and commits (``kvtier.jax.save_snapshot``).  The save holds no vLLM
+  block, so nothing waits for it but ``shutdown``.  ``async_save`` is ignored: a
+  ``kv_producer`` saves within the step (its answer tells the consumer the blocks are
+  there), ``kv_both`` beside it.
 * **Failure is a recompute**, as with the torch connector: kvtierd down or restarted, a
   block gone, a bad checksum -- the blocks not loaded are reported to vLLM, which
   recomputes them.
@@ -40,6 +46,7 @@ connector and in sglang-jax, only the namespaces differ), the roles (``kv_role``
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -53,6 +60,7 @@ from kvtier.vllm import (
     LoadSpec,
     _GroupIO,
     _Link,
+    _SaveWork,
     _Worker,
     logger,
     model_fingerprint,
@@ -125,6 +133,10 @@ class _JaxWorker(_Worker):
                     len(caches), first.layout.describe(),
                     ", ".join(sorted({d.platform for d in caches[0].devices()})))
         self._runner = runner
+        if self._cfg.async_save:
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
+            logger.info("kvtier: saves leave the step: it snapshots the blocks, a background "
+                        "thread stores them")
         self._groups, self._links = groups, list(links.values())
         self._link, self._cache, self._layout = first.link, first.cache, first.layout
         for link in self._links:
@@ -147,9 +159,26 @@ class _JaxWorker(_Worker):
         phases["copy"] = time.perf_counter() - t0
         return n
 
-    def _copy_out(self, client: Client, io: _GroupIO, keys: list[bytes], ids: list[int]) -> int:
-        _, arrays = self._arrays(io)
-        return kj.save(client, arrays, ids, keys, layout=io.layout)
+    def _detach(self, work: list[_SaveWork]) -> tuple[list[_SaveWork], frozenset[int]]:
+        """Each group's blocks to save snapshotted (``kvtier.jax.snapshot``: a gather on
+        the device, its transfer to the host started): the step that donates the arrays
+        next cannot touch them, so the background save holds no vLLM block."""
+        out: list[_SaveWork] = []
+        for io, keys, ids in work:
+            if io.link.client() is None:
+                continue  # kvtierd is not there: nothing to copy (as _save_now would skip)
+            try:
+                _, arrays = self._arrays(io)
+                out.append((io, keys, kj.snapshot(arrays, ids, layout=io.layout)))
+            except Exception as exc:  # noqa: BLE001 (a failed save is a later miss)
+                self._failed("save", exc, io.link.args["namespace"])
+        return out, frozenset()
+
+    def _copy_out(self, client: Client, io: _GroupIO, keys: list[bytes], source: Any) -> int:
+        if isinstance(source, kj.Snapshot):  # in the background (_detach)
+            return kj.save_snapshot(client, source, keys)
+        _, arrays = self._arrays(io)  # in the step (a kv_producer's saves)
+        return kj.save(client, arrays, source, keys, layout=io.layout)
 
 
 class TPUOffloadConnector(KVTierConnector):
@@ -159,6 +188,7 @@ class TPUOffloadConnector(KVTierConnector):
 
     _worker_class = _JaxWorker
     _one_shard = True
+    _saves_off_the_step = True
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         return  # tpu-inference calls register_runner instead

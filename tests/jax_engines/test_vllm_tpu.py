@@ -159,6 +159,7 @@ def test_vllm_tpu_offload_survives_daemon_kill_and_engine_restart(lab: Lab) -> N
     assert lab.stored_blocks(P3) == len(P3) // BLOCK, "no save after the daemon's restart"
     first.close()
     assert _kvtier_frames(first.log()) == []
+    assert "saves leave the step" in first.log()
 
     # The producer (up since the start, kvtierd down then) answers P2: its blocks are
     # committed with the answer, which announces them.
@@ -170,6 +171,7 @@ def test_vllm_tpu_offload_survives_daemon_kill_and_engine_restart(lab: Lab) -> N
                                  "params": {"kvtier": {"blocks": len(P2) // BLOCK}}}
     assert lab.stored_blocks(P2) == len(P2) // BLOCK
     assert _kvtier_frames(producer.log()) == []
+    assert "saves leave the step" not in producer.log()  # its answer waits for its saves
 
     # The engine restarted: the fresh process, its prefix cache empty, gets the full blocks
     # of every prompt from kvtierd (never the block holding the last token).

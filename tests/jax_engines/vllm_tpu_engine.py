@@ -39,6 +39,17 @@ def _counters(llm: Any) -> dict[str, float]:
     return out
 
 
+def _settle_saves() -> None:
+    """Wait for the connector's background saves (their counters with them); the worker is
+    in this process."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        worker = getattr(get_kv_transfer_group(), "_worker", None)
+        if worker is not None:
+            worker.settle()
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
@@ -75,8 +86,10 @@ def main() -> None:
                             "cached": out.num_cached_tokens,
                             "params": out.kv_transfer_params,
                             "seconds": time.perf_counter() - t0})
-        # A prompt shorter than a block (nothing to look up or save): its step reports the
-        # counters of the phase's last step.
+        # Saves run in the background: wait for the last ones, then run a prompt shorter
+        # than a block (nothing to look up or save) so its step reports the counters.
+        if ktc is not None:
+            _settle_saves()
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
                      use_tqdm=False)
         print("RESULT " + json.dumps({"prompts": results, "counters": _counters(llm)}),

@@ -3,11 +3,13 @@
 The engine itself runs in tests/jax_engines/test_vllm_tpu.py (tpu-inference needs Python
 3.12); these check what that test cannot isolate: the arrays found by layer name, one
 namespace for any mesh, the runner's arrays replaced after a load (the old ones were
-donated), the bytes moved exactly, and a failed load left to vLLM to recompute.
+donated), the bytes moved exactly, a failed load left to vLLM to recompute, and saves
+stored in the background from a snapshot the next step's donation cannot touch.
 """
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM connector tests need kvtier[vllm] (make install)")
 pytest.importorskip("jax", reason="kvtier.vllm_tpu needs kvtier[jax] (make install)")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -25,13 +28,14 @@ from kvtier._kv_groups import Unsupported  # noqa: E402
 from kvtier.hashing import block_keys, request_salt  # noqa: E402
 from kvtier.vllm import (  # noqa: E402
     ConnectorConfig,
+    KVTierConnector,
     KVTierMetadata,
     LoadSpec,
     _Counters,
     _Scheduler,
     _Throttle,
 )
-from kvtier.vllm_tpu import _JaxWorker  # noqa: E402
+from kvtier.vllm_tpu import TPUOffloadConnector, _JaxWorker  # noqa: E402
 from tests.conftest import DaemonProc, start_daemon, stop_daemon  # noqa: E402
 
 BLOCK = 16
@@ -65,6 +69,18 @@ def _worker(daemon: DaemonProc, tp: int = 1, **extra: Any) -> _JaxWorker:
     vc, kv = _configs(tp)
     cfg = ConnectorConfig.from_extra({"socket_dir": daemon.socket_dir, **extra})
     return _JaxWorker(vc, kv, cfg, _Counters(), _Throttle())
+
+
+#: Every page of every array set to ``value``, the arrays donated (as a step does).
+_overwrite = jax.jit(lambda xs, value: [jnp.full_like(x, value) for x in xs], donate_argnums=0)
+
+
+def _hold(w: _JaxWorker) -> threading.Event:
+    """Keep ``w``'s save thread busy until the returned event is set."""
+    go = threading.Event()
+    assert w._saver is not None
+    w._saver.submit(go.wait, 30)
+    return go
 
 
 def test_blocks_round_trip_by_layer_name_and_the_runner_gets_the_new_arrays(
@@ -149,3 +165,69 @@ def test_arrays_that_do_not_match_the_spec_turn_the_connector_off(daemon: Daemon
     split.dp_size = 2
     with pytest.raises(Unsupported, match="data-parallel"):
         _worker(daemon).register_runner(split)
+
+
+def test_a_save_leaves_the_step_with_a_snapshot_the_next_step_cannot_touch(
+        daemon: DaemonProc) -> None:
+    """Saves run in the background (the step only starts the device-to-host copy of the
+    blocks): what is stored is the blocks as the step left them, though the next step
+    donates and overwrites every array before the save thread writes a byte; settle()
+    waits for it; the save holds no vLLM block (settling for reused blocks waits for
+    nothing)."""
+    tokens = list(range(3, 3 + 3 * BLOCK))
+    keys = block_keys(tokens, BLOCK, request_salt("", None, None))
+    src = _runner(0)
+    want = [np.asarray(x).copy() for x in src.kv_caches]
+    w = _worker(daemon, async_save=True)
+    w.register_runner(src)
+    go = _hold(w)
+    w.save(KVTierMetadata(save_keys=keys, save_block_ids=[5, 2, 7]))
+    assert [blocks for _, blocks in w._pending] == [frozenset()]
+    src.kv_caches = _overwrite(src.kv_caches, 0.0)  # the next step, before the save ran
+    w.settle({5, 2, 7})  # the blocks handed out again: nothing to wait for
+    assert w._pending and "saved_blocks" not in w._counters.take()
+    go.set()
+    w.settle()
+    assert w._pending == []
+    counters = w._counters.take()
+    assert counters["saved_blocks"] == 3 and "failures_other" not in counters
+    w.close()
+
+    dst = _runner(1)
+    b = _worker(daemon)
+    b.register_runner(dst)
+    b.load(KVTierMetadata(loads=[LoadSpec("r", keys, [1, 9, 4])]))
+    assert b.load_errors() == set()
+    got = [np.asarray(x) for x in dst.kv_caches]
+    for layer in range(2):
+        for s, d in ((5, 1), (2, 9), (7, 4)):
+            assert np.array_equal(got[layer][d], want[layer][s])
+    b.close()
+
+
+def test_a_background_save_that_fails_is_a_later_miss(workdir: str) -> None:
+    keys = block_keys(list(range(3, 3 + 2 * BLOCK)), BLOCK, request_salt("", None, None))
+    daemon = start_daemon(workdir)
+    try:
+        w = _worker(daemon, async_save=True)
+        w.register_runner(_runner())
+        go = _hold(w)
+        w.save(KVTierMetadata(save_keys=keys, save_block_ids=[3, 4]))
+        daemon.kill()  # SIGKILL under the save
+        go.set()
+        w.close()  # settles: never raises
+        counters = w._counters.take()
+        assert counters.get("failures_unavailable", 0) >= 1
+        assert "saved_blocks" not in counters
+    finally:
+        stop_daemon(daemon)
+
+
+@pytest.mark.parametrize(("role", "background"), [
+    ("kv_both", True), ("kv_producer", False), ("kv_consumer", False)])
+def test_only_a_producer_saves_in_the_step(role: str, background: bool) -> None:
+    """A producer's answer waits for its blocks (P/D: the consumer asks for them the
+    moment it arrives); other roles save off the step whatever async_save says."""
+    cfg = ConnectorConfig.from_extra({})
+    assert TPUOffloadConnector._role_policy(role, cfg).async_save is background
+    assert KVTierConnector._role_policy(role, cfg).async_save is False  # torch: async_save's
