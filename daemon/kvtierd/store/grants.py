@@ -17,7 +17,8 @@ session's ``GrantBook``) and never reaches into its columns:
 * The refill policy: ``grant_limit``, ``grant_target``, ``GrantBook.needs_refill``.
   Finding the room stays the store's (``FastPath.refill_grants`` claims, then
   ``GrantBook.grant``): a book never claims, evicts or grows.
-* The per-namespace figures: ``idle_by_namespace``.
+* The per-namespace figures: ``idle_by_namespace`` (Stats, metrics, accounting),
+  ``granted_in`` (growth ahead counts grants as free room).
 
 All or nothing, as the store's calls: a change of the slot table (``release_claims``
 in ``end``, the store's commit in ``commit``) comes first, the book's columns and the
@@ -435,6 +436,13 @@ def take_back_untaken(exts: Sequence[Extent], namespaces: Mapping[str, Namespace
     for session, entries in by_session.values():
         session.grants.end(entries)
     return True
+
+
+def granted_in(ns: Namespace, sessions: Mapping[int, Session]) -> int:
+    """Slots of ``ns`` granted ahead to its writers: room its next writes take first
+    (the fast path's free list), so growth ahead (``Room._grow_ahead``) counts them as
+    free."""
+    return sum(len(sessions[sid].grants) for sid in ns.pages if sid in sessions)
 
 
 def idle_by_namespace(sessions: Iterable[Session]) -> dict[str, int]:

@@ -31,7 +31,7 @@ from kvtierd.store.base import (
     _NeedExtent,
     _Raced,
 )
-from kvtierd.store.grants import take_back_untaken, untaken_in
+from kvtierd.store.grants import granted_in, take_back_untaken, untaken_in
 from kvtierd.store.types import (
     MAX_KEPT_RETIRED,
     Block,
@@ -413,12 +413,6 @@ class Room(StoreBase):
     # ------------------------------------------------ growth ahead of need
     # (its state: ``StoreBase.__init__``; on with ``StoreOptions.grow_ahead``)
 
-    def _granted_in(self, ns: Namespace) -> int:
-        """Slots of ``ns`` granted ahead to its writers: room its next writes take
-        first (the fast path's free list), so growth ahead counts them as free."""
-        sessions = self.sessions
-        return sum(len(sessions[sid].grants) for sid in ns.pages if sid in sessions)
-
     def _grow_ahead(self, ns: Namespace, took: int) -> None:
         """After a claim of ``took`` slots of ``ns``: when it left fewer free slots than
         the larger of ``took`` (the next claim is likely as large) and
@@ -431,7 +425,7 @@ class Room(StoreBase):
             return  # (DRAM full, the steady state: this much per claim)
         full = SegmentLayout.fit(ns.block_bytes, max(self.extent_size, one_slot))
         want = max(took, math.ceil((full.n_slots if full else 1) * GROW_AHEAD_FRACTION))
-        if (ns.free_slots() + self._granted_in(ns) >= want
+        if (ns.free_slots() + granted_in(ns, self.sessions) >= want
                 or self._clock() < self._ahead_paused_until
                 or self.namespaces.get(ns.name) is not ns or self._next_layout(ns) is None):
             return
