@@ -620,7 +620,7 @@ def test_every_way_a_grant_stops_being_the_sessions_is_lost(granting: StoreEnv) 
 
     # Taken back idle (the writer had not taken it): the entry holds nothing now.
     assert page.revoke_grant(e[0], word[e[0]])
-    env.store._end_grants(s, [e[0]])
+    s.grants.end([e[0]])
     assert e[0] not in s.grants
     lost((e[0], word[e[0]], b"revoked", 5, None))
     # Past the grant table, with a word the session does hold.
@@ -899,7 +899,7 @@ def test_refills_come_in_batches_within_a_share_of_the_namespace_and_never_grow_
     REFILL_BATCH) when its namespace is large enough (1/GRANT_SHARE of its slots), what it
     asks when not; the slots past what it needs come from free ones while the namespace
     could grow for them, and from eviction only when it cannot (the steady state)."""
-    from kvtierd.store.fast_path import GRANT_SHARE, REFILL_BATCH
+    from kvtierd.store.grants import GRANT_SHARE, REFILL_BATCH
     extent = 8 << 20
     layout = SegmentLayout.fit(BLOCK, extent)
     assert layout is not None
@@ -920,7 +920,7 @@ def test_refills_come_in_batches_within_a_share_of_the_namespace_and_never_grow_
     assert got is not None
     writes.untake(got)
     # Nothing free and room to grow: what it needs makes the namespace grow first.
-    env.store._end_grants(s, list(s.grants))
+    s.grants.end(list(s.grants))
     put(env, s, keys(7, "more"))
     assert s.ns.free_slots() == 0
     assert env.store.refill_grants(s, target, 1) == -1
@@ -947,12 +947,12 @@ def test_refills_come_in_batches_within_a_share_of_the_namespace_and_never_grow_
 
 
 def test_grants_are_columns_a_batch_adds_and_drops() -> None:
-    """``Grants``: words and generations by page entry and a count -- a batch added and
-    dropped at once, membership for Python and numpy integers, refs and places read back
-    from the words, and ``problems`` for a count or a word that is off."""
-    from kvtierd.store.types import Grants
+    """``GrantBook``'s columns: words and generations by page entry and a count -- a
+    batch added and dropped at once, membership for Python and numpy integers, refs and
+    places read back from the words, and ``problems`` for a count or a word that is off."""
+    from kvtierd.store.types import Namespace, Peer
 
-    g = Grants()
+    g = Session(1, "", Namespace("n", 16, "m", 16), Peer(0, 0, 0), 0.0).grants
     assert len(g) == 0 and not g and list(g) == []
     entries = g.free_entries(3)
     assert entries.tolist() == [0, 1, 2]

@@ -16,7 +16,12 @@ The package, layer on layer (each a class over the one before; calls go down):
   other namespaces' extents) and retiring extents.
 * ``operations``: the calls: sessions, lookup, reserve/commit/abort,
   acquire/release, delete, evict, and the tiering layer's hooks.
-* ``fast_path``: writes without a call (grants, page commits) and page counters.
+* ``fast_path``: writes without a call (when to refill grants, the commit ring's
+  answer) and page counters.
+* ``grants``: not a layer -- a ``GrantBook`` per session (``Session.grants``) that
+  the layers hold and call: the grants' columns and every way one ends (grant, take,
+  commit through the store's ``_commit``, revoke, sweep, quarantine, close), and the
+  refill policy (``grant_limit``, ``grant_target``).
 * ``store``: ``Store`` itself, with expiry, accounting and ``check`` (``check``:
   the cross-check, on a snapshot).
 * ``adoption``: taking over a previous run's segments, at start-up -- functions that
@@ -51,13 +56,15 @@ Pins (each pin is granted by exactly one call and released by exactly one call;
 1. **write with a call**: ``reserve`` grants a reservation (slot state RESERVED,
    key IN_FLIGHT); exactly one of ``commit`` / ``abort`` / reservation expiry
    (the slots are quarantined for the TTL) / session close ends it.
-2. **write without a call** (``csrc/writes.c``): ``refill_grants`` reserves a slot
-   ahead and names it in the session's page (a grant); exactly one of a page commit
-   (``commit_from_page``), its take-back while no writer took it (idle, or its
-   extent reclaimed: ``_revoke_idle_grants``, by the page's compare-and-swap),
-   quarantine once a writer held it taken for the reservation TTL, or session
+2. **write without a call** (``csrc/writes.c``; all of it in ``grants``):
+   ``refill_grants`` reserves a slot ahead and ``GrantBook.grant`` names it in the
+   session's page (a grant); exactly one of a page commit (``commit_from_page`` ->
+   ``GrantBook.commit``), its take-back while no writer took it (idle:
+   ``GrantBook.sweep``; or its extent reclaimed: ``grants.take_back_untaken``, by the
+   page's compare-and-swap), quarantine once a writer held it taken for the
+   reservation TTL (``GrantBook.sweep`` finds it, ``expire`` ends it), or session
    close ends it.  A commit from a page and a Commit call are one transition
-   (``_commit``).
+   (``_commit``, which the store hands the book).
 3. **read with a call**: ``acquire`` grants a lease (each block's pin count +1 in
    the table: not evictable); exactly one of ``release`` / lease expiry / session
    close ends it.
@@ -94,16 +101,15 @@ from __future__ import annotations
 
 from kvtierd.store.base import ExtentFactory, Pinned, StoreOptions
 from kvtierd.store.check import CheckSnapshot
+from kvtierd.store.grants import GRANT_IDLE_SECONDS, CommitResult, GrantBook
 from kvtierd.store.store import Store
 from kvtierd.store.types import (
-    GRANT_IDLE_SECONDS,
     MAX_GROW_ROUNDS,
     MAX_KEPT_RETIRED,
     MAX_READ_HINTS,
     AcquireResult,
     AdoptedSlots,
     Block,
-    CommitResult,
     Extent,
     Lease,
     Lower,
@@ -121,7 +127,7 @@ from kvtierd.store.types import (
 __all__ = [
     "GRANT_IDLE_SECONDS", "MAX_GROW_ROUNDS", "MAX_KEPT_RETIRED",
     "MAX_READ_HINTS", "AcquireResult", "AdoptedSlots", "Block", "CheckSnapshot",
-    "CommitResult", "Extent", "ExtentFactory", "Lease", "Lower", "Namespace", "NeedDemotion", "PageCommits",
+    "CommitResult", "Extent", "ExtentFactory", "GrantBook", "Lease", "Lower", "Namespace", "NeedDemotion", "PageCommits",
     "Peer", "Pinned", "Reservation", "ReserveResult", "ReserveStatus", "Session", "SlotGrant", "Store",
     "StoreOptions",
 ]

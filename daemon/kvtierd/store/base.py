@@ -1,6 +1,7 @@
 """The store's state and the primitives every layer uses: namespaces and their shared
 indexes, pins and their accounting, the one exit of DRAM blocks, what clients hold
-without a call (hazards, grants), and ``_Undo`` (the all-or-nothing persist phase)."""
+without a call (hazards; grants are ``kvtierd.store.grants``'), and ``_Undo`` (the
+all-or-nothing persist phase)."""
 
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from kvtierd.segments import (
     SegmentLayout,
 )
 from kvtierd.shared_index import (
-    GRANT_TAKEN,
     HAZARD_BIT,
     HazardSet,
     collect_hazards,
@@ -392,25 +392,6 @@ class StoreBase:
         ns.hazards = hazards
         return hazards
 
-    def _idle_grants_in(self, ext: Extent) -> list[tuple[Session, int]]:
-        """The grants of ``ext``'s namespace's sessions in ``ext`` that no writer took
-        (session, grant entry)."""
-        owner = self.namespaces.get(ext.segment.namespace)
-        if owner is None or not ext.reserved:
-            return []
-        out: list[tuple[Session, int]] = []
-        for session in self.sessions.values():
-            if session.ns is not owner or not session.grants:
-                continue
-            page = owner.pages.get(session.id)
-            held = session.grants.entries()
-            words = session.grants.words[held]
-            mine = _slot_ref.segments_of(session.grants.refs(held)) == ext.id
-            for g, word in zip(held[mine].tolist(), words[mine].tolist(), strict=True):
-                if page is None or page.grant_word(g) == word:
-                    out.append((session, g))
-        return out
-
     def pinned(self, ns: Namespace) -> Pinned:
         """What is pinned in ``ns`` now, by calls and without (``Pinned``)."""
         return Pinned(ns, self._hazards(ns))
@@ -418,37 +399,6 @@ class StoreBase:
     def held_seconds(self, started: float) -> float:
         """Seconds since ``started`` (a lease's or reservation's), on the store's clock."""
         return self._clock() - started
-
-    def _end_grants(self, session: Session, entries: Iterable[int], *,
-                    quarantine: float | None = None, freed: bool = False) -> None:
-        """Take back grants: their slots are freed (or, with ``quarantine``, stay
-        RESERVED until then: a writer may still be copying into them; ``freed``: the
-        caller freed them already)."""
-        page = session.ns.pages.get(session.id)
-        entries = list(entries)
-        refs = session.grants.refs(entries)
-        if quarantine is None and not freed:
-            session.ns.table.release_claims(refs)
-        session.grants.drop(entries)
-        by_id = session.ns.by_id
-        for g, ref in zip(entries, refs.tolist(), strict=True):
-            session.grant_seen.pop(g, None)
-            if page is not None:
-                page.set_grant(g, 0)
-            if quarantine is not None:
-                by_id[_slot_ref.segment_of(ref)].quarantine[_slot_ref.slot_of(ref)] = quarantine  # still RESERVED
-
-    @staticmethod
-    def _taken_grants(session: Session) -> int:
-        """How many of ``session``'s grants its writer has taken (its page says)."""
-        if not session.grants:
-            return 0
-        page = session.ns.pages.get(session.id)
-        if page is None:
-            return 0
-        words = session.grants.words
-        return sum(1 for g in session.grants
-                   if page.grant_word(g) == int(words[g]) | GRANT_TAKEN)
 
     def note_reads(self, ns: Namespace) -> None:
         """Mark the blocks ``ns``'s clients read without a call as read (their CLOCK bit

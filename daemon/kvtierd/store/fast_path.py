@@ -1,5 +1,10 @@
 """The fast path: writes without a call (slots granted ahead in the session's page,
-committed from its commit records) and what clients count without a call."""
+committed from its commit records) and what clients count without a call.
+
+What a grant is and every way it ends is ``kvtierd.store.grants`` (``Session.grants``,
+a ``GrantBook``); this layer decides when: it finds the room for a refill (a claim, as
+a reserve does) and hands it to the book, and it answers a session's commit ring,
+passing the book the store's one commit transition (``_commit``)."""
 
 
 from __future__ import annotations
@@ -19,18 +24,13 @@ from kvtier.errors import (
 )
 from kvtierd.access import Right
 from kvtierd.counters import ClientReported, saturating_add
-from kvtierd.shared_index import (
-    GRANT_TAKEN,
-    GRANTS_N,
-    PageRecords,
-    SessionPage,
-)
+from kvtierd.shared_index import PageRecords, SessionPage
+from kvtierd.store import grants
 from kvtierd.store.base import _NO_REFS, _NeedExtent, _Raced
+from kvtierd.store.grants import CommitResult, HeldBelow
 from kvtierd.store.operations import Operations
 from kvtierd.store.types import (
-    GRANT_IDLE_SECONDS,
     Block,
-    CommitResult,
     Commits,
     Namespace,
     PageCommits,
@@ -40,22 +40,9 @@ from kvtierd.store.types import (
 
 log = logging.getLogger(__name__)
 
-#: Which of some keys a tier below DRAM holds (``Below.held_below``): such a key is
-#: EXISTS to a writer, as a DRAM block is.
-HeldBelow = Callable[[Sequence[bytes]], list[bool]]
-
 _COMMITTED: Final = int(CommitResult.COMMITTED)
 _WRITE: Final = int(Right.WRITE)
-_EXISTS: Final = int(CommitResult.EXISTS)
 _LENGTH: Final = 3  # PageRecords.columns' row of lengths
-_GRANT, _WORD = 0, 1  # ... of grant entries and of the words the writer took
-
-#: A writer's grants are refilled in batches of at least this many slots (one claim,
-#: one eviction plan for them all): refilling one slot per commit of one key cost a
-#: claim per block, most of a 1-key commit's daemon CPU.
-REFILL_BATCH = 32
-#: ... within 1 / GRANT_SHARE of the namespace's slots (``grant_target``).
-GRANT_SHARE = 16
 
 
 class FastPath(Operations):
@@ -73,8 +60,8 @@ class FastPath(Operations):
 
     # ------------------------------------------------ writes without a call (csrc/writes.c)
     def grant_limit(self, ns: Namespace) -> int:
-        """Most slots a session of ``ns`` may hold granted ahead (``grant_bytes`` of them)."""
-        return min(GRANTS_N, self.grant_bytes // ns.slot_bytes)
+        """Most slots a session of ``ns`` may hold granted ahead (``grants.grant_limit``)."""
+        return grants.grant_limit(self.grant_bytes, ns)
 
     def refill_grants(self, session: Session, want: int, need: int | None = None) -> int:
         """Reserve slots ahead for ``session``'s writer until it holds ``want`` (at most
@@ -114,10 +101,7 @@ class FastPath(Operations):
                 break
         if not len(refs):
             return 0
-        # The first free entries (no word: no grant) name the slots, ref | VALID.
-        entries = session.grants.free_entries(len(refs))
-        page.set_grants(entries, session.grants.add(entries, refs, gens))
-        session.grants_used = self._clock()
+        session.grants.grant(page, refs, gens, self._clock())
         self.granted[ns.name] += len(refs)
         if self.grow_ahead:  # for what the writer needs: the grants count as free room
             self._grow_ahead(ns, need if need is not None else len(refs))
@@ -143,24 +127,9 @@ class FastPath(Operations):
         self.refill_grants(session, self.grant_target(session.ns, wanted), wanted)
 
     def grant_target(self, ns: Namespace, wanted: int) -> int:
-        """How many grants a writer that asks for ``wanted`` (its largest put: its
-        next one must find as many) is given at a refill: four times that, at least
-        ``REFILL_BATCH``, within ``grant_limit``.  A refill happens when it holds half
-        of it or less (``_needs_refill``), so each claims a batch of at least two puts'
-        worth, however small the puts (a claim's fixed cost -- the room plan, the
-        eviction's index and table calls -- was most of a commit's), and a writer
-        never holds fewer than it wants if it asks for no more than half the limit.
-        Past what it wants, never more than ``1 / GRANT_SHARE`` of the namespace's
-        slots: idle grants are room the cache does not use (a small namespace, or one
-        at its quota, grants what the writer asks for and no batch)."""
-        if wanted <= 0:
-            return 0
-        share = ns.table.n_slots // GRANT_SHARE
-        return min(self.grant_limit(ns), max(4 * wanted, REFILL_BATCH), max(wanted, share))
-
-    @staticmethod
-    def _needs_refill(session: Session, target: int) -> bool:
-        return len(session.grants) * 2 <= target and len(session.grants) < target
+        """How many grants a writer that asks for ``wanted`` is given at a refill
+        (``grants.grant_target``)."""
+        return grants.grant_target(self.grant_limit(ns), ns, wanted)
 
     def take_granted(self) -> collections.Counter[str]:
         """The slots granted ahead per namespace since the last call (metrics)."""
@@ -203,7 +172,7 @@ class FastPath(Operations):
         if len(session.grants) < wanted:
             self.refill_grants(session, target, wanted)
         page.finish_commits(results)
-        if self._needs_refill(session, target):
+        if session.grants.needs_refill(target):
             self.refill_grants(session, target, wanted)
         out.committed = results.count(_COMMITTED)
         if out.committed == len(records):
@@ -219,130 +188,26 @@ class FastPath(Operations):
         records: PageRecords,
         exists: HeldBelow | None = None,
     ) -> tuple[bytes, list[Block]]:
-        """Commit the blocks ``session``'s writer put in granted slots: ``records`` as
-        ``SessionPage.take_commits`` copied them out of its page (grant entry, grant
-        word, key, length, checksum, flags) and checked them against the session's
-        grants, in batches that end with a ``LAST`` record, each all or nothing.  A
-        batch with a record that names no grant the session holds when the batch is
-        committed is ``LOST`` whole, however it got there: the grant was committed
-        (earlier in this ring or in an earlier one), taken back idle, expired, ended
-        with the session, or never granted (an entry past the grant table, another
-        session's or namespace's slot, an entry granted again since: never committed
-        into the entry's new slot).  ``FAILED`` only when the daemon could not write
-        its slot table (``docs/security.md``, "Record answers").  Returns each
-        record's ``CommitResult`` and the blocks made."""
-        results = bytearray()
-        made: list[Block] = []
-        # The native check compared every batch with the grants held when the ring was
-        # taken; a batch that committed ended some of them, so the batches after it are
-        # compared again with the grants held now (a grant committed earlier in this
-        # ring and named again is LOST, never FAILED: the daemon did not fail).
-        changed = False
-        for lo, hi, refused in records.batches:
-            if not refused and (session.closed or (
-                    changed and not _still_held(session.grants.words, records, lo, hi))):
-                refused = CommitResult.LOST
-            if refused:
-                results += bytes([refused]) * (hi - lo)
-                continue
-            try:
-                codes, blocks = self._commit_batch(session, records, lo, hi, exists)
-            except (OSError, ValueError) as exc:  # a slot table that cannot be written
-                log.warning("commit of %d granted slots failed: %s", hi - lo, exc)
-                codes, blocks = bytes([CommitResult.FAILED]) * (hi - lo), []
-            changed = changed or _COMMITTED in codes  # some committed: their grants ended
-            results += codes
-            made += blocks
-        return bytes(results), made
-
-    def _commit_batch(
-        self,
-        session: Session,
-        records: PageRecords,
-        lo: int,
-        hi: int,
-        exists: HeldBelow | None,
-    ) -> tuple[bytes, list[Block]]:
-        """One batch, records[lo:hi], that the native check let through, all or nothing:
-        each new key COMMITTED (a key present, being written, or in a lower tier is
-        EXISTS: first writer wins, its grant stays)."""
+        """Commit the blocks ``session``'s writer put in granted slots (``records``, as
+        ``SessionPage.take_commits`` copied and checked them): ``GrantBook.commit``
+        through the store's one commit transition.  Returns each record's
+        ``CommitResult`` and the blocks made."""
         ns = session.ns
-        whole = lo == 0 and hi == len(records)
-        keys = records.keys if whole else records.keys[lo:hi]
-        cols = records.columns if whole else records.columns[:, lo:hi]
-        # (Python lists, not numpy reductions, for the flags: a batch is often 1 key.)
-        new = (ns.index.find(keys) == 0).tolist()
-        in_flight = ns.in_flight
-        if in_flight:
-            for i, key in enumerate(keys):
-                if new[i] and key in in_flight:
-                    new[i] = False
-        if exists is not None and (ask := [i for i, f in enumerate(new) if f]):
-            # One question about the batch's new keys (the tiers' batch lookups).
-            below = exists(keys if len(ask) == len(keys) else [keys[i] for i in ask])
-            for i, held in zip(ask, below, strict=True):
-                if held:
-                    new[i] = False
-        if all(new):
-            codes = bytes([_COMMITTED]) * (hi - lo)
-        else:
-            codes = bytes(_COMMITTED if f else _EXISTS for f in new)
-            if not any(new):
-                return codes, []
-            cols = np.ascontiguousarray(cols[:, np.array(new)])  # (a mask: Fortran order)
-            keys = [k for k, f in zip(keys, new, strict=True) if f]
-        entries, _words, refs, lengths, sums, has = cols
-        flags = has.tolist()
-        checksums: list[int | None] | npt.NDArray[np.uint64] | None = (
-            sums if all(flags) else None if not any(flags) else
-            [c if h else None for c, h in zip(sums.tolist(), flags, strict=True)])
-        grants = session.grants
-        made = self._commit(ns, Commits(refs, grants.gens[entries], keys, lengths, checksums))
-        # Applied (ValueError above: nothing changed); nothing below can fail.
-        grants.drop(entries)
-        if seen := session.grant_seen:
-            for g in entries.tolist():
-                seen.pop(g, None)
-        page = ns.pages.get(session.id)
-        if page is not None:  # before DONE: the writer never sees them as its own again
-            page.set_grants(entries, np.zeros(len(entries), dtype=np.uint64))
-        session.grants_used = self._clock()
-        return codes, made
 
-    def _sweep_grants(self, session: Session, now: float) -> list[int]:
-        """Grants idle for ``GRANT_IDLE_SECONDS`` go back now.  Returns those a writer
-        has held taken for the reservation TTL: expired like a reservation (the caller,
-        ``expire``, quarantines them with the reservations)."""
-        page = session.ns.pages.get(session.id)
-        idle = now - session.grants_used >= GRANT_IDLE_SECONDS
-        back: list[int] = []
-        stale: list[int] = []
-        words = session.grants.words
-        for g in session.grants:
-            word = int(words[g])
-            current = page.grant_word(g) if page is not None else 0
-            if current == word | GRANT_TAKEN:
-                first = session.grant_seen.setdefault(g, now)
-                if now - first >= self.reservation_ttl:
-                    stale.append(g)
-                continue
-            session.grant_seen.pop(g, None)
-            if idle and (page is None or page.revoke_grant(g, current)):
-                back.append(g)
-        self._end_grants(session, back)
-        return stale
+        def commit(refs: npt.NDArray[np.uint64], gens: npt.NDArray[np.uint64],
+                   keys: list[bytes], lengths: npt.NDArray[np.uint64],
+                   checksums: list[int | None] | npt.NDArray[np.uint64] | None
+                   ) -> list[Block]:
+            return self._commit(ns, Commits(refs, gens, keys, lengths, checksums))
+
+        return session.grants.commit(records, commit, self._clock, exists)
 
     def idle_grants(self) -> dict[str, int]:
         """Per namespace, the slots granted ahead that no writer has taken yet: room held
         for the next writes, not being written.  Stats and metrics show them apart from
         the reserved slots (a taken grant is a reservation; the page's TAKEN bit says
         which, and a client that lies about it only changes these figures)."""
-        out: dict[str, int] = {}
-        for s in self.sessions.values():
-            idle = len(s.grants) - self._taken_grants(s)
-            if idle:
-                out[s.ns.name] = out.get(s.ns.name, 0) + idle
-        return out
+        return grants.idle_by_namespace(self.sessions.values())
 
     def add_reported(self, ns: Namespace, steps: tuple[int, ...], *,
                      cut: bool = False) -> tuple[int, ...]:
@@ -360,13 +225,3 @@ class FastPath(Operations):
             ns.reported.cut = saturating_add(ns.reported.cut, 1)
         return added
 
-
-def _still_held(words: npt.NDArray[np.uint64], records: PageRecords, lo: int, hi: int) -> bool:
-    """Whether every record of records[lo:hi] names the grant its entry holds now
-    (``words``: the session's grant words; the native check made sure the entries are
-    in range)."""
-    cols = records.columns
-    if hi - lo <= 8:  # (numpy's fancy indexing costs more than a few item reads)
-        return all(int(words[g]) == w for g, w in zip(
-            cols[_GRANT, lo:hi].tolist(), cols[_WORD, lo:hi].tolist(), strict=True))
-    return bool((words[cols[_GRANT, lo:hi]] == cols[_WORD, lo:hi]).all())

@@ -138,7 +138,7 @@ class Operations(Room):
         for lease in leases:
             del session.leases[lease.id]
             del self._leases[lease.id]
-        self._end_grants(session, list(session.grants), freed=True)
+        session.grants.end(list(session.grants), freed=True)
         del self.sessions[session.id]
         del self._by_token[session.token]
         session.ns.pages.pop(session.id, None)  # its hazards end with it

@@ -31,6 +31,7 @@ from kvtierd.store.base import (
     _NeedExtent,
     _Raced,
 )
+from kvtierd.store.grants import granted_in, take_back_untaken, untaken_in
 from kvtierd.store.types import (
     MAX_KEPT_RETIRED,
     Block,
@@ -38,7 +39,6 @@ from kvtierd.store.types import (
     Lower,
     Namespace,
     NeedDemotion,
-    Session,
     Victims,
 )
 
@@ -148,36 +148,10 @@ class Room(StoreBase):
         return free, victims, pinned
 
     def _revoke_idle_grants(self, exts: Sequence[Extent]) -> None:
-        """Take back the untaken grants in extents about to be reclaimed, all or none:
-        a writer that took one meanwhile (the page's compare-and-swap says so) puts
-        back the ones already taken back, and ``_Raced``."""
-        revoked: list[tuple[Session, int, int]] = []
-
-        def put_back() -> None:
-            for s2, g2, w2 in revoked:
-                page2 = s2.ns.pages.get(s2.id)
-                if page2 is not None:
-                    page2.set_grant(g2, w2)
-
-        for ext in exts:
-            idle = self._idle_grants_in(ext)
-            if len(idle) != ext.reserved - len(ext.quarantine):
-                put_back()  # a writer took one since the plan was made
-                raise _Raced()
-            for session, g in idle:
-                page = session.ns.pages.get(session.id)
-                word = int(session.grants.words[g])
-                if page is not None and not page.revoke_grant(g, word):
-                    put_back()
-                    raise _Raced()
-                revoked.append((session, g, word))
-        # Applied: the slots go back (the extents' reserved counts drop to their
-        # quarantine, which retirement drops with them).
-        by_session: dict[int, tuple[Session, list[int]]] = {}
-        for session, g, _word in revoked:
-            by_session.setdefault(session.id, (session, []))[1].append(g)
-        for session, entries in by_session.values():
-            self._end_grants(session, entries)
+        """Take back the untaken grants in extents about to be reclaimed, all or none
+        (``grants.take_back_untaken``); ``_Raced`` when a writer took one meanwhile."""
+        if not take_back_untaken(exts, self.namespaces, self.sessions):
+            raise _Raced()
 
     def _hide_for_reclaim(self, exts: Sequence[Extent]) -> list[tuple[Namespace, list[Block]]]:
         """Take the blocks of other namespaces' extents about to be reclaimed out of
@@ -334,7 +308,7 @@ class Room(StoreBase):
             for ext in other.extents:
                 c = ext.counts()
                 if c.pinned or not (c.reserved == 0
-                                    or c.reserved == len(self._idle_grants_in(ext))):
+                                    or c.reserved == len(untaken_in(ext, self.namespaces, self.sessions))):
                     continue
                 if other.pages:
                     if other.name not in pins:
@@ -439,12 +413,6 @@ class Room(StoreBase):
     # ------------------------------------------------ growth ahead of need
     # (its state: ``StoreBase.__init__``; on with ``StoreOptions.grow_ahead``)
 
-    def _granted_in(self, ns: Namespace) -> int:
-        """Slots of ``ns`` granted ahead to its writers: room its next writes take
-        first (the fast path's free list), so growth ahead counts them as free."""
-        sessions = self.sessions
-        return sum(len(sessions[sid].grants) for sid in ns.pages if sid in sessions)
-
     def _grow_ahead(self, ns: Namespace, took: int) -> None:
         """After a claim of ``took`` slots of ``ns``: when it left fewer free slots than
         the larger of ``took`` (the next claim is likely as large) and
@@ -457,7 +425,7 @@ class Room(StoreBase):
             return  # (DRAM full, the steady state: this much per claim)
         full = SegmentLayout.fit(ns.block_bytes, max(self.extent_size, one_slot))
         want = max(took, math.ceil((full.n_slots if full else 1) * GROW_AHEAD_FRACTION))
-        if (ns.free_slots() + self._granted_in(ns) >= want
+        if (ns.free_slots() + granted_in(ns, self.sessions) >= want
                 or self._clock() < self._ahead_paused_until
                 or self.namespaces.get(ns.name) is not ns or self._next_layout(ns) is None):
             return

@@ -47,7 +47,7 @@ class Store(FastPath):
         past the lease TTL -- leases made by calls, and hazards in pages
         (``SessionPage.expire``) -- end alike: their slots may be reused.  The slot-table
         writes of these are all or (raising) nothing; idle grants go back first, each
-        on its own (``_end_grants``).
+        on its own (``GrantBook.sweep``).
 
         Returns (reserved slots returned per namespace, leases released).
         """
@@ -58,7 +58,7 @@ class Store(FastPath):
         stale_res = [r for r in self._reservations.values()
                      if r.expires <= now and not r.session.system]
         stale_grants = [(s, stale) for s in list(self.sessions.values())
-                        if s.grants and (stale := self._sweep_grants(s, now))]
+                        if s.grants and (stale := s.grants.sweep(now, self.reservation_ttl))]
         due = [(ns, ext, slot) for ns in self.namespaces.values() for ext in ns.extents
                if ext.quarantine for slot, until in ext.quarantine.items() if until <= now]
         stale_leases = [lease for lease in self._leases.values()
@@ -92,7 +92,7 @@ class Store(FastPath):
         for res in stale_res:
             self._expire_reservation(res, until)
         for session, stale in stale_grants:
-            self._end_grants(session, stale, quarantine=until)
+            session.grants.end(stale, quarantine=until)
         # Leases made without a call: their hazards are zeroed (the slots are free to reuse).
         local = sum(page.expire(now, self.lease_ttl) for ns in self.namespaces.values()
                     for page in ns.pages.values())
@@ -129,7 +129,7 @@ class Store(FastPath):
         page = session.ns.pages.get(session.id)
         if page is None or not session.grants:
             return 0
-        return min(page.local_reservations(), self._taken_grants(session))
+        return min(page.local_reservations(), session.grants.taken())
 
     def local_leases(self, session: Session) -> int:
         """Leases ``session``'s client holds without a call."""

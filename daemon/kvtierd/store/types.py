@@ -8,13 +8,13 @@ import asyncio
 import dataclasses
 import enum
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
-from kvtier import _page, _slot_ref
+from kvtier import _slot_ref
 from kvtier.errors import (
     CapacityExhausted,
 )
@@ -29,6 +29,7 @@ from kvtierd.shared_index import (
     HazardSet,
     SessionPage,
 )
+from kvtierd.store.grants import GrantBook
 from kvtierd.store.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -382,100 +383,12 @@ class Session:
     # the token; admin calls made with this session's token are judged by ``ident``.
     rights: int = 7
     ident: Identity | None = None
-    #: Slots reserved ahead for this session's writer (csrc/writes.c), by page entry
-    #: (``Grants``: columns), and when a writer was first seen filling one.
-    grants: Grants = dataclasses.field(default_factory=lambda: Grants())
-    grant_seen: dict[int, float] = dataclasses.field(default_factory=dict)
-    grants_used: float = 0.0  # the store's clock when a grant was last made or committed
+    #: Slots reserved ahead for this session's writer (csrc/writes.c) and all that
+    #: ends them (``kvtierd.store.grants``): made in ``__post_init__``.
+    grants: GrantBook = dataclasses.field(init=False)
 
-
-#: A grant word's slot ref: ``segment_id << 32 | slot`` (``kvtier._slot_ref``).
-_GRANT_REF: Final = ~np.uint64(_page.GRANT_VALID | _page.GRANT_TAKEN)
-
-
-class Grants:
-    """The slots granted ahead to a session's writer (csrc/writes.c), by the entry of its
-    page that names each, as columns: ``words[g]`` is entry g's grant word as the page
-    holds it (0: no grant; else ``GRANT_VALID | segment_id << 32 | slot``: what the
-    native commit check compares the page against, ``SessionPage.take_commits``) and
-    ``gens[g]`` its slot's generation.  No Python object per grant: a put's refill and
-    commit add and drop them by the batch.  ``len``, ``in`` and iteration (entries in
-    order) count the held entries."""
-
-    __slots__ = ("words", "gens", "_n")
-
-    def __init__(self) -> None:
-        self.words: npt.NDArray[np.uint64] = np.zeros(_page.GRANTS_N, dtype=np.uint64)
-        self.gens: npt.NDArray[np.uint64] = np.zeros(_page.GRANTS_N, dtype=np.uint64)
-        self._n = 0
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __bool__(self) -> bool:
-        return self._n > 0
-
-    def __contains__(self, g: object) -> bool:
-        if not isinstance(g, (int, np.integer)):  # (a numpy integer too)
-            return False
-        i = int(g)
-        return 0 <= i < len(self.words) and bool(self.words[i])
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.entries().tolist())
-
-    def entries(self) -> npt.NDArray[np.intp]:
-        """The entries held, in order."""
-        return np.flatnonzero(self.words)
-
-    def free_entries(self, n: int) -> npt.NDArray[np.uint64]:
-        """The first ``n`` (at most) entries that hold no grant."""
-        return np.flatnonzero(self.words == 0)[:n].astype(np.uint64)
-
-    def refs(self, entries: npt.NDArray[np.integer] | Sequence[int] | None = None
-             ) -> npt.NDArray[np.uint64]:
-        """The slot refs of ``entries`` (held ones), or of every grant held."""
-        words = self.words[self.entries() if entries is None else entries]
-        return words & _GRANT_REF
-
-    def places(self) -> list[tuple[int, int, int]]:
-        """(extent id, slot, generation) of every grant held (checks, tests)."""
-        held = self.entries()
-        return [(_slot_ref.segment_of(r), _slot_ref.slot_of(r), gen) for r, gen in zip(
-            (self.words[held] & _GRANT_REF).tolist(), self.gens[held].tolist(), strict=True)]
-
-    def add(self, entries: npt.NDArray[np.uint64], refs: npt.NDArray[np.uint64],
-            gens: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-        """Grant ``refs`` at ``gens`` in the free ``entries``; returns their words."""
-        words = refs | np.uint64(_page.GRANT_VALID)
-        self.words[entries] = words
-        self.gens[entries] = gens
-        self._n += len(entries)
-        return words
-
-    def drop(self, entries: npt.NDArray[np.uint64] | list[int]) -> None:
-        """The grants of ``entries`` (held, each once) end here."""
-        if len(entries) <= 8:  # (a fancy assignment costs more than a few item sets)
-            words = self.words
-            for g in (entries.tolist() if isinstance(entries, np.ndarray) else entries):
-                words[g] = 0
-        else:
-            self.words[entries] = 0
-        self._n -= len(entries)
-
-    def problems(self) -> list[str]:
-        """What does not add up (``Store.check``): the count, a word without its VALID
-        bit or with the writer's TAKEN bit (the page's, never the daemon's)."""
-        out = []
-        held = self.entries()
-        if len(held) != self._n:
-            out.append(f"{self._n} grants counted, {len(held)} held")
-        words = self.words[held]
-        bad = held[(words & np.uint64(_page.GRANT_VALID)) == 0].tolist() + \
-            held[(words & np.uint64(_page.GRANT_TAKEN)) != 0].tolist()
-        if bad:
-            out.append(f"grant words that are no grant at entries {sorted(bad)[:5]}")
-        return out
+    def __post_init__(self) -> None:
+        self.grants = GrantBook(self)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -569,34 +482,16 @@ class AdoptedSlots:
     generations: list[int]
 
 
-class CommitResult(enum.IntEnum):
-    """A commit record's result byte in the page (``csrc/layout.h``'s ``KVT_W_*``)."""
-
-    COMMITTED = _page.COMMITTED
-    EXISTS = _page.EXISTS  # the key was present (or being written): the grant stays
-    INVALID = _page.INVALID  # the record's batch was malformed: nothing of it committed
-    #: a record of the batch names no grant this session holds (committed already,
-    #: earlier in the ring or before; taken back; expired; never its own): nothing of it
-    #: committed, the writer's slot is gone (docs/security.md, "Record answers")
-    LOST = _page.LOST
-    #: the daemon itself failed (its slot table could not be written): nothing
-    #: committed; never the answer to anything a writer did
-    FAILED = _page.FAILED
-
-
 @dataclasses.dataclass(slots=True)
 class PageCommits:
-    """What one ring of a session's page did (``FastPath.commit_from_page``)."""
+    """What one ring of a session's page did (``FastPath.commit_from_page``; each
+    record's answer is a ``grants.CommitResult``)."""
 
     records: int = 0  # commit records found (0: an empty ring, or an impossible head)
     committed: int = 0  # blocks made
     #: Their handles (only while ``Store.commit_handles``).
     blocks: list[Block] = dataclasses.field(default_factory=list)
     nbytes: int = 0  # their bytes
-
-
-#: Grants nobody committed into for this long go back (an idle writer holds no room).
-GRANT_IDLE_SECONDS: Final = 5.0
 
 
 #: Retired data files kept (an fd each) until their grace is over; past this many the
