@@ -6,8 +6,9 @@ groups under vLLM's hybrid allocator, which stays on with the connector), and a
 DeepSeek-V2-style MLA model (one latent group, 16-token blocks on vLLM's CPU MLA backend).
 For each, a fresh engine process loads what another one saved in kvtierd and generates
 exactly what an engine with no connector does, with the prefix reported cached.  Engine
-starts cost 30-60 s here: each model gets three (reference, writer, reader), the reader
-running several phases.
+starts cost 30-80 s here: the ``lab`` fixture starts every engine of the tests selected at
+once (at most :data:`MAX_ENGINES` alive), each reader with an empty first phase so it waits
+for its test to let it load, and each test takes its engines' results.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -53,7 +55,7 @@ from kvtier.vllm import (  # noqa: E402
 )
 from tests.conftest import DaemonProc, start_daemon, stop_daemon  # noqa: E402
 from tests.vllm import tinyhybrid  # noqa: E402
-from tests.vllm.driver import Engine  # noqa: E402
+from tests.vllm.driver import ENGINE_DEADLINE, Engine  # noqa: E402
 from tests.vllm.test_connector import FakeRequest, _vllm_config  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU block size (attention); its CPU MLA backend uses 16
@@ -69,6 +71,7 @@ SHARED = 768 // BLOCK
 R = [3 + (i * 31337 + 11) % 983 for i in range(1500)]
 S = [3 + (i * 7901 + 29) % 991 for i in range(1500)]
 SALT = request_salt("", None, None)
+MLA_PROMPT = P[:900]
 
 
 def _count(out: dict[str, Any], name: str) -> float:
@@ -91,11 +94,21 @@ def _window_blocks(hit: int) -> int:
     return hit - first
 
 
+#: Engines alive at once (each holds 1-2 GiB); the others start as earlier ones exit.
+MAX_ENGINES = 6
+
+
 class Lab:
     def __init__(self, base: str) -> None:
         self.base = base
         self.daemon: DaemonProc | None = None
         self.engines: list[Engine] = []
+        self._queued: list[tuple[str, str, list[list[dict[str, Any]]], bool, bool]] = []
+        self._started: dict[str, Engine] = {}
+        self._cond = threading.Condition()
+        self._closing = False
+        self._error: BaseException | None = None
+        self._starter: threading.Thread | None = None
 
     @property
     def socket_dir(self) -> str:
@@ -115,17 +128,68 @@ class Lab:
         self.engines.append(e)
         return e
 
-    def run(self, name: str, model: str, prompts: list[list[int]], *,
-            connector: bool = True) -> dict[str, Any]:
-        return self.run_together((name, model, prompts, connector))[0]
+    def queue(self, name: str, model: str, prompts: list[list[int]] | None = None, *,
+              reader: list[list[list[int]]] | None = None, connector: bool = True,
+              prefix_caching: bool = False) -> None:
+        """An engine to start (``launch()``) as soon as fewer than MAX_ENGINES are alive:
+        one phase of ``prompts``; or a reader, after every engine queued that is not one:
+        an empty first phase (it starts, then waits for ``next()``), then one phase per
+        list of ``reader``."""
+        if reader is None:
+            assert prompts is not None
+            phases = [[{"tokens": p} for p in prompts]]
+        else:
+            phases = [[], *([{"tokens": p} for p in ps] for ps in reader)]
+        item = (name, model, phases, connector, prefix_caching)
+        with self._cond:
+            if reader is None:  # before the first reader queued
+                at = next((i for i, q in enumerate(self._queued) if not q[2][0]),
+                          len(self._queued))
+                self._queued.insert(at, item)
+            else:
+                self._queued.append(item)
 
-    def run_together(self, *runs: tuple[str, str, list[list[int]], bool]
-                     ) -> list[dict[str, Any]]:
-        """Engines (name, model, prompts, with the connector) started at once -- each start
-        costs 30-80 s -- and the results of their one phase, in order."""
-        engines = [self.engine(name, model, [[{"tokens": p} for p in prompts]],
-                               connector=connector)
-                   for name, model, prompts, connector in runs]
+    def launch(self) -> None:
+        """Start the engines queued, in order, as many at once as MAX_ENGINES allows."""
+        with self._cond:
+            if self._starter is None and self._queued:
+                self._starter = threading.Thread(target=self._start_queued, daemon=True)
+                self._starter.start()
+
+    def _start_queued(self) -> None:
+        with self._cond:
+            while self._queued and not self._closing:
+                alive = sum(e.proc.poll() is None for e in self.engines)
+                if alive < MAX_ENGINES:
+                    name, model, phases, connector, caching = self._queued.pop(0)
+                    try:
+                        self._started[name] = self.engine(name, model, phases,
+                                                          connector=connector,
+                                                          prefix_caching=caching)
+                    except BaseException as e:  # told to whoever waits for an engine
+                        self._error = e
+                        self._queued.clear()
+                    self._cond.notify_all()
+                else:
+                    self._cond.wait(0.5)
+            self._starter = None
+
+    def started(self, name: str) -> Engine:
+        """The queued engine ``name``, once started."""
+        deadline = time.monotonic() + 2 * ENGINE_DEADLINE
+        with self._cond:
+            while name not in self._started:
+                if self._error is not None:
+                    raise AssertionError(f"engine {name} did not start") from self._error
+                left = deadline - time.monotonic()
+                alive = [e.log_path for e in self.engines if e.proc.poll() is None]
+                assert left > 0, f"engine {name} not started; still running: {alive}"
+                self._cond.wait(min(left, 1.0))
+            return self._started[name]
+
+    def results(self, *names: str) -> list[dict[str, Any]]:
+        """The one phase's results of single-phase engines, in order; they are closed."""
+        engines = [self.started(name) for name in names]
         try:
             return [e.result() for e in engines]
         finally:
@@ -143,18 +207,57 @@ class Lab:
                              model_uid=ns.model_uid)
 
     def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            starter = self._starter
+        if starter is not None:
+            starter.join()
         for e in self.engines:
             e.close()
         if self.daemon is not None:
             stop_daemon(self.daemon)
 
 
+def _gemma_engines(lab: Lab) -> None:
+    model = str(tinyhybrid.build(os.path.join(lab.base, "gemma3"), "gemma3", window=WINDOW))
+    # The engine without kvtier and A (computes P, R and S and saves every full block of
+    # both groups, once): the reference touches no kvtierd.
+    lab.queue("gemma-ref", model, [P, Q, R, S], connector=False)
+    lab.queue("gemma-a", model, [P, R, S])
+    # B has vLLM's own prefix cache on, so loads also extend what it holds itself.
+    lab.queue("gemma-b", model, reader=[[Q, P], [R], [S]], prefix_caching=True)
+
+
+def _mistral_engines(lab: Lab) -> None:
+    model = str(tinyhybrid.build(os.path.join(lab.base, "mistral"), "mistral-sw",
+                                 window=WINDOW))
+    lab.queue("msw-a", model, [P, R])
+    lab.queue("msw-b", model, reader=[[P, R]])
+
+
+def _mla_engines(lab: Lab) -> None:
+    model = str(tinyhybrid.build(os.path.join(lab.base, "dsv2"), "deepseek-v2"))
+    # The engine without kvtier and A (the reference touches no kvtierd).
+    lab.queue("mla-ref", model, [MLA_PROMPT], connector=False)
+    lab.queue("mla-a", model, [MLA_PROMPT])
+    lab.queue("mla-b", model, reader=[[MLA_PROMPT]])
+
+
 @pytest.fixture(scope="module")
-def lab() -> Iterator[Lab]:
+def lab(request: pytest.FixtureRequest) -> Iterator[Lab]:
+    """The daemon, and the engines of every engine test selected, started at once (each
+    start costs 30-80 s): first the writers and references, then the readers."""
     base = tempfile.mkdtemp(prefix="kvt-hyb-", dir="/tmp")
     lab = Lab(base)
     try:
         lab.start_daemon()
+        selected = {getattr(item, "originalname", item.name) for item in request.session.items
+                    if getattr(item, "module", None) is request.module}
+        for test, start in ENGINES.items():
+            if test in selected:
+                start(lab)  # builds the model, queues its engines
+        lab.launch()
         yield lab
     finally:
         lab.close()
@@ -175,11 +278,9 @@ def _gemma_plans(ns_block_bytes: int) -> tuple[GroupPlan, GroupPlan]:
 @pytest.mark.timeout(900)
 def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
         lab: Lab) -> None:
-    model = str(tinyhybrid.build(os.path.join(lab.base, "gemma3"), "gemma3", window=WINDOW))
     # The engine without kvtier and A (computes P, R and S and saves every full block of
-    # both groups, once) side by side: the reference touches no kvtierd.
-    ref, a = lab.run_together(("gemma-ref", model, [P, Q, R, S], False),
-                              ("gemma-a", model, [P, R, S], True))
+    # both groups, once), started by the lab side by side (_gemma_engines).
+    ref, a = lab.results("gemma-ref", "gemma-a")
     ref_p, ref_q, ref_r, ref_s = (r["tokens"] for r in ref["prompts"])
     assert len({str(ref_p), str(ref_q), str(ref_r), str(ref_s)}) == 4
 
@@ -195,11 +296,12 @@ def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
         assert c.lookup(sw.keys(plain["P"])) == len(P) // BLOCK
         assert c.lookup(plain["P"]) == 0
 
-    # B has vLLM's own prefix cache on, so loads also extend what it holds itself.
-    b = lab.engine("gemma-b", model, [[{"tokens": Q}, {"tokens": P}], [{"tokens": R}],
-                                      [{"tokens": S}]], prefix_caching=True)
+    # B (started by the lab, its prefix cache on) waits in its empty first phase.
+    b = lab.started("gemma-b")
     try:
-        # Phase 0: Q gets its 6 blocks shared with P from kvtier: the full-attention group
+        b.result()
+        b.next()
+        # Phase 1: Q gets its 6 blocks shared with P from kvtier: the full-attention group
         # loads all 6, the sliding-window group only the 2 of the window before the hit.
         # Then P gets its 11 blocks from vLLM's own cache (what Q left there, if vLLM's
         # hybrid prefix cache serves it) and kvtier (the rest; the window group: only the
@@ -216,7 +318,7 @@ def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
                                                 + FULL - p_local + p_window)
         assert _count(out, "failed_blocks") == 0
 
-        # Phase 1: R's sliding-window group lost block 10 (in the window of an 11-block
+        # Phase 2: R's sliding-window group lost block 10 (in the window of an 11-block
         # hit): the hit is the longest one whose window is whole in every group, 10 blocks.
         with lab.client(ns) as c:
             assert c.delete([sw.keys(plain["R"])[10]]) == 1
@@ -228,7 +330,7 @@ def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
         assert _count(out, "loaded_blocks") - _count(before, "loaded_blocks") == \
             10 + _window_blocks(10)
 
-        # Phase 2: a full-attention block of S scribbled over fails its checksum at load
+        # Phase 3: a full-attention block of S scribbled over fails its checksum at load
         # time: vLLM takes no failed block ids from a hybrid model, so the connector fails
         # the request's load as a whole and vLLM computes it again; the answer is the same.
         with lab.client(ns) as c:
@@ -254,11 +356,9 @@ def test_a_sliding_window_model_loads_only_the_window_and_survives_a_bad_block(
     """Every layer sliding-window (Mistral-style): one group, so the plain keys; a hit
     loads the 2 blocks of the window, not 11; a bad block fails the load as a whole (vLLM
     would recompute from the bad block on a window it never had: the null block)."""
-    model = str(tinyhybrid.build(os.path.join(lab.base, "mistral"), "mistral-sw",
-                                 window=WINDOW))
     # A finds nothing (a model of its own): it computes every token, as an engine without
     # the connector would (the Gemma test compares against one; an engine start saved).
-    a = lab.run("msw-a", model, [P, R])
+    (a,) = lab.results("msw-a")
     ref_p, ref_r = (r["tokens"] for r in a["prompts"])
     assert _count(a, "loaded_blocks") == 0 and _count(a, "hit_tokens") == 0
     assert _count(a, "saved_blocks") == 2 * (len(P) // BLOCK)  # every block, as before
@@ -268,7 +368,14 @@ def test_a_sliding_window_model_loads_only_the_window_and_survives_a_bad_block(
         # Scribble over R's block 10, in the window of R's 11-block hit.
         key = block_keys(R, BLOCK, SALT)[10]
         _scribble(c, key)
-    out = lab.run("msw-b", model, [P, R])
+    b = lab.started("msw-b")  # waits in its empty first phase
+    try:
+        b.result()
+        b.next()
+        out = b.result()
+    finally:
+        b.close()
+    assert "Traceback" not in b.log(), b.diagnosis()
     p, r = out["prompts"]
     assert p["cached"] == FULL * BLOCK and p["tokens"] == ref_p
     assert r["tokens"] == ref_r
@@ -281,12 +388,10 @@ def test_a_sliding_window_model_loads_only_the_window_and_survives_a_bad_block(
 
 @pytest.mark.timeout(900)
 def test_mla_latent_is_saved_once_and_loaded_by_a_fresh_engine(lab: Lab) -> None:
-    model = str(tinyhybrid.build(os.path.join(lab.base, "dsv2"), "deepseek-v2"))
-    prompt = P[:900]
+    prompt = MLA_PROMPT
     full = (len(prompt) - 1) // MLA_BLOCK  # 56 blocks of 16 tokens
-    # The engine without kvtier and A side by side (the reference touches no kvtierd).
-    alone, a = lab.run_together(("mla-ref", model, [prompt], False),
-                                ("mla-a", model, [prompt], True))
+    # The engine without kvtier and A, started by the lab side by side (_mla_engines).
+    alone, a = lab.results("mla-ref", "mla-a")
     ref = alone["prompts"][0]["tokens"]
     assert len(set(ref)) > 1  # the model's output depends on its input (a KV bug shows)
     # A finds nothing: it computes every token, and answers as the engine without kvtier.
@@ -297,11 +402,28 @@ def test_mla_latent_is_saved_once_and_loaded_by_a_fresh_engine(lab: Lab) -> None
     assert "/tp0of1/" in ns.name  # TP=1: the name it always had
     with lab.client(ns) as c:  # one group: the plain keys
         assert c.lookup(block_keys(prompt, MLA_BLOCK, SALT)) == len(prompt) // MLA_BLOCK
-    out = lab.run("mla-b", model, [prompt])
+    b = lab.started("mla-b")  # waits in its empty first phase
+    try:
+        b.result()
+        b.next()
+        out = b.result()
+    finally:
+        b.close()
+    assert "Traceback" not in b.log(), b.diagnosis()
     assert out["prompts"][0]["cached"] == full * MLA_BLOCK
     assert out["prompts"][0]["tokens"] == ref
     assert _count(out, "loaded_blocks") == full and _count(out, "failed_blocks") == 0
     assert lab.daemon is not None and lab.daemon.check() == []
+
+
+#: What each engine test starts: the lab fixture starts those of the tests selected.
+ENGINES: dict[str, Callable[[Lab], None]] = {
+    test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine.__name__:
+        _gemma_engines,
+    test_a_sliding_window_model_loads_only_the_window_and_survives_a_bad_block.__name__:
+        _mistral_engines,
+    test_mla_latent_is_saved_once_and_loaded_by_a_fresh_engine.__name__: _mla_engines,
+}
 
 
 # ---------------------------------------------------------------- without an engine
