@@ -191,7 +191,8 @@ class Lab:
         """The one phase's results of single-phase engines, in order; they are closed."""
         engines = [self.started(name) for name in names]
         try:
-            return [e.result() for e in engines]
+            # Started side by side with every other test's engines: twice the one-engine wait.
+            return [e.result(2 * ENGINE_DEADLINE) for e in engines]
         finally:
             for e in engines:
                 e.close()
@@ -299,7 +300,7 @@ def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
     # B (started by the lab, its prefix cache on) waits in its empty first phase.
     b = lab.started("gemma-b")
     try:
-        b.result()
+        b.result(2 * ENGINE_DEADLINE)  # its start, beside the other tests' engines
         b.next()
         # Phase 1: Q gets its 6 blocks shared with P from kvtier: the full-attention group
         # loads all 6, the sliding-window group only the 2 of the window before the hit.
@@ -370,7 +371,7 @@ def test_a_sliding_window_model_loads_only_the_window_and_survives_a_bad_block(
         _scribble(c, key)
     b = lab.started("msw-b")  # waits in its empty first phase
     try:
-        b.result()
+        b.result(2 * ENGINE_DEADLINE)  # its start, beside the other tests' engines
         b.next()
         out = b.result()
     finally:
@@ -404,7 +405,7 @@ def test_mla_latent_is_saved_once_and_loaded_by_a_fresh_engine(lab: Lab) -> None
         assert c.lookup(block_keys(prompt, MLA_BLOCK, SALT)) == len(prompt) // MLA_BLOCK
     b = lab.started("mla-b")  # waits in its empty first phase
     try:
-        b.result()
+        b.result(2 * ENGINE_DEADLINE)  # its start, beside the other tests' engines
         b.next()
         out = b.result()
     finally:
