@@ -13,10 +13,8 @@ JAX_VENV ?= .venv-jax
 # and vllm-tpu on the CPU from a third venv of Python 3.12 (its pins conflict with
 # sglang-jax's).  That venv is ~11 GB (torch's CUDA build comes with tpu-inference) and
 # its download takes ~6 min: with VLLM_TPU_BACKGROUND=1 it goes on after `make install`
-# returns, and the suite's vLLM TPU test, run last, waits for it.  Off by default until
-# the suite is faster: with it, CI measured 45 min, its limit.
-# `make VLLM_TPU=0.32.0 install test` builds it and runs that test.
-VLLM_TPU ?=
+# returns, and the suite's vLLM TPU test, run last, waits for it (empty: skip that test).
+VLLM_TPU ?= 0.32.0
 VLLM_TPU_BACKGROUND ?= 1
 VLLM_TPU_VENV ?= .venv-vllm-tpu
 PY := $(VENV)/bin/python

@@ -24,8 +24,8 @@
 #                  JAX_VENV, its pins (jax 0.11.2, flax 0.12.10, transformers >= 5.8)
 #                  conflict with sglang-jax's (jax 0.10.2, flax 0.12.4, transformers 4.57).
 #                  Its download (~11 GB installed: a CUDA build of torch comes with it, ~6 min
-#                  from PyPI) runs beside the main install too.  `make VLLM_TPU=0.32.0` passes
-#                  it (tests/jax_engines/test_vllm_tpu.py); empty (default) skips it
+#                  from PyPI) runs beside the main install too.  The Makefile passes 0.32.0
+#                  (tests/jax_engines/test_vllm_tpu.py); empty (default) skips it
 #   VLLM_TPU_BACKGROUND=1  do not wait for vLLM TPU's download: it goes on in a detached job
 #                  after this script ends, and writes how it ended to VLLM_TPU_VENV/.kvtier-install
 #                  ("running PID", then "ok" or "failed RC"; its log beside it, .kvtier-install.log).

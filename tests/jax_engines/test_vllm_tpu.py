@@ -37,7 +37,7 @@ RETRY_WAIT = 2.5
 
 def _engine_python() -> str:
     return common.engine_python("KVTIER_VLLM_TPU_VENV", ".venv-vllm-tpu", "vLLM TPU",
-                         "make VLLM_TPU=0.32.0 install")
+                         "make install")
 
 
 def _prompt(seed: int, n: int) -> list[int]:

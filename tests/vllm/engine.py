@@ -8,10 +8,10 @@ process prints ``READY`` and waits for a line on stdin, so a test can act (kill 
 corrupt a block) between phases without starting another engine.  After each phase it
 prints one ``RESULT {json}`` line: per prompt the generated token ids (with ``logprobs``:
 the top ``logprobs`` log-probabilities of every step), vLLM's ``num_cached_tokens`` and the
-wall time, plus the connector's counters so far.  With ``kv_digests`` the engine runs in
-this process and each prompt also reports ``kv``: a digest of every full block of its KV
-cache right after its batch (the bytes of each layer's block, layers in the KV cache
-group's order: exactly a kvtier slot's bytes), whether computed or loaded.
+wall time, plus the connector's counters so far.  A one-rank engine runs its engine core
+in this process.  With ``kv_digests`` each prompt also reports ``kv``: a digest of every
+full block of its KV cache right after its batch (the bytes of each layer's block, layers
+in the KV cache group's order: exactly a kvtier slot's bytes), whether computed or loaded.
 
 The engine keeps vLLM-CPU's thread count as it is: a kvtier engine must compute exactly as
 an engine without a connector by itself (``kvtier._vllm_plugin.keep_cpu_threads``), so only
@@ -110,7 +110,11 @@ def main() -> None:
     # process: pickled, which vLLM allows only when told (a test harness on loopback).
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     digests = bool(spec.get("kv_digests"))
-    if digests:
+    if digests or spec.get("tp", 1) == 1:
+        # The engine core and its worker in this process: the two processes vLLM starts
+        # otherwise cost ~18 s of start-up here.  The connector's cross-process path (its
+        # metadata to a worker process, the workers' counters back) is run by the tp > 1
+        # engines and by the OpenAI servers of the P/D, serving and OpenAI tests.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process
     from vllm import LLM, SamplingParams
 

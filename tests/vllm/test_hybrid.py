@@ -5,10 +5,10 @@ layers alternate between a 256-token sliding window and full attention (two KV c
 groups under vLLM's hybrid allocator, which stays on with the connector), and a
 DeepSeek-V2-style MLA model (one latent group, 16-token blocks on vLLM's CPU MLA backend).
 For each, a fresh engine process loads what another one saved in kvtierd and generates
-exactly what an engine with no connector does, with the prefix reported cached.  Engine
-starts cost 30-80 s here: the ``lab`` fixture starts every engine of the tests selected at
-once (at most :data:`MAX_ENGINES` alive), each reader with an empty first phase so it waits
-for its test to let it load, and each test takes its engines' results.
+exactly what an engine with no connector does, with the prefix reported cached.  Each
+engine start costs ~13 s of CPU here: the ``lab`` fixture starts every engine of the tests
+selected at once (at most :data:`MAX_ENGINES` alive), each reader with an empty first phase
+so it waits for its test to let it load, and each test takes its engines' results.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def _mla_engines(lab: Lab) -> None:
 @pytest.fixture(scope="module")
 def lab(request: pytest.FixtureRequest) -> Iterator[Lab]:
     """The daemon, and the engines of every engine test selected, started at once (each
-    start costs 30-80 s): first the writers and references, then the readers."""
+    start costs ~13 s of CPU): first the writers and references, then the readers."""
     base = tempfile.mkdtemp(prefix="kvt-hyb-", dir="/tmp")
     lab = Lab(base)
     try:
@@ -275,7 +275,7 @@ def _gemma_plans(ns_block_bytes: int) -> tuple[GroupPlan, GroupPlan]:
     return sw, full
 
 
-# Three engine starts of 30-80 s each on a shared 2-core host: past the default 300 s.
+# Six engines starting at once on a shared 2-core host: past the default 300 s.
 @pytest.mark.timeout(900)
 def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
         lab: Lab) -> None:

@@ -1,7 +1,7 @@
 """Output parity: a vLLM engine with kvtier answers exactly as the same engine without it.
 
 Engines (``paritylab``: the bf16 tiny Llama, each a fresh process started once for the
-module; together, since each start costs 30-60 s):
+module; together, since each start costs ~13 s of CPU):
 
 * ``ref``: no connector: vLLM alone, the answers and KV bytes to match;
 * ``both`` (``kv_both``, ``load_mode: auto``): set A cold (computes and saves), again
