@@ -5,12 +5,15 @@ an engine restart in the middle.
     .venv/bin/python bench/jax_engines.py                      # sglang-jax, every configuration
     .venv/bin/python bench/jax_engines.py --small              # a smoke run, a few minutes
     .venv/bin/python bench/jax_engines.py --repeat 2 --json bench/results/jax-engines.json
-    .venv/bin/python bench/jax_engines.py --engine vllm-tpu    # vLLM TPU: none and kvtier
+    .venv/bin/python bench/jax_engines.py --engine vllm-tpu    # vLLM TPU: none, offload, kvtier
 
 **Engines**: ``--engine vllm-tpu`` runs tpu-inference (``.venv-vllm-tpu``, built by ``make
-VLLM_TPU=0.32.0 install``) through ``jax_engines_vllm_tpu_worker.py`` (the tests' stand-ins
-for TPU hardware), with kvtier as its offload tier (``kvtier.vllm_tpu``) or vLLM's prefix
-cache alone.  Otherwise (the default, and below): sglang-jax (``.venv-jax``, built by
+install``) through ``jax_engines_vllm_tpu_worker.py`` (the tests' stand-ins for TPU
+hardware), with vLLM's prefix cache alone (``none``), tpu-inference's own offload
+connector (``offload``: ``TPUOffloadConnector`` with its in-process ``LocalCPUBackend`` of
+``--hicache-ratio`` × the device cache; its Pallas DMA scatter runs as tpu-inference's
+plain-JAX one, a stand-in for TPU hardware) or kvtier as its offload tier (``kvtier``:
+``kvtier.vllm_tpu``).  Otherwise (the default, and below): sglang-jax (``.venv-jax``, built by
 ``make install``) on the CPU, a random-weight
 Llama built here (``--layers``/``--hidden``; larger than the tests' so that a prefill costs
 what a load saves), ``page_size`` 16, a device cache of ``--device-tokens`` tokens (smaller
@@ -25,7 +28,8 @@ request at a time (an offline ``Engine``, streamed: TTFT is the first chunk's ar
                host→device scatter is a Pallas TPU kernel; on this CPU it runs as the same
                scatter in plain JAX (``jax_engines_worker.py``, a stand-in for TPU hardware);
 * ``kvtier``   HiCache with its host tier in kvtierd (``kvtier.sglang_jax``), one kvtierd
-               for the whole run, so the pages outlive the engine's restart.
+               for the whole run, so the pages outlive the engine's restart; kvtierd's
+               DRAM is the size of the engine's own host tier (``--kvtier-dram``).
 
 **Workload** (seeded, the same ids in every configuration): ``--users`` users share a
 system prompt of ``--system-tokens``; each holds ``--rounds`` rounds; round r's prompt is
@@ -66,7 +70,7 @@ from kvtier.hashing import block_keys, request_salt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-CONFIGS = ("none", "hicache", "kvtier")
+CONFIGS = ("none", "hicache", "offload", "kvtier")
 PAGE = 16
 
 
@@ -82,10 +86,10 @@ class EngineKind:
 ENGINES = {
     "sglang-jax": EngineKind("jax_engines_worker.py", "KVTIER_JAX_VENV", ".venv-jax",
                              "make install (SGLANG_JAX)", CONFIGS),
-    # vLLM's prefix cache alone, or kvtier.vllm_tpu; tpu-inference's own offload connector
-    # copies with Pallas DMA kernels, which have no CPU stand-in yet.
+    # vLLM's prefix cache alone, tpu-inference's own offload connector, or kvtier.vllm_tpu.
     "vllm-tpu": EngineKind("jax_engines_vllm_tpu_worker.py", "KVTIER_VLLM_TPU_VENV",
-                           ".venv-vllm-tpu", "make VLLM_TPU=0.32.0 install", ("none", "kvtier")),
+                           ".venv-vllm-tpu", "make install",
+                           ("none", "offload", "kvtier")),
 }
 
 
@@ -187,6 +191,17 @@ def warmup_prompts(longest: int) -> list[list[int]]:
             for n in (9, 40, 100, 230, 500, 900) if n < longest]
 
 
+def kvtier_dram(args: argparse.Namespace) -> str:
+    """kvtierd's DRAM: ``--kvtier-dram``, else as much as the engine's own host tier holds
+    (``--hicache-ratio`` × the device cache; a token is 2 × layers × kv heads × 128 × 4 B),
+    in whole extents of 16 MiB."""
+    if args.kvtier_dram:
+        return str(args.kvtier_dram)
+    token_bytes = 2 * args.layers * (args.hidden // 128) * 128 * 4
+    mib = -(-int(args.hicache_ratio * args.device_tokens * token_bytes) // (16 << 20)) * 16
+    return f"{mib}MiB"
+
+
 def run_config(config: str, python: str, script: str, model: str, args: argparse.Namespace,
                base: str) -> dict[str, Any]:
     system, messages = workload(args)
@@ -194,12 +209,13 @@ def run_config(config: str, python: str, script: str, model: str, args: argparse
     spec: dict[str, Any] = {
         "config": config, "model": model, "page_size": PAGE, "chunk": args.chunk,
         "device_tokens": args.device_tokens, "hicache_ratio": args.hicache_ratio,
+        "offload_chunks": int(args.hicache_ratio * args.device_tokens) // PAGE,
         "max_model_len": -(-longest // PAGE) * PAGE,
         "warmup": warmup_prompts(args.device_tokens // 2)}
     stack = None
     if config == "kvtier":
-        stack = private_daemon("jax-engines", f"dram.capacity={args.kvtier_dram}",
-                        "dram.extent_size=64MiB")
+        stack = private_daemon("jax-engines", f"dram.capacity={kvtier_dram(args)}",
+                               "dram.extent_size=16MiB")
         daemon = stack.__enter__()
         spec["kvtier"] = {"socket_dir": daemon.socket_dir}
     def held() -> int:  # the pages kvtierd holds now
@@ -289,7 +305,8 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--kvtier-dram", default="1GiB")
+    p.add_argument("--kvtier-dram", help="kvtierd's DRAM (default: the engine's own host "
+                   "tier's size, --hicache-ratio x the device cache)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--venv", help="the engine's venv (default: as make test finds it)")
     p.add_argument("--json")

@@ -11,13 +11,12 @@ Runs in the vLLM TPU venv (``.venv-vllm-tpu``), on the CPU, the engine in this p
 with the test suite's stand-ins for TPU hardware (``tests/jax_engines/tpu_standins.py``:
 a device kind, no TPU-only compiler options, the paged attention in plain JAX).  The spec
 names the model, the configuration (``none``: vLLM's prefix cache alone; ``kvtier``:
-kvtier's ``TPUOffloadConnector`` with ``spec["kvtier"]`` as its extra config), the block
-size (``page_size``), the device cache in tokens (``device_tokens``), the prefill chunk
-(``chunk``) and warm-up prompts (their shapes compile before the clock runs).
-
-tpu-inference's own offload connector (its ``TPUOffloadConnector`` with
-``LocalCPUBackend``) is not a configuration here yet: on a CPU its copies are Pallas DMA
-kernels that need a stand-in of their own.
+kvtier's ``TPUOffloadConnector`` with ``spec["kvtier"]`` as its extra config; ``offload``:
+tpu-inference's own ``TPUOffloadConnector`` with its ``LocalCPUBackend`` of
+``spec["offload_chunks"]`` blocks, its Pallas DMA scatter replaced by the same in plain JAX,
+a stand-in for TPU hardware), the block size (``page_size``), the device cache in tokens
+(``device_tokens``), the prefill chunk (``chunk``) and warm-up prompts (their shapes
+compile before the clock runs).
 """
 
 from __future__ import annotations
@@ -68,8 +67,16 @@ def main() -> None:
         ktc = {"kv_connector": "TPUOffloadConnector",
                "kv_connector_module_path": "kvtier.vllm_tpu", "kv_role": "kv_both",
                "kv_connector_extra_config": spec["kvtier"]}
+    elif spec["config"] == "offload":
+        # tpu-inference's own: host blocks in a dict of this process, as many as kvtierd
+        # holds in the kvtier configuration; no ahead-of-time compile of its copy buckets.
+        os.environ["TPU_OFFLOAD_NUM_CPU_CHUNKS"] = str(spec["offload_chunks"])
+        os.environ.setdefault("TPU_OFFLOAD_SKIP_JAX_PRECOMPILE", "1")
+        tpu_standins.offload_copies_in_plain_jax()
+        ktc = {"kv_connector": "TPUOffloadConnector", "kv_role": "kv_both",
+               "kv_connector_module_path": "tpu_inference.offload.tpu_offload_connector"}
     elif spec["config"] != "none":
-        sys.exit(f"unknown configuration {spec['config']!r} (none, kvtier)")
+        sys.exit(f"unknown configuration {spec['config']!r} (none, kvtier, offload)")
     page = int(spec["page_size"])
     # As the tests' engines: synchronous scheduling (asynchronous, tpu-inference's answers on
     # a CPU depend on what was decoded before), no ahead-of-time compilation of every shape.

@@ -127,3 +127,15 @@ def install() -> None:
                                ("get_sampling_compiler_options", no_tpu_compiler_options)):
             if getattr(module, attr, None) is not None:
                 setattr(module, attr, stand_in)
+
+
+def offload_copies_in_plain_jax() -> None:
+    """tpu-inference's own offload connector (``TPUOffloadConnector`` with its
+    ``LocalCPUBackend``, a benchmark's baseline) scatters loaded blocks into the cache with
+    a Pallas DMA kernel (TPU only): in its place, the same gather and scatter in plain JAX
+    that tpu-inference itself uses under attention data parallelism."""
+    import tpu_inference.offload.tpu_offload_connector as offload
+    import tpu_inference.offload.utils as copies
+
+    offload.stack_kv_cache_cross_layers = copies.pure_jax_stack_kv_cache_cross_layers
+    offload.update_kv_caches_one = copies.pure_jax_update_kv_caches_one
