@@ -155,7 +155,7 @@ def save(client: Client, cache: Sequence[Layer], page_ids: Sequence[int] | npt.A
                 for i, page in zip(todo, pages, strict=True):
                     r._guarded(_accel.gather, _slot(r.buffers[i]), [h[page] for h in host])
             else:  # accelerators: move only the wanted pages, one transfer per array
-                _fill(r, enumerate(todo), _stage(arrays, pages))
+                _fill(r, enumerate(todo), _pages_to_host(arrays, pages))
             del host
         return r.commit()
 
@@ -564,7 +564,7 @@ def _gather(arrays: Sequence[jax.Array], pages: list[int]) -> list[jax.Array]:
     return [_take(a, ids) for a in arrays]
 
 
-def _stage(arrays: Sequence[jax.Array], pages: list[int]) -> list[np.ndarray]:
+def _pages_to_host(arrays: Sequence[jax.Array], pages: list[int]) -> list[np.ndarray]:
     """Only ``pages`` of each array, on the host: a device gather, then one transfer each."""
     return [_as_u8(np.asarray(h)) for h in jax.device_get(_gather(arrays, pages))]
 
