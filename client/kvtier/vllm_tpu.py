@@ -186,9 +186,9 @@ class _JaxWorker(_Worker):
         return n
 
     def finished_loads(self) -> set[str]:
-        """As the torch worker's, once the runner holds live arrays: tpu-inference's fused
-        decode loop (``enable_continue_decode``) reports before it assigns the arrays it
-        donated their successors; then the loads done wait for the next step."""
+        """As the torch worker's, once the runner holds live arrays.  tpu-inference's fused
+        decode loop (``enable_continue_decode``) asks before it hands the runner the
+        successors of the arrays it donated: the loads read by then wait for the next step."""
         runner = self._runner
         if self._loading and runner is not None and any(a.is_deleted()
                                                         for a in runner.kv_caches):
