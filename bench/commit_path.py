@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +43,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tree_runs  # noqa: E402 -- bench/ is not a package
+
 BLOCK = 64 << 10
 
 
@@ -247,13 +250,7 @@ def _daemon_mode(seconds: float) -> dict[str, float]:
 
 # ------------------------------------------------------------------ the driver
 def _child(tree: Path, mode: str, seconds: float) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": f"{tree / 'client'}{os.pathsep}{tree / 'daemon'}"}
-    proc = subprocess.run([sys.executable, __file__, "--child", mode, "--seconds", str(seconds)],
-                          env=env, capture_output=True, text=True, timeout=600, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{tree} {mode}: {proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    return tree_runs.run_child(__file__, tree, [mode, "--seconds", str(seconds)], timeout=600)
 
 
 def main() -> int:
@@ -275,13 +272,8 @@ def main() -> int:
         print(json.dumps(res))
         return 0
     trees = [t.resolve() for t in (args.tree or [ROOT])]
-    runs: dict[str, list[dict[str, Any]]] = {str(t): [] for t in trees}
-    for r in range(args.rounds):
-        for t in trees if r % 2 == 0 else reversed(trees):
-            row = {m: _child(t, m, args.seconds)
-                   for m in ("store1", "store32", "calls4096", "daemon")}
-            runs[str(t)].append(row)
-            print(f"round {r + 1} {t}: {json.dumps(row)}", flush=True)
+    runs = tree_runs.rounds(trees, args.rounds, lambda t, _: {
+        m: _child(t, m, args.seconds) for m in ("store1", "store32", "calls4096", "daemon")})
     print()
     cols = [("store, 1 key: CPU us/commit", "store1", "us_per_commit"),
             ("  the daemon's half (commit_from_page)", "store1", "daemon_us_per_commit"),
@@ -299,9 +291,7 @@ def main() -> int:
         vals = [_p50([row[mode][key] for row in runs[str(t)]]) for t in trees]
         print(label + "".join(f" | {v:.3g}" for v in vals))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": sys.argv, "trees": [str(t) for t in trees], "runs": runs}, f,
-                      indent=1)
+        tree_runs.save_runs(args.json, trees, runs)
     return 0
 
 

@@ -31,7 +31,6 @@ import argparse
 import json
 import mmap
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tree_runs  # noqa: E402 -- bench/ is not a package
+
 KiB = 1 << 10
 MiB = 1 << 20
 BATCH = 32
@@ -260,13 +263,7 @@ def summary(trees: list[Path], runs: dict[str, list[dict[str, Any]]]) -> str:
 
 # ------------------------------------------------------------------ the driver
 def _child(tree: Path, args: list[str]) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": f"{tree / 'client'}{os.pathsep}{tree / 'daemon'}"}
-    proc = subprocess.run([sys.executable, __file__, "--child", *args], env=env,
-                          capture_output=True, text=True, timeout=900, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{tree} {args}: {proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    return tree_runs.run_child(__file__, tree, args, timeout=900)
 
 
 def main() -> int:
@@ -295,24 +292,22 @@ def main() -> int:
         return 0
     trees = [t.resolve() for t in (args.tree or [ROOT])]
     modes = args.modes.split(",")
-    runs: dict[str, list[dict[str, Any]]] = {str(t): [] for t in trees}
-    for r in range(args.rounds):
-        for t in trees if r % 2 == 0 else reversed(trees):
-            row: dict[str, Any] = {}
-            if "put" in modes:
-                row["put"] = _child(t, ["put", str(args.seconds)])
-            if "fill" in modes:
-                for ga in ((True, False) if r % 2 == 0 else (False, True)):
-                    row[f"fill_grow_ahead_{ga}"] = _child(t, ["fill", args.fill_pool,
-                                                              "1" if ga else "0"])
-            runs[str(t)].append(row)
-            print(f"round {r + 1} {t}: {json.dumps(row)}", flush=True)
+
+    def measure(t: Path, r: int) -> dict[str, Any]:
+        row: dict[str, Any] = {}
+        if "put" in modes:
+            row["put"] = _child(t, ["put", str(args.seconds)])
+        if "fill" in modes:
+            for ga in ((True, False) if r % 2 == 0 else (False, True)):
+                row[f"fill_grow_ahead_{ga}"] = _child(t, ["fill", args.fill_pool,
+                                                          "1" if ga else "0"])
+        return row
+
+    runs = tree_runs.rounds(trees, args.rounds, measure)
     print()
     print(summary(trees, runs))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": sys.argv, "trees": [str(t) for t in trees], "runs": runs}, f,
-                      indent=1)
+        tree_runs.save_runs(args.json, trees, runs)
     return 0
 
 

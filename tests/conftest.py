@@ -99,6 +99,21 @@ def stop_daemon(d: DaemonProc, *, keep_shm: bool = False) -> None:
     stop_private_daemon(d, keep_shm=keep_shm)
 
 
+def scribble(client: Any, key: bytes, at: int = 100) -> None:
+    """Flip byte ``at`` of the committed block of ``key`` (through ``client``, a
+    ``kvtier.Client`` of its namespace), as a buggy writer could: a checksumming reader
+    finds it ``Corrupted``."""
+    from kvtier._core import segment_ids_of
+
+    resp = client._call("Acquire", pb.AcquireRequest(keys=[key]))
+    assert resp.hits == 1
+    client._sync_maps(resp.segments_version, segment_ids_of(resp.slots))
+    view = client._maps.view(resp.slots[0], resp.slots[0].length, writable=True)
+    view[at] ^= 0xFF
+    del view
+    client._call("Release", pb.ReleaseRequest(lease_id=resp.lease_id))
+
+
 @contextlib.contextmanager
 def temp_daemon(*extra: str, **kwargs: Any) -> Iterator[DaemonProc]:
     """``start_daemon`` in a temp dir of its own (module-scoped fixtures), stopped and the

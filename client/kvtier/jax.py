@@ -45,6 +45,16 @@ and starts their transfer to the host (it returns at once, and the next step can
 them); ``save_snapshot``, on any thread, copies them into the reserved slots and commits
 (one copy more than ``save`` on CPU, the same copies on accelerators).
 
+``stage`` + ``load_staged`` are ``load`` in two halves, for an engine whose step must not
+wait for kvtierd and whose arrays only its step may touch: ``stage``, on any thread, leases
+the blocks, copies each out of its slot into a host array of its own (``Client.get``,
+guarded and verified; the lease ends there) and places it with the cache's sharding
+(``device_put``: on CPU it aliases the host array, on GPU/TPU it starts the transfer);
+``load_staged``, in the step, writes them into the donated arrays (the jitted in-place
+update of the accelerator path).  Copies per page: on CPU two (one off the step, one in
+it, where ``load`` makes one); on GPU/TPU the host copy, the transfer and the device copy,
+as ``load`` with the fault guard.
+
 ``load_leased`` is ``load`` from a lease the caller took first, for an engine that
 must know its blocks are held before it commits to loading them (``kvtier.sglang_jax``).
 
@@ -145,7 +155,7 @@ def save(client: Client, cache: Sequence[Layer], page_ids: Sequence[int] | npt.A
                 for i, page in zip(todo, pages, strict=True):
                     r._guarded(_accel.gather, _slot(r.buffers[i]), [h[page] for h in host])
             else:  # accelerators: move only the wanted pages, one transfer per array
-                _fill(r, enumerate(todo), _stage(arrays, pages))
+                _fill(r, enumerate(todo), _pages_to_host(arrays, pages))
             del host
         return r.commit()
 
@@ -282,16 +292,90 @@ def _load_leased(client: Client, lease: Lease, cache: Sequence[Layer], arrays: l
     del views
     if not donate:  # update copies instead, so the caller's arrays stay valid
         arrays = [jnp.array(a, copy=True) for a in arrays]
-    for block, page in zip(blocks, ids, strict=False):  # ids[:n]
-        for first in range(0, len(arrays), _GROUP):
-            group = arrays[first : first + _GROUP]
-            arrays[first : first + _GROUP] = _update(group, block, page, first)
+    _update_pages(arrays, blocks, ids)  # ids[:n]
     for a in arrays:  # every read of the slots is done: the lease may go
         a.block_until_ready()
     del blocks
     if not lease.done:
         _after_copies(lease.release, wait=False)
     return cast(list[Layer], _rebuild(arrays, lay)), n
+
+
+class Staged:
+    """Blocks read out of kvtier by :func:`stage`, on their way into a cache
+    (:func:`load_staged`).
+
+    They are copies of their own: the lease that read them is over, so kvtierd may reuse
+    or evict the slots, and nothing but :func:`load_staged` reads them.  ``len()`` is the
+    number of blocks staged: the leading stored keys of those :func:`stage` was given.
+    """
+
+    __slots__ = ("_blocks", "layout")
+
+    def __init__(self, blocks: list[jax.Array], layout: PagedKVLayout) -> None:
+        self._blocks, self.layout = blocks, layout
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+def stage(client: Client, keys: Sequence[bytes], *, layout: PagedKVLayout,
+          sharding: jax.sharding.Sharding) -> Staged:
+    """Read the leading stored blocks of ``keys`` out of kvtier for :func:`load_staged`.
+
+    :func:`load` in two halves, for an engine whose step must not wait for kvtierd: this
+    one runs on any thread, and touches no cache.  One lease, each block copied out of
+    its slot into a host array of its own (``Client.get``: guarded, the copies checked
+    against the checksums when the client has them, the lease released when the copies
+    are done), then placed with
+    ``sharding`` (the cache's: ``jax.device_put``, which on a CPU device aliases the host
+    array, no copy, and elsewhere starts the host-to-device transfer, not waited for).
+    Raises as ``Client.get`` (``Corrupted`` for a block that fails its checksum, which
+    is deleted) and ``GeometryMismatch`` when the client's ``block_bytes`` is not
+    ``layout``'s.  A block whose slot memory is gone ends the staging there.
+    """
+    layout.check_block_bytes(client.block_bytes)
+    if not keys:
+        return Staged([], layout)
+    host = client.get(keys)  # numpy's buffers are 64-byte aligned: device_put may alias
+    return Staged(_block_arrays(host, layout, sharding) if host else [], layout)
+
+
+def load_staged(staged: Staged, cache: Sequence[Layer], page_ids: Sequence[int], *,
+                layout: PagedKVLayout | None = None) -> tuple[list[Layer], int]:
+    """Fill ``page_ids[i]`` with staged block ``i`` (:func:`stage`); returns the new cache
+    and ``len(staged)``.
+
+    The device half of :func:`load`: one jitted in-place update per block and group of
+    up to 8 arrays, dispatched (the cache's arrays are donated: use the returned ones).
+    ``page_ids`` may be longer than the staged blocks (the pages after them keep their
+    contents).  Raises ``GeometryMismatch`` when ``cache`` is not of the staged blocks'
+    layout, ValueError for bad or repeated page ids (both before anything is donated).
+    """
+    lay = layout if layout is not None else layout_of(cache)
+    arrays = _flatten(cache, lay)
+    if (staged.layout.block_bytes, staged.layout.array_page_shape) != \
+            (lay.block_bytes, lay.array_page_shape):
+        raise GeometryMismatch(f"the staged blocks are {staged.layout.describe()}, a page "
+                               f"of this cache is {lay.describe()}")
+    ids = valid_page_ids(page_ids, len(page_ids), int(arrays[0].shape[0]), unique=True)
+    n = len(staged)
+    if len(ids) < n:
+        raise ValueError(f"{n} blocks are staged, page_ids has {len(ids)}")
+    if n == 0:
+        return list(cache), 0
+    _update_pages(arrays, staged._blocks, ids[:n])
+    return cast(list[Layer], _rebuild(arrays, lay)), n
+
+
+def _update_pages(arrays: list[jax.Array], blocks: Sequence[jax.Array],
+                  ids: Sequence[int]) -> None:
+    """Page ``ids[i]`` of every array set from ``blocks[i]`` (for the blocks there are),
+    in place: ``arrays`` (donated) are replaced by the updated ones."""
+    for block, page in zip(blocks, ids, strict=False):
+        for first in range(0, len(arrays), _GROUP):
+            group = arrays[first : first + _GROUP]
+            arrays[first : first + _GROUP] = _update(group, block, page, first)
 
 
 def _after_copies(end: Callable[..., None], *args: Any, **kw: Any) -> None:
@@ -480,7 +564,7 @@ def _gather(arrays: Sequence[jax.Array], pages: list[int]) -> list[jax.Array]:
     return [_take(a, ids) for a in arrays]
 
 
-def _stage(arrays: Sequence[jax.Array], pages: list[int]) -> list[np.ndarray]:
+def _pages_to_host(arrays: Sequence[jax.Array], pages: list[int]) -> list[np.ndarray]:
     """Only ``pages`` of each array, on the host: a device gather, then one transfer each."""
     return [_as_u8(np.asarray(h)) for h in jax.device_get(_gather(arrays, pages))]
 
@@ -560,13 +644,16 @@ __all__ = [
     "NamespaceArgs",
     "PagedKVLayout",
     "Snapshot",
+    "Staged",
     "fused_layout_of",
     "layout_of",
     "load",
     "load_leased",
+    "load_staged",
     "namespace_for",
     "packed_layout_of",
     "save",
     "save_snapshot",
     "snapshot",
+    "stage",
 ]

@@ -897,14 +897,19 @@ class _Worker:
                 f"{g.plan.describe()} -> {g.link.args['namespace']}"
                 f"{'' if g.writes else ' (read only: another rank stores it)'}"
                 for g in groups.values()))
-        if self._cfg.async_save and on_cpu:
-            self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
-        if self._cfg.load_mode in ("async", "auto"):
-            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+        self._start_threads(saves=self._cfg.async_save and on_cpu)
         self._groups, self._links = groups, list(links.values())
         self._link, self._cache, self._layout = first.link, first.cache, first.layout
         for link in self._links:
             link.client()  # connect now; says so in the log if kvtierd is not there
+
+    def _start_threads(self, saves: bool) -> None:
+        """The background threads: one for saves (``saves``), one for loads (``load_mode``
+        ``async`` or ``auto``)."""
+        if saves:
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
+        if self._cfg.load_mode in ("async", "auto"):
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
 
     def _failed(self, what: str, exc: BaseException, namespace: str) -> None:
         kind = _failure_kind(exc)
@@ -937,7 +942,7 @@ class _Worker:
                 self._loaded_async = True
                 logger.info("kvtier: loading in the background (load_mode %s); requests wait "
                             "for their blocks in WAITING_FOR_REMOTE_KVS", self._cfg.load_mode)
-            self._loading[req_id] = self._loader.submit(self._load_specs, specs)
+            self._loading[req_id] = self._loader.submit(self._load_specs, specs, True)
 
     def finished_loads(self) -> set[str]:
         """Requests whose background load ended; their failed blocks join :meth:`load_errors`
@@ -947,7 +952,7 @@ class _Worker:
         """
         done = {r for r, fut in self._loading.items() if fut.done()}
         for req_id in done:
-            failed = self._loading.pop(req_id).result()
+            failed = self._finish_load(req_id, self._loading.pop(req_id).result())
             if self._fail_whole:
                 if failed:
                     self._failed_reqs.add(req_id)
@@ -961,8 +966,17 @@ class _Worker:
         out, self._failed_reqs = self._failed_reqs, set()
         return out
 
-    def _load_specs(self, specs: Sequence[LoadSpec]) -> list[int]:
-        """Load one request's hits (every group); returns the vLLM blocks that did not load."""
+    def _finish_load(self, req_id: str, failed: list[int]) -> list[int]:
+        """On the engine's thread, once the load of ``req_id`` that :meth:`load` left to
+        the load thread (or to vLLM's ``get_finished``) is done: what is left of it to
+        do, done; returns the vLLM blocks that did not load (``failed``, the load thread's
+        answer, and any more).  The torch worker's copies are done by then: nothing left."""
+        return failed
+
+    def _load_specs(self, specs: Sequence[LoadSpec], background: bool = False) -> list[int]:
+        """Load one request's hits (every group); returns the vLLM blocks that did not load.
+
+        ``background``: on the load thread (:meth:`_finish_load` follows on the engine's)."""
         t0 = time.perf_counter()
         failed: list[int] = []
         for spec in specs:
@@ -972,7 +986,7 @@ class _Worker:
                 self._counters.add("failures_unavailable")
                 n = 0
             else:
-                n = self._load_one(client, spec, io)
+                n = self._load_one(client, spec, io, background)
             self._counters.add("loaded_blocks", n)
             self._counters.add("failed_blocks", len(spec.keys) - n)
             failed.extend(spec.block_ids[n:])
@@ -980,9 +994,10 @@ class _Worker:
         return failed
 
     def _copy_in(self, client: Client, spec: LoadSpec, io: _GroupIO,
-                 phases: dict[str, float]) -> int:
+                 phases: dict[str, float], background: bool = False) -> int:
         """Copy the leading stored blocks of ``spec`` into the engine's cache; how many.
 
+        ``background``: on the load thread (the torch worker copies alike either way).
         Raises as ``kvtier.torch.load`` (the JAX engines' worker copies through
         ``kvtier.jax`` instead)."""
         return kt.load(client, spec.keys, io.cache, spec.block_ids, layout=io.layout,
@@ -993,13 +1008,14 @@ class _Worker:
         the engine's cache (their ids), or what :meth:`_detach` made of them."""
         return kt.save(client, io.cache, source, keys, layout=io.layout)
 
-    def _load_one(self, client: Client, spec: LoadSpec, io: _GroupIO) -> int:
+    def _load_one(self, client: Client, spec: LoadSpec, io: _GroupIO,
+                  background: bool = False) -> int:
         ns = io.link.args["namespace"]
         for attempt in range(2):
             try:
                 phases: dict[str, float] = {}
                 try:
-                    n = self._copy_in(client, spec, io, phases)
+                    n = self._copy_in(client, spec, io, phases, background)
                 finally:
                     self._counters.add("load_acquire_seconds", phases.get("acquire", 0.0))
                     self._counters.add("load_copy_seconds", phases.get("copy", 0.0))
@@ -1102,7 +1118,9 @@ class _Worker:
         if self._saver is not None:
             self._saver.shutdown(wait=True)
         if self._loader is not None:
-            self._loader.shutdown(wait=True)
+            # A load still queued is never started (its request goes with the engine);
+            # one under way ends before the links close.
+            self._loader.shutdown(wait=True, cancel_futures=True)
         for link in self._links:
             link.close()
 

@@ -27,10 +27,15 @@ connector and in sglang-jax, only the namespaces differ), the roles (``kv_role``
 * **One namespace for the whole model.**  One process drives every chip of the mesh and
   its arrays are global (sharded over the chips): a block is stored whole, whatever the
   tensor-parallel size, and a host with another mesh shape shares it.
-* **Loads run in the step**, on the engine's thread, since a copy running beside the next
-  step would write arrays that step donates.  ``load_mode`` ``async`` and ``auto`` keep
-  their meaning for vLLM (the request waits in ``WAITING_FOR_REMOTE_KVS`` and is reported
-  loaded through ``get_finished``) but copy within the step that starts the load.
+* **Loads in two halves.**  ``load_mode`` ``sync`` (and ``auto``'s DRAM hits) load in
+  the step, before its forward pass (``kvtier.jax.load``).  A background load (``async``,
+  ``auto``'s hits below DRAM; the request waits in ``WAITING_FOR_REMOTE_KVS``) cannot
+  write the arrays from its thread, since the next step donates them: the load thread
+  reads the blocks out of kvtier into arrays of their own (``kvtier.jax.stage``: one
+  lease, a host copy per block, its transfer to the cache's devices started), and the
+  first step that finds them staged writes them into the runner's arrays
+  (``kvtier.jax.load_staged``: one in-place device update per block, dispatched) before
+  ``get_finished`` reports the request loaded.
 * **Saves leave the step**: the step only snapshots the blocks to save
   (``kvtier.jax.snapshot``: a gather on the device into new arrays, their transfer to the
   host started), which no later step can touch; a background thread writes the host bytes
@@ -45,8 +50,8 @@ connector and in sglang-jax, only the namespaces differ), the roles (``kv_role``
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -81,6 +86,12 @@ class _JaxWorker(_Worker):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self._runner: Any = None
+        #: Per KV cache group, where its arrays live (what staged blocks are placed with).
+        self._shardings: dict[int, jax.sharding.Sharding] = {}
+        #: Background loads' blocks read out of kvtier (by the load thread), per request,
+        #: for the step that reports the request loaded (_finish_load).
+        self._staged: dict[str, list[tuple[LoadSpec, _GroupIO, kj.Staged]]] = {}
+        self._staged_lock = threading.Lock()
 
     def register(self, kv_caches: Any) -> None:
         raise Unsupported("tpu-inference registers its runner (register_runner), not arrays")
@@ -107,6 +118,7 @@ class _JaxWorker(_Worker):
         identity, digest = model_fingerprint(self._vllm_config, self._cfg.model_id)
         links: dict[str, _Link] = {}
         groups: dict[int, _GroupIO] = {}
+        shardings: dict[int, jax.sharding.Sharding] = {}
         for plan in plans:
             missing = [n for n in plan.layer_names if n not in index]
             if missing:
@@ -128,16 +140,17 @@ class _JaxWorker(_Worker):
                 link = links[args["namespace"]] = _Link(self._cfg, args, self._counters,
                                                         self._throttle)
             groups[plan.index] = _GroupIO(plan, link, layers, layout, True)
+            shardings[plan.index] = caches[layers[0]].sharding
         first = groups[plans[0].index]
         logger.info("kvtier: tpu-inference KV cache, %d layer arrays of %s on %s",
                     len(caches), first.layout.describe(),
                     ", ".join(sorted({d.platform for d in caches[0].devices()})))
         self._runner = runner
-        if self._cfg.async_save:
-            self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
+        self._start_threads(saves=self._cfg.async_save)
+        if self._saver is not None:
             logger.info("kvtier: saves leave the step: it snapshots the blocks, a background "
                         "thread stores them")
-        self._groups, self._links = groups, list(links.values())
+        self._groups, self._links, self._shardings = groups, list(links.values()), shardings
         self._link, self._cache, self._layout = first.link, first.cache, first.layout
         for link in self._links:
             link.client()  # connect now; says so in the log if kvtierd is not there
@@ -146,18 +159,63 @@ class _JaxWorker(_Worker):
         caches = list(self._runner.kv_caches)
         return caches, [caches[i] for i in io.cache]
 
-    def _copy_in(self, client: Client, spec: LoadSpec, io: _GroupIO,
-                 phases: dict[str, float]) -> int:
-        caches, arrays = self._arrays(io)
-        t0 = time.perf_counter()
-        # The arrays are donated (updated in place on one CPU device): from here on only
-        # the returned ones are valid, so they go back to the runner whatever n is.
-        new, n = kj.load(client, spec.keys, arrays, spec.block_ids, layout=io.layout)
+    def _put_back(self, io: _GroupIO, caches: list[Any], new: list[Any]) -> None:
+        """The group's arrays ``new`` (its donated ones' successors) into the runner's."""
         for i, a in zip(io.cache, new, strict=True):
             caches[i] = a
         self._runner.kv_caches = caches
+
+    def _copy_in(self, client: Client, spec: LoadSpec, io: _GroupIO,
+                 phases: dict[str, float], background: bool = False) -> int:
+        t0 = time.perf_counter()
+        if background:
+            # The load thread: read the blocks out of kvtier, their transfer started; the
+            # arrays are the step's (it donates them), so a later step writes them in.
+            staged = kj.stage(client, spec.keys, layout=io.layout,
+                              sharding=self._shardings[spec.group])
+            with self._staged_lock:
+                self._staged.setdefault(spec.req_id, []).append((spec, io, staged))
+            phases["copy"] = time.perf_counter() - t0
+            return len(staged)
+        caches, arrays = self._arrays(io)
+        # The arrays are donated (updated in place on one CPU device): from here on only
+        # the returned ones are valid, so they go back to the runner whatever n is.
+        new, n = kj.load(client, spec.keys, arrays, spec.block_ids, layout=io.layout)
+        self._put_back(io, caches, new)
         phases["copy"] = time.perf_counter() - t0
         return n
+
+    def finished_loads(self) -> set[str]:
+        """As the torch worker's, once the runner holds live arrays.  tpu-inference's fused
+        decode loop (``enable_continue_decode``) asks before it hands the runner the
+        successors of the arrays it donated: the loads read by then wait for the next step."""
+        runner = self._runner
+        if self._loading and runner is not None and any(a.is_deleted()
+                                                        for a in runner.kv_caches):
+            return set()
+        return super().finished_loads()
+
+    def _finish_load(self, req_id: str, failed: list[int]) -> list[int]:
+        """The staged blocks of ``req_id`` written into the runner's arrays (the step's
+        device update: the arrays donated, their successors assigned back); a group whose
+        update fails is reported failed whole (vLLM recomputes it)."""
+        with self._staged_lock:
+            staged = self._staged.pop(req_id, [])
+        t0 = time.perf_counter()
+        for spec, io, blocks in staged:
+            try:
+                caches, arrays = self._arrays(io)
+                new, _ = kj.load_staged(blocks, arrays, spec.block_ids, layout=io.layout)
+                self._put_back(io, caches, new)
+            except Exception as exc:  # noqa: BLE001 (a failed load is a recompute)
+                self._failed("load", exc, io.link.args["namespace"])
+                self._counters.add("failed_blocks", len(blocks))
+                failed = failed + spec.block_ids[: len(blocks)]
+        if staged:
+            spent = time.perf_counter() - t0
+            self._counters.add("load_copy_seconds", spent)
+            self._counters.add("load_seconds", spent)
+        return failed
 
     def _detach(self, work: list[_SaveWork]) -> tuple[list[_SaveWork], frozenset[int]]:
         """Each group's blocks to save snapshotted (``kvtier.jax.snapshot``: a gather on

@@ -2,11 +2,10 @@
 
 Runs in the sglang-jax venv.  The spec names the model, whether HiCache's host tier is
 kvtier (``"kvtier"``: its ``KVTIER_SGLANG_JAX`` config; absent: the engine alone, no
-HiCache) and a list of phases, each a list of prompts (token ids).  Before every phase but
-the first it prints ``READY`` and waits for a line on stdin, so a test can act (kill the
-daemon) between phases without another engine start.  After each phase it prints one
-``RESULT {json}`` line: per prompt the generated token ids and sglang-jax's
-``cached_tokens``, plus the kvtier pool's counters where the engine runs in-process.
+HiCache) and a list of phases, each a list of prompts (token ids), run in the protocol of
+``tests/engine_phases.py`` (``READY`` before each phase but the first, a ``RESULT`` line
+after each).  A ``RESULT`` holds per prompt the generated token ids, sglang-jax's
+``cached_tokens`` and the wall time.
 
 ``import kvtier.sglang_jax`` is at the top on purpose: the scheduler is a spawned process
 that imports this script again, and with it kvtier's plugin point (as a user's script
@@ -20,6 +19,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -48,6 +48,7 @@ def _record_semaphores() -> None:
 _record_semaphores()
 
 import kvtier.sglang_jax  # noqa: E402,F401  (the plugin point, in every process)
+from tests.engine_phases import run_phases  # noqa: E402
 
 
 def main() -> None:
@@ -67,21 +68,20 @@ def main() -> None:
                     hicache_storage="none" if hicache else "disable",
                     enable_unified_radix_tree=hicache, log_level="warning",
                     random_seed=0)
+
+    def run(phase: list[list[int]]) -> dict[str, Any]:
+        results = []
+        for tokens in phase:
+            t0 = time.monotonic()
+            out = engine.generate(input_ids=tokens, sampling_params={
+                "temperature": 0, "max_new_tokens": spec.get("max_tokens", 8)})
+            results.append({"tokens": out["output_ids"],
+                            "cached": out["meta_info"]["cached_tokens"],
+                            "seconds": time.monotonic() - t0})
+        return {"prompts": results}
+
     try:
-        for i, phase in enumerate(spec["phases"]):
-            if i:
-                print("READY", flush=True)
-                if not sys.stdin.readline():
-                    return
-            results = []
-            for tokens in phase:
-                t0 = time.monotonic()
-                out = engine.generate(input_ids=tokens, sampling_params={
-                    "temperature": 0, "max_new_tokens": spec.get("max_tokens", 8)})
-                results.append({"tokens": out["output_ids"],
-                                "cached": out["meta_info"]["cached_tokens"],
-                                "seconds": time.monotonic() - t0})
-            print("RESULT " + json.dumps({"prompts": results}), flush=True)
+        run_phases(spec["phases"], run)
     finally:
         engine.shutdown()
 

@@ -7,8 +7,7 @@ Every engine is a process of the vLLM TPU venv (Python 3.12, ``make install`` bu
 Engines hold several phases, so the daemon is killed and restarted between two requests
 without another engine start (each start costs ~30 s here): four starts in all, run side
 by side (the reference, a ``kv_both`` engine, a P/D producer, and a consumer that is also
-the first engine restarted).  Every
-answer is compared with an engine without a connector: kvtier may change how much is
+the first engine restarted and loads in the background).  Every answer is compared with an engine without a connector: kvtier may change how much is
 recomputed, never what is generated.
 """
 
@@ -80,11 +79,13 @@ def _count(out: dict[str, Any], name: str) -> float:
 
 class Lab(common.Lab):
     def engine(self, name: str, phases: list[list[list[int]]], *, kvtier: bool,
-               role: str = "kv_both") -> Engine:
+               role: str = "kv_both", **config: Any) -> Engine:
+        """An engine; with ``kvtier``, its connector's config is ``config`` besides the
+        lab's socket and a short timeout."""
         spec: dict[str, Any] = {"model": self.model, "phases": phases, "block": BLOCK,
                                 "kv_role": role}
         if kvtier:
-            spec["kvtier"] = {"socket_dir": self.socket_dir, "timeout": 2.0}
+            spec["kvtier"] = {"socket_dir": self.socket_dir, "timeout": 2.0, **config}
         e = Engine(self.python, self.base, spec, name)
         self.engines.append(e)
         return e
@@ -115,16 +116,18 @@ def test_vllm_tpu_offload_survives_daemon_kill_and_engine_restart(lab: Lab) -> N
     """One engine starts with kvtierd down and serves; once kvtierd is up it saves P1
     into kvtierd; kvtierd is SIGKILLed mid-run and the engine answers on, the same; after
     the daemon's restart it saves P3; a P/D producer saves P2; then the engine is
-    restarted as a consumer: the fresh process reports the full blocks of P1, P3 (the first
-    engine's) and P2 (the producer's) as cached, loaded from kvtierd, and saves nothing.
-    Every answer equals that of an engine without a connector."""
+    restarted as a consumer that loads in the background (``load_mode: async``): the fresh
+    process reports the full blocks of P1, P3 (the first engine's) and P2 (the producer's)
+    as cached, loaded from kvtierd, and saves nothing.  Every answer equals that of an
+    engine without a connector."""
     alone = lab.engine("alone", [[P1, P2, P3, P4]], kvtier=False)
     first = lab.engine("first", [[P2], [P1], [P4, P1], [P3]], kvtier=True)
     producer = lab.engine("producer", [[], [P2]], kvtier=True, role="kv_producer")
     # The engine that replaces the first starts now (its start overlaps the first's run) and
     # serves nothing until the first is gone: then it is the restarted engine, a P/D
-    # consumer of the producer's blocks.
-    second = lab.engine("second", [[], [P1, P3, P2]], kvtier=True, role="kv_consumer")
+    # consumer of the producer's blocks, which it loads in the background.
+    second = lab.engine("second", [[], [P1, P3, P2]], kvtier=True, role="kv_consumer",
+                        load_mode="async")
     ref = dict(zip(("P1", "P2", "P3", "P4"),
                    (r["tokens"] for r in alone.result()["prompts"]), strict=True))
     alone.close()
@@ -174,7 +177,8 @@ def test_vllm_tpu_offload_survives_daemon_kill_and_engine_restart(lab: Lab) -> N
     assert "saves leave the step" not in producer.log()  # its answer waits for its saves
 
     # The engine restarted: the fresh process, its prefix cache empty, gets the full blocks
-    # of every prompt from kvtierd (never the block holding the last token).
+    # of every prompt from kvtierd (never the block holding the last token), read by its
+    # load thread while the request waits, written into the cache by a later step.
     assert second.result()["prompts"] == []  # up, idle, its prefix cache empty
     second.next()
     out = second.result()
@@ -189,4 +193,5 @@ def test_vllm_tpu_offload_survives_daemon_kill_and_engine_restart(lab: Lab) -> N
     assert _count(out, "saved_blocks") + _count(out, "skipped_blocks") == 0, \
         "a consumer saved"
     assert _kvtier_frames(second.log()) == []
+    assert "loading in the background" in second.log()  # not in the step
     assert lab.daemon.check() == []

@@ -5,10 +5,9 @@ Runs in the vLLM TPU venv, on the CPU, with the TPU stand-ins of ``tpu_standins.
 engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).  The spec names the model,
 the connector (``"kvtier"``: kvtier's ``TPUOffloadConnector`` with that
 ``kv_connector_extra_config``; absent: no connector) and a list of phases, each a list of
-prompts (token ids).  Before every phase but the first it prints ``READY`` and waits for a
-line on stdin, so a test can act (kill the daemon) between phases without another engine
-start.  ``"kv_role"`` is the connector's (default ``kv_both``).  After each phase it prints
-one ``RESULT {json}`` line: per prompt the generated token ids, vLLM's
+prompts (token ids), run in the protocol of ``tests/engine_phases.py`` (``READY`` before
+each phase but the first, a ``RESULT`` line after each).  ``"kv_role"`` is the connector's
+(default ``kv_both``).  A ``RESULT`` holds per prompt the generated token ids, vLLM's
 ``num_cached_tokens``, the request's ``kv_transfer_params`` and the wall time, plus the
 connector's counters so far (``vllm:kvtier_*``).
 """
@@ -28,26 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tpu_standins  # noqa: E402
 
+from tests.engine_phases import run_phases, settle_saves, settled_counters  # noqa: E402
+
 tpu_standins.install()
-
-
-def _counters(llm: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:kvtier_"):
-            out[m.name.removeprefix("vllm:kvtier_")] = float(getattr(m, "value", 0))
-    return out
-
-
-def _settle_saves() -> None:
-    """Wait for the connector's background saves (their counters with them); the worker is
-    in this process."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    if has_kv_transfer_group():
-        worker = getattr(get_kv_transfer_group(), "_worker", None)
-        if worker is not None:
-            worker.settle()
 
 
 def main() -> None:
@@ -71,11 +53,8 @@ def main() -> None:
               num_gpu_blocks_override=spec.get("blocks", 64), enable_prefix_caching=True,
               kv_transfer_config=ktc, disable_log_stats=False, seed=0, async_scheduling=False,
               additional_config={"sharding": {"sharding_strategy": {"device_indexes": [0]}}})
-    for i, phase in enumerate(spec["phases"]):
-        if i:
-            print("READY", flush=True)
-            if not sys.stdin.readline():
-                return
+
+    def run(phase: list[list[int]]) -> dict[str, Any]:
         results = []
         for tokens in phase:
             t0 = time.perf_counter()
@@ -86,14 +65,11 @@ def main() -> None:
                             "cached": out.num_cached_tokens,
                             "params": out.kv_transfer_params,
                             "seconds": time.perf_counter() - t0})
-        # Saves run in the background: wait for the last ones, then run a prompt shorter
-        # than a block (nothing to look up or save) so its step reports the counters.
-        if ktc is not None:
-            _settle_saves()
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
-                     use_tqdm=False)
-        print("RESULT " + json.dumps({"prompts": results, "counters": _counters(llm)}),
-              flush=True)
+        # The connector's worker is in this process.
+        return {"prompts": results,
+                "counters": settled_counters(llm, None if ktc is None else settle_saves)}
+
+    run_phases(spec["phases"], run)
 
 
 if __name__ == "__main__":

@@ -414,15 +414,55 @@ def test_load_leased_fills_the_lease_hits_and_ends_the_lease(shared_daemon: Daem
             assert np.array_equal(got[a][page], before[a][page])
 
 
+def test_stage_then_load_staged_is_byte_exact_and_the_lease_ends_at_the_stage(
+        shared_daemon: DaemonProc) -> None:
+    """``stage`` reads the leading stored blocks into copies of their own (no lease held
+    after it: kvtierd may drop the blocks, the copies stay), touching no cache;
+    ``load_staged`` writes them in place (the arrays donated), the pages after the staged
+    blocks keep their bytes, every bit pattern of bfloat16 kept.  A cache of another
+    geometry and short page ids are refused before anything is donated."""
+    src = make_packed("bfloat16", seed=37, packing=2)
+    dst = make_packed("bfloat16", seed=38, packing=2)
+    lay = kj.packed_layout_of(src)
+    keys = keys_for(4)
+    want, before = host_bytes(src), host_bytes(dst)
+    with client_for(shared_daemon, lay) as c:
+        assert kj.save(c, src, [0, 1, 2], keys[:3], layout=lay) == 3
+        assert len(kj.stage(c, [], layout=lay, sharding=dst[0].sharding)) == 0
+        staged = kj.stage(c, [keys[0], keys[1], keys[3], keys[2]], layout=lay,
+                          sharding=dst[0].sharding)
+        assert len(staged) == 2  # keys[3] is not stored: the rest is a miss
+        deadline = time.monotonic() + 10  # released without waiting for the answer
+        while shared_daemon.stats().leases and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert shared_daemon.stats().leases == 0
+        assert c.delete(keys[:3]) == 3  # the staged copies are their own
+    assert all(np.array_equal(a, b) for a, b in zip(host_bytes(dst), before, strict=True))
+    other = make_packed("bfloat16", seed=39, packing=1)
+    with pytest.raises(GeometryMismatch, match="staged blocks"):
+        kj.load_staged(staged, other, [3, 4], layout=kj.packed_layout_of(other))
+    with pytest.raises(ValueError, match="2 blocks are staged"):
+        kj.load_staged(staged, dst, [3], layout=lay)
+    assert not any(a.is_deleted() for a in dst + other)
+    out, n = kj.load_staged(staged, dst, [9, 3, 4], layout=lay)
+    assert n == 2 and all(a.is_deleted() for a in dst)
+    got = host_bytes(out)
+    for a in range(LAYERS):
+        assert np.array_equal(got[a][9], want[a][0])
+        assert np.array_equal(got[a][3], want[a][1])
+        for page in set(range(PAGES)) - {9, 3}:
+            assert np.array_equal(got[a][page], before[a][page])
+
+
 def test_the_device_gather_names_its_sharding_on_a_mesh_of_explicit_axes() -> None:
     """sglang-jax's and tpu-inference's caches live on a mesh of explicit axes, where JAX
     will not guess a gather's output sharding; the accelerators' save path gathers the
-    pages there (``_stage``: a device gather, then one transfer per array)."""
+    pages there (``_pages_to_host``: a device gather, then one transfer per array)."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     mesh = jax.make_mesh((1, 1), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
     spec: Any = PartitionSpec("data", None, "tensor", None, None)
     host = np.random.default_rng(0).random((8, 4, 2, 1, 16), dtype=np.float32)
     cache = jax.device_put(host, NamedSharding(mesh, spec))
-    staged = kj._stage([cache], [5, 2, 7])
+    staged = kj._pages_to_host([cache], [5, 2, 7])
     assert np.array_equal(staged[0][:3], host[[5, 2, 7]].view(np.uint8))

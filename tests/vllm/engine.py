@@ -29,6 +29,8 @@ from typing import Any
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
+from tests.engine_phases import run_phases, settle_saves, settled_counters  # noqa: E402
+
 
 def _kv_transfer(connector: Any, role: str) -> dict[str, Any] | None:
     if connector is None:
@@ -60,16 +62,6 @@ def _record_block_ids() -> dict[tuple[int, ...], list[int]]:
     return seen
 
 
-def _settle_saves(wrapper: Any) -> None:
-    """In the worker: wait for the connector's background saves (their counters with them)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    if has_kv_transfer_group():
-        worker = getattr(get_kv_transfer_group(), "_worker", None)
-        if worker is not None:
-            worker.settle()
-
-
 def _block_digests(wrapper: Any, blocks: list[list[int]]) -> list[list[str]]:
     """In the worker: per list of block ids, each block's digest over its layers."""
     import hashlib
@@ -88,14 +80,6 @@ def _block_digests(wrapper: Any, blocks: list[list[int]]) -> list[list[str]]:
                 h.update(ctx[name].kv_cache[b].contiguous().view(-1).view(torch.uint8).numpy())
             digests.append(h.hexdigest())
         out.append(digests)
-    return out
-
-
-def _counters(llm: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:kvtier_"):
-            out[m.name.removeprefix("vllm:kvtier_")] = float(getattr(m, "value", 0))
     return out
 
 
@@ -125,11 +109,8 @@ def main() -> None:
               dtype=spec.get("dtype", "float32"), enable_prefix_caching=spec.get("prefix_caching", True),
               kv_transfer_config=ktc, disable_log_stats=False,
               tensor_parallel_size=spec.get("tp", 1), seed=0)
-    for i, phase in enumerate(spec["phases"]):
-        if i:
-            print("READY", flush=True)
-            if not sys.stdin.readline():
-                return
+
+    def run(phase: list[dict[str, Any]]) -> dict[str, Any]:
         results = []
         for item in phase:
             # {"batch": [p, ...]}: those prompts in one generate() call, scheduled together.
@@ -160,14 +141,11 @@ def main() -> None:
                 if digests:
                     r["kv"] = kv[i]
                 results.append(r)
-        # Saves run in the background: wait for the last ones to finish, then run a prompt
-        # shorter than a block (nothing to look up or save) so its step reports the counters.
-        if ktc is not None:
-            llm.collective_rpc(_settle_saves)
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
-                     use_tqdm=False)
-        result: dict[str, Any] = {"prompts": results, "counters": _counters(llm)}
-        print("RESULT " + json.dumps(result), flush=True)
+        # The connector's worker may be another process: settle its saves there.
+        return {"prompts": results, "counters": settled_counters(
+            llm, None if ktc is None else lambda: llm.collective_rpc(settle_saves))}
+
+    run_phases(spec["phases"], run)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,10 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM connector tests need kvtier[vllm] (make install)")
 
 import kvtier  # noqa: E402
-from kvtier._core import segment_ids_of  # noqa: E402
 from kvtier.hashing import block_keys  # noqa: E402
 from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
 from kvtier.vllm import request_salt  # noqa: E402
-from tests.conftest import DaemonProc, start_daemon, stop_daemon  # noqa: E402
+from tests.conftest import DaemonProc, scribble, start_daemon, stop_daemon  # noqa: E402
 from tests.vllm import tinymodel  # noqa: E402
 from tests.vllm.driver import ENGINE_DEADLINE, Engine  # noqa: E402
 from tests.vllm.logs import failure_excerpt  # noqa: E402
@@ -114,13 +113,7 @@ class Lab:
         ns = self.namespace()
         with kvtier.Client(self.socket_dir, namespace=ns.name, block_bytes=ns.block_bytes,
                            model_uid=ns.model_uid) as c:
-            resp = c._call("Acquire", pb.AcquireRequest(keys=[key]))
-            assert resp.hits == 1
-            c._sync_maps(resp.segments_version, segment_ids_of(resp.slots))
-            view = c._maps.view(resp.slots[0], resp.slots[0].length, writable=True)
-            view[100] ^= 0xFF
-            del view
-            c._call("Release", pb.ReleaseRequest(lease_id=resp.lease_id))
+            scribble(c, key)
 
     def close(self) -> None:
         for e in self.engines:

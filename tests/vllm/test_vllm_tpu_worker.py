@@ -3,13 +3,15 @@
 The engine itself runs in tests/jax_engines/test_vllm_tpu.py (tpu-inference needs Python
 3.12); these check what that test cannot isolate: the arrays found by layer name, one
 namespace for any mesh, the runner's arrays replaced after a load (the old ones were
-donated), the bytes moved exactly, a failed load left to vLLM to recompute, and saves
-stored in the background from a snapshot the next step's donation cannot touch.
+donated), the bytes moved exactly, a failed load left to vLLM to recompute, saves
+stored in the background from a snapshot the next step's donation cannot touch, and
+background loads read off the step and written into the arrays by a later one.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,6 +26,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
+import kvtier  # noqa: E402
+from kvtier import jax as kj  # noqa: E402
 from kvtier._kv_groups import Unsupported  # noqa: E402
 from kvtier.hashing import block_keys, request_salt  # noqa: E402
 from kvtier.vllm import (  # noqa: E402
@@ -36,7 +40,7 @@ from kvtier.vllm import (  # noqa: E402
     _Throttle,
 )
 from kvtier.vllm_tpu import TPUOffloadConnector, _JaxWorker  # noqa: E402
-from tests.conftest import DaemonProc, start_daemon, stop_daemon  # noqa: E402
+from tests.conftest import DaemonProc, scribble, start_daemon, stop_daemon  # noqa: E402
 
 BLOCK = 16
 PAGES = 12
@@ -73,6 +77,14 @@ def _worker(daemon: DaemonProc, tp: int = 1, **extra: Any) -> _JaxWorker:
 
 #: Every page of every array set to ``value``, the arrays donated (as a step does).
 _overwrite = jax.jit(lambda xs, value: [jnp.full_like(x, value) for x in xs], donate_argnums=0)
+
+
+#: A step: the arrays donated, their successors (the same bytes) handed back.
+_step = jax.jit(lambda xs: list(xs), donate_argnums=0)
+
+
+def _bytes(runner: Any) -> list[bytes]:
+    return [np.asarray(x).tobytes() for x in runner.kv_caches]
 
 
 def _hold(w: _JaxWorker) -> threading.Event:
@@ -231,3 +243,186 @@ def test_only_a_producer_saves_in_the_step(role: str, background: bool) -> None:
     cfg = ConnectorConfig.from_extra({})
     assert TPUOffloadConnector._role_policy(role, cfg).async_save is background
     assert KVTierConnector._role_policy(role, cfg).async_save is False  # torch: async_save's
+
+
+KEYS = block_keys(list(range(3, 3 + 3 * BLOCK)), BLOCK, request_salt("", None, None))
+
+
+def _saved(daemon: DaemonProc) -> list[np.ndarray]:
+    """KEYS stored from pages 5, 2, 7 of a runner; its arrays' bytes."""
+    src = _runner(0)
+    w = _worker(daemon)
+    w.register_runner(src)
+    w.save(KVTierMetadata(save_keys=KEYS, save_block_ids=[5, 2, 7]))
+    w.close()
+    return [np.asarray(x).copy() for x in src.kv_caches]
+
+
+def _loading(daemon: DaemonProc, **extra: Any) -> tuple[_JaxWorker, Any, threading.Event]:
+    """A worker of load_mode async on a fresh runner, its load thread held (set the event):
+    the loads handed to it wait."""
+    w = _worker(daemon, load_mode="async", **extra)
+    runner = _runner(1)
+    w.register_runner(runner)
+    assert w._loader is not None
+    go = threading.Event()
+    w._loader.submit(go.wait, 30)
+    return w, runner, go
+
+
+def _reported(w: _JaxWorker, runner: Any, req_id: str) -> tuple[set[str], set[int]]:
+    """Steps (each donating the runner's arrays) until finished_loads() names ``req_id``:
+    every request it named on the way and every load error."""
+    done: set[str] = set()
+    errors: set[int] = set()
+    for _ in range(3000):
+        runner.kv_caches = _step(runner.kv_caches)
+        done |= w.finished_loads()
+        errors |= w.load_errors()
+        if req_id in done:
+            return done, errors
+        threading.Event().wait(0.01)
+    raise AssertionError(f"{req_id} was never reported loaded")
+
+
+def test_a_background_load_is_read_off_the_step_and_written_in_by_a_later_one(
+        daemon: DaemonProc) -> None:
+    """load_mode async: load() hands the request to the load thread and returns; the thread
+    reads the blocks out of kvtier without touching the runner's arrays (the steps go on
+    donating them); the first finished_loads() after it writes them into the arrays the
+    runner holds then (the old ones donated) and names the request, once.  While the
+    runner holds arrays a step donated (tpu-inference's fused decode loop reports before
+    it assigns their successors), the request waits for the next step."""
+    want = _saved(daemon)
+    w, runner, go = _loading(daemon)
+    before = _bytes(runner)
+    w.load(KVTierMetadata(loads=[LoadSpec("r", KEYS, [1, 9, 4])]))
+    assert w.finished_loads() == set() and w.load_errors() == set()
+    runner.kv_caches = _step(runner.kv_caches)  # a step while the load waits
+    go.set()
+    w._loading["r"].result(timeout=30)  # read: the blocks wait for the engine's thread
+    assert [len(staged) for _, _, staged in w._staged["r"]] == [3]
+    assert _bytes(runner) == before
+    successors = _step(runner.kv_caches)  # the runner still holds the donated arrays
+    assert w.finished_loads() == set()
+    runner.kv_caches = successors
+    old = list(runner.kv_caches)
+    assert w.finished_loads() == {"r"}
+    assert w.load_errors() == set() and w.finished_loads() == set() and w._staged == {}
+    assert all(x.is_deleted() for x in old), "the loaded arrays were not donated"
+    got = [np.asarray(x) for x in runner.kv_caches]
+    untouched = [p for p in range(PAGES) if p not in (1, 9, 4)]
+    for layer in range(2):
+        for s, d in ((5, 1), (2, 9), (7, 4)):
+            assert np.array_equal(got[layer][d], want[layer][s])
+        assert got[layer][untouched].tobytes() == \
+            np.frombuffer(before[layer], np.float32).reshape(SHAPE)[untouched].tobytes()
+    counters = w._counters.take()
+    assert counters["loaded_blocks"] == 3 and "failed_blocks" not in counters
+    assert w._loaded_async  # the background path ran (and said so in the log)
+    w.close()
+    assert daemon.check() == []
+
+
+def _tamper_gone(daemon: DaemonProc, w: _JaxWorker) -> None:
+    with kvtier.Client(daemon.socket_dir, **w._links[0].args) as c:
+        assert c.delete([KEYS[1]]) == 1
+
+
+def _tamper_corrupted(daemon: DaemonProc, w: _JaxWorker) -> None:
+    with kvtier.Client(daemon.socket_dir, **w._links[0].args) as c:
+        scribble(c, KEYS[1])
+
+
+@pytest.mark.parametrize(("tamper", "failure"), [(_tamper_gone, "failures_evicted"),
+                                                 (_tamper_corrupted, "failures_corrupted")])
+def test_a_background_load_that_finds_a_block_gone_or_corrupted_reports_it_and_the_rest(
+        daemon: DaemonProc, tamper: Callable[[DaemonProc, _JaxWorker], None],
+        failure: str) -> None:
+    """The second of three blocks deleted or scribbled over after the lookup: the first
+    block loads, the second and third are reported failed (vLLM recomputes them) with the
+    request, and their pages keep their bytes -- never a wrong block."""
+    want = _saved(daemon)
+    w, runner, go = _loading(daemon)
+    before = [np.asarray(x).copy() for x in runner.kv_caches]
+    w.load(KVTierMetadata(loads=[LoadSpec("r", KEYS, [1, 9, 4])]))
+    tamper(daemon, w)
+    go.set()
+    done, errors = _reported(w, runner, "r")
+    assert done == {"r"} and errors == {9, 4}
+    got = [np.asarray(x) for x in runner.kv_caches]
+    for layer in range(2):
+        assert np.array_equal(got[layer][1], want[layer][5])
+        assert np.array_equal(got[layer][[9, 4]], before[layer][[9, 4]])
+    counters = w._counters.take()
+    assert (counters["loaded_blocks"], counters["failed_blocks"], counters[failure]) == (1, 2, 1)
+    w.close()
+    assert daemon.check() == []
+
+
+def test_a_background_load_whose_daemon_is_killed_reports_every_block_failed(
+        workdir: str) -> None:
+    """kvtierd SIGKILLed while the load waits for the load thread: the request is reported
+    with every block failed, the runner's arrays keep their bytes, nothing is raised."""
+    daemon = start_daemon(workdir)
+    try:
+        _saved(daemon)
+        w, runner, go = _loading(daemon)
+        before = _bytes(runner)
+        w.load(KVTierMetadata(loads=[LoadSpec("r", KEYS, [1, 9, 4])]))
+        daemon.kill()
+        go.set()
+        done, errors = _reported(w, runner, "r")
+        assert done == {"r"} and errors == {1, 9, 4}
+        assert _bytes(runner) == before
+        counters = w._counters.take()
+        assert counters["failed_blocks"] == 3 and counters["failures_unavailable"] >= 1
+        assert "loaded_blocks" not in counters
+        w.close()
+    finally:
+        stop_daemon(daemon)
+
+
+def test_shutdown_waits_for_the_load_under_way_and_drops_the_queued_ones(
+        daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() with one background load being read and another queued: it waits for the
+    first (its lease ends), never starts the second, raises nothing, and writes neither
+    into the runner's arrays (no step is left to)."""
+    _saved(daemon)
+    w = _worker(daemon, load_mode="async")
+    runner = _runner(1)
+    w.register_runner(runner)
+    before = _bytes(runner)
+    reading, go = threading.Event(), threading.Event()
+    staged: list[int] = []
+    real = kj.stage
+
+    def slow(*args: Any, **kw: Any) -> kj.Staged:
+        out = real(*args, **kw)
+        staged.append(len(out))
+        reading.set()
+        go.wait(30)
+        return out
+
+    monkeypatch.setattr(kj, "stage", slow)
+    w.load(KVTierMetadata(loads=[LoadSpec("r", KEYS, [1, 9, 4]),
+                                 LoadSpec("q", KEYS[:2], [3, 6])]))
+    assert reading.wait(30)
+    raised: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            w.close()
+        except BaseException as exc:  # noqa: BLE001 (the test's verdict)
+            raised.append(exc)
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive(), "close() did not wait for the load under way"
+    go.set()
+    closer.join(30)
+    assert not closer.is_alive() and raised == []
+    assert staged == [3]  # "q" never started
+    assert _bytes(runner) == before and not any(x.is_deleted() for x in runner.kv_caches)
+    assert daemon.check() == []
