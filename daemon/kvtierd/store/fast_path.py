@@ -102,7 +102,7 @@ class FastPath:
         for _round in range(3):
             try:
                 refs, gens = self._room.claim_refs(ns, n, may_grow=True, partial=True,
-                                              ahead=False)
+                                                   ahead=False)
                 break
             except _Raced:
                 continue

@@ -94,9 +94,9 @@ class Operations:
                 # Only recovered data has this layout (e.g. the model was upgraded while
                 # the daemon was down): reformat this namespace, never mix or refuse forever.
                 self._room.reformat(ns, f"declared with block_bytes={block_bytes} "
-                                   f"model_uid={model_uid!r}; the {ns.committed} recovered "
-                                   f"blocks of block_bytes={ns.block_bytes} "
-                                   f"model_uid={ns.model_uid!r} are dropped")
+                                        f"model_uid={model_uid!r}; the {ns.committed} recovered "
+                                        f"blocks of block_bytes={ns.block_bytes} "
+                                        f"model_uid={ns.model_uid!r} are dropped")
                 ns = None
         if layout is None:
             raise InvalidArgument(
