@@ -6,7 +6,8 @@ Where things are (docs/architecture.md walks a put, a get and a restart through 
   session_channel/   the session socket: namespace declaration, fd passing, liveness,
                      FastCalls, session pages, doorbells (parts: docstring)
   access.py          who may do what: principals, namespace rules, quotas
-  store/             block tables, key indexes, CLOCK, reservations, leases (layers: docstring)
+  store/             block tables, key indexes, CLOCK, reservations, leases: Store holds
+                     its parts (state, budget, allocator, operations, fast path: docstring)
   block_table.py     a namespace's DRAM blocks in native records (csrc/blocks.c)
   shared_index.py    a namespace's DRAM keys, published for clients to search (csrc/index.c)
   tiering/           moving blocks between DRAM and the tiers below (parts: docstring)

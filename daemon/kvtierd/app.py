@@ -283,9 +283,7 @@ async def _lock_adopted(store: Store, mlock: bool) -> None:
             t0 = time.perf_counter()
             # at the lowest CPU priority: the clients coming back go first
             await _in_background(functools.partial(seg.lock_and_populate, mlock=mlock))
-            store.prefault_seconds += time.perf_counter() - t0
-            if seg.mlock_error is not None:
-                store.mlock_errors.append(seg.mlock_error)
+            store.note_prefault(time.perf_counter() - t0, seg.mlock_error)
 
 
 async def _watchdog_forever(interval: float) -> None:

@@ -37,9 +37,9 @@ Operations (each one native call):
 
 The store (``kvtierd.store``) keeps one table per namespace (``Namespace.table``),
 with the shared index as its key index, whose ``ref`` field holds the block's ref:
-claims, eviction and reclaim in ``store.room``, commits and pins in ``store.base``,
-deletes, evictions and demotion candidates in ``store.operations``, warm starts in
-``store.adoption``, ``check_rows`` and ``check`` in ``store.store``.
+claims, eviction and reclaim in ``store.allocator``, commits and pins in
+``store.state``, deletes and demotion candidates in ``store.operations``, warm starts
+in ``store.adoption``, ``check_rows`` and ``check`` in ``store.check``.
 
 Eviction is not exact LRU, which needs an ordered structure per block: the
 per-block state stays a fixed-size record.

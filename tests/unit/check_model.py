@@ -166,10 +166,10 @@ def _check_extent(
 
 def model_snapshot(store: Store) -> CheckSnapshot:
     """The model's snapshot of ``store`` (as ``Store.check_snapshot`` took it before)."""
-    leases = [(lease.ns.name, lease.refs.copy()) for lease in store._leases.values()]
+    leases = [(lease.ns.name, lease.refs.copy()) for lease in store.state.leases.values()]
     reservations = [(r.session.ns.name, r.keys, [(e.id, slot, gen) for e, slot, gen
                                                  in r.places])
-                    for r in store._reservations.values()]
+                    for r in store.state.reservations.values()]
     reservations += [(s.ns.name, [], s.grants.places())
                      for s in store.sessions.values() if s.grants]
     namespaces = []

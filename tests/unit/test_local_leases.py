@@ -335,7 +335,7 @@ def test_a_victim_leased_while_the_plan_was_made_is_kept(
     the victims left the table: the second read sees it, the plan is made again."""
     env, s, ks = full
     page, local = _attach(env, s)
-    real = env.store._hazards
+    real = env.store.state.hazards
     calls = []
 
     def late(ns: store_mod.Namespace) -> set[int]:
@@ -347,7 +347,7 @@ def test_a_victim_leased_while_the_plan_was_made_is_kept(
             return set()
         return real(ns)
 
-    monkeypatch.setattr(env.store, "_hazards", late)
+    monkeypatch.setattr(env.store.state, "hazards", late)
     put(env, s, [b"new"])
     assert len(calls) >= 3  # first plan raced, the second one saw the hazard
     assert env.store.lookup(s, [ks[0]]) == 1 and env.store.lookup(s, [ks[1]]) == 0

@@ -872,7 +872,7 @@ def test_a_grant_taken_while_its_extent_is_being_reclaimed_keeps_the_extent(
     page, writes, bell = _attach(env, a)
     assert env.store.refill_grants(a, GRANTS) == GRANTS
     put(env, b, keys(15, "b"))
-    revoke = env.store._revoke_idle_grants
+    revoke = env.store.room._revoke_idle_grants
     taken: list[object] = []
 
     def racing(exts: list[object]) -> None:
@@ -882,7 +882,7 @@ def test_a_grant_taken_while_its_extent_is_being_reclaimed_keeps_the_extent(
             taken.extend(got)
         revoke(exts)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(env.store, "_revoke_idle_grants", racing)
+    monkeypatch.setattr(env.store.room, "_revoke_idle_grants", racing)
     a_extents = list(a.ns.extents)
     put(env, b, keys(4, "b2"))  # B evicts its own blocks instead
     assert taken and a.ns.extents == a_extents

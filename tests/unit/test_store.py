@@ -984,7 +984,7 @@ def pin_without_a_lease(env: StoreEnv, s: Session) -> None:
 def lease_forgotten_with_its_pin(env: StoreEnv, s: Session) -> None:
     lease = next(iter(s.leases.values()))
     del s.leases[lease.id]
-    del env.store._leases[lease.id]
+    del env.store.state.leases[lease.id]
 
 
 @corruption
@@ -994,7 +994,7 @@ def key_dropped_from_the_index(env: StoreEnv, s: Session) -> None:
 
 @corruption
 def budget_does_not_balance(env: StoreEnv, s: Session) -> None:
-    env.store.budget_free -= 4096
+    env.store.budget.free_bytes -= 4096
 
 
 @corruption

@@ -26,7 +26,7 @@ from kvtier.errors import CapacityExhausted
 from kvtierd.segments import Segment, SegmentLayout, segment_file_name
 from kvtierd.shared_index import SessionPage
 from kvtierd.store import Namespace, Session, Store, StoreOptions
-from kvtierd.store.room import GROW_AHEAD_RETRY
+from kvtierd.store.budget import GROW_AHEAD_RETRY
 
 from .conftest import BOOT_EPOCH, PEER, FakeClock, segment_factory
 
@@ -128,7 +128,7 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> N
 
 async def settled(store: Store) -> None:
     """No growth ahead in flight."""
-    await until(lambda: not store._ahead and not store._making, "the growth ahead to end")
+    await until(lambda: not store.budget._ahead and not store.budget._making, "the growth ahead to end")
 
 
 def keys(n: int, start: int = 0) -> list[bytes]:
@@ -160,9 +160,9 @@ def test_a_claim_that_leaves_few_free_slots_grows_the_next_extent_ahead(
     async def body() -> None:
         await put(store, s, keys(4))  # the reserve grows the first extent itself
         assert gate.calls == 1 and s.ns.free_slots() == SLOTS - 4  # 11 >= max(4, 8): enough
-        assert not store._ahead
+        assert not store.budget._ahead
         await put(store, s, keys(6, 4))  # 5 free left, under max(6, 8): one growth ahead
-        assert s.ns in store._ahead
+        assert s.ns in store.budget._ahead
         await settled(store)
         assert len(s.ns.extents) == 2 and store.grown_ahead == 1 and gate.calls == 2
         assert s.ns.free_slots() == 2 * SLOTS - 10
@@ -248,7 +248,7 @@ def test_growth_ahead_never_passes_the_capacity_nor_evicts(
         calls = gate.calls
         await put(store, s, keys(6, 100))  # DRAM is full: nothing more is grown
         await settled(store)
-        assert gate.calls == calls and not store._ahead
+        assert gate.calls == calls and not store.budget._ahead
 
     scenario(store, body)
 
@@ -283,7 +283,7 @@ def test_a_quota_of_one_extent_grows_nothing_ahead(gate: Gate, stores: list[Stor
 
     async def body() -> None:
         await put(store, s, keys(14))
-        assert not store._ahead and gate.calls == 1
+        assert not store.budget._ahead and gate.calls == 1
 
     scenario(store, body)
 
@@ -302,7 +302,7 @@ def test_a_failed_growth_ahead_gives_everything_back_and_pauses(
         await put(store, s, keys(4))
         before = files(shm_dir)
         gate.fail = error
-        with caplog.at_level(logging.WARNING, logger="kvtierd.store.room"):
+        with caplog.at_level(logging.WARNING, logger="kvtierd.store.budget"):
             await put(store, s, keys(6, 4))
             await settled(store)
         assert "growing namespace 'A' ahead of need failed" in caplog.text
@@ -312,7 +312,7 @@ def test_a_failed_growth_ahead_gives_everything_back_and_pauses(
         # Paused: claims start nothing for a while; a reserve that needs room grows (and
         # reports) it itself.
         await put(store, s, keys(2, 10))
-        assert not store._ahead and gate.calls == 2
+        assert not store.budget._ahead and gate.calls == 2
         if isinstance(error, OSError):
             with pytest.raises(CapacityExhausted, match="could not create a DRAM extent"):
                 await put(store, s, keys(10, 12))
@@ -338,7 +338,7 @@ def test_stop_cancels_the_growth_and_removes_its_extent(
         await put(store, s, keys(6, 4))
         await until(lambda: gate.waiting == 1, "the growth ahead")
         stopping = asyncio.ensure_future(store.stop_growth())
-        await until(lambda: not store._ahead, "the growth ahead to be cancelled")
+        await until(lambda: not store.budget._ahead, "the growth ahead to be cancelled")
         # Its bytes and number are back at once; the file being made is not there yet.
         assert store.budget_free == store.capacity - EXTENT_FILE and store.growing_bytes == 0
         assert not stopping.done()  # it waits for the file being made
@@ -348,7 +348,7 @@ def test_stop_cancels_the_growth_and_removes_its_extent(
         assert files(shm_dir) == before  # the made file was removed
         assert len(s.ns.extents) == 1 and store.check() == []
         await put(store, s, keys(5, 10))  # stopped: claims start nothing any more
-        assert not store._ahead and gate.calls == 2
+        assert not store.budget._ahead and gate.calls == 2
 
     scenario(store, body)
 
@@ -367,13 +367,13 @@ def test_a_refill_that_needs_an_extent_grows_it_ahead(gate: Gate, stores: list[S
     s = store.open_session("A", BLOCK, "m", PEER)
 
     async def body() -> None:
-        store.grow_ahead = False
+        store.budget.grow_ahead = False
         await put(store, s, keys(SLOTS))  # the first extent full
-        store.grow_ahead = True
+        store.budget.grow_ahead = True
         page = _attach(store, s)
         try:
             assert store.refill_grants(s, 2) == -1
-            assert s.ns in store._ahead
+            assert s.ns in store.budget._ahead
             await settled(store)
             assert len(s.ns.extents) == 2 and gate.calls == 2
             assert store.refill_grants(s, 2) == 2
@@ -420,7 +420,7 @@ def test_growth_ahead_is_off_unless_the_daemon_turns_it_on(
     async def body() -> None:
         await put(store, s, keys(SLOTS))
         await asyncio.sleep(0.01)
-        assert gate.calls == 1 and not store._ahead
+        assert gate.calls == 1 and not store.budget._ahead
 
     scenario(store, body)
 
@@ -470,7 +470,7 @@ def test_a_daemon_stopped_while_it_grows_ahead_leaves_no_task_nor_file(
         daemon = await app.create_daemon(cfg)
         try:
             await asyncio.to_thread(client_puts)
-            await until(lambda: bool(daemon.store._ahead) and len(making) == 2,
+            await until(lambda: bool(daemon.store.budget._ahead) and len(making) == 2,
                         "the growth ahead")
         finally:
             stopping = asyncio.ensure_future(daemon.stop(grace=0))

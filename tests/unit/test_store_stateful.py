@@ -567,7 +567,7 @@ class StoreMachine(RuleBasedStateMachine):
                      if lease.expires <= now and SESSION_NS[lease.slot] == ns]
             due = sum(n for name, until, n in self.quarantine if name == ns and until <= now)
             freed = parked.get(ns, 0) - self._quarantined().get(ns, 0)
-            gone = [lid for lid in stale if lid not in self.store._leases]
+            gone = [lid for lid in stale if lid not in self.store.state.leases]
             done = bool(gone) or freed > 0
             if done:
                 event("inject_failure: expiry done in some namespaces only")

@@ -1,7 +1,10 @@
 """The store: per-namespace block tables and key indexes, CLOCK eviction, reservations,
 leases.
 
-The package, layer on layer (each a class over the one before; calls go down):
+The package: ``Store`` holds its parts, each made by its own constructor and given the
+parts it uses (no class derives from another; calls go one way, down this list's
+order of holders: ``Store`` -> ``Operations``/``FastPath`` -> ``Allocator`` ->
+``Budget`` -> ``StoreState``):
 
 * ``types``: the data (namespaces, extents, block handles, sessions, reservations,
   leases).  No Python object per block: a namespace's slots live in its
@@ -9,23 +12,30 @@ The package, layer on layer (each a class over the one before; calls go down):
   and its keys in its shared index (``keys``: the table clients search *is* the
   index).  ``Block`` is a handle made on demand, never kept.
 * ``keys``: the key index.
-* ``base``: the state, and the primitives every layer uses: pins, the one commit
-  transition, the one exit of DRAM blocks, what clients hold without a call
-  (hazards and grants in their pages).
-* ``room``: finding room for a reserve (free slots, growth, eviction, reclaim of
-  other namespaces' extents) and retiring extents.
-* ``operations``: the calls: sessions, lookup, reserve/commit/abort,
-  acquire/release, delete, evict, and the tiering layer's hooks.
-* ``fast_path``: writes without a call (when to refill grants, the commit ring's
-  answer) and page counters.
-* ``grants``: not a layer -- a ``GrantBook`` per session (``Session.grants``) that
-  the layers hold and call: the grants' columns and every way one ends (grant, take,
-  commit through the store's ``_commit``, revoke, sweep, quarantine, close), and the
+* ``base``: what the parts share: ``StoreOptions``, ``Pinned`` (the one answer to
+  "is it pinned?"), ``_Undo`` and the internal signals of a claim.
+* ``state``: ``StoreState`` (``Store.state``): namespaces, sessions, reservations and
+  leases, and the primitives every part uses: pins, hazards, the access clock, the
+  one commit transition (``StoreState.commit_slots``).
+* ``budget``: ``Budget`` (``Store.budget``): the DRAM budget and the extents drawn
+  from it -- growth for a reserve and ahead of need, extents added, retired files.
+* ``allocator``: ``Allocator`` (``Store.room``): finding room for a reserve or a
+  refill (``claim_refs``: free slots, eviction by CLOCK, reclaim of other
+  namespaces' extents, or "grow first"), retiring extents, and the one exit of DRAM
+  blocks.
+* ``operations``: ``Operations`` (``Store.calls``): the calls: sessions, lookup,
+  reserve/commit/abort, acquire/release, delete, and the tiering layer's hooks.
+* ``fast_path``: ``FastPath`` (``Store.fast_path``): writes without a call (when to
+  refill grants, the commit ring's answer) and page counters.
+* ``grants``: a ``GrantBook`` per session (``Session.grants``) that the parts hold
+  and call: the grants' columns and every way one ends (grant, take, commit through
+  the store's one commit transition, revoke, sweep, quarantine, close), and the
   refill policy (``grant_limit``, ``grant_target``).
-* ``store``: ``Store`` itself, with expiry, accounting and ``check`` (``check``:
-  the cross-check, on a snapshot).
+* ``store``: ``Store`` itself: the composition root and the public API (each call
+  handed to the part that owns it), with expiry, accounting and ``check``
+  (``check``: the cross-check, on a snapshot).
 * ``adoption``: taking over a previous run's segments, at start-up -- functions that
-  take the store (``kvtierd.recovery`` calls them), not a layer.
+  take the store (``kvtierd.recovery`` calls them).
 
 Every option a store has is given to its constructor (``StoreOptions``); what is
 known only once the store exists is told by a method (``attach_tiering``,
@@ -64,7 +74,7 @@ Pins (each pin is granted by exactly one call and released by exactly one call;
    page's compare-and-swap), quarantine once a writer held it taken for the
    reservation TTL (``GrantBook.sweep`` finds it, ``expire`` ends it), or session
    close ends it.  A commit from a page and a Commit call are one transition
-   (``_commit``, which the store hands the book).
+   (``StoreState.commit_slots``, which the fast path hands the book).
 3. **read with a call**: ``acquire`` grants a lease (each block's pin count +1 in
    the table: not evictable); exactly one of ``release`` / lease expiry / session
    close ends it.

@@ -2,7 +2,8 @@
 validated them, and ordering the adopted blocks once every extent is in.
 
 Functions of the store, not a layer of it: they run only at start-up, before the
-store serves (``kvtierd.recovery.recover``), and use its primitives (``StoreBase``)."""
+store serves (``kvtierd.recovery.recover``), and use its parts (``Store.state``,
+``Store.budget``)."""
 
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from kvtierd.segments import (
     SlotState,
 )
 from kvtierd.shared_index import Location
-from kvtierd.store.base import StoreBase
+from kvtierd.store.store import Store
 from kvtierd.store.types import Extent, Namespace
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 ADOPT_THREADS: Final = min(4, os.cpu_count() or 1)
 
 
-def check_adoptable(store: StoreBase, segment: Segment) -> None:
+def check_adoptable(store: Store, segment: Segment) -> None:
     """Raise unless a previous run's segment can be adopted now (the store is unchanged).
 
     ``CapacityExhausted`` when the budget cannot hold the extent,
@@ -60,7 +61,7 @@ def check_adoptable(store: StoreBase, segment: Segment) -> None:
         raise FailedPrecondition(f"extent {segment.index} of {segment.namespace!r} twice")
 
 
-def adopt_segment(store: StoreBase, segment: Segment, *, referenced_from: int = 2**64 - 1,
+def adopt_segment(store: Store, segment: Segment, *, referenced_from: int = 2**64 - 1,
                   expect: int = 0) -> tuple[int, dict[str, int]]:
     """Take over a segment of a previous run: every slot validated natively as
     ``tests/unit/slot_oracle.scan_slots`` does (``BlockTable.adopt``): valid COMMITTED entries
@@ -77,7 +78,7 @@ def adopt_segment(store: StoreBase, segment: Segment, *, referenced_from: int = 
     lay = segment.layout
     ns = store.namespaces.get(segment.namespace)
     if ns is None:
-        ns = store._new_namespace(segment.namespace, lay.block_bytes, segment.model_uid,
+        ns = store.state.new_namespace(segment.namespace, lay.block_bytes, segment.model_uid,
                                   lay.slot_bytes, publish=False)
     ns.table.add_segment(segment)
     try:
@@ -85,13 +86,13 @@ def adopt_segment(store: StoreBase, segment: Segment, *, referenced_from: int = 
         recovered = _index_adopted(ns, segment, expect)
     except BaseException:
         ns.table.remove_extent(segment.segment_id, force=True)
-        store._forget_if_unused(ns)
+        store.state.forget_if_unused(ns)
         raise
     # Applied: nothing below can fail.
     ext = Extent(segment, ns.table)
     if got.reserved:  # (a pass over the slot table only when the crash left some)
         states = segment.scan(copy=False)["state"]
-        deadline = store._clock() + store.reservation_ttl
+        deadline = store.state.clock() + store.reservation_ttl
         ext.quarantine = dict.fromkeys(
             np.flatnonzero(states == SlotState.RESERVED).tolist(), deadline)
         del states
@@ -99,8 +100,8 @@ def adopt_segment(store: StoreBase, segment: Segment, *, referenced_from: int = 
     ns.by_id[ext.id] = ext
     ns.extents.sort(key=lambda e: e.segment.index)
     ns.next_extent_index = max(ns.next_extent_index, segment.index + 1)
-    store.budget_free -= lay.file_bytes
-    store._last_adopted = max(store._last_adopted, got.max_last_access)
+    store.budget.take(lay.file_bytes)
+    store.state.last_adopted = max(store.state.last_adopted, got.max_last_access)
     ns.recovered += recovered
     return recovered, got.dropped
 
@@ -174,18 +175,18 @@ def _adopt_left_out(ns: Namespace, seg: Segment, refs: npt.NDArray[np.uint64],
     return {r for r in lose if _slot_ref.segment_of(r) == seg.segment_id}
 
 
-def finish_recovery(store: StoreBase) -> None:
+def finish_recovery(store: Store) -> None:
     """The access sequence goes on from the newest adopted one; when that is in the
     upper half of its range (a long-lived cache, or a damaged table) every adopted
     block's last access is shifted down first (order kept: ``rescale_access``), so
     it never runs into the bound recovery enforces (``MAX_ACCESS_SEQ``)."""
-    top = store._last_adopted
+    top = store.state.last_adopted
     if top >= MAX_ACCESS_SEQ // 2:
         shift = top.bit_length() - (MAX_ACCESS_SEQ // 4).bit_length()
         for ns in store.namespaces.values():
             ns.table.rescale_access(shift)
         top >>= shift
-    store._next_access = max(store._next_access, top + 1)
-    store._last_adopted = 0
+    store.state.next_access = max(store.state.next_access, top + 1)
+    store.state.last_adopted = 0
     for ns in store.namespaces.values():
-        store._publish(ns)
+        store.state.publish_index(ns)

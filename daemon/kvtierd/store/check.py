@@ -24,6 +24,8 @@ import numpy as np
 
 from kvtier import _native, _slot_ref
 from kvtierd.segments import MAX_KEY_BYTES, SlotState
+from kvtierd.store.budget import Budget
+from kvtierd.store.state import StoreState
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,36 @@ class CheckSnapshot:
     reservations: list[tuple[str, list[bytes], list[tuple[int, int, int]]]]
     budget_free: int
     capacity: int
+
+
+def take_snapshot(state: StoreState, budget: Budget) -> CheckSnapshot:
+    """``Store.check_snapshot``: copy what ``_cross_check`` compares (on the loop: the
+    block tables' own check, copies of lists and dicts, and compact native copies of
+    the slot tables, the records and the key index -- ``check_rows``, ``index_rows``: 24
+    bytes a slot and a key, no Python object per block)."""
+    leases = [(lease.ns.name, lease.refs.copy()) for lease in state.leases.values()]
+    reservations = [(r.session.ns.name, r.keys, [(e.id, slot, gen) for e, slot, gen
+                                                 in r.places])
+                    for r in state.reservations.values()]
+    reservations += [(s.ns.name, [], s.grants.places())
+                     for s in state.sessions.values() if s.grants]
+    namespaces = []
+    for ns in state.namespaces.values():
+        shared = ns.index.table
+        extents = [_ExtentView(id=ext.id, index=ext.segment.index, n_slots=ext.n_slots,
+                               file_bytes=ext.bytes, quarantine=set(ext.quarantine),
+                               rows=ns.table.check_rows(ext.id),
+                               slot_bytes=ext.segment.layout.slot_bytes)
+                   for ext in ns.extents]
+        namespaces.append(_NamespaceView(
+            name=ns.name, table_problems=ns.table.check(), in_flight=list(ns.in_flight),
+            extents=extents, index_rows=shared.rows(),
+            unpublished_rows=_native.fingerprint_rows(list(shared.unpublished)),
+            slot_bytes=ns.slot_bytes))
+    # An extent being made is out of the budget and in no extent yet: free, for this.
+    return CheckSnapshot(namespaces=namespaces, leases=leases, reservations=reservations,
+                         budget_free=budget.free_bytes + budget.growing_bytes,
+                         capacity=budget.capacity)
 
 
 def _cross_check(snap: CheckSnapshot) -> list[str]:

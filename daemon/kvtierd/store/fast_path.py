@@ -2,9 +2,10 @@
 committed from its commit records) and what clients count without a call.
 
 What a grant is and every way it ends is ``kvtierd.store.grants`` (``Session.grants``,
-a ``GrantBook``); this layer decides when: it finds the room for a refill (a claim, as
-a reserve does) and hands it to the book, and it answers a session's commit ring,
-passing the book the store's one commit transition (``_commit``)."""
+a ``GrantBook``); this part decides when: it finds the room for a refill (a claim of the
+allocator's, as a reserve does) and hands it to the book, and it answers a session's
+commit ring, passing the book the store's one commit transition
+(``StoreState.commit_slots``).  A component the store holds (``Store.fast_path``)."""
 
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable, Sequence
 from typing import Final
 
 import numpy as np
@@ -26,15 +26,16 @@ from kvtierd.access import Right
 from kvtierd.counters import ClientReported, saturating_add
 from kvtierd.shared_index import PageRecords, SessionPage
 from kvtierd.store import grants
+from kvtierd.store.allocator import Allocator
 from kvtierd.store.base import _NO_REFS, _NeedExtent, _Raced
+from kvtierd.store.budget import Budget
 from kvtierd.store.grants import CommitResult, HeldBelow
-from kvtierd.store.operations import Operations
+from kvtierd.store.state import StoreState
 from kvtierd.store.types import (
     Block,
     Commits,
     Namespace,
     PageCommits,
-    ReserveResult,
     Session,
 )
 
@@ -45,8 +46,18 @@ _WRITE: Final = int(Right.WRITE)
 _LENGTH: Final = 3  # PageRecords.columns' row of lengths
 
 
-class FastPath(Operations):
-    """Grants, page commits and page counters."""
+class FastPath:
+    """Grants, page commits and page counters (``Store`` hands each call on)."""
+
+    def __init__(self, state: StoreState, budget: Budget, room: Allocator, *,
+                 grant_bytes: int) -> None:
+        self._state = state
+        self._budget = budget
+        self._room = room
+        #: Bytes of slots each session with a write page may hold reserved ahead.
+        self._grant_bytes = grant_bytes
+        #: Slots granted ahead per namespace, since metrics last took them (``take_granted``).
+        self.granted: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------ leases without a call (csrc/index.c)
     def attach_page(self, session: Session, page: SessionPage) -> None:
@@ -55,13 +66,13 @@ class FastPath(Operations):
         if session.closed:
             raise Unauthenticated("session is closed")
         if session.ns.reported is None:  # no client of it counted anything before
-            session.ns.reported = ClientReported(self._clock())
+            session.ns.reported = ClientReported(self._state.clock())
         session.ns.pages[session.id] = page
 
     # ------------------------------------------------ writes without a call (csrc/writes.c)
     def grant_limit(self, ns: Namespace) -> int:
         """Most slots a session of ``ns`` may hold granted ahead (``grants.grant_limit``)."""
-        return grants.grant_limit(self.grant_bytes, ns)
+        return grants.grant_limit(self._grant_bytes, ns)
 
     def refill_grants(self, session: Session, want: int, need: int | None = None) -> int:
         """Reserve slots ahead for ``session``'s writer until it holds ``want`` (at most
@@ -81,8 +92,8 @@ class FastPath(Operations):
         n = min(want, limit) - len(session.grants)
         if n <= 0:
             return 0
-        if need is not None and n > (free := ns.free_slots()) and not self._at_quota(ns) \
-                and self._grows_first(ns):
+        if need is not None and n > (free := ns.free_slots()) and not self._budget.at_quota(ns) \
+                and self._budget.grows_first(ns):
             n = max(min(need, limit) - len(session.grants), free)
             if n <= 0:
                 return 0
@@ -90,8 +101,8 @@ class FastPath(Operations):
         gens: npt.NDArray[np.uint64] = _NO_REFS
         for _round in range(3):
             try:
-                refs, gens = self._claim_refs(ns, n, may_grow=True, partial=True,
-                                              ahead=False)
+                refs, gens = self._room.claim_refs(ns, n, may_grow=True, partial=True,
+                                                   ahead=False)
                 break
             except _Raced:
                 continue
@@ -101,26 +112,19 @@ class FastPath(Operations):
                 break
         if not len(refs):
             return 0
-        session.grants.grant(page, refs, gens, self._clock())
+        session.grants.grant(page, refs, gens, self._state.clock())
         self.granted[ns.name] += len(refs)
-        if self.grow_ahead:  # for what the writer needs: the grants count as free room
-            self._grow_ahead(ns, need if need is not None else len(refs))
+        if self._budget.grow_ahead:  # for what the writer needs: the grants count as free room
+            self._budget.start_ahead(ns, need if need is not None else len(refs))
         return len(refs)
 
-    async def reserve(
-        self,
-        session: Session,
-        keys: Sequence[bytes],
-        exists: Callable[[bytes], bool] | None = None,
-    ) -> ReserveResult:
-        """``Operations.reserve``; a writer with a page that had too few grants to write
-        without this call gets more, right after (as many as its page asks for; never
+    def after_reserve(self, session: Session) -> None:
+        """After a Reserve call: a writer with a page that had too few grants to write
+        without that call gets more, right after (as many as its page asks for; never
         by growing the namespace: room ahead of use is taken only from what exists)."""
-        result = await super().reserve(session, keys, exists)
         page = session.ns.pages.get(session.id)
         if page is not None and page.writes:
             asyncio.get_running_loop().call_soon(self._refill, session, page)
-        return result
 
     def _refill(self, session: Session, page: SessionPage) -> None:
         wanted = page.wanted()
@@ -198,16 +202,16 @@ class FastPath(Operations):
                    keys: list[bytes], lengths: npt.NDArray[np.uint64],
                    checksums: list[int | None] | npt.NDArray[np.uint64] | None
                    ) -> list[Block]:
-            return self._commit(ns, Commits(refs, gens, keys, lengths, checksums))
+            return self._state.commit_slots(ns, Commits(refs, gens, keys, lengths, checksums))
 
-        return session.grants.commit(records, commit, self._clock, exists)
+        return session.grants.commit(records, commit, self._state.clock, exists)
 
     def idle_grants(self) -> dict[str, int]:
         """Per namespace, the slots granted ahead that no writer has taken yet: room held
         for the next writes, not being written.  Stats and metrics show them apart from
         the reserved slots (a taken grant is a reservation; the page's TAKEN bit says
         which, and a client that lies about it only changes these figures)."""
-        return grants.idle_by_namespace(self.sessions.values())
+        return grants.idle_by_namespace(self._state.sessions.values())
 
     def add_reported(self, ns: Namespace, steps: tuple[int, ...], *,
                      cut: bool = False) -> tuple[int, ...]:
@@ -218,8 +222,8 @@ class FastPath(Operations):
         ``cut``: a session's take already cut a step (counted as one cut).  Returns
         what was added."""
         if ns.reported is None:
-            ns.reported = ClientReported(self._clock())
-        added = ns.reported.add(steps, self._clock(), slots=ns.table.n_slots,
+            ns.reported = ClientReported(self._state.clock())
+        added = ns.reported.add(steps, self._state.clock(), slots=ns.table.n_slots,
                                 block_bytes=ns.block_bytes)
         if cut and added == tuple(max(s, 0) for s in steps):
             ns.reported.cut = saturating_add(ns.reported.cut, 1)

@@ -15,8 +15,8 @@ session's ``GrantBook``) and never reaches into its columns:
   store's one expiry sweep to **quarantine**, ``end(..., quarantine=)``), and session
   close (``end(..., freed=True)``).
 * The refill policy: ``grant_limit``, ``grant_target``, ``GrantBook.needs_refill``.
-  Finding the room stays the store's (``FastPath.refill_grants`` claims, then
-  ``GrantBook.grant``): a book never claims, evicts or grows.
+  Finding the room stays the store's (``FastPath.refill_grants`` claims from the
+  allocator, then ``GrantBook.grant``): a book never claims, evicts or grows.
 * The per-namespace figures: ``idle_by_namespace`` (Stats, metrics, accounting),
   ``granted_in`` (growth ahead counts grants as free room).
 
@@ -78,7 +78,7 @@ _GRANT, _WORD = 0, 1  # PageRecords.columns' rows of grant entries and of the wo
 #: Which of some keys a tier below DRAM holds (``Below.held_below``): such a key is
 #: EXISTS to a writer, as a DRAM block is.
 HeldBelow: TypeAlias = Callable[[Sequence[bytes]], list[bool]]
-#: The store's one commit transition for a batch of granted slots (``StoreBase._commit``
+#: The store's one commit transition for a batch of granted slots (``StoreState.commit_slots``
 #: over ``Commits(refs, gens, keys, lengths, checksums)``): the blocks made.  All or
 #: nothing; ValueError or OSError changes nothing.
 CommitGranted: TypeAlias = Callable[
@@ -440,7 +440,7 @@ def take_back_untaken(exts: Sequence[Extent], namespaces: Mapping[str, Namespace
 
 def granted_in(ns: Namespace, sessions: Mapping[int, Session]) -> int:
     """Slots of ``ns`` granted ahead to its writers: room its next writes take first
-    (the fast path's free list), so growth ahead (``Room._grow_ahead``) counts them as
+    (the fast path's free list), so growth ahead (``Budget.start_ahead``) counts them as
     free."""
     return sum(len(sessions[sid].grants) for sid in ns.pages if sid in sessions)
 

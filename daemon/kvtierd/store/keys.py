@@ -16,7 +16,7 @@ exact, and clients then ask the daemon.
 
 Only the store changes it, on the event loop: ``add`` at commit and adoption,
 ``remove`` at delete and eviction, ``hide``/``unhide`` around an eviction plan
-(``store.room``).  ``watch`` hears every key that comes or goes (KV events).
+(``store.allocator``).  ``watch`` hears every key that comes or goes (KV events).
 """
 
 from __future__ import annotations

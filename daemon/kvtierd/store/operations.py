@@ -1,5 +1,9 @@
 """The client operations with a call: sessions, lookup, reserve/commit/abort, acquire/
-release, delete, evict; and the tiering layer's hooks (system pins, settle, demotion)."""
+release, delete; and the tiering layer's hooks (system pins, settle, demotion).
+
+A component the store holds (``Store.calls``), given the store's state, budget and
+allocator: the pins it grants and ends are the state's, the room it takes is the
+allocator's (``Allocator.claim_refs``), the growth a reserve waits for is the budget's."""
 
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from kvtierd.segments import (
     Segment,
     SegmentLayout,
 )
+from kvtierd.store.allocator import Allocator, blocks_of, offsets
 from kvtierd.store.base import _NeedExtent, _Raced, _refs
-from kvtierd.store.room import Room
+from kvtierd.store.budget import Budget
+from kvtierd.store.state import StoreState
 from kvtierd.store.types import (
     MAX_GROW_ROUNDS,
     AcquireResult,
@@ -62,13 +68,21 @@ def _u64_or_none(values: Sequence[int | None] | Sequence[int]) -> npt.NDArray[np
     return column if column.ndim == 1 else None
 
 
-class Operations(Room):
-    """The operations clients and the tiering layer call."""
+class Operations:
+    """The operations clients and the tiering layer call with a call (``Store`` hands
+    each on).  Runs on the event loop thread; only a reserve awaits (growth)."""
+
+    def __init__(self, state: StoreState, budget: Budget, room: Allocator, *,
+                 capacity: int) -> None:
+        self._state = state
+        self._budget = budget
+        self._room = room
+        self._capacity = capacity
 
     def open_session(self, name: str, block_bytes: int, model_uid: str, peer: Peer) -> Session:
         """Declare (or join) a namespace and start a session in it."""
-        ns = self.namespaces.get(name)
-        layout = SegmentLayout.fit(block_bytes, self.capacity)
+        ns = self._state.namespaces.get(name)
+        layout = SegmentLayout.fit(block_bytes, self._capacity)
         if ns is not None and (ns.block_bytes, ns.model_uid) != (block_bytes, model_uid):
             if ns.declared:
                 raise FailedPrecondition(
@@ -79,31 +93,31 @@ class Operations(Room):
             if layout is not None:
                 # Only recovered data has this layout (e.g. the model was upgraded while
                 # the daemon was down): reformat this namespace, never mix or refuse forever.
-                self._reformat(ns, f"declared with block_bytes={block_bytes} "
-                                   f"model_uid={model_uid!r}; the {ns.committed} recovered "
-                                   f"blocks of block_bytes={ns.block_bytes} "
-                                   f"model_uid={ns.model_uid!r} are dropped")
+                self._room.reformat(ns, f"declared with block_bytes={block_bytes} "
+                                        f"model_uid={model_uid!r}; the {ns.committed} recovered "
+                                        f"blocks of block_bytes={ns.block_bytes} "
+                                        f"model_uid={ns.model_uid!r} are dropped")
                 ns = None
         if layout is None:
             raise InvalidArgument(
-                f"block_bytes {block_bytes} does not fit in dram.capacity {self.capacity}"
+                f"block_bytes {block_bytes} does not fit in dram.capacity {self._capacity}"
             )
         # Applied: nothing below can fail.
         if ns is None:
-            ns = self._new_namespace(name, block_bytes, model_uid, layout.slot_bytes)
+            ns = self._state.new_namespace(name, block_bytes, model_uid, layout.slot_bytes)
             log.info("namespace %r declared: block_bytes=%d model_uid=%r", name, block_bytes,
                      model_uid, extra=event("namespace_declared", namespace=name,
                                             block_bytes=block_bytes, model_uid=model_uid))
         ns.declared = True
-        sid = next(self._ids)
-        session = Session(sid, secrets.token_hex(16), ns, peer, self._clock())
-        self.sessions[sid] = session
-        self._by_token[session.token] = session
+        sid = self._state.next_id()
+        session = Session(sid, secrets.token_hex(16), ns, peer, self._state.clock())
+        self._state.sessions[sid] = session
+        self._state.by_token[session.token] = session
         ns.sessions += 1
         return session
 
     def session_for(self, token: str) -> Session:
-        session = self._by_token.get(token)
+        session = self._state.by_token.get(token)
         if session is None:
             raise Unauthenticated(
                 "unknown session token (the session was closed or never opened; "
@@ -134,16 +148,16 @@ class Operations(Room):
             for key in res.keys:
                 del ns.in_flight[key]
             del session.reservations[res.id]
-            del self._reservations[res.id]
+            del self._state.reservations[res.id]
         for lease in leases:
             del session.leases[lease.id]
-            del self._leases[lease.id]
+            del self._state.leases[lease.id]
         session.grants.end(list(session.grants), freed=True)
-        del self.sessions[session.id]
-        del self._by_token[session.token]
+        del self._state.sessions[session.id]
+        del self._state.by_token[session.token]
         session.ns.pages.pop(session.id, None)  # its hazards end with it
         session.ns.sessions -= 1
-        self._forget_if_unused(session.ns)
+        self._state.forget_if_unused(session.ns)
         return (sum(len(r.keys) for r in reservations), len(leases))
 
     def lookup(self, session: Session, keys: Sequence[bytes]) -> int:
@@ -168,7 +182,7 @@ class Operations(Room):
                 # Another namespace growing right now holds budget its extents cannot
                 # give back yet (reclaim skips a namespace while it grows): wait for
                 # that growth, then plan again, rather than refuse for a moment's state.
-                if not await self._growths_elsewhere(ns):
+                if not await self._budget.growths_elsewhere(ns):
                     raise
         return await self._reserve_rounds(session, keys, exists)
 
@@ -183,7 +197,7 @@ class Operations(Room):
             try:
                 return self._reserve_now(session, keys, exists, may_grow=True)
             except _NeedExtent as need:
-                if not await self._grow(ns, need.slots):
+                if not await self._budget.grow(ns, need.slots):
                     break
             except _Raced:
                 continue
@@ -240,16 +254,16 @@ class Operations(Room):
                 return ReserveResult(0, statuses, _NO_REFS, _NO_REFS, ns.block_bytes,
                                      ns.segments_version)
             new_keys = list(keys) if len(todo) == n else [keys[i] for i in todo]
-        refs, gens = self._claim_refs(ns, len(new_keys), may_grow=may_grow)
-        rid = next(self._ids)
-        now = self._clock()
-        res = Reservation(rid, session, new_keys, refs, gens, now + self.reservation_ttl,
+        refs, gens = self._room.claim_refs(ns, len(new_keys), may_grow=may_grow)
+        rid = self._state.next_id()
+        now = self._state.clock()
+        res = Reservation(rid, session, new_keys, refs, gens, now + self._state.reservation_ttl,
                           started=now)
         ns.in_flight.update(dict.fromkeys(new_keys, rid))
         session.reservations[rid] = res
-        self._reservations[rid] = res
+        self._state.reservations[rid] = res
         return ReserveResult(rid, statuses, _slot_ref.segments_of(refs),
-                             self._offsets(ns, refs), ns.block_bytes, ns.segments_version)
+                             offsets(ns, refs), ns.block_bytes, ns.segments_version)
 
     def commit(
         self,
@@ -289,7 +303,7 @@ class Operations(Room):
         self._end_reservation(res, commit=None)
         return len(res.keys)
 
-    def _expire_reservation(self, res: Reservation, until: float) -> None:
+    def expire_reservation(self, res: Reservation, until: float) -> None:
         """End a reservation whose writer may still be copying: its slots stay
         RESERVED (quarantined) until ``until``, so they cannot be handed to
         another writer while the late one scribbles on them."""
@@ -298,7 +312,7 @@ class Operations(Room):
             del ns.in_flight[key]
             ext.quarantine[slot] = until  # still RESERVED
         del res.session.reservations[res.id]
-        del self._reservations[res.id]
+        del self._state.reservations[res.id]
 
     def _own_reservation(self, session: Session, reservation_id: int) -> Reservation:
         if reservation_id == 0:
@@ -323,12 +337,12 @@ class Operations(Room):
         All or nothing: the commit (the one call that can refuse its input) goes first."""
         ns = res.session.ns
         freed, commits = self._split_end(res, commit)
-        made = iter(self._commit(ns, commits, freed, handles=handles))
+        made = iter(self._state.commit_slots(ns, commits, freed, handles=handles))
         # Applied: nothing below can fail.
         for key in res.keys:
             del ns.in_flight[key]
         del res.session.reservations[res.id]
-        del self._reservations[res.id]
+        del self._state.reservations[res.id]
         if commit is None or not handles:
             return [None] * len(res.keys)
         return [next(made) if length else None for length in commit[0].tolist()]
@@ -371,20 +385,20 @@ class Operations(Room):
         # The pins, then the reads (CLOCK bits, persisted last access): a touch that
         # fails takes the pins back.  (The tiering layer counts the prefetched blocks a
         # call reads; the touch clears their mark.)
-        self._pin(ns, refs)
+        self._state.pin(ns, refs)
         try:
-            ns.table.touch(refs, self._access(len(refs)))
+            ns.table.touch(refs, self._state.access(len(refs)))
         except BaseException:
             ns.table.unpin(refs)
             raise
         # Applied: nothing below can fail.
-        lid = next(self._ids)
-        now = self._clock()
-        lease = Lease(lid, session, refs, now + self.lease_ttl, started=now)
+        lid = self._state.next_id()
+        now = self._state.clock()
+        lease = Lease(lid, session, refs, now + self._state.lease_ttl, started=now)
         session.leases[lid] = lease
-        self._leases[lid] = lease
+        self._state.leases[lid] = lease
         rows = ns.table.fields(refs)  # (pinned: they stay as read)
-        return AcquireResult(lid, _slot_ref.segments_of(refs), self._offsets(ns, refs),
+        return AcquireResult(lid, _slot_ref.segments_of(refs), offsets(ns, refs),
                              rows["length"], rows["checksum"], rows["has_checksum"],
                              ns.segments_version)
 
@@ -396,7 +410,7 @@ class Operations(Room):
             raise NotFound(
                 f"lease {lease_id} is not held by this session (already released, or expired)"
             )
-        self._end_leases([lease])
+        self._state.end_leases([lease])
 
     def delete(self, session: Session, keys: Sequence[bytes]) -> int:
         """Remove present keys; a leased block is hidden now and freed at its last release."""
@@ -417,13 +431,13 @@ class Operations(Room):
         as by a delete (a leased one is hidden now and freed at its last release);
         copies in lower tiers stay, they hold the real bytes.  Returns the blocks.
         """
-        ns = self.namespaces.get(segment.namespace)
+        ns = self._state.namespaces.get(segment.namespace)
         ext = None if ns is None else next(
             (e for e in ns.extents if e.segment is segment), None)
         if ns is None or ext is None:
             return []
         slot_bytes = segment.layout.slot_bytes
-        lost = [b for b in self._blocks_of(ns, ext)
+        lost = [b for b in blocks_of(ns, ext)
                 if (b.slot + 1) * slot_bytes > intact_bytes]
         self._delete_blocks(lost)
         return lost
@@ -437,18 +451,6 @@ class Operations(Room):
         for ns, group in by_ns.values():
             ns.table.delete(_refs((b.extent, b.slot) for b in group))  # all or nothing
             ns.index.remove([b.key for b in group])
-
-    def evict_block(self, block: Block) -> bool:
-        """Evict one DRAM block on an admin's request (``kvtier evict``), through the
-        same exit as eviction for room.  False, changing nothing, when the block is
-        leased or no longer visible."""
-        ns = block.ns
-        if block.pins or block.doomed or ns.index.get(block.key) != block:
-            return False
-        ns.table.evict(_refs([(block.extent, block.slot)]))  # or nothing changes
-        self._drop_from_index(ns, [block.key])
-        self._report_evicted(ns, [block])
-        return True
 
     def reservation_slots(self, session: Session, reservation_id: int) -> list[memoryview]:
         """Writable views of a reservation's slots (slot_bytes each), in key order."""
@@ -476,18 +478,18 @@ class Operations(Room):
         leases = []
         for ns, group in by_ns.values():
             refs = _refs((b.extent, b.slot) for b in group)
-            self._pin(ns, refs)
-            session = self.system_session(ns)
-            lease = Lease(next(self._ids), session, refs, float("inf"))
+            self._state.pin(ns, refs)
+            session = self._state.system_session(ns)
+            lease = Lease(self._state.next_id(), session, refs, float("inf"))
             session.leases[lease.id] = lease
-            self._leases[lease.id] = lease
+            self._state.leases[lease.id] = lease
             leases.append(lease)
         return leases
 
     def unpin(self, lease: Lease) -> None:
         """End a lease of ``pin_blocks`` (a doomed block is freed here)."""
-        if lease.id in self._leases:
-            self._end_leases([lease])
+        if lease.id in self._state.leases:
+            self._state.end_leases([lease])
 
     def set_lower(self, block: Block, lower: Lower) -> None:
         """Record what the spill tiers hold of a live block (none that left DRAM, or
@@ -500,7 +502,7 @@ class Operations(Room):
     def demotion_candidates(self, target_bytes: int, limit: int) -> list[Block]:
         """Up to ``limit`` DIRTY unleased blocks that eviction would take first (CLOCK's
         order), from each namespace in proportion to its DRAM, ``target_bytes`` in all."""
-        spaces = [(ns, ns.committed * ns.slot_bytes) for ns in self.namespaces.values()]
+        spaces = [(ns, ns.committed * ns.slot_bytes) for ns in self._state.namespaces.values()]
         total = sum(b for _, b in spaces)
         out: list[Block] = []
         if not total:
