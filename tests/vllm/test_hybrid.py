@@ -199,6 +199,23 @@ class Lab:
             for e in engines:
                 assert "Traceback" not in e.log(), e.diagnosis()
 
+    def reader(self, name: str) -> Engine:
+        """The queued reader ``name``, started and waiting in its empty first phase."""
+        engine = self.started(name)
+        engine.result(2 * ENGINE_DEADLINE)  # its start, beside the other tests' engines
+        return engine
+
+    def read(self, name: str) -> dict[str, Any]:
+        """The results of the one-phase reader ``name`` (let go now); it is closed."""
+        engine = self.reader(name)
+        try:
+            engine.next()
+            out = engine.result()
+        finally:
+            engine.close()
+        assert "Traceback" not in engine.log(), engine.diagnosis()
+        return out
+
     def namespaces(self, part: str) -> list[Any]:
         assert self.daemon is not None
         return [ns for ns in self.daemon.stats().namespaces if part in ns.name]
@@ -298,9 +315,8 @@ def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
         assert c.lookup(plain["P"]) == 0
 
     # B (started by the lab, its prefix cache on) waits in its empty first phase.
-    b = lab.started("gemma-b")
+    b = lab.reader("gemma-b")
     try:
-        b.result(2 * ENGINE_DEADLINE)  # its start, beside the other tests' engines
         b.next()
         # Phase 1: Q gets its 6 blocks shared with P from kvtier: the full-attention group
         # loads all 6, the sliding-window group only the 2 of the window before the hit.
@@ -369,14 +385,7 @@ def test_a_sliding_window_model_loads_only_the_window_and_survives_a_bad_block(
         # Scribble over R's block 10, in the window of R's 11-block hit.
         key = block_keys(R, BLOCK, SALT)[10]
         _scribble(c, key)
-    b = lab.started("msw-b")  # waits in its empty first phase
-    try:
-        b.result(2 * ENGINE_DEADLINE)  # its start, beside the other tests' engines
-        b.next()
-        out = b.result()
-    finally:
-        b.close()
-    assert "Traceback" not in b.log(), b.diagnosis()
+    out = lab.read("msw-b")  # it waited in its empty first phase
     p, r = out["prompts"]
     assert p["cached"] == FULL * BLOCK and p["tokens"] == ref_p
     assert r["tokens"] == ref_r
@@ -403,14 +412,7 @@ def test_mla_latent_is_saved_once_and_loaded_by_a_fresh_engine(lab: Lab) -> None
     assert "/tp0of1/" in ns.name  # TP=1: the name it always had
     with lab.client(ns) as c:  # one group: the plain keys
         assert c.lookup(block_keys(prompt, MLA_BLOCK, SALT)) == len(prompt) // MLA_BLOCK
-    b = lab.started("mla-b")  # waits in its empty first phase
-    try:
-        b.result(2 * ENGINE_DEADLINE)  # its start, beside the other tests' engines
-        b.next()
-        out = b.result()
-    finally:
-        b.close()
-    assert "Traceback" not in b.log(), b.diagnosis()
+    out = lab.read("mla-b")  # it waited in its empty first phase
     assert out["prompts"][0]["cached"] == full * MLA_BLOCK
     assert out["prompts"][0]["tokens"] == ref
     assert _count(out, "loaded_blocks") == full and _count(out, "failed_blocks") == 0

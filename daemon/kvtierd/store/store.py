@@ -174,10 +174,6 @@ class Store:
         return self.budget.growing_bytes
 
     @property
-    def grow_ahead(self) -> bool:
-        return self.budget.grow_ahead
-
-    @property
     def grown_ahead(self) -> int:
         return self.budget.grown_ahead
 
