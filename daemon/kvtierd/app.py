@@ -52,6 +52,10 @@ _throttle = Throttle(60.0)
 
 #: How often leases and reservations are checked against their TTL.
 EXPIRY_INTERVAL = 1.0
+#: How often the event loop's lateness is measured (``_probe_loop_forever``), and the
+#: lateness that is logged: every call and every commit from a page waits that long.
+LOOP_PROBE_INTERVAL = 0.25
+LOOP_LATE_WARNING = 1.0
 #: How often the segments' data files are checked for a client's truncation,
 #: extension or holes (an fstat per extent, in a worker thread).
 AUDIT_INTERVAL = 2.0
@@ -293,6 +297,29 @@ async def _watchdog_forever(interval: float) -> None:
         await asyncio.sleep(interval)
 
 
+async def _probe_loop_forever(metrics: Metrics) -> None:
+    """How late the event loop runs a timer (``kvtier_loop_lateness_seconds``).  Late by
+    ``LOOP_LATE_WARNING`` or more, it is logged with how much of that time the loop's
+    thread ran on a CPU (its own work); the rest it waited for a CPU (a busy host) or
+    for the GIL (another thread of kvtierd)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t0, cpu0 = loop.time(), time.thread_time()
+        await asyncio.sleep(LOOP_PROBE_INTERVAL)
+        late = max(0.0, loop.time() - t0 - LOOP_PROBE_INTERVAL)
+        metrics.loop_lateness.observe(late)
+        if late < LOOP_LATE_WARNING:
+            continue
+        ran = time.thread_time() - cpu0
+        held = _throttle("loop-late")
+        if held is not None:
+            log.warning("the event loop ran %.2f s late (every call waited as long); its "
+                        "thread ran %.2f s on a CPU meanwhile (its own work), and waited "
+                        "the rest for a CPU (a busy host) or for the GIL (another kvtierd "
+                        "thread)%s", late, ran, more(held),
+                        extra=event("loop_late", seconds=round(late, 3), cpu=round(ran, 3)))
+
+
 async def _expire_forever(store: Store, metrics: Metrics) -> None:
     while True:
         await asyncio.sleep(EXPIRY_INTERVAL)
@@ -521,6 +548,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         loop = asyncio.get_running_loop()
         tasks = [
             loop.create_task(_expire_forever(store, metrics)),
+            loop.create_task(_probe_loop_forever(metrics)),
             loop.create_task(_audit_forever(store, metrics)),
             loop.create_task(_check_after_recovery(store, metrics, report)),
             loop.create_task(_lock_adopted(store, cfg.dram.mlock)),

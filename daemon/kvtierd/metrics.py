@@ -158,6 +158,11 @@ class Metrics:
             "kvtier_rpc_duration_seconds", "Server-side RPC latency", ["method"],
             buckets=RPC_BUCKETS, registry=registry,
         )
+        self.loop_lateness = Histogram(
+            "kvtier_loop_lateness_seconds", "How late the event loop ran a 0.25 s timer: what "
+            "every call and page commit waited for the loop meanwhile", buckets=IO_BUCKETS,
+            registry=registry,
+        )
         self.rpc_errors = Counter(
             "kvtier_rpc_errors", "RPCs that ended in an error status", ["method", "code"],
             registry=registry,

@@ -188,7 +188,13 @@ def audit(lab: Lab, d: DaemonProc, where: str, since: dict[str, int]) -> dict[st
     s = d.stats()
     per_ns = {n.name: n for n in s.namespaces}
     for name, n in visible.items():
-        st = per_ns[name]
+        st = per_ns.get(name)
+        if st is None:
+            # A namespace that holds nothing and that nobody uses is forgotten (the audit's
+            # client has closed): so is one killed before its first extent was made.
+            if n:
+                problems.append(f"{name}: {n} blocks visible, but Stats lists no namespace")
+            continue
         # Nothing but the audited keys is visible, and all of it was re-adopted.
         if (st.committed_blocks, st.recovered_blocks) != (n, n):
             problems.append(f"{name}: stats committed={st.committed_blocks} recovered="

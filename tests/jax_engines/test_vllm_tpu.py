@@ -25,6 +25,7 @@ import pytest
 from kvtier.hashing import block_keys, request_salt
 from tests.jax_engines import common
 from tests.vllm import driver
+from tests.vllm.pdlab import engine_tmp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -59,6 +60,7 @@ class Engine(driver.Engine):
         # This checkout's kvtier, whichever checkout the venv was installed from (its
         # editable finder comes after PYTHONPATH).
         env["PYTHONPATH"] = os.pathsep.join((os.path.join(ROOT, "client"), ROOT))
+        env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = engine_tmp()  # what vLLM leaves, removed
         super().__init__(base, spec, name, python=python,
                          script=os.path.join(HERE, "vllm_tpu_engine.py"), env=env)
 

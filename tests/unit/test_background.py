@@ -4,7 +4,9 @@ unexpected errors and keep running; prefetch is bounded; scrapes read the store 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvtierd import app, tiering
+from kvtierd.logs import Throttle
 from kvtierd.metrics import Metrics, _OnLoop
 from kvtierd.tiering import TIER_SSD
 
@@ -77,6 +80,40 @@ def test_expiry_counts_an_unexpected_error_and_keeps_expiring(
     asyncio.run(go())
     assert registry.get_sample_value("kvtier_background_errors_total", {"task": "expiry"}) == 1
     assert registry.get_sample_value("kvtier_expired_leases_total") >= 6  # before and after
+
+
+@pytest.mark.parametrize("held_by", ["work", "sleep"])
+def test_a_late_event_loop_is_measured_and_logged_with_its_own_share(
+        held_by: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(app, "LOOP_PROBE_INTERVAL", 0.01)
+    monkeypatch.setattr(app, "LOOP_LATE_WARNING", 0.15)
+    monkeypatch.setattr(app, "_throttle", Throttle(60.0))
+    registry = CollectorRegistry()
+
+    async def go() -> None:
+        task = asyncio.get_running_loop().create_task(app._probe_loop_forever(Metrics(registry)))
+        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # the probe's timer is due while the loop is held
+        if held_by == "sleep":
+            time.sleep(0.3)
+        else:  # 0.3 s of this thread's CPU time, however busy the host is
+            cpu0, t0 = time.thread_time(), time.monotonic()
+            while time.thread_time() - cpu0 < 0.3 and time.monotonic() - t0 < 10:
+                pass
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.WARNING, logger="kvtierd.app"):
+        asyncio.run(go())
+    (record,) = [r for r in caplog.records if "event loop ran" in r.getMessage()]
+    message = record.getMessage()
+    late = float(message.split("ran ")[1].split(" s late")[0])
+    ran = float(message.split("thread ran ")[1].split(" s on a CPU")[0])
+    assert late >= 0.25 and ran <= late + 0.05
+    assert ran >= 0.25 if held_by == "work" else ran < 0.1
+    assert registry.get_sample_value("kvtier_loop_lateness_seconds_count") >= 5
 
 
 def test_prefetches_are_bounded_and_a_failing_one_is_counted(

@@ -21,6 +21,11 @@ from tests.vllm.pdlab import child_env
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: Seconds an engine may take to start or to answer one phase.
 ENGINE_DEADLINE = 240.0
+#: The connector's deadline (``timeout``) in the engines of labs that start several side
+#: by side: a deadline measures the host, and six engines starting on a 2-core machine
+#: have kept one kvtierd call waiting past 5 s (the CI failure of a MLA save, all of its
+#: blocks "not stored").  The tests of what a deadline does set their own.
+LAB_CONNECTOR_TIMEOUT = 30.0
 
 
 class Engine:

@@ -24,7 +24,7 @@ from kvtier.hashing import block_keys
 from kvtier.vllm import request_salt
 from tests.conftest import DaemonProc, start_daemon, stop_daemon
 from tests.vllm import tinymodel
-from tests.vllm.driver import Engine
+from tests.vllm.driver import LAB_CONNECTOR_TIMEOUT, Engine
 
 BLOCK = 128
 LAYERS = 3
@@ -125,7 +125,8 @@ class Lab:
             "model": self.model, "phases": phases, "dtype": "bfloat16", "max_model_len": 2048,
             "prefix_caching": False, "kv_digests": True,
             "connector": None if role is None else {"socket_dir": self.socket_dir,
-                                                    "timeout": 5.0, **extra}}
+                                                    "timeout": LAB_CONNECTOR_TIMEOUT,
+                                                    **extra}}
         if role is not None:
             spec["kv_role"] = role
         engine = self.engines[name] = Engine(self.base, spec, name)

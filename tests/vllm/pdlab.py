@@ -9,6 +9,7 @@ talks HTTP to servers on either side of the veth pair without a helper process.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import http.client
@@ -159,10 +160,26 @@ _ENGINE_PORTS = itertools.count()
 ENGINE_PORT_BASE, ENGINE_PORT_SPAN, ENGINE_PORT_SLOTS = 20000, 40, 250
 
 
+_engine_tmp: str | None = None
+
+
+def engine_tmp() -> str:
+    """One directory for the temporary files and ZMQ sockets of every engine this test
+    process starts (their ``TMPDIR`` and ``VLLM_RPC_BASE_PATH``): vLLM leaves its IPC
+    sockets behind, hundreds per suite, and this process removes the directory at exit."""
+    global _engine_tmp
+    if _engine_tmp is None:
+        _engine_tmp = f"/tmp/kvt-engines-{os.getpid()}"
+        os.makedirs(_engine_tmp, exist_ok=True)
+        atexit.register(shutil.rmtree, _engine_tmp, ignore_errors=True)
+    return _engine_tmp
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment for an engine or server: its PYTHONPATH first (the
-    worktree wins) and a VLLM_PORT of its own."""
+    worktree wins), a VLLM_PORT of its own, and the temporary directory ``engine_tmp``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = engine_tmp()
     env["PYTHONPATH"] = os.pathsep.join([*filter(None, [env.get("PYTHONPATH")]), ROOT])
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     slot = next(_ENGINE_PORTS) % ENGINE_PORT_SLOTS

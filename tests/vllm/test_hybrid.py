@@ -55,7 +55,7 @@ from kvtier.vllm import (  # noqa: E402
 )
 from tests.conftest import DaemonProc, start_daemon, stop_daemon  # noqa: E402
 from tests.vllm import tinyhybrid  # noqa: E402
-from tests.vllm.driver import ENGINE_DEADLINE, Engine  # noqa: E402
+from tests.vllm.driver import ENGINE_DEADLINE, LAB_CONNECTOR_TIMEOUT, Engine  # noqa: E402
 from tests.vllm.test_connector import FakeRequest, _vllm_config  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU block size (attention); its CPU MLA backend uses 16
@@ -123,7 +123,8 @@ class Lab:
         spec: dict[str, Any] = {
             "model": model, "phases": phases, "prefix_caching": prefix_caching,
             "max_model_len": 2048,
-            "connector": {"socket_dir": self.socket_dir, "timeout": 5.0} if connector else None}
+            "connector": {"socket_dir": self.socket_dir, "timeout": LAB_CONNECTOR_TIMEOUT}
+            if connector else None}
         e = Engine(self.base, spec, name)
         self.engines.append(e)
         return e
@@ -216,6 +217,15 @@ class Lab:
         assert "Traceback" not in engine.log(), engine.diagnosis()
         return out
 
+    def why(self, name: str) -> str:
+        """What the engine ``name`` logged of kvtier's failures, and the daemon's warnings:
+        the message of a count that came out wrong (a save that failed says why here)."""
+        lines = [ln for ln in self._started[name].log().splitlines()
+                 if "failed (" in ln or "kvtier" in ln and "WARNING" in ln]
+        assert self.daemon is not None
+        warned = [ln for ln in self.daemon.log().splitlines() if " WARNING " in ln]
+        return "\n".join([f"{name}:", *lines[-20:], "kvtierd:", *warned[-20:]])
+
     def namespaces(self, part: str) -> list[Any]:
         assert self.daemon is not None
         return [ns for ns in self.daemon.stats().namespaces if part in ns.name]
@@ -303,7 +313,7 @@ def test_hybrid_sliding_window_model_loads_each_groups_blocks_in_a_fresh_engine(
     assert len({str(ref_p), str(ref_q), str(ref_r), str(ref_s)}) == 4
 
     assert [p["tokens"] for p in a["prompts"]] == [ref_p, ref_r, ref_s]
-    assert _count(a, "saved_blocks") == 3 * 2 * (len(P) // BLOCK)
+    assert _count(a, "saved_blocks") == 3 * 2 * (len(P) // BLOCK), lab.why("gemma-a")
     (ns,) = lab.namespaces("/L2-p128-h2-d32-float32")  # both groups: one layout, one namespace
     assert "/tp0of1/" in ns.name and ns.committed_blocks == 3 * 2 * (len(P) // BLOCK)
     sw, full = _gemma_plans(ns.block_bytes)
@@ -378,7 +388,7 @@ def test_a_sliding_window_model_loads_only_the_window_and_survives_a_bad_block(
     (a,) = lab.results("msw-a")
     ref_p, ref_r = (r["tokens"] for r in a["prompts"])
     assert _count(a, "loaded_blocks") == 0 and _count(a, "hit_tokens") == 0
-    assert _count(a, "saved_blocks") == 2 * (len(P) // BLOCK)  # every block, as before
+    assert _count(a, "saved_blocks") == 2 * (len(P) // BLOCK), lab.why("msw-a")  # as before
     (ns,) = lab.namespaces("/L4-p128-h2-d32-float32")
     with lab.client(ns) as c:
         assert c.lookup(block_keys(P, BLOCK, SALT)) == len(P) // BLOCK  # plain keys
@@ -407,7 +417,7 @@ def test_mla_latent_is_saved_once_and_loaded_by_a_fresh_engine(lab: Lab) -> None
     # A finds nothing: it computes every token, and answers as the engine without kvtier.
     assert a["prompts"][0]["tokens"] == ref
     assert _count(a, "loaded_blocks") == 0 and _count(a, "hit_tokens") == 0
-    assert _count(a, "saved_blocks") == len(prompt) // MLA_BLOCK
+    assert _count(a, "saved_blocks") == len(prompt) // MLA_BLOCK, lab.why("mla-a")
     (ns,) = lab.namespaces("/L4-p16-h1-d576-float32")  # the latent: 1 "head" of 512 + 64
     assert "/tp0of1/" in ns.name  # TP=1: the name it always had
     with lab.client(ns) as c:  # one group: the plain keys
