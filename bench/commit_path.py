@@ -19,10 +19,14 @@ Per tree and round:
   and its ratio to the empty call's p50), then puts of 32 x 64 KiB (blocks/s), all
   with the 512 MiB pool full (every claim evicts); the
   daemon's CPU per commit and per block from ``/proc/PID/stat`` (utime + stime).
+* ``delete``: a kvtierd of that tree with an SSD tier (as the default configuration
+  has); 1-key deletes of keys it holds in DRAM alone (p50, its ratio to the empty gRPC
+  call, the daemon's CPU per delete).
 
 Usage::
 
-    .venv/bin/python bench/commit_path.py [--tree DIR ...] [--rounds N] [--json FILE]
+    .venv/bin/python bench/commit_path.py [--tree DIR ...] [--rounds N] [--modes M ...]
+                                          [--json FILE]
 
 ``--tree`` defaults to this checkout; give an older checkout (a ``git worktree`` with
 its native module built) first to compare.  Each measurement runs in a child process
@@ -48,6 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tree_runs  # noqa: E402 -- bench/ is not a package
 
 BLOCK = 64 << 10
+#: The measurements, each in a child process (``--modes``).
+MODES = ("store1", "store32", "calls4096", "daemon", "delete")
 
 
 def _p50(xs: list[float]) -> float:
@@ -248,6 +254,59 @@ def _daemon_mode(seconds: float) -> dict[str, float]:
     return out
 
 
+def _delete_mode(seconds: float) -> dict[str, float]:
+    """1-key deletes through a kvtierd with an SSD tier (as the default configuration
+    has), of keys it holds in DRAM alone: p50, its ratio to the empty gRPC call, and the
+    daemon's CPU per delete."""
+    import grpc
+    import numpy as np
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    import kvtier
+    from kvtier._core import grpc_options
+    from kvtier.bench.private_daemon import private_daemon
+
+    out: dict[str, float] = {}
+    ssd = tempfile.mkdtemp(prefix="kvt-bench-ssd-", dir="/var/tmp")
+    try:
+        with private_daemon("cpd", "dram.capacity=256MiB", f"spill.ssd_dir={ssd}",
+                            "spill.ssd_capacity=256MiB") as daemon:
+            channel = grpc.insecure_channel(f"unix://{daemon.grpc_path}",
+                                            options=grpc_options())
+            health = health_pb2_grpc.HealthStub(channel)
+            req = health_pb2.HealthCheckRequest()
+            with kvtier.Client(daemon.socket_dir, namespace="cpd", block_bytes=4096,
+                               model_uid="m") as c:
+                data = [np.zeros(4096, np.uint8)] * 64
+                keys = [b"d%09d" % i for i in range(64 * 400)]
+                for j in range(0, len(keys), 64):
+                    c.put(keys[j:j + 64], data)
+                empty = []
+                for _ in range(2000):
+                    a = time.perf_counter()
+                    health.Check(req, timeout=10)
+                    empty.append(time.perf_counter() - a)
+                out["empty_call_p50_ms"] = _p50(empty) * 1e3
+                lat: list[float] = []
+                k0 = daemon.cpu_ticks()
+                t0 = time.perf_counter()
+                for key in keys:
+                    a = time.perf_counter()
+                    c.delete([key])
+                    lat.append(time.perf_counter() - a)
+                    if a - t0 > seconds:
+                        break
+                ticks = daemon.cpu_ticks() - k0
+            channel.close()
+    finally:
+        shutil.rmtree(ssd, ignore_errors=True)
+    out["delete_p50_ms"] = _p50(lat) * 1e3
+    out["delete_x_empty"] = out["delete_p50_ms"] / out["empty_call_p50_ms"]
+    out["delete_daemon_cpu_us"] = ticks / os.sysconf("SC_CLK_TCK") / len(lat) * 1e6
+    out["delete_ticks"] = ticks
+    return out
+
+
 # ------------------------------------------------------------------ the driver
 def _child(tree: Path, mode: str, seconds: float) -> dict[str, Any]:
     return tree_runs.run_child(__file__, tree, [mode, "--seconds", str(seconds)], timeout=600)
@@ -260,11 +319,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                    help="what to measure (default: all)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         if args.child == "daemon":
             res = _daemon_mode(args.seconds)
+        elif args.child == "delete":
+            res = _delete_mode(args.seconds)
         elif args.child.startswith("calls"):
             res = _calls_mode(int(args.child.removeprefix("calls")), args.seconds)
         else:
@@ -273,7 +336,7 @@ def main() -> int:
         return 0
     trees = [t.resolve() for t in (args.tree or [ROOT])]
     runs = tree_runs.rounds(trees, args.rounds, lambda t, _: {
-        m: _child(t, m, args.seconds) for m in ("store1", "store32", "calls4096", "daemon")})
+        m: _child(t, m, args.seconds) for m in args.modes})
     print()
     cols = [("store, 1 key: CPU us/commit", "store1", "us_per_commit"),
             ("  the daemon's half (commit_from_page)", "store1", "daemon_us_per_commit"),
@@ -285,9 +348,14 @@ def main() -> int:
             ("  x empty call", "daemon", "one_key_x_empty"),
             ("  daemon CPU us per commit", "daemon", "one_key_daemon_cpu_us"),
             ("put 32 x 64 KiB, blocks/s", "daemon", "put32_blocks_per_s"),
-            ("  daemon CPU us per block", "daemon", "put32_daemon_cpu_us_per_block")]
+            ("  daemon CPU us per block", "daemon", "put32_daemon_cpu_us_per_block"),
+            ("SSD tier on: delete 1 key p50 ms", "delete", "delete_p50_ms"),
+            ("  x empty call", "delete", "delete_x_empty"),
+            ("  daemon CPU us per delete", "delete", "delete_daemon_cpu_us")]
     print("medians over rounds" + "".join(f" | {t.name}" for t in trees))
     for label, mode, key in cols:
+        if mode not in args.modes:
+            continue
         vals = [_p50([row[mode][key] for row in runs[str(t)]]) for t in trees]
         print(label + "".join(f" | {v:.3g}" for v in vals))
     if args.json:

@@ -292,6 +292,11 @@ class Server:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = reserved_cpus
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
+        # vLLM leaves its ZMQ IPC sockets and temporary files behind: in a directory of
+        # this server's, removed when it stops.
+        self.tmp = os.path.join(base, f"{tag}.tmp")
+        os.makedirs(self.tmp, exist_ok=True)
+        env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = self.tmp
         env.update(env_extra or {})
         self.cmd = cmd
         self._log = open(self.log_path, "wb")  # noqa: SIM115 -- closed in stop()
@@ -336,6 +341,7 @@ class Server:
         self._log.close()
         if self.keep_logs:
             shutil.copy(self.log_path, self.keep_logs)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 class LMCacheServer:

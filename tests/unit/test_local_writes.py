@@ -369,6 +369,7 @@ def test_granted_slots_are_reserved_and_commit_without_a_call(granting: StoreEnv
     assert (acct["granted"], acct["reserved"]) == ((GRANTS - 3) * s.ns.slot_bytes,
                                                    3 * s.ns.slot_bytes)
     assert sum(acct[k] for k in ("free", "reserved", "granted", "committed")) == acct["total"]
+    assert env.store.dram_free() == acct["free"]  # grants taken or not: not free
     ks = keys(3, "w")
     for g, k in zip(got, ks, strict=True):
         _fill(env, g, payload(k))

@@ -679,6 +679,7 @@ class StoreMachine(RuleBasedStateMachine):
         acct = self.store.dram_bytes()
         assert acct["free"] + acct["reserved"] + acct["committed"] == acct["total"] == CAPACITY
         assert acct["free"] >= 0
+        assert self.store.dram_free() == acct["free"]  # (the demoter's cheap form)
 
 
 StoreMachine.TestCase.settings = settings(

@@ -176,6 +176,45 @@ def test_delete_removes_every_tier_and_survives_restart(shm_dir: str, disk_dir: 
         shutil.rmtree(shm_dir + "-2", ignore_errors=True)
 
 
+def test_a_delete_persists_removals_below_dram_only_when_it_made_one(
+        shm_dir: str, disk_dir: str) -> None:
+    """The SSD tier's removals reach the disk (``flush``, a worker thread's round trip)
+    before a Delete answers; a Delete of keys the SSD tier did not hold has nothing to
+    persist and answers without that round trip."""
+
+    async def go() -> None:
+        # (Nothing cleaned ahead: a block newly put stays in DRAM alone.)
+        policy = SpillPolicy.with_defaults(backpressure_timeout=5.0, clean_ahead=0.0)
+        async with tiered(shm_dir, ssd_dir=disk_dir, policy=policy) as env:
+            s = env.session()
+            ks = keys(60)
+            await env.put_all(s, ks)
+            await env.settle()
+            ks += keys(2, "new")
+            await env.put_all(s, ks[-2:])
+            ssd = env.t.ssd
+            assert ssd is not None
+            geometry = env.t.below.geometry(s.ns)
+            flushes: list[int] = []
+            real_flush = ssd.flush_frees
+            ssd.flush_frees = lambda: (  # type: ignore[method-assign]
+                flushes.append(1), real_flush())[1]
+            in_dram_only = [k for k in ks if k in s.ns.index
+                            and env.t.below.local_copy(s.ns.name, k, geometry) is None][:2]
+            assert in_dram_only
+            assert await env.t.delete(s, in_dram_only) == len(in_dram_only)
+            assert await env.t.delete(s, keys(2, "never")) == 0
+            assert flushes == []
+            on_ssd = [k for k in ks if k not in s.ns.index][:2]
+            assert len(on_ssd) == 2
+            assert await env.t.delete(s, on_ssd) == 2
+            assert flushes == [1]
+            assert await env.t.lookup(s, in_dram_only + on_ssd) == []
+            assert env.t.check() == []
+
+    asyncio.run(go())
+
+
 # ================================================================ shared tier
 def _two_hosts(shm_dir: str) -> tuple[str, str]:
     a, b = shm_dir + "-A", shm_dir + "-B"

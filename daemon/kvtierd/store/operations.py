@@ -412,16 +412,19 @@ class Operations:
             )
         self._state.end_leases([lease])
 
-    def delete(self, session: Session, keys: Sequence[bytes]) -> int:
-        """Remove present keys; a leased block is hidden now and freed at its last release."""
+    def delete(self, session: Session, keys: Sequence[bytes]) -> list[bytes]:
+        """Remove present keys; a leased block is hidden now and freed at its last release.
+        Returns the keys that were present (each once)."""
         ns = session.ns
         keys = list(dict.fromkeys(keys))
         refs = ns.index.find(keys) if keys else _NO_REFS
         hit = np.flatnonzero(refs)
-        if len(hit):
-            ns.table.delete(refs[hit])  # all or nothing
-            ns.index.remove([keys[i] for i in hit.tolist()])
-        return len(hit)
+        if not len(hit):
+            return []
+        ns.table.delete(refs[hit])  # all or nothing
+        present = [keys[i] for i in hit.tolist()]
+        ns.index.remove(present)
+        return present
 
     def drop_lost(self, segment: Segment, intact_bytes: int) -> list[Block]:
         """Forget the DRAM blocks of ``segment`` whose slots end past ``intact_bytes``.

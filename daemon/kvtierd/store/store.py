@@ -261,6 +261,10 @@ class Store:
         self.calls.release(session, lease_id)
 
     def delete(self, session: Session, keys: Sequence[bytes]) -> int:
+        return len(self.calls.delete(session, keys))
+
+    def delete_present(self, session: Session, keys: Sequence[bytes]) -> list[bytes]:
+        """``delete``, answering the keys that were present (each once)."""
         return self.calls.delete(session, keys)
 
     def drop_lost(self, segment: Segment, intact_bytes: int) -> list[Block]:
@@ -453,6 +457,14 @@ class Store:
             "committed": committed,
             "free": self.capacity - reserved - granted - committed,
         }
+
+    def dram_free(self) -> int:
+        """``dram_bytes()["free"]`` without counting the idle grants (the split of
+        reserved and granted does not change what is free): cheap enough for the
+        demoter to ask after every commit."""
+        spaces = self.state.namespaces.values()
+        return self.capacity - sum((ns.reserved + ns.committed) * ns.slot_bytes
+                                   for ns in spaces)
 
     def check(self) -> list[str]:
         """Cross-check the block tables and key indexes against the slot tables; the

@@ -253,11 +253,13 @@ class Below:
         return out
 
     async def drop(self, namespace: str, drops: Mapping[LowerTier, Sequence[bytes]],
-                   geometry: Geometry | None) -> dict[str, set[bytes]]:
+                   geometry: Geometry | None, *, flush: bool = True
+                   ) -> dict[str, set[bytes]]:
         """The I/O half of removing keys below DRAM (Delete and Evict): persist what the
-        local tiers' ``remove`` took out, then remove each remote tier's copies of its
-        keys in ``drops``.  Returns, per tier name, the keys that had a copy there."""
-        for tier in self.local:
+        local tiers' ``remove`` took out (unless ``flush`` is False: it took out
+        nothing), then remove each remote tier's copies of its keys in ``drops``.
+        Returns, per tier name, the keys that had a copy there."""
+        for tier in self.local if flush else ():
             with contextlib.suppress(OSError):  # not persisted: the next flush retries
                 await self._work.run(tier.flush)
         found: dict[str, set[bytes]] = {}

@@ -123,7 +123,8 @@ class Demoter:
                     continue
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=TICK)
+                    async with asyncio.timeout(TICK):  # (no task per wait, as wait_for makes)
+                        await self._wake.wait()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug: log and count it, keep the daemon serving
@@ -149,9 +150,9 @@ class Demoter:
 
         urgent, self._urgent = self._urgent, []
         add([b for b in urgent if b.pins == 0 and b.lower == Lower.DIRTY and live(b)])
-        acct = self._ctx.store.dram_bytes()
-        target = int(self._policy.clean_ahead * acct["total"])
-        free = acct["free"]
+        store = self._ctx.store
+        target = int(self._policy.clean_ahead * store.capacity)
+        free = store.dram_free()
         if free < target:
             add(self._ctx.store.demotion_candidates(target - free, depth))
         add(self._drainer.candidates(depth - len(batch)))

@@ -13,8 +13,6 @@ import asyncio
 from collections.abc import Callable, Collection, Sequence
 from typing import Final
 
-import numpy as np
-
 from kvtierd.cluster.tier import ClusterTier
 from kvtierd.shared_index import SessionPage
 from kvtierd.spill.shared import SharedTier
@@ -200,17 +198,19 @@ class Tiering:
 
     async def _delete(self, session: Session, keys: Sequence[bytes]) -> int:
         ns = session.ns
-        present = ({keys[i] for i in np.flatnonzero(ns.index.find(keys)).tolist()}
-                   if keys else set())
-        self.store.delete(session, keys)
+        present = set(self.store.delete_present(session, keys))
         below = self.below
         geometry = below.geometry(ns)
+        removed = 0
         for tier in below.local:
             present |= {k for k, length in zip(keys, below.copies_in(tier, ns.name, keys,
                                                                      geometry), strict=True)
                         if length is not None}
-            tier.remove(ns.name, keys)
-        found = await below.drop(ns.name, {t: keys for t in below.remote}, geometry)
+            removed += tier.remove(ns.name, keys)
+        # (A delete of keys no local tier held has no removal to persist: no worker
+        # thread's round trip; so is a delete with no remote tier answered on the spot.)
+        found = await below.drop(ns.name, {t: keys for t in below.remote}, geometry,
+                                 flush=removed > 0)
         for there in found.values():
             present |= there
         return len(present)
