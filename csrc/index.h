@@ -33,6 +33,7 @@ PyObject *kvt_py_grants_untake(PyObject *m, PyObject *args);
 PyObject *kvt_py_commits_put(PyObject *m, PyObject *args);
 PyObject *kvt_py_commits_put_columns(PyObject *m, PyObject *args);
 PyObject *kvt_py_done_wait(PyObject *m, PyObject *args);
+PyObject *kvt_py_readable_spin(PyObject *m, PyObject *args);
 PyObject *kvt_py_commits_take(PyObject *m, PyObject *args);
 PyObject *kvt_py_commits_done(PyObject *m, PyObject *args);
 PyObject *kvt_py_commit_results(PyObject *m, PyObject *args);

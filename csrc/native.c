@@ -2270,6 +2270,9 @@ static PyMethodDef native_methods[] = {
      "columns (sums: None, or an int or None per record); the new head."},
     {"done_wait", kvt_py_done_wait, METH_VARARGS,
      "done_wait(page, target, seconds): wait (GIL released) until DONE reaches target; True if so."},
+    {"readable_spin", kvt_py_readable_spin, METH_VARARGS,
+     "readable_spin(fd, seconds): look for input on fd for up to seconds, yielding the CPU "
+     "between looks (GIL released); True if there is some (or end of file, or an error)."},
     {"commits_take", kvt_py_commits_take, METH_VARARGS,
      "commits_take(page, tail, max_length, held=None): (head, batches, keys, columns,\n"
      "flags) of the records from tail, or (head, None, None, None, None) for an\n"

@@ -149,6 +149,10 @@ def commits_put_columns(page: _Buffer, head: int, entries: Sequence[int],
 def done_wait(page: _Buffer, target: int, seconds: float) -> bool:
     """Wait (GIL released) until the page's DONE word reaches target; True if it did."""
 
+def readable_spin(fd: int, seconds: float) -> bool:
+    """Look for input on ``fd`` for up to ``seconds``, yielding the CPU between looks (GIL
+    released); True if there is some (or end of file, or an error: a read says which)."""
+
 def commits_take(page: _Buffer, tail: int, max_length: int, held: _Buffer | None = None
                  ) -> tuple[int, list[tuple[int, int, int]], list[bytes], bytes, bytes] | \
         tuple[int, None, None, None, None]:

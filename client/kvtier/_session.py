@@ -29,7 +29,7 @@ from typing import Any, Final
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from kvtier import _index
+from kvtier import _index, _native
 from kvtier._index import LocalIndex, LocalSlot
 from kvtier._paths import explain_unreachable
 from kvtier._wire import FRAME_LEN, MAX_FDS_PER_MSG
@@ -53,6 +53,9 @@ _RESPONSE_OF: Final = {m.name: getattr(pb, m.output_type.name)
 #: How much longer than a call's own deadline the link waits for any frame before
 #: it calls the daemon hung (the daemon answers DEADLINE_EXCEEDED at the deadline).
 _HUNG_AFTER: Final = 5.0
+#: How long a caller looks for the answer to its call before it sleeps in ``recv``
+#: (``SessionLink._recv_frame``); 0 never spins.
+ANSWER_SPIN_SECONDS: float = 300e-6
 
 
 class LinkBroken(Unavailable):
@@ -258,11 +261,15 @@ class SessionLink:
                 self._waiting.discard(call_id)
 
     def _recv_frame(self) -> tuple[bytes, list[int]]:
-        """The next frame and its fds (blocking)."""
+        """The next frame and its fds (blocking: after looking for it a short while,
+        ``_native.readable_spin``, since the daemon answers a call within a few hundred
+        microseconds and a thread asleep in ``recv`` is woken late)."""
         while True:
             got = self._frames.take()
             if got is not None:
                 return got
+            if ANSWER_SPIN_SECONDS > 0:
+                _native.readable_spin(self._sock.fileno(), ANSWER_SPIN_SECONDS)
             self._frames.recv(self._sock)
 
 

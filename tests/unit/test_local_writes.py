@@ -11,6 +11,7 @@ the store's side against a page whose every byte the client controls.
 from __future__ import annotations
 
 import os
+import socket
 import struct
 import threading
 import time
@@ -105,6 +106,29 @@ def test_grants_taken_committed_and_answered_across_threads() -> None:
     writes.close()
     os.close(bell)
     page.close()
+
+
+def test_readable_spin_sees_an_answer_at_once_and_gives_up_after_its_time() -> None:
+    """How a fast call's caller looks for its answer before it sleeps in recv."""
+    a, b = socket.socketpair()
+    try:
+        t0 = time.perf_counter()
+        assert not _native.readable_spin(a.fileno(), 0.02)  # nothing: the whole spin
+        assert 0.02 <= time.perf_counter() - t0 < 2.0
+        assert not _native.readable_spin(a.fileno(), 0.0)  # 0: one look
+        threading.Timer(0.01, b.send, (b"x",)).start()
+        t0 = time.perf_counter()
+        assert _native.readable_spin(a.fileno(), 5.0)  # the answer ends the spin
+        assert time.perf_counter() - t0 < 2.0
+        assert a.recv(1) == b"x"
+        b.close()
+        assert _native.readable_spin(a.fileno(), 5.0)  # end of file is for recv to say
+        assert a.recv(1) == b""
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(ValueError):
+        _native.readable_spin(-1, 0.0)
 
 
 def test_grants_taken_as_columns_decode_their_words_and_go_back_whole() -> None:
