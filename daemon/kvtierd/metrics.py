@@ -59,8 +59,10 @@ class TierIO:
 
 @dataclass
 class RpcWindow:
-    """One method's call counts and its most recent latencies."""
+    """One method's call counts and its most recent latencies (and its child of
+    ``kvtier_rpc_duration_seconds``, looked up once)."""
 
+    latency: Histogram
     calls: int = 0
     errors: int = 0
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=RPC_WINDOW))
@@ -200,8 +202,10 @@ class Metrics:
 
     def rpc_done(self, method: str, seconds: float, error_code: str | None) -> None:
         """Record one finished call: the histogram, the error counter and the window."""
-        self.rpc_seconds.labels(method).observe(seconds)
-        w = self.rpcs.setdefault(method, RpcWindow())
+        w = self.rpcs.get(method)
+        if w is None:  # (the methods are the service's: a bounded set)
+            w = self.rpcs[method] = RpcWindow(self.rpc_seconds.labels(method))
+        w.latency.observe(seconds)
         w.calls += 1
         w.recent.append(seconds)
         if error_code is not None:
