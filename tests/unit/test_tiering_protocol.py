@@ -25,6 +25,7 @@ from kvtierd.spill.tier import (
     Geometry,
     HandOff,
     LowerTier,
+    RemoteTier,
     SharedAdapter,
     SsdAdapter,
     WritesMany,
@@ -38,7 +39,7 @@ from .spill_harness import DRAM, Env, MiB, disk_dir, keys, payload
 __all__ = ["disk_dir"]  # a fixture
 
 
-class DictTier:
+class DictTier(RemoteTier):
     """A remote tier in a dict: what a cluster tier would look like to the policy."""
 
     tier = TIER_CLUSTER
@@ -65,13 +66,6 @@ class DictTier:
     def connect(self, *, on_fault: Callable[[str], None], hand_off: HandOff | None,
                 on_lost: Callable[[str, bytes], None] | None) -> None:
         pass
-
-    def held(self, namespace: str, key: bytes, geometry: Geometry | None) -> int | None:
-        return None
-
-    def held_many(self, namespace: str, keys: Sequence[bytes],
-                  geometry: Geometry | None) -> list[int | None]:
-        return [None] * len(keys)
 
     def contains(self, namespace: str, key: bytes) -> bool:
         with self.lock:
@@ -118,19 +112,10 @@ class DictTier:
     def sync(self) -> None:
         pass
 
-    def remove(self, namespace: str, keys: Sequence[bytes]) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass
-
     def delete(self, namespace: str, keys: Sequence[bytes],
                geometry: Geometry | None) -> set[bytes]:
         with self.lock:
             return {k for k in keys if self.blocks.pop((namespace, k), None) is not None}
-
-    def keys_of(self, namespace: str, geometry: Geometry | None) -> list[bytes]:
-        return []
 
     def check(self) -> list[str]:
         return []

@@ -44,7 +44,7 @@ from kvtierd.cluster.slots import SlotMapper
 from kvtierd.logs import Throttle, event, more
 from kvtierd.segments import Segment
 from kvtierd.spill.ssd import SpillFull
-from kvtierd.spill.tier import TIER_CLUSTER, Geometry, HandOff
+from kvtierd.spill.tier import TIER_CLUSTER, Geometry, HandOff, RemoteTier
 
 log = logging.getLogger(__name__)
 _throttle = Throttle()
@@ -75,7 +75,7 @@ def _rc_error(rc: int, what: str) -> OSError:
     return OSError(errno.EIO, f"{what}: Mooncake error {rc}")
 
 
-class ClusterTier:
+class ClusterTier(RemoteTier):
     """:class:`~kvtierd.spill.tier.LowerTier` over Mooncake Store (through the agent)."""
 
     tier = TIER_CLUSTER
@@ -138,13 +138,6 @@ class ClusterTier:
         self._slots.premap(seg)
 
     # ------------------------------------------------------------ LowerTier
-    def held(self, namespace: str, key: bytes, geometry: Geometry | None) -> int | None:
-        return None
-
-    def held_many(self, namespace: str, keys: Sequence[bytes],
-                  geometry: Geometry | None) -> list[int | None]:
-        return [None] * len(keys)
-
     def present(self, namespace: str, keys: Sequence[bytes],
                 geometry: Geometry | None) -> list[bool]:
         """One ``batch_is_exist`` per :data:`BATCH` keys (one master round trip)."""
@@ -317,12 +310,6 @@ class ClusterTier:
     def sync(self) -> None:
         pass  # a put is complete when it returns
 
-    def remove(self, namespace: str, keys: Sequence[bytes]) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass
-
     def delete(self, namespace: str, keys: Sequence[bytes],
                geometry: Geometry | None = None) -> set[bytes]:
         if geometry is None or not keys:
@@ -338,9 +325,6 @@ class ClusterTier:
             found.update(k for k, rc in zip(chunk, rcs, strict=True) if rc == 0)
         self.counters.removed += len(found)
         return found
-
-    def keys_of(self, namespace: str, geometry: Geometry | None) -> list[bytes]:
-        return []
 
     def check(self) -> list[str]:
         return []

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import xxhash
@@ -86,6 +86,33 @@ class FormatError(ValueError):
     """A spill file or block file that must not be used; the message says why."""
 
 
+def _sealed(head: bytes) -> bytes:
+    """A header page: ``head``, then its xxh64, then zeros to the page's end."""
+    page = bytearray(PAGE)
+    page[: len(head)] = head
+    _SUM.pack_into(page, len(head), xxhash.xxh64_intdigest(head))
+    return bytes(page)
+
+
+def _opened(page: bytes | memoryview, header: struct.Struct, magic: bytes, version: int,
+            short: str) -> tuple[Any, ...]:
+    """The fields of a header page ``_sealed`` made with ``header`` (its first two: the
+    magic and the version), once the magic, the checksum and the version are right;
+    raises FormatError naming what is wrong (``short``: the page is too short)."""
+    if len(page) < header.size + _SUM.size:
+        raise FormatError(short)
+    head = bytes(page[: header.size])
+    fields = header.unpack(head)
+    if fields[0] != magic:
+        raise FormatError(f"bad magic {fields[0]!r}")
+    (stored,) = _SUM.unpack_from(page, header.size)
+    if xxhash.xxh64_intdigest(head) != stored:
+        raise FormatError("header checksum mismatch")
+    if fields[1] != version:
+        raise FormatError(f"format version {fields[1]}, expected {version}")
+    return fields
+
+
 def round_up(n: int, to: int = PAGE) -> int:
     return (n + to - 1) // to * to
 
@@ -124,27 +151,16 @@ class SpillLayout:
 
 def pack_spill_header(layout: SpillLayout, file_index: int, created_ns: int) -> bytes:
     """The header page of a spill file."""
-    head = _SPILL_HEADER.pack(SPILL_MAGIC, SPILL_VERSION, layout.n_slots, file_index,
-                              layout.slot_bytes, TABLE_OFFSET, layout.data_offset, created_ns)
-    page = bytearray(PAGE)
-    page[: len(head)] = head
-    _SUM.pack_into(page, len(head), xxhash.xxh64_intdigest(head))
-    return bytes(page)
+    return _sealed(_SPILL_HEADER.pack(SPILL_MAGIC, SPILL_VERSION, layout.n_slots, file_index,
+                                      layout.slot_bytes, TABLE_OFFSET, layout.data_offset,
+                                      created_ns))
 
 
 def unpack_spill_header(page: bytes, file_size: int) -> tuple[SpillLayout, int]:
     """(layout, file index) of a header page; raises FormatError naming what is wrong."""
-    if len(page) < _SPILL_HEADER.size + _SUM.size:
-        raise FormatError(f"file is {file_size} bytes, shorter than a header")
-    head = bytes(page[: _SPILL_HEADER.size])
-    magic, version, n_slots, index, slot_bytes, table_off, data_off, _ = _SPILL_HEADER.unpack(head)
-    if magic != SPILL_MAGIC:
-        raise FormatError(f"bad magic {magic!r}")
-    (stored,) = _SUM.unpack_from(page, _SPILL_HEADER.size)
-    if xxhash.xxh64_intdigest(head) != stored:
-        raise FormatError("header checksum mismatch")
-    if version != SPILL_VERSION:
-        raise FormatError(f"format version {version}, expected {SPILL_VERSION}")
+    _, _, n_slots, index, slot_bytes, table_off, data_off, _ = _opened(
+        page, _SPILL_HEADER, SPILL_MAGIC, SPILL_VERSION,
+        f"file is {file_size} bytes, shorter than a header")
     if n_slots < 1 or slot_bytes < PAGE or slot_bytes % PAGE:
         raise FormatError(f"header has n_slots={n_slots} slot_bytes={slot_bytes}")
     layout = SpillLayout(slot_bytes, n_slots)
@@ -211,28 +227,16 @@ class BlockHeader:
 
 def pack_block_header(h: BlockHeader) -> bytes:
     ns = h.namespace.encode()
-    head = _BLOCK_HEADER.pack(BLOCK_MAGIC, BLOCK_VERSION, len(h.key), len(ns), 0, h.length,
-                              h.checksum, h.block_bytes, h.model_hash, h.created_ns, h.key, ns)
-    page = bytearray(PAGE)
-    page[: len(head)] = head
-    _SUM.pack_into(page, len(head), xxhash.xxh64_intdigest(head))
-    return bytes(page)
+    return _sealed(_BLOCK_HEADER.pack(BLOCK_MAGIC, BLOCK_VERSION, len(h.key), len(ns), 0,
+                                      h.length, h.checksum, h.block_bytes, h.model_hash,
+                                      h.created_ns, h.key, ns))
 
 
 def unpack_block_header(page: bytes | memoryview) -> BlockHeader:
     """Decode and verify a block file's header page; raises FormatError."""
-    if len(page) < _BLOCK_HEADER.size + _SUM.size:
-        raise FormatError(f"file is shorter than a header ({len(page)} bytes)")
-    head = bytes(page[: _BLOCK_HEADER.size])
-    (magic, version, klen, nlen, _, length, checksum, block_bytes, mhash, created, key,
-     ns) = _BLOCK_HEADER.unpack(head)
-    if magic != BLOCK_MAGIC:
-        raise FormatError(f"bad magic {magic!r}")
-    (stored,) = _SUM.unpack_from(page, _BLOCK_HEADER.size)
-    if xxhash.xxh64_intdigest(head) != stored:
-        raise FormatError("header checksum mismatch")
-    if version != BLOCK_VERSION:
-        raise FormatError(f"format version {version}, expected {BLOCK_VERSION}")
+    (_, _, klen, nlen, _, length, checksum, block_bytes, mhash, created, key, ns) = _opened(
+        page, _BLOCK_HEADER, BLOCK_MAGIC, BLOCK_VERSION,
+        f"file is shorter than a header ({len(page)} bytes)")
     if not 1 <= klen <= MAX_KEY_BYTES or nlen > NAME_BYTES or length < 1:
         raise FormatError(f"header has key_len={klen} ns_len={nlen} length={length}")
     return BlockHeader(ns[:nlen].decode(errors="replace"), key[:klen], length, checksum,

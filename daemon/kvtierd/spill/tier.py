@@ -347,7 +347,29 @@ class SsdAdapter:
         return self.ssd.check()
 
 
-class SharedAdapter:
+class RemoteTier:
+    """What a tier that is not ``local`` answers to the calls of :class:`LowerTier` only a
+    local tier serves: it holds nothing in this process's index, has no removals to
+    persist and is never enumerated (``SharedAdapter``, the cluster tier)."""
+
+    def held(self, namespace: str, key: bytes, geometry: Geometry | None) -> int | None:
+        return None
+
+    def held_many(self, namespace: str, keys: Sequence[bytes],
+                  geometry: Geometry | None) -> list[int | None]:
+        return [None] * len(keys)
+
+    def remove(self, namespace: str, keys: Sequence[bytes]) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass
+
+    def keys_of(self, namespace: str, geometry: Geometry | None) -> list[bytes]:
+        return []
+
+
+class SharedAdapter(RemoteTier):
     """:class:`LowerTier` over a :class:`~kvtierd.spill.shared.SharedTier`."""
 
     tier = TIER_SHARED
@@ -369,13 +391,6 @@ class SharedAdapter:
     def connect(self, *, on_fault: Callable[[str], None], hand_off: HandOff | None,
                 on_lost: Callable[[str, bytes], None] | None) -> None:
         pass  # it absorbs no faults and never evicts
-
-    def held(self, namespace: str, key: bytes, geometry: Geometry | None) -> int | None:
-        return None
-
-    def held_many(self, namespace: str, keys: Sequence[bytes],
-                  geometry: Geometry | None) -> list[int | None]:
-        return [None] * len(keys)
 
     def present(self, namespace: str, keys: Sequence[bytes],
                 geometry: Geometry | None) -> list[bool]:
@@ -403,20 +418,11 @@ class SharedAdapter:
     def sync(self) -> None:
         pass
 
-    def remove(self, namespace: str, keys: Sequence[bytes]) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass
-
     def delete(self, namespace: str, keys: Sequence[bytes],
                geometry: Geometry | None) -> set[bytes]:
         present = {k for k in keys if self.shared.exists(namespace, k)}
         self.shared.delete(namespace, list(keys))
         return present
-
-    def keys_of(self, namespace: str, geometry: Geometry | None) -> list[bytes]:
-        return []
 
     def check(self) -> list[str]:
         return []
