@@ -110,7 +110,7 @@ from kvtier.paged import (
     GeometryMismatch,
     NamespaceArgs,
     PagedKVLayout,
-    differences,
+    cache_arrays,
     dtype_of,
     fused_layout_of,
     layout_of,
@@ -399,33 +399,9 @@ def _prepare(client: Client, cache: Sequence[Layer],
 
 def _flatten(cache: Sequence[Layer], lay: PagedKVLayout) -> list[jax.Array]:
     """The cache's arrays in storage order, checked against ``lay``."""
-    if len(cache) != lay.num_layers:
-        raise GeometryMismatch(f"the cache has {len(cache)} layers, the layout "
-                               f"{lay.num_layers}")
-    want_shape = lay.array_page_shape
-    want_dtype = dtype_of(lay.dtype)
-    arrays: list[jax.Array] = []
-    for li, layer in enumerate(cache):
-        items = list(layer) if isinstance(layer, (tuple, list)) else [layer]
-        if len(items) != lay.arrays_per_layer:
-            raise GeometryMismatch(f"layer {li} has {len(items)} arrays, layout "
-                                   f"{lay.layout!r} has {lay.arrays_per_layer}")
-        for a in items:
-            if not isinstance(a, jax.Array):
-                raise TypeError(f"layer {li} holds a {type(a).__name__}, not a jax.Array")
-            shape = tuple(int(d) for d in a.shape)
-            if len(shape) != 1 + len(want_shape) or shape[1:] != want_shape \
-                    or a.dtype != want_dtype:
-                raise GeometryMismatch(
-                    f"layer {li} has an array of shape {list(shape)} {a.dtype}; layout "
-                    f"{lay.layout!r} needs [pages, {', '.join(map(str, want_shape))}] "
-                    f"{lay.dtype} ({differences(shape, str(a.dtype), want_shape, lay.dtype)})")
-            arrays.append(a)
-    pages = int(arrays[0].shape[0])
-    for a in arrays:
-        if int(a.shape[0]) != pages:
-            raise GeometryMismatch(f"arrays differ in page count ({a.shape[0]} != {pages})")
-    return arrays
+    want = dtype_of(lay.dtype)
+    return cache_arrays(cache, lay, jax.Array, "jax.Array", lambda a: str(a.dtype),
+                        lambda a: a.dtype == want)
 
 
 def _rebuild(arrays: list[jax.Array],

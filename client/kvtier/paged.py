@@ -34,8 +34,8 @@ import hashlib
 import math
 import operator
 import re
-from collections.abc import Sequence
-from typing import Any, Final, TypedDict
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Protocol, TypedDict, TypeVar
 
 import numpy as np
 
@@ -45,6 +45,16 @@ _NAME_MAX: Final = 128
 #: Sizes of the dtypes numpy lacks, so a torch-only install (no ml_dtypes) can size a page.
 _ITEMSIZES: Final = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
                      "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
+
+
+class _Paged(Protocol):
+    """An engine's cache array (a ``jax.Array``, a ``torch.Tensor``): pages first."""
+
+    @property
+    def shape(self) -> Any: ...
+
+
+_A = TypeVar("_A", bound=_Paged)
 
 
 class GeometryMismatch(ValueError):
@@ -255,6 +265,41 @@ def namespace_for(layout: PagedKVLayout, model: str) -> NamespaceArgs:
         name = f"{name[: room - len(digest) - 1]}-{digest}"
     return NamespaceArgs(namespace=f"{name}/{geometry}", block_bytes=layout.block_bytes,
                          model_uid=model)
+
+
+def cache_arrays(cache: Sequence[Any], lay: PagedKVLayout, kind: type[_A], kind_name: str,
+                 dtype_text: Callable[[_A], str], dtype_matches: Callable[[_A], bool]
+                 ) -> list[_A]:
+    """The cache's arrays in storage order (layer-major, K before V), checked against
+    ``lay``: each a ``kind`` (``kind_name`` in errors) of the layout's page shape and of
+    its dtype (``dtype_matches``; ``dtype_text`` names it), all with one page count.
+    Raises GeometryMismatch, or TypeError for an array of another kind."""
+    if len(cache) != lay.num_layers:
+        raise GeometryMismatch(f"the cache has {len(cache)} layers, the layout {lay.num_layers}")
+    want_shape = lay.array_page_shape
+    arrays: list[_A] = []
+    for li, layer in enumerate(cache):
+        items = list(layer) if isinstance(layer, (tuple, list)) else [layer]
+        if len(items) != lay.arrays_per_layer:
+            raise GeometryMismatch(f"layer {li} has {len(items)} arrays, layout "
+                                   f"{lay.layout!r} has {lay.arrays_per_layer}")
+        for a in items:
+            if not isinstance(a, kind):
+                raise TypeError(f"layer {li} holds a {type(a).__name__}, not a {kind_name}")
+            shape = tuple(int(d) for d in a.shape)
+            if len(shape) != 1 + len(want_shape) or shape[1:] != want_shape \
+                    or not dtype_matches(a):
+                text = dtype_text(a)
+                raise GeometryMismatch(
+                    f"layer {li} has an array of shape {list(shape)} {text}; layout "
+                    f"{lay.layout!r} needs [pages, {', '.join(map(str, want_shape))}] "
+                    f"{lay.dtype} ({differences(shape, text, want_shape, lay.dtype)})")
+            arrays.append(a)
+    pages = int(arrays[0].shape[0])
+    for a in arrays:
+        if int(a.shape[0]) != pages:
+            raise GeometryMismatch(f"arrays differ in page count ({a.shape[0]} != {pages})")
+    return arrays
 
 
 def differences(shape: tuple[int, ...], dtype: str, want: tuple[int, ...],

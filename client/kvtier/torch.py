@@ -80,7 +80,7 @@ from kvtier.paged import (
     GeometryMismatch,
     NamespaceArgs,
     PagedKVLayout,
-    differences,
+    cache_arrays,
     fused_layout_of,
     layout_of,
     namespace_for,
@@ -277,32 +277,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _flatten(cache: Sequence[Layer], lay: PagedKVLayout) -> list[torch.Tensor]:
-    """The cache's tensors in storage order (layer-major, K before V), checked against ``lay``."""
-    if len(cache) != lay.num_layers:
-        raise GeometryMismatch(f"the cache has {len(cache)} layers, the layout {lay.num_layers}")
-    want_shape = lay.array_page_shape
-    arrays: list[torch.Tensor] = []
-    for li, layer in enumerate(cache):
-        items = list(layer) if isinstance(layer, (tuple, list)) else [layer]
-        if len(items) != lay.arrays_per_layer:
-            raise GeometryMismatch(f"layer {li} has {len(items)} arrays, layout "
-                                   f"{lay.layout!r} has {lay.arrays_per_layer}")
-        for a in items:
-            if not isinstance(a, torch.Tensor):
-                raise TypeError(f"layer {li} holds a {type(a).__name__}, not a torch.Tensor")
-            shape = tuple(int(d) for d in a.shape)
-            name = _dtype_name(a.dtype)
-            if len(shape) != 1 + len(want_shape) or shape[1:] != want_shape or name != lay.dtype:
-                raise GeometryMismatch(
-                    f"layer {li} has a tensor of shape {list(shape)} {name}; layout "
-                    f"{lay.layout!r} needs [pages, {', '.join(map(str, want_shape))}] "
-                    f"{lay.dtype} ({differences(shape, name, want_shape, lay.dtype)})")
-            arrays.append(a)
-    pages = int(arrays[0].shape[0])
+    """The cache's tensors in storage order (layer-major, K before V), checked against
+    ``lay``, all on one device."""
+    arrays = cache_arrays(cache, lay, torch.Tensor, "torch.Tensor",
+                          lambda a: _dtype_name(a.dtype),
+                          lambda a: _dtype_name(a.dtype) == lay.dtype)
     device = arrays[0].device
     for a in arrays:
-        if int(a.shape[0]) != pages:
-            raise GeometryMismatch(f"arrays differ in page count ({a.shape[0]} != {pages})")
         if a.device != device:
             raise ValueError(f"the cache spans devices ({a.device} and {device})")
     return arrays
