@@ -20,7 +20,8 @@ same daemon before and after a SIGKILL and warm restart:
 * /dev/shm holds no more than ``dram.capacity`` plus ``SHM_SLACK`` for this
   daemon (its files and the unlinked files the attacker still holds);
 * B and C read every block they were acknowledged, byte-exact; ``check()`` is
-  clean; A's honest readers survive and a block leased by one is not evicted;
+  clean; A's honest readers survive (and, checksumming, never take a cut block's
+  zeros for its bytes) and a block leased by one is not evicted;
 * after it all, SIGTERM stops the daemon (a blocked loop would ignore it).
 """
 
@@ -223,7 +224,11 @@ _READER = textwrap.dedent("""
     sock, seconds = sys.argv[1], float(sys.argv[2])
     keys = [f"honest/{i}".encode() for i in range(16)]
     reads = misses = errs = 0
-    with kvtier.Client(sock, namespace="A", block_bytes=65536, model_uid="m") as c:
+    # Checksums on: a block the attacker cut is zeros once the daemon sets its file back,
+    # until the daemon drops it; a reader that trusts A's writers (checksums off) may read
+    # them (docs/security.md), one with checksums gets a Corrupted miss.
+    with kvtier.Client(sock, namespace="A", block_bytes=65536, model_uid="m",
+                       checksum=True) as c:
         c.put(keys, [np.full(65536, i, np.uint8) for i in range(16)])
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
