@@ -221,7 +221,7 @@ class Lab:
         """What the engine ``name`` logged of kvtier's failures, and the daemon's warnings:
         the message of a count that came out wrong (a save that failed says why here)."""
         lines = [ln for ln in self._started[name].log().splitlines()
-                 if "failed (" in ln or "kvtier" in ln and "WARNING" in ln]
+                 if "failed (" in ln or ("kvtier" in ln and "WARNING" in ln)]
         assert self.daemon is not None
         warned = [ln for ln in self.daemon.log().splitlines() if " WARNING " in ln]
         return "\n".join([f"{name}:", *lines[-20:], "kvtierd:", *warned[-20:]])

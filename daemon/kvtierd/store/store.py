@@ -455,13 +455,13 @@ class Store:
             "reserved": reserved,
             "granted": granted,
             "committed": committed,
-            "free": self.capacity - reserved - granted - committed,
+            "free": self.dram_free(),
         }
 
     def dram_free(self) -> int:
-        """``dram_bytes()["free"]`` without counting the idle grants (the split of
-        reserved and granted does not change what is free): cheap enough for the
-        demoter to ask after every commit."""
+        """Bytes of ``dram.capacity`` in no reserved, granted or committed slot (the
+        split of reserved and granted, which walks the grants, does not change it):
+        cheap enough for the demoter to ask after every commit."""
         spaces = self.state.namespaces.values()
         return self.capacity - sum((ns.reserved + ns.committed) * ns.slot_bytes
                                    for ns in spaces)

@@ -154,7 +154,7 @@ class Demoter:
         target = int(self._policy.clean_ahead * store.capacity)
         free = store.dram_free()
         if free < target:
-            add(self._ctx.store.demotion_candidates(target - free, depth))
+            add(store.demotion_candidates(target - free, depth))
         add(self._drainer.candidates(depth - len(batch)))
         return batch
 
