@@ -13,12 +13,17 @@ Per tree and round:
   daemon's half alone (the thread's CPU inside ``commit_from_page``).
 * ``calls``: in-process, Reserve + Commit calls (``Store.reserve`` / ``Store.commit``)
   of 4096 keys of 4 KiB in a 64 MiB pool kept full (every claim evicts): the store's
-  CPU per block on the call path, which puts larger than a page's grants take.
+  CPU per block on the call path, which puts larger than a page's grants take: the
+  process's (the calls and the driver's making of the keys) and the thread's inside
+  the two calls alone (``store_us_per_block``).
 * ``daemon``: a kvtierd of that tree (fast path, writes without a call); an empty gRPC
   call (health Check, the baseline), then reserve + commit of 1 key back to back (p50,
   and its ratio to the empty call's p50), then puts of 32 x 64 KiB (blocks/s), all
   with the 512 MiB pool full (every claim evicts); the
   daemon's CPU per commit and per block from ``/proc/PID/stat`` (utime + stime).
+* ``daemon4096``: a kvtierd of that tree with a 64 MiB pool kept full; puts of 4096 x
+  4 KiB (Reserve + Commit calls on the session socket): blocks/s and the daemon's CPU
+  per block.
 * ``delete``: a kvtierd of that tree with an SSD tier (as the default configuration
   has); 1-key deletes of keys it holds in DRAM alone (p50, its ratio to the empty gRPC
   call, the daemon's CPU per delete).
@@ -53,7 +58,7 @@ import tree_runs  # noqa: E402 -- bench/ is not a package
 
 BLOCK = 64 << 10
 #: The measurements, each in a child process (``--modes``).
-MODES = ("store1", "store32", "calls4096", "daemon", "delete")
+MODES = ("store1", "store32", "calls4096", "daemon", "daemon4096", "delete")
 
 
 def _p50(xs: list[float]) -> float:
@@ -165,17 +170,22 @@ def _calls_mode(batch: int, seconds: float, block: int = 4 << 10) -> dict[str, f
     s = store.open_session("bench", block, "m", Peer(1, 0, 0))
     lengths = [block] * batch
     key = 0
+    inside = 0  # the thread's CPU inside the two calls (the keys made outside them)
 
     async def put() -> None:
-        nonlocal key
-        res = await store.reserve(s, [b"c%011d" % (key + i) for i in range(batch)])
+        nonlocal key, inside
+        keys = [b"c%011d" % (key + i) for i in range(batch)]
         key += batch
+        c0 = time.thread_time_ns()
+        res = await store.reserve(s, keys)
         store.commit(s, res.reservation_id, lengths, None)
+        inside += time.thread_time_ns() - c0
 
     async def run() -> tuple[int, float]:
+        nonlocal inside
         for _ in range(3 * (64 << 20) // (block * batch)):  # filled, then every claim evicts
             await put()
-        n, c0, t0 = 0, time.process_time(), time.perf_counter()
+        n, c0, t0, inside = 0, time.process_time(), time.perf_counter(), 0
         while time.perf_counter() - t0 < seconds:
             await put()
             n += 1
@@ -188,7 +198,8 @@ def _calls_mode(batch: int, seconds: float, block: int = 4 << 10) -> dict[str, f
     shutil.rmtree(shm, ignore_errors=True)
     if problems:
         raise RuntimeError(f"check() after the run: {problems[:3]}")
-    return {"puts": n, "us_per_block": cpu / n / batch * 1e6}
+    return {"puts": n, "us_per_block": cpu / n / batch * 1e6,
+            "store_us_per_block": inside / n / batch / 1e3}
 
 
 # ------------------------------------------------------------------ through a daemon
@@ -251,6 +262,42 @@ def _daemon_mode(seconds: float) -> dict[str, float]:
             out["put32_daemon_cpu_us_per_block"] = ticks / os.sysconf("SC_CLK_TCK") / (n * 32) * 1e6
             out["put32_ticks"] = ticks
         channel.close()
+    return out
+
+
+def _daemon4096_mode(seconds: float) -> dict[str, float]:
+    """Puts of 4096 x 4 KiB through a kvtierd with a 64 MiB pool kept full (every claim
+    evicts; the put goes by Reserve + Commit calls on the session socket, too large for
+    a page's grants): blocks/s and the daemon's CPU per block (``/proc``)."""
+    import numpy as np
+
+    import kvtier
+    from kvtier.bench.private_daemon import private_daemon
+
+    block, batch = 4 << 10, 4096
+    out: dict[str, float] = {}
+    with private_daemon("cp4k", "dram.capacity=64MiB", "dram.extent_size=16MiB") as daemon, \
+            kvtier.Client(daemon.socket_dir, namespace="cp4k", block_bytes=block,
+                          model_uid="m") as c:
+        data = [np.zeros(block, np.uint8)] * batch
+        n = 0
+
+        def put() -> None:
+            nonlocal n
+            c.put([b"q%07d-%04d" % (n, b) for b in range(batch)], data)
+            n += 1
+
+        for _ in range(3 * (64 << 20) // (block * batch)):  # filled: every claim evicts
+            put()
+        n0, k0, t0 = n, daemon.cpu_ticks(), time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            put()
+        el = time.perf_counter() - t0
+        ticks = daemon.cpu_ticks() - k0
+        blocks = (n - n0) * batch
+    out["put4096_blocks_per_s"] = blocks / el
+    out["put4096_daemon_cpu_us_per_block"] = ticks / os.sysconf("SC_CLK_TCK") / blocks * 1e6
+    out["put4096_ticks"] = ticks
     return out
 
 
@@ -326,6 +373,8 @@ def main() -> int:
     if args.child:
         if args.child == "daemon":
             res = _daemon_mode(args.seconds)
+        elif args.child == "daemon4096":
+            res = _daemon4096_mode(args.seconds)
         elif args.child == "delete":
             res = _delete_mode(args.seconds)
         elif args.child.startswith("calls"):
@@ -343,12 +392,15 @@ def main() -> int:
             ("store, 32 keys: CPU us/block", "store32", "us_per_block"),
             ("  the daemon's half (commit_from_page)", "store32", "daemon_us_per_block"),
             ("store, calls of 4096 x 4 KiB: CPU us/block", "calls4096", "us_per_block"),
+            ("  inside the calls (no key making)", "calls4096", "store_us_per_block"),
             ("empty gRPC call p50 ms", "daemon", "empty_call_p50_ms"),
             ("reserve+commit 1 key p50 ms", "daemon", "one_key_p50_ms"),
             ("  x empty call", "daemon", "one_key_x_empty"),
             ("  daemon CPU us per commit", "daemon", "one_key_daemon_cpu_us"),
             ("put 32 x 64 KiB, blocks/s", "daemon", "put32_blocks_per_s"),
             ("  daemon CPU us per block", "daemon", "put32_daemon_cpu_us_per_block"),
+            ("put 4096 x 4 KiB, blocks/s", "daemon4096", "put4096_blocks_per_s"),
+            ("  daemon CPU us per block", "daemon4096", "put4096_daemon_cpu_us_per_block"),
             ("SSD tier on: delete 1 key p50 ms", "delete", "delete_p50_ms"),
             ("  x empty call", "delete", "delete_x_empty"),
             ("  daemon CPU us per delete", "delete", "delete_daemon_cpu_us")]

@@ -21,6 +21,7 @@
  *   index_set_flags(buf, flags)             the header's flags word (SUPERSEDED, ...)
  *   index_fingerprint(key)                  the 17 bytes an entry stores for key
  *   index_fingerprints(buf)                 those of every live entry
+ *   keys_check(keys, max_len, repeats=True) (first bad key, first repeated key), -1: none
  *
  * Layout (little-endian, fixed, version 2): a 64-byte header, then capacity
  * (a power of two) entries of 64 bytes (one cache line), linear probing from a
@@ -572,12 +573,31 @@ done:
     return ret;
 }
 
-/* Take e out of the table (a tombstone). */
+/* Take e out of the table: a tombstone, unless the entry after it is empty.  Then no
+ * probe runs through e (a key's probe from its home meets no empty entry before the
+ * key), so e is emptied, and so are the tombstones just before it (their successor is
+ * now empty), one at a time: a reader between two of these writes finds what it would
+ * have found before them.  Without this, a pool that evicts as it commits filled its
+ * table with tombstones and rebuilt it every few batches.  (Only the daemon writes; a
+ * reader that meets an entry mid-write retries it: entry_write's seq.) */
 static void
 remove_entry(table *t, idx_entry *e)
 {
-    entry_write(e, E_TOMB, 0, NULL, 0, &NO_LOCATION);
+    uint64_t i = (uint64_t)(e - t->e);
     t->h->live--;
+    if (__atomic_load_n(&t->e[(i + 1) & t->mask].state, __ATOMIC_RELAXED) != E_EMPTY) {
+        entry_write(e, E_TOMB, 0, NULL, 0, &NO_LOCATION);
+        return;
+    }
+    entry_write(e, E_EMPTY, 0, NULL, 0, &NO_LOCATION);
+    t->h->used--;
+    for (uint64_t j = (i - 1) & t->mask; j != i; j = (j - 1) & t->mask) {
+        idx_entry *p = &t->e[j];
+        if (__atomic_load_n(&p->state, __ATOMIC_RELAXED) != E_TOMB)
+            break;
+        entry_write(p, E_EMPTY, 0, NULL, 0, &NO_LOCATION);
+        t->h->used--;
+    }
 }
 
 /* Open the table in buf and find key_obj's entry the writer's way (*e: NULL when
@@ -1613,6 +1633,98 @@ fp_bytes(const fingerprint *f)
     memcpy(b + 8, &f->fp1, 8);
     b[16] = (char)f->flags;
     return PyBytes_FromStringAndSize(b, sizeof b);
+}
+
+/* keys_check(keys, max_len, repeats=True): a batch of keys judged in one pass (the
+ * service's check of a request's keys, the store's of a Reserve before anything is
+ * claimed): (bad, repeated), the index of the first key that is not bytes of
+ * 1..max_len and of the first that repeats an earlier key (-1 without ``repeats``),
+ * each -1 when none.  Keys are hashed (XXH3-64) into a table of twice
+ * their count, compared byte for byte on a hash match: no Python object per key. */
+PyObject *
+kvt_py_keys_check(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *keys_obj;
+    Py_ssize_t max_len;
+    int repeats = 1;
+    if (!PyArg_ParseTuple(args, "On|p:keys_check", &keys_obj, &max_len, &repeats))
+        return NULL;
+    PyObject *seq = PySequence_Fast(keys_obj, "keys must be a sequence of bytes");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), bad = -1, repeated = -1;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (!repeats) { /* the lengths alone */
+        for (Py_ssize_t i = 0; i < n && bad < 0; i++) {
+            Py_ssize_t len = PyBytes_Check(items[i]) ? PyBytes_GET_SIZE(items[i]) : 0;
+            if (len < 1 || len > max_len)
+                bad = i;
+        }
+        Py_DECREF(seq);
+        return Py_BuildValue("(nn)", bad, repeated);
+    }
+    size_t cap = 16;
+    while (cap < 2 * (size_t)n)
+        cap <<= 1;
+    /* slots: 1 + the key's index, 0 empty; hashes[i], lens[i], ptrs[i]: key i's. */
+    uint32_t *slots = n > 1 ? PyMem_Calloc(cap, sizeof *slots) : NULL;
+    uint64_t *hashes = n > 1 ? PyMem_Malloc((size_t)n * sizeof *hashes) : NULL;
+    const char **ptrs = n > 1 ? PyMem_Malloc((size_t)n * sizeof *ptrs) : NULL;
+    Py_ssize_t *lens = n > 1 ? PyMem_Malloc((size_t)n * sizeof *lens) : NULL;
+    if (n > 1 && (slots == NULL || hashes == NULL || ptrs == NULL || lens == NULL)) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if ((uint64_t)n >= UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "too many keys");
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = items[i];
+        char *p;
+        Py_ssize_t len;
+        if (!PyBytes_Check(k) || PyBytes_AsStringAndSize(k, &p, &len) < 0) {
+            PyErr_Clear(); /* (not bytes: a bad key; a bytes-like key goes the slow way) */
+            if (bad < 0)
+                bad = i;
+            if (n > 1) {
+                ptrs[i] = NULL;
+                lens[i] = -1;
+            }
+            continue;
+        }
+        if ((len < 1 || len > max_len) && bad < 0)
+            bad = i;
+        if (n < 2 || repeated >= 0)
+            continue;
+        uint64_t h = XXH3_64bits(p, (size_t)len);
+        hashes[i] = h;
+        ptrs[i] = p;
+        lens[i] = len;
+        size_t j = (size_t)h & (cap - 1);
+        for (; slots[j] != 0; j = (j + 1) & (cap - 1)) {
+            uint32_t o = slots[j] - 1;
+            if (hashes[o] == h && lens[o] == len && memcmp(ptrs[o], p, (size_t)len) == 0) {
+                repeated = i;
+                break;
+            }
+        }
+        if (repeated < 0)
+            slots[j] = (uint32_t)i + 1;
+    }
+    PyMem_Free(slots);
+    PyMem_Free(hashes);
+    PyMem_Free(ptrs);
+    PyMem_Free(lens);
+    Py_DECREF(seq);
+    return Py_BuildValue("(nn)", bad, repeated);
+fail:
+    PyMem_Free(slots);
+    PyMem_Free(hashes);
+    PyMem_Free(ptrs);
+    PyMem_Free(lens);
+    Py_DECREF(seq);
+    return NULL;
 }
 
 PyObject *

@@ -16,6 +16,7 @@ PyObject *kvt_py_index_set(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_set_many(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_remove(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_remove_many(PyObject *m, PyObject *args);
+PyObject *kvt_py_keys_check(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_get(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_lookup(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_locate(PyObject *m, PyObject *args);

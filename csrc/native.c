@@ -2294,6 +2294,9 @@ static PyMethodDef native_methods[] = {
      "index_info(buf): (capacity, live, used, flags)."},
     {"index_set_flags", kvt_py_index_set_flags, METH_VARARGS,
      "index_set_flags(buf, flags): set the header's flags word."},
+    {"keys_check", kvt_py_keys_check, METH_VARARGS,
+     "keys_check(keys, max_len, repeats=True): (first key not bytes of 1..max_len, first "
+     "repeated key, -1 without repeats), -1: none."},
     {"index_fingerprint", kvt_py_index_fingerprint, METH_O,
      "index_fingerprint(key): the 17 bytes an entry stores for key."},
     {"index_fingerprints", kvt_py_index_fingerprints, METH_VARARGS,

@@ -195,6 +195,10 @@ def index_info(buf: _Buffer) -> tuple[int, int, int, int]:
 def index_set_flags(buf: _Buffer, flags: int) -> None:
     """Set the header's flags word (1: superseded, 2: a miss is not final)."""
 
+def keys_check(keys: Sequence[bytes], max_len: int, repeats: bool = True) -> tuple[int, int]:
+    """(first key not bytes of 1..max_len, first key repeating an earlier one: -1 without
+    ``repeats``), -1: none."""
+
 def index_fingerprint(key: bytes) -> bytes:
     """The 17 bytes a table entry stores for key."""
 

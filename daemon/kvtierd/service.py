@@ -19,7 +19,7 @@ from typing import Any, NoReturn, TypeVar, cast
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvtier import __version__
+from kvtier import __version__, _native
 from kvtier._wire import SESSION_METADATA, TIER_NAMES, TIER_OF_NAME
 from kvtier.errors import (
     CapacityExhausted,
@@ -57,15 +57,19 @@ _Resp = TypeVar("_Resp")
 _Handler = Callable[[Any, _Req, Any], Awaitable[_Resp]]
 
 
-def validate_keys(keys: Sequence[bytes], max_keys: int) -> None:
-    """Reject empty/oversized key lists and keys outside 1..64 bytes."""
+def validate_keys(keys: Sequence[bytes], max_keys: int) -> list[bytes]:
+    """Reject empty/oversized key lists and keys outside 1..64 bytes; returns the keys
+    as a list, for every later step to read (a request's repeated field makes a new
+    bytes object at every read of an item: read once)."""
     if not keys:
         raise InvalidArgument(f"keys is empty (1..{max_keys} keys per call)")
     if len(keys) > max_keys:
         raise InvalidArgument(f"{len(keys)} keys exceed max_keys_per_call {max_keys}")
-    for i, key in enumerate(keys):
-        if not 0 < len(key) <= MAX_KEY_BYTES:
-            raise InvalidArgument(f"keys[{i}] is {len(key)} bytes (1..{MAX_KEY_BYTES} allowed)")
+    out = list(keys)
+    bad, _ = _native.keys_check(out, MAX_KEY_BYTES, False)
+    if bad >= 0:
+        raise InvalidArgument(f"keys[{bad}] is {len(out[bad])} bytes (1..{MAX_KEY_BYTES} allowed)")
+    return out
 
 
 class _Malformed:
@@ -272,19 +276,19 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     @_rpc("Lookup")
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.LookupResponse:
         session = self._session(context)
-        validate_keys(request.keys, self.max_keys)
-        tiers = await self.tiering.lookup(session, request.keys, prefetch=request.prefetch)
+        keys = validate_keys(request.keys, self.max_keys)
+        tiers = await self.tiering.lookup(session, keys, prefetch=request.prefetch)
         hits = len(tiers)
         ns = session.ns.name
         self.metrics.lookups.labels(ns).inc()
         self.metrics.hit_blocks.labels(ns, "lookup").inc(hits)
-        self.metrics.missed_blocks.labels(ns, "lookup").inc(len(request.keys) - hits)
+        self.metrics.missed_blocks.labels(ns, "lookup").inc(len(keys) - hits)
         return pb.LookupResponse(hits=hits, tiers=cast(Any, tiers))
 
     @_rpc("Reserve")
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.ReserveResponse:
         session = self._session(context, Right.WRITE)
-        validate_keys(request.keys, self.max_keys)
+        keys = validate_keys(request.keys, self.max_keys)
         try:
             held = len(session.reservations) + self.store.local_reservations(session)
             if held >= self.limits.max_reservations_per_session:
@@ -292,9 +296,9 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
                     f"session has {held} open reservations "
                     f"(limits.max_reservations_per_session is "
                     f"{self.limits.max_reservations_per_session}); commit or abort some first")
-            result = await self.tiering.reserve(session, request.keys)
+            result = await self.tiering.reserve(session, keys)
         except CapacityExhausted:
-            self.metrics.refused_blocks.labels(session.ns.name).inc(len(request.keys))
+            self.metrics.refused_blocks.labels(session.ns.name).inc(len(keys))
             raise
         self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.offsets))
         capacity = result.capacity
@@ -321,12 +325,13 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         session = self._session(context, Right.WRITE)
         checksums = list(request.checksums) if request.checksums else None
         res = session.reservations.get(request.reservation_id)
-        n = self.tiering.commit(session, request.reservation_id, list(request.lengths), checksums)
+        lengths = list(request.lengths)  # (read once: each read of the field makes its ints)
+        n = self.tiering.commit(session, request.reservation_id, lengths, checksums)
         self.metrics.committed_blocks.labels(session.ns.name).inc(n)
         if res is not None:
             self.metrics.reservation_seconds.labels(session.ns.name, "commit").observe(
                 self.store.held_seconds(res.started))
-        self.metrics.tier_io("dram", "write", sum(request.lengths), n)
+        self.metrics.tier_io("dram", "write", sum(lengths), n)
         return pb.CommitResponse(committed=n)
 
     def commit_from_page(self, session: Session, page: SessionPage) -> int:
@@ -366,17 +371,17 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     @_rpc("Acquire")
     async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.AcquireResponse:
         session = self._session(context)
-        validate_keys(request.keys, self.max_keys)
+        keys = validate_keys(request.keys, self.max_keys)
         held = len(session.leases) + self.store.local_leases(session)  # with or without calls
         if held >= self.limits.max_leases_per_session:
             raise CapacityExhausted(
                 f"session holds {held} leases (limits.max_leases_per_session is "
                 f"{self.limits.max_leases_per_session}); release some first")
-        result, tiers = await self.tiering.acquire(session, request.keys)
+        result, tiers = await self.tiering.acquire(session, keys)
         hits = result.hits
         ns = session.ns.name
         self.metrics.hit_blocks.labels(ns, "acquire").inc(hits)
-        self.metrics.missed_blocks.labels(ns, "acquire").inc(len(request.keys) - hits)
+        self.metrics.missed_blocks.labels(ns, "acquire").inc(len(keys) - hits)
         self.metrics.tier_io("dram", "read", int(result.lengths.sum()), hits)
         return pb.AcquireResponse(
             lease_id=result.lease_id,
@@ -404,8 +409,8 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     @_rpc("Delete")
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.DeleteResponse:
         session = self._session(context, Right.WRITE)
-        validate_keys(request.keys, self.max_keys)
-        deleted = await self.tiering.delete(session, request.keys)
+        keys = validate_keys(request.keys, self.max_keys)
+        deleted = await self.tiering.delete(session, keys)
         if request.corrupted:
             log.warning("namespace %r: %d blocks failed their checksum at a reader (pid %d); "
                         "deleted", session.ns.name, deleted, session.peer.pid)

@@ -34,6 +34,12 @@ def _table(capacity: int = 64, seed: int = 1) -> mmap.mmap:
     return mm
 
 
+def _states(t: mmap.mmap) -> list[int]:
+    """Each entry's state byte (0 empty, 1 live, 2 tombstone: csrc/index.c's idx_entry)."""
+    capacity = _native.index_info(t)[0]
+    return [t[64 + 64 * i + 4] for i in range(capacity)]
+
+
 def test_set_get_remove_and_lookup_of_the_leading_keys() -> None:
     t = _table()
     keys = [b"a" * 16, b"b", b"c" * 64, b"d" * 16]
@@ -46,14 +52,58 @@ def test_set_get_remove_and_lookup_of_the_leading_keys() -> None:
     assert _native.index_lookup(t, [keys[3], keys[0]]) == (b"", True)
     assert _native.index_remove(t, keys[1]) and not _native.index_remove(t, keys[1])
     assert _native.index_lookup(t, keys) == (b"\x01", True)
-    assert _native.index_info(t) == (64, 2, 3, 0)  # a tombstone stays used
-    assert _native.index_set(t, keys[1], 1, 0) == 1  # and is reused
+    # (A tombstone, or an empty entry when the next one is empty: ``_states`` says which.)
+    assert _native.index_info(t) == (64, 2, 64 - _states(t).count(0), 0)
+    assert _native.index_set(t, keys[1], 1, 0) == 1
     assert _native.index_info(t) == (64, 3, 3, 0)
     _native.index_set_flags(t, MISS_NOT_FINAL)
     assert _native.index_lookup(t, keys) == (b"\x01\x01\x02", False)
     assert _native.index_lookup(t, keys[:3]) == (b"\x01\x01\x02", True)  # no miss: final
     _native.index_set_flags(t, SUPERSEDED)
     assert _native.index_lookup(t, keys) is None
+
+
+def test_removals_leave_no_tombstone_before_an_empty_entry_and_churn_never_fills() -> None:
+    """A removal whose next entry is empty empties its entry (and the tombstones just
+    before it) instead of leaving a tombstone: no probe runs through it.  A model of
+    random sets and removals in a small table: every key held is found (one by one,
+    batched and by the writer's batch find), no removed key is, ``used`` counts the
+    entries not empty, and no tombstone is followed by an empty entry.  Then churn at a
+    third full (a pool that evicts as it commits): the table never reports itself full
+    (before, tombstones filled it to 3/4 and every set past that failed)."""
+    rng = random.Random(5)
+    t = _table(128, seed=3)
+    held: dict[bytes, int] = {}
+    pool = [b"k%d" % i for i in range(90)] + [b"%016d" % i for i in range(30)]
+    for step in range(3000):
+        key = rng.choice(pool)
+        if key in held and rng.random() < 0.55:
+            assert _native.index_remove(t, key)
+            del held[key]
+        elif len(held) < 60:
+            assert _native.index_set(t, key, 1, step) == 1
+            held[key] = step
+        states = _states(t)
+        assert _native.index_info(t)[1:3] == (len(held), 128 - states.count(0)), step
+        assert not any(states[i] == 2 and states[(i + 1) % 128] == 0 for i in range(128)), step
+        if step % 50 == 0:
+            for k in pool:
+                assert _native.index_get(t, k) == ((1, held[k]) if k in held else None), (step, k)
+            order = sorted(held)
+            if order:
+                assert _native.index_lookup(t, order) == (b"\x01" * len(order), True)
+    churn = _table(1024, seed=9)
+    live = [b"c%07d" % i for i in range(300)]
+    for k in live:
+        assert _native.index_set(churn, k, 1, 0) == 1
+    for i in range(20000):
+        gone = live.pop(0)
+        assert _native.index_remove_many(churn, [gone]) == b"\x01"
+        key = b"n%07d" % i
+        assert _native.index_set(churn, key, 1, i) == 1, (i, _native.index_info(churn))
+        live.append(key)
+    assert _native.index_info(churn)[1] == 300
+    assert all(_native.index_get(churn, k) == (1, int(k[1:])) for k in live[-50:])
 
 
 def test_a_batch_lookup_stops_at_its_first_miss_wherever_it_falls() -> None:
@@ -362,3 +412,33 @@ def test_a_reader_never_misses_a_key_another_process_leaves_alone() -> None:
     finally:
         writer.join(10)
     assert writer.exitcode == 0
+
+
+def test_keys_check_finds_the_first_bad_and_the_first_repeated_key() -> None:
+    """The store's one-pass check of a Reserve's keys (``Operations._reserve_now``):
+    (first key not bytes of 1..max_len, first key repeating an earlier one), -1 each
+    when none; a hash collision is told apart by the bytes."""
+    check = _native.keys_check
+    assert check([], 64) == (-1, -1)
+    assert check([b"a"], 64) == (-1, -1)
+    assert check([b"a", b"b", b"a", b"b"], 64) == (-1, 2)
+    assert check([b"a", b"", b"c" * 65, b"a"], 64) == (1, 3)
+    assert check([b"x" * 64, b"y" * 65], 64) == (1, -1)
+    assert check(["str", b"a", b"a"], 64) == (0, 2)  # type: ignore[list-item]
+    many = [b"k%05d" % i for i in range(5000)]
+    assert check(many, 64) == (-1, -1)
+    assert check([*many, b"k04999"], 64) == (-1, 5000)
+    assert check([*many, b"k05000"], 64) == (-1, -1)
+    # Keys of one length differing in one byte, and keys that are prefixes of others.
+    assert check([b"ab", b"abc", b"a", b"abd", b"abc"], 64) == (-1, 4)
+    rng = random.Random(1)
+    for _ in range(50):
+        keys = [bytes(rng.randrange(2) for _ in range(rng.randrange(1, 6))) for _ in range(20)]
+        seen: set[bytes] = set()
+        first = next((i for i, k in enumerate(keys) if k in seen or seen.add(k)), -1)
+        assert check(keys, 64) == (-1, first), keys
+    assert check([b"a", b"a", b"", b"b" * 65], 64, False) == (2, -1)  # the lengths alone
+    assert check([b"a", b"a"], 64, False) == (-1, -1)
+    assert check([b"a", "s"], 64, False) == (1, -1)  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        check(5, 64)  # type: ignore[arg-type]

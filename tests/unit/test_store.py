@@ -109,7 +109,7 @@ def snapshot(store: Store) -> dict[str, Any]:
         nss[ns.name] = {
             "index": {k: (id(b.extent), b.slot, b.length, b.generation, b.pins)
                       for k, b in ns.index.items()},
-            "in_flight": dict(ns.in_flight),
+            "in_flight": set(ns.in_flight),
             "counts": (ns.reserved, ns.committed, ns.leased, ns.sessions, ns.segments_version),
             "extents": [(id(e), e.counts(), ns.table.inspect(
                 (np.uint64(e.id) << np.uint64(32)) | np.arange(e.n_slots, dtype=np.uint64)
@@ -244,7 +244,7 @@ def test_aborted_keys_are_never_visible_and_their_slots_return(env: StoreEnv) ->
     assert ns.free_slots() == free_before + 4
     assert env.store.lookup(s, keys(4)) == 0
     assert env.store.acquire(s, keys(4)).slots == []
-    assert ns.in_flight == {} and ns.reserved == 0
+    assert ns.in_flight == set() and ns.reserved == 0
     for g in res.slots:
         seg = env.segment(g.segment_id)
         assert seg.read_slot(g.offset // seg.layout.slot_bytes).state == SlotState.FREE
@@ -274,7 +274,9 @@ def test_reserve_reports_exists_and_in_flight_and_grants_only_reserved_keys(
     assert r2.statuses == [EXISTS, IN_FLIGHT, RESERVED]
     assert len(r2.slots) == 1 and r2.reservation_id not in (0, r1.reservation_id)
     # the in-flight key belongs to s1's reservation, the new one to s2's
-    assert s1.ns.in_flight == {k2: r1.reservation_id, k3: r2.reservation_id}
+    assert s1.ns.in_flight == {k2, k3}
+    assert env.store.state.reservations[r1.reservation_id].keys == [k2]
+    assert env.store.state.reservations[r2.reservation_id].keys == [k3]
     # the two grants point at different slots
     assert (r1.slots[0].segment_id, r1.slots[0].offset) != (r2.slots[0].segment_id,
                                                             r2.slots[0].offset)
@@ -689,7 +691,7 @@ def test_reserve_of_more_keys_than_the_pool_holds_is_capacity_exhausted(env: Sto
     s = session(env)
     with pytest.raises(CapacityExhausted):
         env.reserve(s, keys(TOTAL_SLOTS + 1))
-    assert env.store.reservation_count == 0 and s.ns.in_flight == {} and s.ns.reserved == 0
+    assert env.store.reservation_count == 0 and s.ns.in_flight == set() and s.ns.reserved == 0
     put(env, s, keys(TOTAL_SLOTS))
 
 

@@ -153,7 +153,7 @@ def relaxed(env: StoreEnv) -> dict[str, Any]:
         "reservations": st.reservation_count,
         "leases": st.lease_count,
         "sessions": sorted(st.sessions),
-        "in_flight": {n: dict(ns.in_flight) for n, ns in st.namespaces.items()},
+        "in_flight": {n: set(ns.in_flight) for n, ns in st.namespaces.items()},
         "leased": {n: ns.leased for n, ns in st.namespaces.items()},
         "reserved": {n: ns.reserved for n, ns in st.namespaces.items()},
     }

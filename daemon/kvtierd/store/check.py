@@ -134,8 +134,9 @@ def _cross_check(snap: CheckSnapshot) -> list[str]:
             _check_extent(ev, name, held_by.get((name, ev.id), {}),
                           pins_by.get((name, ev.id), {}), problems)
         problems += _check_index(nsv)
-        want = {k for n, ks, _ in snap.reservations if n == name for k in ks}
-        if set(nsv.in_flight) != want:
+        mine = [ks for n, ks, _ in snap.reservations if n == name]
+        want = {k for ks in mine for k in ks}
+        if set(nsv.in_flight) != want or len(want) != sum(map(len, mine)):
             problems.append(f"{name}: in-flight keys disagree with open reservations")
     known = {(e.id) for nsv in snap.namespaces for e in nsv.extents}
     for (name, ext_id, slot) in held:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvtier import _slot_ref
+from kvtier import _native, _slot_ref
 from kvtier.errors import (
     CapacityExhausted,
     FailedPrecondition,
@@ -145,8 +145,7 @@ class Operations:
         # Applied: nothing below can fail.
         session.closed = True
         for res in reservations:
-            for key in res.keys:
-                del ns.in_flight[key]
+            ns.keys_landed(res.keys)
             del session.reservations[res.id]
             del self._state.reservations[res.id]
         for lease in leases:
@@ -221,19 +220,16 @@ class Operations:
         if session.closed:
             raise Unauthenticated("session is closed")
         n = len(keys)
-        unique = set(keys)
-        if len(unique) != n:
-            seen: set[bytes] = set()
-            for i, key in enumerate(keys):
-                if key in seen:
-                    raise InvalidArgument(f"duplicate key at index {i}")
-                seen.add(key)
-        if n and not 0 < min(map(len, keys)) <= max(map(len, keys)) <= MAX_KEY_BYTES:
-            i = next(i for i, k in enumerate(keys) if not 0 < len(k) <= MAX_KEY_BYTES)
-            raise InvalidArgument(f"keys[{i}] is {len(keys[i])} bytes (1..{MAX_KEY_BYTES} "
-                                  "allowed)")  # the slot table holds no more
+        bad, repeated = _native.keys_check(keys, MAX_KEY_BYTES)  # (one pass, no set)
+        if repeated >= 0:
+            raise InvalidArgument(f"duplicate key at index {repeated}")
+        if bad >= 0:
+            key = keys[bad]
+            raise InvalidArgument(  # the slot table holds no more
+                f"keys[{bad}] is {len(key)} bytes (1..{MAX_KEY_BYTES} allowed)"
+                if isinstance(key, bytes) else f"keys[{bad}] is not bytes")
         found = ns.index.find(keys) if n else _NO_REFS
-        flying = ns.in_flight.keys() & unique if ns.in_flight else None
+        flying = ns.in_flight.intersection(keys) if ns.in_flight else None
         if not flying and exists is None and not found.any():
             # Every key new (a writer's usual batch): no Python step per key to say so.
             statuses = [_RESERVED] * n
@@ -259,7 +255,7 @@ class Operations:
         now = self._state.clock()
         res = Reservation(rid, session, new_keys, refs, gens, now + self._state.reservation_ttl,
                           started=now)
-        ns.in_flight.update(dict.fromkeys(new_keys, rid))
+        ns.in_flight.update(new_keys)
         session.reservations[rid] = res
         self._state.reservations[rid] = res
         return ReserveResult(rid, statuses, _slot_ref.segments_of(refs),
@@ -308,8 +304,8 @@ class Operations:
         RESERVED (quarantined) until ``until``, so they cannot be handed to
         another writer while the late one scribbles on them."""
         ns = res.session.ns
-        for key, (ext, slot, _gen) in zip(res.keys, res.places, strict=True):
-            del ns.in_flight[key]
+        ns.keys_landed(res.keys)
+        for ext, slot, _gen in res.places:
             ext.quarantine[slot] = until  # still RESERVED
         del res.session.reservations[res.id]
         del self._state.reservations[res.id]
@@ -339,8 +335,7 @@ class Operations:
         freed, commits = self._split_end(res, commit)
         made = iter(self._state.commit_slots(ns, commits, freed, handles=handles))
         # Applied: nothing below can fail.
-        for key in res.keys:
-            del ns.in_flight[key]
+        ns.keys_landed(res.keys)
         del res.session.reservations[res.id]
         del self._state.reservations[res.id]
         if commit is None or not handles:

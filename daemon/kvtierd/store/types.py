@@ -202,7 +202,11 @@ class Namespace:
     table: BlockTable = dataclasses.field(init=False)
     #: The key index: the shared index clients search, checked against slot entries.
     index: Keys = dataclasses.field(init=False)
-    in_flight: dict[bytes, int] = dataclasses.field(default_factory=dict)  # key -> reservation id
+    #: The keys of its open reservations (Reserve calls), each in exactly one
+    #: (``Reservation.keys``): a Reserve or page commit of one of them is IN_FLIGHT.
+    #: A set, not a map to the reservation: the reservations hold their keys, and a
+    #: batch of 4096 keys goes in and out in one C call each.
+    in_flight: set[bytes] = dataclasses.field(default_factory=set)
     next_extent_index: int = 0
     segments_version: int = 1
     sessions: int = 0
@@ -247,6 +251,14 @@ class Namespace:
     def extent_bytes(self) -> int:
         """DRAM this namespace holds: the bytes of its extents (what a quota caps)."""
         return sum(ext.bytes for ext in self.extents)
+
+    def keys_landed(self, keys: list[bytes]) -> None:
+        """An open reservation of ``keys`` ended (committed, aborted, expired, closed):
+        they leave ``in_flight``."""
+        if len(keys) == len(self.in_flight):  # (the only one open: every key is its own)
+            self.in_flight.clear()
+        else:
+            self.in_flight.difference_update(keys)
 
     def free_slots(self) -> int:
         return self.table.counts().free
