@@ -244,7 +244,7 @@ def test_aborted_keys_are_never_visible_and_their_slots_return(env: StoreEnv) ->
     assert ns.free_slots() == free_before + 4
     assert env.store.lookup(s, keys(4)) == 0
     assert env.store.acquire(s, keys(4)).slots == []
-    assert ns.in_flight == set() and ns.reserved == 0
+    assert set(ns.in_flight) == set() and ns.reserved == 0
     for g in res.slots:
         seg = env.segment(g.segment_id)
         assert seg.read_slot(g.offset // seg.layout.slot_bytes).state == SlotState.FREE
@@ -274,7 +274,7 @@ def test_reserve_reports_exists_and_in_flight_and_grants_only_reserved_keys(
     assert r2.statuses == [EXISTS, IN_FLIGHT, RESERVED]
     assert len(r2.slots) == 1 and r2.reservation_id not in (0, r1.reservation_id)
     # the in-flight key belongs to s1's reservation, the new one to s2's
-    assert s1.ns.in_flight == {k2, k3}
+    assert set(s1.ns.in_flight) == {k2, k3}
     assert env.store.state.reservations[r1.reservation_id].keys == [k2]
     assert env.store.state.reservations[r2.reservation_id].keys == [k3]
     # the two grants point at different slots
@@ -691,7 +691,7 @@ def test_reserve_of_more_keys_than_the_pool_holds_is_capacity_exhausted(env: Sto
     s = session(env)
     with pytest.raises(CapacityExhausted):
         env.reserve(s, keys(TOTAL_SLOTS + 1))
-    assert env.store.reservation_count == 0 and s.ns.in_flight == set() and s.ns.reserved == 0
+    assert env.store.reservation_count == 0 and set(s.ns.in_flight) == set() and s.ns.reserved == 0
     put(env, s, keys(TOTAL_SLOTS))
 
 
@@ -1078,3 +1078,31 @@ def test_a_namespace_that_evicts_as_it_commits_keeps_its_index_table_at_one_size
     assert present(env, s, keys(64, "e", 64 * 39)) == keys(64, "e", 64 * 39)
     assert env.store.evictions >= 40 * 64 - 256
     assert max(sizes) <= 1024  # a third of it holds the live keys (<= 256) and 64 more
+
+
+def test_in_flight_keys_fold_only_when_asked_and_leave_with_their_reservation() -> None:
+    """``InFlight``: a reservation's keys come in as its list and are hashed into one set
+    only when a question needs them; each reservation's keys leave when it ends,
+    folded or not, and the others' stay."""
+    from kvtierd.store.types import InFlight
+
+    f = InFlight()
+    assert not f and len(f) == 0 and list(f) == []
+    f.open(1, [b"a", b"b"])
+    assert f and len(f) == 2
+    f.close(1, [b"a", b"b"])  # never folded
+    assert not f and b"a" not in f
+    f.open(2, [b"a", b"b"])
+    f.open(3, [b"c"])
+    assert b"c" in f and b"z" not in f  # folds both
+    assert f.intersection([b"b", b"z", b"c"]) == {b"b", b"c"}
+    f.open(4, [b"d"])  # after a fold: kept apart until the next question
+    assert len(f) == 4 and set(f) == {b"a", b"b", b"c", b"d"}
+    f.close(2, [b"a", b"b"])
+    assert set(f) == {b"c", b"d"} and len(f) == 2
+    f.open(5, [b"e"])
+    f.close(3, [b"c"])
+    f.close(4, [b"d"])  # folded, the last folded one: the set empties
+    assert set(f) == {b"e"} and len(f) == 1
+    f.close(5, [b"e"])
+    assert not f and len(f) == 0

@@ -145,7 +145,7 @@ class Operations:
         # Applied: nothing below can fail.
         session.closed = True
         for res in reservations:
-            ns.keys_landed(res.keys)
+            ns.in_flight.close(res.id, res.keys)
             del session.reservations[res.id]
             del self._state.reservations[res.id]
         for lease in leases:
@@ -255,7 +255,7 @@ class Operations:
         now = self._state.clock()
         res = Reservation(rid, session, new_keys, refs, gens, now + self._state.reservation_ttl,
                           started=now)
-        ns.in_flight.update(new_keys)
+        ns.in_flight.open(rid, new_keys)
         session.reservations[rid] = res
         self._state.reservations[rid] = res
         return ReserveResult(rid, statuses, _slot_ref.segments_of(refs),
@@ -304,7 +304,7 @@ class Operations:
         RESERVED (quarantined) until ``until``, so they cannot be handed to
         another writer while the late one scribbles on them."""
         ns = res.session.ns
-        ns.keys_landed(res.keys)
+        ns.in_flight.close(res.id, res.keys)
         for ext, slot, _gen in res.places:
             ext.quarantine[slot] = until  # still RESERVED
         del res.session.reservations[res.id]
@@ -335,7 +335,7 @@ class Operations:
         freed, commits = self._split_end(res, commit)
         made = iter(self._state.commit_slots(ns, commits, freed, handles=handles))
         # Applied: nothing below can fail.
-        ns.keys_landed(res.keys)
+        ns.in_flight.close(res.id, res.keys)
         del res.session.reservations[res.id]
         del self._state.reservations[res.id]
         if commit is None or not handles:

@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
 
 import numpy as np
@@ -202,11 +202,9 @@ class Namespace:
     table: BlockTable = dataclasses.field(init=False)
     #: The key index: the shared index clients search, checked against slot entries.
     index: Keys = dataclasses.field(init=False)
-    #: The keys of its open reservations (Reserve calls), each in exactly one
-    #: (``Reservation.keys``): a Reserve or page commit of one of them is IN_FLIGHT.
-    #: A set, not a map to the reservation: the reservations hold their keys, and a
-    #: batch of 4096 keys goes in and out in one C call each.
-    in_flight: set[bytes] = dataclasses.field(default_factory=set)
+    #: The keys of its open reservations (Reserve calls), each in exactly one: a
+    #: Reserve or page commit of one of them is IN_FLIGHT.
+    in_flight: InFlight = dataclasses.field(default_factory=lambda: InFlight())
     next_extent_index: int = 0
     segments_version: int = 1
     sessions: int = 0
@@ -251,14 +249,6 @@ class Namespace:
     def extent_bytes(self) -> int:
         """DRAM this namespace holds: the bytes of its extents (what a quota caps)."""
         return sum(ext.bytes for ext in self.extents)
-
-    def keys_landed(self, keys: list[bytes]) -> None:
-        """An open reservation of ``keys`` ended (committed, aborted, expired, closed):
-        they leave ``in_flight``."""
-        if len(keys) == len(self.in_flight):  # (the only one open: every key is its own)
-            self.in_flight.clear()
-        else:
-            self.in_flight.difference_update(keys)
 
     def free_slots(self) -> int:
         return self.table.counts().free
@@ -356,6 +346,62 @@ class Reservation:
         by_id = self.session.ns.by_id
         return [(by_id[_slot_ref.segment_of(r)], _slot_ref.slot_of(r), g)
                 for r, g in zip(self.refs.tolist(), self.gens.tolist(), strict=True)]
+
+
+class InFlight:
+    """The keys of a namespace's open reservations (``Namespace.in_flight``), each in
+    exactly one.  A reservation's keys come in as its list (``open``) and are folded
+    into one set only when a question needs it (a Reserve or a page commit of the
+    namespace while others are open): a writer that reserves and commits one batch at
+    a time never hashes a key here.  Iteration, ``in`` and ``intersection`` see every
+    open reservation's keys."""
+
+    __slots__ = ("_set", "_lists")
+
+    def __init__(self) -> None:
+        self._set: set[bytes] = set()
+        #: Reservation id -> its keys, not folded into ``_set`` yet.
+        self._lists: dict[int, list[bytes]] = {}
+
+    def open(self, rid: int, keys: list[bytes]) -> None:
+        """Reservation ``rid`` of ``keys`` (none of them in flight) opened."""
+        self._lists[rid] = keys
+
+    def close(self, rid: int, keys: list[bytes]) -> None:
+        """Reservation ``rid`` of ``keys`` ended (committed, aborted, expired, closed)."""
+        if self._lists.pop(rid, None) is not None:
+            return
+        if len(keys) == len(self._set):  # (the only one folded: every key is its own)
+            self._set.clear()
+        else:
+            self._set.difference_update(keys)
+
+    def _folded(self) -> set[bytes]:
+        if self._lists:
+            for keys in self._lists.values():
+                self._set.update(keys)
+            self._lists.clear()
+        return self._set
+
+    def intersection(self, keys: Iterable[bytes]) -> set[bytes]:
+        return self._folded().intersection(keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._folded()
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(list(self._folded()))
+
+    def __len__(self) -> int:
+        return len(self._set) + sum(map(len, self._lists.values()))
+
+    def __bool__(self) -> bool:
+        return bool(self._set) or bool(self._lists)
+
+    def clear(self) -> None:
+        """Forget every key (tests: a corrupted store)."""
+        self._set.clear()
+        self._lists.clear()
 
 
 @dataclasses.dataclass(eq=False, slots=True)
