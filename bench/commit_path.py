@@ -24,6 +24,10 @@ Per tree and round:
 * ``daemon4096``: a kvtierd of that tree with a 64 MiB pool kept full; puts of 4096 x
   4 KiB (Reserve + Commit calls on the session socket): blocks/s and the daemon's CPU
   per block.
+* ``ssd32``: a kvtierd of that tree with 256 MiB of DRAM kept full and an SSD tier (as
+  the default configuration has): puts of 32 x 64 KiB, each block demoted before its
+  slot can be reused; blocks/s, the daemon's CPU per block, and MB/s against ``dd``
+  (O_DIRECT, 64 KiB, one fdatasync) into the same directory just before.
 * ``delete``: a kvtierd of that tree with an SSD tier (as the default configuration
   has); 1-key deletes of keys it holds in DRAM alone (p50, its ratio to the empty gRPC
   call, the daemon's CPU per delete).
@@ -58,7 +62,7 @@ import tree_runs  # noqa: E402 -- bench/ is not a package
 
 BLOCK = 64 << 10
 #: The measurements, each in a child process (``--modes``).
-MODES = ("store1", "store32", "calls4096", "daemon", "daemon4096", "delete")
+MODES = ("store1", "store32", "calls4096", "daemon", "daemon4096", "ssd32", "delete")
 
 
 def _p50(xs: list[float]) -> float:
@@ -301,6 +305,66 @@ def _daemon4096_mode(seconds: float) -> dict[str, float]:
     return out
 
 
+def _dd_direct_mb_s(directory: str, block: int, nbytes: int) -> float:
+    """``dd`` writing ``nbytes`` in blocks of ``block`` with O_DIRECT and one fdatasync at
+    the end, into ``directory``: MB/s (the SSD tier's baseline in the same run)."""
+    import subprocess
+
+    path = os.path.join(directory, "dd.out")
+    t0 = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={block}",
+                    f"count={nbytes // block}", "oflag=direct", "conv=fdatasync"],
+                   check=True, capture_output=True)
+    el = time.perf_counter() - t0
+    os.unlink(path)
+    return nbytes / el / 1e6
+
+
+def _ssd32_mode(seconds: float) -> dict[str, float]:
+    """Puts of 32 x 64 KiB into a kvtierd whose 256 MiB of DRAM is full, with an SSD tier
+    (as the default configuration has): every block is demoted (written to the SSD tier
+    and fdatasync'd by batch) before a claim can evict it.  Blocks/s, the daemon's CPU
+    per block, and MB/s against ``dd`` with O_DIRECT (64 KiB, one fdatasync) into the
+    same directory, measured just before."""
+    import numpy as np
+
+    import kvtier
+    from kvtier.bench.private_daemon import private_daemon
+
+    out: dict[str, float] = {}
+    ssd = tempfile.mkdtemp(prefix="kvt-bench-ssd32-", dir="/var/tmp")
+    try:
+        out["dd_direct_mb_s"] = _dd_direct_mb_s(ssd, BLOCK, 512 << 20)
+        with private_daemon("cps", "dram.capacity=256MiB", "dram.extent_size=64MiB",
+                            f"spill.ssd_dir={ssd}", "spill.ssd_capacity=4GiB") as daemon, \
+                kvtier.Client(daemon.socket_dir, namespace="cps", block_bytes=BLOCK,
+                              model_uid="m") as c:
+            data = [np.zeros(BLOCK, np.uint8)] * 32
+            n = 0
+
+            def put() -> None:
+                nonlocal n
+                c.put([b"s%07d-%02d" % (n, b) for b in range(32)], data)
+                n += 1
+
+            for _ in range(2 * (256 << 20) // (32 * BLOCK)):  # full: every block demoted
+                put()
+            n0, k0, t0 = n, daemon.cpu_ticks(), time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                put()
+            el = time.perf_counter() - t0
+            ticks = daemon.cpu_ticks() - k0
+    finally:
+        shutil.rmtree(ssd, ignore_errors=True)
+    blocks = (n - n0) * 32
+    out["ssd32_blocks_per_s"] = blocks / el
+    out["ssd32_mb_s"] = blocks * BLOCK / el / 1e6
+    out["ssd32_x_dd"] = out["ssd32_mb_s"] / out["dd_direct_mb_s"]
+    out["ssd32_daemon_cpu_us_per_block"] = ticks / os.sysconf("SC_CLK_TCK") / blocks * 1e6
+    out["ssd32_ticks"] = ticks
+    return out
+
+
 def _delete_mode(seconds: float) -> dict[str, float]:
     """1-key deletes through a kvtierd with an SSD tier (as the default configuration
     has), of keys it holds in DRAM alone: p50, its ratio to the empty gRPC call, and the
@@ -375,6 +439,8 @@ def main() -> int:
             res = _daemon_mode(args.seconds)
         elif args.child == "daemon4096":
             res = _daemon4096_mode(args.seconds)
+        elif args.child == "ssd32":
+            res = _ssd32_mode(args.seconds)
         elif args.child == "delete":
             res = _delete_mode(args.seconds)
         elif args.child.startswith("calls"):
@@ -401,6 +467,10 @@ def main() -> int:
             ("  daemon CPU us per block", "daemon", "put32_daemon_cpu_us_per_block"),
             ("put 4096 x 4 KiB, blocks/s", "daemon4096", "put4096_blocks_per_s"),
             ("  daemon CPU us per block", "daemon4096", "put4096_daemon_cpu_us_per_block"),
+            ("SSD tier, DRAM full: put 32 x 64 KiB, blocks/s", "ssd32", "ssd32_blocks_per_s"),
+            ("  MB/s x dd O_DIRECT 64 KiB", "ssd32", "ssd32_x_dd"),
+            ("  dd O_DIRECT 64 KiB, MB/s", "ssd32", "dd_direct_mb_s"),
+            ("  daemon CPU us per block", "ssd32", "ssd32_daemon_cpu_us_per_block"),
             ("SSD tier on: delete 1 key p50 ms", "delete", "delete_p50_ms"),
             ("  x empty call", "delete", "delete_x_empty"),
             ("  daemon CPU us per delete", "delete", "delete_daemon_cpu_us")]

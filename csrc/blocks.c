@@ -2001,6 +2001,19 @@ victims_clock(vjob *v, uint64_t *out, Py_ssize_t n)
 
     if (t->n_ext == 0 || v->weights[t->n_ext] <= 0)
         return 0;
+    /* Two revolutions at most: the first clears every bit it may, the second takes
+     * every slot left eligible; a third finds nothing the second did not (nothing
+     * changes eligibility during the call), and a call that comes up short leaves
+     * the hand where it started.  Without it, a table whose few eligible blocks are
+     * skipped (pinned, hazarded, chosen already: the weights count them) -- with
+     * spill, a pool of DIRTY blocks waiting for demotion -- was walked round for the
+     * whole budget, ~100K records, at every claim, and the hand left wherever the
+     * budget ran out. */
+    int64_t total = 0;
+    for (x = 0; x < t->n_ext; x++)
+        total += t->ext[x]->n_slots;
+    if (v->budget > 2 * total)
+        v->budget = 2 * total;
     find_ext(t, t->hand_id, &x); /* the hand's extent, or the next one if it went */
     if (x >= t->n_ext || t->ext[x]->id != t->hand_id) {
         s = 0;
@@ -3036,7 +3049,8 @@ kvt_blocks_init(PyObject *module)
     Py_DECREF(type);
     /* The slot entry's layout is csrc/layout.h's (LAYOUT, FIELDS: csrc/layout.c); these
      * are the table's own. */
-    layout = Py_BuildValue("{sisisisisisi}", "record_bytes", (int)sizeof(kvt_rec),
+    layout = Py_BuildValue("{sisisisisisisi}", "record_bytes", (int)sizeof(kvt_rec),
+                           "scan_base", KVT_SCAN_BASE,
                            "policy_lru", KVT_POLICY_LRU, "policy_clock", KVT_POLICY_CLOCK,
                            "lower_dirty", KVT_LOWER_DIRTY, "lower_clean", KVT_LOWER_CLEAN,
                            "lower_unspillable", KVT_LOWER_UNSPILLABLE);

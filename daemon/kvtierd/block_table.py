@@ -71,6 +71,10 @@ except ImportError:  # not built: no table (and no daemon: the store runs on it)
 
 #: Whether this build has the native block table.
 AVAILABLE: Final = _native is not None
+#: Records one ``victims`` call examines at the least (csrc/blocks.c ``KVT_SCAN_BASE``):
+#: CLOCK walks at most two revolutions, so in a table of no more than half as many
+#: slots a short answer is final (nothing else is eligible).
+SCAN_BASE: Final[int] = _native.BLOCK_TABLE["scan_base"] if _native is not None else 0
 
 Refs: TypeAlias = npt.NDArray[np.uint64]
 _RefsIn: TypeAlias = "npt.ArrayLike"
@@ -289,6 +293,11 @@ class BlockTable:
         """Free unpinned blocks, doom pinned ones (freed by their last ``unpin``); returns
         how many were doomed."""
         return self._t.delete(_u64(refs))
+
+    def clock_scans_all(self) -> bool:
+        """Whether one CLOCK ``victims`` call sees every slot (two revolutions fit its
+        least budget): its short answer is then final, not worth asking again."""
+        return 2 * self.n_slots <= SCAN_BASE
 
     def victims(self, n: int, policy: Policy = Policy.LRU, *, sample: int = 5,
                 pool: bool = True, spill: bool = False,

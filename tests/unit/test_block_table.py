@@ -493,6 +493,32 @@ def test_the_clock_hand_takes_the_second_chance_of_dirty_blocks_it_passes() -> N
     assert t.check() == []
 
 
+def test_a_short_clock_call_scans_two_revolutions_and_leaves_the_hand_in_place() -> None:
+    """A CLOCK call that finds fewer victims than asked has seen every slot twice (the
+    first pass clears the bits, the second takes what is left), so it stops there and
+    its hand stays where it began: the next call starts from the same block.  (Before,
+    it walked its whole budget -- 65,536 records and more -- round a table of a few
+    eligible blocks, and left the hand wherever the budget ran out.)"""
+    t, _ = table(10)
+    refs = claimed(t, 10)
+    commit(t, refs)
+    t.set_lower(refs, CLEAN)
+    t.touch(refs[4:6], 50)
+    assert split(t.victims(2, Policy.CLOCK, spill=True))[1].tolist() == [0, 1]
+    t.evict(refs[:2])
+    hand = 2
+    # Every eligible block skipped: nothing, and the hand did not move (10 does not
+    # divide the old budget, so the old hand moved).
+    assert t.victims(3, Policy.CLOCK, spill=True, skip=refs[2:]).tolist() == []
+    assert split(t.victims(1, Policy.CLOCK, spill=True))[1].tolist() == [hand]
+    # Fewer eligible than asked: all of them (slot 2 too: a plan's choice is not an
+    # eviction), the read ones after their second chance.
+    got = split(t.victims(20, Policy.CLOCK, spill=True))[1].tolist()
+    assert sorted(got) == [2, 3, 4, 5, 6, 7, 8, 9] and got[-2:] == [4, 5]
+    assert t.check() == []
+    assert BlockTable(BLOCK, SLOT, seed=1).clock_scans_all()  # (no slots: trivially)
+
+
 def test_dirty_candidates_are_unpinned_dirty_blocks() -> None:
     t, _ = table(16)
     refs = claimed(t, 12)

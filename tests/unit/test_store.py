@@ -23,7 +23,7 @@ from kvtier.errors import (
     Unauthenticated,
 )
 from kvtierd.segments import KEY_OFFSET, SLOT_ENTRY_BYTES, TABLE_OFFSET, SegmentLayout, SlotState
-from kvtierd.store import Extent, Namespace, ReserveStatus, Session, Store, StoreOptions
+from kvtierd.store import Extent, Lower, Namespace, ReserveStatus, Session, Store, StoreOptions
 from kvtierd.store.keys import locate
 
 from .conftest import BOOT_EPOCH, PEER, StoreEnv, run, segment_factory
@@ -1106,3 +1106,32 @@ def test_in_flight_keys_fold_only_when_asked_and_leave_with_their_reservation() 
     assert set(f) == {b"e"} and len(f) == 1
     f.close(5, [b"e"])
     assert not f and len(f) == 0
+
+
+def test_live_many_and_set_lower_many_answer_as_their_one_block_forms(env: StoreEnv) -> None:
+    """The demoter's batch forms (``tiering.common.live_many``, ``Store.set_lower_many``)
+    agree with ``live`` and ``set_lower`` block by block: a block deleted, one doomed
+    while pinned, one whose slot holds a new block of its key, and live ones."""
+    from kvtierd.block_table import RECORD_DTYPE
+    from kvtierd.tiering.common import live, live_many
+
+    s = session(env)
+    ks = keys(6)
+    put(env, s, ks)
+    blocks = [s.ns.index[k] for k in ks]
+    lease = env.store.acquire(s, ks[1:2])
+    env.store.delete(s, ks[0:2])  # gone; doomed (pinned)
+    env.store.delete(s, ks[2:3])
+    put(env, s, ks[2:3], tag=b"again")  # a new block of the same key
+    assert env.store.set_lower_many([], Lower.CLEAN) is None  # (nothing: no call)
+    env.store.set_lower_many(blocks, Lower.CLEAN)  # only the live ones change
+    ok, rows = live_many(blocks)
+    assert ok == [live(b) for b in blocks] == [False, False, False, True, True, True]
+    assert rows.dtype == RECORD_DTYPE
+    assert rows["lower"].tolist()[3:] == [int(Lower.CLEAN)] * 3
+    assert [b.lower for b in blocks[3:]] == [Lower.CLEAN] * 3
+    assert s.ns.index[ks[2]].lower == Lower.DIRTY  # the new block of a reused key
+    none, no_rows = live_many([])
+    assert none == [] and len(no_rows) == 0
+    env.store.release(s, lease.lease_id)
+    assert env.store.check() == []

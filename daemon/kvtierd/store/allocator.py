@@ -60,11 +60,12 @@ def _victims(ns: Namespace, n: int, pinned: Pinned, *, spill: bool) -> Victims:
     a short answer is asked again a few times."""
     skip = pinned.skip()
     chosen = np.zeros(0, dtype=np.uint64)
+    final = ns.table.clock_scans_all()  # (then one call's short answer is all there is)
     for _ in range(VICTIM_ROUNDS):
         more = ns.table.victims(n - len(chosen), Policy.CLOCK, spill=spill,
                                 skip=chosen if skip is None else np.concatenate([skip, chosen]))
         chosen = np.concatenate([chosen, more])
-        if len(chosen) >= n or not len(more):
+        if len(chosen) >= n or not len(more) or final:
             break
     return ns.victims_at(chosen)
 

@@ -497,6 +497,16 @@ class Operations:
         block.ns.table.set_lower(_refs([(block.extent, block.slot)]), lower,
                                  [block.generation])
 
+    def set_lower_many(self, blocks: Sequence[Block], lower: Lower) -> None:
+        """``set_lower`` of each block: one table call per namespace."""
+        by_ns: dict[int, tuple[Namespace, list[Block]]] = {}
+        for b in blocks:
+            if b.ns.by_id.get(b.extent.id) is b.extent:
+                by_ns.setdefault(id(b.ns), (b.ns, []))[1].append(b)
+        for ns, group in by_ns.values():
+            ns.table.set_lower(_refs((b.extent, b.slot) for b in group), lower,
+                               [b.generation for b in group])
+
     def demotion_candidates(self, target_bytes: int, limit: int) -> list[Block]:
         """Up to ``limit`` DIRTY unleased blocks that eviction would take first (CLOCK's
         order), from each namespace in proportion to its DRAM, ``target_bytes`` in all."""
@@ -512,6 +522,5 @@ class Operations:
             share = -(-min(target_bytes, total) * held // total)  # ceil
             n = min(left, -(-share // ns.slot_bytes))
             if n > 0:
-                refs = ns.table.dirty(n, Policy.CLOCK)
-                out += [b for r in refs.tolist() if (b := ns.block_at(r)) is not None]
+                out += ns.blocks_at(ns.table.dirty(n, Policy.CLOCK))  # (one table read)
         return out

@@ -289,6 +289,9 @@ class Store:
     def set_lower(self, block: Block, lower: Lower) -> None:
         self.calls.set_lower(block, lower)
 
+    def set_lower_many(self, blocks: Sequence[Block], lower: Lower) -> None:
+        self.calls.set_lower_many(blocks, lower)
+
     def demotion_candidates(self, target_bytes: int, limit: int) -> list[Block]:
         return self.calls.demotion_candidates(target_bytes, limit)
 

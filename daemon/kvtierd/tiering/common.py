@@ -10,15 +10,20 @@ import concurrent.futures
 import dataclasses
 import enum
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
+import numpy as np
+import numpy.typing as npt
+
+from kvtierd.block_table import RECORD_DTYPE
 from kvtierd.config import ClusterConfig, SpillConfig
 from kvtierd.logs import Throttle, event, more
 from kvtierd.spill.blockio import fault_kind
 from kvtierd.spill.ssd import SpillFull
 from kvtierd.spill.tier import LowerTier
 from kvtierd.store import Block
+from kvtierd.store.types import COMMITTED_STATE
 
 #: One logger for the whole package: its name is what operators filter on.
 log = logging.getLogger("kvtierd.tiering")
@@ -112,6 +117,32 @@ def live(block: Block) -> bool:
     return not block.doomed and block.ns.index.get(block.key) == block
 
 
+def live_many(blocks: Sequence[Block]) -> tuple[list[bool], npt.NDArray[np.void]]:
+    """``live`` of each block, and its slot's record (``RECORD_DTYPE``: pins, lower
+    state; zeros for a block whose extent left), in one index search and one table
+    read per namespace: no handle made, no call per block."""
+    ok = np.zeros(len(blocks), dtype=bool)
+    rows = np.zeros(len(blocks), dtype=RECORD_DTYPE)
+    by_ns: dict[int, list[int]] = {}
+    for i, b in enumerate(blocks):
+        by_ns.setdefault(id(b.ns), []).append(i)
+    for idx in by_ns.values():
+        ns = blocks[idx[0]].ns
+        here = [i for i in idx if ns.by_id.get(blocks[i].extent.id) is blocks[i].extent]
+        if not here:
+            continue
+        refs = np.fromiter((blocks[i].ref for i in here), dtype=np.uint64, count=len(here))
+        gens = np.fromiter((blocks[i].generation for i in here), dtype=np.uint64,
+                           count=len(here))
+        rec = ns.table.inspect(refs)
+        good = ((rec["state"] == COMMITTED_STATE) & (rec["generation"] == gens)
+                & (ns.index.find([blocks[i].key for i in here]) == refs))
+        at = np.array(here, dtype=np.intp)
+        ok[at] = good
+        rows[at] = rec
+    return ok.tolist(), rows
+
+
 class Reporter:
     """The counters, the observer and the throttled log lines of what went wrong."""
 
@@ -177,8 +208,10 @@ class Background:
     the background tasks of the tiering layer."""
 
     def __init__(self, io_threads: int) -> None:
+        #: How many worker threads (a batch split for them runs in this many parts).
+        self.threads = max(1, io_threads)
         self.pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, io_threads), thread_name_prefix="kvtier-spill")
+            max_workers=self.threads, thread_name_prefix="kvtier-spill")
         self.tasks: set[asyncio.Task[Any]] = set()
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:

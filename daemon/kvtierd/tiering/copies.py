@@ -55,6 +55,12 @@ class Copier:
                                        block.length)
         return True
 
+    def copy_down_each(self, blocks: Sequence[Block], tier: LowerTier,
+                       op: str) -> list[bool | Copy]:
+        """Worker thread: ``copy_down`` of each block in turn (a demotion batch's share
+        of one worker: one job, not one per block)."""
+        return [self.copy_down(b, tier, op) for b in blocks]
+
     def copy_down_many(self, blocks: Sequence[Block], tier: LowerTier,
                        op: str) -> list[bool | Copy]:
         """Worker thread: ``copy_down`` of each pinned block, as one ``write_many`` per

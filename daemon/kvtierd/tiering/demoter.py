@@ -27,7 +27,7 @@ from kvtierd.spill.blockio import fault_kind
 from kvtierd.spill.ssd import SpillFull
 from kvtierd.spill.tier import BlockCopy, Geometry, HandOff, LowerTier
 from kvtierd.store import Block, Lower, NeedDemotion, ReserveResult, Session
-from kvtierd.tiering.common import TICK, Copy, live
+from kvtierd.tiering.common import TICK, Copy, live_many
 from kvtierd.tiering.context import Context
 from kvtierd.tiering.drain import Drainer
 
@@ -148,8 +148,12 @@ class Demoter:
                     batch.append(b)
                     size += b.ns.slot_bytes
 
-        urgent, self._urgent = self._urgent, []
-        add([b for b in urgent if b.pins == 0 and b.lower == Lower.DIRTY and live(b)])
+        urgent, self._urgent = list(dict.fromkeys(self._urgent)), []  # (retries repeat them)
+        if urgent:
+            ok, rows = live_many(urgent)
+            add([b for b, good, pins, lower in zip(urgent, ok, rows["pins"].tolist(),
+                                                   rows["lower"].tolist(), strict=True)
+                 if good and pins == 0 and lower == Lower.DIRTY])
         store = self._ctx.store
         target = int(self._policy.clean_ahead * store.capacity)
         free = store.dram_free()
@@ -161,27 +165,41 @@ class Demoter:
     async def _demote(self, batch: list[Block]) -> None:
         target = self._ctx.below.lower[0]
         counters = self._ctx.report.counters
+        work = self._ctx.work
         try:
             with self._ctx.moves.demoting(batch):
-                results = await asyncio.gather(*(
-                    self._ctx.work.run(self._ctx.copier.copy_down, b, target, "demotion")
-                    for b in batch))
+                # One job per worker thread, each copying its contiguous share in turn
+                # (a job per block cost the loop a future and a wake-up each).
+                parts = min(work.threads, len(batch))
+                step = -(-len(batch) // parts)
+                shares = await asyncio.gather(*(
+                    work.run(self._ctx.copier.copy_down_each, batch[at:at + step], target,
+                             "demotion")
+                    for at in range(0, len(batch), step)))
+                results = [res for share in shares for res in share]
                 synced = await self._sync(target)
+                copied: list[Block] = []
+                failed: list[Block] = []
                 for block, res in zip(batch, results, strict=True):
                     if res is Copy.SLOT_FAULT:
                         self._ctx.copier.lose(block, "demotion")
-                        continue
-                    if res and synced:
-                        if not live(block):
-                            self._forget(block)  # deleted meanwhile: never resurrect it
-                            continue
-                        self._ctx.store.set_lower(block, Lower.CLEAN)
-                        counters.demotions[f"dram->{target.name}"] += 1
+                    elif res and synced:
+                        copied.append(block)
                     else:
                         if res:
                             self._forget(block)
-                        self._ctx.store.set_lower(block, Lower.UNSPILLABLE)
-                        counters.spill_failures[target.name] += 1
+                        failed.append(block)
+                still, _rows = live_many(copied)  # (one index search and table read)
+                clean = [b for b, ok in zip(copied, still, strict=True) if ok]
+                for block, ok in zip(copied, still, strict=True):
+                    if not ok:
+                        self._forget(block)  # deleted meanwhile: never resurrect it
+                if clean:
+                    self._ctx.store.set_lower_many(clean, Lower.CLEAN)
+                    counters.demotions[f"dram->{target.name}"] += len(clean)
+                if failed:
+                    self._ctx.store.set_lower_many(failed, Lower.UNSPILLABLE)
+                    counters.spill_failures[target.name] += len(failed)
                 if self._forgotten:
                     self._forgotten = False
                     try:
