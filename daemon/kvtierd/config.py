@@ -159,7 +159,7 @@ DEFAULT_SSD_FILE_SIZE: Final = 1 * GiB
 #: Keep the oldest 10% of DRAM spilled ahead of need, so an eviction rarely waits.
 DEFAULT_CLEAN_AHEAD: Final = 0.1
 #: Blocks in flight to the spill tiers: enough to keep an NVMe queue busy, bounded memory.
-DEFAULT_QUEUE_DEPTH: Final = 64
+DEFAULT_QUEUE_DEPTH: Final = 256
 #: Spill I/O threads: parallel O_DIRECT requests (queue depth) without starving the CPUs.
 DEFAULT_IO_THREADS: Final = 4
 #: A reserve waits this long for demotion to make room before RESOURCE_EXHAUSTED.

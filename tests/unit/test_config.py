@@ -1238,7 +1238,7 @@ def test_spill_policy_takes_its_defaults_and_values_from_the_config() -> None:
 
     # The values SpillPolicy restated as its own defaults before.
     assert SpillPolicy.with_defaults() == SpillPolicy(
-        clean_ahead=0.1, queue_depth=64, backpressure_timeout=10.0, shared_write="demotion",
+        clean_ahead=0.1, queue_depth=256, backpressure_timeout=10.0, shared_write="demotion",
         cluster_write="demotion")
     assert SpillPolicy.with_defaults(queue_depth=1).queue_depth == 1
     cfg = load(overrides=["spill.clean_ahead=0.2", "spill.queue_depth=8",
