@@ -2826,6 +2826,15 @@ bt_get_n_slots(BlockTable *t, void *Py_UNUSED(closure))
     return PyLong_FromLongLong(slots);
 }
 
+static PyObject *
+bt_get_n_free(BlockTable *t, void *Py_UNUSED(closure))
+{
+    tlock(t);
+    long long free = (long long)t->c.free;
+    tunlock(t);
+    return PyLong_FromLongLong(free);
+}
+
 /* ------------------------------------------------------------------------- */
 /* Store.check's rows                                                          */
 /* ------------------------------------------------------------------------- */
@@ -2954,6 +2963,8 @@ static PyGetSetDef bt_getset[] = {
     {"slot_bytes", (getter)bt_get_slot_bytes, NULL, "Bytes between two slots' data.", NULL},
     {"n_slots", (getter)bt_get_n_slots, NULL,
      "Slots of all the table's extents (counts()['slots'] without the dict).", NULL},
+    {"n_free", (getter)bt_get_n_free, NULL,
+     "FREE slots of all the table's extents (counts()['free'] without the dict).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

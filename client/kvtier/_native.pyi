@@ -256,6 +256,9 @@ class BlockTable:
     @property
     def n_slots(self) -> int:
         """Slots of all the table's extents."""
+    @property
+    def n_free(self) -> int:
+        """FREE slots of all the table's extents."""
     def add_extent(self, extent_id: int, n_slots: int, meta: _Buffer, created_unix_ns: int,
                    /) -> None:
         """Add a freshly formatted extent (all FREE) over its writable slot table."""

@@ -172,6 +172,11 @@ class BlockTable:
         return int(self._t.n_slots)
 
     @property
+    def n_free(self) -> int:
+        """FREE slots of all its extents (``counts().free``, without building the counts)."""
+        return int(self._t.n_free)
+
+    @property
     def native_bytes(self) -> int:
         """Native memory the table holds (records, extents, the object)."""
         return self._t.native_bytes

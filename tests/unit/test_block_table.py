@@ -1467,13 +1467,23 @@ def test_entries_read_keys_and_fields_of_the_slot_entries() -> None:
     assert t.check() == []
 
 
-def test_n_slots_is_the_counts_slots_through_adds_and_removes() -> None:
+def test_n_slots_and_n_free_are_the_counts_through_adds_claims_and_removes() -> None:
     t, _ = table(16, 1)
     assert t.n_slots == t.counts().slots == 16
+    assert t.n_free == t.counts().free == 16
     other = bytearray(40 * SLOT_ENTRY_BYTES)
     t.add_extent(2, 40, other, CREATED)
     assert t.n_slots == t.counts().slots == 56
+    refs = claimed(t, 10)
+    assert t.n_free == t.counts().free == 46
+    commit(t, refs[:6])
+    t.release_claims(refs[6:])
+    t.evict(refs[:2])
+    assert t.n_free == t.counts().free == 52
+    t.delete(refs[2:6])
+    assert t.n_free == t.counts().free == 56
     t.remove_extent(1)
     assert t.n_slots == t.counts().slots == 40
+    assert t.n_free == t.counts().free == 40
     t.remove_extent(2)
-    assert t.n_slots == t.counts().slots == 0
+    assert t.n_slots == t.counts().slots == 0 == t.n_free

@@ -251,7 +251,7 @@ class Namespace:
         return sum(ext.bytes for ext in self.extents)
 
     def free_slots(self) -> int:
-        return self.table.counts().free
+        return self.table.n_free
 
     def block_at(self, ref: int) -> Block | None:
         """The handle of the block at ``ref`` (COMMITTED or DOOMED), else None."""
