@@ -269,11 +269,33 @@ def _daemon_mode(seconds: float) -> dict[str, float]:
     return out
 
 
+def _steady_puts(c: Any, daemon: Any, block: int, batch: int, fill_bytes: int,
+                 seconds: float) -> tuple[int, float, int]:
+    """Puts of ``batch`` new keys of ``block`` bytes through client ``c``: ``fill_bytes``
+    of them first, then for ``seconds``; (blocks put, seconds taken, the daemon's CPU
+    ticks) of the timed part."""
+    import numpy as np
+
+    data = [np.zeros(block, np.uint8)] * batch
+    n = 0
+
+    def put() -> None:
+        nonlocal n
+        c.put([b"q%07d-%04d" % (n, b) for b in range(batch)], data)
+        n += 1
+
+    for _ in range(fill_bytes // (block * batch)):
+        put()
+    n0, k0, t0 = n, daemon.cpu_ticks(), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        put()
+    return (n - n0) * batch, time.perf_counter() - t0, daemon.cpu_ticks() - k0
+
+
 def _daemon4096_mode(seconds: float) -> dict[str, float]:
     """Puts of 4096 x 4 KiB through a kvtierd with a 64 MiB pool kept full (every claim
     evicts; the put goes by Reserve + Commit calls on the session socket, too large for
     a page's grants): blocks/s and the daemon's CPU per block (``/proc``)."""
-    import numpy as np
 
     import kvtier
     from kvtier.bench.private_daemon import private_daemon
@@ -283,22 +305,8 @@ def _daemon4096_mode(seconds: float) -> dict[str, float]:
     with private_daemon("cp4k", "dram.capacity=64MiB", "dram.extent_size=16MiB") as daemon, \
             kvtier.Client(daemon.socket_dir, namespace="cp4k", block_bytes=block,
                           model_uid="m") as c:
-        data = [np.zeros(block, np.uint8)] * batch
-        n = 0
-
-        def put() -> None:
-            nonlocal n
-            c.put([b"q%07d-%04d" % (n, b) for b in range(batch)], data)
-            n += 1
-
-        for _ in range(3 * (64 << 20) // (block * batch)):  # filled: every claim evicts
-            put()
-        n0, k0, t0 = n, daemon.cpu_ticks(), time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            put()
-        el = time.perf_counter() - t0
-        ticks = daemon.cpu_ticks() - k0
-        blocks = (n - n0) * batch
+        # (filled three times over: every claim evicts)
+        blocks, el, ticks = _steady_puts(c, daemon, block, batch, 3 * (64 << 20), seconds)
     out["put4096_blocks_per_s"] = blocks / el
     out["put4096_daemon_cpu_us_per_block"] = ticks / os.sysconf("SC_CLK_TCK") / blocks * 1e6
     out["put4096_ticks"] = ticks
@@ -326,7 +334,6 @@ def _ssd32_mode(seconds: float) -> dict[str, float]:
     and fdatasync'd by batch) before a claim can evict it.  Blocks/s, the daemon's CPU
     per block, and MB/s against ``dd`` with O_DIRECT (64 KiB, one fdatasync) into the
     same directory, measured just before."""
-    import numpy as np
 
     import kvtier
     from kvtier.bench.private_daemon import private_daemon
@@ -339,24 +346,10 @@ def _ssd32_mode(seconds: float) -> dict[str, float]:
                             f"spill.ssd_dir={ssd}", "spill.ssd_capacity=4GiB") as daemon, \
                 kvtier.Client(daemon.socket_dir, namespace="cps", block_bytes=BLOCK,
                               model_uid="m") as c:
-            data = [np.zeros(BLOCK, np.uint8)] * 32
-            n = 0
-
-            def put() -> None:
-                nonlocal n
-                c.put([b"s%07d-%02d" % (n, b) for b in range(32)], data)
-                n += 1
-
-            for _ in range(2 * (256 << 20) // (32 * BLOCK)):  # full: every block demoted
-                put()
-            n0, k0, t0 = n, daemon.cpu_ticks(), time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                put()
-            el = time.perf_counter() - t0
-            ticks = daemon.cpu_ticks() - k0
+            # (filled twice over: every block demoted before its slot is reused)
+            blocks, el, ticks = _steady_puts(c, daemon, BLOCK, 32, 2 * (256 << 20), seconds)
     finally:
         shutil.rmtree(ssd, ignore_errors=True)
-    blocks = (n - n0) * 32
     out["ssd32_blocks_per_s"] = blocks / el
     out["ssd32_mb_s"] = blocks * BLOCK / el / 1e6
     out["ssd32_x_dd"] = out["ssd32_mb_s"] / out["dd_direct_mb_s"]

@@ -25,6 +25,7 @@ import pytest
 from kvtier.hashing import block_keys, request_salt
 from tests.jax_engines import common
 from tests.vllm import driver
+from tests.vllm.pdlab import engine_tmp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -63,6 +64,10 @@ class Engine(driver.Engine):
         env["PYTHONPATH"] = ROOT
         self.sems_path = os.path.join(base, f"{name}.sems")
         env["KVTIER_TEST_SEMS"] = self.sems_path
+        # sglang-jax names its ZMQ sockets after NamedTemporaryFile(delete=False) files
+        # in TMPDIR and removes neither: a directory of the test process's, removed at
+        # its exit.
+        env["TMPDIR"] = engine_tmp()
         super().__init__(base, spec, name, python=python, script=os.path.join(HERE, "engine.py"),
                          env=env)
 
