@@ -1654,77 +1654,54 @@ kvt_py_keys_check(PyObject *Py_UNUSED(m), PyObject *args)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), bad = -1, repeated = -1;
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    if (!repeats) { /* the lengths alone */
-        for (Py_ssize_t i = 0; i < n && bad < 0; i++) {
-            Py_ssize_t len = PyBytes_Check(items[i]) ? PyBytes_GET_SIZE(items[i]) : 0;
-            if (len < 1 || len > max_len)
-                bad = i;
-        }
-        Py_DECREF(seq);
-        return Py_BuildValue("(nn)", bad, repeated);
-    }
+    /* slots: 1 + the index of a key seen (always bytes), 0 empty; hashes[i]: key i's. */
+    uint32_t *slots = NULL;
+    uint64_t *hashes = NULL;
     size_t cap = 16;
-    while (cap < 2 * (size_t)n)
-        cap <<= 1;
-    /* slots: 1 + the key's index, 0 empty; hashes[i], lens[i], ptrs[i]: key i's. */
-    uint32_t *slots = n > 1 ? PyMem_Calloc(cap, sizeof *slots) : NULL;
-    uint64_t *hashes = n > 1 ? PyMem_Malloc((size_t)n * sizeof *hashes) : NULL;
-    const char **ptrs = n > 1 ? PyMem_Malloc((size_t)n * sizeof *ptrs) : NULL;
-    Py_ssize_t *lens = n > 1 ? PyMem_Malloc((size_t)n * sizeof *lens) : NULL;
-    if (n > 1 && (slots == NULL || hashes == NULL || ptrs == NULL || lens == NULL)) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    if ((uint64_t)n >= UINT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "too many keys");
-        goto fail;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = items[i];
-        char *p;
-        Py_ssize_t len;
-        if (!PyBytes_Check(k) || PyBytes_AsStringAndSize(k, &p, &len) < 0) {
-            PyErr_Clear(); /* (not bytes: a bad key; a bytes-like key goes the slow way) */
-            if (bad < 0)
-                bad = i;
-            if (n > 1) {
-                ptrs[i] = NULL;
-                lens[i] = -1;
-            }
-            continue;
+    if (repeats && n > 1) {
+        if ((uint64_t)n >= UINT32_MAX) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "too many keys");
+            return NULL;
         }
+        while (cap < 2 * (size_t)n)
+            cap <<= 1;
+        slots = PyMem_Calloc(cap, sizeof *slots);
+        hashes = PyMem_Malloc((size_t)n * sizeof *hashes);
+        if (slots == NULL || hashes == NULL) {
+            PyMem_Free(slots);
+            PyMem_Free(hashes);
+            Py_DECREF(seq);
+            return PyErr_NoMemory();
+        }
+    }
+    for (Py_ssize_t i = 0; i < n && (bad < 0 || (slots != NULL && repeated < 0)); i++) {
+        PyObject *k = items[i];
+        Py_ssize_t len = PyBytes_Check(k) ? PyBytes_GET_SIZE(k) : -1;
         if ((len < 1 || len > max_len) && bad < 0)
             bad = i;
-        if (n < 2 || repeated >= 0)
+        if (slots == NULL || repeated >= 0 || len < 0)
             continue;
+        const char *p = PyBytes_AS_STRING(k);
         uint64_t h = XXH3_64bits(p, (size_t)len);
-        hashes[i] = h;
-        ptrs[i] = p;
-        lens[i] = len;
         size_t j = (size_t)h & (cap - 1);
         for (; slots[j] != 0; j = (j + 1) & (cap - 1)) {
-            uint32_t o = slots[j] - 1;
-            if (hashes[o] == h && lens[o] == len && memcmp(ptrs[o], p, (size_t)len) == 0) {
+            PyObject *o = items[slots[j] - 1];
+            if (hashes[slots[j] - 1] == h && PyBytes_GET_SIZE(o) == len
+                && memcmp(PyBytes_AS_STRING(o), p, (size_t)len) == 0) {
                 repeated = i;
                 break;
             }
         }
-        if (repeated < 0)
+        if (repeated < 0) {
+            hashes[i] = h;
             slots[j] = (uint32_t)i + 1;
+        }
     }
     PyMem_Free(slots);
     PyMem_Free(hashes);
-    PyMem_Free(ptrs);
-    PyMem_Free(lens);
     Py_DECREF(seq);
     return Py_BuildValue("(nn)", bad, repeated);
-fail:
-    PyMem_Free(slots);
-    PyMem_Free(hashes);
-    PyMem_Free(ptrs);
-    PyMem_Free(lens);
-    Py_DECREF(seq);
-    return NULL;
 }
 
 PyObject *

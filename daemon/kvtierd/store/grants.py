@@ -342,10 +342,10 @@ class GrantBook:
         cols = records.columns if whole else records.columns[:, lo:hi]
         # (Python lists, not numpy reductions, for the flags: a batch is often 1 key.)
         new = (ns.index.find(keys) == 0).tolist()
-        in_flight = ns.in_flight
-        if in_flight:
+        if ns.in_flight:
+            flying = ns.in_flight.intersection(keys)  # (one fold and one pass)
             for i, key in enumerate(keys):
-                if new[i] and key in in_flight:
+                if new[i] and key in flying:
                     new[i] = False
         if exists is not None and (ask := [i for i, f in enumerate(new) if f]):
             # One question about the batch's new keys (the tiers' batch lookups).

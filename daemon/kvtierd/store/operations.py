@@ -492,10 +492,7 @@ class Operations:
     def set_lower(self, block: Block, lower: Lower) -> None:
         """Record what the spill tiers hold of a live block (none that left DRAM, or
         whose slot holds another block now)."""
-        if block.extent not in block.ns.extents:
-            return
-        block.ns.table.set_lower(_refs([(block.extent, block.slot)]), lower,
-                                 [block.generation])
+        self.set_lower_many([block], lower)
 
     def set_lower_many(self, blocks: Sequence[Block], lower: Lower) -> None:
         """``set_lower`` of each block: one table call per namespace."""

@@ -113,14 +113,17 @@ class Copy(enum.Enum):
 
 def live(block: Block) -> bool:
     """Whether ``block`` is still the visible DRAM block of its key: not deleted (or
-    doomed while pinned), and its slot not reused for another block since."""
-    return not block.doomed and block.ns.index.get(block.key) == block
+    doomed while pinned), and its slot not reused for another block since
+    (``live_many`` of one block)."""
+    return live_many([block])[0][0]
 
 
 def live_many(blocks: Sequence[Block]) -> tuple[list[bool], npt.NDArray[np.void]]:
-    """``live`` of each block, and its slot's record (``RECORD_DTYPE``: pins, lower
-    state; zeros for a block whose extent left), in one index search and one table
-    read per namespace: no handle made, no call per block."""
+    """Whether each block is still the visible DRAM block of its key (its extent held,
+    its slot COMMITTED at its generation, and the index naming that slot for its key),
+    and its slot's record (``RECORD_DTYPE``: pins, lower state; zeros for a block whose
+    extent left), in one index search and one table read per namespace: no handle
+    made, no call per block."""
     ok = np.zeros(len(blocks), dtype=bool)
     rows = np.zeros(len(blocks), dtype=RECORD_DTYPE)
     by_ns: dict[int, list[int]] = {}
