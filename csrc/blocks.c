@@ -48,6 +48,9 @@
 #include "blocks.h"
 #include "index.h"
 
+/* A session page's grant words (csrc/layout.h). */
+#define W_GRANTS(p) ((uint64_t *)((char *)(p)->buf + KVT_W_GRANTS))
+
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the slot table is little-endian and is read with native loads"
 #endif
@@ -1445,6 +1448,231 @@ fail:
     PyMem_Free(has);
     PyMem_Free(lengths);
     PyMem_Free(sums);
+    return out;
+}
+
+/* ------------------------------------------------------------------------- */
+/* A session's commit ring, in one call                                       */
+/* ------------------------------------------------------------------------- */
+
+PyDoc_STRVAR(bt_commit_ring_doc,
+"commit_ring($self, page, tail, max_length, held, index, first_access, epoch,\n"
+"            exists, want_keys, /)\n--\n\n"
+"Commit the records a writer published in its session page (a writable\n"
+"KVT_WPAGE_BYTES buffer) since tail, in one call, when the ring is the plain\n"
+"case: every record names a grant the session holds (held: its KVT_W_GRANTS_N\n"
+"grant words, a writable u64 buffer), no grant or key twice in the ring, each\n"
+"key 1..64 bytes and absent from the index (index: the shared index's\n"
+"writable buffer, with room for the ring's keys), each length 1..max_length,\n"
+"and, when exists is not None, exists(keys) (a callable given the ring's keys)\n"
+"true for none.  Then the slots (RESERVED, named by the grant words) become\n"
+"COMMITTED as commit() makes them (last access first_access + i, epoch), their\n"
+"keys are published in index, and each record's grant ends: its word in held\n"
+"and in the page becomes 0.  Returns (n, refs, entries, nbytes, done, n_left,\n"
+"left, keys): the records committed, their slot refs and grant entries (bytes\n"
+"of u64), their bytes, commit()'s done and left of the publishing (left: the\n"
+"first n_left u64 of a bytes), and the keys\n"
+"(a list of bytes, made only when want_keys or exists; else None).  The\n"
+"answers and DONE are the caller's to write (commits_done).  Returns None,\n"
+"having changed nothing, for any other ring (empty, impossible, a record\n"
+"commits_take or the store would refuse or answer per batch, a key present,\n"
+"a slot the table would refuse): the caller takes it the general way.");
+
+_Static_assert(KVT_W_RING_N <= 256, "a ring's counts are small ints (bt_commit_ring)");
+
+static PyObject *
+bt_commit_ring(BlockTable *t, PyObject *args)
+{
+    PyObject *page_obj, *held_obj, *index_obj, *exists, *out = NULL, *keys = NULL;
+    unsigned long long tail, max_length, first_access, epoch;
+    int want_keys;
+    Py_buffer page, held, ib;
+    kvt_ring *r = NULL;
+    kvt_batch b;
+    uint64_t *found = NULL, *run = NULL;
+    Py_ssize_t *left = NULL, n_left = 0, done = 0, n;
+    commit_job j;
+
+    if (!PyArg_ParseTuple(args, "OKKOOKKOp:commit_ring", &page_obj, &tail, &max_length,
+                          &held_obj, &index_obj, &first_access, &epoch, &exists, &want_keys))
+        return NULL;
+    if (ready(t) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(page_obj, &page, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (page.len < KVT_WPAGE_BYTES || ((uintptr_t)page.buf & 7) != 0) {
+        PyErr_SetString(PyExc_ValueError, "page must be a writable, 8-byte aligned buffer of "
+                                          "KVT_WPAGE_BYTES");
+        PyBuffer_Release(&page);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(held_obj, &held, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&page);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(index_obj, &ib, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&held);
+        PyBuffer_Release(&page);
+        return NULL;
+    }
+    memset(&b, 0, sizeof b);
+    if (held.len != KVT_W_GRANTS_N * 8 || ((uintptr_t)held.buf & 7) != 0) {
+        PyErr_SetString(PyExc_ValueError, "held must be the 8-byte aligned u64 words of every "
+                                          "grant entry");
+        goto done;
+    }
+    /* (the index checked before anything changes, as commit() does) */
+    if (kvt_index_put_slots(&ib, NULL, NULL, 0, 0, 0, NULL, &n_left) < 0)
+        goto done;
+    r = PyMem_Malloc(sizeof *r);
+    found = PyMem_Malloc(KVT_W_RING_N * sizeof *found);
+    run = PyMem_Malloc(KVT_W_RING_N * sizeof *run);
+    left = PyMem_Malloc(KVT_W_RING_N * sizeof *left);
+    b.refs = PyMem_Malloc(KVT_W_RING_N * sizeof *b.refs);
+    b.locs = PyMem_Malloc(KVT_W_RING_N * sizeof *b.locs);
+    if (r == NULL || found == NULL || run == NULL || left == NULL || b.refs == NULL
+        || b.locs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (!kvt_ring_read(&page, tail, max_length, (const uint64_t *)held.buf, r)) {
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    n = r->n;
+    if (first_access >= KVT_MAX_ACCESS_SEQ || (uint64_t)n >= KVT_MAX_ACCESS_SEQ - first_access) {
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (kvt_index_find_rows(&ib, &r->key[0][0], KVT_W_KEY_MAX, r->klen, n, found) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (found[i] != 0) { /* present (or a hashed key's look-alike): per batch */
+            out = Py_NewRef(Py_None);
+            goto done;
+        }
+    if (want_keys || exists != Py_None) {
+        if ((keys = PyList_New(n)) == NULL)
+            goto done;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *k = PyBytes_FromStringAndSize((const char *)r->key[i], r->klen[i]);
+            if (k == NULL)
+                goto done;
+            PyList_SET_ITEM(keys, i, k);
+        }
+    }
+    if (exists != Py_None) {
+        /* A lower tier's question (the store's own code): may run Python, never this
+         * table's calls, and nothing below was decided before it answered. */
+        PyObject *held_below = PyObject_CallOneArg(exists, keys), *seq;
+        if (held_below == NULL)
+            goto done;
+        seq = PySequence_Fast(held_below, "exists must return a sequence");
+        Py_DECREF(held_below);
+        if (seq == NULL)
+            goto done;
+        int any = 0;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && !any; i++) {
+            int v = PyObject_IsTrue(PySequence_Fast_GET_ITEM(seq, i));
+            if (v < 0) {
+                Py_DECREF(seq);
+                goto done;
+            }
+            any = v;
+        }
+        if (!any && PySequence_Fast_GET_SIZE(seq) != n) {
+            PyErr_SetString(PyExc_ValueError, "exists answered for another number of keys");
+            Py_DECREF(seq);
+            goto done;
+        }
+        Py_DECREF(seq);
+        if (any) {
+            out = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
+    /* Every object of the answer is made before anything changes: once the slots are
+     * committed, nothing can fail. */
+    uint64_t nbytes = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        nbytes += r->length[i];
+    PyObject *ans = PyTuple_New(8);
+    if (ans == NULL)
+        goto done;
+    PyObject *items[4] = {PyBytes_FromStringAndSize(NULL, n * 8),
+                          PyBytes_FromStringAndSize(NULL, n * 8),
+                          PyBytes_FromStringAndSize(NULL, n * 8),
+                          PyLong_FromUnsignedLongLong(nbytes)};
+    for (int k = 0; k < 4; k++)
+        if (items[k] == NULL) {
+            for (int m = 0; m < 4; m++)
+                Py_XDECREF(items[m]);
+            Py_DECREF(ans);
+            goto done;
+        }
+    b.n = n;
+    for (Py_ssize_t i = 0; i < n; i++)
+        b.refs[i] = r->word[i] & ~(KVT_GRANT_VALID | KVT_GRANT_TAKEN);
+    tlock(t);
+    if (resolve(t, b.refs, n, b.locs, "refs") < 0
+        || require(b.locs, n, KVT_ST_RESERVED, 1, "refs") < 0) {
+        /* The grants say RESERVED and the table does not: the general way answers it. */
+        tunlock(t);
+        PyErr_Clear();
+        for (int m = 0; m < 4; m++)
+            Py_DECREF(items[m]);
+        Py_DECREF(ans);
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    memset(&j, 0, sizeof j);
+    j.t = t;
+    j.locs = b.locs;
+    j.n = n;
+    j.keys = &r->key[0][0];
+    j.klens = r->klen;
+    j.lengths = r->length;
+    j.sums = r->sum;
+    j.has_sum = r->has_sum;
+    j.first_access = first_access;
+    j.epoch = epoch;
+    commit_run(&j);
+    done = publish_run(t, &ib, b.locs, n, run, left, &n_left);
+    tunlock(t);
+    /* Applied: each grant ends, in the session's words and then in the page (before
+     * DONE: the writer never sees them as its own again). */
+    uint64_t *hw = (uint64_t *)held.buf, *pg = W_GRANTS(&page);
+    uint64_t *refs_out = (uint64_t *)PyBytes_AS_STRING(items[0]);
+    uint64_t *entries_out = (uint64_t *)PyBytes_AS_STRING(items[1]);
+    uint64_t *left_out = (uint64_t *)PyBytes_AS_STRING(items[2]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        hw[r->grant[i]] = 0;
+        __atomic_store_n(&pg[r->grant[i]], 0, __ATOMIC_RELEASE);
+        refs_out[i] = b.refs[i];
+        entries_out[i] = r->grant[i];
+    }
+    for (Py_ssize_t k = 0; k < n_left; k++)
+        left_out[k] = (uint64_t)left[k];
+    /* (n, done and n_left are at most KVT_W_RING_N: small ints, never allocated) */
+    PyTuple_SET_ITEM(ans, 0, PyLong_FromSsize_t(n));
+    PyTuple_SET_ITEM(ans, 1, items[0]);
+    PyTuple_SET_ITEM(ans, 2, items[1]);
+    PyTuple_SET_ITEM(ans, 3, items[3]);
+    PyTuple_SET_ITEM(ans, 4, PyLong_FromSsize_t(done));
+    PyTuple_SET_ITEM(ans, 5, PyLong_FromSsize_t(n_left));
+    PyTuple_SET_ITEM(ans, 6, items[2]);
+    PyTuple_SET_ITEM(ans, 7, Py_NewRef(keys != NULL ? keys : Py_None));
+    out = ans;
+done:
+    Py_XDECREF(keys);
+    PyMem_Free(r);
+    PyMem_Free(found);
+    PyMem_Free(run);
+    PyMem_Free(left);
+    batch_free(&b);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&held);
+    PyBuffer_Release(&page);
     return out;
 }
 
@@ -2935,6 +3163,7 @@ static PyMethodDef bt_methods[] = {
     M("claim", bt_claim, METH_VARARGS | METH_KEYWORDS),
     M("release_claims", bt_release_claims, METH_VARARGS | METH_KEYWORDS),
     M("commit", bt_commit, METH_VARARGS),
+    M("commit_ring", bt_commit_ring, METH_VARARGS),
     M("pin", bt_pin, METH_O),
     M("unpin", bt_unpin, METH_O),
     M("delete", bt_delete, METH_O),

@@ -1128,6 +1128,31 @@ done:
     return ret;
 }
 
+int
+kvt_index_find_rows(Py_buffer *buf, const uint8_t *keys, size_t stride, const uint8_t *klens,
+                    Py_ssize_t n, uint64_t *out)
+{
+    table t;
+    if (open_table(buf, &t) < 0)
+        return -1;
+    fingerprint fs[LOOKUP_AHEAD];
+    uint64_t hs[LOOKUP_AHEAD];
+    for (Py_ssize_t i = 0; i < n; i += LOOKUP_AHEAD) {
+        int m = n - i < LOOKUP_AHEAD ? (int)(n - i) : LOOKUP_AHEAD;
+        for (int k = 0; k < m; k++) {
+            fs[k] = fp_of(keys + (size_t)(i + k) * stride, klens[i + k]);
+            hs[k] = home(&t, &fs[k]);
+            __builtin_prefetch(&t.e[hs[k]], 0, 3);
+        }
+        for (int k = 0; k < m; k++) {
+            idx_entry *slot;
+            const idx_entry *e = w_find_from(&t, &fs[k], hs[k], &slot);
+            out[i + k] = e == NULL || e->segment == 0 ? 0 : KVT_REF(e->segment, e->slot);
+        }
+    }
+    return 0;
+}
+
 /* index_present_many(buf, keys): the reader's batch presence test, for a client that
  * reads the table while the daemon writes it (a reserve from grants marks the keys the
  * table holds EXISTS, as a Reserve call would): bytes, 1 per key the table holds now (a

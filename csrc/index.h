@@ -55,6 +55,37 @@ PyObject *kvt_py_index_populate(PyObject *m, PyObject *args);
 void kvt_fingerprint(const uint8_t *key, size_t n, uint64_t *fp0, uint64_t *fp1,
                      uint8_t *flags);
 
+/* A commit ring's records as the daemon copied them out of a session's page
+ * (kvt_ring_read, csrc/writes.c): keys zero-padded to KVT_W_KEY_MAX, each record's
+ * grant entry, the grant word it names, length, checksum and whether it has one. */
+typedef struct {
+    Py_ssize_t n;
+    uint64_t head;
+    uint32_t grant[KVT_W_RING_N];
+    uint64_t word[KVT_W_RING_N];
+    uint64_t length[KVT_W_RING_N];
+    uint64_t sum[KVT_W_RING_N];
+    uint8_t has_sum[KVT_W_RING_N];
+    uint8_t klen[KVT_W_RING_N];
+    uint8_t key[KVT_W_RING_N][KVT_W_KEY_MAX];
+} kvt_ring;
+
+/* Copy the records published in page (a writable KVT_WPAGE_BYTES buffer) since tail into
+ * r.  Returns 1 when the ring is the plain case -- at least one record, and every one
+ * would pass commits_take's checks against max_length and held (the session's
+ * KVT_W_GRANTS_N grant words) with no grant entry and no key named twice in the whole
+ * ring -- else 0 (an empty ring, an impossible head, or anything commits_take would
+ * refuse or the store would answer per batch: the caller takes the ring the general
+ * way).  Reads only: nothing in the page changes. */
+int kvt_ring_read(Py_buffer *page, uint64_t tail, uint64_t max_length, const uint64_t *held,
+                  kvt_ring *r);
+
+/* index_find_many's lookup of n keys held as rows (key i at keys + i * stride, klens[i]
+ * bytes) in the index buf holds: out[i] is the ref of its live entry, or 0.  0, or -1
+ * with a Python error when buf holds no index. */
+int kvt_index_find_rows(Py_buffer *buf, const uint8_t *keys, size_t stride,
+                        const uint8_t *klens, Py_ssize_t n, uint64_t *out);
+
 /* The keys of COMMITTED slot entries (tab: one extent's slot table) into the index held
  * by buf, without the GIL's Python steps: BlockTable.commit publishes through it. */
 Py_ssize_t kvt_index_put_slots(Py_buffer *buf, const uint8_t *tab, const uint64_t *slots,

@@ -673,6 +673,65 @@ done:
     return ret;
 }
 
+/* FNV-1a of a key: the plain ring's check for a key named twice (kvt_ring_read). */
+static inline uint32_t
+key_hash(const uint8_t *k, unsigned n)
+{
+    uint32_t h = 2166136261u;
+    for (unsigned i = 0; i < n; i++)
+        h = (h ^ k[i]) * 16777619u;
+    return h;
+}
+
+int
+kvt_ring_read(Py_buffer *page, uint64_t tail, uint64_t max_length, const uint64_t *held,
+              kvt_ring *r)
+{
+    uint64_t head = __atomic_load_n(W_U64(page, KVT_W_HEAD), __ATOMIC_ACQUIRE);
+    r->n = 0;
+    r->head = head;
+    if (head <= tail || head - tail > KVT_W_RING_N || held == NULL)
+        return 0;
+    Py_ssize_t n = (Py_ssize_t)(head - tail);
+    uint64_t seen[KVT_W_GRANTS_N / 64] = {0};
+    /* Open addressing over 2 * KVT_W_RING_N buckets: record index + 1, 0 empty. */
+    uint8_t buckets[2 * KVT_W_RING_N];
+    memset(buckets, 0, sizeof buckets);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* One copy of the record, then only the copy is read. */
+        unsigned char rec[KVT_W_RECORD];
+        memcpy(rec, RECORD(page, (tail + (uint64_t)i) % KVT_W_RING_N), KVT_W_RECORD);
+        uint32_t grant, length;
+        memcpy(&grant, rec + KVT_R_GRANT, 4);
+        memcpy(&r->word[i], rec + KVT_R_WORD, 8);
+        memcpy(&length, rec + KVT_R_LENGTH, 4);
+        memcpy(&r->sum[i], rec + KVT_R_CHECKSUM, 8);
+        unsigned klen = rec[KVT_R_KEYLEN];
+        r->grant[i] = grant;
+        r->length[i] = length;
+        r->has_sum[i] = (rec[KVT_R_FLAGS] & KVT_W_HAS_SUM) != 0;
+        if (klen == 0 || klen > KVT_W_KEY_MAX || length == 0 || length > max_length
+            || grant >= KVT_W_GRANTS_N || r->word[i] == 0 || held[grant] != r->word[i]
+            || (seen[grant / 64] >> (grant % 64) & 1))
+            return 0;
+        seen[grant / 64] |= 1ull << (grant % 64);
+        r->klen[i] = (uint8_t)klen;
+        memset(r->key[i], 0, KVT_W_KEY_MAX);
+        memcpy(r->key[i], rec + KVT_R_KEY, klen);
+        for (uint32_t b = key_hash(r->key[i], klen);; b++) {
+            uint8_t *at = &buckets[b % (2 * KVT_W_RING_N)];
+            if (*at == 0) {
+                *at = (uint8_t)(i + 1);
+                break;
+            }
+            if (r->klen[*at - 1] == klen && memcmp(r->key[*at - 1], r->key[i], klen) == 0)
+                return 0;
+        }
+    }
+    r->n = n;
+    return 1;
+}
+
 PyObject *
 kvt_py_commits_done(PyObject *Py_UNUSED(m), PyObject *args)
 {

@@ -7,7 +7,7 @@ SIGBUS in a buffer (a mapped file truncated under it) instead of dying.
 Checked by ``python -m mypy.stubtest kvtier._native``.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, TypeAlias, final, overload
 
 # Any object exporting the buffer protocol (mmap, memoryview, bytearray,
@@ -280,6 +280,14 @@ class BlockTable:
         """Make RESERVED slots COMMITTED (the slot table's entries, state byte last) and
         free the RESERVED slots of release; with index, publish their keys there too:
         (done, left)."""
+    def commit_ring(self, page: _Buffer, tail: int, max_length: int, held: _Buffer,
+                    index: _Buffer, first_access: int, epoch: int,
+                    exists: Callable[[list[bytes]], Sequence[object]] | None, want_keys: bool,
+                    /) -> (tuple[int, bytes, bytes, int, int, int, bytes, list[bytes] | None]
+                           | None):
+        """A session's plain commit ring in one call (commit's transition, the keys
+        published, the grants ended in held and the page): (n, refs, entries, nbytes,
+        done, n_left, left, keys), or None having changed nothing."""
     def pin(self, refs: _Buffer, /) -> None:
         """Pin COMMITTED blocks (count + 1 per ref)."""
     def unpin(self, refs: _Buffer, /) -> bytes:

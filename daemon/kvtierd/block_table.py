@@ -55,8 +55,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import mmap
-from collections.abc import Sequence
-from typing import Final, TypeAlias
+from collections.abc import Callable, Sequence
+from typing import Final, NamedTuple, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -128,6 +128,21 @@ class Adoption:
     max_last_access: int
     #: Dropped COMMITTED slots (and invalid state bytes), by ``recovery``'s reasons.
     dropped: dict[str, int]
+
+
+class RingCommit(NamedTuple):
+    """What ``BlockTable.commit_ring`` committed: ``n`` records, their slots' ``refs``
+    and grant ``entries`` (in ring order), their ``nbytes``; of the publishing, the
+    refs before ``done`` went in the index but those at ``left``; the ``keys`` when
+    asked for."""
+
+    n: int
+    refs: Refs
+    entries: npt.NDArray[np.uint64]
+    nbytes: int
+    done: int
+    left: list[int]
+    keys: list[bytes] | None
 
 
 def by_extent(refs: Refs) -> list[tuple[int, npt.NDArray[np.bool_] | None]]:
@@ -274,6 +289,25 @@ class BlockTable:
                 sums = _u64(items if items is not None else checksums)  # type: ignore[arg-type]
         return self._t.commit(_u64(refs), keys, _u64(lengths), sums, has, first_access,
                               epoch, None if release is None else _u64(release), index)
+
+    def commit_ring(self, page: mmap.mmap, tail: int, max_length: int,
+                    held: npt.NDArray[np.uint64], index: mmap.mmap, *, first_access: int,
+                    epoch: int, exists: Callable[[list[bytes]], Sequence[bool]] | None,
+                    want_keys: bool) -> RingCommit | None:
+        """A session's commit ring from ``tail`` in one call, when it is the plain case
+        (every record names a grant ``held`` holds, no grant or key twice, every key
+        new to ``index`` and, asked, to ``exists``): the slots committed as
+        ``commit`` makes them, their keys published in ``index`` and their grants ended
+        in ``held`` and the page.  None, changing nothing, for any other ring (the
+        caller takes it record by record: ``SessionPage.take_commits``)."""
+        got = self._t.commit_ring(page, tail, max_length, held, index, first_access, epoch,
+                                  exists, want_keys)
+        if got is None:
+            return None
+        n, refs, entries, nbytes, done, n_left, left, keys = got
+        return RingCommit(n, _refs(refs), np.frombuffer(entries, dtype=np.uint64), nbytes,
+                          done, np.frombuffer(left, dtype=np.uint64, count=n_left).tolist(),
+                          keys)
 
     # ------------------------------------------------------------ read path
     def pin(self, refs: npt.ArrayLike) -> None:

@@ -784,6 +784,11 @@ class SessionPage:
         return PageRecords(batches, keys,
                            np.frombuffer(columns, dtype=np.uint64).reshape(6, len(keys)), flags)
 
+    @property
+    def commits_tail(self) -> int:
+        """Where the next commit records begin (the records before it were answered)."""
+        return self._w_tail
+
     def set_grants(self, entries: npt.NDArray[np.uint64], words: npt.NDArray[np.uint64]) -> None:
         """``set_grant`` of several entries in one call."""
         _native.grants_store(self._mm, entries, words)

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: the stub check (mypy, no C) nor test_native.py's runs on the Python fallback.
 NATIVE_TESTS = ("tests/unit/test_block_table.py", "tests/unit/test_native.py",
                 "tests/unit/test_shared_index.py", "tests/unit/test_ssd_lookup.py",
-                "tests/unit/test_local_writes.py", "tests/unit/test_local_leases.py")
+                "tests/unit/test_local_writes.py", "tests/unit/test_local_leases.py",
+                "tests/unit/test_commit_ring.py")
 
 
 def _libasan() -> str | None:

@@ -266,6 +266,9 @@ class Allocator:
                     dirty_ext.append((c.newest_access, ext))
                 else:
                     candidates.append((0 if c.committed == 0 else c.newest_access, ext))
+        if not candidates:  # (the usual case: nothing to weigh, no layout to fit)
+            dirty_ext.sort(key=lambda t: t[0])
+            return [], [e for _, e in dirty_ext]
         candidates.sort(key=lambda t: t[0])
         dirty_ext.sort(key=lambda t: t[0])
         # The oldest block CLOCK would evict here: an extent older than it goes first.

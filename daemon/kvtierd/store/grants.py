@@ -39,6 +39,7 @@ from kvtier import _page, _slot_ref
 from kvtierd.shared_index import GRANT_TAKEN, GRANTS_N, PageRecords, SessionPage
 
 if TYPE_CHECKING:
+    from kvtierd.block_table import RingCommit
     from kvtierd.store.types import Block, Extent, Namespace, Session
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,10 @@ _GRANT, _WORD = 0, 1  # PageRecords.columns' rows of grant entries and of the wo
 #: Which of some keys a tier below DRAM holds (``Below.held_below``): such a key is
 #: EXISTS to a writer, as a DRAM block is.
 HeldBelow: TypeAlias = Callable[[Sequence[bytes]], list[bool]]
+#: The same transition for a writer's whole commit ring in one native call, when it
+#: is the plain case (``StoreState.commit_ring``): None, changing nothing, otherwise.
+CommitRing: TypeAlias = Callable[
+    ["Namespace", SessionPage, npt.NDArray[np.uint64], "HeldBelow | None"], "RingCommit | None"]
 #: The store's one commit transition for a batch of granted slots (``StoreState.commit_slots``
 #: over ``Commits(refs, gens, keys, lengths, checksums)``): the blocks made.  All or
 #: nothing; ValueError or OSError changes nothing.
@@ -329,6 +334,24 @@ class GrantBook:
             results += codes
             made += blocks
         return bytes(results), made
+
+    def commit_ring(self, page: SessionPage, commit_ring: CommitRing, clock: Callable[[], float],
+                    exists: HeldBelow | None = None) -> RingCommit | None:
+        """The writer's whole commit ring in one native call, when it is the plain case
+        (``StoreState.commit_ring``, passed in: every record names a grant held and a
+        new key, none twice); each record's grant ends there, in ``words`` and the
+        page.  None, with nothing changed, for any other ring (``commit`` takes it)."""
+        if self._session.closed:
+            return None
+        got = commit_ring(self._session.ns, page, self.words, exists)
+        if got is None:
+            return None
+        self._n -= got.n
+        if seen := self.seen:
+            for g in got.entries.tolist():
+                seen.pop(g, None)
+        self.used = clock()
+        return got
 
     def _commit_batch(self, records: PageRecords, lo: int, hi: int, commit: CommitGranted,
                       clock: Callable[[], float], exists: HeldBelow | None

@@ -1,7 +1,8 @@
 """The store's state: namespaces, sessions and what they hold (reservations, leases), and
 the primitives on them that every part of the store uses -- the namespaces' lifecycle,
 pins and ``Pinned``, the access clock, and the one commit transition
-(``StoreState.commit_slots``).
+(``StoreState.commit_slots``; for a writer's plain commit ring, the same transition in
+one native call: ``StoreState.commit_ring``).
 
 A component the store holds (``Store.state``), not a base class: the allocator
 (``kvtierd.store.allocator``), the budget (``kvtierd.store.budget``), the calls
@@ -19,9 +20,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvtier import _slot_ref
+from kvtier import _page, _slot_ref
+from kvtierd.block_table import RingCommit
 from kvtierd.segments import Segment
-from kvtierd.shared_index import HazardSet, collect_hazards, hazard_of
+from kvtierd.shared_index import HazardSet, SessionPage, collect_hazards, hazard_of
 from kvtierd.store.base import _NO_REFS, Pinned, StoreOptions
 from kvtierd.store.types import (
     MAX_READ_HINTS,
@@ -245,3 +247,30 @@ class StoreState:
                 for r, gen, key, length, c in zip(
                     commits.refs.tolist(), commits.gens.tolist(), commits.keys,
                     commits.lengths.tolist(), sums, strict=True)]
+
+    def commit_ring(self, ns: Namespace, page: SessionPage, held: npt.NDArray[np.uint64],
+                    exists: Callable[[list[bytes]], Sequence[bool]] | None
+                    ) -> RingCommit | None:
+        """``commit_slots`` of a writer's whole commit ring in one native call
+        (``BlockTable.commit_ring``: the records read from ``page`` and checked against
+        ``held``, the session's grant words, which it ends; the slot entries; the
+        shared index), when the ring is the plain case: every record names a grant
+        held, no grant or key twice, every key new (to the index and, asked, to
+        ``exists``, the tiers below).  None, with nothing changed, for any other ring,
+        and whenever the store wants more than the native call gives: block handles,
+        a namespace with reservations in flight (their keys are not in the index), keys
+        kept outside the shared table, a table that must grow first."""
+        index = ns.index.table
+        if self.commit_handles or ns.in_flight or index.unpublished:
+            return None
+        room = index.room_for(_page.RING_RECORDS)
+        if room is None:
+            return None
+        got = ns.table.commit_ring(page.mapping, page.commits_tail, ns.block_bytes, held, room,
+                                   first_access=self.next_access, epoch=self.boot_epoch,
+                                   exists=exists, want_keys=ns.index.watch is not None)
+        if got is None:
+            return None
+        self.access(got.n)
+        ns.index.committed_published(got.refs, got.keys or (), got.done, got.left)
+        return got
