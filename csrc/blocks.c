@@ -1535,7 +1535,8 @@ bt_commit_ring(BlockTable *t, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    if (!kvt_ring_read(&page, tail, max_length, (const uint64_t *)held.buf, r)) {
+    if (!kvt_ring_read(&page, tail, max_length < t->block_bytes ? max_length : t->block_bytes,
+                       (const uint64_t *)held.buf, r)) {
         out = Py_NewRef(Py_None);
         goto done;
     }

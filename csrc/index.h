@@ -41,6 +41,7 @@ PyObject *kvt_py_commit_results(PyObject *m, PyObject *args);
 PyObject *kvt_py_page_cas(PyObject *m, PyObject *args);
 PyObject *kvt_py_page_store(PyObject *m, PyObject *args);
 PyObject *kvt_py_grants_store(PyObject *m, PyObject *args);
+PyObject *kvt_py_grants_grant(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_copy(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_info(PyObject *m, PyObject *args);
 PyObject *kvt_py_index_set_flags(PyObject *m, PyObject *args);

@@ -2288,6 +2288,8 @@ static PyMethodDef native_methods[] = {
      "page_store(page, offset, value): an atomic store of the u64 at offset."},
     {"grants_store", kvt_py_grants_store, METH_VARARGS,
      "grants_store(page, entries, words): atomic stores of grant entries' u64 words."},
+    {"grants_grant", kvt_py_grants_grant, METH_VARARGS,
+     "grants_grant(page, held, gens, refs, ref_gens): grant refs in the first free entries."},
     {"index_copy", kvt_py_index_copy, METH_VARARGS,
      "index_copy(dst, src): put src's live entries into dst; (copied, skipped)."},
     {"index_info", kvt_py_index_info, METH_VARARGS,

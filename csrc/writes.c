@@ -36,6 +36,9 @@
  *   page_cas(page, offset, old, new)  compare-and-swap of a u64 (grants)
  *   page_store(page, offset, value)   an atomic store of a u64 (grants)
  *   grants_store(page, entries, words) atomic stores of grant entries' words
+ *   grants_grant(page, held, gens, refs, ref_gens)
+ *                                  the daemon: grant refs (at ref_gens) in the first free
+ *                                  entries of held (0: free) and the page, all or none
  *
  * Nothing a client writes here reaches further than its own grants: the daemon
  * commits only slots it granted to this session, bounds every count it reads,
@@ -842,6 +845,66 @@ kvt_py_page_store(PyObject *Py_UNUSED(m), PyObject *args)
     __atomic_store_n(w, (uint64_t)value, __ATOMIC_RELEASE);
     PyBuffer_Release(&page);
     Py_RETURN_NONE;
+}
+
+/* A u64 column of a writable buffer: exactly n words when n >= 0, 8-byte aligned.  0, or
+ * -1 with ValueError. */
+static int
+u64_column(Py_buffer *b, Py_ssize_t n, const char *what)
+{
+    if (b->len % 8 != 0 || ((uintptr_t)b->buf & 7) != 0 || (n >= 0 && b->len != n * 8)) {
+        PyErr_Format(PyExc_ValueError, "%s must be an aligned u64 column%s", what,
+                     n >= 0 ? " of every grant entry" : "");
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *
+kvt_py_grants_grant(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *page_obj;
+    Py_buffer held, gens, refs, ref_gens, page;
+    if (!PyArg_ParseTuple(args, "Ow*w*y*y*:grants_grant", &page_obj, &held, &gens, &refs,
+                          &ref_gens))
+        return NULL;
+    PyObject *ret = NULL;
+    int have_page = get_wpage(page_obj, &page) == 0;
+    if (!have_page || u64_column(&held, KVT_W_GRANTS_N, "held") < 0
+        || u64_column(&gens, KVT_W_GRANTS_N, "gens") < 0 || u64_column(&refs, -1, "refs") < 0
+        || u64_column(&ref_gens, refs.len / 8, "gens of refs") < 0)
+        goto done;
+    Py_ssize_t n = refs.len / 8, free = 0;
+    uint64_t *hw = held.buf, *hg = gens.buf;
+    const uint64_t *r = refs.buf, *rg = ref_gens.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (r[i] & (KVT_GRANT_VALID | KVT_GRANT_TAKEN)) {
+            PyErr_Format(PyExc_ValueError, "refs[%zd] is no slot ref", i);
+            goto done;
+        }
+    for (Py_ssize_t e = 0; e < KVT_W_GRANTS_N; e++)
+        free += hw[e] == 0;
+    if (n > free) {
+        PyErr_Format(PyExc_ValueError, "%zd grants, %zd free entries", n, free);
+        goto done;
+    }
+    uint64_t *g = W_U64(&page, KVT_W_GRANTS);
+    for (Py_ssize_t i = 0, e = 0; i < n; i++, e++) {
+        while (hw[e] != 0)
+            e++;
+        hw[e] = r[i] | KVT_GRANT_VALID;
+        hg[e] = rg[i];
+        __atomic_store_n(&g[e], hw[e], __ATOMIC_RELEASE);
+    }
+    ret = Py_NewRef(Py_None);
+done:
+    if (have_page)
+        PyBuffer_Release(&page);
+    PyBuffer_Release(&held);
+    PyBuffer_Release(&gens);
+    PyBuffer_Release(&refs);
+    PyBuffer_Release(&ref_gens);
+    return ret;
 }
 
 PyObject *

@@ -175,6 +175,13 @@ def grants_store(page: _Buffer, entries: _Buffer, words: _Buffer) -> None:
     """Atomic stores of u64 ``words`` into grant ``entries`` (u64 columns; ValueError,
     nothing stored, for an entry out of range)."""
 
+def grants_grant(page: _Buffer, held: _Buffer, gens: _Buffer, refs: _Buffer,
+                 ref_gens: _Buffer) -> None:
+    """Grant ``refs`` (at ``ref_gens``) in the first entries whose word in ``held`` (the
+    daemon's u64 words of every grant entry, with their generations in ``gens``) is 0:
+    each word becomes VALID | ref there and in the page.  ValueError, nothing changed,
+    for fewer free entries than refs or a ref with a flag bit."""
+
 def page_cas(page: _Buffer, offset: int, old: int, new: int) -> bool:
     """Compare-and-swap of the u64 at offset; True if swapped."""
 

@@ -138,7 +138,7 @@ class RingCommit(NamedTuple):
 
     n: int
     refs: Refs
-    entries: npt.NDArray[np.uint64]
+    entries: bytes  # u64 each
     nbytes: int
     done: int
     left: list[int]
@@ -305,9 +305,9 @@ class BlockTable:
         if got is None:
             return None
         n, refs, entries, nbytes, done, n_left, left, keys = got
-        return RingCommit(n, _refs(refs), np.frombuffer(entries, dtype=np.uint64), nbytes,
-                          done, np.frombuffer(left, dtype=np.uint64, count=n_left).tolist(),
-                          keys)
+        return RingCommit(n, np.frombuffer(refs, dtype=np.uint64), entries, nbytes, done,
+                          np.frombuffer(left, dtype=np.uint64, count=n_left).tolist()
+                          if n_left else [], keys)
 
     # ------------------------------------------------------------ read path
     def pin(self, refs: npt.ArrayLike) -> None:

@@ -789,6 +789,14 @@ class SessionPage:
         """Where the next commit records begin (the records before it were answered)."""
         return self._w_tail
 
+    def grant(self, held: npt.NDArray[np.uint64], gens: npt.NDArray[np.uint64],
+              refs: npt.NDArray[np.uint64], ref_gens: npt.NDArray[np.uint64]) -> None:
+        """Name ``refs`` in the first entries that hold no grant, in ``held`` (the
+        daemon's words of every entry, with their generations in ``gens``: both
+        written) and in the page, one native call (``grants_grant``)."""
+        _native.grants_grant(self._mm, held, gens, np.ascontiguousarray(refs, dtype=np.uint64),
+                             np.ascontiguousarray(ref_gens, dtype=np.uint64))
+
     def set_grants(self, entries: npt.NDArray[np.uint64], words: npt.NDArray[np.uint64]) -> None:
         """``set_grant`` of several entries in one call."""
         _native.grants_store(self._mm, entries, words)

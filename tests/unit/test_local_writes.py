@@ -979,11 +979,20 @@ def test_grants_are_columns_a_batch_adds_and_drops() -> None:
 
     g = Session(1, "", Namespace("n", 16, "m", 16), Peer(0, 0, 0), 0.0).grants
     assert len(g) == 0 and not g and list(g) == []
-    entries = g.free_entries(3)
-    assert entries.tolist() == [0, 1, 2]
+    assert g.free_entries(3).tolist() == [0, 1, 2]
     refs = np.array([5 << 32 | 7, 5 << 32 | 8, 6 << 32 | 1], dtype=np.uint64)
-    words = g.add(entries, refs, np.array([11, 12, 13], dtype=np.uint64))
-    assert words.tolist() == [int(r) | GRANT_VALID for r in refs.tolist()]
+    page = SessionPage("n", writes=True)
+    g.grant(page, refs, np.array([11, 12, 13], dtype=np.uint64), 1.0)
+    words = [int(r) | GRANT_VALID for r in refs.tolist()]
+    assert g.words[:4].tolist() == words + [0] and g.gens[:3].tolist() == [11, 12, 13]
+    assert [page.grant_word(i) for i in range(4)] == words + [0]
+    # All or nothing: more grants than free entries, or a ref with a flag bit.
+    for bad_refs in (np.arange(GRANTS_N, dtype=np.uint64),
+                     np.array([1, GRANT_TAKEN | 2], dtype=np.uint64)):
+        with pytest.raises(ValueError):
+            g.grant(page, bad_refs, np.zeros(len(bad_refs), dtype=np.uint64), 2.0)
+    assert len(g) == 3 and g.used == 1.0 and g.words[3] == 0 and page.grant_word(3) == 0
+    page.close()
     assert len(g) == 3 and list(g) == [0, 1, 2] and 1 in g and np.uint64(2) in g
     assert 3 not in g and -1 not in g and "1" not in g and GRANTS_N not in g
     assert g.refs().tolist() == refs.tolist() and g.refs([2]).tolist() == [6 << 32 | 1]

@@ -144,7 +144,8 @@ class FastPath:
                          exists: HeldBelow | None = None) -> PageCommits:
         """The writes made without a call (``csrc/writes.c``), when ``session``'s client
         rings: commit the blocks its writer put in granted slots and named in its page
-        (``commit_granted``), wake it, and grant it slots for the next ones (as many as
+        (a plain ring in one native call, ``GrantBook.commit_ring``; any other record
+        by record, ``commit_granted``), wake it, and grant it slots for the next ones (as many as
         it asks, within the limit; before the answer when it holds fewer than it
         asks).  Each record's result goes to the page, which the writer checks like an
         answer.  The rights are checked again: only writers get a page with a write

@@ -177,15 +177,6 @@ class GrantBook:
         return [(_slot_ref.segment_of(r), _slot_ref.slot_of(r), gen) for r, gen in zip(
             (self.words[held] & _GRANT_REF).tolist(), self.gens[held].tolist(), strict=True)]
 
-    def add(self, entries: npt.NDArray[np.uint64], refs: npt.NDArray[np.uint64],
-            gens: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-        """Grant ``refs`` at ``gens`` in the free ``entries``; returns their words."""
-        words = refs | np.uint64(_page.GRANT_VALID)
-        self.words[entries] = words
-        self.gens[entries] = gens
-        self._n += len(entries)
-        return words
-
     def drop(self, entries: npt.NDArray[np.uint64] | list[int]) -> None:
         """The grants of ``entries`` (held, each once) end here."""
         if len(entries) <= 8:  # (a fancy assignment costs more than a few item sets)
@@ -222,8 +213,8 @@ class GrantBook:
         """Grant ``refs`` (slots the store just claimed, RESERVED at ``gens``) to the
         writer: the first free entries (no word: no grant) of ``page`` name them,
         ref | VALID."""
-        entries = self.free_entries(len(refs))
-        page.set_grants(entries, self.add(entries, refs, gens))
+        page.grant(self.words, self.gens, refs, gens)
+        self._n += len(refs)
         self.used = now
 
     def needs_refill(self, target: int) -> bool:
@@ -348,7 +339,7 @@ class GrantBook:
             return None
         self._n -= got.n
         if seen := self.seen:
-            for g in got.entries.tolist():
+            for g in np.frombuffer(got.entries, dtype=np.uint64).tolist():
                 seen.pop(g, None)
         self.used = clock()
         return got
