@@ -1677,6 +1677,72 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(bt_unpublish_doc,
+"unpublish($self, refs, index, /)\n--\n\n"
+"Take the blocks at refs out of the shared index whose writable buffer is index,\n"
+"by the keys their slot entries hold: an entry of such a key is removed only\n"
+"where it names that block (an eviction's victims, hidden before the hazard\n"
+"check, without the keys as Python objects).  Refs naming a slot that holds no\n"
+"COMMITTED or DOOMED block are left out.  Returns bytes, 1 per ref whose entry\n"
+"was removed.  ValueError when a ref names no slot of the table or index holds\n"
+"no index.");
+
+static PyObject *
+bt_unpublish(BlockTable *t, PyObject *args)
+{
+    PyObject *refs_obj, *index_obj, *out = NULL;
+    Py_buffer ib;
+    kvt_batch b;
+    const uint8_t **keys = NULL;
+    uint8_t *klens = NULL;
+    uint32_t *segs = NULL, *slots = NULL;
+
+    if (!PyArg_ParseTuple(args, "OO:unpublish", &refs_obj, &index_obj))
+        return NULL;
+    if (PyObject_GetBuffer(index_obj, &ib, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (batch_begin(t, refs_obj, &b) < 0) {
+        PyBuffer_Release(&ib);
+        return NULL;
+    }
+    Py_ssize_t n = b.n, room = n > 0 ? n : 1;
+    keys = PyMem_Malloc((size_t)room * sizeof *keys);
+    klens = PyMem_Malloc((size_t)room);
+    segs = PyMem_Malloc((size_t)room * sizeof *segs);
+    slots = PyMem_Malloc((size_t)room * sizeof *slots);
+    out = PyBytes_FromStringAndSize(NULL, n);
+    if (keys == NULL || klens == NULL || segs == NULL || slots == NULL || out == NULL) {
+        tunlock(t);
+        Py_CLEAR(out);
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *p = entry_of(b.locs[i].e, b.locs[i].slot);
+        uint8_t st = p[KVT_SLOT_STATE], kl = p[KVT_SLOT_KEY_LEN];
+        int live = (st == KVT_ST_COMMITTED || st == KVT_ST_DOOMED) && kl >= 1
+                   && kl <= KVT_SLOT_MAX_KEY;
+        keys[i] = live ? p + KVT_SLOT_KEY : NULL;
+        klens[i] = kl;
+        segs[i] = (uint32_t)b.locs[i].e->id;
+        slots[i] = b.locs[i].slot;
+    }
+    /* (under the lock: the extents' mappings stay while the keys are read) */
+    if (kvt_index_remove_at(&ib, keys, klens, segs, slots, n,
+                            (uint8_t *)PyBytes_AS_STRING(out)) < 0)
+        Py_CLEAR(out);
+    tunlock(t);
+done:
+    PyMem_Free(keys);
+    PyMem_Free(klens);
+    PyMem_Free(segs);
+    PyMem_Free(slots);
+    batch_free(&b);
+    PyBuffer_Release(&ib);
+    return out;
+}
+
 /* ------------------------------------------------------------------------- */
 /* Pins                                                                       */
 /* ------------------------------------------------------------------------- */
@@ -3165,6 +3231,7 @@ static PyMethodDef bt_methods[] = {
     M("release_claims", bt_release_claims, METH_VARARGS | METH_KEYWORDS),
     M("commit", bt_commit, METH_VARARGS),
     M("commit_ring", bt_commit_ring, METH_VARARGS),
+    M("unpublish", bt_unpublish, METH_VARARGS),
     M("pin", bt_pin, METH_O),
     M("unpin", bt_unpin, METH_O),
     M("delete", bt_delete, METH_O),

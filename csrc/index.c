@@ -1153,6 +1153,39 @@ kvt_index_find_rows(Py_buffer *buf, const uint8_t *keys, size_t stride, const ui
     return 0;
 }
 
+int
+kvt_index_remove_at(Py_buffer *buf, const uint8_t *const *keys, const uint8_t *klens,
+                    const uint32_t *segments, const uint32_t *slots, Py_ssize_t n, uint8_t *hit)
+{
+    table t;
+    if (open_table(buf, &t) < 0)
+        return -1;
+    fingerprint fs[LOOKUP_AHEAD];
+    uint64_t hs[LOOKUP_AHEAD];
+    for (Py_ssize_t i = 0; i < n; i += LOOKUP_AHEAD) {
+        int m = n - i < LOOKUP_AHEAD ? (int)(n - i) : LOOKUP_AHEAD;
+        for (int k = 0; k < m; k++) {
+            hit[i + k] = 0;
+            if (keys[i + k] == NULL)
+                continue;
+            fs[k] = fp_of(keys[i + k], klens[i + k]);
+            hs[k] = home(&t, &fs[k]);
+            __builtin_prefetch(&t.e[hs[k]], 1, 3);
+        }
+        for (int k = 0; k < m; k++) {
+            if (keys[i + k] == NULL)
+                continue;
+            idx_entry *slot;
+            idx_entry *e = w_find_from(&t, &fs[k], hs[k], &slot);
+            if (e != NULL && e->segment == segments[i + k] && e->slot == slots[i + k]) {
+                remove_entry(&t, e);
+                hit[i + k] = 1;
+            }
+        }
+    }
+    return 0;
+}
+
 /* index_present_many(buf, keys): the reader's batch presence test, for a client that
  * reads the table while the daemon writes it (a reserve from grants marks the keys the
  * table holds EXISTS, as a Reserve call would): bytes, 1 per key the table holds now (a

@@ -87,6 +87,14 @@ int kvt_ring_read(Py_buffer *page, uint64_t tail, uint64_t max_length, const uin
 int kvt_index_find_rows(Py_buffer *buf, const uint8_t *keys, size_t stride,
                         const uint8_t *klens, Py_ssize_t n, uint64_t *out);
 
+/* Take out of the index buf holds the entries of n keys (keys[i] of klens[i] bytes; NULL:
+ * none) that name the block at (segments[i], slots[i]); hit[i] says which did.  An entry
+ * of the key naming another block stays.  0, or -1 with a Python error when buf holds
+ * no index. */
+int kvt_index_remove_at(Py_buffer *buf, const uint8_t *const *keys, const uint8_t *klens,
+                        const uint32_t *segments, const uint32_t *slots, Py_ssize_t n,
+                        uint8_t *hit);
+
 /* The keys of COMMITTED slot entries (tab: one extent's slot table) into the index held
  * by buf, without the GIL's Python steps: BlockTable.commit publishes through it. */
 Py_ssize_t kvt_index_put_slots(Py_buffer *buf, const uint8_t *tab, const uint64_t *slots,

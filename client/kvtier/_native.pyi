@@ -295,6 +295,9 @@ class BlockTable:
         """A session's plain commit ring in one call (commit's transition, the keys
         published, the grants ended in held and the page): (n, refs, entries, nbytes,
         done, n_left, left, keys), or None having changed nothing."""
+    def unpublish(self, refs: _Buffer, index: _Buffer, /) -> bytes:
+        """Take the blocks at refs out of the shared index by their slot entries' keys,
+        only where the index names that block: 1 per ref removed."""
     def pin(self, refs: _Buffer, /) -> None:
         """Pin COMMITTED blocks (count + 1 per ref)."""
     def unpin(self, refs: _Buffer, /) -> bytes:

@@ -309,6 +309,12 @@ class BlockTable:
                           np.frombuffer(left, dtype=np.uint64, count=n_left).tolist()
                           if n_left else [], keys)
 
+    def unpublish(self, refs: npt.ArrayLike, index: mmap.mmap) -> bytes:
+        """Take the blocks at ``refs`` out of the shared index whose buffer is ``index``,
+        by the keys their slot entries hold (an entry is removed only where it names
+        that block): 1 per ref removed."""
+        return self._t.unpublish(_u64(refs), index)
+
     # ------------------------------------------------------------ read path
     def pin(self, refs: npt.ArrayLike) -> None:
         """Pin COMMITTED blocks (+1 per ref)."""

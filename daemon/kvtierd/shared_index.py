@@ -400,6 +400,13 @@ class SharedIndex:
                 self.add(key, loc)  # (leaves the set when it goes in)
         self._flags()
 
+    @property
+    def buffer(self) -> mmap.mmap | None:
+        """The current table's writable buffer (None: no table), for the native calls
+        that take entries out by slot (``BlockTable.unpublish``)."""
+        t = self._table
+        return None if t is None else t.mm
+
     def room_for(self, n: int) -> mmap.mmap | None:
         """The current table's buffer when it takes ``n`` more keys without growing
         (``add_slots``' rule: at most ``GROW_LOAD`` full), else None: the keys then go

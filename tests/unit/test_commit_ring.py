@@ -254,3 +254,48 @@ def test_commit_ring_refuses_what_is_not_a_page_or_grant_words() -> None:
         close_store(env.store)
         shutil.rmtree(directory, ignore_errors=True)
         assert not os.path.exists(directory)
+
+
+def test_victims_leave_the_index_by_their_slots_and_come_back_the_same_way() -> None:
+    """An eviction's victims are hidden by slot ref (``BlockTable.unpublish``: the keys
+    their slot entries hold, removed only where the index names that block) and put
+    back the same way when a reader raced the plan (``Keys.unhide_refs``)."""
+    directory = make_shm_dir()
+    env = _store(directory)
+    try:
+        s = session(env)
+        ks = [b"v%d" % i for i in range(6)] + [b"0123456789abcdef"]
+        put(env, s, ks)
+        index, table = s.ns.index, s.ns.table
+        refs = index.find(ks)
+        assert refs.all()
+        buf = index.table.buffer
+        assert buf is not None
+        assert table.unpublish(refs[:3], buf) == b"\x01" * 3
+        assert index.find(ks).tolist() == [0, 0, 0] + refs[3:].tolist()
+        assert table.unpublish(refs[:3], buf) == b"\x00" * 3  # gone already
+        # A free slot's ref, and one naming no extent.
+        free = np.array([int(refs[0]) >> 32 << 32 | 14], dtype=np.uint64)  # the extent's last
+        assert table.inspect(free)["state"].tolist() == [0]  # FREE
+        assert table.unpublish(free, buf) == b"\x00"
+        with pytest.raises(ValueError):
+            table.unpublish(np.array([999 << 32], dtype=np.uint64), buf)
+        index.unhide_refs(refs[:3])
+        assert (index.find(ks) == refs).all() and env.store.lookup(s, ks) == len(ks)
+        # Evictions as a full namespace's claims make them, with a writer's page attached
+        # (the hazard check between the hide and the claim).
+        page = SessionPage(s.ns.name, writes=True)
+        env.store.attach_page(s, page)
+        for i in range(4):
+            put(env, s, [b"w%d-%d" % (i, j) for j in range(8)])
+        present = index.find(ks)
+        gone = [k for k, r in zip(ks, present.tolist(), strict=True) if not r]
+        assert gone and env.store.evictions >= len(gone)
+        assert env.store.lookup(s, gone[:1]) == 0
+        assert env.store.check() == []
+        env.store.close_session(s)
+        page.close()
+        assert env.store.check() == []
+    finally:
+        close_store(env.store)
+        shutil.rmtree(directory, ignore_errors=True)

@@ -67,7 +67,7 @@ def _victims(ns: Namespace, n: int, pinned: Pinned, *, spill: bool) -> Victims:
         chosen = np.concatenate([chosen, more])
         if len(chosen) >= n or not len(more) or final:
             break
-    return ns.victims_at(chosen)
+    return Victims(ns, chosen)  # (COMMITTED and unpinned: their keys read when asked)
 
 
 class Allocator:
@@ -110,15 +110,19 @@ class Allocator:
         # Applied: the table's calls below were validated by the plan (on the loop,
         # nothing changed since) and change every slot or none.
         vrefs = victims.refs
+        if victims and (self._on_evict is not None or ns.index.wants_keys):
+            victims.read()  # (before their slots change)
         try:
             # One call: the free slots and the victims (evicted into this claim), or none.
             refs, short = ns.table.claim(free, pinned.skip(), evict=vrefs if victims else None)
         except BaseException:
-            ns.index.unhide(victims.blocks())
+            if victims.hidden:
+                ns.index.unhide_refs(vrefs)
             raise
         assert short == 0, f"{short} free slots vanished since the plan"
         if victims:
-            self._drop_from_index(ns, victims.keys, hidden=victims.hidden)
+            self._drop_from_index(ns, victims.keys if victims.is_read else None,
+                                  len(victims), hidden=victims.hidden)
             refs = np.concatenate([refs, vrefs])
             self._report_evicted(ns, victims)
         gens = ns.table.inspect(refs)["generation"]
@@ -148,14 +152,15 @@ class Allocator:
             if partial:
                 return free, Victims.none(ns), pinned
             raise
-        if ns.pages and len(victims):
-            ns.index.hide(victims.keys)
+        if len(victims):
+            ns.index.hide_refs(victims.refs)
             victims.hidden = True
-            now = self._state.pinned(ns)
-            if now.any_slot(victims.refs):
-                ns.index.unhide(victims.blocks())
-                raise _Raced()
-            pinned = now
+            if ns.pages:
+                now = self._state.pinned(ns)
+                if now.any_slot(victims.refs):
+                    ns.index.unhide_refs(victims.refs)
+                    raise _Raced()
+                pinned = now
         return free, victims, pinned
 
     def _find_room(self, ns: Namespace, n: int, got: int, *, may_grow: bool,
@@ -342,7 +347,7 @@ class Allocator:
         for ext in exts:
             owner = self._state.namespaces[ext.segment.namespace]
             blocks = owner.victims_at(owner.table.committed(ext.id))
-            self._drop_from_index(owner, blocks.keys)
+            self._drop_from_index(owner, blocks.keys, len(blocks))
             # (handles, when a hook wants them, before the extent is gone)
             evicted.append((owner, blocks.blocks() if self._on_evict is not None else blocks))
             # A late writer of a previous run writes into the unlinked file: harmless.
@@ -378,17 +383,19 @@ class Allocator:
         if block.pins or block.doomed or ns.index.get(block.key) != block:
             return False
         ns.table.evict(_refs([(block.extent, block.slot)]))  # or nothing changes
-        self._drop_from_index(ns, [block.key])
+        self._drop_from_index(ns, [block.key], 1)
         self._report_evicted(ns, [block])
         return True
 
-    def _drop_from_index(self, ns: Namespace, keys: list[bytes], *,
+    def _drop_from_index(self, ns: Namespace, keys: list[bytes] | None, n: int, *,
                          hidden: bool = False) -> None:
-        """The index's part of an eviction (the one exit of DRAM blocks; the spill tiers
-        turn it into demotion): the keys leave (``hidden``: the shared table let go of
-        them already).  The table's part is the caller's."""
-        ns.index.remove(keys, hidden=hidden)
-        self.evictions += len(keys)
+        """The index's part of an eviction of ``n`` blocks (the one exit of DRAM blocks;
+        the spill tiers turn it into demotion): their keys leave (``hidden``: the shared
+        table let go of them already; then None when nothing else wants the keys,
+        ``Keys.wants_keys``).  The table's part is the caller's."""
+        if keys is not None:
+            ns.index.remove(keys, hidden=hidden)
+        self.evictions += n
 
     def _report_evicted(self, ns: Namespace, blocks: Victims | Sequence[Block]) -> None:
         """Tell ``on_evicted`` (a count) and ``on_evict`` (each block's handle: made only

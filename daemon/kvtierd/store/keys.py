@@ -15,8 +15,9 @@ fds) leaves the keys in the shared index's ``unpublished`` dict: slower, still
 exact, and clients then ask the daemon.
 
 Only the store changes it, on the event loop: ``add`` at commit and adoption,
-``remove`` at delete and eviction, ``hide``/``unhide`` around an eviction plan
-(``store.allocator``).  ``watch`` hears every key that comes or goes (KV events).
+``remove`` at delete and eviction, ``hide``/``unhide`` (by keys, or by slot refs:
+``hide_refs``/``unhide_refs``) around an eviction plan (``store.allocator``).
+``watch`` hears every key that comes or goes (KV events).
 """
 
 from __future__ import annotations
@@ -129,6 +130,12 @@ class Keys:
                 klen = min(int(row["key_len"]), MAX_KEY_BYTES)
                 yield bytes(row.tobytes()[KEY_OFFSET:KEY_OFFSET + klen]), ref
 
+    @property
+    def wants_keys(self) -> bool:
+        """Removing keys needs them as Python objects: the KV events hear them, or the
+        table left some out (``unpublished``)."""
+        return self.watch is not None or bool(self.table.unpublished)
+
     # ------------------------------------------------------------ changing
     def add(self, keys: Sequence[bytes], locs: Sequence[Location]) -> None:
         """Make ``keys`` visible at ``locs`` (new keys: the store checked)."""
@@ -193,6 +200,18 @@ class Keys:
     def hide(self, keys: Sequence[bytes]) -> None:
         """Out of the table for now, not an event (``unhide`` or ``remove`` follows)."""
         self.table.hide_many(keys)
+
+    def hide_refs(self, refs: npt.NDArray[np.uint64]) -> None:
+        """``hide`` of the blocks at ``refs`` by the keys their slot entries hold (no
+        Python object per key: an eviction's victims)."""
+        buf = self.table.buffer
+        if buf is not None and len(refs):
+            self._ns.table.unpublish(refs, buf)
+
+    def unhide_refs(self, refs: npt.NDArray[np.uint64]) -> None:
+        """Put back the blocks at ``refs`` that ``hide_refs`` took out (still COMMITTED:
+        nothing changed them since), read from their slot entries."""
+        self.add_committed(refs, ())
 
     def unhide(self, blocks: Sequence[Block]) -> None:
         """Put back hidden blocks that are still current."""

@@ -286,31 +286,59 @@ _DOOMED_STATE: Final = int(SlotState.DOOMED)
 
 
 class Victims:
-    """Blocks of one namespace as columns (an eviction plan's victims): refs, keys and
-    their slot entries (``ENTRY_DTYPE``), read in one table call; handles only when
-    asked for (``blocks``)."""
+    """Blocks of one namespace as columns (an eviction plan's victims): refs, and their
+    keys and slot entries (``ENTRY_DTYPE``) read in one table call, when first asked for
+    (an eviction needs them only for the KV events, the handles hook or keys kept
+    outside the shared table: ``Keys.hide_refs`` takes the victims out by slot);
+    handles only when asked for (``blocks``)."""
 
-    __slots__ = ("ns", "refs", "keys", "rows", "hidden")
+    __slots__ = ("ns", "refs", "_keys", "_rows", "hidden")
 
-    def __init__(self, ns: Namespace, refs: npt.NDArray[np.uint64], keys: list[bytes],
-                 rows: npt.NDArray[np.void]) -> None:
+    def __init__(self, ns: Namespace, refs: npt.NDArray[np.uint64],
+                 keys: list[bytes] | None = None, rows: npt.NDArray[np.void] | None = None
+                 ) -> None:
+        """``keys`` and ``rows`` as ``BlockTable.entries`` reads them (None: read when
+        asked; the refs name COMMITTED blocks, as the table's victims do)."""
         self.ns = ns
         self.refs = refs
-        self.keys = keys
-        self.rows = rows
-        #: Their keys are out of the shared table already (``Keys.hide``, before the
-        #: hazard check): their removal is then no second pass over the table.
+        self._keys = keys
+        self._rows = rows
+        #: Their keys are out of the shared table already (``Keys.hide_refs``, before
+        #: the hazard check): their removal is then no second pass over the table.
         self.hidden = False
 
     @classmethod
     def none(cls, ns: Namespace) -> Victims:
         return cls(ns, np.zeros(0, dtype=np.uint64), [], np.zeros(0, dtype=ENTRY_DTYPE))
 
+    def read(self) -> Victims:
+        """Read their keys and slot entries now (before their slots change)."""
+        if self._keys is None or self._rows is None:
+            self._keys, self._rows = self.ns.table.entries(self.refs)
+        return self
+
+    @property
+    def is_read(self) -> bool:
+        return self._keys is not None
+
+    @property
+    def keys(self) -> list[bytes]:
+        keys = self.read()._keys
+        assert keys is not None
+        return keys
+
+    @property
+    def rows(self) -> npt.NDArray[np.void]:
+        rows = self.read()._rows
+        assert rows is not None
+        return rows
+
     def __len__(self) -> int:
         return len(self.refs)
 
     def __getitem__(self, at: slice) -> Victims:
-        return Victims(self.ns, self.refs[at], self.keys[at], self.rows[at])
+        return Victims(self.ns, self.refs[at], None if self._keys is None else self._keys[at],
+                       None if self._rows is None else self._rows[at])
 
     def oldest(self) -> int:
         """The oldest last access among them (2**64 when there are none)."""
