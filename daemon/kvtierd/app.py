@@ -460,7 +460,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         metrics = Metrics(registry)
 
         def on_evicted(namespace: str, n: int) -> None:
-            metrics.evicted_blocks.labels(namespace, "dram").inc(n)
+            metrics.evicted(namespace, "dram", n)
 
         store = Store(
             capacity=cfg.dram.capacity,

@@ -117,6 +117,8 @@ class Metrics:
             "Reserved slots returned (abort, session close or expiry)", ["namespace", "reason"],
             registry=registry,
         )
+        #: (namespace, tier) -> its ``evicted_blocks`` child (``evicted``).
+        self._evicted: dict[tuple[str, str], Counter] = {}
         self.evicted_blocks = Counter(
             "kvtier_evicted_blocks", "Blocks evicted from a tier", ["namespace", "tier"],
             registry=registry,
@@ -212,8 +214,18 @@ class Metrics:
             w.errors += 1
             self.rpc_errors.labels(method, error_code).inc()
 
+    def evicted(self, namespace: str, tier: str, n: int) -> None:
+        """Count ``n`` blocks of ``namespace`` evicted from ``tier`` (the series' child
+        kept: an eviction on the commit path, per claim, did a labels() lookup)."""
+        child = self._evicted.get((namespace, tier))
+        if child is None:
+            child = self._evicted[namespace, tier] = self.evicted_blocks.labels(namespace, tier)
+        child.inc(n)
+
     def forget_namespace(self, name: str) -> None:
         """Drop every series labelled with namespace ``name`` (the store forgot it)."""
+        for key in [k for k in self._evicted if k[0] == name]:
+            del self._evicted[key]
         for metric in (self.lookups, self.hit_blocks, self.missed_blocks, self.reserved_blocks,
                        self.committed_blocks, self.aborted_blocks, self.evicted_blocks,
                        self.checksum_failures, self.lease_seconds, self.reservation_seconds):

@@ -477,8 +477,7 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         # on_evict hook); the copies below DRAM here.
         for name in ("ssd", "shared", "cluster"):
             if result.dropped.get(name):
-                self.metrics.evicted_blocks.labels(request.namespace, name).inc(
-                    result.dropped[name])
+                self.metrics.evicted(request.namespace, name, result.dropped[name])
         log.info("evict in namespace %r (tiers: %s): %d keys lost copies %s, %d skipped "
                  "(leased or moving)", request.namespace,
                  ",".join(pb.Tier.Name(t) for t in request.tiers) or "all",

@@ -150,3 +150,23 @@ def test_prefetches_are_bounded_and_a_failing_one_is_counted(
             assert all(k in s.ns.index for k in first)
 
     asyncio.run(go())
+
+
+def test_evictions_count_per_namespace_and_start_again_after_a_forget() -> None:
+    """``Metrics.evicted`` keeps each series' child; a namespace the store forgot has no
+    series left, and its next eviction starts a new one (not the dropped child)."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+
+    def value(ns: str, tier: str) -> float | None:
+        return registry.get_sample_value("kvtier_evicted_blocks_total",
+                                         {"namespace": ns, "tier": tier})
+
+    metrics.evicted("a", "dram", 3)
+    metrics.evicted("a", "dram", 2)
+    metrics.evicted("b", "ssd", 1)
+    assert (value("a", "dram"), value("b", "ssd")) == (5.0, 1.0)
+    metrics.forget_namespace("a")
+    assert value("a", "dram") is None and value("b", "ssd") == 1.0
+    metrics.evicted("a", "dram", 4)
+    assert value("a", "dram") == 4.0
