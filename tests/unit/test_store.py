@@ -1135,3 +1135,25 @@ def test_live_many_and_set_lower_many_answer_as_their_one_block_forms(env: Store
     assert none == [] and len(no_rows) == 0
     env.store.release(s, lease.lease_id)
     assert env.store.check() == []
+
+
+@pytest.mark.parametrize("n", [1, 3, 12])
+def test_a_hashed_hit_that_names_another_key_s_block_is_a_miss(
+        env: StoreEnv, monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """The index holds keys other than 16 bytes long as a hash: ``Keys.find`` checks such
+    a hit against the key in the slot entry (a collision, or a hostile client's search
+    for one, finds nothing), in batches small and large alike; a 16-byte key is exact."""
+    s = session(env)
+    held = keys(n, "h") + [b"0123456789abcdef"]
+    put(env, s, held)
+    index = s.ns.index
+    refs = index.find(held)
+    assert refs.all()
+    asked = [b"other%03d" % i for i in range(n)] + [b"fedcba9876543210"]
+    real = index.table.find_many
+    monkeypatch.setattr(index.table, "find_many",
+                        lambda ks: refs.copy() if ks == asked else real(ks))
+    got = index.find(asked)
+    assert got[:n].tolist() == [0] * n  # the slot entries hold other keys
+    assert int(got[n]) == int(refs[n])  # 16 bytes: the table's own key, no check
+    assert index.find(held).tolist() == refs.tolist()

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 
 _SLOT_MASK = np.uint64(_slot_ref.SLOT_MASK)
+#: Up to this many keys, ``Keys.find`` checks its hits in Python lists.
+_SMALL = 8
 
 
 def _hashed(keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
@@ -70,6 +72,14 @@ class Keys:
     def find(self, keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
         """Each key's block ref, 0 when absent (hashed hits checked against the slot)."""
         refs = self.table.find_many(keys)
+        if len(keys) <= _SMALL:  # (a 1-key delete or commit: no numpy step per question)
+            few = [i for i, r in enumerate(refs.tolist()) if r and len(keys[i]) != 16]
+            if few:
+                ok = self._ns.table.match_keys(refs[few], [keys[i] for i in few]).tolist()
+                for i, good in zip(few, ok, strict=True):
+                    if not good:
+                        refs[i] = 0
+            return refs
         if not refs.any():  # (a commit's new keys: nothing to check; cheaper than nonzero)
             return refs
         hits = np.flatnonzero(refs)
