@@ -72,9 +72,9 @@ SOURCES: dict[str, Source] = {
         "bench/run_core.sh   # = .venv/bin/kvtier bench --json bench/results-core.json",
         tree="before the fast path: every call over gRPC"),
     "commit_path": Source(
-        "bench/results/commit-path-2026-12-05-session19.json", "c84b783", EPYC + ", quiet",
-        "2026-12-05",
-        ".venv/bin/python bench/commit_path.py --tree . --rounds 3 --json FILE"),
+        "bench/results/commit-ring-2026-12-06.json", "89fc7ae", EPYC + ", quiet", "2026-12-06",
+        ".venv/bin/python bench/commit_path.py --tree /work/wt-before --tree /work/main "
+        "--rounds 3 --seconds 3 --json FILE   # /work/wt-before: bf727a4"),
     "copy_ceiling": Source(
         "bench/results/copy-ceiling-2026-12-03.json", "3129c25", EPYC, "2026-12-03",
         ".venv/bin/python bench/copy_ceiling.py --json FILE"),
@@ -326,7 +326,7 @@ def claims(r: Results) -> list[Claim]:
         f"{fx(one, 3)} (median of 3 rounds)",
         "commit_path",
         "`bench/commit_path.py` above 0.2x; note: `kvtier bench`'s interleaved rounds give "
-        "0.33-0.37x (idle wake-ups on 2 vCPUs), which this claim does not cover"))
+        "0.24-0.25x (idle wake-ups on 2 vCPUs), which this claim does not cover"))
     rp = tput(redis, "kvtier", "put", 2 * MiB)
     out.append(Claim(
         "kvtier moves 2 MiB blocks at least 5x faster than Redis on the same host.",
@@ -514,7 +514,7 @@ def sec_control_path(r: Results) -> str:
              f"{med('/work/main', 'put32_daemon_cpu_us_per_block'):.2f} us"],
         ], right=[False, True]),
         source_line("commit_path"),
-        "\nIn `kvtier bench`'s interleaved rounds the same reserve + commit is 0.33-0.37x the "
+        "\nIn `kvtier bench`'s interleaved rounds the same reserve + commit is 0.24-0.25x the "
         "empty call: each commit there wakes an idle daemon and an idle writer, and on two vCPUs "
         "the wake-ups, not the daemon's work, are most of the round trip.\n",
         "\n**Why the session socket and not gRPC** (round-trip floors of the candidate transports, "
