@@ -1545,7 +1545,10 @@ bt_commit_ring(BlockTable *t, PyObject *args)
         out = Py_NewRef(Py_None);
         goto done;
     }
-    if (kvt_index_find_rows(&ib, &r->key[0][0], KVT_W_KEY_MAX, r->klen, n, found) < 0)
+    const uint8_t *kp[KVT_W_RING_N];
+    for (Py_ssize_t i = 0; i < n; i++)
+        kp[i] = r->key[i];
+    if (kvt_index_find_rows(&ib, kp, r->klen, n, found) < 0)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++)
         if (found[i] != 0) { /* present (or a hashed key's look-alike): per batch */

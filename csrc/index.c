@@ -1128,34 +1128,16 @@ done:
     return ret;
 }
 
-int
-kvt_index_find_rows(Py_buffer *buf, const uint8_t *keys, size_t stride, const uint8_t *klens,
-                    Py_ssize_t n, uint64_t *out)
-{
-    table t;
-    if (open_table(buf, &t) < 0)
-        return -1;
-    fingerprint fs[LOOKUP_AHEAD];
-    uint64_t hs[LOOKUP_AHEAD];
-    for (Py_ssize_t i = 0; i < n; i += LOOKUP_AHEAD) {
-        int m = n - i < LOOKUP_AHEAD ? (int)(n - i) : LOOKUP_AHEAD;
-        for (int k = 0; k < m; k++) {
-            fs[k] = fp_of(keys + (size_t)(i + k) * stride, klens[i + k]);
-            hs[k] = home(&t, &fs[k]);
-            __builtin_prefetch(&t.e[hs[k]], 0, 3);
-        }
-        for (int k = 0; k < m; k++) {
-            idx_entry *slot;
-            const idx_entry *e = w_find_from(&t, &fs[k], hs[k], &slot);
-            out[i + k] = e == NULL || e->segment == 0 ? 0 : KVT_REF(e->segment, e->slot);
-        }
-    }
-    return 0;
-}
+/* Each of n keys (keys[i] of klens[i] bytes; NULL: none) found by the writer in the index
+ * buf holds, LOOKUP_AHEAD at a time, hashed and their home entries prefetched first (a
+ * batch's keys are scattered over the table, and one cache miss each was most of a
+ * lookup): found(&t, i, its live entry or NULL, arg) for each key in order.  0, or -1
+ * with a Python error when buf holds no index. */
+typedef void (*found_fn)(table *t, Py_ssize_t i, idx_entry *e, void *arg);
 
-int
-kvt_index_remove_at(Py_buffer *buf, const uint8_t *const *keys, const uint8_t *klens,
-                    const uint32_t *segments, const uint32_t *slots, Py_ssize_t n, uint8_t *hit)
+static int
+w_find_each(Py_buffer *buf, const uint8_t *const *keys, const uint8_t *klens, Py_ssize_t n,
+            found_fn found, void *arg)
 {
     table t;
     if (open_table(buf, &t) < 0)
@@ -1165,7 +1147,6 @@ kvt_index_remove_at(Py_buffer *buf, const uint8_t *const *keys, const uint8_t *k
     for (Py_ssize_t i = 0; i < n; i += LOOKUP_AHEAD) {
         int m = n - i < LOOKUP_AHEAD ? (int)(n - i) : LOOKUP_AHEAD;
         for (int k = 0; k < m; k++) {
-            hit[i + k] = 0;
             if (keys[i + k] == NULL)
                 continue;
             fs[k] = fp_of(keys[i + k], klens[i + k]);
@@ -1173,17 +1154,47 @@ kvt_index_remove_at(Py_buffer *buf, const uint8_t *const *keys, const uint8_t *k
             __builtin_prefetch(&t.e[hs[k]], 1, 3);
         }
         for (int k = 0; k < m; k++) {
-            if (keys[i + k] == NULL)
-                continue;
             idx_entry *slot;
-            idx_entry *e = w_find_from(&t, &fs[k], hs[k], &slot);
-            if (e != NULL && e->segment == segments[i + k] && e->slot == slots[i + k]) {
-                remove_entry(&t, e);
-                hit[i + k] = 1;
-            }
+            found(&t, i + k, keys[i + k] == NULL ? NULL : w_find_from(&t, &fs[k], hs[k], &slot),
+                  arg);
         }
     }
     return 0;
+}
+
+static void
+found_ref(table *Py_UNUSED(t), Py_ssize_t i, idx_entry *e, void *out)
+{
+    ((uint64_t *)out)[i] = e == NULL || e->segment == 0 ? 0 : KVT_REF(e->segment, e->slot);
+}
+
+int
+kvt_index_find_rows(Py_buffer *buf, const uint8_t *const *keys, const uint8_t *klens,
+                    Py_ssize_t n, uint64_t *out)
+{
+    return w_find_each(buf, keys, klens, n, found_ref, out);
+}
+
+typedef struct {
+    const uint32_t *segments, *slots;
+    uint8_t *hit;
+} remove_at_job;
+
+static void
+found_remove(table *t, Py_ssize_t i, idx_entry *e, void *arg)
+{
+    remove_at_job *j = arg;
+    j->hit[i] = e != NULL && e->segment == j->segments[i] && e->slot == j->slots[i];
+    if (j->hit[i])
+        remove_entry(t, e);
+}
+
+int
+kvt_index_remove_at(Py_buffer *buf, const uint8_t *const *keys, const uint8_t *klens,
+                    const uint32_t *segments, const uint32_t *slots, Py_ssize_t n, uint8_t *hit)
+{
+    remove_at_job j = {segments, slots, hit};
+    return w_find_each(buf, keys, klens, n, found_remove, &j);
 }
 
 /* index_present_many(buf, keys): the reader's batch presence test, for a client that

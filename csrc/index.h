@@ -81,11 +81,11 @@ typedef struct {
 int kvt_ring_read(Py_buffer *page, uint64_t tail, uint64_t max_length, const uint64_t *held,
                   kvt_ring *r);
 
-/* index_find_many's lookup of n keys held as rows (key i at keys + i * stride, klens[i]
- * bytes) in the index buf holds: out[i] is the ref of its live entry, or 0.  0, or -1
- * with a Python error when buf holds no index. */
-int kvt_index_find_rows(Py_buffer *buf, const uint8_t *keys, size_t stride,
-                        const uint8_t *klens, Py_ssize_t n, uint64_t *out);
+/* index_find_many's lookup of n keys (keys[i] of klens[i] bytes; NULL: none) in the
+ * index buf holds: out[i] is the ref of its live entry, or 0.  0, or -1 with a Python
+ * error when buf holds no index. */
+int kvt_index_find_rows(Py_buffer *buf, const uint8_t *const *keys, const uint8_t *klens,
+                        Py_ssize_t n, uint64_t *out);
 
 /* Take out of the index buf holds the entries of n keys (keys[i] of klens[i] bytes; NULL:
  * none) that name the block at (segments[i], slots[i]); hit[i] says which did.  An entry

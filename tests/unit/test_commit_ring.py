@@ -5,10 +5,10 @@ it changes nothing for any ring that is not plain."""
 
 from __future__ import annotations
 
-import os
+import contextlib
 import shutil
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -29,13 +29,21 @@ GRANTS = 12
 _COMMITTED = bytes([CommitResult.COMMITTED])
 
 
-def _store(directory: str) -> StoreEnv:
-    """A store as kvtierd runs one without a write-through tier: page commits make no
-    block handles (the native ring's case)."""
+@contextlib.contextmanager
+def _ring_store() -> Iterator[StoreEnv]:
+    """A store of its own /dev/shm directory as kvtierd runs one without a write-through
+    tier: page commits make no block handles (the native ring's case).  ``check()`` is
+    clean at the end; the store is closed and its directory removed."""
+    directory = make_shm_dir()
     env = make_store(directory, capacity=CAPACITY, extent_size=1 << 20,
                      grant_bytes=GRANTS * BLOCK)
-    env.store.attach_tiering(spill=False, commit_handles=False)
-    return env
+    try:
+        env.store.attach_tiering(spill=False, commit_handles=False)
+        yield env
+        assert env.store.check() == []
+    finally:
+        close_store(env.store)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _writer_page(env: StoreEnv, s: Session) -> SessionPage:
@@ -62,9 +70,7 @@ def _words(s: Session) -> dict[int, int]:
 
 
 def test_a_plain_ring_commits_in_one_native_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    directory = make_shm_dir()
-    env = _store(directory)
-    try:
+    with _ring_store() as env:
         s = session(env)
         put(env, s, [b"first"])
         page = _writer_page(env, s)
@@ -103,18 +109,13 @@ def test_a_plain_ring_commits_in_one_native_call(monkeypatch: pytest.MonkeyPatch
         env.store.close_session(s)
         page.close()
         assert env.store.check() == []
-    finally:
-        close_store(env.store)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_a_ring_changes_nothing_when_the_store_needs_more_than_the_native_call(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Handles wanted, keys of reservations in flight, a key below DRAM: the native
     call leaves the ring to the general way, which answers it (EXISTS, COMMITTED)."""
-    directory = make_shm_dir()
-    env = _store(directory)
-    try:
+    with _ring_store() as env:
         s = session(env)
         put(env, s, [b"first"])
         page = _writer_page(env, s)
@@ -151,9 +152,6 @@ def test_a_ring_changes_nothing_when_the_store_needs_more_than_the_native_call(
         assert env.store.check() == []
         env.store.close_session(s)
         page.close()
-    finally:
-        close_store(env.store)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 # A record of a generated ring: which grant (an index into the session's grants held;
@@ -183,9 +181,7 @@ def test_rings_commit_the_same_natively_and_record_by_record(
 
     outcomes = []
     for native in (True, False):
-        directory = make_shm_dir()
-        env = _store(directory)
-        try:
+        with _ring_store() as env:
             if not native:
                 env.store.state.commit_ring = lambda *a: None  # type: ignore[method-assign]
             s = session(env)
@@ -220,16 +216,11 @@ def test_rings_commit_the_same_natively_and_record_by_record(
             env.store.close_session(s)
             page.close()
             assert env.store.check() == []
-        finally:
-            close_store(env.store)
-            shutil.rmtree(directory, ignore_errors=True)
     assert outcomes[0] == outcomes[1]
 
 
 def test_commit_ring_refuses_what_is_not_a_page_or_grant_words() -> None:
-    directory = make_shm_dir()
-    env = _store(directory)
-    try:
+    with _ring_store() as env:
         s = session(env)
         put(env, s, [b"first"])
         page = _writer_page(env, s)
@@ -250,19 +241,13 @@ def test_commit_ring_refuses_what_is_not_a_page_or_grant_words() -> None:
         assert env.store.check() == []
         env.store.close_session(s)
         page.close()
-    finally:
-        close_store(env.store)
-        shutil.rmtree(directory, ignore_errors=True)
-        assert not os.path.exists(directory)
 
 
 def test_victims_leave_the_index_by_their_slots_and_come_back_the_same_way() -> None:
     """An eviction's victims are hidden by slot ref (``BlockTable.unpublish``: the keys
     their slot entries hold, removed only where the index names that block) and put
     back the same way when a reader raced the plan (``Keys.unhide_refs``)."""
-    directory = make_shm_dir()
-    env = _store(directory)
-    try:
+    with _ring_store() as env:
         s = session(env)
         ks = [b"v%d" % i for i in range(6)] + [b"0123456789abcdef"]
         put(env, s, ks)
@@ -296,6 +281,3 @@ def test_victims_leave_the_index_by_their_slots_and_come_back_the_same_way() -> 
         env.store.close_session(s)
         page.close()
         assert env.store.check() == []
-    finally:
-        close_store(env.store)
-        shutil.rmtree(directory, ignore_errors=True)
