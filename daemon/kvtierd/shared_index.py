@@ -343,7 +343,7 @@ class SharedIndex:
 
     def discard_many(self, keys: Sequence[bytes], *, hidden: bool = False) -> None:
         """``discard`` of each key, in one table call (none with ``hidden``: the keys
-        ``hide_many`` took out; only those kept apart are left to forget)."""
+        ``BlockTable.unpublish`` took out; only those kept apart are left to forget)."""
         t = self._table
         if t is None:
             for key in keys:
@@ -357,12 +357,6 @@ class SharedIndex:
                     changed = True
             if changed:
                 self._flags()
-
-    def hide_many(self, keys: Sequence[bytes]) -> None:
-        """``hide`` of each key, in one table call."""
-        t = self._table
-        if t is not None and keys:
-            _native.index_remove_many(t.mm, keys)
 
     def hide(self, key: bytes) -> None:
         """Take ``key`` out of the table for now (``unhide`` puts it back): an eviction

@@ -31,6 +31,7 @@ from kvtierd.shared_index import (
     HAZARDS_N,
     PAGE_BYTES,
     SUPERSEDED,
+    HazardSet,
     SessionPage,
     SharedIndex,
     collect_hazards,
@@ -354,6 +355,52 @@ def test_a_victim_leased_while_the_plan_was_made_is_kept(
     env.store.close_session(s)
     local.close()
     page.close()
+
+
+def test_a_block_leased_while_its_extent_was_planned_for_reclaim_keeps_the_extent(
+        shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader of A leases a block after the reclaim plan first read A's pages but
+    before A's extent left the table: the read after the hide sees it, every block of
+    the extent goes back in the index (``Keys.unhide_refs``), and B plans again (it
+    evicts its own blocks: A's extent is leased now)."""
+    env = make_store(shm_dir, capacity=CAPACITY, extent_size=1 << 20)
+    try:
+        a, b = session(env, "A"), session(env, "B")
+        ka = keys(12, "a")
+        put(env, a, ka)
+        (ext,) = a.ns.extents
+        put(env, b, keys(12, "b"))  # B's extent: the budget is spent
+        page, local = _attach(env, a)
+        real = env.store.state.hazards
+        calls: list[int] = []
+        got: list[object] = []
+
+        def late(ns: store_mod.Namespace) -> HazardSet:
+            if ns is a.ns:
+                calls.append(1)
+                if len(calls) == 1:  # the plan's read: the client leases "meanwhile"
+                    lease = local.acquire([ka[0]])
+                    assert lease is not None
+                    got.append(lease)
+                    page.accessed()
+                    return HazardSet([])  # (what the plan saw: nothing yet)
+            return real(ns)
+
+        monkeypatch.setattr(env.store.state, "hazards", late)
+        put(env, b, keys(12, "b2"))
+        assert got and len(calls) >= 2  # the plan raced, the read after the hide saw it
+        assert a.ns.extents == [ext] and env.store.lookup(a, ka) == 12
+        assert env.store.lookup(b, keys(12, "b2")) == 12
+        monkeypatch.undo()
+        assert env.store.check() == []
+        env.store.close_session(a)
+        env.store.close_session(b)
+        local.close()
+        page.close()
+    finally:
+        close_store(env.store)
+        for name in os.listdir(shm_dir):
+            os.unlink(os.path.join(shm_dir, name))
 
 
 def test_a_hostile_page_costs_only_its_own_namespace(

@@ -193,8 +193,8 @@ class Allocator:
             try:
                 self._revoke_idle_grants(reclaim)  # or _Raced: a writer took one
             except _Raced:
-                for owner, blocks in hidden:
-                    owner.index.unhide(blocks)
+                for owner, refs in hidden:
+                    owner.index.unhide_refs(refs)
                 raise
             try:
                 self.retire_extents(reclaim, "for another namespace")
@@ -296,21 +296,23 @@ class Allocator:
         if not take_back_untaken(exts, self._state.namespaces, self._state.sessions):
             raise _Raced()
 
-    def _hide_for_reclaim(self, exts: Sequence[Extent]) -> list[tuple[Namespace, list[Block]]]:
+    def _hide_for_reclaim(self, exts: Sequence[Extent]
+                          ) -> list[tuple[Namespace, npt.NDArray[np.uint64]]]:
         """Take the blocks of other namespaces' extents about to be reclaimed out of
         their shared tables, then read those namespaces' pages again: a client that
         leased one of their slots meanwhile is seen now (the blocks go back, and
         ``_Raced``: plan again) or sees the blocks gone (the hazard handshake of
-        ``_take_slots``, across namespaces).  Returns what it hid, for ``_unhide``."""
+        ``_take_slots``, across namespaces).  Returns the refs it hid, by namespace, for
+        ``Keys.unhide_refs``."""
         namespaces = self._state.namespaces
-        hidden: list[tuple[Namespace, list[Block]]] = []
+        hidden: list[tuple[Namespace, npt.NDArray[np.uint64]]] = []
         for ext in exts:
             owner = namespaces[ext.segment.namespace]
             if not owner.pages:
                 continue
-            blocks = blocks_of(owner, ext)
-            owner.index.hide([b.key for b in blocks])
-            hidden.append((owner, blocks))
+            refs = owner.table.committed(ext.id)
+            owner.index.hide_refs(refs)
+            hidden.append((owner, refs))
         pins: dict[str, Pinned] = {}
         for ext in exts:
             owner = namespaces[ext.segment.namespace]
@@ -318,8 +320,8 @@ class Allocator:
                 if owner.name not in pins:
                     pins[owner.name] = self._state.pinned(owner)
                 if pins[owner.name].extent(ext):
-                    for other, blocks in hidden:
-                        other.index.unhide(blocks)
+                    for other, refs in hidden:
+                        other.index.unhide_refs(refs)
                     raise _Raced()
         return hidden
 

@@ -15,8 +15,8 @@ fds) leaves the keys in the shared index's ``unpublished`` dict: slower, still
 exact, and clients then ask the daemon.
 
 Only the store changes it, on the event loop: ``add`` at commit and adoption,
-``remove`` at delete and eviction, ``hide``/``unhide`` (by keys, or by slot refs:
-``hide_refs``/``unhide_refs``) around an eviction plan (``store.allocator``).
+``remove`` at delete and eviction, ``hide_refs``/``unhide_refs`` around an eviction
+plan (``store.allocator``).
 ``watch`` hears every key that comes or goes (KV events).
 """
 
@@ -207,13 +207,10 @@ class Keys:
         if keys and self.watch is not None:
             self.watch(list(keys), False)
 
-    def hide(self, keys: Sequence[bytes]) -> None:
-        """Out of the table for now, not an event (``unhide`` or ``remove`` follows)."""
-        self.table.hide_many(keys)
-
     def hide_refs(self, refs: npt.NDArray[np.uint64]) -> None:
-        """``hide`` of the blocks at ``refs`` by the keys their slot entries hold (no
-        Python object per key: an eviction's victims)."""
+        """Take the blocks at ``refs`` out of the table for now, by the keys their slot
+        entries hold (no Python object per key), not an event: ``unhide_refs`` or
+        ``remove`` follows (an eviction's victims, a reclaimed extent's blocks)."""
         buf = self.table.buffer
         if buf is not None and len(refs):
             self._ns.table.unpublish(refs, buf)
@@ -222,12 +219,6 @@ class Keys:
         """Put back the blocks at ``refs`` that ``hide_refs`` took out (still COMMITTED:
         nothing changed them since), read from their slot entries."""
         self.add_committed(refs, ())
-
-    def unhide(self, blocks: Sequence[Block]) -> None:
-        """Put back hidden blocks that are still current."""
-        for b in blocks:
-            if not b.doomed:
-                self.table.add(b.key, locate(b))
 
 
 def locate(block: Block) -> Location:
