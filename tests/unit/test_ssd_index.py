@@ -252,6 +252,49 @@ def test_no_python_object_per_entry_at_rest(tier: SsdTier) -> None:
     assert tier.stats()["blocks"] == 2064
 
 
+def test_a_delete_persists_only_the_table_pages_it_freed(disk_dir: str) -> None:  # noqa: F811
+    """``flush_frees`` writes the table pages holding freed entries (a run of them in
+    one write), not the file's whole table; a restart finds the deleted keys gone and
+    every other key still there."""
+    ssd = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
+    ssd.open()
+    n = 3 * fmt.ENTRIES_PER_PAGE
+    keys = [b"p%05d" % i for i in range(n)]
+    for k in keys:
+        _write(ssd, "a", k, k)
+    ssd.sync()
+    slots = {k: ssd.index[("a", k)].slot for k in keys}
+    f = ssd.index[("a", keys[0])].file
+    assert f.layout.table_bytes > 4 * fmt.PAGE  # (so a whole-table write would show)
+    page_of = {k: s // fmt.ENTRIES_PER_PAGE for k, s in slots.items()}
+    gone = [next(k for k in keys if page_of[k] == 0),  # two pages apart: two writes
+            next(k for k in keys if page_of[k] == 2)]
+    writes: list[tuple[int, int]] = []
+    real = ssd.io.pwrite
+
+    def spy(fd: int, buf: object, offset: int) -> int:
+        writes.append((offset, len(buf)))  # type: ignore[arg-type]
+        return real(fd, buf, offset)
+
+    ssd.io.pwrite = spy  # type: ignore[method-assign]
+    assert ssd.remove("a", gone) == 2
+    ssd.flush_frees()
+    assert sorted(writes) == [(fmt.TABLE_OFFSET, fmt.PAGE),
+                              (fmt.TABLE_OFFSET + 2 * fmt.PAGE, fmt.PAGE)]
+    writes.clear()
+    ssd.flush_frees()  # nothing freed since: nothing written
+    assert writes == []
+    ssd.close()
+    fresh = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
+    fresh.open()
+    try:
+        assert [k for k in keys if _read(fresh, "a", k) is None] == gone
+        assert _read(fresh, "a", keys[1]) == keys[1]
+        assert fresh.check() == []
+    finally:
+        fresh.close()
+
+
 def test_readoption_keeps_the_newest_copy_of_a_key_written_twice(disk_dir: str) -> None:  # noqa: F811
     """A crash between a rewrite's entry and the old copy's FREE entry leaves the key
     twice on disk: re-adoption keeps the newest write and frees the other."""
@@ -268,7 +311,7 @@ def test_readoption_keeps_the_newest_copy_of_a_key_written_twice(disk_dir: str) 
     ssd.flush_frees()
     f = old.file
     f.table[old.slot * fmt.ENTRY_BYTES : (old.slot + 1) * fmt.ENTRY_BYTES] = saved
-    ssd_files.write_table(ssd.io, ssd._lock, f)
+    ssd_files.write_table_pages(ssd.io, ssd._lock, f, [old.slot // fmt.ENTRIES_PER_PAGE])
     ssd.close()
     fresh = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
     fresh.open()
@@ -293,7 +336,7 @@ def test_readoption_frees_entries_with_junk_past_their_key(disk_dir: str) -> Non
     row[fmt.ENTRY_SUM_AT : fmt.ENTRY_SUM_AT + 8] = xxhash.xxh3_64_intdigest(
         bytes(row[: fmt.ENTRY_SUM_AT])).to_bytes(8, "little")
     e.file.table[off : off + fmt.ENTRY_BYTES] = bytes(row)
-    ssd_files.write_table(ssd.io, ssd._lock, e.file)
+    ssd_files.write_table_pages(ssd.io, ssd._lock, e.file, [e.slot // fmt.ENTRIES_PER_PAGE])
     ssd.close()
     fresh = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
     fresh.open()

@@ -84,8 +84,7 @@ from kvtierd.spill.ssd_files import (
     SsdEntry,
     entry_at,
     fdatasync,
-    write_table,
-    write_table_page,
+    write_table_pages,
 )
 from kvtierd.spill.ssd_index import SsdKeyIndex, key_hash
 from kvtierd.spill.ssd_listing import SsdListing
@@ -503,8 +502,7 @@ class SsdTier:
         done: set[SpillFile] = set()
         try:
             for f in files:
-                for page in sorted(pages[f]):
-                    write_table_page(self.io, self._lock, f, page)
+                write_table_pages(self.io, self._lock, f, pages[f])
                 fdatasync(self.io, f)
                 done.add(f)
         except BaseException:
@@ -516,20 +514,26 @@ class SsdTier:
             raise
 
     def flush_frees(self) -> None:
-        """Persist FREE entries of deleted/evicted blocks (so a restart does not revive them)."""
+        """Persist FREE entries of deleted/evicted blocks (so a restart does not revive
+        them): the table pages holding them, then one fdatasync a file."""
         with self._lock:
             files, self._pending_frees = list(self._pending_frees), set()
+            pages: dict[SpillFile, set[int]] = {}
+            for f in files:
+                pages[f], f.freed_pages = f.freed_pages, set()
         for i, f in enumerate(files):
             try:
                 with f.io_lock:
                     if f.retired:
                         continue
-                write_table(self.io, self._lock, f)
+                write_table_pages(self.io, self._lock, f, pages[f])
                 fdatasync(self.io, f)
             except BaseException:
                 with self._lock:  # not persisted: the next flush writes them again
-                    self._pending_frees.update(
-                        x for x in files[i:] if x in self.files.get(x.slot_bytes, ()))
+                    for x in files[i:]:
+                        if x in self.files.get(x.slot_bytes, ()):
+                            self._pending_frees.add(x)
+                            x.freed_pages |= pages[x]
                 raise
 
     # ================================================================ read

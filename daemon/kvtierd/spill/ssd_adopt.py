@@ -128,6 +128,7 @@ def _adopt_file(tier: SsdTier, path: str, slot_bytes: int, index: int) -> None:
         tier._absorbed("torn_entry", int(torn.size))
         log.warning("SSD tier: %s: %d slot entries failed their check and were freed",
                     path, torn.size)
+        f.freed_pages.update(np.unique(torn // fmt.ENTRIES_PER_PAGE).tolist())
         tier._pending_frees.add(f)
     free = np.flatnonzero(f.state == FREE)[::-1]
     f.nfree = len(free)

@@ -19,7 +19,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import numpy as np
@@ -78,6 +78,8 @@ class SpillFile:
     committed: int = 0  # INDEXED + REMOVED slots
     needs_sync: bool = False
     dirty_pages: set[int] = dataclasses.field(default_factory=set)  # table pages to write
+    #: Table pages holding entries freed since the tier's last ``flush_frees``.
+    freed_pages: set[int] = dataclasses.field(default_factory=set)
     dropped: bool = False  # taken out of the tier (under the tier's lock)
     retired: bool = False  # unlinked and closed (set under io_lock): no more table writes
     io_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -121,8 +123,11 @@ class SpillFile:
         return int.from_bytes(self.table[off : off + 8], "little")
 
     def clear_row(self, slot: int) -> None:
+        """Free a slot's entry in the mirror; its page is written at the next flush of
+        frees."""
         self.table[slot * fmt.ENTRY_BYTES : (slot + 1) * fmt.ENTRY_BYTES] = bytes(
             fmt.ENTRY_BYTES)
+        self.freed_pages.add(slot // fmt.ENTRIES_PER_PAGE)
 
     def push_free(self, slot: int) -> None:
         self.free[self.nfree] = slot
@@ -251,26 +256,25 @@ def fdatasync(io: BlockIO, f: SpillFile) -> None:
             io.fdatasync(f.fd)
 
 
-def write_table_page(io: BlockIO, lock: threading.Lock, f: SpillFile, page: int) -> None:
-    """Write one page of a file's slot-table mirror (copied under the tier's ``lock``)."""
-    buf = aligned_buffer(fmt.PAGE)
+def write_table_pages(io: BlockIO, lock: threading.Lock, f: SpillFile,
+                      pages: Iterable[int]) -> None:
+    """Write these pages of a file's slot-table mirror (copied under the tier's ``lock``):
+    each run of consecutive pages in one write."""
+    runs: list[tuple[int, int]] = []  # (first page, pages)
+    for page in sorted(pages):
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))
     with f.io_lock:
         if f.retired:
             return
-        with lock:
-            buf[:] = f.table[page * fmt.PAGE : (page + 1) * fmt.PAGE]
-        io.pwrite(f.fd, buf, fmt.TABLE_OFFSET + page * fmt.PAGE)
-    buf.close()
-
-
-def write_table(io: BlockIO, lock: threading.Lock, f: SpillFile) -> None:
-    """Write a file's whole slot-table mirror (copied under the tier's ``lock``)."""
-    size = f.layout.table_bytes
-    buf = aligned_buffer(size)
-    with f.io_lock:
-        if f.retired:
-            return
-        with lock:
-            buf[:size] = f.table[:size]
-        io.pwrite(f.fd, memoryview(buf)[:size], fmt.TABLE_OFFSET)
-    buf.close()
+        for first, n in runs:
+            at, size = first * fmt.PAGE, n * fmt.PAGE
+            buf = aligned_buffer(size)  # (exactly ``size``: passed whole, no view to release)
+            try:
+                with lock:
+                    buf[:] = f.table[at : at + size]
+                io.pwrite(f.fd, buf, fmt.TABLE_OFFSET + at)
+            finally:
+                buf.close()
