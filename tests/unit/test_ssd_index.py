@@ -252,6 +252,26 @@ def test_no_python_object_per_entry_at_rest(tier: SsdTier) -> None:
     assert tier.stats()["blocks"] == 2064
 
 
+@pytest.mark.parametrize("n", [1, 3, 8, 9, 40])
+def test_length_of_many_answers_as_length_of_key_by_key(disk_dir: str, n: int) -> None:  # noqa: F811
+    """Small batches (read entry by entry) and large ones (vectorised) answer alike:
+    absent keys, another namespace's, and copies of another geometry are None."""
+    ssd = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
+    ssd.open()
+    try:
+        for i in range(30):
+            _write(ssd, "a", b"k%d" % i, b"x" * (i + 1), mhash=7 if i % 3 else 9)
+        _write(ssd, "bb/x", b"other", b"o")
+        asked = [b"k%d" % (i * 7 % 45) for i in range(n - 1)] + [b"other"]
+        for geometry in (None, (8192, 7), (8192, 9)):
+            want = [ssd.length_of("a", k, geometry) for k in asked]
+            assert ssd.length_of_many("a", asked, geometry) == want
+            assert any(w is not None for w in want) or n == 1
+        assert ssd.length_of_many("nobody", asked) == [None] * n
+    finally:
+        ssd.close()
+
+
 def test_a_delete_persists_only_the_table_pages_it_freed(disk_dir: str) -> None:  # noqa: F811
     """``flush_frees`` writes the table pages holding freed entries (a run of them in
     one write), not the file's whole table; a restart finds the deleted keys gone and

@@ -95,6 +95,8 @@ __all__ = ["BUSY", "FIRST_FILE_BYTES", "FREE", "INDEXED", "REMOVED", "EvictHook"
 
 log = logging.getLogger(__name__)
 _throttle = Throttle()
+#: Up to this many keys, ``length_of_many`` reads each hit's entry without numpy.
+_FEW = 8
 
 
 class _IndexView:
@@ -299,10 +301,13 @@ class SsdTier:
         hash) pair, when given), or None: ``find`` without making an entry."""
         with self._lock:
             at = self._slot_of(namespace, key)
-            if at is None:
-                return None
-            f, slot = at
-            length, _, block_bytes, mhash = FIELDS.unpack_from(f.table, slot * ENTRY_BYTES + 8)
+            return None if at is None else self._length_at(*at, geometry)
+
+    @staticmethod
+    def _length_at(f: SpillFile, slot: int, geometry: tuple[int, int] | None) -> int | None:
+        """The length of the copy in ``f``'s ``slot`` (written for ``geometry`` when
+        given), or None (lock held)."""
+        length, _, block_bytes, mhash = FIELDS.unpack_from(f.table, slot * ENTRY_BYTES + 8)
         if geometry is not None and (block_bytes, mhash) != geometry:
             return None
         return int(length)
@@ -331,6 +336,10 @@ class SsdTier:
             if i is None or not keys:
                 return [None] * len(keys)
             sids = self.key_index.find_slots(self.names.encoded[i], keys)
+            if len(keys) <= _FEW:  # (a 1-key delete or lookup: no numpy step per question)
+                return [None if sid < 0 else self._length_at(*self.key_index.locate(sid),
+                                                             geometry)
+                        for sid in sids.tolist()]
             hit = np.flatnonzero(sids >= 0)
             if hit.size:
                 files = self.key_index.files
