@@ -208,6 +208,36 @@ def _calls_mode(batch: int, seconds: float, block: int = 4 << 10) -> dict[str, f
 
 
 # ------------------------------------------------------------------ through a daemon
+def _unix_round_trip_ms(n: int = 3000) -> float:
+    """p50 of one raw round trip over a Unix socket pair between two processes (a byte
+    each way, each side blocked in ``recv``): the wake-ups any answer from the daemon
+    costs on this machine, the floor of a call on the session socket or a ring of the
+    page's doorbell.  Run before any thread starts (it forks)."""
+    import socket
+
+    a, b = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the echoing child
+        a.close()
+        try:
+            while b.recv(1):
+                b.send(b"x")
+        finally:
+            os._exit(0)
+    b.close()
+    lat = []
+    try:
+        for _ in range(n):
+            t = time.perf_counter()
+            a.send(b"x")
+            a.recv(1)
+            lat.append(time.perf_counter() - t)
+    finally:
+        a.close()
+        os.waitpid(pid, 0)
+    return _p50(lat) * 1e3
+
+
 def _daemon_mode(seconds: float) -> dict[str, float]:
     import grpc
     import numpy as np
@@ -217,7 +247,7 @@ def _daemon_mode(seconds: float) -> dict[str, float]:
     from kvtier._core import grpc_options
     from kvtier.bench.private_daemon import private_daemon
 
-    out: dict[str, float] = {}
+    out: dict[str, float] = {"unix_rtt_p50_ms": _unix_round_trip_ms()}
     with private_daemon("cp", "dram.capacity=512MiB", "dram.extent_size=64MiB",
                  "server.write_grant_bytes=64MiB") as daemon:
         channel = grpc.insecure_channel(f"unix://{daemon.grpc_path}", options=grpc_options())
@@ -252,6 +282,7 @@ def _daemon_mode(seconds: float) -> dict[str, float]:
             ticks = daemon.cpu_ticks() - k0
             out["one_key_p50_ms"] = _p50(lat) * 1e3
             out["one_key_x_empty"] = out["one_key_p50_ms"] / out["empty_call_p50_ms"]
+            out["one_key_x_rtt"] = out["one_key_p50_ms"] / out["unix_rtt_p50_ms"]
             out["one_key_daemon_cpu_us"] = ticks / os.sysconf("SC_CLK_TCK") / len(lat) * 1e6
             out["one_key_ticks"] = ticks
             # Puts of 32 x 64 KiB.
@@ -399,7 +430,7 @@ def _delete_mode(seconds: float) -> dict[str, float]:
     from kvtier.bench.private_daemon import private_daemon
     from kvtier.cli import run_drain
 
-    out: dict[str, float] = {}
+    out: dict[str, float] = {"unix_rtt_p50_ms": _unix_round_trip_ms()}
     ssd = tempfile.mkdtemp(prefix="kvt-bench-ssd-", dir="/var/tmp")
     try:
         with private_daemon("cpd", "dram.capacity=256MiB", f"spill.ssd_dir={ssd}",
@@ -437,6 +468,7 @@ def _delete_mode(seconds: float) -> dict[str, float]:
                     left = left[len(lat):]
                     out[f"{case}_p50_ms"] = _p50(lat) * 1e3
                     out[f"{case}_x_empty"] = out[f"{case}_p50_ms"] / out["empty_call_p50_ms"]
+                    out[f"{case}_x_rtt"] = out[f"{case}_p50_ms"] / out["unix_rtt_p50_ms"]
                     out[f"{case}_daemon_cpu_us"] = ticks / os.sysconf("SC_CLK_TCK") / len(lat) * 1e6
                     out[f"{case}_ticks"] = ticks
             channel.close()
@@ -489,8 +521,10 @@ def main() -> int:
             ("store, calls of 4096 x 4 KiB: CPU us/block", "calls4096", "us_per_block"),
             ("  inside the calls (no key making)", "calls4096", "store_us_per_block"),
             ("empty gRPC call p50 ms", "daemon", "empty_call_p50_ms"),
+            ("raw Unix socket round trip p50 ms", "daemon", "unix_rtt_p50_ms"),
             ("reserve+commit 1 key p50 ms", "daemon", "one_key_p50_ms"),
             ("  x empty call", "daemon", "one_key_x_empty"),
+            ("  x a raw Unix round trip", "daemon", "one_key_x_rtt"),
             ("  daemon CPU us per commit", "daemon", "one_key_daemon_cpu_us"),
             ("put 32 x 64 KiB, blocks/s", "daemon", "put32_blocks_per_s"),
             ("  daemon CPU us per block", "daemon", "put32_daemon_cpu_us_per_block"),
@@ -502,6 +536,7 @@ def main() -> int:
             ("  daemon CPU us per block", "ssd32", "ssd32_daemon_cpu_us_per_block"),
             ("SSD tier on: delete 1 key p50 ms", "delete", "delete_p50_ms"),
             ("  x empty call", "delete", "delete_x_empty"),
+            ("  x a raw Unix round trip", "delete", "delete_x_rtt"),
             ("  daemon CPU us per delete", "delete", "delete_daemon_cpu_us"),
             ("SSD tier on: delete 1 key with an SSD copy p50 ms", "delete", "delete_ssd_p50_ms"),
             ("  x empty call", "delete", "delete_ssd_x_empty"),

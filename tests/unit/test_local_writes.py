@@ -920,7 +920,7 @@ def test_a_grant_taken_while_its_extent_is_being_reclaimed_keeps_the_extent(
 
 def test_refills_come_in_batches_within_a_share_of_the_namespace_and_never_grow_it(
         store_factory: Callable[..., StoreEnv]) -> None:
-    """A writer of one key at a time is granted a batch (four times what it asks, at least
+    """A writer of one key at a time is granted a batch (REFILL_PUTS times what it asks, at least
     REFILL_BATCH) when its namespace is large enough (1/GRANT_SHARE of its slots), what it
     asks when not; the slots past what it needs come from free ones while the namespace
     could grow for them, and from eviction only when it cannot (the steady state)."""

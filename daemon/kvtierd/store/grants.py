@@ -50,6 +50,9 @@ GRANT_IDLE_SECONDS: Final = 5.0
 #: one eviction plan for them all): refilling one slot per commit of one key cost a
 #: claim per block, most of a 1-key commit's daemon CPU.
 REFILL_BATCH = 32
+#: ... and of this many of its puts (what it asks for): a refill's claim costs the same
+#: for 1 slot as for 100 (the room plan, the hazard reads, the eviction's table calls).
+REFILL_PUTS = 8
 #: ... within 1 / GRANT_SHARE of the namespace's slots (``grant_target``).
 GRANT_SHARE = 16
 
@@ -99,10 +102,10 @@ def grant_limit(grant_bytes: int, ns: Namespace) -> int:
 
 def grant_target(limit: int, ns: Namespace, wanted: int) -> int:
     """How many grants a writer that asks for ``wanted`` (its largest put: its next one
-    must find as many) is given at a refill: four times that, at least
+    must find as many) is given at a refill: ``REFILL_PUTS`` times that, at least
     ``REFILL_BATCH``, within ``limit`` (``grant_limit``).  A refill happens when it holds
     half of it or less (``GrantBook.needs_refill``), so each claims a batch of at least
-    two puts' worth, however small the puts (a claim's fixed cost -- the room plan, the
+    ``REFILL_PUTS / 2`` puts' worth, however small the puts (a claim's fixed cost -- the room plan, the
     eviction's index and table calls -- was most of a commit's), and a writer never
     holds fewer than it wants if it asks for no more than half the limit.  Past what it
     wants, never more than ``1 / GRANT_SHARE`` of the namespace's slots: idle grants
@@ -111,7 +114,7 @@ def grant_target(limit: int, ns: Namespace, wanted: int) -> int:
     if wanted <= 0:
         return 0
     share = ns.table.n_slots // GRANT_SHARE
-    return min(limit, max(4 * wanted, REFILL_BATCH), max(wanted, share))
+    return min(limit, max(REFILL_PUTS * wanted, REFILL_BATCH), max(wanted, share))
 
 
 class GrantBook:
