@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 
 import kvtier  # noqa: E402
 from kvtier._admin import admin_call  # noqa: E402
+from kvtier.bench.common import write_json  # noqa: E402
 from kvtier.cli import evict  # noqa: E402
 from kvtier.units import format_bytes, parse_size  # noqa: E402
 from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
@@ -302,9 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     if not result["netns"]:
         print("note: network namespaces unavailable; ran on loopback")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
 
 

@@ -51,6 +51,7 @@ from warm_restart import clean_up, start  # (bench/ is the script's directory: o
 
 import kvtier
 from kvtier._admin import fetch_stats
+from kvtier.bench.common import write_json
 from kvtier.units import parse_size
 
 BATCH = 4096  # keys per reserve/commit and per lookup (the default max_keys_per_call)
@@ -263,10 +264,8 @@ def main(argv: list[str] | None = None) -> int:
               f"all found {extra['warm_start_to_all_found_s']:.1f} s after start "
               f"({extra['found_after_empty_s']:.1f} s after an empty daemon serves)")
         rows.append({"extrapolated": 1.0, **extra})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": " ".join(["bench/index_scale.py", *sys.argv[1:]]),
-                       "rows": rows}, f, indent=2)
+    write_json(args.json, {"command": " ".join(["bench/index_scale.py", *sys.argv[1:]]),
+                           "rows": rows})
     return 0
 
 

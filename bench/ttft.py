@@ -26,7 +26,6 @@ the whole set; SSD off), best of ``--repeat`` runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -39,6 +38,7 @@ from typing import Any
 import numpy as np
 
 import kvtier
+from kvtier.bench.common import write_json
 from kvtier.demo.run import Daemon
 
 MiB = 1 << 20
@@ -221,9 +221,7 @@ def main() -> int:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(d.shm_dir, ignore_errors=True)
     results["machine"]["loadavg_end"] = os.getloadavg()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 

@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import cluster as cluster_bench  # noqa: E402  (bench/cluster.py: the Mooncake reader)
 
 import kvtier  # noqa: E402
+from kvtier.bench.common import write_json  # noqa: E402
 from kvtier.cli import evict  # noqa: E402
 from kvtier.hashing import block_keys  # noqa: E402
 from kvtier.units import parse_size  # noqa: E402
@@ -500,9 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",")]
     result = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
 
 

@@ -15,7 +15,6 @@ Needs free /dev/shm and RAM for the largest pool plus ~10%.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -30,6 +29,7 @@ import numpy as np
 
 import kvtier
 from kvtier._admin import fetch_stats
+from kvtier.bench.common import write_json
 from kvtier.bench.private_daemon import daemon_args, daemon_env
 from kvtierd.config import parse_size
 
@@ -148,9 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['pool_bytes'] / 2**30:>6.0f}Gi {r['block_bytes'] / 1024:>6.0f}Ki "
               f"{r['blocks']:>8} {r['cold_prefault_s']:>16.2f} {r['warm_start_to_ready_s']:>13.3f} "
               f"{r['warm_recovery_s']:>11.3f} {r['cold_over_warm']:>9.1f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(args.json, rows)
     return 0
 
 
