@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
+import importlib.util
 import os
 import shutil
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from types import ModuleType
 from typing import Any, TypeVar
 
 import pytest
 
+from kvtier import _accel
 from kvtierd.segments import Segment, SegmentLayout
 from kvtierd.store import Block, Namespace, Peer, SlotGrant, Store, StoreOptions
 
@@ -25,6 +29,8 @@ T = TypeVar("T")
 SHM_ROOT = "/dev/shm"
 BOOT_EPOCH = 7
 PEER = Peer(pid=1234, uid=1000, gid=1000)
+HAVE_NATIVE = importlib.util.find_spec("kvtier._native") is not None
+NOT_BUILT = "kvtier._native is not built (run: python setup.py build_ext --inplace)"
 
 
 def make_shm_dir() -> str:
@@ -41,6 +47,23 @@ def shm_dir() -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(params=["native", "python"])
+def accel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """kvtier._accel reloaded to use the implementation named by the param."""
+    native = request.param == "native"
+    if native:
+        if not HAVE_NATIVE:
+            pytest.skip(NOT_BUILT)
+        monkeypatch.delenv("KVTIER_FORCE_PY", raising=False)
+    else:
+        monkeypatch.setenv("KVTIER_FORCE_PY", "1")
+    mod = importlib.reload(_accel)
+    assert mod.NATIVE is native
+    yield mod
+    monkeypatch.undo()
+    importlib.reload(_accel)
 
 
 def segment_factory(directory: str, boot_epoch: int = BOOT_EPOCH) -> Callable[

@@ -10,8 +10,6 @@ of exceptions and one set of messages.
 from __future__ import annotations
 
 import errno
-import importlib
-import importlib.util
 import mmap
 import os
 import resource
@@ -30,7 +28,8 @@ import pytest
 import xxhash
 
 import kvtier
-from kvtier import _accel
+
+from .conftest import HAVE_NATIVE, NOT_BUILT
 
 PAGE = 4096
 MIB = 1 << 20
@@ -38,26 +37,7 @@ MIB = 1 << 20
 # and not a multiple of the page size, so the last chunk is a partial one.
 BIG = 5 * MIB + 3
 
-HAVE_NATIVE = importlib.util.find_spec("kvtier._native") is not None
-NOT_BUILT = "kvtier._native is not built (run: python setup.py build_ext --inplace)"
 needs_native = pytest.mark.skipif(not HAVE_NATIVE, reason=NOT_BUILT)
-
-
-@pytest.fixture(params=["native", "python"])
-def accel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    """kvtier._accel reloaded to use the implementation named by the param."""
-    native = request.param == "native"
-    if native:
-        if not HAVE_NATIVE:
-            pytest.skip(NOT_BUILT)
-        monkeypatch.delenv("KVTIER_FORCE_PY", raising=False)
-    else:
-        monkeypatch.setenv("KVTIER_FORCE_PY", "1")
-    mod = importlib.reload(_accel)
-    assert mod.NATIVE is native
-    yield mod
-    monkeypatch.undo()
-    importlib.reload(_accel)
 
 
 def random_bytes(n: int, seed: int = 0) -> bytes:
