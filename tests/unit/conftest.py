@@ -12,7 +12,10 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import pathlib
 import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from types import ModuleType
@@ -29,6 +32,7 @@ T = TypeVar("T")
 SHM_ROOT = "/dev/shm"
 BOOT_EPOCH = 7
 PEER = Peer(pid=1234, uid=1000, gid=1000)
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HAVE_NATIVE = importlib.util.find_spec("kvtier._native") is not None
 NOT_BUILT = "kvtier._native is not built (run: python setup.py build_ext --inplace)"
 
@@ -64,6 +68,17 @@ def accel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     yield mod
     monkeypatch.undo()
     importlib.reload(_accel)
+
+
+def run_bench_script(cwd: pathlib.Path, script: str, *args: str) -> None:
+    """``bench/<script> args`` in a child Python (this tree's client/ and daemon/ first on
+    its path, in ``cwd``), which must exit 0 within 110 s."""
+    path = os.pathsep.join(filter(None, [str(ROOT / "client"), str(ROOT / "daemon"),
+                                         os.environ.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(ROOT / "bench" / script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, check=False,
+                          env={**os.environ, "PYTHONPATH": path}, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 def segment_factory(directory: str, boot_epoch: int = BOOT_EPOCH) -> Callable[
