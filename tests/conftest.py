@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import tempfile
+import urllib.request
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -76,6 +77,22 @@ class DaemonProc(PrivateDaemon):
         m = re.search(r"metrics 127\.0\.0\.1:(\d+)", self.log())
         assert m, "daemon log has no metrics address"
         return int(m.group(1))
+
+    def metrics_text(self, timeout: float = 10) -> str:
+        """A scrape of the daemon's /metrics (the exposition text)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port()}/metrics",
+                                    timeout=timeout) as resp:
+            text: str = resp.read().decode()
+        return text
+
+    def metric_samples(self, timeout: float = 10) -> dict[str, float]:
+        """A scrape of /metrics: each sample's name with its labels -> its value."""
+        samples = {}
+        for line in self.metrics_text(timeout).splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+        return samples
 
 
 def start_daemon(base: str, *extra: str, capacity: str = TEST_CAPACITY,
