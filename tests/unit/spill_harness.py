@@ -19,6 +19,7 @@ import pytest
 from kvtierd.spill.blockio import BlockIO
 from kvtierd.spill.shared import SharedTier
 from kvtierd.spill.ssd import SsdTier
+from kvtierd.spill.tier import LowerTier
 from kvtierd.store import ReserveStatus, Session
 from kvtierd.tiering import SpillPolicy, Tiering
 
@@ -95,12 +96,13 @@ class Env:
 async def tiered(shm_dir: str, *, ssd_dir: str | None = None, shared_dir: str | None = None,
                  ssd_capacity: int = 8 * MiB, file_bytes: int = 2 * MiB,
                  io: BlockIO | None = None, policy: SpillPolicy | None = None,
-                 direct: str = "auto", check: bool = True) -> AsyncIterator[Env]:
+                 direct: str = "auto", check: bool = True,
+                 below: Sequence[LowerTier] = ()) -> AsyncIterator[Env]:
     senv = make_store(shm_dir, capacity=DRAM, extent_size=MiB + 4 * 4096)
     ssd = (SsdTier(ssd_dir, capacity=ssd_capacity, file_bytes=file_bytes, io=io, direct=direct)
            if ssd_dir else None)
     shared = SharedTier(shared_dir, io=io) if shared_dir else None
-    t = Tiering(senv.store, ssd=ssd, shared=shared,
+    t = Tiering(senv.store, ssd=ssd, shared=shared, below=below,
                 policy=policy or SpillPolicy.with_defaults(backpressure_timeout=5.0), io_threads=2)
     await t.start()
     env = Env(senv, t)
