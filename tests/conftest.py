@@ -155,6 +155,17 @@ def workdir() -> Iterator[str]:
 
 
 @pytest.fixture
+def disk_dir() -> Iterator[str]:
+    """A temp dir on /var/tmp, a disk filesystem where O_DIRECT works (/tmp may be tmpfs),
+    removed afterwards."""
+    path = tempfile.mkdtemp(prefix="kvt-disk-", dir="/var/tmp")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def daemon(workdir: str) -> Iterator[DaemonProc]:
     d = start_daemon(workdir)
     yield d

@@ -9,12 +9,8 @@ store and the SSD tier.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-
-import pytest
 
 from kvtierd.spill.blockio import BlockIO
 from kvtierd.spill.shared import SharedTier
@@ -39,16 +35,6 @@ def payload(key: bytes, tag: bytes = b"") -> bytes:
     length = 1 + (int.from_bytes(key, "little") * 7919) % BLOCK
     unit = key + b"|" + tag + b"#"
     return (unit * (length // len(unit) + 1))[:length]
-
-
-@pytest.fixture
-def disk_dir() -> Iterator[str]:
-    """A temp directory on a disk filesystem (not tmpfs), removed afterwards."""
-    path = tempfile.mkdtemp(prefix="kvt-spill-", dir="/var/tmp")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 class Env:

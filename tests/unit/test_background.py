@@ -20,7 +20,7 @@ from kvtierd.logs import Throttle
 from kvtierd.metrics import Metrics, _OnLoop
 from kvtierd.tiering import TIER_SSD
 
-from .spill_harness import disk_dir, keys, tiered  # noqa: F401  (fixture)
+from .spill_harness import keys, tiered
 
 
 class _Probe(Collector):
@@ -117,7 +117,7 @@ def test_a_late_event_loop_is_measured_and_logged_with_its_own_share(
 
 
 def test_prefetches_are_bounded_and_a_failing_one_is_counted(
-        shm_dir: str, disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        shm_dir: str, disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     errors: list[str] = []
 
     async def go() -> None:

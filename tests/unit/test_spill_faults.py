@@ -39,9 +39,7 @@ from kvtierd.store import Lower, ReserveStatus, Session
 from kvtierd.tiering import TIER_DRAM, TIER_SHARED, TIER_SSD, SpillPolicy
 
 from .conftest import make_shm_dir
-from .spill_harness import Env, MiB, disk_dir, keys, payload, tiered
-
-__all__ = ["disk_dir"]  # a fixture
+from .spill_harness import Env, MiB, keys, payload, tiered
 
 RESERVED = ReserveStatus.RESERVED
 #: Committed spill files (not the ``.tmp`` a file is created as).

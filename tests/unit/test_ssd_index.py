@@ -26,7 +26,6 @@ from kvtierd.spill import ssd as ssd_mod
 from kvtierd.spill import ssd_files, ssd_index
 from kvtierd.spill.blockio import aligned_buffer
 from kvtierd.spill.ssd import SpillFull, SsdTier
-from tests.unit.spill_harness import disk_dir  # noqa: F401  (fixture)
 
 KiB = 1 << 10
 NAMESPACES = ("a", "bb/x")
@@ -252,7 +251,7 @@ def test_no_python_object_per_entry_at_rest(tier: SsdTier) -> None:
     assert tier.stats()["blocks"] == 2064
 
 
-def test_readoption_keeps_the_newest_copy_of_a_key_written_twice(disk_dir: str) -> None:  # noqa: F811
+def test_readoption_keeps_the_newest_copy_of_a_key_written_twice(disk_dir: str) -> None:
     """A crash between a rewrite's entry and the old copy's FREE entry leaves the key
     twice on disk: re-adoption keeps the newest write and frees the other."""
     ssd = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
@@ -280,7 +279,7 @@ def test_readoption_keeps_the_newest_copy_of_a_key_written_twice(disk_dir: str) 
         fresh.close()
 
 
-def test_readoption_frees_entries_with_junk_past_their_key(disk_dir: str) -> None:  # noqa: F811
+def test_readoption_frees_entries_with_junk_past_their_key(disk_dir: str) -> None:
     ssd = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
     ssd.open()
     _write(ssd, "a", b"k1", b"1")
@@ -304,7 +303,7 @@ def test_readoption_frees_entries_with_junk_past_their_key(disk_dir: str) -> Non
         fresh.close()
 
 
-def test_clock_spares_a_block_read_since_the_hand_passed(disk_dir: str) -> None:  # noqa: F811
+def test_clock_spares_a_block_read_since_the_hand_passed(disk_dir: str) -> None:
     """Full tier, no reads: the oldest write goes first; a block read since is spared."""
     ssd = SsdTier(disk_dir, capacity=40 * KiB, file_bytes=40 * KiB, direct="false")
     ssd.open()
@@ -351,7 +350,7 @@ def test_concurrent_writers_and_readers_keep_the_books_balanced(tier: SsdTier) -
     assert not errors and tier.check() == []
 
 
-def test_a_full_tier_empties_the_coldest_file_of_another_size(disk_dir: str) -> None:  # noqa: F811
+def test_a_full_tier_empties_the_coldest_file_of_another_size(disk_dir: str) -> None:
     ssd = SsdTier(disk_dir, capacity=64 * KiB, file_bytes=40 * KiB, direct="false")
     ssd.open()
     evicted: list[bytes] = []
@@ -373,7 +372,7 @@ def test_a_full_tier_empties_the_coldest_file_of_another_size(disk_dir: str) -> 
 
 
 def test_readoption_places_runs_that_wrap_round_the_index(
-        disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every key hashing to the last bucket: the rebuild's runs wrap to the start."""
     monkeypatch.setattr(ssd_index, "field_hash", lambda *a: 1023 << 32)
     monkeypatch.setattr(ssd_index, "row_key_hashes",
@@ -399,7 +398,7 @@ def test_readoption_places_runs_that_wrap_round_the_index(
 
 
 def test_slot_ids_are_renumbered_before_they_outgrow_32_bits(
-        disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Files come and go (reclaimed for another slot size): the ids of their slots
     are never reused while a file has them, and renumbered when the next would not fit."""
     monkeypatch.setattr(ssd_index, "MAX_SLOT_IDS", 40)

@@ -21,9 +21,8 @@ from kvtierd.store import Lower, ReserveStatus
 from kvtierd.tiering import TIER_DRAM, TIER_SHARED, TIER_SSD, SpillPolicy, Tiering
 
 from .conftest import make_store
-from .spill_harness import BLOCK, DRAM, MiB, disk_dir, keys, payload, tiered
+from .spill_harness import BLOCK, DRAM, MiB, keys, payload, tiered
 
-__all__ = ["disk_dir"]  # a fixture
 
 # ================================================================ demotion and promotion
 def test_working_set_four_times_dram_stays_reachable(shm_dir: str, disk_dir: str) -> None:

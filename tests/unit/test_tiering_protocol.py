@@ -31,9 +31,7 @@ from kvtierd.spill.tier import (
 )
 from kvtierd.tiering import TIER_DRAM, TIER_SSD, SpillPolicy
 
-from .spill_harness import MiB, disk_dir, keys, payload, tiered
-
-__all__ = ["disk_dir"]  # a fixture
+from .spill_harness import MiB, keys, payload, tiered
 
 
 class DictTier(RemoteTier):
@@ -178,7 +176,7 @@ def test_a_cluster_tier_alone_takes_demotions_and_serves_promotions(shm_dir: str
 
 
 def test_ssd_evictions_hand_off_to_a_cluster_tier_below(shm_dir: str,
-                                                        disk_dir: str) -> None:  # noqa: F811
+                                                        disk_dir: str) -> None:
     cluster = DictTier()
 
     async def go() -> None:
