@@ -36,6 +36,14 @@ from kvtierd.config import parse_size
 BATCH_BYTES = 256 << 20  # bytes per put batch while filling
 
 
+def notify_socket(tmp: str) -> tuple[socket.socket, str]:
+    """A datagram socket bound in ``tmp`` for kvtierd's NOTIFY_SOCKET, and its path."""
+    path = os.path.join(tmp, "notify")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(path)
+    return notify, path
+
+
 def start(sock_dir: str, shm_dir: str, capacity: int, notify: socket.socket,
           notify_path: str) -> tuple[subprocess.Popen[bytes], float]:
     """Start kvtierd; return it and the seconds from spawn to READY=1."""
@@ -80,9 +88,7 @@ def fill(sock_dir: str, block: int, capacity: int) -> int:
 def run_one(pool: int, block: int, kill: bool) -> dict[str, float]:
     tmp = tempfile.mkdtemp(prefix="kvt-warm-", dir="/tmp")
     shm_dir = f"/dev/shm/kvtier-bench-warm-{uuid.uuid4().hex[:8]}"
-    notify_path = os.path.join(tmp, "notify")
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(notify_path)
+    notify, notify_path = notify_socket(tmp)
     sock_dir = os.path.join(tmp, "sock")
     procs: list[subprocess.Popen[bytes]] = []
     try:
