@@ -39,6 +39,13 @@ def data(ns: str, key: bytes, tag: int, length: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, length, dtype=np.uint8).tobytes()
 
 
+def _opened(path: str, capacity: int = 64 << 20, file_bytes: int = 8 << 20) -> SsdTier:
+    """An SSD tier in ``path`` (buffered I/O), open: the spill files there adopted."""
+    ssd = SsdTier(path, capacity=capacity, file_bytes=file_bytes, direct="false")
+    ssd.open()
+    return ssd
+
+
 def _write(ssd: SsdTier, ns: str, key: bytes, payload: bytes, mhash: int = 7) -> None:
     buf = aligned_buffer(fmt.round_up(len(payload)))
     try:
@@ -90,8 +97,7 @@ class SsdMachine(RuleBasedStateMachine):
         self.ssd = self._boot()
 
     def _boot(self) -> SsdTier:
-        ssd = SsdTier(self.dir, capacity=64 * KiB, file_bytes=40 * KiB, direct="false")
-        ssd.open()
+        ssd = _opened(self.dir, 64 * KiB, 40 * KiB)
         ssd.on_evicted = lambda ns, key: self.model.pop((ns, key))
         ssd.watch(lambda ns, key, stored: self.events.append((ns, key, stored)))
         return ssd
@@ -214,15 +220,12 @@ def test_ssd_tier_agrees_with_a_dict_model_when_every_key_collides(weak_hash: No
 
 # ---------------------------------------------------------------- the structures themselves
 @pytest.fixture
-def tier() -> Iterator[SsdTier]:
-    path = tempfile.mkdtemp(prefix="kvt-ssdidx-", dir="/var/tmp")
-    ssd = SsdTier(path, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    ssd.open()
+def tier(disk_dir: str) -> Iterator[SsdTier]:
+    ssd = _opened(disk_dir)
     try:
         yield ssd
     finally:
         ssd.close()
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_the_key_index_grows_and_finds_every_key_after_deletions(tier: SsdTier) -> None:
@@ -254,8 +257,7 @@ def test_no_python_object_per_entry_at_rest(tier: SsdTier) -> None:
 def test_readoption_keeps_the_newest_copy_of_a_key_written_twice(disk_dir: str) -> None:
     """A crash between a rewrite's entry and the old copy's FREE entry leaves the key
     twice on disk: re-adoption keeps the newest write and frees the other."""
-    ssd = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    ssd.open()
+    ssd = _opened(disk_dir)
     _write(ssd, "a", b"k", b"old")
     _write(ssd, "a", b"other", b"o")
     ssd.sync()
@@ -269,8 +271,7 @@ def test_readoption_keeps_the_newest_copy_of_a_key_written_twice(disk_dir: str) 
     f.table[old.slot * fmt.ENTRY_BYTES : (old.slot + 1) * fmt.ENTRY_BYTES] = saved
     ssd_files.write_table(ssd.io, ssd._lock, f)
     ssd.close()
-    fresh = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    fresh.open()
+    fresh = _opened(disk_dir)
     try:
         assert fresh.counters.adopted == 2 and fresh.counters.dropped_entries == 1
         assert _read(fresh, "a", b"k") == b"new"
@@ -280,8 +281,7 @@ def test_readoption_keeps_the_newest_copy_of_a_key_written_twice(disk_dir: str) 
 
 
 def test_readoption_frees_entries_with_junk_past_their_key(disk_dir: str) -> None:
-    ssd = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    ssd.open()
+    ssd = _opened(disk_dir)
     _write(ssd, "a", b"k1", b"1")
     _write(ssd, "a", b"k2", b"2")
     ssd.sync()
@@ -294,8 +294,7 @@ def test_readoption_frees_entries_with_junk_past_their_key(disk_dir: str) -> Non
     e.file.table[off : off + fmt.ENTRY_BYTES] = bytes(row)
     ssd_files.write_table(ssd.io, ssd._lock, e.file)
     ssd.close()
-    fresh = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    fresh.open()
+    fresh = _opened(disk_dir)
     try:
         assert fresh.counters.adopted == 1 and fresh.counters.faults["torn_entry"] == 1
         assert sorted(fresh.all_keys()) == [("a", b"k1")] and fresh.check() == []
@@ -305,8 +304,7 @@ def test_readoption_frees_entries_with_junk_past_their_key(disk_dir: str) -> Non
 
 def test_clock_spares_a_block_read_since_the_hand_passed(disk_dir: str) -> None:
     """Full tier, no reads: the oldest write goes first; a block read since is spared."""
-    ssd = SsdTier(disk_dir, capacity=40 * KiB, file_bytes=40 * KiB, direct="false")
-    ssd.open()
+    ssd = _opened(disk_dir, 40 * KiB, 40 * KiB)
     evicted: list[bytes] = []
     ssd.on_evicted = lambda ns, key: evicted.append(key)
     try:
@@ -351,8 +349,7 @@ def test_concurrent_writers_and_readers_keep_the_books_balanced(tier: SsdTier) -
 
 
 def test_a_full_tier_empties_the_coldest_file_of_another_size(disk_dir: str) -> None:
-    ssd = SsdTier(disk_dir, capacity=64 * KiB, file_bytes=40 * KiB, direct="false")
-    ssd.open()
+    ssd = _opened(disk_dir, 64 * KiB, 40 * KiB)
     evicted: list[bytes] = []
     gone: list[bytes] = []
     ssd.on_evicted = lambda ns, key: evicted.append(key)
@@ -377,16 +374,14 @@ def test_readoption_places_runs_that_wrap_round_the_index(
     monkeypatch.setattr(ssd_index, "field_hash", lambda *a: 1023 << 32)
     monkeypatch.setattr(ssd_index, "row_key_hashes",
                         lambda table, n: np.full(n, 1023 << 32, np.uint64))
-    ssd = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    ssd.open()
+    ssd = _opened(disk_dir)
     for i in range(40):
         _write(ssd, "a", b"k%d" % i, b"%d" % i)
     ssd.remove("a", [b"k3", b"k17"])
     ssd.sync()
     ssd.flush_frees()
     ssd.close()
-    fresh = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    fresh.open()
+    fresh = _opened(disk_dir)
     try:
         assert fresh.counters.adopted == 38 and fresh.check() == []
         assert int(fresh.key_index.buckets[0]) != 0  # wrapped
@@ -407,8 +402,7 @@ def test_slot_ids_are_renumbered_before_they_outgrow_32_bits(
     monkeypatch.setattr(ssd_index.SsdKeyIndex, "rebuild",
                         lambda self: (rebuilt.append(1), rebuild(self))[1])
     # Room for one file: each change of slot size reclaims it for a new one.
-    ssd = SsdTier(disk_dir, capacity=40 * KiB, file_bytes=40 * KiB, direct="false")
-    ssd.open()
+    ssd = _opened(disk_dir, 40 * KiB, 40 * KiB)
     model: dict[bytes, bytes] = {}
     ssd.on_evicted = lambda ns, key: model.pop(key)
     try:
