@@ -3,6 +3,7 @@ index, CLOCK eviction and vectorised re-adoption, against a plain-dict model."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import threading
@@ -221,11 +222,8 @@ def test_ssd_tier_agrees_with_a_dict_model_when_every_key_collides(weak_hash: No
 # ---------------------------------------------------------------- the structures themselves
 @pytest.fixture
 def tier(disk_dir: str) -> Iterator[SsdTier]:
-    ssd = _opened(disk_dir)
-    try:
+    with contextlib.closing(_opened(disk_dir)) as ssd:
         yield ssd
-    finally:
-        ssd.close()
 
 
 def test_the_key_index_grows_and_finds_every_key_after_deletions(tier: SsdTier) -> None:
