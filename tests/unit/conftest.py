@@ -203,6 +203,14 @@ def close_store(store: Store) -> None:
     store.close_all()
 
 
+def close_store_and_files(store: Store, directory: str) -> None:
+    """``close_store``, then remove every file in ``directory`` (the segments of a store
+    that a test made there itself)."""
+    close_store(store)
+    for name in os.listdir(directory):
+        os.unlink(os.path.join(directory, name))
+
+
 @pytest.fixture
 def store_factory(shm_dir: str) -> Iterator[Callable[..., StoreEnv]]:
     """Makes stores (``make_store`` keywords); each one's ``check()`` must be clean at the end."""
