@@ -7,9 +7,10 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import urllib.request
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -129,6 +130,25 @@ def scribble(client: Any, key: bytes, at: int = 100) -> None:
     view[at] ^= 0xFF
     del view
     client._call("Release", pb.ReleaseRequest(lease_id=resp.lease_id))
+
+
+def run_in_threads(work: Callable[[int], None], n: int, timeout: float) -> None:
+    """``work(0)`` .. ``work(n - 1)`` on ``n`` threads at once, each joined within
+    ``timeout``; the first exception any of them raised fails the test here."""
+    errs: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            work(t)
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errs.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    assert not errs, errs[0]
 
 
 @contextlib.contextmanager

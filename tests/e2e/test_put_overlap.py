@@ -18,7 +18,7 @@ import pytest
 
 import kvtier
 from kvtier import _core, errors
-from tests.conftest import DaemonProc
+from tests.conftest import DaemonProc, run_in_threads
 
 BB = 64 << 10  # 64 KiB blocks: a put of 32 is 2 MiB, four batches of 8 below
 
@@ -226,24 +226,14 @@ def test_async_failed_middle_batch_keeps_the_batches_before(
 
 
 def test_threads_sharing_a_client_put_in_batches_at_once(daemon: DaemonProc) -> None:
-    import threading
     with client(daemon) as c:
-        errs: list[BaseException] = []
 
         def writer(t: int) -> None:
-            try:
-                for r in range(3):
-                    keys = [f"t{t}-{r}-{i}".encode() for i in range(24)]
-                    assert c.put(keys, blocks_of(100 * t + r, 24)) == 24
-            except BaseException as exc:  # noqa: BLE001 (reported below)
-                errs.append(exc)
+            for r in range(3):
+                keys = [f"t{t}-{r}-{i}".encode() for i in range(24)]
+                assert c.put(keys, blocks_of(100 * t + r, 24)) == 24
 
-        threads = [threading.Thread(target=writer, args=(t,)) for t in range(3)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
-        assert errs == []
+        run_in_threads(writer, 3, 60)
         assert c.lookup([f"t2-2-{i}".encode() for i in range(24)]) == 24
     assert open_reservations(daemon) == 0
     assert daemon.check() == []
