@@ -34,6 +34,13 @@ def client(d: DaemonProc, ns: str = "ov") -> kvtier.Client:
     return c
 
 
+def aclient(d: DaemonProc, ns: str) -> kvtier.AsyncClient:
+    """:func:`client`'s asyncio twin (opened by ``async with``)."""
+    c = kvtier.AsyncClient(d.socket_dir, namespace=ns, block_bytes=BB, model_uid="m")
+    c.put_batch_bytes = 512 << 10
+    return c
+
+
 def open_reservations(d: DaemonProc) -> int:
     return int(d.stats().reservations)
 
@@ -182,9 +189,7 @@ def test_put_many_stops_reading_at_the_first_error(daemon: DaemonProc) -> None:
 def test_async_put_and_put_many_overlap_the_same_way(
         daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
     async def main() -> None:
-        async with kvtier.AsyncClient(daemon.socket_dir, namespace="aov", block_bytes=BB,
-                                      model_uid="m") as c:
-            c.put_batch_bytes = 512 << 10
+        async with aclient(daemon, "aov") as c:
             keys = [f"a{i:03d}".encode() for i in range(32)]
             blocks = blocks_of(4, 32)
             sent = count_commits(monkeypatch)
@@ -210,9 +215,7 @@ def test_async_put_and_put_many_overlap_the_same_way(
 def test_async_failed_middle_batch_keeps_the_batches_before(
         daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
     async def main() -> None:
-        async with kvtier.AsyncClient(daemon.socket_dir, namespace="af", block_bytes=BB,
-                                      model_uid="m") as c:
-            c.put_batch_bytes = 512 << 10
+        async with aclient(daemon, "af") as c:
             keys = [f"h{i:03d}".encode() for i in range(32)]
             Inject(monkeypatch, "commit", at=2)
             with pytest.raises(errors.Unavailable, match="injected") as info:
