@@ -944,20 +944,14 @@ def test_pwrite_to_read_only_fd_and_pread_from_write_only_fd_raise_ebadf(
     path = tmp_path / "f"
     path.write_bytes(b"x" * 100)
     m = make_mmap(PAGE)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with pytest.raises(OSError) as raised:
-            accel.pwrite_full(fd, m, 0)
-        assert raised.value.errno == errno.EBADF
-    finally:
-        os.close(fd)
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        with pytest.raises(OSError) as raised:
-            accel.pread_full(fd, m, 0)
-        assert raised.value.errno == errno.EBADF
-    finally:
-        os.close(fd)
+    for flags, call in ((os.O_RDONLY, accel.pwrite_full), (os.O_WRONLY, accel.pread_full)):
+        fd = os.open(path, flags)
+        try:
+            with pytest.raises(OSError) as raised:
+                call(fd, m, 0)
+            assert raised.value.errno == errno.EBADF
+        finally:
+            os.close(fd)
     m.close()  # the buffer was released on the error paths
     assert path.read_bytes() == b"x" * 100
 
