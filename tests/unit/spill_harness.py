@@ -63,6 +63,15 @@ class Env:
         for i in range(0, len(ks), batch):
             await self.put(s, ks[i : i + batch])
 
+    async def spilled(self, n: int) -> tuple[Session, list[bytes]]:
+        """A session of namespace A with ``keys(n)`` put through it (past DRAM's 30 slots:
+        the oldest spill), the demoter settled."""
+        s = self.session()
+        ks = keys(n)
+        await self.put_all(s, ks)
+        await self.settle()
+        return s, ks
+
     async def get(self, s: Session, ks: Sequence[bytes]) -> tuple[list[bytes], list[int]]:
         result, tiers = await self.t.acquire(s, ks)
         out = [self.senv.read(g) for g in result.slots]

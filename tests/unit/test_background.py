@@ -20,7 +20,7 @@ from kvtierd.logs import Throttle
 from kvtierd.metrics import Metrics, _OnLoop
 from kvtierd.tiering import TIER_SSD
 
-from .spill_harness import keys, tiered
+from .spill_harness import tiered
 
 
 class _Probe(Collector):
@@ -123,10 +123,7 @@ def test_prefetches_are_bounded_and_a_failing_one_is_counted(
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
             env.t.observer.background_error = errors.append  # type: ignore[method-assign]
-            s = env.session()
-            ks = keys(60)
-            await env.put_all(s, ks)
-            await env.settle()
+            s, ks = await env.spilled(60)
             first = ks[:3]
             assert all(k not in s.ns.index for k in first)
             # A full queue: the lookup answers but does not add a prefetch.

@@ -182,10 +182,7 @@ def test_ssd_evictions_hand_off_to_a_cluster_tier_below(shm_dir: str,
     async def go() -> None:
         async with tiered(shm_dir, below=[cluster], ssd_dir=os.path.join(disk_dir, "ssd"),
                           ssd_capacity=1 * MiB, file_bytes=1 * MiB) as env:
-            s = env.session()
-            ks = keys(60)
-            await env.put_all(s, ks)
-            await env.settle()
+            s, ks = await env.spilled(60)
             assert env.t.counters.demotions["ssd->cluster"] > 0
             assert env.t.counters.demotions["dram->ssd"] >= 30
             tiers = await env.t.lookup(s, ks)
@@ -212,10 +209,7 @@ def test_a_batched_tier_is_asked_once_per_lookup_and_read_in_one_batch(shm_dir: 
             sub = os.path.join(shm_dir, "batched" if cluster.batched else "plain")
             os.makedirs(sub)
             async with tiered(sub, below=[cluster]) as env:
-                s = env.session()
-                ks = keys(90)
-                await env.put_all(s, ks)
-                await env.settle()
+                s, ks = await env.spilled(90)
                 below = [k for k in ks if k not in s.ns.index][:12]
                 gap = [*below[:8], b"never written", *below[8:]]
                 cluster.asked.clear()
@@ -241,10 +235,7 @@ def test_a_tier_that_cannot_answer_is_a_miss_and_a_counted_fault(shm_dir: str) -
 
     async def go() -> None:
         async with tiered(shm_dir, below=[cluster]) as env:
-            s = env.session()
-            ks = keys(90)
-            await env.put_all(s, ks)
-            await env.settle()
+            s, ks = await env.spilled(90)
             below = [k for k in ks if k not in s.ns.index][:4]
             cluster.down = True
             assert await env.t.lookup(s, below) == []
