@@ -712,11 +712,7 @@ def main(argv: list[str]) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     print(render(res), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-            f.write("\n")
-        kb.progress(f"raw results written to {args.json}")
+    kb.write_results(args.json, res)
     return 0
 
 

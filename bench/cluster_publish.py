@@ -33,7 +33,6 @@ gives each tree's medians and the median of the per-round ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -50,6 +49,7 @@ import cluster as cluster_bench  # noqa: E402  (bench/cluster.py: the Mooncake r
 import numpy as np  # noqa: E402
 
 import kvtier  # noqa: E402
+from kvtier.bench.common import write_json  # noqa: E402
 from kvtier.units import parse_size  # noqa: E402
 from kvtierd.cluster.format import HEADER_BYTES, Naming  # noqa: E402
 from kvtierd.spill.format import model_hash  # noqa: E402
@@ -241,11 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in ratios:
         print(f"{r['blocks']:3d} blocks, {r['mode']:7s}: commit -> all, {r['of']} per round: "
               f"median {r['median_ratio']:.2f}x over {r['n']} rounds")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"command": " ".join(sys.argv), "args": vars(args), "summary": summ,
-                       "paired": ratios, "rows": rows, "loadavg": os.getloadavg()}, fh,
-                      indent=1)
+    write_json(args.json, {"command": " ".join(sys.argv), "args": vars(args), "summary": summ,
+                           "paired": ratios, "rows": rows, "loadavg": os.getloadavg()},
+               indent=1)
     return 0
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 import kvtier
 from kvtier import _index
+from kvtier.bench.common import write_json
 from kvtier.bench.private_daemon import private_daemon as kvtierd
 from kvtier.units import parse_size
 
@@ -105,10 +106,8 @@ def main() -> int:
                    "wait_ms": _p50(waits) * 1e3}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": sys.argv, "block": block, "pin": args.pin, "rows": rows}, f,
-                      indent=1)
+    write_json(args.json, {"command": sys.argv, "block": block, "pin": args.pin, "rows": rows},
+               indent=1)
     return 0
 
 

@@ -15,7 +15,6 @@ vs memcpy at that size on this machine.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import statistics
@@ -26,6 +25,7 @@ import time
 import numpy as np
 
 from kvtier import _accel
+from kvtier.bench.common import write_json
 from kvtier.units import format_bytes, parse_size
 
 
@@ -73,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         os.close(fd)
         os.unlink(path)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rounds": args.rounds, "pool_bytes": pool, "rows": rows}, f, indent=2)
+    write_json(args.json, {"rounds": args.rounds, "pool_bytes": pool, "rows": rows})
     return 0
 
 

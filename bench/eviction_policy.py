@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import platform
 import sys
 import time
@@ -63,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.bench.common import write_json
 from kvtierd.block_table import BlockTable, Policy
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
@@ -367,9 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         out["ops"].append({"slots": n, "batch": args.ops_batch, **ops})
         print(f"{n >> 10}k slots: " + ", ".join(f"{k} {v:.0f}" for k, v in ops.items()))
     print(f"total {time.perf_counter() - t0:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out, indent=1)
     return 0
 
 
@@ -404,8 +402,7 @@ def prefix_study(args: argparse.Namespace) -> int:
                "policies": [{"name": p.name, "kind": p.kind, "state": p.state}
                             for p in prefix_eviction.POLICIES],
                "rows": rows, "verdicts": verdict}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out, indent=1)
     return 0
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import mmap
 import os
 import resource
@@ -29,6 +28,7 @@ import sys
 from collections.abc import Callable
 
 from kvtier import _accel
+from kvtier.bench.common import write_json
 from kvtier.units import parse_size
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -105,9 +105,7 @@ def main() -> int:
         system = sorted(r[1] for r in rs)[len(rs) // 2]
         out[w] = {"user_us_per_page": user, "sys_us_per_page": system}
         print(f"{w:12s} user {user:5.2f} us/page, system {system:5.2f} us/page")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": sys.argv, "size": size, "ways": out}, f, indent=1)
+    write_json(args.json, {"command": sys.argv, "size": size, "ways": out}, indent=1)
     return 0
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import multiprocessing
 import os
 import shutil
@@ -105,6 +104,7 @@ def main() -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     import kvtier
+    from kvtier.bench.common import write_json
     from kvtier.bench.private_daemon import private_daemon
     from kvtier.v1 import kvtier_pb2 as pb
     from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -175,9 +175,7 @@ def main() -> int:
         p50, p99 = xs[len(xs) // 2], xs[int(len(xs) * 0.99)]
         rows.append({"name": name, "p50_s": p50, "p99_s": p99, "x_raw": p50 / raw})
         print(f"{name:<36} {p50 * 1e6:8.1f} {p99 * 1e6:8.1f} {p50 / raw:6.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"samples": args.samples, "rows": rows}, f, indent=1)
+    write_json(args.json, {"samples": args.samples, "rows": rows}, indent=1)
     return 0
 
 

@@ -16,7 +16,6 @@ Usage: ``.venv/bin/python bench/grow_ahead.py [--dram 1GiB] [--gap 0.2] [--daemo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 
 import kvtier
+from kvtier.bench.common import write_json
 from kvtier.bench.private_daemon import private_daemon
 from kvtier.units import parse_size
 
@@ -99,9 +99,7 @@ def main() -> int:
               f"p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms, max {s['max_ms']:.1f} ms; "
               f"without each daemon's first put: p50 {s['later_p50_ms']:.1f} ms, "
               f"p99 {s['later_p99_ms']:.1f} ms; evictions {s['evictions']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out, indent=1)
     return 0
 
 

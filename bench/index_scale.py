@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,10 +46,11 @@ from typing import Any
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from warm_restart import clean_up, start  # (bench/ is the script's directory: on sys.path)
+from warm_restart import clean_up, notify_socket, start  # (bench/, the script dir, is on sys.path)
 
 import kvtier
 from kvtier._admin import fetch_stats
+from kvtier.bench.common import write_json
 from kvtier.units import parse_size
 
 BATCH = 4096  # keys per reserve/commit and per lookup (the default max_keys_per_call)
@@ -124,9 +124,7 @@ def found_all(sock_dir: str, block: int, batches: list[list[bytes]]) -> float:
 def run_one(n: int, block: int, rounds: int, restarts: int = 1) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="kvt-index-", dir="/tmp")
     shm_dir = f"/dev/shm/kvtier-bench-index-{uuid.uuid4().hex[:8]}"
-    notify_path = os.path.join(tmp, "notify")
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(notify_path)
+    notify, notify_path = notify_socket(tmp)
     sock_dir = os.path.join(tmp, "sock")
     slot = -(-block // 4096) * 4096
     # The pool: N + SMALL_BLOCKS slots plus the slot tables (<= 256 B per slot) and a
@@ -263,10 +261,8 @@ def main(argv: list[str] | None = None) -> int:
               f"all found {extra['warm_start_to_all_found_s']:.1f} s after start "
               f"({extra['found_after_empty_s']:.1f} s after an empty daemon serves)")
         rows.append({"extrapolated": 1.0, **extra})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": " ".join(["bench/index_scale.py", *sys.argv[1:]]),
-                       "rows": rows}, f, indent=2)
+    write_json(args.json, {"command": " ".join(["bench/index_scale.py", *sys.argv[1:]]),
+                           "rows": rows})
     return 0
 
 

@@ -65,6 +65,7 @@ from typing import Any
 
 import kvtier
 from kvtier._admin import fetch_stats
+from kvtier.bench.common import write_json
 from kvtier.bench.private_daemon import private_daemon
 from kvtier.hashing import block_keys, request_salt
 
@@ -341,13 +342,12 @@ def main() -> None:
                                                          strict=True))
               for c, rs in runs.items()}
     report(runs, differ)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                       "host": platform.node(), "cpus": os.cpu_count(), "argv": sys.argv,
-                       "args": vars(args), "answers_that_differ": differ,
-                       "runs": {c: [{k: v for k, v in r.items() if k != "answers"} for r in rs]
-                                for c, rs in runs.items()}}, f, indent=1)
+    write_json(args.json, {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": platform.node(), "cpus": os.cpu_count(), "argv": sys.argv,
+        "args": vars(args), "answers_that_differ": differ,
+        "runs": {c: [{k: v for k, v in r.items() if k != "answers"} for r in rs]
+                 for c, rs in runs.items()}}, indent=1)
 
 
 def report(runs: dict[str, list[dict[str, Any]]], differ: dict[str, int]) -> None:

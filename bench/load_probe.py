@@ -34,7 +34,6 @@ Both loads are checked byte-exact against the saved pages before timing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -52,6 +51,7 @@ import torch
 import kvtier
 import kvtier.torch as kt
 from kvtier import _accel
+from kvtier.bench.common import write_json
 from kvtier.demo.run import Daemon
 from kvtier.paged import PagedKVLayout
 
@@ -221,8 +221,7 @@ def main() -> int:
             "old_over_new_paired_median": statistics.median(paired),
             "verify_scatter_over_scatter_hash_paired_median": statistics.median(paired_copy),
         }
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out, indent=1)
     return 0
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import random
@@ -40,6 +39,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from kvtier.bench.common import write_json  # noqa: E402
 from tests.vllm.paritylab import (  # noqa: E402
     BLOCK,
     Differences,
@@ -146,9 +146,7 @@ def main() -> int:
                         "kv_differs": d.blocks} for name, d in runs.items()},
         "check": problems,
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result, indent=1)
     return 1 if differing or problems else 0
 
 

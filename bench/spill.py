@@ -35,7 +35,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import datetime
-import json
 import mmap
 import os
 import platform
@@ -55,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import _accel
+from kvtier.bench.common import write_json
 from kvtier.units import GiB, KiB, MiB, format_bytes
 from kvtierd.config import parse_size
 from kvtierd.segments import Segment, SegmentLayout
@@ -1045,8 +1045,7 @@ def main(argv: list[str] | None = None) -> int:
     for a, b, c, d in tg:
         print(f"{a:<{w}} {b:>8}  {c:<32} {'yes' if d else 'NO'}")
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    with open(json_path, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(json_path, result, indent=1)
     log(f"raw numbers: {json_path}")
     return 0
 

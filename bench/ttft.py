@@ -26,7 +26,6 @@ the whole set; SSD off), best of ``--repeat`` runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -39,6 +38,7 @@ from typing import Any
 import numpy as np
 
 import kvtier
+from kvtier.bench.common import write_json
 from kvtier.demo.run import Daemon
 
 MiB = 1 << 20
@@ -98,6 +98,13 @@ def ttft(socket_dir: str, n_tokens: int, repeat: int) -> dict[str, Any]:
             "cold_runs_ms": [c * 1e3 for c in colds], "hit_runs_ms": [h * 1e3 for h in hits]}
 
 
+def _save_load_rows(what: str, nbytes: int, save_s: float, load_s: float,
+                    memcpy: float) -> list[dict[str, Any]]:
+    """The rows of one adapter's best save and load: GB/s and the multiple of memcpy's."""
+    return [{"what": f"{what}.{op}", "GBps": nbytes / s / 1e9, "vs_memcpy": nbytes / s / memcpy}
+            for op, s in (("save", save_s), ("load", load_s))]
+
+
 def adapter_throughput(socket_dir: str, repeat: int, pages: int = 64) -> list[dict[str, Any]]:
     import jax.numpy as jnp
     import ml_dtypes
@@ -149,10 +156,7 @@ def adapter_throughput(socket_dir: str, repeat: int, pages: int = 64) -> list[di
             if r:
                 save_best, load_best = min(save_best, t_save), min(load_best, t_load)
             client.delete(keys)
-        out.append({"what": "kvtier.jax.save", "GBps": nbytes / save_best / 1e9,
-                    "vs_memcpy": nbytes / save_best / memcpy})
-        out.append({"what": "kvtier.jax.load", "GBps": nbytes / load_best / 1e9,
-                    "vs_memcpy": nbytes / load_best / memcpy})
+        out += _save_load_rows("kvtier.jax", nbytes, save_best, load_best, memcpy)
     try:
         import torch
 
@@ -176,10 +180,7 @@ def adapter_throughput(socket_dir: str, repeat: int, pages: int = 64) -> list[di
             if r:
                 save_best, load_best = min(save_best, t_save), min(load_best, t_load)
             client.delete(keys)
-        out.append({"what": "kvtier.torch.save", "GBps": nbytes / save_best / 1e9,
-                    "vs_memcpy": nbytes / save_best / memcpy})
-        out.append({"what": "kvtier.torch.load", "GBps": nbytes / load_best / 1e9,
-                    "vs_memcpy": nbytes / load_best / memcpy})
+        out += _save_load_rows("kvtier.torch", nbytes, save_best, load_best, memcpy)
     return out
 
 
@@ -221,9 +222,7 @@ def main() -> int:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(d.shm_dir, ignore_errors=True)
     results["machine"]["loadavg_end"] = os.getloadavg()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 

@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import cluster as cluster_bench  # noqa: E402  (bench/cluster.py: the Mooncake reader)
 
 import kvtier  # noqa: E402
-from kvtier.cli import evict  # noqa: E402
+from kvtier.bench.common import write_json  # noqa: E402
 from kvtier.hashing import block_keys  # noqa: E402
 from kvtier.units import parse_size  # noqa: E402
 from kvtier.vllm import request_salt  # noqa: E402
@@ -316,17 +316,8 @@ def transfer(args: argparse.Namespace, fleet: Fleet, prompts: Prompts, prefill_s
                       f"{dt * 1e3:.0f} ms, batch_get_into {r['seconds'] * 1e3:.0f} ms",
                       flush=True)
             keys, names = keys_names(tokens)
-            kv, mc = [], []
-            for _ in range(args.transfer_rounds):
-                evict(fleet.b.socket_dir, name, keys, ["dram"])
-                t0 = time.perf_counter()
-                with b.acquire(keys, verify=False) as lease:
-                    dt = time.perf_counter() - t0
-                    assert lease.hits == len(keys), lease.hits
-                kv.append(dt)
-                r = reader.ask(op="get", names=names, size=block_bytes + HEADER_BYTES)
-                assert r["ok"], r
-                mc.append(r["seconds"])
+            kv, mc = cluster_bench.timed_reads(b, reader, fleet.b.socket_dir, name, keys, names,
+                                               block_bytes, args.transfer_rounds)
     finally:
         reader.close()
     nbytes = len(keys) * block_bytes
@@ -500,9 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",")]
     result = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
 
 

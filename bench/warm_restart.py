@@ -15,7 +15,6 @@ Needs free /dev/shm and RAM for the largest pool plus ~10%.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -30,10 +29,19 @@ import numpy as np
 
 import kvtier
 from kvtier._admin import fetch_stats
+from kvtier.bench.common import write_json
 from kvtier.bench.private_daemon import daemon_args, daemon_env
 from kvtierd.config import parse_size
 
 BATCH_BYTES = 256 << 20  # bytes per put batch while filling
+
+
+def notify_socket(tmp: str) -> tuple[socket.socket, str]:
+    """A datagram socket bound in ``tmp`` for kvtierd's NOTIFY_SOCKET, and its path."""
+    path = os.path.join(tmp, "notify")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(path)
+    return notify, path
 
 
 def start(sock_dir: str, shm_dir: str, capacity: int, notify: socket.socket,
@@ -80,9 +88,7 @@ def fill(sock_dir: str, block: int, capacity: int) -> int:
 def run_one(pool: int, block: int, kill: bool) -> dict[str, float]:
     tmp = tempfile.mkdtemp(prefix="kvt-warm-", dir="/tmp")
     shm_dir = f"/dev/shm/kvtier-bench-warm-{uuid.uuid4().hex[:8]}"
-    notify_path = os.path.join(tmp, "notify")
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(notify_path)
+    notify, notify_path = notify_socket(tmp)
     sock_dir = os.path.join(tmp, "sock")
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -148,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['pool_bytes'] / 2**30:>6.0f}Gi {r['block_bytes'] / 1024:>6.0f}Ki "
               f"{r['blocks']:>8} {r['cold_prefault_s']:>16.2f} {r['warm_start_to_ready_s']:>13.3f} "
               f"{r['warm_recovery_s']:>11.3f} {r['cold_over_warm']:>9.1f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(args.json, rows)
     return 0
 
 

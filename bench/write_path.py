@@ -16,7 +16,6 @@ Usage: ``.venv/bin/python bench/write_path.py [--samples N] [--json FILE]``
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -26,6 +25,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvtier
+from kvtier.bench.common import write_json
 from kvtier.bench.private_daemon import private_daemon
 
 
@@ -85,9 +85,7 @@ def main() -> int:
                       f"{row['reserve_commit_p99_s'] * 1e3:.3f} ms, commit p50 "
                       f"{row['commit_p50_s'] * 1e3:.3f} ms, {local}/{args.samples} from grants")
         channel.close()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out, indent=1)
     return 0
 
 

@@ -7,8 +7,10 @@ import os
 import re
 import shutil
 import tempfile
+import threading
+import urllib.request
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -77,6 +79,22 @@ class DaemonProc(PrivateDaemon):
         assert m, "daemon log has no metrics address"
         return int(m.group(1))
 
+    def metrics_text(self, timeout: float = 10) -> str:
+        """A scrape of the daemon's /metrics (the exposition text)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port()}/metrics",
+                                    timeout=timeout) as resp:
+            text: str = resp.read().decode()
+        return text
+
+    def metric_samples(self, timeout: float = 10) -> dict[str, float]:
+        """A scrape of /metrics: each sample's name with its labels -> its value."""
+        samples = {}
+        for line in self.metrics_text(timeout).splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+        return samples
+
 
 def start_daemon(base: str, *extra: str, capacity: str = TEST_CAPACITY,
                  extent: str = TEST_EXTENT, shm_dir: str | None = None,
@@ -114,6 +132,25 @@ def scribble(client: Any, key: bytes, at: int = 100) -> None:
     client._call("Release", pb.ReleaseRequest(lease_id=resp.lease_id))
 
 
+def run_in_threads(work: Callable[[int], None], n: int, timeout: float) -> None:
+    """``work(0)`` .. ``work(n - 1)`` on ``n`` threads at once, each joined within
+    ``timeout``; the first exception any of them raised fails the test here."""
+    errs: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            work(t)
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errs.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    assert not errs, errs[0]
+
+
 @contextlib.contextmanager
 def temp_daemon(*extra: str, **kwargs: Any) -> Iterator[DaemonProc]:
     """``start_daemon`` in a temp dir of its own (module-scoped fixtures), stopped and the
@@ -135,6 +172,17 @@ def workdir() -> Iterator[str]:
     path = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def disk_dir() -> Iterator[str]:
+    """A temp dir on /var/tmp, a disk filesystem where O_DIRECT works (/tmp may be tmpfs),
+    removed afterwards."""
+    path = tempfile.mkdtemp(prefix="kvt-disk-", dir="/var/tmp")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

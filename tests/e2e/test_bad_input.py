@@ -248,35 +248,48 @@ def sc_read_frame(s: socket.socket) -> pb.SessionResponse:
     return pb.SessionResponse.FromString(bytes(buf[_LEN.size :]))
 
 
-def sc_read_to_eof(s: socket.socket, timeout: float = 15.0) -> tuple[list[pb.SessionResponse], float]:
-    """Everything the daemon sends until it closes (EOF or reset); and how long that took."""
-    t0 = time.monotonic()
-    deadline = t0 + timeout
+def sc_read_raw(s: socket.socket, timeout: float) -> tuple[bytes, int]:
+    """Every byte the daemon sends until it closes (EOF or reset), and how many fds came
+    with them (closed at once)."""
+    deadline = time.monotonic() + timeout
     buf = bytearray()
+    nfds = 0
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             raise AssertionError(f"the daemon did not close the connection within {timeout} s")
         s.settimeout(left)
         try:
-            chunk = _recv(s, 65536)
+            data, n = recv_fds(s, 65536)
         except TimeoutError:
             raise AssertionError(f"the daemon did not close the connection within {timeout} s") from None
         except ConnectionResetError:
-            break  # it closed with our unread junk in its queue: a close all the same
-        if not chunk:
+            break  # it closed with our unread bytes in its queue: a close all the same
+        nfds += n
+        if not data:
             break
-        buf += chunk
+        buf += data
+    return bytes(buf), nfds
+
+
+def parse_responses(buf: bytes) -> list[pb.SessionResponse]:
+    """The length-prefixed SessionResponse frames of ``buf``, which holds whole frames only."""
+    out = []
+    while buf:
+        assert len(buf) >= _LEN.size, f"trailing partial length prefix {buf!r}"
+        (n,) = _LEN.unpack_from(buf)
+        assert len(buf) >= _LEN.size + n, f"truncated response frame ({len(buf)} of {n} bytes)"
+        out.append(pb.SessionResponse.FromString(buf[_LEN.size : _LEN.size + n]))
+        buf = buf[_LEN.size + n :]
+    return out
+
+
+def sc_read_to_eof(s: socket.socket, timeout: float = 15.0) -> tuple[list[pb.SessionResponse], float]:
+    """Everything the daemon sends until it closes (EOF or reset); and how long that took."""
+    t0 = time.monotonic()
+    buf, _ = sc_read_raw(s, timeout)
     elapsed = time.monotonic() - t0
-    resps = []
-    view = bytes(buf)
-    while view:
-        assert len(view) >= _LEN.size, f"trailing partial frame {view!r}"
-        (n,) = _LEN.unpack_from(view)
-        assert len(view) >= _LEN.size + n, f"truncated frame {view!r}"
-        resps.append(pb.SessionResponse.FromString(view[_LEN.size : _LEN.size + n]))
-        view = view[_LEN.size + n :]
-    return resps, elapsed
+    return parse_responses(buf), elapsed
 
 
 def expect_session_error(s: socket.socket, code: int, message: str, timeout: float = 15.0) -> float:

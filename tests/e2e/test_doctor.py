@@ -113,14 +113,6 @@ def shm_spill() -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def disk_dir() -> Iterator[str]:
-    """A directory on /var/tmp (a disk filesystem where O_DIRECT works; /tmp may be tmpfs)."""
-    path = tempfile.mkdtemp(prefix="kvt-doctor-", dir="/var/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _fresh_shm_dir() -> str:
     return f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}"  # never created by the doctor
 

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -22,7 +21,7 @@ import pytest
 import kvtier
 from kvtier import errors
 from kvtier.v1 import kvtier_pb2 as pb
-from tests.conftest import DaemonProc, start_daemon, stop_daemon
+from tests.conftest import DaemonProc, run_in_threads, start_daemon, stop_daemon
 
 pytestmark = pytest.mark.one_transport  # each test says which transport it wants
 
@@ -104,33 +103,23 @@ def test_threads_sharing_a_client_get_their_own_answers_while_extents_grow(workd
     namespace grows extent by extent (segment fds arrive on the connection the calls
     use): every answer reaches its caller, every block reads back byte-exact."""
     d = start_daemon(workdir, capacity="64MiB", extent="1MiB")
-    errs: list[BaseException] = []
     try:
         with _client(d) as c:
             assert c.fast_path
 
             def work(t: int) -> None:
-                try:
-                    for r in range(12):
-                        keys = [b"t%d-r%d-%d" % (t, r, i) for i in range(4)]
-                        blocks = [np.full(BB, (t * 16 + r + i) % 251, np.uint8)
-                                  for i in range(4)]
-                        assert c.put(keys, blocks) == 4
-                        assert c.lookup(keys) == 4
-                        with c.acquire(keys) as lease:
-                            for v, b in zip(lease.views, blocks, strict=True):
-                                assert (v == b).all()
-                        got = c.get(keys)
-                        assert all((g == b).all() for g, b in zip(got, blocks, strict=True))
-                except BaseException as exc:  # noqa: BLE001 (reported below)
-                    errs.append(exc)
+                for r in range(12):
+                    keys = [b"t%d-r%d-%d" % (t, r, i) for i in range(4)]
+                    blocks = [np.full(BB, (t * 16 + r + i) % 251, np.uint8) for i in range(4)]
+                    assert c.put(keys, blocks) == 4
+                    assert c.lookup(keys) == 4
+                    with c.acquire(keys) as lease:
+                        for v, b in zip(lease.views, blocks, strict=True):
+                            assert (v == b).all()
+                    got = c.get(keys)
+                    assert all((g == b).all() for g, b in zip(got, blocks, strict=True))
 
-            threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join(120)
-            assert not errs, errs[0]
+            run_in_threads(work, 8, 120)
             assert c.lookup([b"t%d-r%d-%d" % (t, r, i) for t in range(8) for r in range(12)
                              for i in range(4)]) == 8 * 12 * 4
         s = d.stats()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import mmap
 import os
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -36,7 +35,7 @@ from kvtierd.counters import (
     HOST_KEYS_PER_SECOND,
     HOST_READ_BYTES_PER_SECOND,
 )
-from tests.conftest import DaemonProc, start_daemon, stop_daemon
+from tests.conftest import start_daemon, stop_daemon
 
 PAGES = 250
 BLOCK = 4096
@@ -49,17 +48,6 @@ STEPS = [(1 << 40) - 1, (1 << 40) - 1, 1 << 62, 1, -(1 << 41)]
 HOST_SERIES = ("kvtier_lookups_total", "kvtier_hit_blocks_total", "kvtier_missed_blocks_total",
                "kvtier_tier_bytes", "kvtier_spill_io_bytes_total", "kvtier_prefetch_hits_total",
                "kvtier_active_leases", "kvtier_committed_blocks_total")
-
-
-def _scrape(d: DaemonProc) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port()}/metrics",
-                                  timeout=30).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def _host_series(samples: dict[str, float]) -> dict[str, float]:
@@ -117,7 +105,7 @@ def test_stepping_every_counter_of_250_pages_moves_no_host_figure(workdir: str) 
             assert len(b.get([b"b1", b"b2"])) == 2  # an Acquire call: the daemon served it
             b.lookup([b"b1", b"nope"])
             before = d.stats()
-            series = _host_series(_scrape(d))
+            series = _host_series(d.metric_samples(timeout=30))
             dram = next(io for io in before.io if io.tier == pb.TIER_DRAM)
             assert (dram.read_bytes, dram.reads) == (4000, 2)  # the baseline is real
             assert _namespace(before, "A").client_reported.lookups == 0
@@ -146,7 +134,7 @@ def test_stepping_every_counter_of_250_pages_moves_no_host_figure(workdir: str) 
                 _within_bound(_namespace(s, "A").client_reported, time.monotonic() - t0,
                               max_keys)
             assert rounds > 2 * len(STEPS), rounds
-            samples = _scrape(d)  # a scrape folds the pages too
+            samples = d.metric_samples(timeout=30)  # a scrape folds the pages too
             assert _host_series(samples) == series
             s = d.stats()
             assert _host_figures(s) == _host_figures(before)
@@ -176,7 +164,7 @@ def test_stepping_every_counter_of_250_pages_moves_no_host_figure(workdir: str) 
             s = d.stats()
             assert s.sessions == before.sessions
             assert _host_figures(s) == _host_figures(before)
-            assert _host_series(_scrape(d)) == series
+            assert _host_series(d.metric_samples(timeout=30)) == series
             _within_bound(_namespace(s, "A").client_reported, time.monotonic() - t0, max_keys)
             # The daemon still counts what it does itself.
             assert len(b.get([b"b1"])) == 1

@@ -74,8 +74,10 @@ from tests.e2e.test_bad_input import (
     fd_targets,
     frame,
     md,
+    parse_responses,
     recv_fds,
     sc_connect,
+    sc_read_raw,
     sc_send,
     wait_for,
 )
@@ -342,36 +344,8 @@ def p(probe: Probe) -> Iterator[Probe]:
 # ====================================================================== session channel I/O
 def read_to_eof(s: socket.socket, timeout: float = 10.0) -> tuple[list[pb.SessionResponse], int]:
     """Every response until the daemon closes the connection, and the fds that came."""
-    deadline = time.monotonic() + timeout
-    buf = bytearray()
-    nfds = 0
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"the daemon did not close the connection within {timeout} s")
-        s.settimeout(left)
-        try:
-            data, n = recv_fds(s, 65536)
-        except TimeoutError:
-            raise AssertionError(f"the daemon did not close the connection within {timeout} s") from None
-        except ConnectionResetError:
-            break  # it closed with our unread bytes in its queue: a close all the same
-        nfds += n
-        if not data:
-            break
-        buf += data
-    return parse_responses(bytes(buf)), nfds
-
-
-def parse_responses(buf: bytes) -> list[pb.SessionResponse]:
-    out = []
-    while buf:
-        assert len(buf) >= _LEN.size, f"trailing partial length prefix {buf!r}"
-        (n,) = _LEN.unpack_from(buf)
-        assert len(buf) >= _LEN.size + n, f"truncated response frame ({len(buf)} of {n} bytes)"
-        out.append(pb.SessionResponse.FromString(buf[_LEN.size : _LEN.size + n]))
-        buf = buf[_LEN.size + n :]
-    return out
+    buf, nfds = sc_read_raw(s, timeout)
+    return parse_responses(buf), nfds
 
 
 def read_one(s: socket.socket) -> tuple[pb.SessionResponse, int]:

@@ -22,12 +22,10 @@ import ctypes
 import mmap
 import os
 import re
-import shutil
-import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -127,13 +125,6 @@ ABUSES: dict[str, Callable[[list[tuple[int, int]]], None]] = {
 
 
 # ----------------------------------------------------------------------- harness
-@pytest.fixture
-def ssd_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="kvt-hostile-", dir="/var/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _daemon(workdir: str, ssd_dir: str, shm_dir: str | None = None) -> DaemonProc:
     return start_daemon(workdir, "--set", f"spill.ssd_dir={ssd_dir}",
                         "--set", "spill.ssd_capacity=256MiB", "--set", "spill.ssd_file_size=32MiB",
@@ -217,9 +208,9 @@ def _healthy(d: DaemonProc, acked: dict[str, list[bytes]]) -> None:
 
 @pytest.mark.parametrize("abuse", list(ABUSES), ids=list(ABUSES))
 def test_a_hostile_writer_cannot_hurt_the_daemon_or_other_namespaces(
-    workdir: str, ssd_dir: str, abuse: str
+    workdir: str, disk_dir: str, abuse: str
 ) -> None:
-    d = _daemon(workdir, ssd_dir)
+    d = _daemon(workdir, disk_dir)
     try:
         acked: dict[str, list[bytes]] = {"A": [], "B": [], "C": []}
         for ns in acked:
@@ -261,7 +252,7 @@ def test_a_hostile_writer_cannot_hurt_the_daemon_or_other_namespaces(
             _assert_intact(d, ns, acked[ns][-8:])
         shm_dir = d.shm_dir
         d.kill()
-        d = _daemon(workdir, ssd_dir, shm_dir=shm_dir)
+        d = _daemon(workdir, disk_dir, shm_dir=shm_dir)
         # Warm for B and C: their DRAM blocks were re-adopted, not promoted again.
         assert re.search(r"namespace 'B': warm, [1-9]", d.log()), d.log()[-3000:]
         assert re.search(r"namespace 'C': warm, [1-9]", d.log()), d.log()[-3000:]

@@ -30,16 +30,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -77,13 +74,6 @@ access:
 def _block(key: bytes) -> np.ndarray:
     rng = np.random.default_rng(zlib.crc32(key))
     return rng.integers(0, 256, BLOCK, dtype=np.uint8)
-
-
-@pytest.fixture
-def ssd_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="kvt-hfp-", dir="/var/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _daemon(workdir: str, ssd_dir: str, shm_dir: str | None = None) -> DaemonProc:
@@ -358,9 +348,9 @@ def _attack(d: DaemonProc, traffic: _Traffic, mode: str, base: tuple[float, floa
 
 @pytest.mark.one_transport  # the attack is the fast path's; B and C use it too
 @pytest.mark.parametrize("mode", ["doorbell", "hazards", "counters", "hoard", "truncate"])
-def test_a_hostile_fast_path_client_costs_only_itself(workdir: str, ssd_dir: str,
+def test_a_hostile_fast_path_client_costs_only_itself(workdir: str, disk_dir: str,
                                                       mode: str) -> None:
-    d = _daemon(workdir, ssd_dir)
+    d = _daemon(workdir, disk_dir)
     try:
         traffic = _Traffic(d)
         traffic.probe(0.5)  # warm: segments made, connections open
@@ -368,7 +358,7 @@ def test_a_hostile_fast_path_client_costs_only_itself(workdir: str, ssd_dir: str
         _attack(d, traffic, mode, base)
         shm_dir = d.shm_dir
         d.kill()
-        d = _daemon(workdir, ssd_dir, shm_dir=shm_dir)
+        d = _daemon(workdir, disk_dir, shm_dir=shm_dir)
         traffic.d = d
         traffic.assert_intact()
         _attack(d, traffic, mode, base)

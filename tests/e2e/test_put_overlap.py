@@ -18,7 +18,7 @@ import pytest
 
 import kvtier
 from kvtier import _core, errors
-from tests.conftest import DaemonProc
+from tests.conftest import DaemonProc, run_in_threads
 
 BB = 64 << 10  # 64 KiB blocks: a put of 32 is 2 MiB, four batches of 8 below
 
@@ -31,6 +31,13 @@ def blocks_of(seed: int, n: int) -> list[np.ndarray]:
 def client(d: DaemonProc, ns: str = "ov") -> kvtier.Client:
     c = kvtier.Client(d.socket_dir, namespace=ns, block_bytes=BB, model_uid="m")
     c.put_batch_bytes = 512 << 10  # 2 MiB puts: four batches of 8 blocks
+    return c
+
+
+def aclient(d: DaemonProc, ns: str) -> kvtier.AsyncClient:
+    """:func:`client`'s asyncio twin (opened by ``async with``)."""
+    c = kvtier.AsyncClient(d.socket_dir, namespace=ns, block_bytes=BB, model_uid="m")
+    c.put_batch_bytes = 512 << 10
     return c
 
 
@@ -182,9 +189,7 @@ def test_put_many_stops_reading_at_the_first_error(daemon: DaemonProc) -> None:
 def test_async_put_and_put_many_overlap_the_same_way(
         daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
     async def main() -> None:
-        async with kvtier.AsyncClient(daemon.socket_dir, namespace="aov", block_bytes=BB,
-                                      model_uid="m") as c:
-            c.put_batch_bytes = 512 << 10
+        async with aclient(daemon, "aov") as c:
             keys = [f"a{i:03d}".encode() for i in range(32)]
             blocks = blocks_of(4, 32)
             sent = count_commits(monkeypatch)
@@ -210,9 +215,7 @@ def test_async_put_and_put_many_overlap_the_same_way(
 def test_async_failed_middle_batch_keeps_the_batches_before(
         daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
     async def main() -> None:
-        async with kvtier.AsyncClient(daemon.socket_dir, namespace="af", block_bytes=BB,
-                                      model_uid="m") as c:
-            c.put_batch_bytes = 512 << 10
+        async with aclient(daemon, "af") as c:
             keys = [f"h{i:03d}".encode() for i in range(32)]
             Inject(monkeypatch, "commit", at=2)
             with pytest.raises(errors.Unavailable, match="injected") as info:
@@ -226,24 +229,14 @@ def test_async_failed_middle_batch_keeps_the_batches_before(
 
 
 def test_threads_sharing_a_client_put_in_batches_at_once(daemon: DaemonProc) -> None:
-    import threading
     with client(daemon) as c:
-        errs: list[BaseException] = []
 
         def writer(t: int) -> None:
-            try:
-                for r in range(3):
-                    keys = [f"t{t}-{r}-{i}".encode() for i in range(24)]
-                    assert c.put(keys, blocks_of(100 * t + r, 24)) == 24
-            except BaseException as exc:  # noqa: BLE001 (reported below)
-                errs.append(exc)
+            for r in range(3):
+                keys = [f"t{t}-{r}-{i}".encode() for i in range(24)]
+                assert c.put(keys, blocks_of(100 * t + r, 24)) == 24
 
-        threads = [threading.Thread(target=writer, args=(t,)) for t in range(3)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
-        assert errs == []
+        run_in_threads(writer, 3, 60)
         assert c.lookup([f"t2-2-{i}".encode() for i in range(24)]) == 24
     assert open_reservations(daemon) == 0
     assert daemon.check() == []

@@ -13,7 +13,6 @@ import mmap
 import os
 import random
 import re
-import urllib.request
 
 import numpy as np
 import pytest
@@ -44,17 +43,6 @@ def _no_lookup_calls(c: kvtier.Client, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(c, "_call", call)
 
 
-def _scrape(d: DaemonProc) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port()}/metrics",
-                                  timeout=10).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
-
-
 def test_a_lookup_makes_no_call_and_is_counted(daemon: DaemonProc,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     keys = [b"%016d" % i for i in range(64)]  # 16-byte keys: stored as themselves
@@ -66,7 +54,7 @@ def test_a_lookup_makes_no_call_and_is_counted(daemon: DaemonProc,
         assert c.lookup_tiers(keys[:3]) == [kvtier.Tier.DRAM] * 3
         assert c.lookup([b"short", *keys]) == 0  # other lengths: fingerprinted
         assert c.lookup(keys[39:]) == 1
-        samples = _scrape(daemon)  # the counters page is read before the scrape
+        samples = daemon.metric_samples()  # the counters page is read before the scrape
         # The client's counts: series of their own, never the daemon's.
         assert samples['kvtier_client_reported_lookups_total{namespace="idx"}'] == 4
         blocks = 'kvtier_client_reported_blocks_total{namespace="idx",op="lookup",result="%s"}'
@@ -183,11 +171,11 @@ def test_no_client_can_write_or_resize_the_table(daemon: DaemonProc) -> None:
         page = mmap.mmap(page_fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         counters = np.frombuffer(page, dtype=np.uint64, count=3)
         counters[:] = [5, 7, 9]
-        before = _scrape(daemon)
+        before = daemon.metric_samples()
         lookups = before['kvtier_client_reported_lookups_total{namespace="idx"}']
         hits = 'kvtier_client_reported_blocks_total{namespace="idx",op="lookup",result="hit"}'
         counters[:] = [2**64 - 1, 3, 2**63]  # a huge jump and a step back: believed as 0
-        after = _scrape(daemon)
+        after = daemon.metric_samples()
         assert after['kvtier_client_reported_lookups_total{namespace="idx"}'] == lookups
         assert after[hits] == before[hits]
         assert (after['kvtier_client_reported_cut_total{namespace="idx"}']

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -170,9 +169,7 @@ def tier_stats(s: pb.StatsResponse, tier: int) -> pb.TierStats:
 
 
 def scrape(d: DaemonProc) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port()}/metrics", timeout=10) as r:
-        text: str = r.read().decode()
-    return text
+    return d.metrics_text()
 
 
 def sample(text: str, name: str, **labels: str) -> float:

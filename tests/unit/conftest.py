@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
+import importlib.util
 import os
+import pathlib
 import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from types import ModuleType
 from typing import Any, TypeVar
 
 import pytest
 
+from kvtier import _accel
 from kvtierd.segments import Segment, SegmentLayout
 from kvtierd.store import Block, Namespace, Peer, SlotGrant, Store, StoreOptions
 
@@ -25,6 +32,9 @@ T = TypeVar("T")
 SHM_ROOT = "/dev/shm"
 BOOT_EPOCH = 7
 PEER = Peer(pid=1234, uid=1000, gid=1000)
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HAVE_NATIVE = importlib.util.find_spec("kvtier._native") is not None
+NOT_BUILT = "kvtier._native is not built (run: python setup.py build_ext --inplace)"
 
 
 def make_shm_dir() -> str:
@@ -41,6 +51,34 @@ def shm_dir() -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(params=["native", "python"])
+def accel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """kvtier._accel reloaded to use the implementation named by the param."""
+    native = request.param == "native"
+    if native:
+        if not HAVE_NATIVE:
+            pytest.skip(NOT_BUILT)
+        monkeypatch.delenv("KVTIER_FORCE_PY", raising=False)
+    else:
+        monkeypatch.setenv("KVTIER_FORCE_PY", "1")
+    mod = importlib.reload(_accel)
+    assert mod.NATIVE is native
+    yield mod
+    monkeypatch.undo()
+    importlib.reload(_accel)
+
+
+def run_bench_script(cwd: pathlib.Path, script: str, *args: str) -> None:
+    """``bench/<script> args`` in a child Python (this tree's client/ and daemon/ first on
+    its path, in ``cwd``), which must exit 0 within 110 s."""
+    path = os.pathsep.join(filter(None, [str(ROOT / "client"), str(ROOT / "daemon"),
+                                         os.environ.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(ROOT / "bench" / script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, check=False,
+                          env={**os.environ, "PYTHONPATH": path}, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 def segment_factory(directory: str, boot_epoch: int = BOOT_EPOCH) -> Callable[
@@ -163,6 +201,14 @@ def close_store(store: Store) -> None:
     """Wait for retirements and unmap every segment (the directory is removed by its fixture)."""
     run(store, asyncio.sleep(0))
     store.close_all()
+
+
+def close_store_and_files(store: Store, directory: str) -> None:
+    """``close_store``, then remove every file in ``directory`` (the segments of a store
+    that a test made there itself)."""
+    close_store(store)
+    for name in os.listdir(directory):
+        os.unlink(os.path.join(directory, name))
 
 
 @pytest.fixture

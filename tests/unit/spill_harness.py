@@ -9,16 +9,13 @@ store and the SSD tier.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-
-import pytest
 
 from kvtierd.spill.blockio import BlockIO
 from kvtierd.spill.shared import SharedTier
 from kvtierd.spill.ssd import SsdTier
+from kvtierd.spill.tier import LowerTier
 from kvtierd.store import ReserveStatus, Session
 from kvtierd.tiering import SpillPolicy, Tiering
 
@@ -38,16 +35,6 @@ def payload(key: bytes, tag: bytes = b"") -> bytes:
     length = 1 + (int.from_bytes(key, "little") * 7919) % BLOCK
     unit = key + b"|" + tag + b"#"
     return (unit * (length // len(unit) + 1))[:length]
-
-
-@pytest.fixture
-def disk_dir() -> Iterator[str]:
-    """A temp directory on a disk filesystem (not tmpfs), removed afterwards."""
-    path = tempfile.mkdtemp(prefix="kvt-spill-", dir="/var/tmp")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 class Env:
@@ -76,6 +63,15 @@ class Env:
         for i in range(0, len(ks), batch):
             await self.put(s, ks[i : i + batch])
 
+    async def spilled(self, n: int) -> tuple[Session, list[bytes]]:
+        """A session of namespace A with ``keys(n)`` put through it (past DRAM's 30 slots:
+        the oldest spill), the demoter settled."""
+        s = self.session()
+        ks = keys(n)
+        await self.put_all(s, ks)
+        await self.settle()
+        return s, ks
+
     async def get(self, s: Session, ks: Sequence[bytes]) -> tuple[list[bytes], list[int]]:
         result, tiers = await self.t.acquire(s, ks)
         out = [self.senv.read(g) for g in result.slots]
@@ -95,12 +91,13 @@ class Env:
 async def tiered(shm_dir: str, *, ssd_dir: str | None = None, shared_dir: str | None = None,
                  ssd_capacity: int = 8 * MiB, file_bytes: int = 2 * MiB,
                  io: BlockIO | None = None, policy: SpillPolicy | None = None,
-                 direct: str = "auto", check: bool = True) -> AsyncIterator[Env]:
+                 direct: str = "auto", check: bool = True,
+                 below: Sequence[LowerTier] = ()) -> AsyncIterator[Env]:
     senv = make_store(shm_dir, capacity=DRAM, extent_size=MiB + 4 * 4096)
     ssd = (SsdTier(ssd_dir, capacity=ssd_capacity, file_bytes=file_bytes, io=io, direct=direct)
            if ssd_dir else None)
     shared = SharedTier(shared_dir, io=io) if shared_dir else None
-    t = Tiering(senv.store, ssd=ssd, shared=shared,
+    t = Tiering(senv.store, ssd=ssd, shared=shared, below=below,
                 policy=policy or SpillPolicy.with_defaults(backpressure_timeout=5.0), io_threads=2)
     await t.start()
     env = Env(senv, t)

@@ -20,10 +20,8 @@ from kvtier.errors import FailedPrecondition, NotFound
 from kvtierd.store import Lower
 from kvtierd.tiering import TIER_DRAM, TIER_SHARED, TIER_SSD, SpillPolicy
 
-from .spill_harness import Env, MiB, disk_dir, keys, payload, tiered
+from .spill_harness import Env, MiB, keys, payload, tiered
 from .test_spill_faults import SPILL_FILE, FaultyIO, another_shm_dir, data_offset
-
-__all__ = ["disk_dir"]  # a fixture
 
 QUIET = SpillPolicy.with_defaults(clean_ahead=0.0, backpressure_timeout=5.0)
 

@@ -20,7 +20,7 @@ from kvtierd.logs import Throttle
 from kvtierd.metrics import Metrics, _OnLoop
 from kvtierd.tiering import TIER_SSD
 
-from .spill_harness import disk_dir, keys, tiered  # noqa: F401  (fixture)
+from .spill_harness import tiered
 
 
 class _Probe(Collector):
@@ -117,16 +117,13 @@ def test_a_late_event_loop_is_measured_and_logged_with_its_own_share(
 
 
 def test_prefetches_are_bounded_and_a_failing_one_is_counted(
-        shm_dir: str, disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        shm_dir: str, disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     errors: list[str] = []
 
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
             env.t.observer.background_error = errors.append  # type: ignore[method-assign]
-            s = env.session()
-            ks = keys(60)
-            await env.put_all(s, ks)
-            await env.settle()
+            s, ks = await env.spilled(60)
             first = ks[:3]
             assert all(k not in s.ns.index for k in first)
             # A full queue: the lookup answers but does not add a prefetch.

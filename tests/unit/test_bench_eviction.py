@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 
 from kvtierd import block_table
+
+from .conftest import run_bench_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -19,14 +19,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(120)
 def test_quick_run_compares_every_policy_with_exact_lru(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "eviction.json"
-    path = os.pathsep.join(filter(None, [str(ROOT / "client"), str(ROOT / "daemon"),
-                                         os.environ.get("PYTHONPATH")]))
-    cmd = [sys.executable, str(ROOT / "bench" / "eviction_policy.py"), "--requests", "1500",
-           "--users", "500", "--sizes", "0.1,0.5", "--cost-slots", "4k", "--cost-rounds", "50",
-           "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, check=False,
-                          env={**os.environ, "PYTHONPATH": path}, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_bench_script(tmp_path, "eviction_policy.py", "--requests", "1500", "--users", "500",
+                     "--sizes", "0.1,0.5", "--cost-slots", "4k", "--cost-rounds", "50",
+                     "--json", str(out))
     res = json.loads(out.read_text())
     assert res["trace"]["requests"] == 1500 and res["trace"]["distinct"] > 0
     exact, *native = res["hit_ratio"]

@@ -14,7 +14,7 @@ import threading
 from kvtierd.spill.blockio import BlockIO
 from kvtierd.tiering import SpillPolicy
 
-from .spill_harness import disk_dir, keys, tiered  # noqa: F401  (fixture)
+from .spill_harness import keys, tiered
 
 MiB = 1 << 20
 
@@ -53,7 +53,7 @@ def _shared_files(root: str) -> list[str]:
 
 
 def test_a_delete_racing_a_write_through_publish_wins(shm_dir: str,
-                                                      disk_dir: str) -> None:  # noqa: F811
+                                                      disk_dir: str) -> None:
     shared = os.path.join(disk_dir, "shared")
     io = HeldRename(shared)
 
@@ -80,7 +80,7 @@ def test_a_delete_racing_a_write_through_publish_wins(shm_dir: str,
 
 
 def test_a_delete_racing_an_ssd_to_shared_hand_off_wins(shm_dir: str,
-                                                        disk_dir: str) -> None:  # noqa: F811
+                                                        disk_dir: str) -> None:
     shared = os.path.join(disk_dir, "shared")
     io = HeldRename(shared)
 

@@ -39,7 +39,7 @@ from kvtierd.shared_index import (
 )
 from kvtierd.store import Session
 
-from .conftest import StoreEnv, close_store, make_store
+from .conftest import StoreEnv, close_store_and_files, make_store
 from .test_store import CAPACITY, TOTAL_SLOTS, keys, payload, put, session
 
 pytestmark = pytest.mark.skipif(not hasattr(_native, "index_acquire"), reason="no native build")
@@ -230,6 +230,13 @@ def _attach(env: StoreEnv, s: Session) -> tuple[SessionPage, LocalIndex]:
     return page, LocalIndex(shared.fd, page.fd, 4096)
 
 
+def _detach(env: StoreEnv, s: Session, page: SessionPage, local: LocalIndex) -> None:
+    """End ``s`` and close what ``_attach`` opened for it."""
+    env.store.close_session(s)
+    local.close()
+    page.close()
+
+
 def _read(env: StoreEnv, slot: object) -> bytes:
     seg = env.segment(slot.segment_id)  # type: ignore[attr-defined]
     n = seg.layout.slot_bytes
@@ -260,9 +267,7 @@ def test_a_block_leased_without_a_call_is_not_evicted(
     assert _read(env, slot) == payload(ks[0])
     assert env.store.lookup(s, ks[1:4]) == 0
     local.release(at, 1)
-    env.store.close_session(s)
-    local.close()
-    page.close()
+    _detach(env, s, page, local)
 
 
 def test_reads_without_a_call_move_blocks_to_the_young_end(
@@ -275,9 +280,7 @@ def test_reads_without_a_call_move_blocks_to_the_young_end(
     put(env, s, keys(2, "new"))  # evicts the oldest: the two read ones are young now
     assert env.store.lookup(s, ks[:2]) == 2
     assert env.store.lookup(s, ks[2:3]) == 0 and env.store.lookup(s, ks[3:4]) == 0
-    env.store.close_session(s)
-    local.close()
-    page.close()
+    _detach(env, s, page, local)
 
 
 def test_a_deleted_block_keeps_its_slot_while_leased_and_a_session_end_frees_it(
@@ -297,9 +300,7 @@ def test_a_deleted_block_keeps_its_slot_while_leased_and_a_session_end_frees_it(
     env.store.close_session(reader)
     put(env, s, [b"after-close"])
     assert _read(env, slot) != payload(ks[5])
-    env.store.close_session(s)
-    local.close()
-    page.close()
+    _detach(env, s, page, local)
 
 
 def test_a_free_slot_under_a_hazard_makes_the_namespace_grow_not_evict(
@@ -324,9 +325,7 @@ def test_a_free_slot_under_a_hazard_makes_the_namespace_grow_not_evict(
     assert env.store.lookup(s, ks[:5]) == 5 and env.store.lookup(s, ks[6:]) == n - 6
     local.release(got[1], 1)
     env.store.close_session(reader)
-    env.store.close_session(s)
-    local.close()
-    page.close()
+    _detach(env, s, page, local)
 
 
 def test_a_victim_leased_while_the_plan_was_made_is_kept(
@@ -352,9 +351,7 @@ def test_a_victim_leased_while_the_plan_was_made_is_kept(
     put(env, s, [b"new"])
     assert len(calls) >= 3  # first plan raced, the second one saw the hazard
     assert env.store.lookup(s, [ks[0]]) == 1 and env.store.lookup(s, [ks[1]]) == 0
-    env.store.close_session(s)
-    local.close()
-    page.close()
+    _detach(env, s, page, local)
 
 
 def test_a_block_leased_while_its_extent_was_planned_for_reclaim_keeps_the_extent(
@@ -398,9 +395,7 @@ def test_a_block_leased_while_its_extent_was_planned_for_reclaim_keeps_the_exten
         local.close()
         page.close()
     finally:
-        close_store(env.store)
-        for name in os.listdir(shm_dir):
-            os.unlink(os.path.join(shm_dir, name))
+        close_store_and_files(env.store, shm_dir)
 
 
 def test_a_hostile_page_costs_only_its_own_namespace(
@@ -468,9 +463,7 @@ def test_any_page_content_leaves_the_store_consistent(
         env.store.close_session(b)
         page.close()
     finally:
-        close_store(env.store)
-        for name in os.listdir(shm_dir):
-            os.unlink(os.path.join(shm_dir, name))
+        close_store_and_files(env.store, shm_dir)
 
 
 def test_a_hazard_pins_its_extent_against_reclaim_only_where_it_names_a_real_slot(
@@ -506,6 +499,4 @@ def test_a_hazard_pins_its_extent_against_reclaim_only_where_it_names_a_real_slo
         env.store.close_session(b)
         page.close()
     finally:
-        close_store(env.store)
-        for name in os.listdir(shm_dir):
-            os.unlink(os.path.join(shm_dir, name))
+        close_store_and_files(env.store, shm_dir)

@@ -29,7 +29,7 @@ from kvtierd.segments import SegmentLayout, SlotState
 from kvtierd.shared_index import GRANT_TAKEN, GRANT_VALID, GRANTS_N, HAS_SUM, LAST, SessionPage
 from kvtierd.store import GRANT_IDLE_SECONDS, CommitResult, Session, StoreOptions
 
-from .conftest import StoreEnv, close_store, make_store
+from .conftest import StoreEnv, close_store_and_files, make_store
 from .test_store import BLOCK, CAPACITY, keys, payload, put, session
 
 pytestmark = pytest.mark.skipif(not hasattr(_native, "grants_take"), reason="no native build")
@@ -850,9 +850,7 @@ def test_any_write_area_leaves_the_store_consistent(
         assert all(ns.reserved == 0 for ns in env.store.namespaces.values())
         page.close()
     finally:
-        close_store(env.store)
-        for name in os.listdir(shm_dir):
-            os.unlink(os.path.join(shm_dir, name))
+        close_store_and_files(env.store, shm_dir)
 
 
 def test_another_namespace_reclaims_an_extent_whose_only_reservations_are_idle_grants(

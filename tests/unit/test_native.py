@@ -10,8 +10,6 @@ of exceptions and one set of messages.
 from __future__ import annotations
 
 import errno
-import importlib
-import importlib.util
 import mmap
 import os
 import resource
@@ -30,7 +28,8 @@ import pytest
 import xxhash
 
 import kvtier
-from kvtier import _accel
+
+from .conftest import HAVE_NATIVE, NOT_BUILT
 
 PAGE = 4096
 MIB = 1 << 20
@@ -38,26 +37,7 @@ MIB = 1 << 20
 # and not a multiple of the page size, so the last chunk is a partial one.
 BIG = 5 * MIB + 3
 
-HAVE_NATIVE = importlib.util.find_spec("kvtier._native") is not None
-NOT_BUILT = "kvtier._native is not built (run: python setup.py build_ext --inplace)"
 needs_native = pytest.mark.skipif(not HAVE_NATIVE, reason=NOT_BUILT)
-
-
-@pytest.fixture(params=["native", "python"])
-def accel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    """kvtier._accel reloaded to use the implementation named by the param."""
-    native = request.param == "native"
-    if native:
-        if not HAVE_NATIVE:
-            pytest.skip(NOT_BUILT)
-        monkeypatch.delenv("KVTIER_FORCE_PY", raising=False)
-    else:
-        monkeypatch.setenv("KVTIER_FORCE_PY", "1")
-    mod = importlib.reload(_accel)
-    assert mod.NATIVE is native
-    yield mod
-    monkeypatch.undo()
-    importlib.reload(_accel)
 
 
 def random_bytes(n: int, seed: int = 0) -> bytes:
@@ -964,20 +944,14 @@ def test_pwrite_to_read_only_fd_and_pread_from_write_only_fd_raise_ebadf(
     path = tmp_path / "f"
     path.write_bytes(b"x" * 100)
     m = make_mmap(PAGE)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with pytest.raises(OSError) as raised:
-            accel.pwrite_full(fd, m, 0)
-        assert raised.value.errno == errno.EBADF
-    finally:
-        os.close(fd)
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        with pytest.raises(OSError) as raised:
-            accel.pread_full(fd, m, 0)
-        assert raised.value.errno == errno.EBADF
-    finally:
-        os.close(fd)
+    for flags, call in ((os.O_RDONLY, accel.pwrite_full), (os.O_WRONLY, accel.pread_full)):
+        fd = os.open(path, flags)
+        try:
+            with pytest.raises(OSError) as raised:
+                call(fd, m, 0)
+            assert raised.value.errno == errno.EBADF
+        finally:
+            os.close(fd)
     m.close()  # the buffer was released on the error paths
     assert path.read_bytes() == b"x" * 100
 

@@ -53,6 +53,12 @@ def _store(shm_dir: str, capacity: int = 8 << 20) -> Store:
                  lease_ttl=300, reservation_ttl=60, boot_epoch=BOOT)
 
 
+def _recovered(shm_dir: str, capacity: int = 8 << 20) -> tuple[Store, recovery.RecoveryReport]:
+    """A fresh store that has recovered the segments in ``shm_dir``, and its report."""
+    store = _store(shm_dir, capacity)
+    return store, recovery.recover(store, shm_dir)
+
+
 def _segment(shm_dir: str, index: int, *, uid: str = "m", namespace: str = "ns") -> Segment:
     layout = SegmentLayout.fit(BB, 64 << 10)  # 14 slots
     assert layout is not None
@@ -69,8 +75,7 @@ def test_a_key_committed_twice_keeps_the_more_recent_copy(shm_dir: str) -> None:
     b.mark_reserved(4, generation=3)
     for seg in (a, b):
         seg.close(unlink=False)
-    store = _store(shm_dir)
-    report = recovery.recover(store, shm_dir)
+    store, report = _recovered(shm_dir)
     ns = store.namespaces["ns"]
     assert ns.index[b"dup"].length == 6  # last_access 30 wins over 10 and 20
     assert ns.index[b"other"].length == 8
@@ -89,8 +94,7 @@ def test_a_segment_that_fails_validation_is_removed_and_reported(shm_dir: str) -
     bad.meta[3] ^= 0xFF  # corrupt the magic
     for seg in (good, bad):
         seg.close(unlink=False)
-    store = _store(shm_dir)
-    report = recovery.recover(store, shm_dir)
+    store, report = _recovered(shm_dir)
     assert list(store.namespaces["ns"].index) == [b"k"]
     assert len(report.dropped) == 1 and "bad magic" in report.dropped[0]
     assert report.dropped[0].startswith(os.path.basename(bad.meta_path) + ": reformatted: ")
@@ -108,8 +112,7 @@ def test_capacity_shrink_drops_the_coldest_extents(shm_dir: str) -> None:
                         epoch=1)
     for seg in (hot, cold):
         seg.close(unlink=False)
-    store = _store(shm_dir, capacity=hot.layout.file_bytes)  # room for one extent only
-    report = recovery.recover(store, shm_dir)
+    store, report = _recovered(shm_dir, capacity=hot.layout.file_bytes)  # room for one extent only
     assert list(store.namespaces["ns"].index) == [b"hot"]
     assert any("dropped" in d for d in report.dropped)
     assert not os.path.exists(cold.meta_path) and not os.path.exists(cold.path)
@@ -292,8 +295,7 @@ def test_a_slot_with_one_bad_field_is_dropped_alone_and_the_namespace_works(
     reason, at, change, width, _ = FIELD_CASES[case]
     victim = 0  # the lowest slot: the next reserve takes it again
     _poke(ns_seg, victim, at, change, width, resign=resign)
-    store = _store(shm_dir)
-    report = recovery.recover(store, shm_dir)
+    store, report = _recovered(shm_dir)
     expect = {s: r for s, r in ns_rows.items() if s != victim}
     _assert_recovered(store, report, {"ns": expect, "other": other_rows}, {reason: 1})
     ext = store.namespaces["ns"].extents[0]
@@ -311,8 +313,7 @@ def test_a_slot_whose_data_a_client_cut_off_is_dropped_and_the_file_restored(
     lay = ns_seg.layout
     last = lay.n_slots - 1
     os.truncate(ns_seg.path, last * lay.slot_bytes + 100)  # into the last slot's block
-    store = _store(shm_dir)
-    report = recovery.recover(store, shm_dir)
+    store, report = _recovered(shm_dir)
     assert os.path.getsize(ns_seg.path) == lay.data_bytes
     expect = {s: r for s, r in ns_rows.items() if s != last}
     _assert_recovered(store, report, {"ns": expect, "other": other_rows},
@@ -327,8 +328,7 @@ def test_a_data_file_a_client_grew_is_cut_back_and_every_block_survives(
 ) -> None:
     ns_seg, ns_rows, _, other_rows = stopped
     os.truncate(ns_seg.path, ns_seg.layout.data_bytes + (256 << 20))
-    store = _store(shm_dir)
-    report = recovery.recover(store, shm_dir)
+    store, report = _recovered(shm_dir)
     assert os.path.getsize(ns_seg.path) == ns_seg.layout.data_bytes
     _assert_recovered(store, report, {"ns": ns_rows, "other": other_rows}, {})
     assert report.dropped == []
@@ -346,8 +346,7 @@ def test_a_valid_row_copied_elsewhere_does_not_verify(
     with open(src.meta_path, "rb") as f:
         row = os.pread(f.fileno(), SLOT_ENTRY_BYTES, _entry_at(1))
     _poke(ns_seg, 2, 0, lambda old: row, SLOT_ENTRY_BYTES)
-    store = _store(shm_dir)
-    report = recovery.recover(store, shm_dir)
+    store, report = _recovered(shm_dir)
     expect = {s: r for s, r in ns_rows.items() if s != 2}
     _assert_recovered(store, report, {"ns": expect, "other": other_rows},
                       {"entry checksum mismatch": 1})
@@ -368,8 +367,7 @@ def test_a_freed_or_deleted_row_never_comes_back(shm_dir: str, state: SlotState)
         seg.mark_doomed(1)  # deleted while a reader held it, then the daemon died
         dropped = {}
     seg.close(unlink=False)
-    store = _store(shm_dir)
-    report = recovery.recover(store, shm_dir)
+    store, report = _recovered(shm_dir)
     _assert_recovered(store, report, {"ns": {0: rows[0], 2: rows[2]}}, dropped)
     assert store.namespaces["ns"].extents[0].segment.read_slot(1).state == SlotState.FREE
     _assert_usable(store, "ns")
@@ -384,8 +382,7 @@ def test_a_data_file_without_metadata_is_removed_and_reported(shm_dir: str) -> N
     stray = os.path.join(shm_dir, "0123456789abcdef.000000" + DATA_SUFFIX)
     with open(stray, "wb") as f:
         f.write(MAGIC + struct.pack("<I", 1) + bytes(3 * 4096))  # a format-1 header, say
-    store = _store(shm_dir)
-    report = recovery.recover(store, shm_dir)
+    store, report = _recovered(shm_dir)
     assert report.dropped == [f"{os.path.basename(stray)}: reformatted: no metadata file beside "
                               "it (lost, or a format 1 segment of an older kvtierd)"]
     assert not os.path.exists(stray)
@@ -399,8 +396,7 @@ def test_a_metadata_file_without_its_data_file_is_removed_and_reported(shm_dir: 
     keep, rows = _stopped(shm_dir, "other", range(2))
     lost, _ = _stopped(shm_dir, "ns", range(3))
     os.unlink(lost.path)
-    store = _store(shm_dir)
-    report = recovery.recover(store, shm_dir)
+    store, report = _recovered(shm_dir)
     assert len(report.dropped) == 1
     assert report.dropped[0].startswith(f"{os.path.basename(lost.meta_path)}: reformatted: its "
                                         "data file cannot be opened")
@@ -422,8 +418,7 @@ def test_a_reserved_slot_with_an_out_of_range_generation_leaves_the_store_consis
     rows = {0: _commit(seg, 0, b"kept", last_access=1)}
     seg.mark_reserved(1, generation=MAX_GENERATION)  # a writer's slot at the crash, forged
     seg.close(unlink=False)
-    store = _store(shm_dir)
-    report = recovery.recover(store, shm_dir)
+    store, report = _recovered(shm_dir)
     _assert_recovered(store, report, {"ns": rows}, {})
     store.close_all()
 
@@ -435,12 +430,11 @@ def test_an_adopted_but_forged_access_sequence_does_not_cost_blocks_at_the_next_
     rows = {0: _commit(seg, 0, b"kept", last_access=1)}
     seg.close(unlink=False)
     _poke(seg, 0, LAST_ACCESS, _set(MAX_ACCESS_SEQ - 1), 8)  # in range: adopted
-    store = _store(shm_dir)
-    _assert_recovered(store, recovery.recover(store, shm_dir), {"ns": rows}, {})
+    store, report = _recovered(shm_dir)
+    _assert_recovered(store, report, {"ns": rows}, {})
     _assert_usable(store, "ns")  # commits 13 blocks and reads all 14
     store.close_all()
-    again = _store(shm_dir)
-    report = recovery.recover(again, shm_dir)
+    again, report = _recovered(shm_dir)
     assert report.dropped_slots == collections.Counter()
     assert report.blocks == {"ns": 14}
     again.close_all()
@@ -453,12 +447,11 @@ def test_a_forged_generation_of_a_free_slot_does_not_cost_blocks_at_the_next_res
     rows = {1: _commit(seg, 1, b"kept", last_access=1)}
     seg.close(unlink=False)
     _poke(seg, 0, GENERATION, _set(MAX_GENERATION - 1), 8)  # slot 0 is FREE
-    store = _store(shm_dir)
-    _assert_recovered(store, recovery.recover(store, shm_dir), {"ns": rows}, {})
+    store, report = _recovered(shm_dir)
+    _assert_recovered(store, report, {"ns": rows}, {})
     _assert_usable(store, "ns")
     store.close_all()
-    again = _store(shm_dir)
-    report = recovery.recover(again, shm_dir)
+    again, report = _recovered(shm_dir)
     assert report.dropped_slots == collections.Counter()
     assert report.blocks == {"ns": 14}
     again.close_all()
@@ -498,8 +491,7 @@ def test_the_index_table_made_ahead_from_the_headers_is_the_one_recovery_fills(
     shared_index.prepare_tables(counts)
     made = dict(shared_index._prepared)
     assert sorted(made) == ["full", "sparse"]
-    store = _store(shm_dir, capacity=64 << 20)
-    report = recovery.recover(store, shm_dir)
+    store, report = _recovered(shm_dir, capacity=64 << 20)
     assert shared_index._prepared == {}
     full_ns, sparse_ns = store.namespaces["full"], store.namespaces["sparse"]
     assert full_ns.index.table.serial == made["full"].serial  # filled the one made ahead

@@ -39,9 +39,7 @@ from kvtierd.store import Lower, ReserveStatus, Session
 from kvtierd.tiering import TIER_DRAM, TIER_SHARED, TIER_SSD, SpillPolicy
 
 from .conftest import make_shm_dir
-from .spill_harness import Env, MiB, disk_dir, keys, payload, tiered
-
-__all__ = ["disk_dir"]  # a fixture
+from .spill_harness import Env, MiB, keys, payload, tiered
 
 RESERVED = ReserveStatus.RESERVED
 #: Committed spill files (not the ``.tmp`` a file is created as).
@@ -283,6 +281,15 @@ def another_shm_dir() -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+async def filled(env: Env, n: int) -> tuple[Session, list[bytes]]:
+    """A session with ``keys(n)`` committed through :func:`fill`, the demoter settled."""
+    s = env.session()
+    ks = keys(n)
+    await fill(env, s, ks)
+    await env.settle()
+    return s, ks
+
+
 def spilled(env: Env, s: Session, ks: Sequence[bytes]) -> list[bytes]:
     """The keys only the SSD tier holds (not in DRAM)."""
     return [k for k in ks if k not in s.ns.index and entry(env, k) is not None]
@@ -306,10 +313,7 @@ def test_disk_full_makes_blocks_unspillable_and_dram_keeps_serving(
 
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir, io=io) as env:
-            s = env.session()
-            ks = keys(90)
-            await fill(env, s, ks)
-            await env.settle()
+            s, ks = await filled(env, 90)
             t, ssd = env.t, ssd_of(env)
             assert rule.fired > 0
             assert t.counters.faults["ssd/enospc"] == rule.fired
@@ -345,10 +349,7 @@ def test_eio_on_ssd_read_is_a_shorter_prefix(shm_dir: str, disk_dir: str) -> Non
 
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir, io=io) as env:
-            s = env.session()
-            ks = keys(60)
-            await fill(env, s, ks)
-            await env.settle()
+            s, ks = await filled(env, 60)
             run = spilled(env, s, ks)[:5]
             assert len(run) == 5 and run == ks[: 5]
             bad = entry(env, run[2])
@@ -377,10 +378,7 @@ def test_eio_on_ssd_read_is_a_shorter_prefix(shm_dir: str, disk_dir: str) -> Non
 def test_bytes_flipped_on_disk_fail_the_checksum(shm_dir: str, disk_dir: str) -> None:
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
-            s = env.session()
-            ks = keys(60)
-            await fill(env, s, ks)
-            await env.settle()
+            s, ks = await filled(env, 60)
             victim, neighbour = spilled(env, s, ks)[:2]
             e = entry(env, victim)
             assert e is not None
@@ -402,10 +400,7 @@ def test_bytes_flipped_on_disk_fail_the_checksum(shm_dir: str, disk_dir: str) ->
 def test_truncated_spill_file_is_a_short_read(shm_dir: str, disk_dir: str) -> None:
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
-            s = env.session()
-            ks = keys(60)
-            await fill(env, s, ks)
-            await env.settle()
+            s, ks = await filled(env, 60)
             on_ssd = spilled(env, s, ks)
             last = max((entry(env, k) for k in on_ssd), key=lambda e: e.slot if e else -1)
             assert last is not None
@@ -434,10 +429,7 @@ def test_truncated_spill_file_is_a_short_read(shm_dir: str, disk_dir: str) -> No
 def test_unlinked_spill_file_serves_until_restart(shm_dir: str, disk_dir: str) -> None:
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir, file_bytes=1 * MiB) as env:
-            s = env.session()
-            ks = keys(90)
-            await fill(env, s, ks)
-            await env.settle()
+            s, ks = await filled(env, 90)
             on_ssd = spilled(env, s, ks)
             first = entry(env, on_ssd[0])
             assert first is not None
@@ -535,10 +527,7 @@ def test_fdatasync_eio_fails_the_whole_batch(shm_dir: str, disk_dir: str) -> Non
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir, io=io) as env:
             env_box.append(env)
-            s = env.session()
-            ks = keys(60)
-            await fill(env, s, ks)
-            await env.settle()
+            s, ks = await filled(env, 60)
             t, ssd = env.t, ssd_of(env)
             assert rule.fired == 1 and batch
             assert t.counters.faults["ssd/eio"] == 1
@@ -558,10 +547,7 @@ def test_fdatasync_eio_fails_the_whole_batch(shm_dir: str, disk_dir: str) -> Non
 def test_readoption_drops_damaged_files_and_torn_entries(shm_dir: str, disk_dir: str) -> None:
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir, file_bytes=1 * MiB) as env:
-            s = env.session()
-            ks = keys(90)
-            await fill(env, s, ks)
-            await env.settle()
+            s, ks = await filled(env, 90)
             by_file: dict[str, list[bytes]] = {}
             for k in spilled(env, s, ks):
                 e = entry(env, k)
@@ -699,10 +685,7 @@ def test_o_direct_refused_falls_back_to_buffered_io(shm_dir: str, disk_dir: str)
             ssd = ssd_of(env)
             assert not ssd.direct and rule.fired == 1
             assert ssd.direct_error is not None and "O_DIRECT refused at open" in ssd.direct_error
-            s = env.session()
-            ks = keys(60)
-            await fill(env, s, ks)
-            await env.settle()
+            s, ks = await filled(env, 60)
             on_ssd = spilled(env, s, ks)[:5]
             assert on_ssd and rule.fired == 1  # no later open asked for O_DIRECT
             got, tiers = await env.get(s, on_ssd)
@@ -733,10 +716,7 @@ def test_failed_publish_leaves_no_temp_file(shm_dir: str, disk_dir: str, method:
 
     async def go() -> None:
         async with tiered(shm_dir, shared_dir=shared, io=io) as env:
-            s = env.session()
-            ks = keys(60)
-            await fill(env, s, ks)
-            await env.settle()
+            s, ks = await filled(env, 60)
             t = env.t
             assert rule.fired == 4
             assert t.counters.faults == Counter({f"shared/{kind}": 4})
@@ -778,10 +758,7 @@ def test_corrupted_shared_block_is_removed_not_served(shm_dir: str, disk_dir: st
 
     async def go() -> None:
         async with tiered(shm_dir, shared_dir=shared) as env:
-            s = env.session()
-            ks = keys(60)
-            await fill(env, s, ks)
-            await env.settle()
+            s, ks = await filled(env, 60)
             assert env.t.shared is not None
             victim = next(k for k in ks if k not in s.ns.index)
             path = env.t.shared.path("A", victim)
@@ -805,10 +782,7 @@ def test_failed_free_flush_is_retried_so_deletes_survive_restart(shm_dir: str,
 
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir, io=io) as env:
-            s = env.session()
-            ks = keys(60)
-            await fill(env, s, ks)
-            await env.settle()
+            s, ks = await filled(env, 60)
             victims = spilled(env, s, ks)[:4]
             rule = io.fail("pwrite", errno.EIO, path=SPILL_FILE, times=1,
                            when=lambda c: c.offset < data_offset())
@@ -831,10 +805,7 @@ def test_promotion_does_not_evict_the_dram_hits_of_the_same_acquire(shm_dir: str
 
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
-            s = env.session()
-            ks = keys(60)
-            await fill(env, s, ks)
-            await env.settle()
+            s, ks = await filled(env, 60)
             victims = s.ns.table.victims(8, Policy.CLOCK, spill=True)  # CLEAN, next to go
             oldest = [b.key for r in victims.tolist()
                       if (b := s.ns.block_at(r)) is not None][:2]

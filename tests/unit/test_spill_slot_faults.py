@@ -35,9 +35,7 @@ from kvtierd.store import Lower, Namespace, ReserveStatus, Session
 from kvtierd.tiering import TIER_DRAM, TIER_SHARED, TIER_SSD, SpillPolicy, Tiering
 
 from .conftest import make_store
-from .spill_harness import DRAM, Env, MiB, disk_dir, keys, payload
-
-__all__ = ["disk_dir"]  # a fixture
+from .spill_harness import DRAM, Env, MiB, keys, payload
 
 #: No background demotion: the tests demote with a drain, at the moment they choose.
 QUIET = SpillPolicy.with_defaults(clean_ahead=0.0, backpressure_timeout=5.0)
@@ -147,7 +145,7 @@ def restore(cuts: list[tuple[str, int]]) -> None:
 
 
 # ================================================================ demotion
-def _demote_faulted(shm_dir: str, disk_dir: str, *, checksums: bool,  # noqa: F811
+def _demote_faulted(shm_dir: str, disk_dir: str, *, checksums: bool,
                     to_shared: bool) -> None:
     ks = keys(5)
     where = {"shared_dir": os.path.join(disk_dir, "shared")} if to_shared else {
@@ -184,17 +182,17 @@ def _demote_faulted(shm_dir: str, disk_dir: str, *, checksums: bool,  # noqa: F8
 
 
 def test_demotion_of_a_truncated_slot_drops_the_block_not_the_ssd(
-        shm_dir: str, disk_dir: str) -> None:  # noqa: F811
+        shm_dir: str, disk_dir: str) -> None:
     isolated(lambda: _demote_faulted(shm_dir, disk_dir, checksums=True, to_shared=False))
 
 
 def test_demotion_of_a_truncated_slot_to_the_shared_tier_drops_the_block(
-        shm_dir: str, disk_dir: str) -> None:  # noqa: F811
+        shm_dir: str, disk_dir: str) -> None:
     isolated(lambda: _demote_faulted(shm_dir, disk_dir, checksums=True, to_shared=True))
 
 
 def test_demotion_that_checksums_a_truncated_slot_drops_the_block(
-        shm_dir: str, disk_dir: str) -> None:  # noqa: F811
+        shm_dir: str, disk_dir: str) -> None:
     """No client checksum: the SSD tier checksums the slot itself, and that faults."""
 
     def body() -> None:
@@ -205,7 +203,7 @@ def test_demotion_that_checksums_a_truncated_slot_drops_the_block(
 
 
 # ================================================================ write-through publish
-def _publish_faulted(shm_dir: str, disk_dir: str, *, checksums: bool) -> None:  # noqa: F811
+def _publish_faulted(shm_dir: str, disk_dir: str, *, checksums: bool) -> None:
     shared = os.path.join(disk_dir, "shared")
     ks = keys(4)
 
@@ -231,12 +229,12 @@ def _publish_faulted(shm_dir: str, disk_dir: str, *, checksums: bool) -> None:  
 
 
 def test_write_through_publish_of_a_truncated_slot_drops_the_block(
-        shm_dir: str, disk_dir: str) -> None:  # noqa: F811
+        shm_dir: str, disk_dir: str) -> None:
     isolated(lambda: _publish_faulted(shm_dir, disk_dir, checksums=True))
 
 
 def test_write_through_publish_that_checksums_a_truncated_slot_drops_the_block(
-        shm_dir: str, disk_dir: str) -> None:  # noqa: F811
+        shm_dir: str, disk_dir: str) -> None:
     def body() -> None:
         _accel.install_fault_guard()  # as kvtierd does at start
         _publish_faulted(shm_dir, disk_dir, checksums=False)
@@ -245,7 +243,7 @@ def test_write_through_publish_that_checksums_a_truncated_slot_drops_the_block(
 
 
 # ================================================================ promotion
-def _promote_into_faulted(shm_dir: str, disk_dir: str, *, from_shared: bool) -> None:  # noqa: F811
+def _promote_into_faulted(shm_dir: str, disk_dir: str, *, from_shared: bool) -> None:
     ks = keys(5)
     where = {"shared_dir": os.path.join(disk_dir, "shared")} if from_shared else {
         "ssd_dir": os.path.join(disk_dir, "ssd")}
@@ -281,10 +279,10 @@ def _promote_into_faulted(shm_dir: str, disk_dir: str, *, from_shared: bool) -> 
 
 
 def test_promotion_into_a_truncated_slot_is_a_miss_and_keeps_the_ssd_copy(
-        shm_dir: str, disk_dir: str) -> None:  # noqa: F811
+        shm_dir: str, disk_dir: str) -> None:
     isolated(lambda: _promote_into_faulted(shm_dir, disk_dir, from_shared=False))
 
 
 def test_promotion_into_a_truncated_slot_is_a_miss_and_keeps_the_shared_file(
-        shm_dir: str, disk_dir: str) -> None:  # noqa: F811
+        shm_dir: str, disk_dir: str) -> None:
     isolated(lambda: _promote_into_faulted(shm_dir, disk_dir, from_shared=True))

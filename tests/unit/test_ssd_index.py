@@ -3,6 +3,7 @@ index, CLOCK eviction and vectorised re-adoption, against a plain-dict model."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import threading
@@ -26,7 +27,6 @@ from kvtierd.spill import ssd as ssd_mod
 from kvtierd.spill import ssd_files, ssd_index
 from kvtierd.spill.blockio import aligned_buffer
 from kvtierd.spill.ssd import SpillFull, SsdTier
-from tests.unit.spill_harness import disk_dir  # noqa: F401  (fixture)
 
 KiB = 1 << 10
 NAMESPACES = ("a", "bb/x")
@@ -38,6 +38,13 @@ LENGTHS = (1, 4096, 4097, 8192)
 def data(ns: str, key: bytes, tag: int, length: int) -> bytes:
     seed = xxhash.xxh64_intdigest(ns.encode() + key, tag)
     return np.random.default_rng(seed).integers(0, 256, length, dtype=np.uint8).tobytes()
+
+
+def _opened(path: str, capacity: int = 64 << 20, file_bytes: int = 8 << 20) -> SsdTier:
+    """An SSD tier in ``path`` (buffered I/O), open: the spill files there adopted."""
+    ssd = SsdTier(path, capacity=capacity, file_bytes=file_bytes, direct="false")
+    ssd.open()
+    return ssd
 
 
 def _write(ssd: SsdTier, ns: str, key: bytes, payload: bytes, mhash: int = 7) -> None:
@@ -91,8 +98,7 @@ class SsdMachine(RuleBasedStateMachine):
         self.ssd = self._boot()
 
     def _boot(self) -> SsdTier:
-        ssd = SsdTier(self.dir, capacity=64 * KiB, file_bytes=40 * KiB, direct="false")
-        ssd.open()
+        ssd = _opened(self.dir, 64 * KiB, 40 * KiB)
         ssd.on_evicted = lambda ns, key: self.model.pop((ns, key))
         ssd.watch(lambda ns, key, stored: self.events.append((ns, key, stored)))
         return ssd
@@ -215,15 +221,9 @@ def test_ssd_tier_agrees_with_a_dict_model_when_every_key_collides(weak_hash: No
 
 # ---------------------------------------------------------------- the structures themselves
 @pytest.fixture
-def tier() -> Iterator[SsdTier]:
-    path = tempfile.mkdtemp(prefix="kvt-ssdidx-", dir="/var/tmp")
-    ssd = SsdTier(path, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    ssd.open()
-    try:
+def tier(disk_dir: str) -> Iterator[SsdTier]:
+    with contextlib.closing(_opened(disk_dir)) as ssd:
         yield ssd
-    finally:
-        ssd.close()
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_the_key_index_grows_and_finds_every_key_after_deletions(tier: SsdTier) -> None:
@@ -253,11 +253,10 @@ def test_no_python_object_per_entry_at_rest(tier: SsdTier) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 3, 8, 9, 40])
-def test_length_of_many_answers_as_length_of_key_by_key(disk_dir: str, n: int) -> None:  # noqa: F811
+def test_length_of_many_answers_as_length_of_key_by_key(disk_dir: str, n: int) -> None:
     """Small batches (read entry by entry) and large ones (vectorised) answer alike:
     absent keys, another namespace's, and copies of another geometry are None."""
-    ssd = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    ssd.open()
+    ssd = _opened(disk_dir)
     try:
         for i in range(30):
             _write(ssd, "a", b"k%d" % i, b"x" * (i + 1), mhash=7 if i % 3 else 9)
@@ -272,12 +271,11 @@ def test_length_of_many_answers_as_length_of_key_by_key(disk_dir: str, n: int) -
         ssd.close()
 
 
-def test_a_delete_persists_only_the_table_pages_it_freed(disk_dir: str) -> None:  # noqa: F811
+def test_a_delete_persists_only_the_table_pages_it_freed(disk_dir: str) -> None:
     """``flush_frees`` writes the table pages holding freed entries (a run of them in
     one write), not the file's whole table; a restart finds the deleted keys gone and
     every other key still there."""
-    ssd = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    ssd.open()
+    ssd = _opened(disk_dir)
     n = 3 * fmt.ENTRIES_PER_PAGE
     keys = [b"p%05d" % i for i in range(n)]
     for k in keys:
@@ -305,8 +303,7 @@ def test_a_delete_persists_only_the_table_pages_it_freed(disk_dir: str) -> None:
     ssd.flush_frees()  # nothing freed since: nothing written
     assert writes == []
     ssd.close()
-    fresh = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    fresh.open()
+    fresh = _opened(disk_dir)
     try:
         assert [k for k in keys if _read(fresh, "a", k) is None] == gone
         assert _read(fresh, "a", keys[1]) == keys[1]
@@ -315,11 +312,10 @@ def test_a_delete_persists_only_the_table_pages_it_freed(disk_dir: str) -> None:
         fresh.close()
 
 
-def test_readoption_keeps_the_newest_copy_of_a_key_written_twice(disk_dir: str) -> None:  # noqa: F811
+def test_readoption_keeps_the_newest_copy_of_a_key_written_twice(disk_dir: str) -> None:
     """A crash between a rewrite's entry and the old copy's FREE entry leaves the key
     twice on disk: re-adoption keeps the newest write and frees the other."""
-    ssd = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    ssd.open()
+    ssd = _opened(disk_dir)
     _write(ssd, "a", b"k", b"old")
     _write(ssd, "a", b"other", b"o")
     ssd.sync()
@@ -333,8 +329,7 @@ def test_readoption_keeps_the_newest_copy_of_a_key_written_twice(disk_dir: str) 
     f.table[old.slot * fmt.ENTRY_BYTES : (old.slot + 1) * fmt.ENTRY_BYTES] = saved
     ssd_files.write_table_pages(ssd.io, ssd._lock, f, [old.slot // fmt.ENTRIES_PER_PAGE])
     ssd.close()
-    fresh = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    fresh.open()
+    fresh = _opened(disk_dir)
     try:
         assert fresh.counters.adopted == 2 and fresh.counters.dropped_entries == 1
         assert _read(fresh, "a", b"k") == b"new"
@@ -343,9 +338,8 @@ def test_readoption_keeps_the_newest_copy_of_a_key_written_twice(disk_dir: str) 
         fresh.close()
 
 
-def test_readoption_frees_entries_with_junk_past_their_key(disk_dir: str) -> None:  # noqa: F811
-    ssd = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    ssd.open()
+def test_readoption_frees_entries_with_junk_past_their_key(disk_dir: str) -> None:
+    ssd = _opened(disk_dir)
     _write(ssd, "a", b"k1", b"1")
     _write(ssd, "a", b"k2", b"2")
     ssd.sync()
@@ -358,8 +352,7 @@ def test_readoption_frees_entries_with_junk_past_their_key(disk_dir: str) -> Non
     e.file.table[off : off + fmt.ENTRY_BYTES] = bytes(row)
     ssd_files.write_table_pages(ssd.io, ssd._lock, e.file, [e.slot // fmt.ENTRIES_PER_PAGE])
     ssd.close()
-    fresh = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    fresh.open()
+    fresh = _opened(disk_dir)
     try:
         assert fresh.counters.adopted == 1 and fresh.counters.faults["torn_entry"] == 1
         assert sorted(fresh.all_keys()) == [("a", b"k1")] and fresh.check() == []
@@ -367,10 +360,9 @@ def test_readoption_frees_entries_with_junk_past_their_key(disk_dir: str) -> Non
         fresh.close()
 
 
-def test_clock_spares_a_block_read_since_the_hand_passed(disk_dir: str) -> None:  # noqa: F811
+def test_clock_spares_a_block_read_since_the_hand_passed(disk_dir: str) -> None:
     """Full tier, no reads: the oldest write goes first; a block read since is spared."""
-    ssd = SsdTier(disk_dir, capacity=40 * KiB, file_bytes=40 * KiB, direct="false")
-    ssd.open()
+    ssd = _opened(disk_dir, 40 * KiB, 40 * KiB)
     evicted: list[bytes] = []
     ssd.on_evicted = lambda ns, key: evicted.append(key)
     try:
@@ -414,9 +406,8 @@ def test_concurrent_writers_and_readers_keep_the_books_balanced(tier: SsdTier) -
     assert not errors and tier.check() == []
 
 
-def test_a_full_tier_empties_the_coldest_file_of_another_size(disk_dir: str) -> None:  # noqa: F811
-    ssd = SsdTier(disk_dir, capacity=64 * KiB, file_bytes=40 * KiB, direct="false")
-    ssd.open()
+def test_a_full_tier_empties_the_coldest_file_of_another_size(disk_dir: str) -> None:
+    ssd = _opened(disk_dir, 64 * KiB, 40 * KiB)
     evicted: list[bytes] = []
     gone: list[bytes] = []
     ssd.on_evicted = lambda ns, key: evicted.append(key)
@@ -436,21 +427,19 @@ def test_a_full_tier_empties_the_coldest_file_of_another_size(disk_dir: str) -> 
 
 
 def test_readoption_places_runs_that_wrap_round_the_index(
-        disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every key hashing to the last bucket: the rebuild's runs wrap to the start."""
     monkeypatch.setattr(ssd_index, "field_hash", lambda *a: 1023 << 32)
     monkeypatch.setattr(ssd_index, "row_key_hashes",
                         lambda table, n: np.full(n, 1023 << 32, np.uint64))
-    ssd = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    ssd.open()
+    ssd = _opened(disk_dir)
     for i in range(40):
         _write(ssd, "a", b"k%d" % i, b"%d" % i)
     ssd.remove("a", [b"k3", b"k17"])
     ssd.sync()
     ssd.flush_frees()
     ssd.close()
-    fresh = SsdTier(disk_dir, capacity=64 << 20, file_bytes=8 << 20, direct="false")
-    fresh.open()
+    fresh = _opened(disk_dir)
     try:
         assert fresh.counters.adopted == 38 and fresh.check() == []
         assert int(fresh.key_index.buckets[0]) != 0  # wrapped
@@ -462,7 +451,7 @@ def test_readoption_places_runs_that_wrap_round_the_index(
 
 
 def test_slot_ids_are_renumbered_before_they_outgrow_32_bits(
-        disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        disk_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Files come and go (reclaimed for another slot size): the ids of their slots
     are never reused while a file has them, and renumbered when the next would not fit."""
     monkeypatch.setattr(ssd_index, "MAX_SLOT_IDS", 40)
@@ -471,8 +460,7 @@ def test_slot_ids_are_renumbered_before_they_outgrow_32_bits(
     monkeypatch.setattr(ssd_index.SsdKeyIndex, "rebuild",
                         lambda self: (rebuilt.append(1), rebuild(self))[1])
     # Room for one file: each change of slot size reclaims it for a new one.
-    ssd = SsdTier(disk_dir, capacity=40 * KiB, file_bytes=40 * KiB, direct="false")
-    ssd.open()
+    ssd = _opened(disk_dir, 40 * KiB, 40 * KiB)
     model: dict[bytes, bytes] = {}
     ssd.on_evicted = lambda ns, key: model.pop(key)
     try:

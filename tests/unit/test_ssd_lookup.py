@@ -11,9 +11,6 @@ bounds.  tests/unit/test_native_sanitized.py runs this file again under ASan + U
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from collections.abc import Iterator
 from types import ModuleType
 
 import numpy as np
@@ -25,26 +22,10 @@ from kvtier import _accel
 from kvtierd.spill import format as fmt
 from kvtierd.spill.ssd import key_hash
 
-HAVE_NATIVE = importlib.util.find_spec("kvtier._native") is not None
+from .conftest import HAVE_NATIVE
+
 NAMESPACES = ("", "a", "bb/x", "n" * 128)
 KEY = st.binary(min_size=1, max_size=fmt.MAX_KEY_BYTES)
-
-
-@pytest.fixture(params=["native", "python"])
-def accel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    """kvtier._accel reloaded to use the implementation named by the param."""
-    native = request.param == "native"
-    if native:
-        if not HAVE_NATIVE:
-            pytest.skip("kvtier._native is not built")
-        monkeypatch.delenv("KVTIER_FORCE_PY", raising=False)
-    else:
-        monkeypatch.setenv("KVTIER_FORCE_PY", "1")
-    mod = importlib.reload(_accel)
-    assert mod.NATIVE is native
-    yield mod
-    monkeypatch.undo()
-    importlib.reload(_accel)
 
 
 class Index:

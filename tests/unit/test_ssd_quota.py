@@ -6,7 +6,6 @@ import pytest
 
 from kvtierd.spill.blockio import aligned_buffer
 from kvtierd.spill.ssd import SpillFull, SsdTier
-from tests.unit.spill_harness import disk_dir  # noqa: F401  (fixture)
 
 MiB = 1 << 20
 BLK = 64 << 10
@@ -26,7 +25,7 @@ def _keys(ssd: SsdTier, ns: str) -> set[bytes]:
     return {k for (n, k) in ssd.index if n == ns}
 
 
-def test_namespace_at_ssd_quota_evicts_its_own_oldest_blocks(disk_dir: str) -> None:  # noqa: F811
+def test_namespace_at_ssd_quota_evicts_its_own_oldest_blocks(disk_dir: str) -> None:
     ssd = SsdTier(disk_dir, capacity=8 * MiB, file_bytes=1 * MiB, direct="false")
     ssd.quota_of = lambda ns: 3 * BLK if ns == "q" else 0
     ssd.open()
@@ -46,7 +45,7 @@ def test_namespace_at_ssd_quota_evicts_its_own_oldest_blocks(disk_dir: str) -> N
         ssd.close()
 
 
-def test_quota_with_every_block_being_read_refuses_the_write(disk_dir: str) -> None:  # noqa: F811
+def test_quota_with_every_block_being_read_refuses_the_write(disk_dir: str) -> None:
     ssd = SsdTier(disk_dir, capacity=8 * MiB, file_bytes=1 * MiB, direct="false")
     ssd.quota_of = lambda ns: 2 * BLK
     ssd.open()
@@ -67,7 +66,7 @@ def test_quota_with_every_block_being_read_refuses_the_write(disk_dir: str) -> N
 
 
 def test_every_eviction_is_reported_and_concurrent_writers_stay_within_quota(
-        disk_dir: str) -> None:  # noqa: F811
+        disk_dir: str) -> None:
     import concurrent.futures
 
     ssd = SsdTier(disk_dir, capacity=8 * MiB, file_bytes=1 * MiB, direct="false")
@@ -89,7 +88,7 @@ def test_every_eviction_is_reported_and_concurrent_writers_stay_within_quota(
         ssd.close()
 
 
-def test_spill_files_start_small_and_double_up_to_the_file_size(disk_dir: str) -> None:  # noqa: F811
+def test_spill_files_start_small_and_double_up_to_the_file_size(disk_dir: str) -> None:
     """A megabyte of spill never allocates gigabytes: the first file of a slot size is
     64 MiB (or 8 slots), each next one twice the last, capped at spill.ssd_file_size."""
     import os

@@ -21,9 +21,8 @@ from kvtierd.store import Lower, ReserveStatus
 from kvtierd.tiering import TIER_DRAM, TIER_SHARED, TIER_SSD, SpillPolicy, Tiering
 
 from .conftest import make_store
-from .spill_harness import BLOCK, DRAM, MiB, disk_dir, keys, payload, tiered
+from .spill_harness import BLOCK, DRAM, MiB, keys, payload, tiered
 
-__all__ = ["disk_dir"]  # a fixture
 
 # ================================================================ demotion and promotion
 def test_working_set_four_times_dram_stays_reachable(shm_dir: str, disk_dir: str) -> None:
@@ -52,10 +51,7 @@ def test_working_set_four_times_dram_stays_reachable(shm_dir: str, disk_dir: str
 def test_reserve_of_a_spilled_key_is_exists(shm_dir: str, disk_dir: str) -> None:
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
-            s = env.session()
-            ks = keys(60)
-            await env.put_all(s, ks)
-            await env.settle()
+            s, ks = await env.spilled(60)
             on_ssd = [k for k in ks if k not in s.ns.index]
             assert on_ssd
             assert await env.put(s, on_ssd[:3]) == [ReserveStatus.EXISTS] * 3
@@ -71,10 +67,7 @@ def test_lookups_reserves_and_deletes_ask_the_ssd_tier_once_per_batch(
 
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
-            s = env.session()
-            ks = keys(60)
-            await env.put_all(s, ks)
-            await env.settle()
+            s, ks = await env.spilled(60)
             ssd = env.t.ssd
             assert ssd is not None
             on_ssd = [k for k in ks if k not in s.ns.index]
@@ -132,10 +125,7 @@ def test_without_spill_tiers_eviction_drops(shm_dir: str) -> None:
 def test_prefetch_promotes_in_the_background(shm_dir: str, disk_dir: str) -> None:
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
-            s = env.session()
-            ks = keys(60)
-            await env.put_all(s, ks)
-            await env.settle()
+            s, ks = await env.spilled(60)
             first = ks[:5]
             assert all(k not in s.ns.index for k in first)
             tiers = await env.t.lookup(s, first, prefetch=True)
@@ -155,10 +145,7 @@ def test_prefetch_promotes_in_the_background(shm_dir: str, disk_dir: str) -> Non
 def test_delete_removes_every_tier_and_survives_restart(shm_dir: str, disk_dir: str) -> None:
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
-            s = env.session()
-            ks = keys(60)
-            await env.put_all(s, ks)
-            await env.settle()
+            s, ks = await env.spilled(60)
             victim = [k for k in ks if k not in s.ns.index][:4]
             assert await env.t.delete(s, victim) == 4
             assert await env.t.lookup(s, victim) == []
@@ -186,10 +173,7 @@ def test_a_delete_persists_removals_below_dram_only_when_it_made_one(
         # (Nothing cleaned ahead: a block newly put stays in DRAM alone.)
         policy = SpillPolicy.with_defaults(backpressure_timeout=5.0, clean_ahead=0.0)
         async with tiered(shm_dir, ssd_dir=disk_dir, policy=policy) as env:
-            s = env.session()
-            ks = keys(60)
-            await env.put_all(s, ks)
-            await env.settle()
+            s, ks = await env.spilled(60)
             ks += keys(2, "new")
             await env.put_all(s, ks[-2:])
             ssd = env.t.ssd
@@ -288,10 +272,7 @@ def test_ssd_evictions_pass_blocks_to_the_shared_tier(shm_dir: str, disk_dir: st
         async with tiered(shm_dir, ssd_dir=os.path.join(disk_dir, "ssd"),
                           shared_dir=os.path.join(disk_dir, "shared"),
                           ssd_capacity=4 * MiB + 2 * 4096 * 4) as env:
-            s = env.session()
-            ks = keys(150)
-            await env.put_all(s, ks)
-            await env.settle()
+            s, ks = await env.spilled(150)
             assert env.t.counters.demotions["ssd->shared"] > 0
             tiers = await env.t.lookup(s, ks)
             assert len(tiers) == 150 and TIER_SHARED in tiers and TIER_SSD in tiers
@@ -316,10 +297,7 @@ def test_ssd_readoption_keeps_lru_order_and_bytes(shm_dir: str, disk_dir: str) -
 
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
-            s = env.session()
-            ks = keys(90)
-            await env.put_all(s, ks)
-            await env.settle()
+            s, ks = await env.spilled(90)
             assert env.t.ssd is not None
             # Persisted order is write order (seq); concurrent writes of one batch may
             # have entered the in-memory LRU in another order.
@@ -346,10 +324,7 @@ def test_dram_blocks_with_an_ssd_copy_are_clean_after_restart(shm_dir: str,
 
     async def go() -> None:
         async with tiered(shm_dir, ssd_dir=disk_dir) as env:
-            s = env.session()
-            ks = keys(40)
-            await env.put_all(s, ks)
-            await env.settle()
+            s, ks = await env.spilled(40)
             clean_before = {b.key for b in s.ns.index.values() if b.lower == Lower.CLEAN}
             assert clean_before
         senv = make_store(shm_dir, capacity=DRAM, extent_size=MiB + 4 * 4096)

@@ -15,11 +15,9 @@ import errno
 import os
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 
 from kvtier import _accel
-from kvtierd.spill.ssd import SsdTier
 from kvtierd.spill.tier import (
     TIER_CLUSTER,
     Geometry,
@@ -31,12 +29,9 @@ from kvtierd.spill.tier import (
     WritesMany,
     _one_by_one,
 )
-from kvtierd.tiering import TIER_DRAM, TIER_SSD, SpillPolicy, Tiering
+from kvtierd.tiering import TIER_DRAM, TIER_SSD, SpillPolicy
 
-from .conftest import make_store
-from .spill_harness import DRAM, Env, MiB, disk_dir, keys, payload
-
-__all__ = ["disk_dir"]  # a fixture
+from .spill_harness import MiB, keys, payload, tiered
 
 
 class DictTier(RemoteTier):
@@ -152,31 +147,11 @@ class ManyTier(DictTier):
         return out
 
 
-@asynccontextmanager
-async def tiered(shm_dir: str, below: Sequence[LowerTier], *, ssd_dir: str | None = None,
-                 ssd_capacity: int = 8 * MiB,
-                 policy: SpillPolicy | None = None) -> AsyncIterator[Env]:
-    senv = make_store(shm_dir, capacity=DRAM, extent_size=MiB + 4 * 4096)
-    ssd = (SsdTier(ssd_dir, capacity=ssd_capacity, file_bytes=1 * MiB) if ssd_dir else None)
-    t = Tiering(senv.store, ssd=ssd, below=below,
-                policy=policy or SpillPolicy.with_defaults(backpressure_timeout=5.0), io_threads=2)
-    await t.start()
-    env = Env(senv, t)
-    try:
-        yield env
-        await env.settle()
-        assert t.check() == []
-    finally:
-        await t.stop()
-        await senv.store.drain()
-        senv.store.close_all()
-
-
 def test_a_cluster_tier_alone_takes_demotions_and_serves_promotions(shm_dir: str) -> None:
     cluster = DictTier()
 
     async def go() -> None:
-        async with tiered(shm_dir, [cluster]) as env:
+        async with tiered(shm_dir, below=[cluster]) as env:
             assert cluster.opened
             s = env.session()
             ks = keys(90)  # three times DRAM
@@ -201,16 +176,13 @@ def test_a_cluster_tier_alone_takes_demotions_and_serves_promotions(shm_dir: str
 
 
 def test_ssd_evictions_hand_off_to_a_cluster_tier_below(shm_dir: str,
-                                                        disk_dir: str) -> None:  # noqa: F811
+                                                        disk_dir: str) -> None:
     cluster = DictTier()
 
     async def go() -> None:
-        async with tiered(shm_dir, [cluster], ssd_dir=os.path.join(disk_dir, "ssd"),
-                          ssd_capacity=1 * MiB) as env:
-            s = env.session()
-            ks = keys(60)
-            await env.put_all(s, ks)
-            await env.settle()
+        async with tiered(shm_dir, below=[cluster], ssd_dir=os.path.join(disk_dir, "ssd"),
+                          ssd_capacity=1 * MiB, file_bytes=1 * MiB) as env:
+            s, ks = await env.spilled(60)
             assert env.t.counters.demotions["ssd->cluster"] > 0
             assert env.t.counters.demotions["dram->ssd"] >= 30
             tiers = await env.t.lookup(s, ks)
@@ -236,11 +208,8 @@ def test_a_batched_tier_is_asked_once_per_lookup_and_read_in_one_batch(shm_dir: 
         for cluster in (batched, plain):
             sub = os.path.join(shm_dir, "batched" if cluster.batched else "plain")
             os.makedirs(sub)
-            async with tiered(sub, [cluster]) as env:
-                s = env.session()
-                ks = keys(90)
-                await env.put_all(s, ks)
-                await env.settle()
+            async with tiered(sub, below=[cluster]) as env:
+                s, ks = await env.spilled(90)
                 below = [k for k in ks if k not in s.ns.index][:12]
                 gap = [*below[:8], b"never written", *below[8:]]
                 cluster.asked.clear()
@@ -265,11 +234,8 @@ def test_a_tier_that_cannot_answer_is_a_miss_and_a_counted_fault(shm_dir: str) -
     cluster = DictTier(batched=True)
 
     async def go() -> None:
-        async with tiered(shm_dir, [cluster]) as env:
-            s = env.session()
-            ks = keys(90)
-            await env.put_all(s, ks)
-            await env.settle()
+        async with tiered(shm_dir, below=[cluster]) as env:
+            s, ks = await env.spilled(90)
             below = [k for k in ks if k not in s.ns.index][:4]
             cluster.down = True
             assert await env.t.lookup(s, below) == []
@@ -293,7 +259,7 @@ def test_a_commit_is_published_to_a_batched_tier_in_one_write_many(shm_dir: str)
     assert isinstance(many, WritesMany) and not isinstance(plain, WritesMany)
 
     async def go() -> None:
-        async with tiered(shm_dir, [many], policy=_write_through()) as env:
+        async with tiered(shm_dir, below=[many], policy=_write_through()) as env:
             s = env.session()
             ks = keys(20)
             await env.put_all(s, ks, batch=10)
@@ -316,7 +282,7 @@ def test_a_commit_larger_than_the_queue_depth_is_published_whole(shm_dir: str) -
                                        queue_depth=4)
 
     async def go() -> None:
-        async with tiered(shm_dir, [many], policy=policy) as env:
+        async with tiered(shm_dir, below=[many], policy=policy) as env:
             s = env.session()
             ks = keys(12)
             await env.put(s, ks)
@@ -333,7 +299,7 @@ def test_a_failed_batch_publish_is_a_fault_of_each_block_and_they_stay_in_dram(
     many = ManyTier()
 
     async def go() -> None:
-        async with tiered(shm_dir, [many], policy=_write_through()) as env:
+        async with tiered(shm_dir, below=[many], policy=_write_through()) as env:
             s = env.session()
             ks = keys(8)
             many.fail_batch = ConnectionRefusedError("the master is down")
@@ -362,7 +328,7 @@ def test_a_slot_that_faulted_in_a_batch_publish_drops_only_that_block(shm_dir: s
     many = ManyTier()
 
     async def go() -> None:
-        async with tiered(shm_dir, [many], policy=_write_through()) as env:
+        async with tiered(shm_dir, below=[many], policy=_write_through()) as env:
             s = env.session()
             ks = keys(5)
             many.fail_keys[ks[1]] = OSError(errno.EFAULT, "the slot's memory faulted")

@@ -92,6 +92,8 @@ from kvtier.bench.common import (
     ratio,
     slots_per_extent,
     summarize,
+    write_json,
+    write_results,
 )
 from kvtier.bench.copies import measure_moving_copy
 from kvtier.bench.latency import NO_FAST_PATH, latency_rows, latency_sample
@@ -117,4 +119,5 @@ __all__ = [
     "measure_moving_copy", "own_echo_server", "percentile", "positive_size", "progress",
     "ratio", "raw_rtt_sample", "remove_stale_shm_dirs", "render", "run_bench", "serve_tasks",
     "slots_per_extent", "stop_process", "summarize", "tail",
+    "write_json", "write_results",
 ]

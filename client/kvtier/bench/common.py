@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -129,3 +130,19 @@ def capacity_for(sizes: Sequence[int], slots: int, extent_bytes: int) -> int:
 
 def progress(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def write_json(path: str | None, doc: Any, indent: int | None = 2, end: str = "") -> None:
+    """``doc`` as JSON at ``path`` (then ``end``); nothing when ``path`` is empty (no ``--json``)."""
+    if not path:
+        return
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=indent)
+        f.write(end)
+
+
+def write_results(path: str | None, res: Any) -> None:
+    """A run's raw results at ``path`` (``--json``; nothing without it), and a line saying so."""
+    if path:
+        write_json(path, res, end="\n")
+        progress(f"raw results written to {path}")

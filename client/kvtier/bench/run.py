@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import math
 import os
 import platform
@@ -40,6 +39,7 @@ from kvtier.bench.common import (
     positive_size,
     progress,
     ratio,
+    write_results,
 )
 from kvtier.bench.copies import measure_memcpy, measure_moving_copy, memcpy_summary
 from kvtier.bench.latency import measure_latency
@@ -311,9 +311,5 @@ def main(argv: list[str]) -> int:
     finally:
         signal.signal(signal.SIGTERM, old)
     print(render(res))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-            f.write("\n")
-        progress(f"raw results written to {args.json}")
+    write_results(args.json, res)
     return 0
