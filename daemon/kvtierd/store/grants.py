@@ -105,12 +105,12 @@ def grant_target(limit: int, ns: Namespace, wanted: int) -> int:
     must find as many) is given at a refill: ``REFILL_PUTS`` times that, at least
     ``REFILL_BATCH``, within ``limit`` (``grant_limit``).  A refill happens when it holds
     half of it or less (``GrantBook.needs_refill``), so each claims a batch of at least
-    ``REFILL_PUTS / 2`` puts' worth, however small the puts (a claim's fixed cost -- the room plan, the
-    eviction's index and table calls -- was most of a commit's), and a writer never
-    holds fewer than it wants if it asks for no more than half the limit.  Past what it
-    wants, never more than ``1 / GRANT_SHARE`` of the namespace's slots: idle grants
-    are room the cache does not use (a small namespace, or one at its quota, grants
-    what the writer asks for and no batch)."""
+    ``REFILL_PUTS / 2`` puts' worth, however small the puts (a claim's fixed cost -- the
+    room plan, the eviction's index and table calls -- was most of a commit's), and a
+    writer never holds fewer than it wants if it asks for no more than half the limit.
+    Past what it wants, never more than ``1 / GRANT_SHARE`` of the namespace's slots:
+    idle grants are room the cache does not use (a small namespace, or one at its
+    quota, grants what the writer asks for and no batch)."""
     if wanted <= 0:
         return 0
     share = ns.table.n_slots // GRANT_SHARE
