@@ -93,7 +93,8 @@ class Fleet:
     def master_address(self) -> str:
         return f"{self.addr_a}:{self.rpc_port}"
 
-    def start_master(self) -> None:
+    def start_master(self, *flags: str) -> None:
+        """The master in namespace A; ``flags``: more of its command line."""
         log = open(os.path.join(self.base, "master.log"), "ab")  # noqa: SIM115 (the child's)
         self.master = subprocess.Popen(
             [*self.in_ns("a"), MASTER_BIN, f"--rpc_port={self.rpc_port}",
@@ -101,7 +102,7 @@ class Fleet:
              f"--http_metadata_server_host={self.addr_a}",
              f"--http_metadata_server_port={self.http_port}",
              f"--metrics_port={self.metrics_port}", f"--metrics_host={self.addr_a}",
-             "--enable_metric_reporting=false", "--logtostderr"],
+             "--enable_metric_reporting=false", "--logtostderr", *flags],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
         probe = f"exec 3<>/dev/tcp/{self.addr_a}/{self.rpc_port}"
