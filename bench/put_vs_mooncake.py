@@ -195,15 +195,12 @@ def run(sizes: list[int], rounds: int) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="64K,512K,2M,8M")
+    ap.add_argument("--sizes", default="64K,512K,2M,8M",
+                    type=lambda text: [parse_size(s) for s in text.split(",")])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    res = run(sizes, args.rounds)
-    res["command"] = sys.argv
-    if args.json:
-        write_json(args.json, res)
+    write_json(args.json, {**run(args.sizes, args.rounds), "command": sys.argv})
     return 0
 
 
