@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,7 @@ import numpy as np  # noqa: E402
 
 import kvtier  # noqa: E402
 from kvtier._admin import admin_call  # noqa: E402
-from kvtier.bench.common import write_json  # noqa: E402
+from kvtier.bench.common import ipc_round_trip_us, write_json  # noqa: E402
 from kvtier.cli import evict  # noqa: E402
 from kvtier.units import format_bytes, parse_size  # noqa: E402
 from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
@@ -232,29 +231,6 @@ def _timed_lookups(b: kvtier.Client, keys: list[bytes], n: int) -> list[float]:
         assert b.lookup(keys) == BATCH
         out.append(time.perf_counter() - t0)
     return out
-
-
-def ipc_round_trip_us(n: int) -> float:
-    """The median round trip of a small message to another process and back (a
-    SOCK_SEQPACKET socket pair, as between kvtierd and its agent): what any hop
-    between two processes costs on this machine."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    echo = subprocess.Popen(
-        [sys.executable, "-c", "import socket,sys\ns=socket.socket(fileno=int(sys.argv[1]))\n"
-         "while (d := s.recv(65536)):\n    s.send(d)", str(theirs.fileno())],
-        pass_fds=[theirs.fileno()])
-    theirs.close()
-    try:
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            ours.send(b"x" * 512)
-            ours.recv(65536)
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e6
-    finally:
-        ours.close()
-        echo.wait(10)
 
 
 def measure_lookup(fleet: Fleet, reader: Reader, b: kvtier.Client, ns: str, size: int,

@@ -208,34 +208,13 @@ def _calls_mode(batch: int, seconds: float, block: int = 4 << 10) -> dict[str, f
 
 
 # ------------------------------------------------------------------ through a daemon
-def _unix_round_trip_ms(n: int = 3000) -> float:
-    """p50 of one raw round trip over a Unix socket pair between two processes (a byte
-    each way, each side blocked in ``recv``): the wake-ups any answer from the daemon
-    costs on this machine, the floor of a call on the session socket or a ring of the
-    page's doorbell.  Run before any thread starts (it forks)."""
-    import socket
+def _unix_round_trip_ms() -> float:
+    """p50 ms of a raw round trip between two processes over a Unix socket pair
+    (``ipc_round_trip_us``): the wake-ups any answer from the daemon costs on this
+    machine, the floor of a call on the session socket or a ring of the doorbell."""
+    from kvtier.bench.common import ipc_round_trip_us
 
-    a, b = socket.socketpair()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the echoing child
-        a.close()
-        try:
-            while b.recv(1):
-                b.send(b"x")
-        finally:
-            os._exit(0)
-    b.close()
-    lat = []
-    try:
-        for _ in range(n):
-            t = time.perf_counter()
-            a.send(b"x")
-            a.recv(1)
-            lat.append(time.perf_counter() - t)
-    finally:
-        a.close()
-        os.waitpid(pid, 0)
-    return _p50(lat) * 1e3
+    return ipc_round_trip_us(3000) / 1e3
 
 
 def _daemon_mode(seconds: float) -> dict[str, float]:

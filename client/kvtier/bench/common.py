@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -146,3 +149,27 @@ def write_results(path: str | None, res: Any) -> None:
     if path:
         write_json(path, res, end="\n")
         progress(f"raw results written to {path}")
+
+
+def ipc_round_trip_us(n: int, msg_bytes: int = 512) -> float:
+    """The median round trip of a small message to another process and back (a
+    SOCK_SEQPACKET socket pair, as between kvtierd and its agent or a client): what any
+    hop between two processes costs on this machine, the floor of every answer."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    echo = subprocess.Popen(
+        [sys.executable, "-c", "import socket,sys\ns=socket.socket(fileno=int(sys.argv[1]))\n"
+         "while (d := s.recv(65536)):\n    s.send(d)", str(theirs.fileno())],
+        pass_fds=[theirs.fileno()])
+    theirs.close()
+    try:
+        ts = []
+        msg = b"x" * msg_bytes
+        for _ in range(n):
+            t0 = time.perf_counter()
+            ours.send(msg)
+            ours.recv(65536)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e6
+    finally:
+        ours.close()
+        echo.wait(10)

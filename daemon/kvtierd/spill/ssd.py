@@ -531,10 +531,7 @@ class SsdTier:
             for f in files:
                 pages[f], f.freed_pages = f.freed_pages, set()
         for i, f in enumerate(files):
-            try:
-                with f.io_lock:
-                    if f.retired:
-                        continue
+            try:  # (each skips a retired file, under its io_lock)
                 write_table_pages(self.io, self._lock, f, pages[f])
                 fdatasync(self.io, f)
             except BaseException:
