@@ -26,6 +26,25 @@ ENGINE_DEADLINE = 240.0
 #: have kept one kvtierd call waiting past 5 s (the CI failure of a MLA save, all of its
 #: blocks "not stored").  The tests of what a deadline does set their own.
 LAB_CONNECTOR_TIMEOUT = 30.0
+#: Characters of a hung engine's stacks a failure message keeps (its last ones).
+HANG_STACKS_LIMIT = 40000
+
+
+def _process_group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (from ``/proc``)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the command (which may hold spaces): state, ppid, pgrp, ...
+        if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+            pids.append(int(entry))
+    return pids
 
 
 class Engine:
@@ -43,6 +62,9 @@ class Engine:
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
         if env is None:
             env = child_env(spec.pop("env", {}))
+        # A hung engine's processes print every thread's Python stack on SIGABRT
+        # (``stacks()``): the only account of where a hang sits that CI keeps.
+        env.setdefault("PYTHONFAULTHANDLER", "1")
         self.proc = subprocess.Popen([python, script, path],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, env=env,
@@ -69,12 +91,30 @@ class Engine:
         """Why the engine failed: every traceback and error in its log, then the tail."""
         return failure_excerpt(self.log())
 
+    def stacks(self, pause: float = 1.0) -> str:
+        """Abort the engine's processes (its process group) one at a time, newest first,
+        and return the Python stacks they printed (``PYTHONFAULTHANDLER``): where a hung
+        engine was waiting."""
+        with open(self.log_path) as f:
+            start = len(f.read())
+        for pid in sorted(_process_group(self.proc.pid), reverse=True):
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except ProcessLookupError:
+                continue
+            time.sleep(pause)  # one process's stacks at a time in the shared log
+        dumped = self.log()[start:]
+        return dumped[-HANG_STACKS_LIMIT:] or "(no stacks printed)"
+
     def result(self, timeout: float = ENGINE_DEADLINE) -> dict[str, Any]:
         """The next phase's RESULT (the engine started, or went on after ``next()``)."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            assert left > 0, f"no result from the engine in {timeout} s:\n{self.diagnosis()}"
+            if left <= 0:
+                why = self.diagnosis()
+                raise AssertionError(f"no result from the engine in {timeout} s:\n{why}\n"
+                                     f"--- its processes' stacks ---\n{self.stacks()}")
             try:
                 line = self._lines.get(timeout=left)
             except queue.Empty:
