@@ -28,6 +28,12 @@ Per tree and round:
   the default configuration has): puts of 32 x 64 KiB, each block demoted before its
   slot can be reused; blocks/s, the daemon's CPU per block, and MB/s against ``dd``
   (O_DIRECT, 64 KiB, one fdatasync) into the same directory just before.
+* ``writers``: a kvtierd of that tree with its 512 MiB pool kept full; 1, then N writer
+  processes (N = the machine's cores, at least 2) put 32 x 64 KiB each, started together
+  through a barrier: the aggregate blocks/s of each, and N writers' against N times one
+  (the daemon's CPU per block for each); before each, as many processes copying the
+  same blocks into memory of their own (the machine's own scaling: memory bandwidth,
+  shared cores), and kvtier's scaling against theirs.
 * ``delete``: a kvtierd of that tree with an SSD tier (as the default configuration
   has); 1-key deletes of keys it holds in DRAM alone, then of keys with an SSD copy
   too (p50, its ratio to the empty gRPC call, the daemon's CPU per delete; for the
@@ -63,7 +69,8 @@ import tree_runs  # noqa: E402 -- bench/ is not a package
 
 BLOCK = 64 << 10
 #: The measurements, each in a child process (``--modes``).
-MODES = ("store1", "store32", "calls4096", "daemon", "daemon4096", "ssd32", "delete")
+MODES = ("store1", "store32", "calls4096", "daemon", "daemon4096", "ssd32", "delete",
+         "writers")
 
 
 def _p50(xs: list[float]) -> float:
@@ -458,6 +465,92 @@ def _delete_mode(seconds: float) -> dict[str, float]:
     return out
 
 
+def _writer(socket_dir: str | None, me: int, barrier: Any, seconds: float,
+            results: Any) -> None:
+    """One writer process of ``writers``: fill its share, meet the others at ``barrier``,
+    then put 32 x 64 KiB for ``seconds``; (blocks, seconds) to ``results``.  Without
+    ``socket_dir``, the baseline: the same 32 blocks copied into successive windows of a
+    pre-faulted 256 MiB buffer of its own (no kvtier)."""
+    import numpy as np
+
+    import kvtier
+
+    data = [np.zeros(BLOCK, np.uint8)] * 32
+    if socket_dir is None:
+        room = np.ones(256 << 20, np.uint8)  # pre-faulted
+        windows = len(room) // (32 * BLOCK)
+
+        def put(n: int) -> None:
+            at = n % windows * 32 * BLOCK
+            for b, src in enumerate(data):
+                np.copyto(room[at + b * BLOCK:at + (b + 1) * BLOCK], src)
+    else:
+        c = kvtier.Client(socket_dir, namespace="cp", block_bytes=BLOCK, model_uid="m")
+
+        def put(n: int) -> None:
+            c.put([b"w%d-%06d-%02d" % (me, n, b) for b in range(32)], data)
+    n = 0
+    for _ in range(40):  # warm: its grants and maps
+        put(n)
+        n += 1
+    barrier.wait(timeout=120)
+    n0, t0 = n, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        put(n)
+        n += 1
+    results.put(((n - n0) * 32, time.perf_counter() - t0))
+    if socket_dir is not None:
+        c.close()
+
+
+def _writers_mode(seconds: float) -> dict[str, float]:
+    """Aggregate puts of 32 x 64 KiB by 1 and by N writer processes into one kvtierd with
+    its pool kept full (every claim evicts): blocks/s of each, the ratio of N writers to
+    N x one, and the daemon's CPU per block; and the same for N processes that only copy
+    the blocks into memory of their own (the machine's own scaling, the baseline)."""
+    import multiprocessing as mp
+
+    import numpy as np
+
+    import kvtier
+    from kvtier.bench.private_daemon import private_daemon
+
+    most = max(2, os.cpu_count() or 1)
+    out: dict[str, float] = {"writers": float(most)}
+    ctx = mp.get_context("spawn")
+
+    def run(socket_dir: str | None, n: int) -> tuple[float, int]:
+        barrier, results = ctx.Barrier(n + 1), ctx.Queue()
+        procs = [ctx.Process(target=_writer, args=(socket_dir, w, barrier, seconds, results))
+                 for w in range(n)]
+        for p in procs:
+            p.start()
+        barrier.wait(timeout=120)
+        got = [results.get(timeout=seconds + 120) for _ in procs]
+        for p in procs:
+            p.join(30)
+        return sum(b / el for b, el in got), sum(b for b, _ in got)
+
+    with private_daemon("cp", "dram.capacity=512MiB", "dram.extent_size=64MiB",
+                        "server.write_grant_bytes=64MiB") as daemon:
+        with kvtier.Client(daemon.socket_dir, namespace="cp", block_bytes=BLOCK,
+                           model_uid="m") as c:  # the pool full first: every claim evicts
+            data = [np.zeros(BLOCK, np.uint8)] * 32
+            for j in range(300):
+                c.put([b"f%06d-%02d" % (j, b) for b in range(32)], data)
+        for n in (1, most):
+            name = "writers1" if n == 1 else "writersN"
+            out[f"copy{name[7:]}_blocks_per_s"], _ = run(None, n)
+            k0 = daemon.cpu_ticks()
+            out[f"{name}_blocks_per_s"], blocks = run(daemon.socket_dir, n)
+            out[f"{name}_daemon_cpu_us_per_block"] = (
+                (daemon.cpu_ticks() - k0) / os.sysconf("SC_CLK_TCK") / blocks * 1e6)
+    out["writers_x_n_one"] = out["writersN_blocks_per_s"] / (most * out["writers1_blocks_per_s"])
+    out["copy_x_n_one"] = out["copyN_blocks_per_s"] / (most * out["copy1_blocks_per_s"])
+    out["writers_scaling_x_copy"] = out["writers_x_n_one"] / out["copy_x_n_one"]
+    return out
+
+
 # ------------------------------------------------------------------ the driver
 def _child(tree: Path, mode: str, seconds: float) -> dict[str, Any]:
     return tree_runs.run_child(__file__, tree, [mode, "--seconds", str(seconds)], timeout=600)
@@ -483,6 +576,8 @@ def main() -> int:
             res = _ssd32_mode(args.seconds)
         elif args.child == "delete":
             res = _delete_mode(args.seconds)
+        elif args.child == "writers":
+            res = _writers_mode(args.seconds)
         elif args.child.startswith("calls"):
             res = _calls_mode(int(args.child.removeprefix("calls")), args.seconds)
         else:
@@ -513,6 +608,16 @@ def main() -> int:
             ("  MB/s x dd O_DIRECT 64 KiB", "ssd32", "ssd32_x_dd"),
             ("  dd O_DIRECT 64 KiB, MB/s", "ssd32", "dd_direct_mb_s"),
             ("  daemon CPU us per block", "ssd32", "ssd32_daemon_cpu_us_per_block"),
+            ("1 writer: put 32 x 64 KiB, blocks/s", "writers", "writers1_blocks_per_s"),
+            ("  daemon CPU us per block", "writers", "writers1_daemon_cpu_us_per_block"),
+            ("N writers (N = cores, >= 2): blocks/s", "writers", "writersN_blocks_per_s"),
+            ("  daemon CPU us per block", "writers", "writersN_daemon_cpu_us_per_block"),
+            ("  x N x one writer", "writers", "writers_x_n_one"),
+            ("the same, copies alone (no kvtier): 1 process, blocks/s", "writers",
+             "copy1_blocks_per_s"),
+            ("  N processes, blocks/s", "writers", "copyN_blocks_per_s"),
+            ("  x N x one process", "writers", "copy_x_n_one"),
+            ("kvtier's scaling x the copies' scaling", "writers", "writers_scaling_x_copy"),
             ("SSD tier on: delete 1 key p50 ms", "delete", "delete_p50_ms"),
             ("  x empty call", "delete", "delete_x_empty"),
             ("  x a raw Unix round trip", "delete", "delete_x_rtt"),
