@@ -533,7 +533,12 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
                                  methods=methods(service) if cfg.server.fast_path else None,
                                  commit_from_page=service.commit_from_page,
                                  max_message_bytes=cfg.server.max_message_bytes,
-                                 max_keys=cfg.server.max_keys_per_call)
+                                 max_keys=cfg.server.max_keys_per_call,
+                                 busy_poll=cfg.server.busy_poll)
+        if cfg.server.busy_poll:
+            log.info("busy polling: the event loop polls for %.0f us after each commit and "
+                     "call on the session socket (server.busy_poll)",
+                     cfg.server.busy_poll * 1e6)
         undo.callback(_unlink, session_path)
         await channel.start()
         undo.push_async_callback(channel.stop)

@@ -751,6 +751,7 @@ def test_parse_size_reads_short_units_as_binary() -> None:
         ("30s", 30.0),
         ("250ms", 0.25),
         ("1ms", 0.001),
+        ("200us", 0.0002),
         ("5m", 300.0),
         ("1h", 3600.0),
         ("1.5h", 5400.0),
@@ -794,6 +795,21 @@ def test_format_size_round_trips(n: int) -> None:
 @given(st.floats(min_value=0, max_value=1e7, allow_nan=False, allow_infinity=False))
 def test_format_duration_round_trips(seconds: float) -> None:
     assert parse_duration(format_duration(seconds), "k") == seconds
+
+
+def test_format_duration_names_microseconds_below_a_millisecond() -> None:
+    assert format_duration(0.0002) == "200us"
+    assert format_duration(0.0015) == "1500us"
+    assert format_duration(0.25) == "250ms"
+
+
+def test_busy_poll_takes_up_to_ten_milliseconds() -> None:
+    assert load_config(None, env=dict(BASE_ENV), overrides=["server.busy_poll=200us"]
+                       ).server.busy_poll == 0.0002
+    assert load_config(None, env=dict(BASE_ENV)).server.busy_poll == 0.0
+    with pytest.raises(ConfigError, match=r"server.busy_poll: expected a duration of at most "
+                                          r"10ms like '200us' \(0 = off\), got '11ms'"):
+        load_config(None, env=dict(BASE_ENV), overrides=["server.busy_poll=11ms"])
 
 
 @pytest.mark.parametrize(

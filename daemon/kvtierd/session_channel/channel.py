@@ -29,6 +29,7 @@ from kvtierd.access import AccessPolicy, AdminSession, AdminSessions, Identity, 
 from kvtierd.config import DEFAULT_MAX_KEYS_PER_CALL, LimitsConfig
 from kvtierd.metrics import Metrics
 from kvtierd.service import Method
+from kvtierd.session_channel.busy_poll import BusyPoll
 from kvtierd.session_channel.doorbell import Doorbells
 from kvtierd.session_channel.fast_calls import MAX_CALLS_IN_FLIGHT, max_call_bytes, serve_call
 from kvtierd.session_channel.framing import (
@@ -57,12 +58,15 @@ class SessionChannel:
                  methods: Mapping[str, Method] | None = None,
                  max_message_bytes: int = MAX_REQUEST_FRAME,
                  max_keys: int = DEFAULT_MAX_KEYS_PER_CALL,
-                 commit_from_page: Callable[[Session, SessionPage], int] | None = None) -> None:
+                 commit_from_page: Callable[[Session, SessionPage], int] | None = None,
+                 busy_poll: float = 0.0) -> None:
         """``methods``: the service's (``service.methods``), served as FastCalls; None
         turns the fast path off (``server.fast_path: false``).  A FastCall's request
         may be ``max_message_bytes`` long (as a gRPC one), within the frame limit.
         ``commit_from_page``: the service's, run when a writing session's client rings
-        its doorbell (writes without a call); None: no session gets a write area."""
+        its doorbell (writes without a call); None: no session gets a write area.
+        ``busy_poll``: seconds the loop keeps polling after each call and commit
+        (``server.busy_poll``; 0: off)."""
         self.store = store
         self.metrics = metrics
         self.methods = methods
@@ -78,7 +82,8 @@ class SessionChannel:
         self._conns: set[asyncio.Task[None]] = set()
         #: The pages of the sessions sent a shared index: counters, hazards.
         self.pages = SessionPages(store, self.limits, max_keys)
-        self.doorbells = Doorbells(commit_from_page)
+        self.busy = BusyPoll(busy_poll)
+        self.doorbells = Doorbells(commit_from_page, self.busy.active)
         self.handshake = Handshake(store, policy=self.policy, limits=self.limits,
                                    admins=self.admins, methods=methods,
                                    max_call_bytes=self.max_call_bytes, max_keys=max_keys,
@@ -175,6 +180,7 @@ class SessionChannel:
                     if session is None and admin is None:
                         raise FailedPrecondition("FastCall before OpenSession or OpenAdmin")
                     token = session.token if session is not None else admin.token  # type: ignore[union-attr]
+                    self.busy.active()
                     await room.acquire()  # at most MAX_CALLS_IN_FLIGHT: read on when one ends
                     task = asyncio.get_running_loop().create_task(
                         serve_call(self.methods, self.max_call_bytes, conn, token, call_id,

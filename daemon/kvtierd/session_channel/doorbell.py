@@ -39,9 +39,12 @@ def open_pipe() -> tuple[int, int]:
 class Doorbells:
     """The read ends of the open sessions' doorbells, watched on the loop."""
 
-    def __init__(self, commit_from_page: Callable[[Session, SessionPage], int] | None) -> None:
-        """``commit_from_page``: run on each ring; None: no session gets a doorbell."""
+    def __init__(self, commit_from_page: Callable[[Session, SessionPage], int] | None,
+                 served: Callable[[], None] = lambda: None) -> None:
+        """``commit_from_page``: run on each ring; None: no session gets a doorbell.
+        ``served``: called after each ring that found records (``BusyPoll.active``)."""
         self.commit_from_page = commit_from_page
+        self._served = served
         #: Session id -> the read end of the pipe its client rings after publishing
         #: commit records (the write end went to the client; see ``_rung``).
         self._bells: dict[int, int] = {}
@@ -87,6 +90,7 @@ class Doorbells:
             return
         if self.ring(session, page):
             self._empty_rings.pop(session.id, None)
+            self._served()
             return
         # A client rings after publishing records, so a ring that finds none is rare
         # for an honest one (its records went with the ring before).  Rings in a row
