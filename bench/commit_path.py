@@ -21,8 +21,10 @@ Per tree and round:
   and its ratio to the empty call's p50), then puts of 32 x 64 KiB (blocks/s), all
   with the 512 MiB pool full (every claim evicts); the
   daemon's CPU per commit and per block from ``/proc/PID/stat`` (utime + stime).
-* ``daemon_busy``: ``daemon`` with ``server.busy_poll`` on (``BUSY_POLL``): the loop
-  polls instead of sleeping right after each commit and call.
+* ``daemon_pinned``: ``daemon`` with the daemon's threads on the last CPU and the client
+  on the others; ``daemon_busy``: the same with ``server.busy_poll`` on (``BUSY_POLL``),
+  the loop polling instead of sleeping right after each commit and call (the deployment
+  docs/deployment.md recommends for it).
 * ``daemon4096``: a kvtierd of that tree with a 64 MiB pool kept full; puts of 4096 x
   4 KiB (Reserve + Commit calls on the session socket): blocks/s and the daemon's CPU
   per block.
@@ -71,8 +73,8 @@ import tree_runs  # noqa: E402 -- bench/ is not a package
 
 BLOCK = 64 << 10
 #: The measurements, each in a child process (``--modes``).
-MODES = ("store1", "store32", "calls4096", "daemon", "daemon_busy", "daemon4096", "ssd32",
-         "delete", "writers")
+MODES = ("store1", "store32", "calls4096", "daemon", "daemon_pinned", "daemon_busy",
+         "daemon4096", "ssd32", "delete", "writers")
 #: ``server.busy_poll`` of the ``daemon_busy`` mode.
 BUSY_POLL = "2ms"
 
@@ -228,7 +230,18 @@ def _unix_round_trip_ms() -> float:
     return ipc_round_trip_us(3000) / 1e3
 
 
-def _daemon_mode(seconds: float, *settings: str) -> dict[str, float]:
+def _pin_apart(pid: int) -> None:
+    """Every thread of process ``pid`` on the last CPU, this process on the others (what
+    docs/deployment.md recommends for ``server.busy_poll``: a core of the daemon's own)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(task), {cpus[-1]})
+    os.sched_setaffinity(0, set(cpus[:-1]))
+
+
+def _daemon_mode(seconds: float, *settings: str, pin: bool = False) -> dict[str, float]:
     import grpc
     import numpy as np
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -240,6 +253,8 @@ def _daemon_mode(seconds: float, *settings: str) -> dict[str, float]:
     out: dict[str, float] = {"unix_rtt_p50_ms": _unix_round_trip_ms()}
     with private_daemon("cp", "dram.capacity=512MiB", "dram.extent_size=64MiB",
                         "server.write_grant_bytes=64MiB", *settings) as daemon:
+        if pin:
+            _pin_apart(daemon.pid)
         channel = grpc.insecure_channel(f"unix://{daemon.grpc_path}", options=grpc_options())
         health = health_pb2_grpc.HealthStub(channel)
         req = health_pb2.HealthCheckRequest()
@@ -574,8 +589,10 @@ def main() -> int:
     if args.child:
         if args.child == "daemon":
             res = _daemon_mode(args.seconds)
+        elif args.child == "daemon_pinned":
+            res = _daemon_mode(args.seconds, pin=True)
         elif args.child == "daemon_busy":
-            res = _daemon_mode(args.seconds, f"server.busy_poll={BUSY_POLL}")
+            res = _daemon_mode(args.seconds, f"server.busy_poll={BUSY_POLL}", pin=True)
         elif args.child == "daemon4096":
             res = _daemon4096_mode(args.seconds)
         elif args.child == "ssd32":
@@ -608,7 +625,15 @@ def main() -> int:
             ("  daemon CPU us per commit", "daemon", "one_key_daemon_cpu_us"),
             ("put 32 x 64 KiB, blocks/s", "daemon", "put32_blocks_per_s"),
             ("  daemon CPU us per block", "daemon", "put32_daemon_cpu_us_per_block"),
-            (f"busy_poll={BUSY_POLL}: empty gRPC call p50 ms", "daemon_busy", "empty_call_p50_ms"),
+            ("daemon on a CPU of its own: empty gRPC call p50 ms", "daemon_pinned",
+             "empty_call_p50_ms"),
+            ("  reserve+commit 1 key p50 ms", "daemon_pinned", "one_key_p50_ms"),
+            ("  x empty call", "daemon_pinned", "one_key_x_empty"),
+            ("  daemon CPU us per commit", "daemon_pinned", "one_key_daemon_cpu_us"),
+            ("  put 32 x 64 KiB, blocks/s", "daemon_pinned", "put32_blocks_per_s"),
+            ("  daemon CPU us per block", "daemon_pinned", "put32_daemon_cpu_us_per_block"),
+            (f"the same + busy_poll={BUSY_POLL}: empty gRPC call p50 ms", "daemon_busy",
+             "empty_call_p50_ms"),
             ("  reserve+commit 1 key p50 ms", "daemon_busy", "one_key_p50_ms"),
             ("  x empty call", "daemon_busy", "one_key_x_empty"),
             ("  x a raw Unix round trip", "daemon_busy", "one_key_x_rtt"),
