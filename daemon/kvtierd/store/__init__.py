@@ -120,6 +120,7 @@ from kvtierd.store.types import (
     AcquireResult,
     AdoptedSlots,
     Block,
+    BlockBatch,
     Extent,
     Lease,
     Lower,
@@ -136,7 +137,7 @@ from kvtierd.store.types import (
 
 __all__ = [
     "GRANT_IDLE_SECONDS", "MAX_GROW_ROUNDS", "MAX_KEPT_RETIRED",
-    "MAX_READ_HINTS", "AcquireResult", "AdoptedSlots", "Block", "CheckSnapshot",
+    "MAX_READ_HINTS", "AcquireResult", "AdoptedSlots", "Block", "BlockBatch", "CheckSnapshot",
     "CommitResult", "Extent", "ExtentFactory", "GrantBook", "Lease", "Lower", "Namespace", "NeedDemotion", "PageCommits",
     "Peer", "Pinned", "Reservation", "ReserveResult", "ReserveStatus", "Session", "SlotGrant", "Store",
     "StoreOptions",
