@@ -1170,6 +1170,32 @@ def test_a_batch_naming_a_reused_slot_changes_and_counts_only_its_live_blocks(
     assert env.store.check() == []
 
 
+def test_a_demotion_plan_takes_each_block_of_its_batches_once_up_to_its_depth(
+        env: StoreEnv) -> None:
+    """``Demoter.plan``'s accumulator: batches added again (a reserve retrying repeats
+    its urgent blocks) and overlapping ones add each block once, in order, and stop at
+    the plan's depth; ``pin_blocks`` of the result pins each block once, in one lease."""
+    from kvtierd.store import BlockBatch
+    from kvtierd.tiering.demoter import _Plan
+
+    s = session(env)
+    ks = keys(8)
+    put(env, s, ks)
+    batch = s.ns.batch_at(s.ns.index.find(ks))
+    plan = _Plan(depth=6)
+    plan.add(batch.take(np.array([2, 0, 2, 1])))  # (a block twice in one batch)
+    plan.add(batch.take(slice(0, 4)))  # 0..2 again, 3 new
+    plan.add(BlockBatch.concat(s.ns, [batch.take(slice(3, 8))]))  # 4, 5 fit; 6, 7 do not
+    (planned,) = plan.batches()
+    assert planned.keys == [ks[2], ks[0], ks[1], ks[3], ks[4], ks[5]] and plan.count == 6
+    assert planned.same(batch).sum() == 6 and batch.same(planned).tolist() == [True] * 6 + [
+        False, False]
+    lease = env.store.pin_blocks(planned)
+    assert env.store.leased_blocks(s.ns) == 6
+    env.store.unpin(lease)
+    assert env.store.leased_blocks(s.ns) == 0 and env.store.check() == []
+
+
 @pytest.mark.parametrize("n", [1, 3, 12])
 def test_a_hashed_hit_that_names_another_key_s_block_is_a_miss(
         env: StoreEnv, monkeypatch: pytest.MonkeyPatch, n: int) -> None:

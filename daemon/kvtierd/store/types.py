@@ -365,6 +365,11 @@ class BlockBatch:
         """Block ``i``'s checksum, None when none was given at commit."""
         return int(self.checksums[i]) if self.has_checksum[i] else None
 
+    def checksum_list(self) -> list[int | None]:
+        """``checksum`` of each block."""
+        return [c if has else None for c, has in zip(self.checksums.tolist(),
+                                                     self.has_checksum.tolist(), strict=True)]
+
     def place(self, i: int) -> tuple[Extent, int]:
         """Block ``i``'s extent and slot (the extent must still be the namespace's)."""
         ref = int(self.refs[i])

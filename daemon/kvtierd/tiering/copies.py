@@ -86,8 +86,7 @@ class Copier:
         try:
             try:
                 got: list[bool | BaseException] = tier.write_many(
-                    ns.name, [(blocks.keys[i], views[i], lengths[i], blocks.checksum(i))
-                              for i in range(n)], geometry)
+                    ns.name, blocks.keys, views, lengths, blocks.checksum_list(), geometry)
             except OSError as exc:
                 got = [exc] * n
         finally:

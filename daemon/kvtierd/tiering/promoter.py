@@ -120,12 +120,14 @@ class Promoter:
                 # Pin this prefix's DRAM hits meanwhile: the promotions' reserve would
                 # otherwise evict them (CLOCK may take them) and cut the prefix short.
                 hits = ns.index.find(keys[: len(tiers)])
-                lease = self._ctx.store.pin_blocks(ns.batch_at(hits[hits != 0]))
+                hits = hits[hits != 0]
+                lease = self._ctx.store.pin_blocks(ns.batch_at(hits)) if len(hits) else None
                 try:
                     with contextlib.suppress(CapacityExhausted):
                         await self.promote(ns, list(keys[: len(tiers)]), tiers, prefetch=False)
                 finally:
-                    self._ctx.store.unpin(lease)
+                    if lease is not None:
+                        self._ctx.store.unpin(lease)
         # Prefetched blocks read now count as prefetch hits (the acquire's touch clears
         # the mark).
         refs = ns.index.find(keys[: len(tiers)]) if tiers else None
