@@ -1109,32 +1109,91 @@ def test_in_flight_keys_fold_only_when_asked_and_leave_with_their_reservation() 
 
 
 def test_live_many_and_set_lower_many_answer_as_their_one_block_forms(env: StoreEnv) -> None:
-    """The demoter's batch forms (``tiering.common.live_many``, ``Store.set_lower_many``)
-    agree with ``live`` and ``set_lower`` block by block: a block deleted, one doomed
-    while pinned, one whose slot holds a new block of its key, and live ones."""
+    """The demoter's batch forms (``tiering.common.live_many``, ``Store.set_lower_many``
+    of a ``BlockBatch``) agree with the handles block by block: a block deleted, one
+    doomed while pinned, one whose slot holds a new block of its key, and live ones."""
     from kvtierd.block_table import RECORD_DTYPE
-    from kvtierd.tiering.common import live, live_many
+    from kvtierd.store import BlockBatch
+    from kvtierd.tiering.common import live_many
 
     s = session(env)
     ks = keys(6)
     put(env, s, ks)
     blocks = [s.ns.index[k] for k in ks]
+    batch = s.ns.batch_at(s.ns.index.find(ks))
+    assert batch.keys == ks and batch.gens.tolist() == [b.generation for b in blocks]
+    assert BlockBatch.of_blocks(s.ns, blocks).refs.tolist() == batch.refs.tolist()
     lease = env.store.acquire(s, ks[1:2])
     env.store.delete(s, ks[0:2])  # gone; doomed (pinned)
     env.store.delete(s, ks[2:3])
     put(env, s, ks[2:3], tag=b"again")  # a new block of the same key
-    assert env.store.set_lower_many([], Lower.CLEAN) is None  # (nothing: no call)
-    env.store.set_lower_many(blocks, Lower.CLEAN)  # only the live ones change
-    ok, rows = live_many(blocks)
-    assert ok == [live(b) for b in blocks] == [False, False, False, True, True, True]
+    assert env.store.set_lower_many(BlockBatch.none(s.ns), Lower.CLEAN) == 0  # (no call)
+    assert env.store.set_lower_many(batch, Lower.CLEAN) == 3  # only the live ones change
+    ok, rows = live_many(batch)
+    assert ok.tolist() == [False, False, False, True, True, True]
+    assert [b.doomed for b in blocks] == [True, True, True, False, False, False]
+    assert batch.doomed(np.arange(6)).tolist() == [b.doomed for b in blocks]
     assert rows.dtype == RECORD_DTYPE
     assert rows["lower"].tolist()[3:] == [int(Lower.CLEAN)] * 3
     assert [b.lower for b in blocks[3:]] == [Lower.CLEAN] * 3
     assert s.ns.index[ks[2]].lower == Lower.DIRTY  # the new block of a reused key
-    none, no_rows = live_many([])
-    assert none == [] and len(no_rows) == 0
+    none, no_rows = live_many(BlockBatch.none(s.ns))
+    assert len(none) == 0 and len(no_rows) == 0
     env.store.release(s, lease.lease_id)
     assert env.store.check() == []
+
+
+def test_a_batch_naming_a_reused_slot_changes_and_counts_only_its_live_blocks(
+        env: StoreEnv) -> None:
+    """A batch read before one of its slots was freed and reused by another key: that
+    entry is stale (not live, its ``set_lower`` left alone: the new block stays DIRTY),
+    the others are live and change; the batch's own columns are what it was read with."""
+    from kvtierd.tiering.common import live_many
+
+    s = session(env)
+    ks = keys(4)
+    put(env, s, ks)
+    batch = s.ns.batch_at(s.ns.index.find(ks))
+    env.store.delete(s, ks[1:2])
+    put(env, s, [b"reuses-a-slot"])  # the freed slot's next block, at a new generation
+    reused = s.ns.index[b"reuses-a-slot"]
+    assert reused.ref == int(batch.refs[1]) and reused.generation != int(batch.gens[1])
+    ok, _rows = live_many(batch)
+    assert ok.tolist() == [True, False, True, True]
+    assert env.store.set_lower_many(batch, Lower.CLEAN) == 3
+    assert s.ns.index[b"reuses-a-slot"].lower == Lower.DIRTY
+    assert [s.ns.index[k].lower for k in ks[0:1] + ks[2:]] == [Lower.CLEAN] * 3
+    assert batch.keys[1] == ks[1]  # (the batch still names the old block)
+    # A batch and the same blocks read again: the stale one is not the same block.
+    again = s.ns.batch_at(batch.refs)
+    assert batch.same(again).tolist() == [True, False, True, True]
+    assert env.store.check() == []
+
+
+def test_a_demotion_plan_takes_each_block_of_its_batches_once_up_to_its_depth(
+        env: StoreEnv) -> None:
+    """``Demoter.plan``'s accumulator: batches added again (a reserve retrying repeats
+    its urgent blocks) and overlapping ones add each block once, in order, and stop at
+    the plan's depth; ``pin_blocks`` of the result pins each block once, in one lease."""
+    from kvtierd.store import BlockBatch
+    from kvtierd.tiering.demoter import _Plan
+
+    s = session(env)
+    ks = keys(8)
+    put(env, s, ks)
+    batch = s.ns.batch_at(s.ns.index.find(ks))
+    plan = _Plan(depth=6)
+    plan.add(batch.take(np.array([2, 0, 2, 1])))  # (a block twice in one batch)
+    plan.add(batch.take(slice(0, 4)))  # 0..2 again, 3 new
+    plan.add(BlockBatch.concat(s.ns, [batch.take(slice(3, 8))]))  # 4, 5 fit; 6, 7 do not
+    (planned,) = plan.batches()
+    assert planned.keys == [ks[2], ks[0], ks[1], ks[3], ks[4], ks[5]] and plan.count == 6
+    assert planned.same(batch).sum() == 6 and batch.same(planned).tolist() == [True] * 6 + [
+        False, False]
+    lease = env.store.pin_blocks(planned)
+    assert env.store.leased_blocks(s.ns) == 6
+    env.store.unpin(lease)
+    assert env.store.leased_blocks(s.ns) == 0 and env.store.check() == []
 
 
 @pytest.mark.parametrize("n", [1, 3, 12])

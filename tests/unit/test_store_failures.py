@@ -423,7 +423,7 @@ def test_unpin_of_a_tiering_lease(failing: Callable[..., list[str]]) -> None:
     def setup(env: StoreEnv) -> Op:
         s = session(env)
         put(env, s, keys(3))
-        (lease,) = env.store.pin_blocks([s.ns.index[k] for k in keys(3)])
+        lease = env.store.pin_blocks(s.ns.batch_at(s.ns.index.find(keys(3))))
         env.store.delete(s, keys(1))
         return lambda: env.store.unpin(lease)
 
@@ -436,11 +436,12 @@ def test_pin_blocks_and_set_lower_pin_or_not(
     def setup(env: StoreEnv) -> Op:
         s = session(env)
         put(env, s, keys(3))
-        blocks = [s.ns.index[k] for k in keys(3)]
+        blocks = s.ns.batch_at(s.ns.index.find(keys(3)))
+        first = s.ns.index[keys(1)[0]]
 
         def op() -> None:
             env.store.pin_blocks(blocks)
-            env.store.set_lower(blocks[0], Lower.CLEAN)
+            env.store.set_lower(first, Lower.CLEAN)
 
         return op
 

@@ -111,7 +111,7 @@ def test_locate_answers_what_the_walk_key_by_key_answered(
         tiers.append(local)
     if "remote" in layout or "batched" in layout:
         tiers.append(FakeTier(TIER_CLUSTER, False, remote, batched="batched" in layout))
-    store = types.SimpleNamespace(pin_blocks=lambda blocks: [], unpin=lambda lease: None,
+    store = types.SimpleNamespace(pin_blocks=lambda blocks: None, unpin=lambda lease: None,
                                   attach_tiering=lambda **told: None)
     t = Tiering(store, below=tiers, io_threads=1)  # type: ignore[arg-type]
     try:
@@ -119,7 +119,9 @@ def test_locate_answers_what_the_walk_key_by_key_answered(
                                    index=FakeIndex(dram))
         t.moves.hide(("a", k) for k in deleting)
         # A Delete during the key's demotion: its copies below are gone.
-        demoting = [types.SimpleNamespace(ns=ns, key=k, doomed=True) for k in doomed]
+        demoting = [types.SimpleNamespace(
+            ns=ns, keys=list(doomed),
+            doomed=lambda at: np.ones(len(at), dtype=bool))] if doomed else []
 
         async def both() -> tuple[list[int], list[int]]:
             return await t.promoter.locate(ns, keys), await walk_key_by_key(t, ns, keys)

@@ -7,25 +7,43 @@ import threading
 import types
 from typing import Any
 
+import numpy as np
+
 from kvtierd.tiering import MovementTable
 
 
 class FakeStore:
-    """``pin_blocks``/``unpin`` that remember what is pinned."""
+    """``pin_blocks``/``unpin`` that remember what is pinned (a lease per batch)."""
 
     def __init__(self) -> None:
-        self.pinned: list[Any] = []
+        self.pinned: list[bytes] = []
 
-    def pin_blocks(self, blocks: list[Any]) -> list[Any]:
-        self.pinned.extend(blocks)
-        return [("lease", b.key) for b in blocks]
+    def pin_blocks(self, blocks: Any) -> Any:
+        self.pinned.extend(blocks.keys)
+        return ("lease", list(blocks.keys))
 
     def unpin(self, lease: Any) -> None:
-        self.pinned = [b for b in self.pinned if b.key != lease[1]]
+        self.pinned = [k for k in self.pinned if k not in lease[1]]
+
+
+class FakeBatch:
+    """A ``BlockBatch`` of namespace "a" as the movement table reads it: its keys, and
+    which of them were deleted (``doomed``)."""
+
+    def __init__(self, *keys: bytes, doomed: tuple[bytes, ...] = ()) -> None:
+        self.ns = types.SimpleNamespace(name="a")
+        self.keys = list(keys)
+        self._doomed = doomed
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def doomed(self, at: Any) -> Any:
+        return np.array([self.keys[i] in self._doomed for i in at.tolist()], dtype=bool)
 
 
 def block(key: bytes, doomed: bool = False) -> Any:
-    return types.SimpleNamespace(ns=types.SimpleNamespace(name="a"), key=key, doomed=doomed)
+    return FakeBatch(key, doomed=(key,) if doomed else ())
 
 
 def test_each_kind_of_move_makes_its_key_moving_until_it_ends() -> None:
@@ -46,9 +64,9 @@ def test_each_kind_of_move_makes_its_key_moving_until_it_ends() -> None:
             assert moves.moving("a", b"d") and store.pinned and moves.in_flight() == 1
         assert not moves.moving("a", b"d") and not store.pinned and moves.in_flight() == 0
 
-        moves.will_publish([block(b"u")])
+        moves.will_publish(block(b"u"))
         assert moves.moving("a", b"u") and moves.publishing() == 0  # recorded, not started
-        with moves.publishing_blocks([block(b"u")]):
+        with moves.publishing_blocks(block(b"u")):
             assert moves.publishing() == 1 and store.pinned
         assert not moves.moving("a", b"u") and not store.pinned
 
@@ -83,6 +101,7 @@ def test_a_hidden_key_is_not_handed_on_and_hides_count_per_caller() -> None:
 def test_a_block_deleted_during_its_demotion_is_reported() -> None:
     moves = MovementTable(FakeStore())  # type: ignore[arg-type]
     assert moves.deleted_while_demoting("a", [b"x"]) == []
-    with moves.demoting([block(b"x"), block(b"y", doomed=True)]):
+    with moves.demoting([FakeBatch(b"x", b"y", doomed=(b"y",))]):
         assert moves.deleted_while_demoting("a", [b"y", b"x", b"z"]) == [0]
+        assert moves.moving_many("a", [b"y", b"z", b"x"]).tolist() == [True, False, True]
     assert moves.deleted_while_demoting("a", [b"y"]) == []

@@ -132,14 +132,14 @@ class ManyTier(DictTier):
         self.fail_batch: OSError | None = None  # raised for a whole batch
         self.fail_keys: dict[bytes, OSError] = {}  # per block
 
-    def write_many(self, namespace: str,
-                   items: Sequence[tuple[bytes, memoryview, int, int | None]],
+    def write_many(self, namespace: str, keys: Sequence[bytes], srcs: Sequence[memoryview],
+                   lengths: Sequence[int], checksums: Sequence[int | None],
                    geometry: Geometry) -> list[bool | BaseException]:
-        self.write_batches.append(len(items))
+        self.write_batches.append(len(keys))
         if self.fail_batch is not None:
             raise self.fail_batch
         out: list[bool | BaseException] = []
-        for key, src, length, checksum in items:
+        for key, src, length, checksum in zip(keys, srcs, lengths, checksums, strict=True):
             if key in self.fail_keys:
                 out.append(self.fail_keys[key])
             else:

@@ -242,15 +242,15 @@ class ClusterTier(RemoteTier):
 
     def write(self, namespace: str, key: bytes, src: memoryview, length: int,
               checksum: int | None, geometry: Geometry) -> bool:
-        (res,) = self.write_many(namespace, [(key, src, length, checksum)], geometry)
+        (res,) = self.write_many(namespace, [key], [src], [length], [checksum], geometry)
         if isinstance(res, BaseException):
             raise res
         return res
 
-    def write_many(self, namespace: str,
-                   items: Sequence[tuple[bytes, memoryview, int, int | None]],
+    def write_many(self, namespace: str, keys: Sequence[bytes], srcs: Sequence[memoryview],
+                   lengths: Sequence[int], checksums: Sequence[int | None],
                    geometry: Geometry) -> list[bool | BaseException]:
-        """``write`` of each (key, src, length, checksum) as one Mooncake batch per
+        """``write`` of each block (columns: key, src, length, checksum) as one Mooncake batch per
         :data:`PUT_BATCH` objects: one message to the agent, one
         ``batch_put_from_multi_buffers`` (the master allocates and seals the whole
         batch in one round trip each).  Each result is True or the exception ``write``
@@ -261,13 +261,13 @@ class ClusterTier(RemoteTier):
         a = self._link.ready_agent()
         self._slots.drop_retired(a)
         bb, mh = geometry.block_bytes, geometry.model_hash
-        out: list[bool | BaseException] = [True] * len(items)
+        out: list[bool | BaseException] = [True] * len(keys)
         checked: set[int] = set()
         todo: list[int] = []  # the items that reach the agent
         sids: list[int] = []
         offs: list[int] = []
         sums: list[int] = []
-        for i, (_key, src, length, checksum) in enumerate(items):
+        for i, (src, length, checksum) in enumerate(zip(srcs, lengths, checksums, strict=True)):
             try:
                 if checksum is None:
                     checksum = _accel.checksum(src[:length])  # EFAULT: the slot's loss
@@ -283,28 +283,28 @@ class ClusterTier(RemoteTier):
         written = time.time_ns()
         for c in range(0, len(todo), PUT_BATCH):
             idx = todo[c : c + PUT_BATCH]
-            keys = [items[i][0] for i in idx]
-            lengths = np.array([items[i][2] for i in idx], dtype=np.int64)
-            headers = self.naming.pack_many(namespace, keys, lengths.tolist(),
+            names = [keys[i] for i in idx]
+            sizes = np.array([lengths[i] for i in idx], dtype=np.int64)
+            headers = self.naming.pack_many(namespace, names, sizes.tolist(),
                                             sums[c : c + PUT_BATCH], bb, mh, written)
             try:
-                rcs = self._link.call("put", [prefix + k.hex() for k in keys],
+                rcs = self._link.call("put", [prefix + k.hex() for k in names],
                                  np.array(sids[c : c + PUT_BATCH], dtype=np.int64).tobytes(),
                                  np.array(offs[c : c + PUT_BATCH], dtype=np.int64).tobytes(),
-                                 lengths.tobytes(), bb, headers, self.settings.config.replicas,
+                                 sizes.tobytes(), bb, headers, self.settings.config.replicas,
                                  agent=a)
             except OSError as exc:  # the whole batch: each block's error, as one by one
                 for i in idx:
                     out[i] = exc
                 continue
-            for i, key, rc in zip(idx, keys, rcs, strict=True):
+            for i, key, rc in zip(idx, names, rcs, strict=True):
                 if rc == RC_NO_SPACE:
                     out[i] = SpillFull(f"the cluster has no room for {key.hex()} (-200)")
                 elif rc < 0:
                     out[i] = _rc_error(rc, f"write of {key.hex()}")
                 else:
                     self.counters.writes += 1
-                    self.counters.write_bytes += items[i][2]
+                    self.counters.write_bytes += lengths[i]
         return out
 
     def sync(self) -> None:

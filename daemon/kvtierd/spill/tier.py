@@ -253,13 +253,13 @@ class WritesMany(Protocol):
     A ``cross_host`` tier that has it receives a commit's write-through publish in
     one ``write_many``; other tiers get one ``write`` per block, in parallel."""
 
-    def write_many(self, namespace: str,
-                   items: Sequence[tuple[bytes, memoryview, int, int | None]],
+    def write_many(self, namespace: str, keys: Sequence[bytes], srcs: Sequence[memoryview],
+                   lengths: Sequence[int], checksums: Sequence[int | None],
                    geometry: Geometry) -> list[bool | BaseException]:
-        """Blocking: ``write`` of each (key, src, length, checksum); each result is what
-        ``write`` returned for it or the exception it would have raised (a batch that
-        failed as a whole: that error for each block).  Raises ``OSError`` when none
-        could be tried."""
+        """Blocking: ``write`` of each block, given as columns (block ``i``: ``keys[i]``,
+        ``srcs[i]``, ``lengths[i]``, ``checksums[i]``); each result is what ``write``
+        returned for it or the exception it would have raised (a batch that failed as a
+        whole: that error for each block).  Raises ``OSError`` when none could be tried."""
         ...
 
 

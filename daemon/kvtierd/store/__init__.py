@@ -10,7 +10,10 @@ order of holders: ``Store`` -> ``Operations``/``FastPath`` -> ``Allocator`` ->
   leases).  No Python object per block: a namespace's slots live in its
   ``BlockTable`` (``kvtierd.block_table``, native) over the persisted slot tables,
   and its keys in its shared index (``keys``: the table clients search *is* the
-  index).  ``Block`` is a handle made on demand, never kept.
+  index).  ``Block`` is a handle made on demand, never kept; the tiering layer names
+  blocks in ``BlockBatch``es instead (one namespace's refs, generations, keys,
+  lengths and checksums as columns: ``demotion_candidates``, ``pin_blocks``,
+  ``set_lower_many``).
 * ``keys``: the key index.
 * ``base``: what the parts share: ``StoreOptions``, ``Pinned`` (the one answer to
   "is it pinned?"), ``_Undo`` and the internal signals of a claim.
@@ -120,6 +123,7 @@ from kvtierd.store.types import (
     AcquireResult,
     AdoptedSlots,
     Block,
+    BlockBatch,
     Extent,
     Lease,
     Lower,
@@ -136,7 +140,7 @@ from kvtierd.store.types import (
 
 __all__ = [
     "GRANT_IDLE_SECONDS", "MAX_GROW_ROUNDS", "MAX_KEPT_RETIRED",
-    "MAX_READ_HINTS", "AcquireResult", "AdoptedSlots", "Block", "CheckSnapshot",
+    "MAX_READ_HINTS", "AcquireResult", "AdoptedSlots", "Block", "BlockBatch", "CheckSnapshot",
     "CommitResult", "Extent", "ExtentFactory", "GrantBook", "Lease", "Lower", "Namespace", "NeedDemotion", "PageCommits",
     "Peer", "Pinned", "Reservation", "ReserveResult", "ReserveStatus", "Session", "SlotGrant", "Store",
     "StoreOptions",

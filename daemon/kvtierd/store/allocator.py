@@ -25,7 +25,15 @@ from kvtierd.store.base import Pinned, StoreOptions, _NeedExtent, _Raced, _refs
 from kvtierd.store.budget import Budget
 from kvtierd.store.grants import take_back_untaken, untaken_in
 from kvtierd.store.state import StoreState
-from kvtierd.store.types import Block, Extent, Lower, Namespace, NeedDemotion, Victims
+from kvtierd.store.types import (
+    Block,
+    BlockBatch,
+    Extent,
+    Lower,
+    Namespace,
+    NeedDemotion,
+    Victims,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +54,17 @@ def offsets(ns: Namespace, refs: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint6
     return out
 
 
-def blocks_of(ns: Namespace, ext: Extent, *, dirty: bool = False) -> list[Block]:
-    """Handles of ``ext``'s COMMITTED blocks (only the DIRTY ones, with ``dirty``)."""
+def blocks_of(ns: Namespace, ext: Extent) -> list[Block]:
+    """Handles of ``ext``'s COMMITTED blocks."""
+    return ns.blocks_at(ns.table.committed(ext.id))
+
+
+def dirty_of(ns: Namespace, ext: Extent) -> BlockBatch:
+    """``ext``'s COMMITTED DIRTY blocks."""
     refs = ns.table.committed(ext.id)
-    if dirty and len(refs):
+    if len(refs):
         refs = refs[ns.table.inspect(refs)["lower"] == Lower.DIRTY]
-    return ns.blocks_at(refs)
+    return ns.batch_at(refs)
 
 
 def _victims(ns: Namespace, n: int, pinned: Pinned, *, spill: bool) -> Victims:
@@ -208,8 +221,8 @@ class Allocator:
             # Another namespace's extent, older than what CLOCK would evict here, waits
             # only for its DIRTY blocks to be demoted: demote them, then reclaim it.
             ext = dirty_ext[0]
-            raise NeedDemotion(ns, short, blocks_of(
-                state.namespaces[ext.segment.namespace], ext, dirty=True))
+            raise NeedDemotion(ns, short, dirty_of(state.namespaces[ext.segment.namespace],
+                                                   ext))
         if len(same_ns) >= short:
             return same_ns[:short]
         if spill:
@@ -218,7 +231,7 @@ class Allocator:
             skip = pinned.skip()
             want = short - len(same_ns)
             refs = ns.table.dirty(want, Policy.CLOCK, skip=skip)
-            wanted = ns.blocks_at(refs)
+            wanted = ns.batch_at(refs)
             in_flight = any(s.leases for s in state.system_sessions.values())
             if wanted or in_flight:
                 raise NeedDemotion(ns, short - len(same_ns), wanted)

@@ -38,6 +38,7 @@ from kvtierd.store.types import (
     MAX_GROW_ROUNDS,
     AcquireResult,
     Block,
+    BlockBatch,
     Commits,
     Lease,
     Lower,
@@ -468,21 +469,15 @@ class Operations:
         sums: list[int | None] = [o[1] if o is not None else None for o in outcomes]
         return self._end_reservation(res, commit=(lengths, sums))
 
-    def pin_blocks(self, blocks: Sequence[Block]) -> list[Lease]:
-        """Lease blocks to the tiering layer (one lease per namespace, no TTL)."""
-        by_ns: dict[int, tuple[Namespace, list[Block]]] = {}
-        for b in blocks:
-            by_ns.setdefault(id(b.ns), (b.ns, []))[1].append(b)
-        leases = []
-        for ns, group in by_ns.values():
-            refs = _refs((b.extent, b.slot) for b in group)
-            self._state.pin(ns, refs)
-            session = self._state.system_session(ns)
-            lease = Lease(self._state.next_id(), session, refs, float("inf"))
-            session.leases[lease.id] = lease
-            self._state.leases[lease.id] = lease
-            leases.append(lease)
-        return leases
+    def pin_blocks(self, blocks: BlockBatch) -> Lease:
+        """Lease a batch to the tiering layer (one lease, no TTL; all or none pinned)."""
+        ns = blocks.ns
+        self._state.pin(ns, blocks.refs)
+        session = self._state.system_session(ns)
+        lease = Lease(self._state.next_id(), session, blocks.refs, float("inf"))
+        session.leases[lease.id] = lease
+        self._state.leases[lease.id] = lease
+        return lease
 
     def unpin(self, lease: Lease) -> None:
         """End a lease of ``pin_blocks`` (a doomed block is freed here)."""
@@ -491,33 +486,42 @@ class Operations:
 
     def set_lower(self, block: Block, lower: Lower) -> None:
         """Record what the spill tiers hold of a live block (none that left DRAM, or
-        whose slot holds another block now)."""
-        self.set_lower_many([block], lower)
+        whose slot holds another block now): one block at a time (cold paths)."""
+        self.set_lower_many(BlockBatch.of_blocks(block.ns, [block]), lower)
 
-    def set_lower_many(self, blocks: Sequence[Block], lower: Lower) -> None:
-        """``set_lower`` of each block: one table call per namespace."""
-        by_ns: dict[int, tuple[Namespace, list[Block]]] = {}
-        for b in blocks:
-            if b.ns.by_id.get(b.extent.id) is b.extent:
-                by_ns.setdefault(id(b.ns), (b.ns, []))[1].append(b)
-        for ns, group in by_ns.values():
-            ns.table.set_lower(_refs((b.extent, b.slot) for b in group), lower,
-                               [b.generation for b in group])
+    def set_lower_many(self, blocks: BlockBatch, lower: Lower) -> int:
+        """``set_lower`` of each block of a batch, in one table call: the blocks whose
+        extent left, or whose slot holds another generation now, are left alone.
+        Returns how many changed."""
+        if not len(blocks):
+            return 0
+        refs, gens = blocks.refs, blocks.gens
+        held = blocks.held()
+        if held is not None:
+            refs, gens = refs[held], gens[held]
+            if not len(refs):
+                return 0
+        return blocks.ns.table.set_lower(refs, lower, gens)
 
-    def demotion_candidates(self, target_bytes: int, limit: int) -> list[Block]:
+    def demotion_candidates(self, target_bytes: int, limit: int) -> list[BlockBatch]:
         """Up to ``limit`` DIRTY unleased blocks that eviction would take first (CLOCK's
-        order), from each namespace in proportion to its DRAM, ``target_bytes`` in all."""
+        order), from each namespace in proportion to its DRAM, ``target_bytes`` in all:
+        a batch per namespace that has some."""
         spaces = [(ns, ns.committed * ns.slot_bytes) for ns in self._state.namespaces.values()]
         total = sum(b for _, b in spaces)
-        out: list[Block] = []
+        out: list[BlockBatch] = []
         if not total:
             return out
+        taken = 0
         for ns, held in sorted(spaces, key=lambda t: -t[1]):
-            left = limit - len(out)
+            left = limit - taken
             if left <= 0:
                 break
             share = -(-min(target_bytes, total) * held // total)  # ceil
             n = min(left, -(-share // ns.slot_bytes))
             if n > 0:
-                out += ns.blocks_at(ns.table.dirty(n, Policy.CLOCK))  # (one table read)
+                batch = ns.batch_at(ns.table.dirty(n, Policy.CLOCK))  # (one table read)
+                if len(batch):
+                    out.append(batch)
+                    taken += len(batch)
         return out

@@ -35,6 +35,7 @@ from kvtierd.store.state import StoreState
 from kvtierd.store.types import (
     AcquireResult,
     Block,
+    BlockBatch,
     Extent,
     Lease,
     Lower,
@@ -280,7 +281,7 @@ class Store:
                outcomes: Sequence[tuple[int, int] | None]) -> list[Block | None]:
         return self.calls.settle(session, reservation_id, outcomes)
 
-    def pin_blocks(self, blocks: Sequence[Block]) -> list[Lease]:
+    def pin_blocks(self, blocks: BlockBatch) -> Lease:
         return self.calls.pin_blocks(blocks)
 
     def unpin(self, lease: Lease) -> None:
@@ -289,10 +290,10 @@ class Store:
     def set_lower(self, block: Block, lower: Lower) -> None:
         self.calls.set_lower(block, lower)
 
-    def set_lower_many(self, blocks: Sequence[Block], lower: Lower) -> None:
-        self.calls.set_lower_many(blocks, lower)
+    def set_lower_many(self, blocks: BlockBatch, lower: Lower) -> int:
+        return self.calls.set_lower_many(blocks, lower)
 
-    def demotion_candidates(self, target_bytes: int, limit: int) -> list[Block]:
+    def demotion_candidates(self, target_bytes: int, limit: int) -> list[BlockBatch]:
         return self.calls.demotion_candidates(target_bytes, limit)
 
     # ------------------------------------------------ without a call (``FastPath``)

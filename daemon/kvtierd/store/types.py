@@ -56,7 +56,7 @@ class NeedDemotion(CapacityExhausted):
     """A reserve in ``ns`` fits only after ``blocks`` (DIRTY) are demoted, or after the
     demotions in flight finish (``blocks`` empty)."""
 
-    def __init__(self, ns: Namespace, short: int, blocks: list[Block]) -> None:
+    def __init__(self, ns: Namespace, short: int, blocks: BlockBatch) -> None:
         super().__init__(f"DRAM is full for namespace {ns.name!r}: {short} slots wait for "
                          "blocks to be demoted to a spill tier")
         self.ns = ns
@@ -264,6 +264,16 @@ class Namespace:
             return None
         return Block(self, rec.key, ext, slot, rec.length, rec.checksum, rec.generation)
 
+    def batch_at(self, refs: npt.NDArray[np.uint64]) -> BlockBatch:
+        """``blocks_at`` as a ``BlockBatch`` (one table call, no handle made)."""
+        return self.victims_at(refs).batch()
+
+    def visible(self) -> BlockBatch:
+        """Every visible (COMMITTED) block, extent by extent (one table call each and
+        one for their entries: no handle made)."""
+        parts = [self.table.committed(ext.id) for ext in self.extents]
+        return self.batch_at(np.concatenate(parts) if parts else _NO_REFS)
+
     def blocks_at(self, refs: npt.NDArray[np.uint64]) -> list[Block]:
         """``block_at`` of each ref (those naming no COMMITTED or DOOMED block left out),
         reading the slot entries in one table call."""
@@ -283,6 +293,145 @@ class Namespace:
 
 
 _DOOMED_STATE: Final = int(SlotState.DOOMED)
+_NO_REFS: Final = np.zeros(0, dtype=np.uint64)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class BlockBatch:
+    """Committed blocks of ONE namespace as columns: what the tiering layer moves, pins
+    and marks (``Store.demotion_candidates``, ``pin_blocks``, ``set_lower_many``), in
+    place of a ``Block`` handle per block.
+
+    Block ``i`` is the one at slot ref ``refs[i]`` (encoded and decoded by
+    ``kvtier._slot_ref`` only) at generation ``gens[i]``: a batch naming a block that
+    left DRAM (its slot reused since) names no current one.  ``keys``, ``lengths`` and
+    ``checksums`` (``has_checksum[i]``: one was given at commit) are as the slot entry
+    held them when the batch was read.
+    """
+
+    ns: Namespace = dataclasses.field(repr=False)
+    refs: npt.NDArray[np.uint64]
+    gens: npt.NDArray[np.uint64]
+    keys: list[bytes]
+    lengths: npt.NDArray[np.uint64]
+    checksums: npt.NDArray[np.uint64]
+    has_checksum: npt.NDArray[np.bool_]
+
+    @classmethod
+    def none(cls, ns: Namespace) -> BlockBatch:
+        return cls(ns, _NO_REFS, _NO_REFS, [], _NO_REFS, _NO_REFS, np.zeros(0, dtype=bool))
+
+    @classmethod
+    def of_blocks(cls, ns: Namespace, blocks: Sequence[Block]) -> BlockBatch:
+        """The batch of handles of ``ns`` (cold paths: one block at a time, the commit
+        path's handles)."""
+        n = len(blocks)
+        return cls(ns,
+                   np.fromiter((b.ref for b in blocks), dtype=np.uint64, count=n),
+                   np.fromiter((b.generation for b in blocks), dtype=np.uint64, count=n),
+                   [b.key for b in blocks],
+                   np.fromiter((b.length for b in blocks), dtype=np.uint64, count=n),
+                   np.fromiter((b.checksum or 0 for b in blocks), dtype=np.uint64, count=n),
+                   np.fromiter((b.checksum is not None for b in blocks), dtype=bool, count=n))
+
+    @classmethod
+    def concat(cls, ns: Namespace, batches: Sequence[BlockBatch]) -> BlockBatch:
+        """The blocks of ``batches`` (all of ``ns``), in order."""
+        if len(batches) == 1:
+            return batches[0]
+        if not batches:
+            return cls.none(ns)
+        return cls(ns, np.concatenate([b.refs for b in batches]),
+                   np.concatenate([b.gens for b in batches]),
+                   [k for b in batches for k in b.keys],
+                   np.concatenate([b.lengths for b in batches]),
+                   np.concatenate([b.checksums for b in batches]),
+                   np.concatenate([b.has_checksum for b in batches]))
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def take(self, at: slice | npt.NDArray[np.intp] | npt.NDArray[np.bool_]) -> BlockBatch:
+        """The blocks at ``at`` (a slice, indexes or a mask), in that order."""
+        if isinstance(at, slice):
+            keys = self.keys[at]
+        else:
+            idx = np.flatnonzero(at) if at.dtype == np.bool_ else at
+            keys = [self.keys[i] for i in idx.tolist()]
+        return BlockBatch(self.ns, self.refs[at], self.gens[at], keys, self.lengths[at],
+                          self.checksums[at], self.has_checksum[at])
+
+    def checksum(self, i: int) -> int | None:
+        """Block ``i``'s checksum, None when none was given at commit."""
+        return int(self.checksums[i]) if self.has_checksum[i] else None
+
+    def checksum_list(self) -> list[int | None]:
+        """``checksum`` of each block."""
+        return [c if has else None for c, has in zip(self.checksums.tolist(),
+                                                     self.has_checksum.tolist(), strict=True)]
+
+    def place(self, i: int) -> tuple[Extent, int]:
+        """Block ``i``'s extent and slot (the extent must still be the namespace's)."""
+        ref = int(self.refs[i])
+        return self.ns.by_id[_slot_ref.segment_of(ref)], _slot_ref.slot_of(ref)
+
+    def held(self) -> npt.NDArray[np.bool_] | None:
+        """Which blocks' extents are still the namespace's (None: all of them, the
+        usual answer, found with one look per extent)."""
+        segments = _slot_ref.segments_of(self.refs)
+        ids = np.unique(segments)
+        by_id = self.ns.by_id
+        gone = [s for s in ids.tolist() if s not in by_id]
+        return None if not gone else ~np.isin(segments, np.array(gone, dtype=np.uint64))
+
+    def doomed(self, at: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
+        """Whether each block at ``at`` was deleted (doomed while pinned) or left DRAM:
+        ``Block.doomed`` of each, in one table read."""
+        part = self.take(at)
+        held = part.held()
+        out = np.ones(len(part), dtype=bool)
+        if held is not None:
+            part = part.take(held)
+        if len(part):
+            rows = self.ns.table.inspect(part.refs)
+            still = (rows["generation"] == part.gens) & (rows["state"] == COMMITTED_STATE)
+            if held is None:
+                out = ~still
+            else:
+                out[held] = ~still
+        return out
+
+    def same(self, other: BlockBatch) -> npt.NDArray[np.bool_]:
+        """Which of these blocks ``other`` names too (same ref at the same generation;
+        ``other``'s refs distinct)."""
+        if not len(other) or not len(self) or other.ns is not self.ns:
+            return np.zeros(len(self), dtype=bool)
+        order = np.argsort(other.refs, kind="stable")
+        sorted_refs = other.refs[order]
+        at = np.minimum(np.searchsorted(sorted_refs, self.refs), len(other) - 1)
+        found: npt.NDArray[np.bool_] = ((sorted_refs[at] == self.refs)
+                                        & (other.gens[order[at]] == self.gens))
+        return found
+
+    def first_of_each(self) -> BlockBatch:
+        """Each block once (its first appearance), in order."""
+        if len(self) < 2:
+            return self
+        _, first = np.unique(self.refs, return_index=True)
+        if len(first) == len(self):
+            return self
+        return self.take(np.sort(first))
+
+    def blocks(self) -> list[Block]:
+        """Handles of its blocks whose extent is still the namespace's (cold paths)."""
+        ns, by_id = self.ns, self.ns.by_id
+        out = []
+        for i, ref in enumerate(self.refs.tolist()):
+            ext = by_id.get(_slot_ref.segment_of(ref))
+            if ext is not None:
+                out.append(Block(ns, self.keys[i], ext, _slot_ref.slot_of(ref),
+                                 int(self.lengths[i]), self.checksum(i), int(self.gens[i])))
+        return out
 
 
 class Victims:
@@ -343,6 +492,14 @@ class Victims:
     def oldest(self) -> int:
         """The oldest last access among them (2**64 when there are none)."""
         return int(self.rows["last_access"].min()) if len(self.refs) else 2**64
+
+    def batch(self) -> BlockBatch:
+        """The victims as a ``BlockBatch`` (their entries as read: no handle made)."""
+        rows = self.rows
+        return BlockBatch(self.ns, self.refs, rows["generation"].astype(np.uint64),
+                          self.keys, rows["length"].astype(np.uint64),
+                          rows["checksum"].astype(np.uint64),
+                          rows["has_checksum"].astype(bool))
 
     def blocks(self) -> list[Block]:
         ns = self.ns

@@ -1,5 +1,5 @@
 """What the parts of the tiering layer share: the policy, the counters and the
-observer, how a copy can end, the test that a block handle is still live, the
+observer, how a copy can end, the test that a batch's blocks are still live, the
 reports of faults, and the worker pool every byte moves on."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvtierd.logs import Throttle, event, more
 from kvtierd.spill.blockio import fault_kind
 from kvtierd.spill.ssd import SpillFull
 from kvtierd.spill.tier import LowerTier
-from kvtierd.store import Block
+from kvtierd.store import BlockBatch
 from kvtierd.store.types import COMMITTED_STATE
 
 #: One logger for the whole package: its name is what operators filter on.
@@ -111,39 +111,38 @@ class Copy(enum.Enum):
     SLOT_FAULT = "slot_fault"
 
 
-def live(block: Block) -> bool:
-    """Whether ``block`` is still the visible DRAM block of its key: not deleted (or
-    doomed while pinned), and its slot not reused for another block since
-    (``live_many`` of one block)."""
-    return live_many([block])[0][0]
+def outcomes(results: Sequence[bool | Copy]) -> tuple[npt.NDArray[np.bool_],
+                                                       npt.NDArray[np.bool_]]:
+    """A batch's copy outcomes as two masks: the slots that faulted, the copies made."""
+    n = len(results)
+    fault = np.fromiter((r is Copy.SLOT_FAULT for r in results), dtype=bool, count=n)
+    made = np.fromiter((r is not Copy.SLOT_FAULT and bool(r) for r in results), dtype=bool,
+                       count=n)
+    return fault, made
 
 
-def live_many(blocks: Sequence[Block]) -> tuple[list[bool], npt.NDArray[np.void]]:
-    """Whether each block is still the visible DRAM block of its key (its extent held,
-    its slot COMMITTED at its generation, and the index naming that slot for its key),
-    and its slot's record (``RECORD_DTYPE``: pins, lower state; zeros for a block whose
-    extent left), in one index search and one table read per namespace: no handle
-    made, no call per block."""
-    ok = np.zeros(len(blocks), dtype=bool)
-    rows = np.zeros(len(blocks), dtype=RECORD_DTYPE)
-    by_ns: dict[int, list[int]] = {}
-    for i, b in enumerate(blocks):
-        by_ns.setdefault(id(b.ns), []).append(i)
-    for idx in by_ns.values():
-        ns = blocks[idx[0]].ns
-        here = [i for i in idx if ns.by_id.get(blocks[i].extent.id) is blocks[i].extent]
-        if not here:
-            continue
-        refs = np.fromiter((blocks[i].ref for i in here), dtype=np.uint64, count=len(here))
-        gens = np.fromiter((blocks[i].generation for i in here), dtype=np.uint64,
-                           count=len(here))
-        rec = ns.table.inspect(refs)
-        good = ((rec["state"] == COMMITTED_STATE) & (rec["generation"] == gens)
-                & (ns.index.find([blocks[i].key for i in here]) == refs))
-        at = np.array(here, dtype=np.intp)
-        ok[at] = good
-        rows[at] = rec
-    return ok.tolist(), rows
+def live_many(blocks: BlockBatch) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.void]]:
+    """Whether each block of a batch is still the visible DRAM block of its key (its
+    extent held, its slot COMMITTED at its generation, and the index naming that slot
+    for its key), and its slot's record (``RECORD_DTYPE``: pins, lower state; zeros for
+    a block whose extent left), in one table read and one index search: no handle made,
+    no call per block."""
+    n = len(blocks)
+    if not n:
+        return np.zeros(0, dtype=bool), np.zeros(0, dtype=RECORD_DTYPE)
+    ns = blocks.ns
+    held = blocks.held()
+    if held is None:
+        rows = ns.table.inspect(blocks.refs)
+        ok = ((rows["state"] == COMMITTED_STATE) & (rows["generation"] == blocks.gens)
+              & (ns.index.find(blocks.keys) == blocks.refs))
+        return ok, rows
+    ok = np.zeros(n, dtype=bool)
+    rows = np.zeros(n, dtype=RECORD_DTYPE)
+    here = blocks.take(held)
+    if len(here):
+        ok[held], rows[held] = live_many(here)
+    return ok, rows
 
 
 class Reporter:
@@ -161,17 +160,18 @@ class Reporter:
         for _ in range(n):
             self.observer.spill_fault(tier, kind)
 
-    def write_failed(self, tier: LowerTier, op: str, block: Block, exc: OSError | SpillFull) -> None:
-        """Count (and log, throttled) a failed copy of ``block`` into ``tier``."""
+    def write_failed(self, tier: LowerTier, op: str, namespace: str, key: bytes,
+                     exc: OSError | SpillFull) -> None:
+        """Count (and log, throttled) a failed copy of a block into ``tier``."""
         kind = fault_kind(exc) if isinstance(exc, OSError) else "full"
         self.fault(tier.name, kind)
         held = self.throttle(f"{tier.name}/write/{kind}")
         if held is not None:
             log.warning("%s tier: %s of %s in %r failed (%s); it stays in DRAM without "
-                        "a copy there%s", tier.name, op, block.key.hex(), block.ns.name, exc,
+                        "a copy there%s", tier.name, op, key.hex(), namespace, exc,
                         more(held),
                         extra=event("spill_fault", tier=tier.name, op="write", kind=kind,
-                                    namespace=block.ns.name, held_back=held))
+                                    namespace=namespace, held_back=held))
 
     def sync_failed(self, tier: LowerTier, exc: OSError) -> None:
         """Count (and log, throttled) a failed ``fdatasync`` of a demotion batch."""

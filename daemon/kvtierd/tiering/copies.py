@@ -10,15 +10,14 @@ stay).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 from kvtier.errors import Corrupted
 from kvtierd.spill.blockio import fault_kind, memory_fault
 from kvtierd.spill.ssd import SpillFull
 from kvtierd.spill.tier import Geometry, LowerTier, WritesMany
-from kvtierd.store import Block, Store
+from kvtierd.store import BlockBatch, Store
 from kvtierd.tiering.below import Below
-from kvtierd.tiering.common import Copy, Reporter, live
+from kvtierd.tiering.common import Copy, Reporter, live_many
 
 #: What reading one block into a DRAM slot gives: (length, checksum), None (a miss or
 #: a fault of the tier), or SLOT_FAULT.
@@ -34,73 +33,79 @@ class Copier:
         self._report = report
 
     # ---------------------------------------------------------------- down
-    def copy_down(self, block: Block, tier: LowerTier, op: str) -> bool | Copy:
-        """Worker thread: copy one pinned DRAM block into ``tier`` (``op``: "demotion" or
-        "publish"); True when the tier holds it now, False when the copy failed (counted
-        as the tier's fault), SLOT_FAULT when the slot's memory faulted."""
-        ns = block.ns
-        geometry = self._below.geometry_off_loop(ns)
+    def copy_down(self, blocks: BlockBatch, i: int, tier: LowerTier, op: str) -> bool | Copy:
+        """Worker thread: copy block ``i`` of a pinned batch into ``tier`` (``op``:
+        "demotion" or "publish"); True when the tier holds it now, False when the copy
+        failed (counted as the tier's fault), SLOT_FAULT when the slot's memory faulted."""
+        return self._copy_down(blocks, i, tier, op, self._below.geometry_off_loop(blocks.ns))
+
+    def _copy_down(self, blocks: BlockBatch, i: int, tier: LowerTier, op: str,
+                   geometry: Geometry) -> bool | Copy:
+        ns = blocks.ns
+        ext, slot = blocks.place(i)
+        key, length = blocks.keys[i], int(blocks.lengths[i])
         t0 = time.perf_counter()
-        view = block.extent.segment.data_view(block.slot, ns.slot_bytes)
+        view = ext.segment.data_view(slot, ns.slot_bytes)
         try:
-            tier.write(ns.name, block.key, view, block.length, block.checksum, geometry)
+            tier.write(ns.name, key, view, length, blocks.checksum(i), geometry)
         except (OSError, SpillFull) as exc:
             if memory_fault(exc):
                 return Copy.SLOT_FAULT  # the writer's loss, not the tier's fault
-            self._report.write_failed(tier, op, block, exc)
+            self._report.write_failed(tier, op, ns.name, key, exc)
             return False
         finally:
             view.release()
-        self._report.observer.spill_io(tier.name, "write", time.perf_counter() - t0,
-                                       block.length)
+        self._report.observer.spill_io(tier.name, "write", time.perf_counter() - t0, length)
         return True
 
-    def copy_down_each(self, blocks: Sequence[Block], tier: LowerTier,
+    def copy_down_each(self, blocks: BlockBatch, tier: LowerTier,
                        op: str) -> list[bool | Copy]:
-        """Worker thread: ``copy_down`` of each block in turn (a demotion batch's share
-        of one worker: one job, not one per block)."""
-        return [self.copy_down(b, tier, op) for b in blocks]
+        """Worker thread: ``copy_down`` of each block of a batch in turn (a demotion
+        batch's share of one worker: one job, not one per block)."""
+        geometry = self._below.geometry_off_loop(blocks.ns)
+        return [self._copy_down(blocks, i, tier, op, geometry) for i in range(len(blocks))]
 
-    def copy_down_many(self, blocks: Sequence[Block], tier: LowerTier,
+    def copy_down_many(self, blocks: BlockBatch, tier: LowerTier,
                        op: str) -> list[bool | Copy]:
-        """Worker thread: ``copy_down`` of each pinned block, as one ``write_many`` per
-        namespace; each block's outcome and fault counted as ``copy_down`` would (a
+        """Worker thread: ``copy_down`` of each block of a pinned batch, as one
+        ``write_many``; each block's outcome and fault counted as ``copy_down`` would (a
         batch that fails as a whole is a fault of each of its blocks)."""
         assert isinstance(tier, WritesMany)
-        out: list[bool | Copy] = [False] * len(blocks)
-        by_ns: dict[str, list[int]] = {}
-        for i, b in enumerate(blocks):
-            by_ns.setdefault(b.ns.name, []).append(i)
-        for idx in by_ns.values():
-            ns = blocks[idx[0]].ns
-            geometry = self._below.geometry_off_loop(ns)
-            views = [blocks[i].extent.segment.data_view(blocks[i].slot, ns.slot_bytes)
-                     for i in idx]
-            t0 = time.perf_counter()
+        n = len(blocks)
+        out: list[bool | Copy] = [False] * n
+        if not n:
+            return out
+        ns = blocks.ns
+        geometry = self._below.geometry_off_loop(ns)
+        lengths = blocks.lengths.tolist()
+        views = []
+        for i in range(n):
+            ext, slot = blocks.place(i)
+            views.append(ext.segment.data_view(slot, ns.slot_bytes))
+        t0 = time.perf_counter()
+        try:
             try:
-                try:
-                    got: list[bool | BaseException] = tier.write_many(
-                        ns.name, [(blocks[i].key, v, blocks[i].length, blocks[i].checksum)
-                                  for i, v in zip(idx, views, strict=True)], geometry)
-                except OSError as exc:
-                    got = [exc] * len(idx)
-            finally:
-                for v in views:
-                    v.release()
-            nbytes = 0
-            for i, res in zip(idx, got, strict=True):
-                if not isinstance(res, BaseException):
-                    out[i] = res
-                    nbytes += blocks[i].length
-                elif memory_fault(res):
-                    out[i] = Copy.SLOT_FAULT  # the writer's loss, not the tier's fault
-                elif isinstance(res, (OSError, SpillFull)):
-                    self._report.write_failed(tier, op, blocks[i], res)
-                else:
-                    raise res
-            if nbytes:
-                self._report.observer.spill_io(tier.name, "write",
-                                               time.perf_counter() - t0, nbytes)
+                got: list[bool | BaseException] = tier.write_many(
+                    ns.name, blocks.keys, views, lengths, blocks.checksum_list(), geometry)
+            except OSError as exc:
+                got = [exc] * n
+        finally:
+            for v in views:
+                v.release()
+        nbytes = 0
+        for i, res in enumerate(got):
+            if not isinstance(res, BaseException):
+                out[i] = res
+                nbytes += lengths[i]
+            elif memory_fault(res):
+                out[i] = Copy.SLOT_FAULT  # the writer's loss, not the tier's fault
+            elif isinstance(res, (OSError, SpillFull)):
+                self._report.write_failed(tier, op, ns.name, blocks.keys[i], res)
+            else:
+                raise res
+        if nbytes:
+            self._report.observer.spill_io(tier.name, "write", time.perf_counter() - t0,
+                                           nbytes)
         return out
 
     # ---------------------------------------------------------------- up
@@ -152,18 +157,21 @@ class Copier:
         return out
 
     # ---------------------------------------------------------------- a faulted slot
-    def lose(self, block: Block, op: str) -> None:
-        """A DRAM block whose slot faulted while ``op`` copied it: its bytes are gone (a
-        writer truncated its namespace's data file or punched holes in it).  It leaves
-        DRAM as by a delete -- a pinned or leased block is hidden now and freed at its
-        last release, and the segment marks it doomed so a restart does not revive it
-        -- while copies below DRAM stay (they hold the real bytes).  Counted once per
+    def lose(self, blocks: BlockBatch, op: str) -> None:
+        """DRAM blocks whose slots faulted while ``op`` copied them: their bytes are gone
+        (a writer truncated its namespace's data file or punched holes in it).  They
+        leave DRAM as by a delete -- a pinned or leased block is hidden now and freed at
+        its last release, and the segment marks it doomed so a restart does not revive
+        it -- while copies below DRAM stay (they hold the real bytes).  Counted once per
         block; a block gone meanwhile is left alone (event loop).
 
-        (A store method would say it better: ``Store.drop_block(block)``, the
-        per-block core of a delete that needs no session.)"""
-        if not live(block):
+        (A store method would say it better: ``Store.drop_blocks(blocks)``, the core of a
+        delete that needs no session.)"""
+        ok, _rows = live_many(blocks)
+        if not ok.any():
             return
-        ns = block.ns
-        self._store.delete(self._store.system_session(ns), [block.key])
-        self._report.slot_fault(ns.name, block.key, op)
+        ns = blocks.ns
+        gone = blocks.take(ok).keys
+        self._store.delete(self._store.system_session(ns), gone)
+        for key in gone:
+            self._report.slot_fault(ns.name, key, op)

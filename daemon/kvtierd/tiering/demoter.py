@@ -22,12 +22,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
+import numpy as np
+
 from kvtier.errors import CapacityExhausted
 from kvtierd.spill.blockio import fault_kind
 from kvtierd.spill.ssd import SpillFull
 from kvtierd.spill.tier import BlockCopy, Geometry, HandOff, LowerTier
-from kvtierd.store import Block, Lower, NeedDemotion, ReserveResult, Session
-from kvtierd.tiering.common import TICK, Copy, live_many
+from kvtierd.store import BlockBatch, Lower, NeedDemotion, ReserveResult, Session
+from kvtierd.tiering.common import TICK, Copy, live_many, outcomes
 from kvtierd.tiering.context import Context
 from kvtierd.tiering.drain import Drainer
 
@@ -35,6 +37,36 @@ from kvtierd.tiering.drain import Drainer
 BATCH_BYTES: Final = 64 << 20
 #: DRAM blocks per batch lookup below when marking them CLEAN after a restart.
 MARK_CLEAN_BATCH: Final = 4096
+
+
+class _Plan:
+    """A demotion batch being planned: a batch per namespace, each block once, at most
+    ``depth`` blocks and (about) ``BATCH_BYTES`` of slots."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.count = 0
+        self._size = 0
+        self._parts: dict[int, list[BlockBatch]] = {}
+
+    def add(self, blocks: BlockBatch) -> None:
+        """Add the blocks of ``blocks`` not planned yet, in order, while there is room."""
+        if not len(blocks) or self.count >= self.depth or self._size >= BATCH_BYTES:
+            return
+        blocks = blocks.first_of_each()
+        ns = blocks.ns
+        prior = self._parts.setdefault(id(ns), [])
+        if prior:
+            blocks = blocks.take(~blocks.same(BlockBatch.concat(ns, prior)))
+        room = min(self.depth - self.count, -(-(BATCH_BYTES - self._size) // ns.slot_bytes))
+        blocks = blocks.take(slice(0, room))
+        if len(blocks):
+            prior.append(blocks)
+            self.count += len(blocks)
+            self._size += len(blocks) * ns.slot_bytes
+
+    def batches(self) -> list[BlockBatch]:
+        return [BlockBatch.concat(parts[0].ns, parts) for parts in self._parts.values() if parts]
 
 
 class Demoter:
@@ -47,7 +79,7 @@ class Demoter:
         self._drainer = drainer
         self._wake = wake
         self._policy = ctx.below.policy
-        self._urgent: list[Block] = []  # DIRTY blocks a waiting reserve needs demoted
+        self._urgent: list[BlockBatch] = []  # DIRTY blocks a waiting reserve needs demoted
         self._forgotten = False  # copies the demoter removed below, not flushed yet
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -80,13 +112,15 @@ class Demoter:
             return
         for ns in self._ctx.store.namespaces.values():
             geometry = below.geometry(ns)
-            blocks = list(ns.index.values())
+            blocks = ns.visible()
             for at in range(0, len(blocks), MARK_CLEAN_BATCH):  # (a batch lookup each)
-                chunk = blocks[at : at + MARK_CLEAN_BATCH]
-                copies = below.local_copies(ns.name, [b.key for b in chunk], geometry)
-                for block, copy in zip(chunk, copies, strict=True):
-                    if copy is not None and copy[1] == block.length:
-                        self._ctx.store.set_lower(block, Lower.CLEAN)
+                chunk = blocks.take(slice(at, at + MARK_CLEAN_BATCH))
+                copies = below.local_copies(ns.name, chunk.keys, geometry)
+                there = np.fromiter((-1 if c is None else c[1] for c in copies),
+                                    dtype=np.int64, count=len(chunk))
+                same = there == chunk.lengths.astype(np.int64)
+                if same.any():
+                    self._ctx.store.set_lower_many(chunk.take(same), Lower.CLEAN)
 
     # ---------------------------------------------------------------- back-pressure
     async def reserve(self, session: Session, keys: Sequence[bytes],
@@ -109,7 +143,8 @@ class Demoter:
                         f"{self._policy.backpressure_timeout:g} s (spill.backpressure_timeout)"
                     ) from None
                 self._ctx.report.counters.backpressure_waits += 1
-                self._urgent.extend(need.blocks)
+                if len(need.blocks):
+                    self._urgent.append(need.blocks)
                 self._wake.set()
                 await self._ctx.moves.wait(min(left, 1.0))
 
@@ -131,75 +166,72 @@ class Demoter:
                 self._ctx.report.background_error("demotion")
                 await asyncio.sleep(TICK)
 
-    def plan(self) -> list[Block]:
-        """Blocks to demote now: urgent reserves first, then the clean-ahead target, then
-        a running drain's blocks."""
-        depth = self._policy.queue_depth
-        batch: list[Block] = []
-        seen: set[Block] = set()
-
-        def add(blocks: list[Block]) -> None:
-            size = sum(b.ns.slot_bytes for b in batch)
-            for b in blocks:
-                if len(batch) >= depth or size >= BATCH_BYTES:
-                    return
-                if b not in seen:
-                    seen.add(b)
-                    batch.append(b)
-                    size += b.ns.slot_bytes
-
-        urgent, self._urgent = list(dict.fromkeys(self._urgent)), []  # (retries repeat them)
-        if urgent:
-            ok, rows = live_many(urgent)
-            add([b for b, good, pins, lower in zip(urgent, ok, rows["pins"].tolist(),
-                                                   rows["lower"].tolist(), strict=True)
-                 if good and pins == 0 and lower == Lower.DIRTY])
+    def plan(self) -> list[BlockBatch]:
+        """Blocks to demote now, a batch per namespace: urgent reserves first, then the
+        clean-ahead target, then a running drain's blocks."""
+        plan = _Plan(self._policy.queue_depth)
+        urgent, self._urgent = self._urgent, []
+        by_ns: dict[int, list[BlockBatch]] = {}
+        for blocks in urgent:
+            by_ns.setdefault(id(blocks.ns), []).append(blocks)
+        for group in by_ns.values():  # (retries repeat them: ``add`` takes each once)
+            blocks = BlockBatch.concat(group[0].ns, group)
+            ok, rows = live_many(blocks)
+            plan.add(blocks.take(ok & (rows["pins"] == 0) & (rows["lower"] == Lower.DIRTY)))
         store = self._ctx.store
         target = int(self._policy.clean_ahead * store.capacity)
         free = store.dram_free()
         if free < target:
-            add(store.demotion_candidates(target - free, depth))
-        add(self._drainer.candidates(depth - len(batch)))
-        return batch
+            for blocks in store.demotion_candidates(target - free, plan.depth):
+                plan.add(blocks)
+        for blocks in self._drainer.candidates(plan.depth - plan.count):
+            plan.add(blocks)
+        return plan.batches()
 
-    async def _demote(self, batch: list[Block]) -> None:
+    async def _demote(self, batches: list[BlockBatch]) -> None:
         target = self._ctx.below.lower[0]
         counters = self._ctx.report.counters
         work = self._ctx.work
         try:
-            with self._ctx.moves.demoting(batch):
-                # One job per worker thread, each copying its contiguous share in turn
-                # (a job per block cost the loop a future and a wake-up each).
-                parts = min(work.threads, len(batch))
-                step = -(-len(batch) // parts)
-                shares = await asyncio.gather(*(
-                    work.run(self._ctx.copier.copy_down_each, batch[at:at + step], target,
-                             "demotion")
-                    for at in range(0, len(batch), step)))
-                results = [res for share in shares for res in share]
+            with self._ctx.moves.demoting(batches):
+                # One job per worker thread, each copying its contiguous share of a batch in
+                # turn (a job per block cost the loop a future and a wake-up each).
+                jobs = []
+                for blocks in batches:
+                    parts = min(work.threads, len(blocks))
+                    step = -(-len(blocks) // parts)
+                    jobs += [work.run(self._ctx.copier.copy_down_each,
+                                      blocks.take(slice(at, at + step)), target, "demotion")
+                             for at in range(0, len(blocks), step)]
+                shares = iter(await asyncio.gather(*jobs))
+                results = []
+                for blocks in batches:
+                    got: list[bool | Copy] = []
+                    while len(got) < len(blocks):
+                        got += next(shares)
+                    results.append(got)
                 synced = await self._sync(target)
-                copied: list[Block] = []
-                failed: list[Block] = []
-                for block, res in zip(batch, results, strict=True):
-                    if res is Copy.SLOT_FAULT:
-                        self._ctx.copier.lose(block, "demotion")
-                    elif res and synced:
-                        copied.append(block)
-                    else:
-                        if res:
-                            self._forget(block)
-                        failed.append(block)
-                still, _rows = live_many(copied)  # (one index search and table read)
-                clean = [b for b, ok in zip(copied, still, strict=True) if ok]
-                for block, ok in zip(copied, still, strict=True):
-                    if not ok:
-                        self._forget(block)  # deleted meanwhile: never resurrect it
-                if clean:
-                    self._ctx.store.set_lower_many(clean, Lower.CLEAN)
-                    counters.demotions[f"dram->{target.name}"] += len(clean)
-                if failed:
-                    self._ctx.store.set_lower_many(failed, Lower.UNSPILLABLE)
-                    counters.spill_failures[target.name] += len(failed)
+                clean: list[BlockBatch] = []
+                failed: list[BlockBatch] = []
+                for blocks, got in zip(batches, results, strict=True):
+                    fault, wrote = outcomes(got)
+                    if fault.any():
+                        self._ctx.copier.lose(blocks.take(fault), "demotion")
+                    copied = wrote if synced else np.zeros(len(got), dtype=bool)
+                    self._forget(blocks.take(wrote & ~copied))  # (not durable: undone)
+                    failed.append(blocks.take(~fault & ~copied))
+                    done = blocks.take(copied)
+                    still, _rows = live_many(done)  # (one index search and table read)
+                    self._forget(done.take(~still))  # deleted meanwhile: never resurrect it
+                    clean.append(done.take(still))
+                for blocks in clean:
+                    if len(blocks):
+                        self._ctx.store.set_lower_many(blocks, Lower.CLEAN)
+                        counters.demotions[f"dram->{target.name}"] += len(blocks)
+                for blocks in failed:
+                    if len(blocks):
+                        self._ctx.store.set_lower_many(blocks, Lower.UNSPILLABLE)
+                        counters.spill_failures[target.name] += len(blocks)
                 if self._forgotten:
                     self._forgotten = False
                     try:
@@ -207,13 +239,13 @@ class Demoter:
                     except OSError as exc:
                         self._ctx.report.fault(target.name, fault_kind(exc))
         finally:
-            self._drainer.settle(batch)
+            self._drainer.settle(batches)
 
-    def _forget(self, block: Block) -> None:
-        """Undo a block's copy in the demotion target (a local tier's removal reaches
-        the disk at the next flush; a remote copy stays for the Delete that waits on
-        this demotion to remove)."""
-        if self._ctx.below.lower[0].remove(block.ns.name, [block.key]):
+    def _forget(self, blocks: BlockBatch) -> None:
+        """Undo the copies of a batch's blocks in the demotion target (a local tier's
+        removal reaches the disk at the next flush; a remote copy stays for the Delete
+        that waits on this demotion to remove)."""
+        if len(blocks) and self._ctx.below.lower[0].remove(blocks.ns.name, blocks.keys):
             self._forgotten = True
 
     async def _sync(self, target: LowerTier) -> bool:

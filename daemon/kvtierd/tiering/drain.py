@@ -10,16 +10,18 @@ after the drain began are not part of it.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
-import itertools
 from collections.abc import Iterable
 from typing import Final
 
+import numpy as np
+import numpy.typing as npt
+
 from kvtier.errors import FailedPrecondition
-from kvtierd.store import Block, Lower
-from kvtierd.tiering.common import TICK, live, log
+from kvtierd.spill.tier import Geometry
+from kvtierd.store import BlockBatch, Lower
+from kvtierd.tiering.common import TICK, live_many, log
 from kvtierd.tiering.context import Context
 
 #: DRAM blocks a drain inspects per event-loop step while it collects its blocks.
@@ -39,9 +41,19 @@ class DrainProgress:
     done: bool
 
 
+@dataclasses.dataclass(eq=False, slots=True)
+class _Part:
+    """A batch of a drain's blocks (one namespace) and which of them are not settled."""
+
+    blocks: BlockBatch
+    open: npt.NDArray[np.bool_]
+    left: int
+
+
 @dataclasses.dataclass(eq=False)
 class _Drain:
-    """One drain: the DRAM blocks it still has to see copied (``pending``) and its tallies.
+    """One drain: the DRAM blocks it still has to see copied (``pending``: batches, in
+    the order they were collected, each with its unsettled blocks) and its tallies.
 
     A pending block settles exactly once (``settle``): done when it is CLEAN or
     gone from DRAM, failed when its copy failed (UNSPILLABLE).  ``copied``
@@ -49,9 +61,8 @@ class _Drain:
     their copies are still there.
     """
 
-    pending: collections.OrderedDict[Block, None] = dataclasses.field(
-        default_factory=collections.OrderedDict)
-    copied: list[Block] = dataclasses.field(default_factory=list)
+    pending: list[_Part] = dataclasses.field(default_factory=list)
+    copied: list[BlockBatch] = dataclasses.field(default_factory=list)
     total_blocks: int = 0
     total_bytes: int = 0
     done_blocks: int = 0
@@ -60,24 +71,40 @@ class _Drain:
     collecting: bool = True  # still choosing its blocks (totals may grow)
     finished: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
-    def add(self, block: Block) -> None:
-        self.pending[block] = None
-        self.total_blocks += 1
-        self.total_bytes += block.length
-
-    def settle(self, block: Block) -> None:
-        if block not in self.pending:
+    def add(self, blocks: BlockBatch) -> None:
+        if not len(blocks):
             return
-        del self.pending[block]
-        if not live(block):
-            self.done_blocks += 1  # gone from DRAM: nothing left to lose
-            self.done_bytes += block.length
-        elif block.lower == Lower.CLEAN:
-            self.done_blocks += 1
-            self.done_bytes += block.length
-            self.copied.append(block)
-        else:
-            self.failed_blocks += 1
+        self.pending.append(_Part(blocks, np.ones(len(blocks), dtype=bool), len(blocks)))
+        self.total_blocks += len(blocks)
+        self.total_bytes += int(blocks.lengths.sum())
+
+    @property
+    def unsettled(self) -> int:
+        return sum(p.left for p in self.pending)
+
+    def settle(self, blocks: BlockBatch) -> None:
+        """The blocks of ``blocks`` among the pending ones settle."""
+        for part in self.pending:
+            if part.blocks.ns is blocks.ns:
+                hit = np.flatnonzero(part.open & part.blocks.same(blocks))
+                if len(hit):
+                    self.settle_at(part, hit, *live_many(part.blocks.take(hit)))
+        self.pending = [p for p in self.pending if p.left]
+
+    def settle_at(self, part: _Part, at: npt.NDArray[np.intp], ok: npt.NDArray[np.bool_],
+                  rows: npt.NDArray[np.void]) -> None:
+        """Settle ``part``'s open blocks at ``at`` (``ok``, ``rows``: ``live_many`` of
+        them); ``pending`` keeps the part until the caller drops the empty ones."""
+        part.open[at] = False
+        part.left -= len(at)
+        lengths = part.blocks.lengths[at]
+        clean = ok & (rows["lower"] == Lower.CLEAN)
+        done = ~ok | clean
+        self.done_blocks += int(np.count_nonzero(done))  # gone from DRAM: nothing to lose
+        self.done_bytes += int(lengths[done].sum())
+        self.failed_blocks += len(at) - int(np.count_nonzero(done))
+        if clean.any():
+            self.copied.append(part.blocks.take(at[clean]))
 
     def progress(self) -> DrainProgress:
         return DrainProgress(self.total_blocks, self.done_blocks, self.total_bytes,
@@ -121,53 +148,61 @@ class Drainer:
                 await asyncio.wait_for(d.finished.wait(), timeout=wait)
         return d.progress()
 
-    def candidates(self, limit: int) -> list[Block]:
-        """Up to ``limit`` blocks of the running drain to copy now; settles the ones that
-        need nothing any more (CLEAN, or gone from DRAM)."""
+    def candidates(self, limit: int) -> list[BlockBatch]:
+        """Up to ``limit`` blocks of the running drain to copy now (a batch per part of
+        its pending list that has some); settles the ones that need nothing any more
+        (CLEAN, or gone from DRAM).  Inspects ``DRAIN_SCAN_LIMIT`` pending blocks at most,
+        a table read and an index search per part."""
         d = self._drain
         if d is None or d.finished.is_set() or limit <= 0:
             return []
-        out: list[Block] = []
-        settled: list[Block] = []
-        for scanned, b in enumerate(d.pending):
-            if scanned >= DRAIN_SCAN_LIMIT or len(out) >= limit:
+        out: list[BlockBatch] = []
+        taken = scanned = 0
+        for part in d.pending:
+            if scanned >= DRAIN_SCAN_LIMIT or taken >= limit:
                 break
-            if not live(b) or b.lower == Lower.CLEAN:
-                settled.append(b)
-            elif not self._ctx.moves.moving(b.ns.name, b.key):
-                out.append(b)
-        for b in settled:
-            d.settle(b)
+            at = np.flatnonzero(part.open)[: DRAIN_SCAN_LIMIT - scanned]
+            seen = part.blocks.take(at)
+            ok, rows = live_many(seen)
+            done = ~ok | (rows["lower"] == Lower.CLEAN)
+            want = ~done & ~self._ctx.moves.moving_many(seen.ns.name, seen.keys)
+            # The scan stops right after the block that fills ``limit``.
+            upto = np.cumsum(want)
+            stop = (int(np.searchsorted(upto, limit - taken)) + 1
+                    if len(upto) and upto[-1] >= limit - taken else len(at))
+            scanned += stop
+            settled = np.flatnonzero(done[:stop])
+            if len(settled):
+                d.settle_at(part, at[settled], ok[settled], rows[settled])
+            chosen = np.flatnonzero(want[:stop])
+            if len(chosen):
+                out.append(seen.take(chosen))
+                taken += len(chosen)
+        d.pending = [p for p in d.pending if p.left]
         return out
 
-    def settle(self, blocks: Iterable[Block]) -> None:
-        """The demotion of ``blocks`` ended: each of the drain's settles."""
+    def settle(self, batches: Iterable[BlockBatch]) -> None:
+        """The demotion of ``batches`` ended: each of the drain's blocks among them
+        settles."""
         if self._drain is not None:
-            for b in blocks:
-                self._drain.settle(b)
+            for blocks in batches:
+                self._drain.settle(blocks)
 
     async def _run(self, d: _Drain) -> None:
         try:
-            blocks = list(itertools.chain.from_iterable(
-                list(ns.index.values()) for ns in list(self._ctx.store.namespaces.values())))
-            for i in range(0, len(blocks), DRAIN_COLLECT_CHUNK):
-                for b in blocks[i : i + DRAIN_COLLECT_CHUNK]:
-                    if not live(b):
-                        continue
-                    if b.lower == Lower.CLEAN:
-                        if not self._ctx.below.lossy:
-                            continue  # copies below are never evicted without a hand-off
-                        if self._ctx.below.local_copy(b.ns.name, b.key,
-                                                  self._ctx.below.geometry(b.ns)) is not None:
-                            continue
-                        self._ctx.store.set_lower(b, Lower.DIRTY)  # its copy was evicted
-                    d.add(b)
-                self._wake.set()
-                await asyncio.sleep(0)
+            below = self._ctx.below
+            everything = [ns.visible() for ns in list(self._ctx.store.namespaces.values())]
+            for blocks in everything:
+                ns = blocks.ns
+                for i in range(0, len(blocks), DRAIN_COLLECT_CHUNK):
+                    self._collect(d, blocks.take(slice(i, i + DRAIN_COLLECT_CHUNK)),
+                                  below.geometry(ns))
+                    self._wake.set()
+                    await asyncio.sleep(0)
             d.collecting = False
             log.info("drain: %d DRAM blocks (%d bytes) need a copy below DRAM",
                      d.total_blocks, d.total_bytes)
-            while d.pending:
+            while d.unsettled:
                 self._wake.set()
                 await self._ctx.moves.wait(TICK)
             await self._recheck(d)
@@ -180,11 +215,29 @@ class Drainer:
         finally:
             # Whatever ended the drain, it ends done with every block settled one way:
             # done_blocks + failed_blocks == total_blocks.
-            d.failed_blocks += len(d.pending)
+            d.failed_blocks += d.unsettled
             d.pending.clear()
             d.copied = []
             d.collecting = False
             d.finished.set()
+
+    def _collect(self, d: _Drain, blocks: BlockBatch, geometry: Geometry) -> None:
+        """Add the live blocks of a chunk that need a copy below DRAM to ``d``: DIRTY and
+        UNSPILLABLE ones, and CLEAN ones whose copy the first tier evicted since (when
+        the tiers below may lose copies), which become DIRTY again."""
+        ok, rows = live_many(blocks)
+        keep = ok.copy()
+        clean = np.flatnonzero(ok & (rows["lower"] == Lower.CLEAN))
+        if len(clean):
+            if not self._ctx.below.lossy:
+                keep[clean] = False  # copies below are never evicted without a hand-off
+            else:
+                copies = self._ctx.below.local_copies(
+                    blocks.ns.name, [blocks.keys[i] for i in clean.tolist()], geometry)
+                has = np.array([c is not None for c in copies], dtype=bool)
+                keep[clean[has]] = False
+                self._ctx.store.set_lower_many(blocks.take(clean[~has]), Lower.DIRTY)
+        d.add(blocks.take(keep))
 
     async def _recheck(self, d: _Drain) -> None:
         """Count as failed the copied blocks whose copy the demotion target (a local tier,
@@ -192,28 +245,42 @@ class Drainer:
         below = self._ctx.below
         if not below.lower or not below.lower[0].local:
             return
-        missing = [b for b in d.copied if live(b)
-                   and below.local_copy(b.ns.name, b.key, below.geometry(b.ns)) is None]
+        missing: list[BlockBatch] = []
+        for blocks in d.copied:
+            ok, _rows = live_many(blocks)
+            live = blocks.take(ok)
+            copies = below.local_copies(live.ns.name, live.keys, below.geometry(live.ns))
+            gone = np.array([c is None for c in copies], dtype=bool)
+            if gone.any():
+                missing.append(live.take(gone))
         if missing and below.remote:
             remote = below.remote
 
-            def anywhere(b: Block) -> bool:
-                for t in remote:
-                    with contextlib.suppress(OSError):  # cannot tell: not a copy to count on
-                        if t.present(b.ns.name, [b.key], below.geometry(b.ns))[0]:
-                            return True
-                return False
+            def anywhere(blocks: BlockBatch, geometry: Geometry) -> npt.NDArray[np.bool_]:
+                out = np.zeros(len(blocks), dtype=bool)
+                for i, key in enumerate(blocks.keys):
+                    for t in remote:
+                        with contextlib.suppress(OSError):  # cannot tell: no copy to count on
+                            if t.present(blocks.ns.name, [key], geometry)[0]:
+                                out[i] = True
+                                break
+                return out
 
-            there = await self._ctx.work.run(lambda: [anywhere(b) for b in missing])
-            missing = [b for b, ok in zip(missing, there, strict=True) if not ok]
-        for b in missing:
-            if not live(b):
+            geometries = [below.geometry(b.ns) for b in missing]
+            there = await self._ctx.work.run(
+                lambda: [anywhere(b, g) for b, g in zip(missing, geometries, strict=True)])
+            missing = [b.take(~found) for b, found in zip(missing, there, strict=True)]
+        lost = 0
+        for blocks in missing:
+            ok, _rows = live_many(blocks)
+            blocks = blocks.take(ok)
+            if not len(blocks):
                 continue
-            d.done_blocks -= 1
-            d.done_bytes -= b.length
-            d.failed_blocks += 1
-            self._ctx.store.set_lower(b, Lower.DIRTY)
-        if missing:
+            lost += len(blocks)
+            d.done_blocks -= len(blocks)
+            d.done_bytes -= int(blocks.lengths.sum())
+            d.failed_blocks += len(blocks)
+            self._ctx.store.set_lower_many(blocks, Lower.DIRTY)
+        if lost:
             log.warning("drain: the SSD tier evicted %d of the copies it made before the drain "
-                        "ended (spill.ssd_capacity is smaller than what DRAM holds)",
-                        len(missing))
+                        "ended (spill.ssd_capacity is smaller than what DRAM holds)", lost)

@@ -20,7 +20,7 @@ from kvtierd.spill.ssd import SsdTier
 from kvtierd.spill.tier import LowerTier
 from kvtierd.store import (
     AcquireResult,
-    Block,
+    BlockBatch,
     CheckSnapshot,
     PageCommits,
     ReserveResult,
@@ -152,9 +152,12 @@ class Tiering:
         keys = list(res.keys) if res is not None else []
         n = self.store.commit(session, reservation_id, lengths, checksums)
         if self.enabled:
-            index = session.ns.index
-            self._committed([b for k in keys if (b := index.get(k)) is not None]
-                            if self.publisher.enabled else [])
+            ns = session.ns
+            if self.publisher.enabled and keys:
+                refs = ns.index.find(keys)
+                self._committed(ns.batch_at(refs[refs != 0]))
+            else:
+                self._committed(None)
         return n
 
     def commit_from_page(self, session: Session, page: SessionPage) -> PageCommits:
@@ -162,11 +165,14 @@ class Tiering:
         reserve), then wake the demoter and publish when write-through."""
         out = self.store.commit_from_page(session, page, self.below.held_below(session))
         if self.enabled and out.committed:
-            self._committed(out.blocks)
+            # (the commit path hands its blocks over as handles, made only for this)
+            self._committed(BlockBatch.of_blocks(session.ns, out.blocks) if out.blocks
+                            else None)
         return out
 
-    def _committed(self, blocks: Sequence[Block]) -> None:
-        self.publisher.committed(blocks)
+    def _committed(self, blocks: BlockBatch | None) -> None:
+        if blocks is not None:
+            self.publisher.committed(blocks)
         self._wake.set()
 
     async def delete(self, session: Session, keys: Sequence[bytes]) -> int:

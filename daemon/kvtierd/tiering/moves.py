@@ -28,7 +28,10 @@ import contextlib
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 
-from kvtierd.store import Block, Store
+import numpy as np
+import numpy.typing as npt
+
+from kvtierd.store import BlockBatch, Lease, Store
 
 #: A key as the table knows it: (namespace, key).
 Key = tuple[str, bytes]
@@ -43,7 +46,8 @@ class MovementTable:
         self._store = store
         self._lock = threading.Lock()
         self._promoting: dict[Key, asyncio.Future[bool]] = {}
-        self._demoting: dict[Key, Block] = {}
+        #: Each key being demoted -> its batch and its place there.
+        self._demoting: dict[Key, tuple[BlockBatch, int]] = {}
         self._publishing: collections.Counter[Key] = collections.Counter()
         self._publishing_blocks = 0  # blocks whose publish has started (pinned)
         self._handing: collections.Counter[Key] = collections.Counter()
@@ -65,6 +69,12 @@ class MovementTable:
     def any_moving(self, namespace: str, keys: Iterable[bytes]) -> bool:
         with self._lock:
             return any(self._moving((namespace, key)) for key in keys)
+
+    def moving_many(self, namespace: str, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        """``moving`` of each key, under one take of the lock."""
+        with self._lock:
+            return np.fromiter((self._moving((namespace, key)) for key in keys), dtype=bool,
+                               count=len(keys))
 
     def _moving(self, k: Key) -> bool:
         return (k in self._promoting or k in self._demoting or k in self._publishing
@@ -90,9 +100,21 @@ class MovementTable:
         with self._lock:
             if not self._demoting:
                 return []
-            blocks = [(i, b) for i, key in enumerate(keys)
-                      if (b := self._demoting.get((namespace, key))) is not None]
-        return [i for i, b in blocks if b.doomed]  # (reads the block table: outside the lock)
+            found = [(i, at) for i, key in enumerate(keys)
+                     if (at := self._demoting.get((namespace, key))) is not None]
+        if not found:
+            return []
+        # (reads the block table: outside the lock; one read per batch found)
+        by_batch: dict[int, tuple[BlockBatch, list[int], list[int]]] = {}
+        for i, (batch, j) in found:
+            entry = by_batch.setdefault(id(batch), (batch, [], []))
+            entry[1].append(i)
+            entry[2].append(j)
+        out: list[int] = []
+        for batch, mine, places in by_batch.values():
+            doomed = batch.doomed(np.array(places, dtype=np.intp))
+            out += [i for i, d in zip(mine, doomed.tolist(), strict=True) if d]
+        return sorted(out)
 
     def demoting_keys(self) -> list[Key]:
         with self._lock:
@@ -167,43 +189,56 @@ class MovementTable:
 
     # ---------------------------------------------------------------- demotions
     @contextlib.contextmanager
-    def demoting(self, blocks: Sequence[Block]) -> Iterator[None]:
-        """Pin ``blocks`` and record their demotion for the ``with`` body (event loop)."""
-        leases = self._store.pin_blocks(blocks)
+    def demoting(self, batches: Sequence[BlockBatch]) -> Iterator[None]:
+        """Pin the blocks of ``batches`` (one per namespace) and record their demotion for
+        the ``with`` body (event loop); all pinned or none."""
+        leases: list[Lease] = []
+        try:
+            for batch in batches:
+                leases.append(self._store.pin_blocks(batch))
+        except BaseException:
+            for lease in leases:
+                self._store.unpin(lease)
+            raise
         with self._lock:
-            for b in blocks:
-                self._demoting[(b.ns.name, b.key)] = b
+            for batch in batches:
+                name = batch.ns.name
+                for j, key in enumerate(batch.keys):
+                    self._demoting[(name, key)] = (batch, j)
         try:
             yield
         finally:
             with self._lock:
-                for b in blocks:
-                    self._demoting.pop((b.ns.name, b.key), None)
+                for batch in batches:
+                    name = batch.ns.name
+                    for key in batch.keys:
+                        self._demoting.pop((name, key), None)
             for lease in leases:
                 self._store.unpin(lease)
             self.signal()
 
     # ---------------------------------------------------------------- publishes
-    def will_publish(self, blocks: Sequence[Block]) -> None:
+    def will_publish(self, blocks: BlockBatch) -> None:
         """Record the keys of a publish about to be started (``publishing`` ends it)."""
+        name = blocks.ns.name
         with self._lock:
-            self._publishing.update((b.ns.name, b.key) for b in blocks)
+            self._publishing.update((name, k) for k in blocks.keys)
 
     @contextlib.contextmanager
-    def publishing_blocks(self, blocks: Sequence[Block]) -> Iterator[None]:
+    def publishing_blocks(self, blocks: BlockBatch) -> Iterator[None]:
         """Pin the blocks of a publish ``will_publish`` recorded, for the ``with`` body;
         at its end the publish is over (event loop)."""
-        leases = self._store.pin_blocks(blocks)
+        lease = self._store.pin_blocks(blocks)
         with self._lock:
             self._publishing_blocks += len(blocks)
         try:
             yield
         finally:
+            name = blocks.ns.name
             with self._lock:
                 self._publishing_blocks -= len(blocks)
-                _count_down(self._publishing, [(b.ns.name, b.key) for b in blocks])
-            for lease in leases:
-                self._store.unpin(lease)
+                _count_down(self._publishing, [(name, k) for k in blocks.keys])
+            self._store.unpin(lease)
             self.signal()
 
     # ---------------------------------------------------------------- hand-offs

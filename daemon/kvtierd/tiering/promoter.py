@@ -21,7 +21,7 @@ import numpy as np
 from kvtier.errors import CapacityExhausted
 from kvtierd.block_table import PREFETCHED
 from kvtierd.spill.tier import TIER_DRAM
-from kvtierd.store import AcquireResult, Lower, Namespace, ReserveStatus, Session
+from kvtierd.store import AcquireResult, BlockBatch, Lower, Namespace, ReserveStatus, Session
 from kvtierd.tiering.common import Copy
 from kvtierd.tiering.context import Context
 from kvtierd.tiering.copies import ReadOutcome
@@ -119,13 +119,14 @@ class Promoter:
             if any(t != TIER_DRAM for t in tiers):
                 # Pin this prefix's DRAM hits meanwhile: the promotions' reserve would
                 # otherwise evict them (CLOCK may take them) and cut the prefix short.
-                hits = [b for k in keys[: len(tiers)] if (b := ns.index.get(k)) is not None]
-                leases = self._ctx.store.pin_blocks(hits)
+                hits = ns.index.find(keys[: len(tiers)])
+                hits = hits[hits != 0]
+                lease = self._ctx.store.pin_blocks(ns.batch_at(hits)) if len(hits) else None
                 try:
                     with contextlib.suppress(CapacityExhausted):
                         await self.promote(ns, list(keys[: len(tiers)]), tiers, prefetch=False)
                 finally:
-                    for lease in leases:
+                    if lease is not None:
                         self._ctx.store.unpin(lease)
         # Prefetched blocks read now count as prefetch hits (the acquire's touch clears
         # the mark).
@@ -201,10 +202,13 @@ class Promoter:
             failed = failed or out is None
             settled.append(None if failed else out)
         blocks = self._ctx.store.settle(system, res.reservation_id, settled)
+        made = [b for b in blocks if b is not None]
+        if not made:
+            return
+        batch = BlockBatch.of_blocks(ns, made)  # (settle's handles: one per promotion)
+        self._ctx.store.set_lower_many(batch, Lower.CLEAN)
+        if prefetch:
+            ns.table.set_prefetched(batch.refs)
         for (_key, tier), block in zip(wanted, blocks, strict=True):
-            if block is None:
-                continue
-            self._ctx.store.set_lower(block, Lower.CLEAN)
-            if prefetch:
-                ns.table.set_prefetched([block.ref])
-            self._ctx.report.counters.promotions[by_id[tier].name] += 1
+            if block is not None:
+                self._ctx.report.counters.promotions[by_id[tier].name] += 1

@@ -10,12 +10,13 @@ evicts: the demoter's hand-offs.)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvtierd.spill.tier import WritesMany
-from kvtierd.store import Block, Lower
-from kvtierd.tiering.common import Copy
+from kvtierd.store import BlockBatch, Lower
+from kvtierd.tiering.common import Copy, outcomes
 from kvtierd.tiering.context import Context
 
 
@@ -33,9 +34,9 @@ class Publisher:
         """Whether any tier is written through."""
         return bool(self._tiers)
 
-    def committed(self, blocks: Sequence[Block]) -> None:
+    def committed(self, blocks: BlockBatch) -> None:
         """Start publishing a commit's blocks (event loop)."""
-        if not self._tiers or not blocks:
+        if not self._tiers or not len(blocks):
             return
         # Bounded by queue_depth blocks in flight; a commit that finds none in flight
         # is published whole (one batch: a commit cut at queue_depth would leave a
@@ -44,22 +45,23 @@ class Publisher:
         room = self._ctx.below.policy.queue_depth - publishing if publishing else len(blocks)
         if room < len(blocks):
             self._ctx.report.counters.skipped_publishes += len(blocks) - max(room, 0)
-            blocks = blocks[: max(room, 0)]
-        if blocks:
+            blocks = blocks.take(slice(0, max(room, 0)))
+        if len(blocks):
             self._ctx.moves.will_publish(blocks)
-            self._ctx.work.spawn(self._publish(list(blocks)))
+            self._ctx.work.spawn(self._publish(blocks))
 
-    async def _publish(self, blocks: list[Block]) -> None:
+    async def _publish(self, blocks: BlockBatch) -> None:
         """Copy a commit's blocks into every write-through tier: one ``write_many`` (one
         worker job) for a tier that takes batches, one ``write`` per block otherwise."""
         copier, run = self._ctx.copier, self._ctx.work.run
+        n = len(blocks)
         with self._ctx.moves.publishing_blocks(blocks):
             jobs: list[Any] = []
             for t in self._tiers:
                 if t.tier in self._many:
                     jobs.append(run(copier.copy_down_many, blocks, t, "publish"))
                 else:
-                    jobs.extend(run(copier.copy_down, b, t, "publish") for b in blocks)
+                    jobs.extend(run(copier.copy_down, blocks, i, t, "publish") for i in range(n))
             done = await asyncio.gather(*jobs)
             results: list[list[bool | Copy]] = []  # per tier, per block
             at = 0
@@ -68,13 +70,18 @@ class Publisher:
                     results.append(done[at])
                     at += 1
                 else:
-                    results.append(done[at : at + len(blocks)])
-                    at += len(blocks)
+                    results.append(done[at : at + n])
+                    at += n
             first = self._ctx.below.lower[0]  # where demotion would have put it
-            for i, block in enumerate(blocks):
-                for tier, res_t in zip(self._tiers, results, strict=True):
-                    res = res_t[i]
-                    if res is Copy.SLOT_FAULT:
-                        copier.lose(block, "publish")
-                    elif res and tier is first:
-                        self._ctx.store.set_lower(block, Lower.CLEAN)
+            faults = np.zeros(n, dtype=bool)
+            clean = np.zeros(n, dtype=bool)
+            for tier, res_t in zip(self._tiers, results, strict=True):
+                fault, made = outcomes(res_t)
+                faults |= fault
+                if tier is first:
+                    clean = made
+            if faults.any():
+                copier.lose(blocks.take(faults), "publish")  # (gone from DRAM now)
+                clean &= ~faults
+            if clean.any():
+                self._ctx.store.set_lower_many(blocks.take(clean), Lower.CLEAN)
