@@ -571,6 +571,21 @@ def _writers_mode(seconds: float) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ the driver
+def _daemon_rows(mode: str, title: str) -> list[tuple[str, str, str]]:
+    """The summary's rows of a ``daemon``-like mode (label, mode, key)."""
+    rows = [(f"{title}empty gRPC call p50 ms", mode, "empty_call_p50_ms")]
+    if not title:
+        rows.append(("raw Unix socket round trip p50 ms", mode, "unix_rtt_p50_ms"))
+    lead = "  " if title else ""
+    return rows + [
+        (f"{lead}reserve+commit 1 key p50 ms", mode, "one_key_p50_ms"),
+        ("  x empty call", mode, "one_key_x_empty"),
+        ("  x a raw Unix round trip", mode, "one_key_x_rtt"),
+        ("  daemon CPU us per commit", mode, "one_key_daemon_cpu_us"),
+        (f"{lead}put 32 x 64 KiB, blocks/s", mode, "put32_blocks_per_s"),
+        ("  daemon CPU us per block", mode, "put32_daemon_cpu_us_per_block")]
+
+
 def _child(tree: Path, mode: str, seconds: float) -> dict[str, Any]:
     return tree_runs.run_child(__file__, tree, [mode, "--seconds", str(seconds)], timeout=600)
 
@@ -617,29 +632,9 @@ def main() -> int:
             ("  the daemon's half (commit_from_page)", "store32", "daemon_us_per_block"),
             ("store, calls of 4096 x 4 KiB: CPU us/block", "calls4096", "us_per_block"),
             ("  inside the calls (no key making)", "calls4096", "store_us_per_block"),
-            ("empty gRPC call p50 ms", "daemon", "empty_call_p50_ms"),
-            ("raw Unix socket round trip p50 ms", "daemon", "unix_rtt_p50_ms"),
-            ("reserve+commit 1 key p50 ms", "daemon", "one_key_p50_ms"),
-            ("  x empty call", "daemon", "one_key_x_empty"),
-            ("  x a raw Unix round trip", "daemon", "one_key_x_rtt"),
-            ("  daemon CPU us per commit", "daemon", "one_key_daemon_cpu_us"),
-            ("put 32 x 64 KiB, blocks/s", "daemon", "put32_blocks_per_s"),
-            ("  daemon CPU us per block", "daemon", "put32_daemon_cpu_us_per_block"),
-            ("daemon on a CPU of its own: empty gRPC call p50 ms", "daemon_pinned",
-             "empty_call_p50_ms"),
-            ("  reserve+commit 1 key p50 ms", "daemon_pinned", "one_key_p50_ms"),
-            ("  x empty call", "daemon_pinned", "one_key_x_empty"),
-            ("  daemon CPU us per commit", "daemon_pinned", "one_key_daemon_cpu_us"),
-            ("  put 32 x 64 KiB, blocks/s", "daemon_pinned", "put32_blocks_per_s"),
-            ("  daemon CPU us per block", "daemon_pinned", "put32_daemon_cpu_us_per_block"),
-            (f"the same + busy_poll={BUSY_POLL}: empty gRPC call p50 ms", "daemon_busy",
-             "empty_call_p50_ms"),
-            ("  reserve+commit 1 key p50 ms", "daemon_busy", "one_key_p50_ms"),
-            ("  x empty call", "daemon_busy", "one_key_x_empty"),
-            ("  x a raw Unix round trip", "daemon_busy", "one_key_x_rtt"),
-            ("  daemon CPU us per commit", "daemon_busy", "one_key_daemon_cpu_us"),
-            ("  put 32 x 64 KiB, blocks/s", "daemon_busy", "put32_blocks_per_s"),
-            ("  daemon CPU us per block", "daemon_busy", "put32_daemon_cpu_us_per_block"),
+            *_daemon_rows("daemon", ""),
+            *_daemon_rows("daemon_pinned", "daemon on a CPU of its own: "),
+            *_daemon_rows("daemon_busy", f"the same + busy_poll={BUSY_POLL}: "),
             ("put 4096 x 4 KiB, blocks/s", "daemon4096", "put4096_blocks_per_s"),
             ("  daemon CPU us per block", "daemon4096", "put4096_daemon_cpu_us_per_block"),
             ("SSD tier, DRAM full: put 32 x 64 KiB, blocks/s", "ssd32", "ssd32_blocks_per_s"),
