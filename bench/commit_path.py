@@ -56,6 +56,7 @@ with ``PYTHONPATH`` set to that tree's ``client`` and ``daemon``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -77,6 +78,10 @@ MODES = ("store1", "store32", "calls4096", "daemon", "daemon_pinned", "daemon_bu
          "daemon4096", "ssd32", "delete", "writers")
 #: ``server.busy_poll`` of the ``daemon_busy`` mode.
 BUSY_POLL = "2ms"
+#: The kvtierd of the ``daemon``-like and ``writers`` modes: a 512 MiB pool that
+#: ``_fill_pool`` fills (every claim then evicts).
+POOL_SETTINGS = ("dram.capacity=512MiB", "dram.extent_size=64MiB",
+                 "server.write_grant_bytes=64MiB")
 
 
 def _p50(xs: list[float]) -> float:
@@ -230,6 +235,16 @@ def _unix_round_trip_ms() -> float:
     return ipc_round_trip_us(3000) / 1e3
 
 
+def _fill_pool(c: Any) -> None:
+    """Fill the ``POOL_SETTINGS`` pool through client ``c`` (its extents made, every
+    claim then evicts)."""
+    import numpy as np
+
+    data = [np.zeros(BLOCK, np.uint8)] * 32
+    for j in range(300):
+        c.put([b"f%06d-%02d" % (j, b) for b in range(32)], data)
+
+
 def _pin_apart(pid: int) -> None:
     """Every thread of process ``pid`` on the last CPU, this process on the others (what
     docs/deployment.md recommends for ``server.busy_poll``: a core of the daemon's own)."""
@@ -251,18 +266,15 @@ def _daemon_mode(seconds: float, *settings: str, pin: bool = False) -> dict[str,
     from kvtier.bench.private_daemon import private_daemon
 
     out: dict[str, float] = {"unix_rtt_p50_ms": _unix_round_trip_ms()}
-    with private_daemon("cp", "dram.capacity=512MiB", "dram.extent_size=64MiB",
-                        "server.write_grant_bytes=64MiB", *settings) as daemon:
+    with private_daemon("cp", *POOL_SETTINGS, *settings) as daemon:
         if pin:
             _pin_apart(daemon.pid)
         channel = grpc.insecure_channel(f"unix://{daemon.grpc_path}", options=grpc_options())
         health = health_pb2_grpc.HealthStub(channel)
         req = health_pb2.HealthCheckRequest()
         with kvtier.Client(daemon.socket_dir, namespace="cp", block_bytes=BLOCK, model_uid="m") as c:
-            # Fill the pool first (its extents made, every claim then evicts).
+            _fill_pool(c)
             data = [np.zeros(BLOCK, np.uint8)] * 32
-            for j in range(300):
-                c.put([b"w%06d-%02d" % (j, b) for b in range(32)], data)
             for _ in range(200):
                 health.Check(req, timeout=10)
             empty = []
@@ -495,6 +507,7 @@ def _writer(socket_dir: str | None, me: int, barrier: Any, seconds: float,
     import kvtier
 
     data = [np.zeros(BLOCK, np.uint8)] * 32
+    stack = contextlib.ExitStack()
     if socket_dir is None:
         room = np.ones(256 << 20, np.uint8)  # pre-faulted
         windows = len(room) // (32 * BLOCK)
@@ -504,22 +517,22 @@ def _writer(socket_dir: str | None, me: int, barrier: Any, seconds: float,
             for b, src in enumerate(data):
                 np.copyto(room[at + b * BLOCK:at + (b + 1) * BLOCK], src)
     else:
-        c = kvtier.Client(socket_dir, namespace="cp", block_bytes=BLOCK, model_uid="m")
+        c = stack.enter_context(kvtier.Client(socket_dir, namespace="cp", block_bytes=BLOCK,
+                                              model_uid="m"))
 
         def put(n: int) -> None:
             c.put([b"w%d-%06d-%02d" % (me, n, b) for b in range(32)], data)
-    n = 0
-    for _ in range(40):  # warm: its grants and maps
-        put(n)
-        n += 1
-    barrier.wait(timeout=120)
-    n0, t0 = n, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        put(n)
-        n += 1
-    results.put(((n - n0) * 32, time.perf_counter() - t0))
-    if socket_dir is not None:
-        c.close()
+    with stack:
+        n = 0
+        for _ in range(40):  # warm: its grants and maps
+            put(n)
+            n += 1
+        barrier.wait(timeout=120)
+        n0, t0 = n, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            put(n)
+            n += 1
+        results.put(((n - n0) * 32, time.perf_counter() - t0))
 
 
 def _writers_mode(seconds: float) -> dict[str, float]:
@@ -528,8 +541,6 @@ def _writers_mode(seconds: float) -> dict[str, float]:
     N x one, and the daemon's CPU per block; and the same for N processes that only copy
     the blocks into memory of their own (the machine's own scaling, the baseline)."""
     import multiprocessing as mp
-
-    import numpy as np
 
     import kvtier
     from kvtier.bench.private_daemon import private_daemon
@@ -550,13 +561,10 @@ def _writers_mode(seconds: float) -> dict[str, float]:
             p.join(30)
         return sum(b / el for b, el in got), sum(b for b, _ in got)
 
-    with private_daemon("cp", "dram.capacity=512MiB", "dram.extent_size=64MiB",
-                        "server.write_grant_bytes=64MiB") as daemon:
+    with private_daemon("cp", *POOL_SETTINGS) as daemon:
         with kvtier.Client(daemon.socket_dir, namespace="cp", block_bytes=BLOCK,
-                           model_uid="m") as c:  # the pool full first: every claim evicts
-            data = [np.zeros(BLOCK, np.uint8)] * 32
-            for j in range(300):
-                c.put([b"f%06d-%02d" % (j, b) for b in range(32)], data)
+                           model_uid="m") as c:
+            _fill_pool(c)
         for n in (1, most):
             name = "writers1" if n == 1 else "writersN"
             out[f"copy{name[7:]}_blocks_per_s"], _ = run(None, n)

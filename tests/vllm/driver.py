@@ -95,15 +95,16 @@ class Engine:
         """Abort the engine's processes (its process group) one at a time, newest first,
         and return the Python stacks they printed (``PYTHONFAULTHANDLER``): where a hung
         engine was waiting."""
-        with open(self.log_path) as f:
-            start = len(f.read())
+        start = os.path.getsize(self.log_path)
         for pid in sorted(_process_group(self.proc.pid), reverse=True):
             try:
                 os.kill(pid, signal.SIGABRT)
             except ProcessLookupError:
                 continue
             time.sleep(pause)  # one process's stacks at a time in the shared log
-        dumped = self.log()[start:]
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            dumped = f.read().decode(errors="replace")
         return dumped[-HANG_STACKS_LIMIT:] or "(no stacks printed)"
 
     def result(self, timeout: float = ENGINE_DEADLINE) -> dict[str, Any]:

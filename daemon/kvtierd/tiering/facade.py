@@ -165,9 +165,10 @@ class Tiering:
         reserve), then wake the demoter and publish when write-through."""
         out = self.store.commit_from_page(session, page, self.below.held_below(session))
         if self.enabled and out.committed:
-            # (the commit path hands its blocks over as handles, made only for this)
-            self._committed(BlockBatch.of_blocks(session.ns, out.blocks) if out.blocks
-                            else None)
+            # (the commit path hands its blocks over as handles, made only for this;
+            # only a write-through tier needs them, so no batch is made for demotion)
+            self._committed(BlockBatch.of_blocks(session.ns, out.blocks)
+                            if self.publisher.enabled and out.blocks else None)
         return out
 
     def _committed(self, blocks: BlockBatch | None) -> None:
