@@ -951,22 +951,47 @@ def test_refills_come_in_batches_within_a_share_of_the_namespace_and_never_grow_
     assert len(s.ns.extents) == 5 and s.ns.free_slots() == 0
     target = env.store.grant_target(s.ns, 1)
     assert target == min(REFILL_BATCH, 5 * per // GRANT_SHARE) == 32
-    # The steady state: a batch evicted at once, then one refill per half of it.
+    # The steady state: a batch evicted at once, then one refill per 3/4 of it (a
+    # writer of one key refills when it holds a quarter of the batch).
     struct.pack_into("<Q", page.mapping, _page.W_WANT, 1)
     assert env.store.refill_grants(s, target, 1) == target
     evictions = env.store.evictions
     head = struct.unpack_from("<Q", page.mapping, _W_HEAD)[0]
-    for i in range(target // 2):
+    used = target - target // 4
+    for i in range(used):
         taken = writes.take(1)
         assert taken is not None
         g = taken[0]
         head = _native.commits_put(page.mapping, head, [(g.entry, g.word, b"w%d" % i, 9, None)])
         out = env.store.commit_from_page(s, page)
         assert out.committed == 1
-        assert len(s.grants) == (target if i == target // 2 - 1 else target - i - 1)
-    assert env.store.evictions == evictions + target // 2  # one claim of half the batch
+        assert len(s.grants) == (target if i == used - 1 else target - i - 1)
+    assert env.store.evictions == evictions + used  # one claim of 3/4 of the batch
     assert env.store.check() == []
     _detach(env, s, page, writes, bell)
+
+
+def test_a_refill_comes_at_a_quarter_of_the_batch_or_before_two_puts_run_short() -> None:
+    """``needs_refill``: at a quarter of the target for small puts; at two puts' worth for
+    larger ones, but never later than half the target; never at the target itself."""
+    from kvtierd.store.grants import GrantBook
+    from kvtierd.store.types import Namespace, Peer
+
+    def holding(n: int) -> GrantBook:
+        g = Session(1, "", Namespace("n", 16, "m", 16), Peer(0, 0, 0), 0.0).grants
+        if n:
+            g.grant(SessionPage("n", writes=True), np.arange(1, n + 1, dtype=np.uint64),
+                    np.ones(n, dtype=np.uint64), 1.0)
+        assert len(g) == n
+        return g
+
+    for n, target, wanted, refill in [
+            (65, 256, 32, False), (64, 256, 32, True),   # 32-block puts: a quarter
+            (9, 32, 1, False), (8, 32, 1, True),         # 1-key puts: a quarter
+            (129, 256, 100, False), (128, 256, 100, True),  # large puts: half at most
+            (80, 256, 40, True), (81, 256, 40, False),   # two puts' worth
+            (0, 0, 1, False), (4, 4, 4, False)]:         # holding the target already
+        assert holding(n).needs_refill(target, wanted) is refill, (n, target, wanted)
 
 
 def test_grants_are_columns_a_batch_adds_and_drops() -> None:

@@ -200,7 +200,7 @@ class FastPath:
         if len(session.grants) < wanted:
             self.refill_grants(session, target, wanted)
         page.finish_commits(results)
-        if session.grants.needs_refill(target):
+        if session.grants.needs_refill(target, wanted):
             self.refill_grants(session, target, wanted)
 
     def commit_granted(
