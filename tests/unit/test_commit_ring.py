@@ -89,7 +89,7 @@ def test_a_plain_ring_commits_in_one_native_call(monkeypatch: pytest.MonkeyPatch
             [(held[3], words[held[3]], ks[3], 1, None)]])
         out = env.store.commit_from_page(s, page)
         assert taken == []  # the native call took the ring
-        assert (out.records, out.committed, out.nbytes, out.blocks) == (4, 4, 5 + 9 + BLOCK + 1, [])
+        assert (out.records, out.committed, out.nbytes, list(out.blocks)) == (4, 4, 5 + 9 + BLOCK + 1, [])
         assert _native.commit_results(page.mapping, first, 4) == _COMMITTED * 4
         assert _native.done_wait(page.mapping, first + 4, 0.0)
         assert env.store.lookup(s, ks) == 4

@@ -732,8 +732,9 @@ class PageCommits:
 
     records: int = 0  # commit records found (0: an empty ring, or an impossible head)
     committed: int = 0  # blocks made
-    #: Their handles (only while ``Store.commit_handles``).
-    blocks: list[Block] = dataclasses.field(default_factory=list)
+    #: Their handles (only while ``Store.commit_handles``; a tuple when none: no list
+    #: made at every ring).
+    blocks: Sequence[Block] = ()
     nbytes: int = 0  # their bytes
 
 
