@@ -31,7 +31,7 @@ from kvtierd.metrics import Metrics
 from kvtierd.service import Method
 from kvtierd.session_channel.busy_poll import BusyPoll
 from kvtierd.session_channel.doorbell import Doorbells
-from kvtierd.session_channel.fast_calls import MAX_CALLS_IN_FLIGHT, max_call_bytes, serve_call
+from kvtierd.session_channel.fast_calls import MAX_CALLS_IN_FLIGHT, max_call_bytes, start_call
 from kvtierd.session_channel.framing import (
     MAX_OPEN_FRAME,
     MAX_REQUEST_FRAME,
@@ -182,9 +182,11 @@ class SessionChannel:
                     token = session.token if session is not None else admin.token  # type: ignore[union-attr]
                     self.busy.active()
                     await room.acquire()  # at most MAX_CALLS_IN_FLIGHT: read on when one ends
-                    task = asyncio.get_running_loop().create_task(
-                        serve_call(self.methods, self.max_call_bytes, conn, token, call_id,
-                                   req.call))
+                    task = start_call(self.methods, self.max_call_bytes, conn, token, call_id,
+                                      req.call)
+                    if task is None:  # served and answered already (it never waited)
+                        room.release()
+                        continue
                     calls.add(task)
                     task.add_done_callback(calls.discard)
                     task.add_done_callback(lambda _t: room.release())

@@ -10,14 +10,19 @@ leaves the connection open.  Calls run concurrently (at most
 further frame until one ends) and may be answered out of order; ``no_reply``
 calls (a Release) are never answered.  When the connection ends, its calls
 still running are cancelled before the session is closed.
+
+A call starts at once, in the reader's turn of the loop (``start_call``): most
+calls (a delete of keys in DRAM, a lease, a stats read) never wait for anything,
+and are served and answered there, without a task, a second turn of the loop or a
+wake-up; only a call that waits goes on in a task of its own from where it waited.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
-from typing import Final
+from collections.abc import Coroutine, Generator, Mapping
+from typing import Any, Final
 
 from kvtier.errors import (
     CapacityExhausted,
@@ -46,11 +51,79 @@ def max_call_bytes(max_message_bytes: int) -> int:
     return min(max_message_bytes, MAX_REQUEST_FRAME - _CALL_OVERHEAD)
 
 
+class _Runner:
+    """The task a call goes on in once it waits (None while it runs in the reader's
+    turn: nothing can expire or cancel it then, no callback runs)."""
+
+    __slots__ = ("task",)
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+
+
+class _Rest:
+    """A call's coroutine from where it first waited (``waiting``: what it yielded to
+    the loop): driven on by the task that awaits this, as ``await`` would have."""
+
+    __slots__ = ("_coro", "_waiting")
+
+    def __init__(self, coro: Coroutine[Any, Any, None], waiting: Any) -> None:
+        self._coro = coro
+        self._waiting = waiting
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        coro, waiting = self._coro, self._waiting
+        while True:
+            try:
+                sent = yield waiting
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # the task's cancellation, into the call
+                try:
+                    waiting = coro.throw(exc)
+                except StopIteration:
+                    return
+            else:
+                try:
+                    waiting = coro.send(sent)
+                except StopIteration:
+                    return
+
+
+async def _go_on(rest: _Rest) -> None:
+    await rest
+
+
+def start_call(methods: Mapping[str, Method] | None, max_bytes: int, conn: Conn,
+               token: str, call_id: int, call: pb.FastCall) -> asyncio.Task[None] | None:
+    """``serve_call``, started at once: as far as it goes without waiting (for most
+    calls, all of it: the answer is sent by the time this returns None), then in a
+    task of its own, returned.  A bug that escapes the call is logged here, as a
+    task's would be (the call answers every error a client can cause itself)."""
+    runner = _Runner()
+    coro = serve_call(methods, max_bytes, conn, token, call_id, call, runner)
+    try:
+        waiting = coro.send(None)
+    except StopIteration:
+        return None
+    except Exception:
+        log.exception("session channel: call %d (%s) failed", call_id, call.method[:64])
+        return None
+    runner.task = asyncio.get_running_loop().create_task(_go_on(_Rest(coro, waiting)))
+    return runner.task
+
+
 async def serve_call(methods: Mapping[str, Method] | None, max_bytes: int, conn: Conn,
-                     token: str, call_id: int, call: pb.FastCall) -> None:
+                     token: str, call_id: int, call: pb.FastCall,
+                     runner: _Runner | None = None) -> None:
     """Serve one FastCall with the gRPC method's own handler (``methods``: the
     service's; None: the fast path is off) as the session ``token``; answer unless
-    no_reply."""
+    no_reply.  ``runner``: the task it goes on in once it waits, when ``start_call``
+    started it (None: it runs in a task of its own from the start)."""
+    if runner is None:
+        runner = _Runner()
+        runner.task = asyncio.current_task()
     try:
         if methods is None:
             raise FailedPrecondition("the fast path is off on this daemon "
@@ -63,17 +136,17 @@ async def serve_call(methods: Mapping[str, Method] | None, max_bytes: int, conn:
                 f"{call.method} request of {len(call.request)} bytes exceeds the fast "
                 f"path's {max_bytes} (server.max_message_bytes): send it over gRPC")
         work = method.handler(method.parse(call.request), FastContext(token))
-        # The deadline cancels this task (a timer, not wait_for's second task per call).
+        # The deadline cancels the call's task (a timer, not wait_for's second task per
+        # call; it can only fire once the call waits, and so runs in its task).
         expired = False
         timer = None
-        task = asyncio.current_task()
-        assert task is not None
         if call.timeout_ms:
 
             def expire() -> None:
                 nonlocal expired
-                expired = True
-                task.cancel()
+                if runner.task is not None:
+                    expired = True
+                    runner.task.cancel()
 
             timer = asyncio.get_running_loop().call_later(call.timeout_ms / 1000, expire)
         try:
@@ -81,7 +154,8 @@ async def serve_call(methods: Mapping[str, Method] | None, max_bytes: int, conn:
         except asyncio.CancelledError:
             if not expired:
                 raise  # the connection is closing
-            task.uncancel()
+            assert runner.task is not None
+            runner.task.uncancel()
             raise DeadlineExceeded(
                 f"{call.method} did not finish within {call.timeout_ms} ms") from None
         finally:

@@ -1,0 +1,157 @@
+"""FastCalls start at once (``start_call``): a call that never waits is served and
+answered in the reader's turn, without a task; one that waits goes on in a task of
+its own, where its deadline cancels it and nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from kvtier._wire import FRAME_LEN
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtierd.service import FastCallFailed, Method
+from kvtierd.session_channel.fast_calls import start_call
+from kvtierd.session_channel.framing import Conn
+
+
+def _parse(body: bytes) -> pb.DeleteRequest:
+    return pb.DeleteRequest.FromString(body)
+
+
+def _serialize(resp: Any) -> bytes:
+    out: bytes = resp.SerializeToString()
+    return out
+
+
+def _method(handler: Any) -> dict[str, Method]:
+    return {"Delete": Method("Delete", handler, _parse, _serialize)}
+
+
+def _call(timeout_ms: int = 0, no_reply: bool = False) -> pb.FastCall:
+    return pb.FastCall(method="Delete", request=pb.DeleteRequest(keys=[b"k"]).SerializeToString(),
+                       timeout_ms=timeout_ms, no_reply=no_reply)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.settimeout(5)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _answer(peer: socket.socket) -> pb.SessionResponse:
+    head = peer.recv(FRAME_LEN.size, socket.MSG_WAITALL)
+    (n,) = FRAME_LEN.unpack(head)
+    return pb.SessionResponse.FromString(peer.recv(n, socket.MSG_WAITALL))
+
+
+def test_a_call_that_never_waits_is_answered_before_start_call_returns(pair: Any) -> None:
+    daemon, peer = pair
+    served: list[asyncio.Task[Any] | None] = []
+
+    async def handler(req: pb.DeleteRequest, ctx: Any) -> pb.DeleteResponse:
+        served.append(asyncio.current_task())
+        return pb.DeleteResponse(deleted=len(req.keys))
+
+    async def main() -> asyncio.Task[None] | None:
+        reader = asyncio.current_task()
+        task = start_call(_method(handler), 1 << 20, Conn(daemon, 1 << 20), "tok", 7, _call())
+        assert served == [reader]  # it ran in the caller's turn, as the caller's task
+        peer.setblocking(False)
+        got = _answer(peer)  # already sent: no turn of the loop since
+        peer.settimeout(5)
+        assert got.call_id == 7 and pb.DeleteResponse.FromString(got.reply.response).deleted == 1
+        return task
+
+    assert asyncio.run(main()) is None
+
+
+def test_a_call_that_waits_goes_on_in_its_own_task(pair: Any) -> None:
+    daemon, peer = pair
+    go = asyncio.Event()
+
+    async def handler(req: pb.DeleteRequest, ctx: Any) -> pb.DeleteResponse:
+        first = asyncio.current_task()
+        await go.wait()
+        assert asyncio.current_task() is not first  # the rest runs in the call's task
+        await asyncio.sleep(0)
+        return pb.DeleteResponse(deleted=3)
+
+    async def main() -> None:
+        task = start_call(_method(handler), 1 << 20, Conn(daemon, 1 << 20), "tok", 9, _call())
+        assert task is not None and not task.done()
+        go.set()
+        await task
+        got = _answer(peer)
+        assert got.call_id == 9 and pb.DeleteResponse.FromString(got.reply.response).deleted == 3
+
+    asyncio.run(main())
+
+
+def test_a_waiting_call_past_its_deadline_answers_deadline_exceeded_and_cancels_only_itself(
+        pair: Any) -> None:
+    daemon, peer = pair
+
+    async def handler(req: pb.DeleteRequest, ctx: Any) -> pb.DeleteResponse:
+        await asyncio.sleep(30)
+        raise AssertionError("not reached")
+
+    async def main() -> None:
+        reader = asyncio.current_task()
+        assert reader is not None
+        task = start_call(_method(handler), 1 << 20, Conn(daemon, 1 << 20), "tok", 11,
+                          _call(timeout_ms=20))
+        assert task is not None
+        await task  # answered, not cancelled: the deadline is an answer
+        assert not task.cancelled() and not reader.cancelling()
+        got = _answer(peer)
+        assert got.call_id == 11 and got.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert "did not finish within 20 ms" in got.error.message
+
+    asyncio.run(main())
+
+
+def test_a_call_that_fails_at_once_is_answered_with_its_status_and_no_reply_is_silent(
+        pair: Any) -> None:
+    daemon, peer = pair
+
+    async def handler(req: pb.DeleteRequest, ctx: Any) -> pb.DeleteResponse:
+        raise FastCallFailed(grpc.StatusCode.NOT_FOUND, "no such lease")
+
+    async def main() -> None:
+        conn = Conn(daemon, 1 << 20)
+        assert start_call(_method(handler), 1 << 20, conn, "tok", 1, _call(no_reply=True)) is None
+        assert start_call(_method(handler), 1 << 20, conn, "tok", 2, _call()) is None
+        assert start_call(None, 1 << 20, conn, "tok", 3, _call()) is None  # the fast path off
+        got = [_answer(peer) for _ in range(2)]  # call 1 asked for no answer
+        assert [g.call_id for g in got] == [2, 3]
+        assert got[0].error.code == grpc.StatusCode.NOT_FOUND.value[0]
+        assert got[1].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+
+    asyncio.run(main())
+
+
+def test_a_bug_that_escapes_a_call_is_logged_and_the_reader_goes_on(
+        pair: Any, caplog: pytest.LogCaptureFixture) -> None:
+    daemon, _peer = pair
+
+    def parse(body: bytes) -> Any:
+        raise RuntimeError("a parser bug")
+
+    async def handler(req: Any, ctx: Any) -> Any:
+        raise AssertionError("not reached")
+
+    async def main() -> asyncio.Task[None] | None:
+        methods = {"Delete": Method("Delete", handler, parse, _serialize)}
+        return start_call(methods, 1 << 20, Conn(daemon, 1 << 20), "tok", 5, _call())
+
+    assert asyncio.run(main()) is None
+    assert "call 5 (Delete) failed" in caplog.text and "a parser bug" in caplog.text
