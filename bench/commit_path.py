@@ -38,6 +38,11 @@ Per tree and round:
   (the daemon's CPU per block for each); before each, as many processes copying the
   same blocks into memory of their own (the machine's own scaling: memory bandwidth,
   shared cores), and kvtier's scaling against theirs.
+* ``after``: a kvtierd of that tree as ``daemon`` (its pool full); 1-key reserve +
+  commit on the fast path, each right after one of ``AFTER``: nothing (back to back),
+  an empty gRPC call, a lookup (read from the shared index, no call) or a 1-key delete
+  (a FastCall) of the key committed before: the commit's p50 alone, and the daemon's
+  CPU per round.  What a round of ``kvtier bench`` does to the commit that follows.
 * ``delete``: a kvtierd of that tree with an SSD tier (as the default configuration
   has); 1-key deletes of keys it holds in DRAM alone, then of keys with an SSD copy
   too (p50, its ratio to the empty gRPC call, the daemon's CPU per delete; for the
@@ -75,7 +80,9 @@ import tree_runs  # noqa: E402 -- bench/ is not a package
 BLOCK = 64 << 10
 #: The measurements, each in a child process (``--modes``).
 MODES = ("store1", "store32", "calls4096", "daemon", "daemon_pinned", "daemon_busy",
-         "daemon4096", "ssd32", "delete", "writers")
+         "daemon4096", "ssd32", "delete", "writers", "after")
+#: What the ``after`` mode makes the client do before each 1-key reserve + commit.
+AFTER = ("nothing", "empty_call", "lookup", "delete")
 #: ``server.busy_poll`` of the ``daemon_busy`` mode.
 BUSY_POLL = "2ms"
 #: The kvtierd of the ``daemon``-like and ``writers`` modes: a 512 MiB pool that
@@ -496,6 +503,48 @@ def _delete_mode(seconds: float) -> dict[str, float]:
     return out
 
 
+def _after_mode(seconds: float) -> dict[str, float]:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    import kvtier
+    from kvtier._core import grpc_options
+    from kvtier.bench.private_daemon import private_daemon
+
+    out: dict[str, float] = {}
+    with private_daemon("cpa", *POOL_SETTINGS) as daemon:
+        channel = grpc.insecure_channel(f"unix://{daemon.grpc_path}", options=grpc_options())
+        health = health_pb2_grpc.HealthStub(channel)
+        req = health_pb2.HealthCheckRequest()
+        with kvtier.Client(daemon.socket_dir, namespace="cp", block_bytes=BLOCK, model_uid="m") as c:
+            _fill_pool(c)
+            before = {"nothing": lambda key: None,
+                      "empty_call": lambda key: health.Check(req, timeout=10),
+                      "lookup": lambda key: c.lookup([key]),
+                      "delete": lambda key: c.delete([key])}
+            n = 0
+            for what in AFTER:
+                lat: list[float] = []
+                k0 = daemon.cpu_ticks()
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < seconds:
+                    before[what](b"a%09d" % n)
+                    n += 1
+                    r = c.reserve([b"a%09d" % n])
+                    a = time.perf_counter()
+                    r.commit()
+                    lat.append(time.perf_counter() - a)
+                ticks = daemon.cpu_ticks() - k0
+                out[f"commit_after_{what}_p50_us"] = _p50(lat) * 1e6
+                out[f"round_after_{what}_daemon_cpu_us"] = (
+                    ticks / os.sysconf("SC_CLK_TCK") / len(lat) * 1e6)
+        channel.close()
+    for what in AFTER[1:]:
+        out[f"commit_after_{what}_x_nothing"] = (out[f"commit_after_{what}_p50_us"]
+                                                 / out["commit_after_nothing_p50_us"])
+    return out
+
+
 def _writer(socket_dir: str | None, me: int, barrier: Any, seconds: float,
             results: Any) -> None:
     """One writer process of ``writers``: fill its share, meet the others at ``barrier``,
@@ -624,6 +673,8 @@ def main() -> int:
             res = _delete_mode(args.seconds)
         elif args.child == "writers":
             res = _writers_mode(args.seconds)
+        elif args.child == "after":
+            res = _after_mode(args.seconds)
         elif args.child.startswith("calls"):
             res = _calls_mode(int(args.child.removeprefix("calls")), args.seconds)
         else:
@@ -666,7 +717,11 @@ def main() -> int:
             ("SSD tier on: delete 1 key with an SSD copy p50 ms", "delete", "delete_ssd_p50_ms"),
             ("  x empty call", "delete", "delete_ssd_x_empty"),
             ("  x the disk's page write + fdatasync", "delete", "delete_ssd_x_floor"),
-            ("  daemon CPU us per delete", "delete", "delete_ssd_daemon_cpu_us")]
+            ("  daemon CPU us per delete", "delete", "delete_ssd_daemon_cpu_us"),
+            *[row for what in AFTER for row in (
+                (f"1-key commit right after {what.replace('_', ' ')}: p50 us", "after",
+                 f"commit_after_{what}_p50_us"),
+                ("  daemon CPU us per round", "after", f"round_after_{what}_daemon_cpu_us"))]]
     print("medians over rounds" + "".join(f" | {t.name}" for t in trees))
     for label, mode, key in cols:
         if mode not in args.modes:
