@@ -110,7 +110,7 @@ def start_call(methods: Mapping[str, Method] | None, max_bytes: int, conn: Conn,
     except Exception:
         log.exception("session channel: call %d (%s) failed", call_id, call.method[:64])
         return None
-    runner.task = asyncio.get_running_loop().create_task(_go_on(_Rest(coro, waiting)))
+    runner.task = conn.loop.create_task(_go_on(_Rest(coro, waiting)))
     return runner.task
 
 
@@ -148,7 +148,7 @@ async def serve_call(methods: Mapping[str, Method] | None, max_bytes: int, conn:
                     expired = True
                     runner.task.cancel()
 
-            timer = asyncio.get_running_loop().call_later(call.timeout_ms / 1000, expire)
+            timer = conn.loop.call_later(call.timeout_ms / 1000, expire)
         try:
             resp = await work
         except asyncio.CancelledError:

@@ -61,7 +61,9 @@ class Conn:
         self.send_lock = asyncio.Lock()
         #: The serial of the shared index table last sent on this connection (0: none).
         self.index_sent = 0
-        self._loop = asyncio.get_running_loop()
+        #: The loop it is served on (kept: ``asyncio.get_running_loop`` is a system call
+        #: on Python 3.11, and the call path asked it three times a call).
+        self.loop = asyncio.get_running_loop()
         self._waiter: asyncio.Future[None] | None = None
         self._eof: BaseException | None = None
         self._watching = False
@@ -69,12 +71,12 @@ class Conn:
 
     def _watch(self) -> None:
         if not self._watching and self._eof is None:
-            self._loop.add_reader(self.sock.fileno(), self._readable)
+            self.loop.add_reader(self.sock.fileno(), self._readable)
             self._watching = True
 
     def _unwatch(self) -> None:
         if self._watching:
-            self._loop.remove_reader(self.sock.fileno())
+            self.loop.remove_reader(self.sock.fileno())
             self._watching = False
 
     def _readable(self) -> None:
@@ -101,7 +103,7 @@ class Conn:
         if self._eof is not None:
             raise self._eof
         self._watch()
-        self._waiter = self._loop.create_future()
+        self._waiter = self.loop.create_future()
         try:
             await self._waiter
         finally:
@@ -179,10 +181,11 @@ async def send_with_fds(conn: Conn, msg: pb.SessionResponse, segments: list[Segm
 async def send(conn: Conn, msg: pb.SessionResponse, fds: list[int]) -> None:
     """Send one whole frame (and ``fds``) on ``conn``."""
     async with conn.send_lock:  # one frame at a time: FastCalls answer concurrently
-        await _send_frame(conn.sock, msg, fds)
+        await _send_frame(conn.sock, msg, fds, conn.loop)
 
 
-async def _send_frame(conn: socket.socket, msg: pb.SessionResponse, fds: list[int]) -> None:
+async def _send_frame(conn: socket.socket, msg: pb.SessionResponse, fds: list[int],
+                      loop: asyncio.AbstractEventLoop) -> None:
     body = msg.SerializeToString()
     data = memoryview(_LEN.pack(len(body)) + body)
     # Split so each sendmsg carries at most MAX_FDS_PER_MSG fds (>= 1 byte each).
@@ -190,7 +193,6 @@ async def _send_frame(conn: socket.socket, msg: pb.SessionResponse, fds: list[in
     if n_pieces > len(data):
         raise InvalidArgument(f"too many segments to send ({len(fds)})")
     cut = [len(data) * k // n_pieces for k in range(n_pieces + 1)]
-    loop = asyncio.get_running_loop()
     for k in range(n_pieces):
         piece = data[cut[k] : cut[k + 1]]
         chunk_fds = fds[k * MAX_FDS_PER_MSG : (k + 1) * MAX_FDS_PER_MSG]
