@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
+import uvloop
 
 from kvtier._wire import FRAME_LEN
 from kvtier.v1 import kvtier_pb2 as pb
@@ -155,3 +157,56 @@ def test_a_bug_that_escapes_a_call_is_logged_and_the_reader_goes_on(
 
     assert asyncio.run(main()) is None
     assert "call 5 (Delete) failed" in caplog.text and "a parser bug" in caplog.text
+
+
+def test_a_deadline_due_before_the_calls_task_first_runs_still_answers(pair: Any) -> None:
+    """On uvloop, timers due run before the callbacks made ready in the same turn: a call
+    that spent its whole 1 ms deadline before it first waited is cancelled before its
+    task's first step.  The cancellation goes into the call, which answers
+    DEADLINE_EXCEEDED (a task around ``await`` of the call dropped it, unanswered)."""
+    daemon, peer = pair
+    seen: list[str] = []
+
+    async def handler(req: pb.DeleteRequest, ctx: Any) -> pb.DeleteResponse:
+        time.sleep(0.005)  # past the deadline before it first waits
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+        raise AssertionError("not reached")
+
+    async def main() -> None:
+        task = start_call(_method(handler), 1 << 20, Conn(daemon, 1 << 20), "tok", 13,
+                          _call(timeout_ms=1))
+        assert task is not None
+        await task
+        got = _answer(peer)
+        assert got.call_id == 13 and got.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+
+    uvloop.run(main())
+    assert seen == ["cancelled"]
+
+
+def test_a_call_cancelled_before_its_task_first_runs_is_cancelled_inside(pair: Any) -> None:
+    """A connection that closes cancels its calls' tasks, maybe before their first step:
+    each call sees the cancellation where it waits (and lets go of what it holds)."""
+    daemon, _peer = pair
+    seen: list[str] = []
+
+    async def handler(req: pb.DeleteRequest, ctx: Any) -> pb.DeleteResponse:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            seen.append("left")
+        raise AssertionError("not reached")
+
+    async def main() -> None:
+        task = start_call(_method(handler), 1 << 20, Conn(daemon, 1 << 20), "tok", 15, _call())
+        assert task is not None
+        task.cancel()  # before its first step
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert seen == ["left"]
+
+    uvloop.run(main())

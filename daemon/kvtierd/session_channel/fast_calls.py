@@ -20,6 +20,7 @@ wake-up; only a call that waits goes on in a task of its own from where it waite
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import logging
 from collections.abc import Coroutine, Generator, Mapping
 from typing import Any, Final
@@ -61,38 +62,40 @@ class _Runner:
         self.task: asyncio.Task[None] | None = None
 
 
-class _Rest:
+class _Rest(collections.abc.Coroutine):  # type: ignore[type-arg]
     """A call's coroutine from where it first waited (``waiting``: what it yielded to
-    the loop): driven on by the task that awaits this, as ``await`` would have."""
+    the loop), as a coroutine of its own for the task that goes on with it: its first
+    step yields ``waiting`` again, every later one is the call's.  What the task throws
+    in -- its cancellation, even before its first step (a deadline that fell due in the
+    same turn, a connection closing) -- goes into the call, which answers it; a task
+    around ``await`` of the call would drop a cancellation that comes before its first
+    step, and the call with it, unanswered."""
 
-    __slots__ = ("_coro", "_waiting")
+    __slots__ = ("_coro", "_waiting", "_started")
 
     def __init__(self, coro: Coroutine[Any, Any, None], waiting: Any) -> None:
         self._coro = coro
-        self._waiting = waiting
+        self._waiting: Any = waiting
+        self._started = False
+
+    def send(self, value: Any) -> Any:
+        if not self._started:
+            self._started = True
+            waiting, self._waiting = self._waiting, None
+            return waiting
+        return self._coro.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        self._started, self._waiting = True, None
+        if val is None and tb is None:
+            return self._coro.throw(typ)
+        return self._coro.throw(typ, val, tb)  # (the old three-argument form)
+
+    def close(self) -> None:
+        self._coro.close()
 
     def __await__(self) -> Generator[Any, Any, None]:
-        coro, waiting = self._coro, self._waiting
-        while True:
-            try:
-                sent = yield waiting
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:  # the task's cancellation, into the call
-                try:
-                    waiting = coro.throw(exc)
-                except StopIteration:
-                    return
-            else:
-                try:
-                    waiting = coro.send(sent)
-                except StopIteration:
-                    return
-
-
-async def _go_on(rest: _Rest) -> None:
-    await rest
+        raise TypeError("a FastCall's rest runs as a task's coroutine, not awaited")
 
 
 def start_call(methods: Mapping[str, Method] | None, max_bytes: int, conn: Conn,
@@ -110,7 +113,7 @@ def start_call(methods: Mapping[str, Method] | None, max_bytes: int, conn: Conn,
     except Exception:
         log.exception("session channel: call %d (%s) failed", call_id, call.method[:64])
         return None
-    runner.task = conn.loop.create_task(_go_on(_Rest(coro, waiting)))
+    runner.task = conn.loop.create_task(_Rest(coro, waiting))
     return runner.task
 
 
