@@ -1,6 +1,7 @@
 """What making an extent's pages costs the kernel, per 4 KiB page, each way of making them.
 
-A /dev/shm file of ``--size`` is made (``posix_fallocate``, as the daemon does) and
+A file of ``--size`` in ``--dir`` (/dev/shm; or a tmpfs of your own, e.g. one mounted
+with ``huge=within_size``) is made (``posix_fallocate``, as the daemon does) and
 mapped, then its pages are made resident one way or another, in this process; its
 user and system CPU time (``getrusage``) per page, median over ``--rounds``:
 
@@ -14,7 +15,8 @@ user and system CPU time (``getrusage``) per page, median over ``--rounds``:
 mlock needs ``CAP_IPC_LOCK`` or an ``RLIMIT_MEMLOCK`` of ``--size``; without either
 the mlock rows are left out.
 
-Usage: ``.venv/bin/python bench/extent_fault.py [--size 256MiB] [--rounds 3] [--json FILE]``
+Usage: ``.venv/bin/python bench/extent_fault.py [--size 256MiB] [--rounds 3] [--dir DIR]
+[--json FILE]``
 """
 
 from __future__ import annotations
@@ -56,9 +58,10 @@ def _zeros(fd: int, size: int) -> None:
         os.pwrite(fd, chunk[: size - off], off)
 
 
-def one(size: int, how: str) -> tuple[float, float] | None:
-    """(user, system) microseconds per page of making a new file's pages resident ``how``."""
-    path = f"/dev/shm/kvt-bench-fault-{os.getpid()}"
+def one(size: int, how: str, directory: str = "/dev/shm") -> tuple[float, float] | None:
+    """(user, system) microseconds per 4 KiB page of making a new file's pages resident
+    ``how``, in ``directory``."""
+    path = os.path.join(directory, f"kvt-bench-fault-{os.getpid()}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.unlink(path)
@@ -87,6 +90,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="256MiB")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default="/dev/shm", help="a tmpfs to make the file in")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     size = parse_size(args.size)
@@ -94,7 +98,7 @@ def main() -> int:
     got: dict[str, list[tuple[float, float]]] = {w: [] for w in ways}
     for _ in range(args.rounds):
         for w in ways:
-            r = one(size, w)
+            r = one(size, w, args.dir)
             if r is not None:
                 got[w].append(r)
     out = {}
@@ -105,7 +109,8 @@ def main() -> int:
         system = sorted(r[1] for r in rs)[len(rs) // 2]
         out[w] = {"user_us_per_page": user, "sys_us_per_page": system}
         print(f"{w:12s} user {user:5.2f} us/page, system {system:5.2f} us/page")
-    write_json(args.json, {"command": sys.argv, "size": size, "ways": out}, indent=1)
+    write_json(args.json, {"command": sys.argv, "size": size, "dir": args.dir, "ways": out},
+               indent=1)
     return 0
 
 

@@ -489,6 +489,13 @@ def check_memlock(ctx: Context) -> Finding:
                    "(it may swap)", MEMLOCK_FIX)
 
 
+#: The tmpfs ``huge=`` values that give a file's pages as huge pages without an madvise.
+HUGE_TMPFS: Final = ("always", "within_size")
+#: What a tmpfs with them can save (``bench/extent_fault.py --dir``, docs/benchmarks.md).
+NO_HUGE_COST: Final = ("with them the kernel makes a new extent up to 18x faster when it has "
+                       "free huge pages")
+
+
 def check_hugepages(ctx: Context) -> Finding:
     """Transparent and explicit huge pages (informational, unless they starve the pool)."""
     host = ctx.host
@@ -513,8 +520,12 @@ def check_hugepages(ctx: Context) -> Finding:
             f"the other {format_bytes(ram - reserved)} is less than dram.capacity "
             f"{format_bytes(ctx.cfg.dram.capacity)}",
             "lower vm.nr_hugepages (`sysctl vm.nr_hugepages=N`) or dram.capacity")
-    # Huge pages for tmpfs segments are optional (fewer TLB misses for clients' mappings):
-    # they come from the mount's huge= option or shmem_enabled=force, never required.
+    # Huge pages for tmpfs segments are optional: they come from the mount's huge= option
+    # (always, within_size) or shmem_enabled=force, never required, and are named here.
+    if (shm_mount is not None and shm_mount.fstype == "tmpfs" and shmem != "force"
+            and huge_opt not in HUGE_TMPFS):
+        base += (f"; the DRAM tier gets no huge pages ({NO_HUGE_COST}: docs/deployment.md, "
+                 "\"Huge pages for the DRAM tier\")")
     return Finding(Status.OK, base)
 
 

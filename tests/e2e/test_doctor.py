@@ -100,6 +100,13 @@ def tiny_tmpfs() -> Iterator[str]:
 
 
 @pytest.fixture
+def huge_tmpfs() -> Iterator[str]:
+    """A tmpfs that gives its files huge pages (docs/deployment.md, "Huge pages for the
+    DRAM tier")."""
+    yield from _mount("tmpfs", "size=64m,huge=within_size,mode=0755")
+
+
+@pytest.fixture
 def ramfs() -> Iterator[str]:
     """A ramfs: memory like tmpfs, but it refuses O_DIRECT on every kernel."""
     yield from _mount("ramfs", "mode=0755")
@@ -115,6 +122,46 @@ def shm_spill() -> Iterator[str]:
 
 def _fresh_shm_dir() -> str:
     return f"/dev/shm/kvtier-test-{uuid.uuid4().hex[:12]}"  # never created by the doctor
+
+
+# ----------------------------------------------------------------------------- hugepages
+def _pmd_mapped_kib(smaps: str, directory: str) -> int:
+    """The kB of ``directory``'s files mapped with huge pages in a process's smaps."""
+    total, inside = 0, False
+    for line in smaps.splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            inside = f" {directory}/" in line
+        elif inside and line.startswith("ShmemPmdMapped:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_a_dram_tier_on_a_tmpfs_with_huge_pages(huge_tmpfs: str, workdir: str) -> None:
+    """On a tmpfs mounted huge=within_size the doctor names the mount's huge pages
+    without the hint it gives /dev/shm, and a client maps the daemon's extent with huge
+    pages (its blocks read back whole)."""
+    shm_dir = f"{huge_tmpfs}/kvtier"
+    cfg = write_config(Path(workdir, "kvtier.yaml"), socket_dir=f"{workdir}/sock",
+                       shm_dir=shm_dir, capacity="32MiB", extent="16MiB")
+    huge = by_check(run_doctor(cfg)[1])["hugepages"]
+    assert huge["status"] == "OK" and f"{huge_tmpfs} huge=within_size" in huge["message"], huge
+    assert "gets no huge pages" not in huge["message"]
+    plain = write_config(Path(workdir, "plain.yaml"), socket_dir=f"{workdir}/sock",
+                         shm_dir=_fresh_shm_dir())
+    assert "gets no huge pages" in by_check(run_doctor(plain)[1])["hugepages"]["message"]
+    daemon = start_daemon(workdir, capacity="32MiB", extent="16MiB", shm_dir=shm_dir)
+    try:
+        with kvtier.Client(daemon.socket_dir, namespace="h", block_bytes=64 << 10,
+                           model_uid="m") as c:
+            blocks = [bytes([i]) * (64 << 10) for i in range(32)]
+            c.put([b"h%d" % i for i in range(32)], blocks)
+            assert [bytes(b) for b in c.get([b"h%d" % i for i in range(32)])] == blocks
+            with open("/proc/self/smaps") as f:
+                mapped = _pmd_mapped_kib(f.read(), shm_dir)
+        assert mapped >= 2048, f"no huge page mapped from {shm_dir}"
+    finally:
+        stop_daemon(daemon)
+    assert daemon.proc.returncode == 0, daemon.log()
 
 
 # ----------------------------------------------------------------------------- shm

@@ -223,6 +223,20 @@ def test_hugepages_reports_thp_and_the_shm_mount(shm: Path) -> None:
     assert f.status is Status.OK and f.message.startswith("THP unavailable")
 
 
+def test_hugepages_name_a_dram_tmpfs_without_them(shm: Path) -> None:
+    """A tmpfs that gives no huge pages is named, with what it costs (still OK: optional);
+    within_size, always and shmem_enabled=force give them."""
+    for opts, shmem, named in [("rw", "never", True), ("rw,huge=never", "always", True),
+                               ("rw,huge=advise", "advise", True), ("rw,huge=always", "never", False),
+                               ("rw,huge=within_size", "never", False),
+                               ("rw", "always [force]", False)]:
+        h = host(mountinfo=mountinfo((str(shm), "tmpfs", opts)), thp_shmem_enabled=shmem)
+        f = doctor.check_hugepages(ctx(config(**{"dram.shm_dir": shm}), h))
+        assert f.status is Status.OK
+        assert ("the DRAM tier gets no huge pages" in f.message) is named, (opts, shmem, f.message)
+        assert ("Huge pages for the DRAM tier" in f.message) is named
+
+
 def test_hugepages_warn_when_explicit_pages_leave_too_little_for_the_pool() -> None:
     meminfo = ("MemTotal: 16777216 kB\nHugePages_Total: 6144\nHugePages_Free: 6144\n"
                "Hugepagesize: 2048 kB\nHugetlb: 12582912 kB\n")

@@ -40,8 +40,11 @@ from typing import Any
 from kvtier._admin import wait_serving
 from kvtier._core import socket_paths
 
+#: The tmpfs private daemons keep their DRAM tier on: /dev/shm, or ``KVTIER_BENCH_SHM_ROOT``
+#: (a benchmark of a tmpfs mounted with huge pages, docs/deployment.md).
+SHM_ROOT = os.environ.get("KVTIER_BENCH_SHM_ROOT") or "/dev/shm"
 #: Where private daemons' shm directories go (``remove_stale_shm_dirs`` sweeps them).
-SHM_PREFIX = "/dev/shm/kvtier-bench-"
+SHM_PREFIX = os.path.join(SHM_ROOT, "kvtier-bench-")
 #: Seconds a daemon has to serve after its start, and to exit after SIGTERM.
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
