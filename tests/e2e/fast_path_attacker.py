@@ -21,6 +21,8 @@ of what it did.  Modes:
   holds still take (``fstat``).
 * ``truncate``: cuts A's data files to nothing every 100 ms (readers of A must
   survive it: their library's copies run under the fault guard).
+* ``calls``: sends FastCalls that never wait (1-key deletes of nothing, no_reply)
+  packed 20,000 to a write, as fast as the daemon reads them.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ import numpy.random  # noqa: F401  (imported before the uid drop: the stdlib may
 import kvtier
 from kvtier import _page, errors
 from kvtier._session import SessionLink, open_request
+from kvtier._wire import FRAME_LEN
+from kvtier.v1 import kvtier_pb2 as pb
 
 BLOCK = 64 << 10
 UID = 65534
@@ -242,8 +246,33 @@ def truncate(sock: str, seconds: float, out: dict[str, Any]) -> None:
     link.close()
 
 
+def calls(sock: str, seconds: float, out: dict[str, Any]) -> None:
+    """FastCalls that never wait, packed as tight as frames go and never answered
+    (no_reply): tens of thousands in each read of the daemon's, which serves a call in
+    the turn that read it."""
+    link, fds = _raw_fds(sock)
+    for fd, _ in fds:
+        os.close(fd)
+    body = pb.DeleteRequest(keys=[b"calls/none"]).SerializeToString()
+    burst = b"".join(
+        FRAME_LEN.pack(len(f)) + f for f in (
+            pb.SessionRequest(call_id=i + 1, call=pb.FastCall(
+                method="Delete", request=body, no_reply=True)).SerializeToString()
+            for i in range(20000)))
+    print("READY", flush=True)
+    end = time.monotonic() + seconds
+    link._sock.settimeout(1.0)
+    while time.monotonic() < end:
+        try:
+            link._sock.sendall(burst)
+            out["bursts"] = out.get("bursts", 0) + 1
+        except (TimeoutError, OSError) as exc:  # the daemon reads at its own pace
+            out["send_error"] = type(exc).__name__
+    link.close()
+
+
 MODES = {"doorbell": doorbell, "hazards": hazards, "counters": counters, "hoard": hoard,
-         "truncate": truncate}
+         "truncate": truncate, "calls": calls}
 
 
 def main() -> None:

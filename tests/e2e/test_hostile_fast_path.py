@@ -347,7 +347,8 @@ def _attack(d: DaemonProc, traffic: _Traffic, mode: str, base: tuple[float, floa
 
 
 @pytest.mark.one_transport  # the attack is the fast path's; B and C use it too
-@pytest.mark.parametrize("mode", ["doorbell", "hazards", "counters", "hoard", "truncate"])
+@pytest.mark.parametrize("mode", ["doorbell", "hazards", "counters", "hoard", "truncate",
+                                  "calls"])
 def test_a_hostile_fast_path_client_costs_only_itself(workdir: str, disk_dir: str,
                                                       mode: str) -> None:
     d = _daemon(workdir, disk_dir)

@@ -154,6 +154,7 @@ class SessionChannel:
         # RLIMIT_NOFILE, and past it no other client could be sent any).
         sent: set[int] = set()
         call_id = 0  # of the request being handled: a connection-ending error names it
+        served_in_turn = 0  # calls served since the reader last gave the loop up
         try:
             pid, uid, gid = struct.unpack(
                 "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -186,7 +187,16 @@ class SessionChannel:
                                       req.call)
                     if task is None:  # served and answered already (it never waited)
                         room.release()
+                        # Calls read together are served in one turn of the loop: past
+                        # MAX_CALLS_IN_FLIGHT of them in a row, the other clients get
+                        # their turn (a peer packing calls into its socket must not keep
+                        # the loop to itself).
+                        served_in_turn += 1
+                        if served_in_turn >= MAX_CALLS_IN_FLIGHT:
+                            served_in_turn = 0
+                            await asyncio.sleep(0)
                         continue
+                    served_in_turn = 0
                     calls.add(task)
                     task.add_done_callback(calls.discard)
                     task.add_done_callback(lambda _t: room.release())
