@@ -31,7 +31,12 @@ from kvtierd.metrics import Metrics
 from kvtierd.service import Method
 from kvtierd.session_channel.busy_poll import BusyPoll
 from kvtierd.session_channel.doorbell import Doorbells
-from kvtierd.session_channel.fast_calls import MAX_CALLS_IN_FLIGHT, max_call_bytes, start_call
+from kvtierd.session_channel.fast_calls import (
+    CALLS_PER_TURN,
+    MAX_CALLS_IN_FLIGHT,
+    max_call_bytes,
+    start_call,
+)
 from kvtierd.session_channel.framing import (
     MAX_OPEN_FRAME,
     MAX_REQUEST_FRAME,
@@ -188,11 +193,11 @@ class SessionChannel:
                     if task is None:  # served and answered already (it never waited)
                         room.release()
                         # Calls read together are served in one turn of the loop: past
-                        # MAX_CALLS_IN_FLIGHT of them in a row, the other clients get
-                        # their turn (a peer packing calls into its socket must not keep
-                        # the loop to itself).
+                        # CALLS_PER_TURN of them in a row, the other clients get their
+                        # turn (a peer packing calls into its socket must not keep the
+                        # loop to itself).
                         served_in_turn += 1
-                        if served_in_turn >= MAX_CALLS_IN_FLIGHT:
+                        if served_in_turn >= CALLS_PER_TURN:
                             served_in_turn = 0
                             await asyncio.sleep(0)
                         continue
