@@ -407,13 +407,7 @@ class SharedIndex:
         in through ``add_slots``, which grows it.  A commit hands the buffer to
         ``BlockTable.commit``, which publishes the keys it commits in the same call."""
         t = self._table
-        if t is None:
-            return None
-        # (the usual answer, at every page commit: capacity_for's test, without its loop)
-        if t.capacity >= MIN_CAPACITY and (
-                (_native.index_info(t.mm)[2] + n) * GROW_LOAD[1] <= t.capacity * GROW_LOAD[0]):
-            return t.mm
-        return None if self._rebuild_for(t, n) else t.mm
+        return None if t is None or self._rebuild_for(t, n) else t.mm
 
     @staticmethod
     def _rebuild_for(t: _Table, n: int) -> int:

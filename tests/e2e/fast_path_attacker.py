@@ -266,8 +266,11 @@ def calls(sock: str, seconds: float, out: dict[str, Any]) -> None:
         try:
             link._sock.sendall(burst)
             out["bursts"] = out.get("bursts", 0) + 1
-        except (TimeoutError, OSError) as exc:  # the daemon reads at its own pace
+        except TimeoutError:  # the daemon reads at its own pace
+            continue
+        except OSError as exc:  # the daemon ended the session: the attack is over
             out["send_error"] = type(exc).__name__
+            break
     link.close()
 
 

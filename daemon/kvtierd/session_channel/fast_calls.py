@@ -121,15 +121,10 @@ def start_call(methods: Mapping[str, Method] | None, max_bytes: int, conn: Conn,
 
 
 async def serve_call(methods: Mapping[str, Method] | None, max_bytes: int, conn: Conn,
-                     token: str, call_id: int, call: pb.FastCall,
-                     runner: _Runner | None = None) -> None:
+                     token: str, call_id: int, call: pb.FastCall, runner: _Runner) -> None:
     """Serve one FastCall with the gRPC method's own handler (``methods``: the
     service's; None: the fast path is off) as the session ``token``; answer unless
-    no_reply.  ``runner``: the task it goes on in once it waits, when ``start_call``
-    started it (None: it runs in a task of its own from the start)."""
-    if runner is None:
-        runner = _Runner()
-        runner.task = asyncio.current_task()
+    no_reply.  ``runner``: the task it goes on in once it waits (``start_call``)."""
     try:
         if methods is None:
             raise FailedPrecondition("the fast path is off on this daemon "

@@ -196,8 +196,7 @@ class FastPath:
         round trip), else before it.  (A ring without records refills nothing: it costs
         a read.)"""
         wanted = page.wanted()
-        ns = session.ns  # (``grant_target`` without its wrappers: this is every ring)
-        target = grants.grant_target(grants.grant_limit(self._grant_bytes, ns), ns, wanted)
+        target = self.grant_target(session.ns, wanted)
         if len(session.grants) < wanted:
             self.refill_grants(session, target, wanted)
         page.finish_commits(results)

@@ -271,7 +271,6 @@ class StoreState:
                                    exists=exists, want_keys=ns.index.watch is not None)
         if got is None:
             return None
-        self.next_access += got.n  # (``access``: the native call took them from first_access)
-        if got.left or got.done < got.n or got.keys:
-            ns.index.committed_published(got.refs, got.keys or (), got.done, got.left)
+        self.access(got.n)
+        ns.index.committed_published(got.refs, got.keys or (), got.done, got.left)
         return got
