@@ -10,6 +10,8 @@ the store's side against a page whose every byte the client controls.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import socket
 import struct
@@ -29,7 +31,7 @@ from kvtierd.segments import SegmentLayout, SlotState
 from kvtierd.shared_index import GRANT_TAKEN, GRANT_VALID, GRANTS_N, HAS_SUM, LAST, SessionPage
 from kvtierd.store import GRANT_IDLE_SECONDS, CommitResult, Session, StoreOptions
 
-from .conftest import StoreEnv, close_store_and_files, make_store
+from .conftest import StoreEnv, close_store_and_files, make_store, run
 from .test_store import BLOCK, CAPACITY, keys, payload, put, session
 
 pytestmark = pytest.mark.skipif(not hasattr(_native, "grants_take"), reason="no native build")
@@ -800,6 +802,28 @@ def test_a_read_only_or_closed_session_gets_no_grants(granting: StoreEnv) -> Non
     assert env.store.refill_grants(s, 2) == 0
     env.store.close_session(s)
     page.close()
+
+
+def test_a_refill_queued_by_a_reserve_skips_a_session_that_ended_in_between(
+        granting: StoreEnv, caplog: pytest.LogCaptureFixture) -> None:
+    """A Reserve queues the writer's refill for the loop's next turn; a session whose
+    connection closed before that turn (its page closed) gets none, and nothing fails
+    on the closed page (CI saw ``ValueError: mmap closed`` from the queued refill)."""
+    env = granting
+    s = session(env)
+    put(env, s, [b"first"])
+    page, writes, bell = _attach(env, s)
+
+    async def reserve_then_close() -> None:
+        await env.store.reserve(s, [b"second"])  # queues the refill
+        _detach(env, s, page, writes, bell)  # the connection goes in the same turn
+        await asyncio.sleep(0)  # the queued refill runs
+        await asyncio.sleep(0)
+
+    with caplog.at_level(logging.ERROR):
+        run(env.store, reserve_then_close())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert len(s.grants) == 0
 
 
 @settings(max_examples=60, deadline=None, database=None,

@@ -127,6 +127,8 @@ class FastPath:
             asyncio.get_running_loop().call_soon(self._refill, session, page)
 
     def _refill(self, session: Session, page: SessionPage) -> None:
+        if session.ns.pages.get(session.id) is not page:  # the session ended in between
+            return
         wanted = page.wanted()
         self.refill_grants(session, self.grant_target(session.ns, wanted), wanted)
 
