@@ -23,6 +23,16 @@ from kvtierd.config import Config, ConfigError, config_to_dict, load_config  # n
 
 log = logging.getLogger("kvtierd")
 
+#: How long a thread holds the GIL while another waits for it (CPython's default is
+#: 5 ms).  When clients keep the event loop busy it never gives the GIL up by itself,
+#: and the I/O threads (demotions' SSD writes and syncs, promotions' reads, spill file
+#: creation) get it back after each system call only when this interval forces a
+#: switch.  At 5 ms a client flooding its session channel with calls made an SSD
+#: sync take up to 1 s and a spill file 0.4 s to create, demotion fell behind the
+#: other tenants' writers, and their reserves waited 0.1-2 s for room; at 0.5 ms
+#: still in most runs; at 0.2 ms in none (syncs under 20 ms, docs/decisions.md).
+GIL_SWITCH_INTERVAL = 0.0002
+
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -72,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(config_to_dict(cfg), indent=2))
         return 0
     logs.setup(cfg.log.level, cfg.log.format, instance=cfg.instance)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     _prepare_warm_start(cfg)
     try:
         import uvloop
