@@ -31,10 +31,10 @@ setup(
         Extension(
             "kvtier._native",
             sources=["csrc/native.c", "csrc/index.c", "csrc/writes.c", "csrc/blocks.c",
-                     "csrc/layout.c"] + ([f"{XXHASH}/xxh_x86dispatch.c"] if X86 else []),
+                     "csrc/layout.c", "csrc/wire.c"] + ([f"{XXHASH}/xxh_x86dispatch.c"] if X86 else []),
             include_dirs=[XXHASH, "csrc"],
             define_macros=XXH_DISPATCH if X86 else [],
-            depends=["csrc/index.h", "csrc/blocks.h", "csrc/layout.h"] + [f"{XXHASH}/{name}" for name in
+            depends=["csrc/index.h", "csrc/blocks.h", "csrc/layout.h", "csrc/wire.h"] + [f"{XXHASH}/{name}" for name in
                      ("xxhash.h", "xxh_x86dispatch.h", "xxh_x86dispatch.c", "LICENSE")],
             # Hidden by default: only PyInit__native is exported, not xxHash's symbols.
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-pthread",

@@ -66,6 +66,7 @@
 #define XXH_INLINE_ALL
 #include "xxhash.h"
 #include "index.h"
+#include "wire.h"
 #include "blocks.h"
 #ifdef KVT_XXH_X86_DISPATCH
 #include "xxh_x86dispatch.h" /* XXH3_64bits is now XXH3_64bits_dispatch */
@@ -2311,6 +2312,12 @@ static PyMethodDef native_methods[] = {
      "missing, stray, unpublished gone)."},
     {"fingerprint_rows", kvt_py_fingerprint_rows, METH_O,
      "fingerprint_rows(keys): the 24-byte rows of keys' fingerprints."},
+    {"varints_field", kvt_py_varints_field, METH_VARARGS,
+     "varints_field(field, values): values (a buffer of u8, u32 or u64) encoded as the packed "
+     "repeated field number field (b'' for none), to merge into a protobuf message."},
+    {"varints_column", kvt_py_varints_column, METH_VARARGS,
+     "varints_column(message, field): the u64 values (as bytes) of repeated varint field "
+     "number field of a serialized protobuf message; ValueError when it is malformed."},
     {"index_populate", kvt_py_index_populate, METH_VARARGS,
      "index_populate(buf, write=True, touch=True): fault every page of buf in now (madvise POPULATE_WRITE "
      "or _READ), GIL released; whether madvise did it."},

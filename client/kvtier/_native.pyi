@@ -225,6 +225,14 @@ def check_keys(extent_rows: Sequence[_Buffer], index_rows: _Buffer, unpublished_
     keys not in the index, distinct index keys no slot holds, an unpublished key no slot
     holds)."""
 
+def varints_field(field: int, values: _Buffer) -> bytes:
+    """``values`` (a buffer of u8, u32 or u64) encoded as the packed repeated field number
+    ``field`` (b"" for none), to merge into a protobuf message (``csrc/wire.c``)."""
+
+def varints_column(message: _Buffer, field: int) -> bytes:
+    """The u64 values, as bytes, of repeated varint field number ``field`` of a serialized
+    protobuf message (packed or not); ValueError when the message is malformed."""
+
 def index_populate(buf: _Buffer, write: bool = True, touch: bool = True) -> bool:
     """Fault every page of buf in now (GIL released); False: madvise could not (then,
     with touch, each page was touched)."""

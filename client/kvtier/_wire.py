@@ -13,8 +13,14 @@ most :data:`MAX_FDS_PER_MSG` per ``sendmsg``.
 from __future__ import annotations
 
 import struct
-from typing import Final, cast
+from collections.abc import Mapping
+from typing import Final, TypeVar, cast
 
+import numpy as np
+import numpy.typing as npt
+from google.protobuf.message import Message
+
+from kvtier import _native
 from kvtier.v1 import kvtier_pb2 as pb
 
 #: The length prefix of every session-channel frame (body bytes, big-endian).
@@ -34,4 +40,28 @@ TIER_OF_NAME: Final[dict[str, pb.Tier]] = {
 #: Each tier's name by its number (``TIER_OF_NAME`` turned around).
 TIER_NAMES: Final[dict[int, str]] = {number: name for name, number in TIER_OF_NAME.items()}
 
-__all__ = ["FRAME_LEN", "MAX_FDS_PER_MSG", "SESSION_METADATA", "TIER_NAMES", "TIER_OF_NAME"]
+#: Repeated integer fields of at least this many values go to and from the wire as
+#: columns (``with_columns``, ``column``); shorter ones through protobuf's Python API,
+#: which is quicker for a few values than a serialization and a merge.
+COLUMN_MIN: Final = 64
+
+M = TypeVar("M", bound=Message)
+
+
+def with_columns(msg: M, columns: Mapping[int, npt.NDArray[np.unsignedinteger] | bytes]) -> M:
+    """``msg`` with each repeated varint field (by number) set to a column of unsigned
+    integers (u8, u32 or u64; bytes: a u8 each), merged in C: no Python int per value
+    (``csrc/wire.c``).  The fields must be empty in ``msg``."""
+    msg.MergeFromString(b"".join(_native.varints_field(f, v) for f, v in columns.items()))
+    return msg
+
+
+def columns(msg: Message, *fields: int) -> list[npt.NDArray[np.uint64]]:
+    """Repeated varint fields (by number) of ``msg`` as uint64 columns, read from one
+    serialization of it in C (no Python int per value)."""
+    raw = msg.SerializeToString()
+    return [np.frombuffer(_native.varints_column(raw, f), dtype=np.uint64) for f in fields]
+
+
+__all__ = ["COLUMN_MIN", "FRAME_LEN", "MAX_FDS_PER_MSG", "SESSION_METADATA", "TIER_NAMES",
+           "TIER_OF_NAME", "columns", "with_columns"]

@@ -17,10 +17,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from kvtier import __version__, _native
-from kvtier._wire import SESSION_METADATA, TIER_NAMES, TIER_OF_NAME
+from kvtier._wire import (
+    COLUMN_MIN,
+    SESSION_METADATA,
+    TIER_NAMES,
+    TIER_OF_NAME,
+    columns,
+    with_columns,
+)
 from kvtier.errors import (
     CapacityExhausted,
     Internal,
@@ -39,7 +47,7 @@ from kvtierd.counters import ClientReported
 from kvtierd.metrics import Metrics
 from kvtierd.segments import MAX_KEY_BYTES
 from kvtierd.shared_index import SessionPage
-from kvtierd.store import Session
+from kvtierd.store import Session, U64s
 from kvtierd.tiering import Tiering
 
 log = logging.getLogger(__name__)
@@ -303,6 +311,14 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
         self.metrics.reserved_blocks.labels(session.ns.name).inc(len(result.offsets))
         capacity = result.capacity
         if request.packed_slots:  # columns: no message per slot
+            if len(result.statuses) >= COLUMN_MIN:  # (and no Python int per value)
+                return with_columns(pb.ReserveResponse(
+                    reservation_id=result.reservation_id,
+                    segments_version=result.segments_version,
+                    slot_capacity=capacity,
+                ), {pb.ReserveResponse.STATUSES_FIELD_NUMBER: bytes(result.statuses),
+                    pb.ReserveResponse.SLOT_SEGMENT_IDS_FIELD_NUMBER: result.segment_ids,
+                    pb.ReserveResponse.SLOT_OFFSETS_FIELD_NUMBER: result.offsets})
             return pb.ReserveResponse(
                 reservation_id=result.reservation_id,
                 statuses=cast(Any, result.statuses),
@@ -323,15 +339,24 @@ class KVTierService(pb_grpc.KVTierServicer):  # type: ignore[misc]
     @_rpc("Commit")
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CommitResponse:
         session = self._session(context, Right.WRITE)
-        checksums = list(request.checksums) if request.checksums else None
+        lengths: U64s
+        checksums: U64s | None
+        if len(request.lengths) >= COLUMN_MIN:  # columns, read in C: no Python int per value
+            lengths, sums = columns(request, pb.CommitRequest.LENGTHS_FIELD_NUMBER,
+                                    pb.CommitRequest.CHECKSUMS_FIELD_NUMBER)
+            checksums = sums if len(sums) else None
+        else:  # (read once: each read of the field makes its ints)
+            lengths = list(request.lengths)
+            checksums = list(request.checksums) if request.checksums else None
         res = session.reservations.get(request.reservation_id)
-        lengths = list(request.lengths)  # (read once: each read of the field makes its ints)
         n = self.tiering.commit(session, request.reservation_id, lengths, checksums)
         self.metrics.committed_blocks.labels(session.ns.name).inc(n)
         if res is not None:
             self.metrics.reservation_seconds.labels(session.ns.name, "commit").observe(
                 self.store.held_seconds(res.started))
-        self.metrics.tier_io("dram", "write", sum(lengths), n)
+        # (committed: each length was 1..block_bytes, so the column's sum cannot wrap)
+        nbytes = int(lengths.sum()) if isinstance(lengths, np.ndarray) else sum(lengths)
+        self.metrics.tier_io("dram", "write", nbytes, n)
         return pb.CommitResponse(committed=n)
 
     def commit_from_page(self, session: Session, page: SessionPage) -> int:

@@ -19,6 +19,8 @@ import pytest
 
 import kvtier
 from kvtier import errors
+from kvtier._core import LOCAL_WRITES_ENV
+from kvtier._wire import COLUMN_MIN
 from kvtier.v1 import kvtier_pb2 as pb
 from tests.conftest import DaemonProc, start_daemon, stop_daemon
 
@@ -86,6 +88,28 @@ def test_put_skips_present_keys_and_keeps_exact_lengths(daemon: DaemonProc) -> N
         assert all(np.array_equal(a, b) for a, b in zip(got, blocks, strict=False))
         with pytest.raises(errors.InvalidArgument, match="a block holds 1..10000 bytes"):
             c.put([b"e"], [np.zeros(10001, np.uint8)])
+
+
+def test_a_put_of_hundreds_of_blocks_through_the_calls_is_byte_exact(
+        daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reserve and Commit calls of COLUMN_MIN keys and more (their slots, lengths and
+    checksums go to and from the wire as columns, in C), some of them present already
+    (EXISTS), lengths of every size, each block checksummed: what a get reads back is
+    exactly what was put."""
+    monkeypatch.setenv(LOCAL_WRITES_ENV, "0")  # the calls, not the slots granted ahead
+    n = 3 * COLUMN_MIN
+    rng = np.random.default_rng(7)
+    with kvtier.Client(daemon.socket_dir, namespace="cols", block_bytes=4096,
+                       model_uid="m") as c:
+        keys = [f"col-{i}".encode() for i in range(n)]
+        blocks = [rng.integers(0, 256, int(rng.integers(1, 4097)), dtype=np.uint8)
+                  for _ in range(n)]
+        assert c.put(keys[::3], blocks[::3]) == n // 3
+        assert c.put(keys, blocks) == n - n // 3
+        got = c.get(keys)
+        assert [g.tobytes() for g in got] == [b.tobytes() for b in blocks]
+        assert c.delete(keys) == n
+    assert daemon.check() == []
 
 
 def test_eviction_at_capacity_keeps_most_recent(daemon: DaemonProc) -> None:

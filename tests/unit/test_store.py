@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -391,6 +392,28 @@ def test_invalid_commit_is_invalid_argument_with_exact_message_and_changes_nothi
     assert set(s.ns.in_flight) == set(ks) and env.store.lookup(s, ks) == 0
     # the reservation is still open and commits fine afterwards
     assert env.store.commit(s, res.reservation_id, [1, BLOCK], [0, 2**64 - 1]) == 2
+    assert env.store.lookup(s, ks) == 2
+
+
+@pytest.mark.parametrize(("lengths", "checksums", "message"),
+                         [e for e in COMMIT_ERRORS if min(e[0], default=0) >= 0])
+def test_a_commit_given_columns_is_checked_as_one_given_lists(
+    env: StoreEnv, lengths: list[int], checksums: list[int] | None, message: str
+) -> None:
+    """A large commit's lengths and checksums come as uint64 columns read from the wire
+    (``kvtier._wire.columns``): each bad value is refused with the same message."""
+    s = session(env)
+    ks = keys(2)
+    res = env.reserve(s, ks)
+    before = snapshot(env.store)
+    as_column = functools.partial(np.array, dtype=np.uint64)
+    with pytest.raises(InvalidArgument) as ei:
+        env.store.commit(s, res.reservation_id, as_column(lengths),
+                         None if checksums is None else as_column(checksums))
+    assert str(ei.value) == message.format(rid=res.reservation_id)
+    assert snapshot(env.store) == before
+    assert env.store.commit(s, res.reservation_id, as_column([1, BLOCK]),
+                            as_column([0, 2**64 - 1])) == 2
     assert env.store.lookup(s, ks) == 2
 
 

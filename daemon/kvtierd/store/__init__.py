@@ -136,6 +136,7 @@ from kvtierd.store.types import (
     ReserveStatus,
     Session,
     SlotGrant,
+    U64s,
 )
 
 __all__ = [
@@ -143,5 +144,5 @@ __all__ = [
     "MAX_READ_HINTS", "AcquireResult", "AdoptedSlots", "Block", "BlockBatch", "CheckSnapshot",
     "CommitResult", "Extent", "ExtentFactory", "GrantBook", "Lease", "Lower", "Namespace", "NeedDemotion", "PageCommits",
     "Peer", "Pinned", "Reservation", "ReserveResult", "ReserveStatus", "Session", "SlotGrant", "Store",
-    "StoreOptions",
+    "StoreOptions", "U64s",
 ]

@@ -48,6 +48,7 @@ from kvtierd.store.types import (
     ReserveResult,
     ReserveStatus,
     Session,
+    U64s,
 )
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,10 @@ _RESERVED, _EXISTS, _IN_FLIGHT = (int(ReserveStatus.RESERVED), int(ReserveStatus
                                   int(ReserveStatus.IN_FLIGHT))
 
 
-def _u64_or_none(values: Sequence[int | None] | Sequence[int]) -> npt.NDArray[np.uint64] | None:
+def _u64_or_none(values: Sequence[int | None] | U64s) -> npt.NDArray[np.uint64] | None:
     """``values`` as a uint64 column, or None when one is not an integer in 0..2**64-1."""
+    if isinstance(values, np.ndarray) and values.dtype == np.uint64:
+        return values if values.ndim == 1 else None  # (a column read from the wire)
     if not len(values):
         return _NO_REFS
     try:  # (ints from the wire or the store itself: no floats to truncate)
@@ -266,8 +269,8 @@ class Operations:
         self,
         session: Session,
         reservation_id: int,
-        lengths: Sequence[int],
-        checksums: Sequence[int] | None,
+        lengths: U64s,
+        checksums: U64s | None,
     ) -> int:
         """Make a reservation's slots visible, all or nothing."""
         res = self._own_reservation(session, reservation_id)

@@ -44,6 +44,7 @@ from kvtierd.store.types import (
     Peer,
     ReserveResult,
     Session,
+    U64s,
 )
 
 log = logging.getLogger(__name__)
@@ -248,8 +249,8 @@ class Store:
         self.fast_path.after_reserve(session)
         return result
 
-    def commit(self, session: Session, reservation_id: int, lengths: Sequence[int],
-               checksums: Sequence[int] | None) -> int:
+    def commit(self, session: Session, reservation_id: int, lengths: U64s,
+               checksums: U64s | None) -> int:
         return self.calls.commit(session, reservation_id, lengths, checksums)
 
     def abort(self, session: Session, reservation_id: int) -> int:

@@ -9,7 +9,7 @@ import dataclasses
 import enum
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Final
+from typing import Final, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -659,6 +659,11 @@ class SlotGrant:
     offset: int
     length: int
     checksum: int | None
+
+
+#: A commit's lengths or checksums: a list of ints, or a uint64 column (a large commit's,
+#: read from the wire in C: ``kvtier._wire.columns``).
+U64s: TypeAlias = Sequence[int] | npt.NDArray[np.uint64]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

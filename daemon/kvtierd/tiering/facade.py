@@ -26,6 +26,7 @@ from kvtierd.store import (
     ReserveResult,
     Session,
     Store,
+    U64s,
 )
 from kvtierd.tiering.admin import Admin, EvictResult, KeyState
 from kvtierd.tiering.below import Below
@@ -145,8 +146,8 @@ class Tiering:
         return await self.demoter.reserve(session, keys,
                                           self.below.exists_below(session, keys))
 
-    def commit(self, session: Session, reservation_id: int, lengths: Sequence[int],
-               checksums: Sequence[int] | None) -> int:
+    def commit(self, session: Session, reservation_id: int, lengths: U64s,
+               checksums: U64s | None) -> int:
         """``Store.commit``, then wake the demoter and publish when write-through."""
         res = session.reservations.get(reservation_id)
         keys = list(res.keys) if res is not None else []
