@@ -130,7 +130,8 @@ async def read_frame(conn: Conn, limit: int) -> bytes:
                     + (" before a session is open" if limit == MAX_OPEN_FRAME else ""))
             need = _LEN.size + length
         if need and len(buf) >= need:
-            body = bytes(buf[_LEN.size:need])
+            with memoryview(buf) as view:  # (one copy: a slice of buf would be another)
+                body = bytes(view[_LEN.size:need])
             del buf[:need]
             return body
         await conn.more()
