@@ -1457,7 +1457,7 @@ fail:
 
 PyDoc_STRVAR(bt_commit_ring_doc,
 "commit_ring($self, page, tail, max_length, held, index, first_access, epoch,\n"
-"            exists, want_keys, /)\n--\n\n"
+"            exists, want_keys, answer_min=-1, /)\n--\n\n"
 "Commit the records a writer published in its session page (a writable\n"
 "KVT_WPAGE_BYTES buffer) since tail, in one call, when the ring is the plain\n"
 "case: every record names a grant the session holds (held: its KVT_W_GRANTS_N\n"
@@ -1469,11 +1469,14 @@ PyDoc_STRVAR(bt_commit_ring_doc,
 "COMMITTED as commit() makes them (last access first_access + i, epoch), their\n"
 "keys are published in index, and each record's grant ends: its word in held\n"
 "and in the page becomes 0.  Returns (n, refs, entries, nbytes, done, n_left,\n"
-"left, keys): the records committed, their slot refs and grant entries (bytes\n"
-"of u64), their bytes, commit()'s done and left of the publishing (left: the\n"
-"first n_left u64 of a bytes), and the keys\n"
-"(a list of bytes, made only when want_keys or exists; else None).  The\n"
-"answers and DONE are the caller's to write (commits_done).  Returns None,\n"
+"left, keys, answered): the records committed, their slot refs and grant\n"
+"entries (bytes of u64), their bytes, commit()'s done and left of the publishing\n"
+"(left: the first n_left u64 of a bytes), the keys (a list of bytes, made only\n"
+"when want_keys or exists; else None), and whether the answers were written.\n"
+"The answers (COMMITTED each) and DONE are written here, and the writer woken,\n"
+"when the session still holds answer_min grants or more once the ring's have\n"
+"ended (so its next put finds them); else they are the caller's to write\n"
+"(commits_done), after it granted more.  Returns None,\n"
 "having changed nothing, for any other ring (empty, impossible, a record\n"
 "commits_take or the store would refuse or answer per batch, a key present,\n"
 "a slot the table would refuse): the caller takes it the general way.");
@@ -1486,6 +1489,7 @@ bt_commit_ring(BlockTable *t, PyObject *args)
     PyObject *page_obj, *held_obj, *index_obj, *exists, *out = NULL, *keys = NULL;
     unsigned long long tail, max_length, first_access, epoch;
     int want_keys;
+    long long answer_min = -1;
     Py_buffer page, held, ib;
     kvt_ring *r = NULL;
     kvt_batch b;
@@ -1493,8 +1497,9 @@ bt_commit_ring(BlockTable *t, PyObject *args)
     Py_ssize_t *left = NULL, n_left = 0, done = 0, n;
     commit_job j;
 
-    if (!PyArg_ParseTuple(args, "OKKOOKKOp:commit_ring", &page_obj, &tail, &max_length,
-                          &held_obj, &index_obj, &first_access, &epoch, &exists, &want_keys))
+    if (!PyArg_ParseTuple(args, "OKKOOKKOp|L:commit_ring", &page_obj, &tail, &max_length,
+                          &held_obj, &index_obj, &first_access, &epoch, &exists, &want_keys,
+                          &answer_min))
         return NULL;
     if (ready(t) < 0)
         return NULL;
@@ -1600,7 +1605,7 @@ bt_commit_ring(BlockTable *t, PyObject *args)
     uint64_t nbytes = 0;
     for (Py_ssize_t i = 0; i < n; i++)
         nbytes += r->length[i];
-    PyObject *ans = PyTuple_New(8);
+    PyObject *ans = PyTuple_New(9);
     if (ans == NULL)
         goto done;
     PyObject *items[4] = {PyBytes_FromStringAndSize(NULL, n * 8),
@@ -1657,6 +1662,18 @@ bt_commit_ring(BlockTable *t, PyObject *args)
     }
     for (Py_ssize_t k = 0; k < n_left; k++)
         left_out[k] = (uint64_t)left[k];
+    /* The answer now, without a return to the caller first, when the writer keeps
+     * enough grants for its next put (else the caller grants more before it answers). */
+    int answered = 0;
+    if (answer_min >= 0) {
+        long long kept = 0;
+        for (Py_ssize_t e = 0; e < KVT_W_GRANTS_N; e++)
+            kept += hw[e] != 0;
+        if (kept >= answer_min) {
+            kvt_commits_finish(&page, tail, NULL, KVT_W_COMMITTED, n);
+            answered = 1;
+        }
+    }
     /* (n, done and n_left are at most KVT_W_RING_N: small ints, never allocated) */
     PyTuple_SET_ITEM(ans, 0, PyLong_FromSsize_t(n));
     PyTuple_SET_ITEM(ans, 1, items[0]);
@@ -1666,6 +1683,7 @@ bt_commit_ring(BlockTable *t, PyObject *args)
     PyTuple_SET_ITEM(ans, 5, PyLong_FromSsize_t(n_left));
     PyTuple_SET_ITEM(ans, 6, items[2]);
     PyTuple_SET_ITEM(ans, 7, Py_NewRef(keys != NULL ? keys : Py_None));
+    PyTuple_SET_ITEM(ans, 8, PyBool_FromLong(answered));
     out = ans;
 done:
     Py_XDECREF(keys);

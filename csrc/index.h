@@ -81,6 +81,12 @@ typedef struct {
 int kvt_ring_read(Py_buffer *page, uint64_t tail, uint64_t max_length, const uint64_t *held,
                   kvt_ring *r);
 
+/* The daemon's answer to the n records of a writable page's ring from tail: each
+ * record's result byte (res[i], or fill when res is NULL), then DONE = tail + n, and a
+ * futex wake of the writers asleep on it (commits_done). */
+void kvt_commits_finish(Py_buffer *page, uint64_t tail, const unsigned char *res,
+                        unsigned char fill, Py_ssize_t n);
+
 /* index_find_many's lookup of n keys (keys[i] of klens[i] bytes; NULL: none) in the
  * index buf holds: out[i] is the ref of its live entry, or 0.  0, or -1 with a Python
  * error when buf holds no index. */

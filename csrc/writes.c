@@ -735,6 +735,21 @@ kvt_ring_read(Py_buffer *page, uint64_t tail, uint64_t max_length, const uint64_
     return 1;
 }
 
+void
+kvt_commits_finish(Py_buffer *page, uint64_t tail, const unsigned char *res, unsigned char fill,
+                   Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        __atomic_store_n(RECORD(page, (tail + (uint64_t)i) % KVT_W_RING_N) + KVT_R_RESULT,
+                         res != NULL ? res[i] : fill, __ATOMIC_RELAXED);
+    uint32_t *word = W_U32(page, KVT_W_DONE);
+    __atomic_store_n(word, (uint32_t)(tail + (uint64_t)n), __ATOMIC_SEQ_CST);
+    /* A writer still spinning needs no system call (nor the wake-up's preemption);
+     * one that announced its sleep after the store above sees DONE and does not sleep. */
+    if (__atomic_load_n(W_U32(page, KVT_W_WAITERS), __ATOMIC_SEQ_CST) != 0)
+        syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
 PyObject *
 kvt_py_commits_done(PyObject *Py_UNUSED(m), PyObject *args)
 {
@@ -753,16 +768,7 @@ kvt_py_commits_done(PyObject *Py_UNUSED(m), PyObject *args)
         PyErr_SetString(PyExc_ValueError, "more results than the ring holds");
         goto done;
     }
-    const unsigned char *res = results.buf;
-    for (Py_ssize_t i = 0; i < results.len; i++)
-        __atomic_store_n(RECORD(&page, (tail + (uint64_t)i) % KVT_W_RING_N) + KVT_R_RESULT, res[i],
-                         __ATOMIC_RELAXED);
-    uint32_t *word = W_U32(&page, KVT_W_DONE);
-    __atomic_store_n(word, (uint32_t)(tail + (uint64_t)results.len), __ATOMIC_SEQ_CST);
-    /* A writer still spinning needs no system call (nor the wake-up's preemption);
-     * one that announced its sleep after the store above sees DONE and does not sleep. */
-    if (__atomic_load_n(W_U32(&page, KVT_W_WAITERS), __ATOMIC_SEQ_CST) != 0)
-        syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    kvt_commits_finish(&page, tail, results.buf, 0, results.len);
     ret = Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&results);

@@ -298,11 +298,13 @@ class BlockTable:
     def commit_ring(self, page: _Buffer, tail: int, max_length: int, held: _Buffer,
                     index: _Buffer, first_access: int, epoch: int,
                     exists: Callable[[list[bytes]], Sequence[object]] | None, want_keys: bool,
-                    /) -> (tuple[int, bytes, bytes, int, int, int, bytes, list[bytes] | None]
-                           | None):
+                    answer_min: int = -1,
+                    /) -> (tuple[int, bytes, bytes, int, int, int, bytes, list[bytes] | None,
+                                 bool] | None):
         """A session's plain commit ring in one call (commit's transition, the keys
-        published, the grants ended in held and the page): (n, refs, entries, nbytes,
-        done, n_left, left, keys), or None having changed nothing."""
+        published, the grants ended in held and the page, and the answers with DONE
+        when held keeps answer_min grants or more): (n, refs, entries, nbytes, done,
+        n_left, left, keys, answered), or None having changed nothing."""
     def unpublish(self, refs: _Buffer, index: _Buffer, /) -> bytes:
         """Take the blocks at refs out of the shared index by their slot entries' keys,
         only where the index names that block: 1 per ref removed."""

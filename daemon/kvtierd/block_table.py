@@ -134,7 +134,7 @@ class RingCommit(NamedTuple):
     """What ``BlockTable.commit_ring`` committed: ``n`` records, their slots' ``refs``
     and grant ``entries`` (in ring order), their ``nbytes``; of the publishing, the
     refs before ``done`` went in the index but those at ``left``; the ``keys`` when
-    asked for."""
+    asked for; whether it ``answered`` the writer already."""
 
     n: int
     refs: Refs
@@ -143,6 +143,8 @@ class RingCommit(NamedTuple):
     done: int
     left: list[int]
     keys: list[bytes] | None
+    #: the answers and DONE were written, the writer woken (``answer_min``)
+    answered: bool = False
 
 
 def by_extent(refs: Refs) -> list[tuple[int, npt.NDArray[np.bool_] | None]]:
@@ -293,21 +295,23 @@ class BlockTable:
     def commit_ring(self, page: mmap.mmap, tail: int, max_length: int,
                     held: npt.NDArray[np.uint64], index: mmap.mmap, *, first_access: int,
                     epoch: int, exists: Callable[[list[bytes]], Sequence[bool]] | None,
-                    want_keys: bool) -> RingCommit | None:
+                    want_keys: bool, answer_min: int = -1) -> RingCommit | None:
         """A session's commit ring from ``tail`` in one call, when it is the plain case
         (every record names a grant ``held`` holds, no grant or key twice, every key
         new to ``index`` and, asked, to ``exists``): the slots committed as
         ``commit`` makes them, their keys published in ``index`` and their grants ended
         in ``held`` and the page.  None, changing nothing, for any other ring (the
-        caller takes it record by record: ``SessionPage.take_commits``)."""
+        caller takes it record by record: ``SessionPage.take_commits``).  With
+        ``answer_min`` >= 0 it also answers the writer (COMMITTED each, DONE, a wake)
+        when ``held`` keeps that many grants after the ring's ended."""
         got = self._t.commit_ring(page, tail, max_length, held, index, first_access, epoch,
-                                  exists, want_keys)
+                                  exists, want_keys, answer_min)
         if got is None:
             return None
-        n, refs, entries, nbytes, done, n_left, left, keys = got
+        n, refs, entries, nbytes, done, n_left, left, keys, answered = got
         return RingCommit(n, np.frombuffer(refs, dtype=np.uint64), entries, nbytes, done,
                           np.frombuffer(left, dtype=np.uint64, count=n_left).tolist()
-                          if n_left else [], keys)
+                          if n_left else [], keys, answered)
 
     def unpublish(self, refs: npt.ArrayLike, index: mmap.mmap) -> bytes:
         """Take the blocks at ``refs`` out of the shared index whose buffer is ``index``,

@@ -807,6 +807,11 @@ class SessionPage:
         _native.commits_done(self._mm, self._w_tail, results)
         self._w_tail += len(results)
 
+    def finished_commits(self, n: int) -> None:
+        """The ``n`` records from the tail were answered already, natively
+        (``BlockTable.commit_ring``'s ``answer_min``): the tail moves past them."""
+        self._w_tail += n
+
     def close_fd(self) -> None:
         if self.fd is not None:
             os.close(self.fd)

@@ -9,6 +9,7 @@ import contextlib
 import shutil
 import struct
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from kvtier import _native, _page
 from kvtierd.shared_index import GRANT_TAKEN, SessionPage
 from kvtierd.store import CommitResult, Session
+from kvtierd.store.fast_path import FastPath
 from kvtierd.store.state import StoreState
 
 from .conftest import StoreEnv, close_store, make_shm_dir, make_store
@@ -109,6 +111,55 @@ def test_a_plain_ring_commits_in_one_native_call(monkeypatch: pytest.MonkeyPatch
         env.store.close_session(s)
         page.close()
         assert env.store.check() == []
+
+
+def test_the_native_call_answers_a_writer_that_keeps_what_its_next_put_takes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer that still holds the grants it asks for (the page's WANT) once the
+    ring's have ended is answered inside the native call (no ``finish_commits``), and
+    refilled after; one that holds fewer is refilled first and answered after, so its
+    next put finds its grants; a WANT past any page's grants is never answered there."""
+    with _ring_store() as env:
+        s = session(env)
+        put(env, s, [b"first"])
+        page = _writer_page(env, s)
+        steps: list[str] = []  # the Python answers and the refills, in order
+        real_finish = SessionPage.finish_commits
+        real_refill = FastPath.refill_grants
+
+        def finish(self: SessionPage, results: bytes) -> None:
+            steps.append("answer")
+            real_finish(self, results)
+
+        def refill(self: FastPath, *args: Any) -> int:
+            steps.append("refill")
+            return real_refill(self, *args)
+
+        monkeypatch.setattr(SessionPage, "finish_commits", finish)
+        monkeypatch.setattr(FastPath, "refill_grants", refill)
+
+        def ring(n: int, want: int, tag: bytes) -> None:
+            struct.pack_into("<Q", page.mapping, _page.W_WANT, want)
+            held = sorted(s.grants)[:n]
+            first = _publish(page, [[(g, int(s.grants.words[g]), tag + b"%d" % i, 7, None)
+                                     for i, g in enumerate(held)]])
+            out = env.store.commit_from_page(s, page)
+            assert (out.records, out.committed) == (n, n)
+            assert _native.commit_results(page.mapping, first, n) == _COMMITTED * n
+            assert _native.done_wait(page.mapping, first + n, 0.0)
+            assert page.commits_tail == first + n
+
+        ring(4, 4, b"kept")  # 12 granted, 8 left >= 4: answered natively
+        assert "answer" not in steps
+        steps.clear()
+        ring(2, GRANTS, b"short")  # fewer than it wants left: a refill, then the answer
+        assert steps[:2] == ["refill", "answer"]
+        steps.clear()
+        ring(1, 2**64 - 1, b"huge")  # the client's word, bounded: answered by Python
+        assert "answer" in steps
+        assert env.store.lookup(s, [b"kept0", b"short1", b"huge0"]) == 3
+        env.store.close_session(s)
+        page.close()
 
 
 def test_a_ring_changes_nothing_when_the_store_needs_more_than_the_native_call(

@@ -215,7 +215,6 @@ class TestOneHost:
     def test_the_proxy_streams_the_decode_servers_answer(
             self, lab: dict[str, Any], one_host: dict[str, Any]) -> None:
         decode = one_host["decode"]
-        tokens = prompt(400, 5)
         # ~6 s of decoding here (~2 ms a token): the first event must arrive long before
         # the end, even to a reader the machine starves for a while
         n = 2800
@@ -223,11 +222,6 @@ class TestOneHost:
         def running() -> float:
             return decode.metrics().get("vllm:num_requests_running", -1.0)
 
-        res = stream(one_host["proxy"].url + "/v1/completions",
-                     completion(tokens, n, stream=True, stream_options={"include_usage": True}),
-                     on_first=running)
-        assert res["status"] == 200 and res["content_type"].startswith("text/event-stream")
-        assert res["done"]
         # When the first event reached the client the decode server was still generating:
         # the proxy passes events on as they come, it does not collect the answer first.
         # Either of two signs shows it, and a proxy that collects shows neither: the decode
@@ -235,18 +229,34 @@ class TestOneHost:
         # arriving seconds before the last (a collected answer arrives at once).  One alone
         # is no test on a busy machine: a starved reader finds many events in its socket at
         # once, and a decode server busy generating may answer /metrics only after it is
-        # done (CI saw 5.3 s).  tests/unit/test_pd_proxy.py times events against a server
-        # with set pauses.
-        times = res["times"]
-        assert res["at_first"] == 1 or times[-1] - times[0] > 2.0, (
-            f"decode server running {res['at_first']} at the first event "
-            f"(first events at {times[:3]} s, the last at {times[-1]:.2f} s)")
-        ids = [t for e in res["events"] for c in e.get("choices") or []
-               for t in c.get("token_ids") or []]
-        assert ids == lab["expected"](tokens, n)
-        usage = [e["usage"] for e in res["events"] if e.get("usage")]
-        assert cached_tokens({"usage": usage[-1]}) == full_blocks(400) * BLOCK
-        assert len(res["events"]) >= 8
+        # done (CI saw 5.3 s).  Even both can miss once: CI saw a decode server whose own
+        # API process sent every event in the last 45 ms of the answer (its engine process
+        # took both cores), so a request that shows neither sign is tried again with
+        # another prompt -- a collecting proxy shows neither in every try.
+        # tests/unit/test_pd_proxy.py times events against a server with set pauses.
+        seen: list[str] = []
+        for attempt, seed in enumerate((5, 55, 56)):
+            tokens = prompt(400, seed)
+            res = stream(one_host["proxy"].url + "/v1/completions",
+                         completion(tokens, n, stream=True,
+                                    stream_options={"include_usage": True}),
+                         on_first=running)
+            assert res["status"] == 200 and res["content_type"].startswith("text/event-stream")
+            assert res["done"]
+            ids = [t for e in res["events"] for c in e.get("choices") or []
+                   for t in c.get("token_ids") or []]
+            assert ids == lab["expected"](tokens, n)
+            usage = [e["usage"] for e in res["events"] if e.get("usage")]
+            assert cached_tokens({"usage": usage[-1]}) == full_blocks(400) * BLOCK
+            assert len(res["events"]) >= 8
+            times = res["times"]
+            if res["at_first"] == 1 or times[-1] - times[0] > 2.0:
+                break
+            seen.append(f"try {attempt}: decode server running {res['at_first']} at the "
+                        f"first event (first events at {times[:3]} s, the last at "
+                        f"{times[-1]:.2f} s)")
+        else:
+            raise AssertionError("no sign of streaming in any try: " + "; ".join(seen))
 
     def test_a_dead_server_is_a_502_naming_it(self, one_host: dict[str, Any]) -> None:
         base, prefill, decode = one_host["base"], one_host["prefill"], one_host["decode"]

@@ -24,7 +24,7 @@ from kvtier.errors import (
 )
 from kvtierd.access import Right
 from kvtierd.counters import ClientReported, saturating_add
-from kvtierd.shared_index import PageRecords, SessionPage
+from kvtierd.shared_index import GRANTS_N, PageRecords, SessionPage
 from kvtierd.store import grants
 from kvtierd.store.allocator import Allocator
 from kvtierd.store.base import _NO_REFS, _NeedExtent, _Raced
@@ -154,16 +154,24 @@ class FastPath:
         area, but a session's rights are what it holds now."""
         out = PageCommits()
         if session.rights & _WRITE:
-            try:  # the plain ring, in one native call
+            wanted = page.wanted()
+            try:  # the plain ring in one native call, answered there when it can be
+                # (the client's word, bounded: past GRANTS_N no ring is answered there)
                 ring = session.grants.commit_ring(page, self._state.commit_ring,
-                                                  self._state.clock, exists)
+                                                  self._state.clock, exists,
+                                                  min(wanted, GRANTS_N + 1))
             except Exception:  # a bug, not the client's input: the ring is taken again below
                 log.exception("native commit of session %d's ring failed", session.id)
                 ring = None
             if ring is not None:
                 out.records = out.committed = ring.n
                 out.nbytes = ring.nbytes
-                self._answer(session, page, bytes([_COMMITTED]) * ring.n)
+                if ring.answered:  # (it kept what its next put takes: the refill may follow)
+                    target = self.grant_target(session.ns, wanted)
+                    if session.grants.needs_refill(target, wanted):
+                        self.refill_grants(session, target, wanted)
+                else:
+                    self._answer(session, page, bytes([_COMMITTED]) * ring.n)
                 return out
         records = page.take_commits(session.ns.block_bytes, session.grants.words)
         if records is None:  # an impossible head: only a hostile page has one

@@ -83,9 +83,11 @@ _GRANT, _WORD = 0, 1  # PageRecords.columns' rows of grant entries and of the wo
 #: EXISTS to a writer, as a DRAM block is.
 HeldBelow: TypeAlias = Callable[[Sequence[bytes]], list[bool]]
 #: The same transition for a writer's whole commit ring in one native call, when it
-#: is the plain case (``StoreState.commit_ring``): None, changing nothing, otherwise.
+#: is the plain case (``StoreState.commit_ring``; the last argument its
+#: ``answer_min``): None, changing nothing, otherwise.
 CommitRing: TypeAlias = Callable[
-    ["Namespace", SessionPage, npt.NDArray[np.uint64], "HeldBelow | None"], "RingCommit | None"]
+    ["Namespace", SessionPage, npt.NDArray[np.uint64], "HeldBelow | None", int],
+    "RingCommit | None"]
 #: The store's one commit transition for a batch of granted slots (``StoreState.commit_slots``
 #: over ``Commits(refs, gens, keys, lengths, checksums)``): the blocks made.  All or
 #: nothing; ValueError or OSError changes nothing.
@@ -336,14 +338,15 @@ class GrantBook:
         return bytes(results), made
 
     def commit_ring(self, page: SessionPage, commit_ring: CommitRing, clock: Callable[[], float],
-                    exists: HeldBelow | None = None) -> RingCommit | None:
+                    exists: HeldBelow | None = None, answer_min: int = -1
+                    ) -> RingCommit | None:
         """The writer's whole commit ring in one native call, when it is the plain case
         (``StoreState.commit_ring``, passed in: every record names a grant held and a
         new key, none twice); each record's grant ends there, in ``words`` and the
         page.  None, with nothing changed, for any other ring (``commit`` takes it)."""
         if self._session.closed:
             return None
-        got = commit_ring(self._session.ns, page, self.words, exists)
+        got = commit_ring(self._session.ns, page, self.words, exists, answer_min)
         if got is None:
             return None
         self._n -= got.n

@@ -249,8 +249,8 @@ class StoreState:
                     commits.lengths.tolist(), sums, strict=True)]
 
     def commit_ring(self, ns: Namespace, page: SessionPage, held: npt.NDArray[np.uint64],
-                    exists: Callable[[list[bytes]], Sequence[bool]] | None
-                    ) -> RingCommit | None:
+                    exists: Callable[[list[bytes]], Sequence[bool]] | None,
+                    answer_min: int = -1) -> RingCommit | None:
         """``commit_slots`` of a writer's whole commit ring in one native call
         (``BlockTable.commit_ring``: the records read from ``page`` and checked against
         ``held``, the session's grant words, which it ends; the slot entries; the
@@ -259,7 +259,9 @@ class StoreState:
         ``exists``, the tiers below).  None, with nothing changed, for any other ring,
         and whenever the store wants more than the native call gives: block handles,
         a namespace with reservations in flight (their keys are not in the index), keys
-        kept outside the shared table, a table that must grow first."""
+        kept outside the shared table, a table that must grow first.  With
+        ``answer_min`` >= 0 the writer is answered in the same call when its grants left
+        number that many (the page's tail then moves past the ring)."""
         index = ns.index.table
         if self.commit_handles or ns.in_flight or index.unpublished:
             return None
@@ -268,9 +270,12 @@ class StoreState:
             return None
         got = ns.table.commit_ring(page.mapping, page.commits_tail, ns.block_bytes, held, room,
                                    first_access=self.next_access, epoch=self.boot_epoch,
-                                   exists=exists, want_keys=ns.index.watch is not None)
+                                   exists=exists, want_keys=ns.index.watch is not None,
+                                   answer_min=answer_min)
         if got is None:
             return None
+        if got.answered:
+            page.finished_commits(got.n)
         self.access(got.n)
         ns.index.committed_published(got.refs, got.keys or (), got.done, got.left)
         return got
