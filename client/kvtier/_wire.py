@@ -41,7 +41,7 @@ TIER_OF_NAME: Final[dict[str, pb.Tier]] = {
 TIER_NAMES: Final[dict[int, str]] = {number: name for name, number in TIER_OF_NAME.items()}
 
 #: Repeated integer fields of at least this many values go to and from the wire as
-#: columns (``with_columns``, ``column``); shorter ones through protobuf's Python API,
+#: columns (``with_columns``, ``columns``); shorter ones through protobuf's Python API,
 #: which is quicker for a few values than a serialization and a merge.
 COLUMN_MIN: Final = 64
 

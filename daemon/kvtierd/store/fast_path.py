@@ -166,12 +166,8 @@ class FastPath:
             if ring is not None:
                 out.records = out.committed = ring.n
                 out.nbytes = ring.nbytes
-                if ring.answered:  # (it kept what its next put takes: the refill may follow)
-                    target = self.grant_target(session.ns, wanted)
-                    if session.grants.needs_refill(target, wanted):
-                        self.refill_grants(session, target, wanted)
-                else:
-                    self._answer(session, page, bytes([_COMMITTED]) * ring.n)
+                self._answer(session, page, None if ring.answered
+                             else bytes([_COMMITTED]) * ring.n, wanted)
                 return out
         records = page.take_commits(session.ns.block_bytes, session.grants.words)
         if records is None:  # an impossible head: only a hostile page has one
@@ -191,7 +187,7 @@ class FastPath:
             log.exception("commit of %d records from session %d's page failed",
                           len(records), session.id)
             results = bytes([CommitResult.FAILED]) * len(records)
-        self._answer(session, page, results)
+        self._answer(session, page, results, page.wanted())
         out.committed = results.count(_COMMITTED)
         if out.committed == len(records):
             out.nbytes = sum(records.columns[_LENGTH].tolist())
@@ -200,16 +196,18 @@ class FastPath:
             out.nbytes = int(records.columns[_LENGTH][done].sum())
         return out
 
-    def _answer(self, session: Session, page: SessionPage, results: bytes) -> None:
-        """Write a ring's answers and DONE, and refill the writer's grants: after the
-        answer when it still holds what its next put takes (the claim is then off its
-        round trip), else before it.  (A ring without records refills nothing: it costs
-        a read.)"""
-        wanted = page.wanted()
+    def _answer(self, session: Session, page: SessionPage, results: bytes | None,
+                wanted: int) -> None:
+        """Write a ring's answers and DONE, and refill the writer's grants (``wanted``: what
+        its page asks for): after the answer when it still holds what its next put takes
+        (the claim is then off its round trip), else before it.  ``results`` None: the
+        native commit answered already (it holds enough), only the refill is left.  (A
+        ring without records refills nothing: it costs a read.)"""
         target = self.grant_target(session.ns, wanted)
-        if len(session.grants) < wanted:
-            self.refill_grants(session, target, wanted)
-        page.finish_commits(results)
+        if results is not None:
+            if len(session.grants) < wanted:
+                self.refill_grants(session, target, wanted)
+            page.finish_commits(results)
         if session.grants.needs_refill(target, wanted):
             self.refill_grants(session, target, wanted)
 
