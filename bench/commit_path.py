@@ -47,6 +47,8 @@ Per tree and round:
   has); 1-key deletes of keys it holds in DRAM alone, then of keys with an SSD copy
   too (p50, its ratio to the empty gRPC call, the daemon's CPU per delete; for the
   second also its ratio to the disk's floor: a 4 KiB O_DIRECT write and an fdatasync).
+  First the session channel's own floor: a FastCall the daemon answers without a
+  handler (an unknown method), p50 and its ratio to the empty gRPC call.
 
 Usage::
 
@@ -475,6 +477,17 @@ def _delete_mode(seconds: float) -> dict[str, float]:
                     health.Check(req, timeout=10)
                     empty.append(time.perf_counter() - a)
                 out["empty_call_p50_ms"] = _p50(empty) * 1e3
+                # The session channel's own floor: a FastCall the daemon answers with no
+                # handler (an unknown method's error frame), the wake-ups and framing
+                # every call on it pays.
+                nop: list[float] = []
+                for _ in range(2000):
+                    a = time.perf_counter()
+                    with contextlib.suppress(kvtier.errors.InvalidArgument):
+                        c._link.call("NoSuchMethod", health_pb2.HealthCheckRequest(), 10)
+                    nop.append(time.perf_counter() - a)
+                out["noop_fastcall_p50_ms"] = _p50(nop) * 1e3
+                out["noop_fastcall_x_empty"] = out["noop_fastcall_p50_ms"] / out["empty_call_p50_ms"]
                 left = keys
                 for case in ("delete", "delete_ssd"):
                     if case == "delete_ssd":  # every block left gets its SSD copy
@@ -710,6 +723,9 @@ def main() -> int:
             ("  N processes, blocks/s", "writers", "copyN_blocks_per_s"),
             ("  x N x one process", "writers", "copy_x_n_one"),
             ("kvtier's scaling x the copies' scaling", "writers", "writers_scaling_x_copy"),
+            ("session channel floor: a FastCall with no handler p50 ms", "delete",
+             "noop_fastcall_p50_ms"),
+            ("  x empty call", "delete", "noop_fastcall_x_empty"),
             ("SSD tier on: delete 1 key p50 ms", "delete", "delete_p50_ms"),
             ("  x empty call", "delete", "delete_x_empty"),
             ("  x a raw Unix round trip", "delete", "delete_x_rtt"),

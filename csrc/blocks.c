@@ -2810,6 +2810,93 @@ done:
     return out;
 }
 
+/* find_keys holds up to this many keys' pointers on the stack (a delete's or a small
+ * commit's; more are allocated). */
+#define FIND_KEYS_STACK 16
+
+PyDoc_STRVAR(bt_find_keys_doc,
+"find_keys($self, index, keys, /)\n--\n\n"
+"Keys.find in one call: each of keys' block ref in the shared index `index` (the\n"
+"daemon's writable buffer of its current table), a hit on a key the index holds as\n"
+"its hash (any key not 16 bytes long) checked against the slot entry as match_keys\n"
+"does (COMMITTED, the same key), else 0: a bytearray of one uint64 each.  Every key\n"
+"must be bytes of 1..64 (TypeError, ValueError; nothing answered); ValueError for an\n"
+"index entry naming no slot of the table, or a buffer holding no index.");
+
+static PyObject *
+bt_find_keys(BlockTable *t, PyObject *args)
+{
+    Py_buffer buf;
+    PyObject *keys_obj, *seq = NULL, *out = NULL;
+    const uint8_t *stack_keys[FIND_KEYS_STACK], **keys = stack_keys;
+    uint8_t stack_lens[FIND_KEYS_STACK], *klens = stack_lens;
+    Py_ssize_t n = 0;
+
+    if (!PyArg_ParseTuple(args, "y*O:find_keys", &buf, &keys_obj))
+        return NULL;
+    if (ready(t) < 0)
+        goto done;
+    seq = PySequence_Fast(keys_obj, "keys must be a sequence of bytes");
+    if (seq == NULL)
+        goto done;
+    n = PySequence_Fast_GET_SIZE(seq);
+    if (n > FIND_KEYS_STACK) {
+        keys = PyMem_Malloc((size_t)n * sizeof *keys);
+        klens = PyMem_Malloc((size_t)n);
+        if (keys == NULL || klens == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyBytes_Check(k)) {
+            PyErr_Format(PyExc_TypeError, "keys[%zd] is %s, not bytes", i, Py_TYPE(k)->tp_name);
+            goto done;
+        }
+        Py_ssize_t kl = PyBytes_GET_SIZE(k);
+        if (kl < 1 || kl > KVT_SLOT_MAX_KEY) {
+            PyErr_Format(PyExc_ValueError, "keys[%zd] is %zd bytes (1..%d allowed)", i, kl,
+                         KVT_SLOT_MAX_KEY);
+            goto done;
+        }
+        keys[i] = (const uint8_t *)PyBytes_AS_STRING(k);
+        klens[i] = (uint8_t)kl;
+    }
+    out = PyByteArray_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(uint64_t));
+    if (out == NULL)
+        goto done;
+    uint64_t *refs = (uint64_t *)PyByteArray_AS_STRING(out);
+    if (kvt_index_find_rows(&buf, keys, klens, n, refs) < 0) {
+        Py_CLEAR(out);
+        goto done;
+    }
+    tlock(t);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (refs[i] == 0 || klens[i] == 16) /* (a 16-byte key is its own fingerprint) */
+            continue;
+        kvt_loc loc;
+        if (resolve(t, &refs[i], 1, &loc, "the index's ref") < 0) {
+            tunlock(t);
+            Py_CLEAR(out);
+            goto done;
+        }
+        const uint8_t *p = entry_of(loc.e, loc.slot);
+        if (!(loc.e->rec[loc.slot].state == KVT_ST_COMMITTED && p[KVT_SLOT_KEY_LEN] == klens[i]
+              && memcmp(p + KVT_SLOT_KEY, keys[i], klens[i]) == 0))
+            refs[i] = 0;
+    }
+    tunlock(t);
+done:
+    if (keys != stack_keys)
+        PyMem_Free((void *)keys);
+    if (klens != stack_lens)
+        PyMem_Free(klens);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&buf);
+    return out;
+}
+
 PyDoc_STRVAR(bt_rescale_access_doc,
 "rescale_access($self, shift, /)\n--\n\n"
 "Shift every COMMITTED block's persisted last access right by shift bits (and\n"
@@ -3266,6 +3353,7 @@ static PyMethodDef bt_methods[] = {
     M("inspect", bt_inspect, METH_O),
     M("committed", bt_committed, METH_O),
     M("rescale_access", bt_rescale_access, METH_O),
+    M("find_keys", bt_find_keys, METH_VARARGS),
     M("match_keys", bt_match_keys, METH_VARARGS),
     M("entries", bt_entries, METH_VARARGS | METH_KEYWORDS),
     M("extents", bt_extents, METH_NOARGS),

@@ -334,6 +334,8 @@ class BlockTable:
         """16-byte rows: state, lower, flags, 0, pins (u32), generation (u64)."""
     def entries(self, refs: _Buffer, keys: bool = True) -> tuple[list[bytes] | None, bytes]:
         """Each ref's persisted key and entry fields."""
+    def find_keys(self, index: _Buffer, keys: Sequence[bytes], /) -> bytearray:
+        """Each key's ref in the shared index whose slot entry holds it, else 0 (u64 each)."""
     def match_keys(self, refs: _Buffer, keys: Sequence[bytes], /) -> bytes:
         """1 or 0 per ref: whether it holds a COMMITTED block whose persisted key is keys[i]."""
     def committed(self, extent_id: int, /) -> bytes:

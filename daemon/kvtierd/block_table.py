@@ -239,6 +239,12 @@ class BlockTable:
         """The refs of an extent's COMMITTED slots, ascending."""
         return _refs(self._t.committed(extent_id))
 
+    def find_keys(self, index: mmap.mmap, keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
+        """Each key's ref in the shared index ``index`` (a ``SharedIndex.buffer``) whose slot
+        entry holds it (a hit on a key held as its hash checked as ``match_keys`` does),
+        else 0: a lookup and its check in one native call (writable)."""
+        return np.frombuffer(self._t.find_keys(index, keys), dtype=np.uint64)
+
     def match_keys(self, refs: npt.ArrayLike, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
         """Whether each ref holds a COMMITTED block whose persisted key is ``keys[i]``: the
         check of a shared-index hit whose entry holds the key's hash, not the key."""

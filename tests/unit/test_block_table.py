@@ -314,6 +314,47 @@ def test_commit_into_a_full_index_commits_all_and_says_where_publishing_stopped(
     assert _native.index_info(idx)[1] == 12 and t.counts().committed == 5
 
 
+def test_find_keys_looks_up_and_checks_hashed_hits_against_the_slot() -> None:
+    """``find_keys``: a key's ref from the index in the same call as the check of a hit
+    on a key held as its hash (not 16 bytes) against the slot entry; a forged entry
+    (a collision) is a miss, a 16-byte key is exact.  Many keys (past the stack's 16)
+    alike; bad keys and buffers refused."""
+    from kvtier import _native
+
+    t, _meta = table(40)
+    idx = _index(128)
+    keys = [b"k%02d" % i for i in range(19)] + [b"0123456789abcdef"]
+    refs = claimed(t, len(keys))
+    assert t.commit(refs, keys, [1] * len(keys), None, first_access=1, epoch=EPOCH,
+                    index=idx) == (len(keys), [])
+    assert t.find_keys(idx, keys).tolist() == refs.tolist()
+    assert t.find_keys(idx, [keys[0], b"absent", keys[-1]]).tolist() == [
+        int(refs[0]), 0, int(refs[-1])]
+    assert t.find_keys(idx, []).tolist() == []
+    # Entries for other keys that name the committed blocks: collisions, forged.
+    forged = [b"x%02d" % i for i in range(19)] + [b"fedcba9876543210"]
+    for mine, theirs in zip(keys, forged, strict=True):
+        assert _native.index_set(idx, theirs, 1, 0, _native.index_locate(idx, mine)) == 1
+    got = t.find_keys(idx, forged)
+    assert got.tolist() == [0] * 19 + [int(refs[-1])]
+    got[0] = 7  # (the caller's own array)
+    # A slot no longer COMMITTED is no hit either.
+    t.delete(refs[:1])
+    assert t.find_keys(idx, keys[:1]).tolist() == [0]
+    with pytest.raises(TypeError, match="not bytes"):
+        t.find_keys(idx, [b"k00", "k01"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="65 bytes"):
+        t.find_keys(idx, [b"k00", b"z" * 65])
+    with pytest.raises(ValueError, match="0 bytes"):
+        t.find_keys(idx, [b""])
+    with pytest.raises(ValueError, match="version-2"):
+        t.find_keys(mmap.mmap(-1, 4096), [b"k00"])
+    _native.index_set(idx, b"stray", 1, 0, (77, 0, 0, 1, None))  # an extent the table lacks
+    with pytest.raises(ValueError, match="extent 77"):
+        t.find_keys(idx, [b"stray"])
+    assert t.check() == []
+
+
 def test_commit_with_a_buffer_that_holds_no_index_changes_nothing() -> None:
     t, meta = table(4)
     refs = claimed(t, 2)

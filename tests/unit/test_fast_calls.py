@@ -210,3 +210,47 @@ def test_a_call_cancelled_before_its_task_first_runs_is_cancelled_inside(pair: A
         assert seen == ["left"]
 
     uvloop.run(main())
+
+
+def _whole_answer(peer: socket.socket) -> pb.SessionResponse:
+    """``_answer`` of a frame larger than one ``recv`` gives (a socket with a timeout
+    returns what it has)."""
+    def exactly(n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            chunk = peer.recv(n - len(out))
+            assert chunk, "the daemon's end closed"
+            out += chunk
+        return bytes(out)
+
+    (n,) = FRAME_LEN.unpack(exactly(FRAME_LEN.size))
+    return pb.SessionResponse.FromString(exactly(n))
+
+
+def test_frames_a_full_socket_takes_in_part_arrive_whole_and_in_order(pair: Any) -> None:
+    """``send``: an answer goes out in one ``send`` when the socket takes it; one that it
+    takes only in part is finished under the connection's lock, and a frame sent
+    meanwhile (another call's answer) waits for it: every frame arrives whole."""
+    from kvtierd.session_channel.framing import send
+
+    daemon, peer = pair
+    daemon.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    big = pb.SessionResponse(call_id=1, reply=pb.FastReply(response=b"x" * (1 << 20)))
+    small = pb.SessionResponse(call_id=2, reply=pb.FastReply(response=b"y"))
+    got: list[pb.SessionResponse] = []
+
+    async def main() -> None:
+        conn = Conn(daemon, 1 << 20)
+        first = asyncio.ensure_future(send(conn, big, []))
+        await asyncio.sleep(0)  # it sent what fits and waits for room, holding the lock
+        assert conn.send_lock.locked() and not first.done()
+        second = asyncio.ensure_future(send(conn, small, []))
+        reading = asyncio.ensure_future(asyncio.to_thread(
+            lambda: [got.append(_whole_answer(peer)) for _ in range(2)]))
+        await asyncio.wait_for(asyncio.gather(first, second, reading), 10)
+        await send(conn, small, [])  # the socket free again: in one send
+        got.append(_whole_answer(peer))
+
+    asyncio.run(main())
+    assert [r.call_id for r in got] == [1, 2, 2]
+    assert got[0].reply.response == b"x" * (1 << 20) and got[1].reply.response == b"y"

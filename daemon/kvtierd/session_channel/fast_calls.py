@@ -57,12 +57,21 @@ def max_call_bytes(max_message_bytes: int) -> int:
 
 class _Runner:
     """The task a call goes on in once it waits (None while it runs in the reader's
-    turn: nothing can expire or cancel it then, no callback runs)."""
+    turn: nothing can expire or cancel it then, no callback runs), and its deadline's
+    timer, started then (a call that never waits needs none)."""
 
-    __slots__ = ("task",)
+    __slots__ = ("task", "timer", "expired")
 
     def __init__(self) -> None:
         self.task: asyncio.Task[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.expired = False
+
+    def expire(self) -> None:
+        """The call's deadline fell due: cancel its task (``serve_call`` answers it)."""
+        if self.task is not None:
+            self.expired = True
+            self.task.cancel()
 
 
 class _Rest(collections.abc.Coroutine):  # type: ignore[type-arg]
@@ -109,6 +118,7 @@ def start_call(methods: Mapping[str, Method] | None, max_bytes: int, conn: Conn,
     task's would be (the call answers every error a client can cause itself)."""
     runner = _Runner()
     coro = serve_call(methods, max_bytes, conn, token, call_id, call, runner)
+    started = conn.loop.time() if call.timeout_ms else 0.0
     try:
         waiting = coro.send(None)
     except StopIteration:
@@ -117,6 +127,8 @@ def start_call(methods: Mapping[str, Method] | None, max_bytes: int, conn: Conn,
         log.exception("session channel: call %d (%s) failed", call_id, call.method[:64])
         return None
     runner.task = conn.loop.create_task(_Rest(coro, waiting))
+    if call.timeout_ms:  # (a timer, not wait_for's second task per call)
+        runner.timer = conn.loop.call_at(started + call.timeout_ms / 1000, runner.expire)
     return runner.task
 
 
@@ -137,31 +149,20 @@ async def serve_call(methods: Mapping[str, Method] | None, max_bytes: int, conn:
                 f"{call.method} request of {len(call.request)} bytes exceeds the fast "
                 f"path's {max_bytes} (server.max_message_bytes): send it over gRPC")
         work = method.handler(method.parse(call.request), FastContext(token))
-        # The deadline cancels the call's task (a timer, not wait_for's second task per
-        # call; it can only fire once the call waits, and so runs in its task).
-        expired = False
-        timer = None
-        if call.timeout_ms:
-
-            def expire() -> None:
-                nonlocal expired
-                if runner.task is not None:
-                    expired = True
-                    runner.task.cancel()
-
-            timer = conn.loop.call_later(call.timeout_ms / 1000, expire)
+        # The deadline cancels the call's task: its timer starts once the call waits,
+        # from the call's start (``start_call``); it can only fire then, in the task.
         try:
             resp = await work
         except asyncio.CancelledError:
-            if not expired:
+            if not runner.expired:
                 raise  # the connection is closing
             assert runner.task is not None
             runner.task.uncancel()
             raise DeadlineExceeded(
                 f"{call.method} did not finish within {call.timeout_ms} ms") from None
         finally:
-            if timer is not None:
-                timer.cancel()
+            if runner.timer is not None:
+                runner.timer.cancel()
         out = pb.SessionResponse(call_id=call_id,
                                  reply=pb.FastReply(response=method.serialize(resp)))
     except FastCallFailed as exc:

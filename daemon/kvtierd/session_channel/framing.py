@@ -180,9 +180,49 @@ async def send_with_fds(conn: Conn, msg: pb.SessionResponse, segments: list[Segm
 
 
 async def send(conn: Conn, msg: pb.SessionResponse, fds: list[int]) -> None:
-    """Send one whole frame (and ``fds``) on ``conn``."""
-    async with conn.send_lock:  # one frame at a time: FastCalls answer concurrently
+    """Send one whole frame (and ``fds``) on ``conn``.  A frame without fds while no
+    other is being sent goes out in one ``send`` when the socket takes it all (most
+    answers: no lock, no coroutine); any other, or the rest of one the socket took in
+    part, under the lock."""
+    lock = conn.send_lock  # one frame at a time: FastCalls answer concurrently
+    if not fds and not lock.locked():
+        body = msg.SerializeToString()
+        data = _LEN.pack(len(body)) + body
+        try:
+            sent = conn.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent == len(data):
+            return
+        # (No await since the check: taking the free lock below does not wait either,
+        # so no other frame can start between these bytes and the rest.)
+        async with lock:
+            await _send_rest(conn.sock, memoryview(data)[sent:], conn.loop)
+        return
+    async with lock:
         await _send_frame(conn.sock, msg, fds, conn.loop)
+
+
+async def _send_rest(conn: socket.socket, rest: memoryview,
+                     loop: asyncio.AbstractEventLoop) -> None:
+    """The bytes of a frame (without fds) the socket has not taken yet."""
+    while rest:
+        try:
+            sent = conn.send(rest)
+        except BlockingIOError:
+            await _writable(conn, loop)
+            continue
+        rest = rest[sent:]
+
+
+async def _writable(conn: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+    """Until ``conn`` takes more bytes."""
+    fut: asyncio.Future[None] = loop.create_future()
+    loop.add_writer(conn.fileno(), fut.set_result, None)
+    try:
+        await fut
+    finally:
+        loop.remove_writer(conn.fileno())
 
 
 async def _send_frame(conn: socket.socket, msg: pb.SessionResponse, fds: list[int],
@@ -202,12 +242,7 @@ async def _send_frame(conn: socket.socket, msg: pb.SessionResponse, fds: list[in
             try:
                 sent = conn.sendmsg([piece], anc)
             except BlockingIOError:
-                fut: asyncio.Future[None] = loop.create_future()
-                loop.add_writer(conn.fileno(), fut.set_result, None)
-                try:
-                    await fut
-                finally:
-                    loop.remove_writer(conn.fileno())
+                await _writable(conn, loop)
                 continue
             piece = piece[sent:]
             anc = []  # the fds went with the first bytes

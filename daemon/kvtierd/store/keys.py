@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 
 _SLOT_MASK = np.uint64(_slot_ref.SLOT_MASK)
-#: Up to this many keys, ``Keys.find`` checks its hits in Python lists.
+#: Up to this many keys, ``Keys.find`` looks up and checks in one native call.
 _SMALL = 8
 
 
@@ -71,15 +71,11 @@ class Keys:
 
     def find(self, keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
         """Each key's block ref, 0 when absent (hashed hits checked against the slot)."""
+        if len(keys) <= _SMALL and not self.table.unpublished \
+                and (buf := self.table.buffer) is not None:
+            # (a 1-key delete or commit: the lookup and its check in one native call)
+            return self._ns.table.find_keys(buf, keys)
         refs = self.table.find_many(keys)
-        if len(keys) <= _SMALL:  # (a 1-key delete or commit: no numpy step per question)
-            few = [i for i, r in enumerate(refs.tolist()) if r and len(keys[i]) != 16]
-            if few:
-                ok = self._ns.table.match_keys(refs[few], [keys[i] for i in few]).tolist()
-                for i, good in zip(few, ok, strict=True):
-                    if not good:
-                        refs[i] = 0
-            return refs
         if not refs.any():  # (a commit's new keys: nothing to check; cheaper than nonzero)
             return refs
         hits = np.flatnonzero(refs)

@@ -417,11 +417,14 @@ class Operations:
         ns = session.ns
         keys = list(dict.fromkeys(keys))
         refs = ns.index.find(keys) if keys else _NO_REFS
-        hit = np.flatnonzero(refs)
-        if not len(hit):
+        hit = [i for i, ref in enumerate(refs.tolist()) if ref]  # (often 1 key: lists)
+        if not hit:
             return []
-        ns.table.delete(refs[hit])  # all or nothing
-        present = [keys[i] for i in hit.tolist()]
+        if len(hit) == len(keys):
+            present = keys
+        else:
+            refs, present = refs[hit], [keys[i] for i in hit]
+        ns.table.delete(refs)  # all or nothing
         ns.index.remove(present)
         return present
 

@@ -186,19 +186,24 @@ class Tiering:
         its copy there was removed, or commit it to DRAM again.
         """
         ns = session.ns
-        gone = [(ns.name, k) for k in keys]
-        self.moves.hide(gone)  # until the shared tier's files are gone too
+        # (hidden until the shared tier's files are gone too)
+        gone, busy, moving = self.moves.hide_checked(ns.name, keys)
         try:
-            await self._wait_unmoving(ns.name, keys)
+            if moving:
+                await self._wait_unmoving(ns.name, keys, busy)
             return await self._delete(session, keys)
         finally:
             self.moves.unhide(gone)
 
-    async def _wait_unmoving(self, namespace: str, keys: Sequence[bytes]) -> None:
-        for _ in range(MAX_DELETE_WAITS):
-            busy = self.moves.promotions_of(namespace, keys)
-            if not busy and not self.moves.any_moving(namespace, keys):
-                break
+    async def _wait_unmoving(self, namespace: str, keys: Sequence[bytes],
+                             busy: list[asyncio.Future[bool]]) -> None:
+        """Until no move of ``keys`` is in flight (``busy``: the promotions of them found
+        first), or ``MAX_DELETE_WAITS`` rounds."""
+        for i in range(MAX_DELETE_WAITS):
+            if i:
+                busy = self.moves.promotions_of(namespace, keys)
+                if not busy and not self.moves.any_moving(namespace, keys):
+                    break
             if busy:
                 await asyncio.gather(*busy, return_exceptions=True)
             else:

@@ -152,6 +152,22 @@ class MovementTable:
         with self._lock:
             self._hidden.update(keys)
 
+    def hide_checked(self, namespace: str, keys: Sequence[bytes]
+                     ) -> tuple[list[Key], list[asyncio.Future[bool]], bool]:
+        """``hide`` the keys of ``namespace`` (for ``unhide``, returned) and, under the
+        same take of the lock, the promotions of them in flight and whether any other
+        move of them is (a delete's first step: most find neither, and go on at once)."""
+        keys_of = [(namespace, key) for key in keys]
+        with self._lock:
+            self._hidden.update(keys_of)
+            promoting = self._promoting
+            busy = [f for k in keys_of if (f := promoting.get(k)) is not None] \
+                if promoting else []
+            moving = bool(busy) or ((bool(self._demoting) or bool(self._publishing)
+                                     or bool(self._handing))
+                                    and any(map(self._moving, keys_of)))
+        return keys_of, busy, moving
+
     def unhide(self, keys: Iterable[Key]) -> None:
         with self._lock:
             _count_down(self._hidden, keys)
