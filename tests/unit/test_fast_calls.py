@@ -254,3 +254,54 @@ def test_frames_a_full_socket_takes_in_part_arrive_whole_and_in_order(pair: Any)
     asyncio.run(main())
     assert [r.call_id for r in got] == [1, 2, 2]
     assert got[0].reply.response == b"x" * (1 << 20) and got[1].reply.response == b"y"
+
+
+def test_a_fast_lane_serves_the_frames_it_takes_and_leaves_the_rest_to_the_reader(
+        pair: Any) -> None:
+    """``Conn.fast_lane``: while the reader waits for bytes, the frames the bytes just read
+    complete are offered to the lane in the socket's callback; what it takes never wakes
+    the reader, a frame it leaves (False) reaches the reader whole and in order, and a
+    part of a frame waits for the rest."""
+    from kvtierd.session_channel.framing import frame_bytes, read_frame, take_frame
+
+    daemon, peer = pair
+    served: list[bytes] = []
+
+    def frame(body: bytes) -> bytes:
+        return FRAME_LEN.pack(len(body)) + body
+
+    async def main() -> list[bytes]:
+        conn = Conn(daemon, 1 << 20)
+
+        def lane() -> bool:
+            while (need := frame_bytes(conn.buf)) and len(conn.buf) >= need:
+                if not bytes(conn.buf[FRAME_LEN.size:need]).startswith(b"call"):
+                    return False
+                served.append(take_frame(conn.buf, need))
+            return True
+
+        conn.fast_lane = lane
+        got: list[bytes] = []
+
+        async def reader() -> None:
+            while True:
+                got.append(await read_frame(conn, 1 << 20))
+
+        task = asyncio.ensure_future(reader())
+        await asyncio.sleep(0.01)
+        peer.sendall(frame(b"call 1") + frame(b"call 2"))
+        await asyncio.sleep(0.05)
+        assert served == [b"call 1", b"call 2"] and got == []  # the reader slept on
+        whole = frame(b"call 3") + frame(b"open") + frame(b"call 4")
+        peer.sendall(whole[:5])  # a part: it waits
+        await asyncio.sleep(0.05)
+        assert served == [b"call 1", b"call 2"] and got == []
+        peer.sendall(whole[5:])
+        await asyncio.sleep(0.05)
+        task.cancel()
+        return got
+
+    got = asyncio.run(main())
+    # "open" left to the reader; "call 4" after it, in order (the lane no longer saw it:
+    # the reader was not waiting for bytes then).
+    assert served == [b"call 1", b"call 2", b"call 3"] and got == [b"open", b"call 4"]

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 
 from google.protobuf.message import DecodeError
 
+from kvtier._wire import FRAME_LEN
 from kvtier.errors import FailedPrecondition, InvalidArgument, KVTierError
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.access import AccessPolicy, AdminSession, AdminSessions, Identity, peer_groups
@@ -43,6 +44,7 @@ from kvtierd.session_channel.framing import (
     RECV_BYTES,
     Closed,
     Conn,
+    frame_bytes,
     read_frame,
     send_error,
 )
@@ -151,8 +153,8 @@ class SessionChannel:
         conn = Conn(sock, MAX_OPEN_FRAME + RECV_BYTES)
         session: Session | None = None
         admin: AdminSession | None = None
-        calls: set[asyncio.Task[None]] = set()
-        room = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
+        calls: set[asyncio.Task[None]] = set()  # at most MAX_CALLS_IN_FLIGHT
+        room_freed = asyncio.Event()  # set when a call in ``calls`` ends
         # Segment ids whose fds this connection was sent: never sent twice, so a peer
         # that asks again and again without reading cannot park an unbounded number of
         # our fds in its receive queue (the kernel counts fds in flight against our
@@ -160,6 +162,47 @@ class SessionChannel:
         sent: set[int] = set()
         call_id = 0  # of the request being handled: a connection-ending error names it
         served_in_turn = 0  # calls served since the reader last gave the loop up
+
+        def ended(task: asyncio.Task[None]) -> None:
+            calls.discard(task)
+            room_freed.set()
+
+        def serve_now() -> bool:
+            """``Conn.fast_lane`` once a session is open: the FastCall frames the bytes
+            just read complete, served in the socket's callback (as the reader would:
+            ``start_call``), at most ``CALLS_PER_TURN`` of them and while fewer than
+            ``MAX_CALLS_IN_FLIGHT`` calls wait.  False, the frame at the head of the
+            buffer left whole, for anything else: another kind of request, a frame too
+            long or malformed, the limits reached (the reader answers or waits)."""
+            nonlocal call_id
+            buf = conn.buf
+            for _ in range(CALLS_PER_TURN):
+                need = frame_bytes(buf)
+                if not need or len(buf) < need:
+                    return need - FRAME_LEN.size <= MAX_REQUEST_FRAME  # a part: wait for more
+                if len(calls) >= MAX_CALLS_IN_FLIGHT:
+                    return False
+                try:
+                    with memoryview(buf) as view:
+                        req = pb.SessionRequest.FromString(
+                            view[FRAME_LEN.size:need])  # type: ignore[arg-type]  # (a buffer)
+                except DecodeError:
+                    return False
+                if req.WhichOneof("kind") != "call":
+                    return False
+                del buf[:need]
+                call_id = req.call_id
+                self.busy.active()
+                task = start_call(self.methods, self.max_call_bytes, conn, token_of(), call_id,
+                                  req.call)
+                if task is not None:
+                    calls.add(task)
+                    task.add_done_callback(ended)
+            return not frame_bytes(buf)  # more: the reader's turn (CALLS_PER_TURN a turn)
+
+        def token_of() -> str:
+            return session.token if session is not None else admin.token  # type: ignore[union-attr]
+
         try:
             pid, uid, gid = struct.unpack(
                 "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -185,13 +228,13 @@ class SessionChannel:
                 if kind == "call":
                     if session is None and admin is None:
                         raise FailedPrecondition("FastCall before OpenSession or OpenAdmin")
-                    token = session.token if session is not None else admin.token  # type: ignore[union-attr]
                     self.busy.active()
-                    await room.acquire()  # at most MAX_CALLS_IN_FLIGHT: read on when one ends
-                    task = start_call(self.methods, self.max_call_bytes, conn, token, call_id,
-                                      req.call)
+                    while len(calls) >= MAX_CALLS_IN_FLIGHT:  # read on when one ends
+                        room_freed.clear()
+                        await room_freed.wait()
+                    task = start_call(self.methods, self.max_call_bytes, conn, token_of(),
+                                      call_id, req.call)
                     if task is None:  # served and answered already (it never waited)
-                        room.release()
                         # Calls read together are served in one turn of the loop: past
                         # CALLS_PER_TURN of them in a row, the other clients get their
                         # turn (a peer packing calls into its socket must not keep the
@@ -203,13 +246,13 @@ class SessionChannel:
                         continue
                     served_in_turn = 0
                     calls.add(task)
-                    task.add_done_callback(calls.discard)
-                    task.add_done_callback(lambda _t: room.release())
+                    task.add_done_callback(ended)
                 elif kind == "open":
                     if session is not None or admin is not None:
                         raise FailedPrecondition("this connection already has a session")
                     session = self.handshake.open_session(req.open.ns, peer, ident)
                     conn.cap = MAX_REQUEST_FRAME + RECV_BYTES
+                    conn.fast_lane = serve_now
                     log.debug("session %d opened by pid %d uid %d in %r", session.id, pid, uid,
                               session.ns.name)
                     sent = await self.handshake.send_opened(conn, session, call_id)
@@ -223,6 +266,7 @@ class SessionChannel:
                         raise FailedPrecondition("this connection already has a session")
                     admin = self.handshake.open_admin(ident, uid)
                     conn.cap = MAX_REQUEST_FRAME + RECV_BYTES
+                    conn.fast_lane = serve_now
                     await self.handshake.send_admin_opened(conn, admin, call_id)
                 else:
                     raise InvalidArgument("empty SessionRequest (set open, map, admin or call)")
@@ -235,6 +279,7 @@ class SessionChannel:
         except asyncio.CancelledError:
             pass
         finally:
+            conn.fast_lane = None
             # Calls still running belong to a session that is ending: they stop first.
             for task in calls:
                 task.cancel()

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import array
 import asyncio
+import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import Final
 
 from kvtier._wire import FRAME_LEN, MAX_FDS_PER_MSG
@@ -37,6 +39,8 @@ RECV_BYTES: Final = 64 << 10
 #: The frame format is shared with the client (kvtier._wire): a 4-byte length prefix.
 _LEN: Final = FRAME_LEN
 
+log = logging.getLogger("kvtierd.session_channel")  # one name for the package's records
+
 
 class Closed(Exception):
     """The peer closed the connection."""
@@ -58,6 +62,10 @@ class Conn:
         self.sock = sock
         self.buf = bytearray()
         self.cap = cap
+        #: Serves frames in ``_readable`` itself while the reader waits for bytes (the
+        #: session channel's calls: ``SessionChannel._serve``): False leaves the frames
+        #: it did not take to the reader, which is woken.  None: the reader reads all.
+        self.fast_lane: Callable[[], bool] | None = None
         self.send_lock = asyncio.Lock()
         #: The serial of the shared index table last sent on this connection (0: none).
         self.index_sent = 0
@@ -88,6 +96,18 @@ class Conn:
             self._eof, data = exc, b""
         if data:
             self.buf += data
+            waiter = self._waiter
+            if self.fast_lane is not None and waiter is not None and not waiter.done():
+                # The reader waits for bytes, so buf held no whole frame before these:
+                # the frames they complete are served here, one wake-up and no task
+                # step sooner; only a frame the lane leaves wakes the reader.
+                try:
+                    taken = self.fast_lane()
+                except Exception:  # a bug: the reader takes the frames as it would
+                    log.exception("session channel: serving frames as they came failed")
+                    taken = False
+                if taken:
+                    return
             if len(self.buf) > self.cap:
                 self._unwatch()  # backpressure: more() resumes
         else:
@@ -117,23 +137,36 @@ class Conn:
         self.sock.close()
 
 
+def frame_bytes(buf: bytearray) -> int:
+    """The bytes of the frame at the head of ``buf`` (its length prefix and body), once
+    that prefix is in; 0 before."""
+    if len(buf) < _LEN.size:
+        return 0
+    (length,) = _LEN.unpack_from(buf)
+    return int(_LEN.size + length)
+
+
+def take_frame(buf: bytearray, need: int) -> bytes:
+    """The body of the frame of ``need`` bytes at the head of ``buf``, taken out of it
+    (one copy: a slice of ``buf`` would be another)."""
+    with memoryview(buf) as view:
+        body = bytes(view[_LEN.size:need])
+    del buf[:need]
+    return body
+
+
 async def read_frame(conn: Conn, limit: int) -> bytes:
     """The next frame's body (frames that arrived together are read at once)."""
     buf = conn.buf
-    need = 0  # the whole frame's bytes, once its length prefix is in
     while True:
-        if not need and len(buf) >= _LEN.size:
-            (length,) = _LEN.unpack_from(buf)
-            if length > limit:
-                raise InvalidArgument(
-                    f"frame of {length} bytes exceeds {limit}"
-                    + (" before a session is open" if limit == MAX_OPEN_FRAME else ""))
-            need = _LEN.size + length
+        # (read again after each wait: the connection's fast lane may have taken frames)
+        need = frame_bytes(buf)  # the whole frame's bytes, once its length prefix is in
+        if need - _LEN.size > limit:
+            raise InvalidArgument(
+                f"frame of {need - _LEN.size} bytes exceeds {limit}"
+                + (" before a session is open" if limit == MAX_OPEN_FRAME else ""))
         if need and len(buf) >= need:
-            with memoryview(buf) as view:  # (one copy: a slice of buf would be another)
-                body = bytes(view[_LEN.size:need])
-            del buf[:need]
-            return body
+            return take_frame(buf, need)
         await conn.more()
 
 
