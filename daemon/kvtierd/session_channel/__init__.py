@@ -16,7 +16,9 @@ The parts (calls go down the table, never up):
 
 ================  ==========================================================
 ``channel``       ``SessionChannel``: the listening socket, one task per
-                  connection reading its requests, the session's end
+                  connection reading its requests (once a session is open,
+                  FastCalls that arrive while it waits start in the socket's
+                  callback: ``Conn.fast_lane``), the session's end
 ``handshake``     OpenSession / OpenAdmin / MapSegments: the declaration,
                   access and session limits, what ``SessionOpened`` carries
 ``fast_calls``    a FastCall served with the gRPC method's handler, its
@@ -26,7 +28,7 @@ The parts (calls go down the table, never up):
 ``doorbell``      the writers' doorbell pipes: watching, a ring handed to
                   ``commit_from_page``, pausing rings that find nothing
 ``framing``       one connection's bytes: frames in (size limits,
-                  back-pressure), frames and fds out
+                  back-pressure, the fast lane's hook), frames and fds out
 ================  ==========================================================
 
 Where the rest of a write without a call happens: the page layout and its

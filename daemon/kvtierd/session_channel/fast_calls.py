@@ -11,10 +11,12 @@ further frame until one ends) and may be answered out of order; ``no_reply``
 calls (a Release) are never answered.  When the connection ends, its calls
 still running are cancelled before the session is closed.
 
-A call starts at once, in the reader's turn of the loop (``start_call``): most
-calls (a delete of keys in DRAM, a lease, a stats read) never wait for anything,
-and are served and answered there, without a task, a second turn of the loop or a
-wake-up; only a call that waits goes on in a task of its own from where it waited.
+A call starts at once (``start_call``), in the socket's callback when the frame
+arrived while the connection's reader waited for bytes (``Conn.fast_lane``), else
+in the reader's turn of the loop: most calls (a delete of keys in DRAM, a lease, a
+stats read) never wait for anything, and are served and answered there, without a
+task, a second turn of the loop or a wake-up; only a call that waits goes on in a
+task of its own from where it waited (its deadline's timer starts then).
 """
 
 from __future__ import annotations
