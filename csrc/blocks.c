@@ -2735,6 +2735,17 @@ done:
     return out;
 }
 
+/* Whether the slot at loc holds a COMMITTED block whose persisted key is key (kl bytes;
+ * 0: none can): the check of a shared-index hit on a key held as its hash (match_keys,
+ * find_keys).  Under the table's lock. */
+static int
+slot_holds_key(const kvt_loc *loc, const uint8_t *key, uint8_t kl)
+{
+    const uint8_t *p = entry_of(loc->e, loc->slot);
+    return loc->e->rec[loc->slot].state == KVT_ST_COMMITTED && kl != 0
+           && p[KVT_SLOT_KEY_LEN] == kl && memcmp(p + KVT_SLOT_KEY, key, kl) == 0;
+}
+
 PyDoc_STRVAR(bt_match_keys_doc,
 "match_keys($self, refs, keys, /)\n--\n\n"
 "Whether each refs[i] holds a COMMITTED block whose persisted key is keys[i]\n"
@@ -2791,16 +2802,9 @@ bt_match_keys(BlockTable *t, PyObject *args)
         Py_CLEAR(out);
         goto done;
     }
-    for (i = 0; i < b.n; i++) {
-        const kvt_extent *e = b.locs[i].e;
-        const uint8_t *p = entry_of(e, b.locs[i].slot);
-        uint8_t kl = klens[i];
-        PyBytes_AS_STRING(out)[i] = (char)(e->rec[b.locs[i].slot].state == KVT_ST_COMMITTED
-                                           && kl != 0 && p[KVT_SLOT_KEY_LEN] == kl
-                                           && memcmp(p + KVT_SLOT_KEY,
-                                                     keys + (size_t)i * KVT_SLOT_MAX_KEY,
-                                                     kl) == 0);
-    }
+    for (i = 0; i < b.n; i++)
+        PyBytes_AS_STRING(out)[i] = (char)slot_holds_key(
+            &b.locs[i], keys + (size_t)i * KVT_SLOT_MAX_KEY, klens[i]);
     tunlock(t);
 done:
     Py_XDECREF(seq);
@@ -2881,9 +2885,7 @@ bt_find_keys(BlockTable *t, PyObject *args)
             Py_CLEAR(out);
             goto done;
         }
-        const uint8_t *p = entry_of(loc.e, loc.slot);
-        if (!(loc.e->rec[loc.slot].state == KVT_ST_COMMITTED && p[KVT_SLOT_KEY_LEN] == klens[i]
-              && memcmp(p + KVT_SLOT_KEY, keys[i], klens[i]) == 0))
+        if (!slot_holds_key(&loc, keys[i], klens[i]))
             refs[i] = 0;
     }
     tunlock(t);

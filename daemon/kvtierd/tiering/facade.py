@@ -197,17 +197,16 @@ class Tiering:
 
     async def _wait_unmoving(self, namespace: str, keys: Sequence[bytes],
                              busy: list[asyncio.Future[bool]]) -> None:
-        """Until no move of ``keys`` is in flight (``busy``: the promotions of them found
-        first), or ``MAX_DELETE_WAITS`` rounds."""
-        for i in range(MAX_DELETE_WAITS):
-            if i:
-                busy = self.moves.promotions_of(namespace, keys)
-                if not busy and not self.moves.any_moving(namespace, keys):
-                    break
+        """Until no move of ``keys`` is in flight (one was: ``busy``, the promotions of them
+        found first), or ``MAX_DELETE_WAITS`` rounds."""
+        for _ in range(MAX_DELETE_WAITS):
             if busy:
                 await asyncio.gather(*busy, return_exceptions=True)
             else:
                 await self.moves.wait(1.0)
+            busy = self.moves.promotions_of(namespace, keys)
+            if not busy and not self.moves.any_moving(namespace, keys):
+                break
 
     async def _delete(self, session: Session, keys: Sequence[bytes]) -> int:
         ns = session.ns

@@ -160,12 +160,8 @@ class MovementTable:
         keys_of = [(namespace, key) for key in keys]
         with self._lock:
             self._hidden.update(keys_of)
-            promoting = self._promoting
-            busy = [f for k in keys_of if (f := promoting.get(k)) is not None] \
-                if promoting else []
-            moving = bool(busy) or ((bool(self._demoting) or bool(self._publishing)
-                                     or bool(self._handing))
-                                    and any(map(self._moving, keys_of)))
+            busy = self._promotions(keys_of)
+            moving = bool(busy) or any(map(self._moving, keys_of))
         return keys_of, busy, moving
 
     def unhide(self, keys: Iterable[Key]) -> None:
@@ -201,7 +197,12 @@ class MovementTable:
     def promotions_of(self, namespace: str, keys: Iterable[bytes]) -> list[asyncio.Future[bool]]:
         """The promotions of ``keys`` in flight."""
         with self._lock:
-            return [f for k in keys if (f := self._promoting.get((namespace, k))) is not None]
+            return self._promotions((namespace, k) for k in keys)
+
+    def _promotions(self, keys: Iterable[Key]) -> list[asyncio.Future[bool]]:
+        """The promotions of ``keys`` in flight (under the lock)."""
+        promoting = self._promoting
+        return [f for k in keys if (f := promoting.get(k)) is not None] if promoting else []
 
     # ---------------------------------------------------------------- demotions
     @contextlib.contextmanager
