@@ -8,6 +8,8 @@
  *   scatter(src, pieces, threads=0)  fill the pieces in order from src
  *   scatter_hash(srcs, pieces, threads=0, hash=True)  scatter each srcs[i] into pieces[i]
  *                                    and return their XXH3-64s, in one pass
+ *   scatter_hash_at(srcs, bases, offsets, limit, threads=0, hash=True)  the same, each
+ *                                    source into bases[i] from offsets[i] on (a put's slots)
  *   pwrite_full(fd, buf, offset, threads=0)  write all of buf at offset
  *   pread_full(fd, buf, offset, threads=0)   fill buf from offset (short at EOF)
  *   hash_rows(buf, stride, start, stop, seeds)  XXH3-64 of a slice of each row
@@ -1683,6 +1685,176 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(py_scatter_hash_at_doc,
+"scatter_hash_at($module, srcs, bases, offsets, limit, threads=0, hash=True)\n"
+"--\n"
+"\n"
+"scatter_hash with one piece a source, named by where it starts: srcs[i] is\n"
+"copied into bases[i] from byte offsets[i] on (the piece is as long as the\n"
+"source), for every i, without a buffer object per piece (a put's blocks\n"
+"into their slots; bases may repeat).  Returns (hashes, nbytes): the XXH3-64\n"
+"(seed 0) of each source, None with hash=False, and each source's size.\n"
+"\n"
+"Raises ValueError \"srcs, bases and offsets differ in length (N, M, K)\",\n"
+"\"srcs[i] is N bytes (1..limit allowed)\", \"offsets[i] = N is negative\",\n"
+"\"bases[i] holds N bytes, srcs[i] needs M at offset O\", and scatter_hash's\n"
+"overlap, contiguity and threads errors; TypeError \"bases[i] is read-only\",\n"
+"or when an argument is not iterable, an item not a buffer or an offset not\n"
+"an integer.  With the fault guard installed, a buffer whose memory is gone\n"
+"raises OSError(EFAULT) naming srcs[i] or bases[i] and the byte there.");
+
+/* kvt_raise_fault for a scatter_hash_at: views holds each source, then its base. */
+static PyObject *
+kvt_raise_at_fault(uintptr_t addr, const Py_buffer *views, Py_ssize_t n)
+{
+    char name[64];
+    Py_ssize_t off;
+
+    for (Py_ssize_t i = 0; i < n; i++) {
+        for (int b = 0; b < 2; b++) {
+            if ((off = kvt_offset_in(addr, &views[2 * i + b])) >= 0) {
+                PyOS_snprintf(name, sizeof name, b ? "bases[%zd]" : "srcs[%zd]", i);
+                return kvt_raise_fault(name, off, addr);
+            }
+        }
+    }
+    return kvt_raise_fault(NULL, -1, addr);
+}
+
+static PyObject *
+py_scatter_hash_at(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"srcs", "bases", "offsets", "limit", "threads", "hash", NULL};
+    PyObject *srcs_obj, *bases_obj, *offs_obj, *result = NULL;
+    PyObject *srcs = NULL, *bases = NULL, *offs = NULL, *hs = NULL, *ns = NULL;
+    Py_ssize_t limit, threads = 0, n = 0, got = 0, i;
+    int hash = 1, err;
+    Py_buffer *views = NULL; /* block after block: its source, then its base */
+    kvt_block *blocks = NULL;
+    kvt_piece *pieces = NULL;
+    XXH64_hash_t *hashes = NULL;
+    size_t total = 0;
+    uintptr_t fault_addr = 0;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOn|np:scatter_hash_at", kwlist,
+                                     &srcs_obj, &bases_obj, &offs_obj, &limit, &threads,
+                                     &hash))
+        return NULL;
+    if (kvt_check_threads(threads) < 0)
+        return NULL;
+    /* Tuples: their items stay put (and alive) whatever exporting does. */
+    if ((srcs = PySequence_Tuple(srcs_obj)) == NULL
+        || (bases = PySequence_Tuple(bases_obj)) == NULL
+        || (offs = PySequence_Tuple(offs_obj)) == NULL)
+        goto done;
+    n = PyTuple_GET_SIZE(srcs);
+    if (PyTuple_GET_SIZE(bases) != n || PyTuple_GET_SIZE(offs) != n) {
+        PyErr_Format(PyExc_ValueError, "srcs, bases and offsets differ in length (%zd, %zd, %zd)",
+                     n, PyTuple_GET_SIZE(bases), PyTuple_GET_SIZE(offs));
+        goto done;
+    }
+    views = PyMem_Calloc(n ? 2 * (size_t)n : 1, sizeof *views);
+    pieces = PyMem_Calloc(n ? (size_t)n : 1, sizeof *pieces);
+    blocks = PyMem_Calloc(n ? (size_t)n : 1, sizeof *blocks);
+    hashes = PyMem_Calloc(n ? (size_t)n : 1, sizeof *hashes);
+    if (views == NULL || pieces == NULL || blocks == NULL || hashes == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (i = 0; i < n; i++) {
+        char name[64];
+        Py_ssize_t len, off;
+
+        PyOS_snprintf(name, sizeof name, "srcs[%zd]", i);
+        if (kvt_get_buffer(PyTuple_GET_ITEM(srcs, i), &views[got], name, 0) < 0)
+            goto done;
+        len = views[got++].len;
+        if (len < 1 || len > limit) {
+            PyErr_Format(PyExc_ValueError, "srcs[%zd] is %zd bytes (1..%zd allowed)", i, len,
+                         limit);
+            goto done;
+        }
+        off = PyNumber_AsSsize_t(PyTuple_GET_ITEM(offs, i), PyExc_OverflowError);
+        if (off == -1 && PyErr_Occurred())
+            goto done;
+        if (off < 0) {
+            PyErr_Format(PyExc_ValueError, "offsets[%zd] = %zd is negative", i, off);
+            goto done;
+        }
+        PyOS_snprintf(name, sizeof name, "bases[%zd]", i);
+        if (kvt_get_buffer(PyTuple_GET_ITEM(bases, i), &views[got], name, 1) < 0)
+            goto done;
+        if (off > views[got].len - len) {
+            PyErr_Format(PyExc_ValueError, "bases[%zd] holds %zd bytes, srcs[%zd] needs %zd at "
+                         "offset %zd", i, views[got].len, i, len, off);
+            got++;
+            goto done;
+        }
+        pieces[i].ptr = (char *)views[got++].buf + off;
+        pieces[i].len = (size_t)len;
+        pieces[i].off = 0;
+        blocks[i].src = views[got - 2].buf;
+        blocks[i].len = (size_t)len;
+        blocks[i].pieces = &pieces[i];
+        blocks[i].npieces = 1;
+        total += (size_t)len;
+    }
+
+    if (total >= KVT_NOGIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        err = kvt_scatter_hash(blocks, (size_t)n, (size_t)n, (size_t)threads, hash, hashes,
+                               &fault_addr);
+        Py_END_ALLOW_THREADS
+    }
+    else {
+        err = kvt_scatter_hash(blocks, (size_t)n, (size_t)n, (size_t)threads, hash, hashes,
+                               &fault_addr);
+    }
+    if (err == EFAULT) {
+        kvt_raise_at_fault(fault_addr, views, n);
+        goto done;
+    }
+    if (err == EINVAL) {
+        PyErr_SetString(PyExc_ValueError, "a piece overlaps a source or another piece");
+        goto done;
+    }
+    if (err != 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if ((ns = PyList_New(n)) == NULL)
+        goto done;
+    if (hash && (hs = PyList_New(n)) == NULL)
+        goto done;
+    for (i = 0; i < n; i++) {
+        PyObject *len = PyLong_FromSize_t(blocks[i].len), *h = NULL;
+
+        if (len == NULL)
+            goto done;
+        PyList_SET_ITEM(ns, i, len);
+        if (hs != NULL) {
+            if ((h = PyLong_FromUnsignedLongLong((unsigned long long)hashes[i])) == NULL)
+                goto done;
+            PyList_SET_ITEM(hs, i, h);
+        }
+    }
+    result = PyTuple_Pack(2, hs != NULL ? hs : Py_None, ns);
+
+done:
+    for (i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(pieces);
+    PyMem_Free(blocks);
+    PyMem_Free(hashes);
+    Py_XDECREF(hs);
+    Py_XDECREF(ns);
+    Py_XDECREF(offs);
+    Py_XDECREF(bases);
+    Py_XDECREF(srcs);
+    return result;
+}
+
 static int
 kvt_check_offset(Py_ssize_t offset)
 {
@@ -2206,6 +2378,8 @@ static PyMethodDef native_methods[] = {
      METH_VARARGS | METH_KEYWORDS, py_scatter_doc},
     {"scatter_hash", (PyCFunction)(void (*)(void))py_scatter_hash,
      METH_VARARGS | METH_KEYWORDS, py_scatter_hash_doc},
+    {"scatter_hash_at", (PyCFunction)(void (*)(void))py_scatter_hash_at,
+     METH_VARARGS | METH_KEYWORDS, py_scatter_hash_at_doc},
     {"pwrite_full", (PyCFunction)(void (*)(void))py_pwrite_full,
      METH_VARARGS | METH_KEYWORDS, py_pwrite_full_doc},
     {"pread_full", (PyCFunction)(void (*)(void))py_pread_full,

@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import errno
 import fcntl
+import operator
 import os
 import stat
 from collections.abc import Iterable, Sequence
@@ -388,6 +389,25 @@ def scatter_hash(srcs: Iterable[Any], pieces: Iterable[Iterable[Any]]) -> list[i
     return _py_scatter_hash(srcs, pieces)
 
 
+def scatter_hash_at(srcs: Sequence[Any], bases: Sequence[Any], offsets: Sequence[int],
+                    limit: int, hash: bool = True) -> tuple[list[int] | None, list[int]]:
+    """``scatter_hash`` (``hash=False``: ``scatter_copy``) with one piece a source, named
+    by where it starts: ``srcs[i]`` into ``bases[i]`` from byte ``offsets[i]`` on, the
+    piece as long as the source (a put's blocks into their slots, no buffer object made
+    per slot; ``bases`` may repeat).  Each source holds 1..``limit`` bytes.  Returns
+    (each source's checksum, or None without ``hash``; each source's size in bytes).
+
+    Raises ValueError "srcs, bases and offsets differ in length (N, M, K)", "srcs[i] is
+    N bytes (1..limit allowed)", "offsets[i] = N is negative", "bases[i] holds N bytes,
+    srcs[i] needs M at offset O", and ``scatter_hash``'s overlap and contiguity errors;
+    TypeError "bases[i] is read-only", or for an item that is not a buffer or an offset
+    that is not an integer.  Faults as ``scatter_hash``'s, naming srcs[i] or bases[i].
+    """
+    if NATIVE:
+        return _native.scatter_hash_at(srcs, bases, offsets, limit, _COPY_THREADS, hash)
+    return _py_scatter_hash_at(srcs, bases, offsets, limit, hash)
+
+
 def scatter_copy(srcs: Sequence[Any], pieces: Sequence[Sequence[Any]]) -> None:
     """``scatter_hash`` without the hash: every ``srcs[i]`` into ``pieces[i]`` in one
     call (one acquisition of the buffers, one release of the GIL, the same checks and
@@ -559,6 +579,40 @@ def _py_scatter_hash(srcs: Iterable[Any], pieces: Iterable[Iterable[Any]]) -> li
         for s, views in blocks:
             _np_gather_scatter(s, views, gather=False)
     return hashes
+
+
+def _py_scatter_hash_at(srcs: Sequence[Any], bases: Sequence[Any], offsets: Sequence[int],
+                        limit: int, hash: bool) -> tuple[list[int] | None, list[int]]:
+    # The native order: srcs[i], its offset, then bases[i], block after block; every
+    # view released on any error.
+    srcs_t, bases_t, offs_t = tuple(srcs), tuple(bases), tuple(offsets)
+    if not len(srcs_t) == len(bases_t) == len(offs_t):
+        raise ValueError(f"srcs, bases and offsets differ in length ({len(srcs_t)}, "
+                         f"{len(bases_t)}, {len(offs_t)})")
+    with ExitStack() as stack:
+        blocks: list[tuple[memoryview, list[memoryview]]] = []
+        for i, (src, base, offset) in enumerate(zip(srcs_t, bases_t, offs_t, strict=True)):
+            s = stack.enter_context(memoryview(src))
+            _check(s, f"srcs[{i}]", writable=False)
+            n = s.nbytes
+            if not 1 <= n <= limit:
+                raise ValueError(f"srcs[{i}] is {n} bytes (1..{limit} allowed)")
+            off = operator.index(offset)
+            if off < 0:
+                raise ValueError(f"offsets[{i}] = {off} is negative")
+            b = stack.enter_context(memoryview(base))
+            _check(b, f"bases[{i}]", writable=True)
+            if off > b.nbytes - n:
+                raise ValueError(f"bases[{i}] holds {b.nbytes} bytes, srcs[{i}] needs {n} at "
+                                 f"offset {off}")
+            piece = stack.enter_context(b.cast("B")[off:off + n])
+            blocks.append((s, [piece]))
+        if _np_pieces_overlap(blocks):
+            raise ValueError("a piece overlaps a source or another piece")
+        hashes = [int(xxhash.xxh3_64_intdigest(s)) for s, _ in blocks] if hash else None
+        for s, views in blocks:
+            _np_gather_scatter(s, views, gather=False)
+        return hashes, [s.nbytes for s, _ in blocks]
 
 
 def _np_pieces_overlap(blocks: list[tuple[memoryview, list[memoryview]]]) -> bool:

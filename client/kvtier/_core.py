@@ -1026,7 +1026,7 @@ class ReservationState:
     def buffers(self) -> list[np.ndarray | None]:
         """A writable uint8 view of ``block_bytes`` of each RESERVED key's slot (None for
         the others, and for all of them once the reservation ended).  Made on first use
-        (a put copies through ``_pieces`` without them), then the same list."""
+        (a put copies through ``_write_reserved`` without them), then the same list."""
         bufs = self._buffers
         if bufs is None:
             bufs = [None] * len(self.keys)
@@ -1038,16 +1038,6 @@ class ReservationState:
             self._buffers = bufs
         return bufs
 
-    def _pieces(self, nbytes: Sequence[int]) -> list[list[np.ndarray]]:
-        """The first ``nbytes[k]`` bytes of the k-th reserved key's slot, one piece list
-        each (``scatter_copy``'s shape).  InvalidArgument once the reservation ended (its
-        views are released), as a write to a key it does not hold."""
-        if self._released:
-            raise InvalidArgument(f"keys[{self._reserved[0]}] is not reserved by this call")
-        arrays = self._slot_arrays
-        return [[arrays[seg][off:off + n]]
-                for seg, off, n in zip(self._segment_ids, self._offsets, nbytes, strict=True)]
-
     def write(self, i: int, data: Any) -> None:
         """Copy ``data`` (any buffer) into the slot of ``keys[i]`` and record its length."""
         buf = self.buffers[i]
@@ -1058,22 +1048,9 @@ class ReservationState:
         self.lengths[i] = view.nbytes
         self._sums = None
 
-    def write_all(self, views: Sequence[memoryview]) -> None:
+    def write_all(self, views: Sequence[Any]) -> None:
         """``write(i, views[i])`` for every reserved ``i``, in one guarded copy call."""
-        self._copy_in([as_bytes_view(views[i], i, self._block_bytes) for i in self._reserved])
-
-    def _copy_in(self, srcs: Sequence[memoryview]) -> None:
-        """The bytes of ``srcs[k]`` (flat views ``as_bytes_view`` made) into the slot of
-        the k-th reserved key, in one guarded copy call."""
-        self._sums = None
-        if not srcs:
-            return
-        nbytes = [src.nbytes for src in srcs]
-        self._guarded(_accel.scatter_copy, srcs, self._pieces(nbytes))
-        lengths = self.lengths
-        for i, n in zip(self._reserved, nbytes, strict=True):
-            lengths[i] = n
-        self._sums = None
+        self._write_reserved(views, hashed=False)
 
     def write_blocks(self, blocks: Sequence[Any]) -> None:
         """Copy ``blocks[i]`` (any buffer) into the slot of every reserved key ``i``:
@@ -1083,24 +1060,38 @@ class ReservationState:
         if len(blocks) != len(self.keys):
             raise InvalidArgument(f"keys and blocks differ in length ({len(self.keys)} != "
                                   f"{len(blocks)})")
-        views: list[memoryview] = [memoryview(b"")] * len(blocks)
-        for i in self.reserved:
-            views[i] = as_bytes_view(blocks[i], i, self._block_bytes)
-        if self._client.checksum:
-            self.write_all_hashed(views)
-        else:
-            self._copy_in([views[i] for i in self._reserved])
+        self._write_reserved(blocks, hashed=self._client.checksum)
 
-    def write_all_hashed(self, views: Sequence[memoryview]) -> None:
+    def write_all_hashed(self, views: Sequence[Any]) -> None:
         """``write_all``, checksumming each block in the same pass over it (the commit
         then sends those checksums)."""
+        self._write_reserved(views, hashed=True)
+
+    def _write_reserved(self, blocks: Sequence[Any], hashed: bool) -> None:
+        """``blocks[i]`` (a C-contiguous buffer of 1..block_bytes bytes) into the slot of
+        each reserved key ``i``, in one guarded native call that takes each slot as its
+        segment's array and offset (no object per slot, no Python check per block);
+        ``hashed``: each checksummed in the same pass (the commit sends those).  A block
+        that is not such a buffer raises ``as_bytes_view``'s InvalidArgument, nothing
+        copied; InvalidArgument too once the reservation ended, as a write to a key it
+        does not hold."""
+        self._sums = None
         reserved = self._reserved
         if not reserved:
-            self._sums = []
+            self._sums = [] if hashed else None
             return
-        srcs = [views[i] for i in reserved]
-        nbytes = [src.nbytes for src in srcs]
-        sums = self._guarded(_accel.scatter_hash, srcs, self._pieces(nbytes))
+        if self._released:
+            raise InvalidArgument(f"keys[{reserved[0]}] is not reserved by this call")
+        arrays = self._slot_arrays
+        try:
+            sums, nbytes = self._guarded(
+                _accel.scatter_hash_at, [blocks[i] for i in reserved],
+                [arrays[seg] for seg in self._segment_ids], self._offsets, self._block_bytes,
+                hashed)
+        except (TypeError, ValueError):
+            for i in reserved:  # the caller's block: named as every write names it
+                as_bytes_view(blocks[i], i, self._block_bytes)
+            raise
         lengths = self.lengths
         for i, n in zip(reserved, nbytes, strict=True):
             lengths[i] = n

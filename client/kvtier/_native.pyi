@@ -48,6 +48,12 @@ def scatter_hash(srcs: Iterable[_Buffer], pieces: Iterable[Iterable[_Buffer]],
     """Scatter each srcs[i] into pieces[i]; return each source's XXH3-64 (None with
     hash=False: the copies only), in one pass."""
 
+def scatter_hash_at(srcs: Iterable[_Buffer], bases: Iterable[_Buffer], offsets: Iterable[int],
+                    limit: int, threads: int = 0, hash: bool = True
+                    ) -> tuple[list[int] | None, list[int]]:
+    """scatter_hash with one piece a source: srcs[i] into bases[i] from byte offsets[i]
+    on; returns (each source's XXH3-64, None with hash=False; each source's size)."""
+
 def pwrite_full(fd: int, buf: _Buffer, offset: int, threads: int = 0) -> int:
     """Write all of buf to fd at file position offset; return the number written."""
 

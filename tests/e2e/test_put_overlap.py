@@ -123,14 +123,14 @@ class Inject:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, what: str, at: int) -> None:
         self.count = 0
         if what == "copy":
-            real_copy = _core.ReservationState._copy_in
+            real_copy = _core.ReservationState._write_reserved
 
-            def copy_in(r: _core.ReservationState, srcs: Any) -> None:
+            def copy_in(r: _core.ReservationState, blocks: Any, hashed: bool) -> None:
                 self.count += 1
                 if self.count == at:
                     raise errors.Unavailable("injected: the copy of a middle batch failed")
-                real_copy(r, srcs)
-            monkeypatch.setattr(_core.ReservationState, "_copy_in", copy_in)
+                real_copy(r, blocks, hashed)
+            monkeypatch.setattr(_core.ReservationState, "_write_reserved", copy_in)
         else:
             real_prepare = _core.ReservationState._commit_prepare_steps
 

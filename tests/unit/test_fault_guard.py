@@ -112,6 +112,10 @@ OPS: dict[str, tuple[str, Callable[[mmap.mmap], object]]] = {
     "scatter_hash tail": ("srcs[0]", lambda m: _accel.scatter_hash([m], [[bytearray(10)]])),
     "scatter_hash piece": ("pieces[1][1]", lambda m: _accel.scatter_hash(
         [b"ab", bytes(len(m) + 10)], [[bytearray(2)], [bytearray(10), m]])),
+    "scatter_hash_at src": ("srcs[1]", lambda m: _accel.scatter_hash_at(
+        [b"ab", m], [bytearray(2), bytearray(len(m))], [0, 0], len(m))),
+    "scatter_hash_at base": ("bases[1]", lambda m: _accel.scatter_hash_at(
+        [b"ab", bytes(len(m) - 10)], [bytearray(2), m], [0, 10], len(m))),
 }
 
 

@@ -827,6 +827,64 @@ def test_scatter_hash_releases_every_buffer_on_success_and_error(accel: ModuleTy
             m.close()  # a leaked export would raise BufferError
 
 
+@pytest.mark.parametrize("hash", [True, False])
+def test_scatter_hash_at_copies_each_source_to_its_offset_and_hashes_it(
+    accel: ModuleType, hash: bool
+) -> None:
+    """One piece a source, named by its base and offset; bases repeat; sources of any
+    buffer type and shape (C-contiguous), each 1..limit bytes; the rest of each base
+    is left alone."""
+    base_a, base_b = make_numpy(1 << 20), make_bytearray(64 << 10)
+    srcs: list[Any] = [random_bytes(5000, seed=1), np.arange(1024, dtype=np.float32),
+                       bytearray(random_bytes(1, seed=2)), memoryview(random_bytes(8192, 3))]
+    bases: list[Any] = [base_a, base_a, base_b, base_a]
+    offsets = [0, 8192, 65535, (1 << 20) - 8192]
+    hashes, nbytes = accel.scatter_hash_at(srcs, bases, offsets, 8192, hash=hash)
+    flat = [bytes(memoryview(src).cast("B")) for src in srcs]
+    assert nbytes == [5000, 4096, 1, 8192]
+    assert hashes == ([xxhash.xxh3_64_intdigest(f) for f in flat] if hash else None)
+    expect_a = bytearray(b"\xaa" * (1 << 20))
+    for f, off in [(flat[0], 0), (flat[1], 8192), (flat[3], (1 << 20) - 8192)]:
+        expect_a[off:off + len(f)] = f
+    assert base_a.tobytes() == bytes(expect_a)
+    assert base_b == b"\xaa" * 65535 + flat[2]
+    assert accel.scatter_hash_at([], [], [], 1, hash=hash) == ([] if hash else None, [])
+
+
+def test_scatter_hash_at_argument_errors_copy_nothing(accel: ModuleType) -> None:
+    base = make_bytearray(100)
+    strided = np.zeros((4, 8), dtype=np.uint8)[:, ::2]
+    cases: list[tuple[type[Exception], str, tuple[Any, ...]]] = [
+        (ValueError, r"^srcs, bases and offsets differ in length \(2, 1, 2\)$",
+         ([b"a", b"b"], [base], [0, 1], 10)),
+        (ValueError, r"^srcs\[1\] is 11 bytes \(1\.\.10 allowed\)$",
+         ([b"a", bytes(11)], [base, base], [0, 1], 10)),
+        (ValueError, r"^srcs\[0\] is 0 bytes \(1\.\.10 allowed\)$", ([b""], [base], [0], 10)),
+        (ValueError, r"^offsets\[0\] = -1 is negative$", ([b"a"], [base], [-1], 10)),
+        (ValueError, r"^bases\[1\] holds 100 bytes, srcs\[1\] needs 5 at offset 96$",
+         ([b"a", bytes(5)], [base, base], [0, 96], 10)),
+        (ValueError, r"^srcs\[0\] is not C-contiguous$", ([strided], [base], [0], 64)),
+        (ValueError, r"^bases\[0\] is not C-contiguous$", ([b"a"], [strided], [0], 64)),
+        (TypeError, r"^bases\[0\] is read-only$", ([b"a"], [bytes(10)], [0], 10)),
+        (ValueError, r"^a piece overlaps a source or another piece$",
+         ([b"ab", b"cd"], [base, base], [10, 11], 10)),
+        (TypeError, "", ([b"a"], [base], ["0"], 10)),
+        (TypeError, "", ([5], [base], [0], 10)),
+        (TypeError, "", ([b"a"], [base], 5, 10)),
+    ]
+    for exc, message, args in cases:
+        with pytest.raises(exc, match=message):
+            accel.scatter_hash_at(*args)
+    with memoryview(base) as view:  # a source inside its own piece
+        with pytest.raises(ValueError, match="overlaps"):
+            accel.scatter_hash_at([view[:5]], [base], [3], 10)
+    assert base == b"\xaa" * 100  # nothing was copied by a refused call
+    m = make_mmap(20)
+    with pytest.raises(ValueError):
+        accel.scatter_hash_at([b"ab", bytes(30)], [m, m], [0, 0], 40)
+    m.close()  # every buffer released: a leaked export would raise BufferError
+
+
 @needs_native
 @pytest.mark.parametrize("threads", [0, 1, 2, 3, 7, 64, 1000])
 def test_native_scatter_hash_any_thread_count_is_byte_exact(threads: int) -> None:
