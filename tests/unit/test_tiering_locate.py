@@ -117,7 +117,7 @@ def test_locate_answers_what_the_walk_key_by_key_answered(
     try:
         ns = types.SimpleNamespace(name="a", block_bytes=4096, model_uid="m",
                                    index=FakeIndex(dram))
-        t.moves.hide(("a", k) for k in deleting)
+        t.moves.hide([("a", k) for k in deleting])
         # A Delete during the key's demotion: its copies below are gone.
         demoting = [types.SimpleNamespace(
             ns=ns, keys=list(doomed),

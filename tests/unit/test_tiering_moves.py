@@ -98,6 +98,24 @@ def test_a_hidden_key_is_not_handed_on_and_hides_count_per_caller() -> None:
     assert not moves.hidden("a", b"k")
 
 
+def test_overlapping_hides_end_key_by_key_in_any_order() -> None:
+    """Two deletes hiding overlapping keys (one of them twice): each unhide ends only its
+    own hides, whichever ends first; the last one leaves nothing hidden."""
+    moves = MovementTable(FakeStore())  # type: ignore[arg-type]
+    one, _, _ = moves.hide_checked("a", [b"k", b"l", b"k"])
+    two, _, moving = moves.hide_checked("a", [b"l", b"m"])
+    assert not moving
+    assert [moves.hidden("a", k) for k in (b"k", b"l", b"m")] == [True, True, True]
+    moves.unhide(one)
+    assert [moves.hidden("a", k) for k in (b"k", b"l", b"m")] == [False, True, True]
+    three, _, _ = moves.hide_checked("b", [b"k"])
+    moves.unhide(two)
+    assert [moves.hidden("a", k) for k in (b"k", b"l", b"m")] == [False, False, False]
+    assert moves.hidden("b", b"k")
+    moves.unhide(three)
+    assert not moves.hidden("b", b"k") and moves.first_hidden("b", [b"k"], 0) == 1
+
+
 def test_a_block_deleted_during_its_demotion_is_reported() -> None:
     moves = MovementTable(FakeStore())  # type: ignore[arg-type]
     assert moves.deleted_while_demoting("a", [b"x"]) == []

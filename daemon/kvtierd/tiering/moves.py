@@ -53,6 +53,7 @@ class MovementTable:
         self._handing: collections.Counter[Key] = collections.Counter()
         # A count per key: a Delete and an Evict may hide one key at once.
         self._hidden: collections.Counter[Key] = collections.Counter()
+        self._hidden_n = 0  # the sum of its counts: an unhide of all of them clears it
         self._progress = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -68,7 +69,7 @@ class MovementTable:
 
     def any_moving(self, namespace: str, keys: Iterable[bytes]) -> bool:
         with self._lock:
-            return any(self._moving((namespace, key)) for key in keys)
+            return self._any_moving((namespace, key) for key in keys)
 
     def moving_many(self, namespace: str, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
         """``moving`` of each key, under one take of the lock."""
@@ -79,6 +80,13 @@ class MovementTable:
     def _moving(self, k: Key) -> bool:
         return (k in self._promoting or k in self._demoting or k in self._publishing
                 or k in self._handing)
+
+    def _any_moving(self, keys: Iterable[Key]) -> bool:
+        """Whether any of ``keys`` is moving (under the lock): no step per key while
+        nothing moves at all."""
+        if not (self._promoting or self._demoting or self._publishing or self._handing):
+            return False
+        return any(map(self._moving, keys))
 
     def hidden(self, namespace: str, key: bytes) -> bool:
         """A Delete or an Evict is removing this key below DRAM."""
@@ -148,9 +156,11 @@ class MovementTable:
                 self._loop.call_soon_threadsafe(self.signal)
 
     # ---------------------------------------------------------------- hiding
-    def hide(self, keys: Iterable[Key]) -> None:
+    def hide(self, keys: Sequence[Key]) -> None:
+        """Hide ``keys`` (each once more) until ``unhide`` of the same keys."""
         with self._lock:
             self._hidden.update(keys)
+            self._hidden_n += len(keys)
 
     def hide_checked(self, namespace: str, keys: Sequence[bytes]
                      ) -> tuple[list[Key], list[asyncio.Future[bool]], bool]:
@@ -160,13 +170,20 @@ class MovementTable:
         keys_of = [(namespace, key) for key in keys]
         with self._lock:
             self._hidden.update(keys_of)
+            self._hidden_n += len(keys_of)
             busy = self._promotions(keys_of)
-            moving = bool(busy) or any(map(self._moving, keys_of))
+            moving = bool(busy) or self._any_moving(keys_of)
         return keys_of, busy, moving
 
-    def unhide(self, keys: Iterable[Key]) -> None:
+    def unhide(self, keys: Sequence[Key]) -> None:
+        """End a ``hide`` of ``keys``."""
         with self._lock:
-            _count_down(self._hidden, keys)
+            if len(keys) >= self._hidden_n:  # (all of them: nobody else hides a key now)
+                self._hidden.clear()
+                self._hidden_n = 0
+            else:
+                _count_down(self._hidden, keys)
+                self._hidden_n -= len(keys)
 
     # ---------------------------------------------------------------- promotions
     def claim_promotions(self, namespace: str, keys: Iterable[bytes],
@@ -284,8 +301,11 @@ class MovementTable:
 
 
 def _count_down(counter: collections.Counter[Key], keys: Iterable[Key]) -> None:
-    """Take one of each of ``keys`` from ``counter``, dropping the ones that reach 0."""
+    """Take one of each of ``keys`` from ``counter``, dropping the ones that reach 0
+    (``pop``: ``Counter``'s own ``del`` is a Python method)."""
     for k in keys:
-        counter[k] -= 1
-        if counter[k] <= 0:
-            del counter[k]
+        n = counter[k] - 1
+        if n > 0:
+            counter[k] = n
+        else:
+            counter.pop(k, None)
