@@ -1488,6 +1488,18 @@ def test_by_extent_groups_refs_by_their_extent() -> None:
         [False, False, True], [True, True, False]]
 
 
+@pytest.mark.parametrize("n", [2, 33, 511, 512, 4096])
+def test_extent_ids_are_the_distinct_extents_in_order_at_any_batch_size(n: int) -> None:
+    """Small batches take the distinct ids from a set, large ones from np.unique: the
+    same answer either way."""
+    rng = np.random.default_rng(n)
+    ids = rng.choice([3, 9, 70000, 12], size=n)
+    mixed = np.concatenate([refs_of(int(i), [k]) for k, i in enumerate(ids)])
+    assert bt.extent_ids(mixed) == sorted(set(ids.tolist()))
+    assert bt.extent_ids(refs_of(5, list(range(n)))) == [5]
+    assert [g for g, _ in bt.by_extent(mixed)] == sorted(set(ids.tolist()))
+
+
 def test_entries_read_keys_and_fields_of_the_slot_entries() -> None:
     t, _ = table(8)
     refs = claimed(t, 4)
@@ -1528,3 +1540,23 @@ def test_n_slots_and_n_free_are_the_counts_through_adds_claims_and_removes() -> 
     assert t.n_free == t.counts().free == 40
     t.remove_extent(2)
     assert t.n_slots == t.counts().slots == 0 == t.n_free
+
+
+def test_slot_offsets_follow_each_extents_own_layout() -> None:
+    """``allocator.offsets``: a slot's offset is slot x its extent's slot size, an extent
+    recovered with another layout included, in batches small and large."""
+    from types import SimpleNamespace
+
+    from kvtierd.store.allocator import offsets
+
+    def ext(slot_bytes: int) -> SimpleNamespace:
+        return SimpleNamespace(segment=SimpleNamespace(layout=SimpleNamespace(
+            slot_bytes=slot_bytes)))
+
+    ns = SimpleNamespace(slot_bytes=4096, by_id={1: ext(4096), 2: ext(8192), 3: ext(4096)})
+    for n in (3, 700):
+        segs = [1 + k % 3 for k in range(n)]
+        refs = np.concatenate([refs_of(s, [k]) for k, s in enumerate(segs)])
+        want = [k * (8192 if s == 2 else 4096) for k, s in enumerate(segs)]
+        assert offsets(ns, refs).tolist() == want  # type: ignore[arg-type]
+        assert offsets(ns, refs_of(1, [5, 9])).tolist() == [5 * 4096, 9 * 4096]  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from kvtier import _slot_ref
 from kvtier.errors import CapacityExhausted
-from kvtierd.block_table import Policy, by_extent
+from kvtierd.block_table import Policy, extent_ids
 from kvtierd.logs import event
 from kvtierd.segments import SegmentLayout
 from kvtierd.store.base import Pinned, StoreOptions, _NeedExtent, _Raced, _refs
@@ -46,10 +46,10 @@ def offsets(ns: Namespace, refs: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint6
     """Each ref's slot offset in its data file (what clients address)."""
     slots = _slot_ref.slots_of(refs)
     out = slots * np.uint64(ns.slot_bytes)
-    for ext_id, mine in by_extent(refs):  # an extent of another layout (recovered)
+    for ext_id in extent_ids(refs):  # an extent of another layout (recovered): its own
         slot_bytes = ns.by_id[ext_id].segment.layout.slot_bytes
         if slot_bytes != ns.slot_bytes:
-            at = slice(None) if mine is None else mine
+            at = _slot_ref.segments_of(refs) == ext_id
             out[at] = slots[at] * np.uint64(slot_bytes)
     return out
 
