@@ -1522,6 +1522,86 @@ kvt_raise_blocks_fault(uintptr_t addr, const Py_buffer *views, const kvt_block *
     return kvt_raise_fault(NULL, -1, addr);
 }
 
+/* The arrays of one scatter_hash call (scatter_hash, scatter_hash_at): its buffers,
+ * blocks, pieces and hashes.  kvt_call_alloc: 0, or -1 with MemoryError. */
+typedef struct {
+    Py_buffer *views;
+    kvt_block *blocks;
+    kvt_piece *pieces;
+    XXH64_hash_t *hashes;
+} kvt_call_mem;
+
+static int
+kvt_call_alloc(kvt_call_mem *m, size_t nviews, size_t npieces, size_t nblocks)
+{
+    m->views = PyMem_Calloc(nviews ? nviews : 1, sizeof *m->views);
+    m->pieces = PyMem_Calloc(npieces ? npieces : 1, sizeof *m->pieces);
+    m->blocks = PyMem_Calloc(nblocks ? nblocks : 1, sizeof *m->blocks);
+    m->hashes = PyMem_Calloc(nblocks ? nblocks : 1, sizeof *m->hashes);
+    if (m->views == NULL || m->pieces == NULL || m->blocks == NULL || m->hashes == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* Release the first got buffers of m and free its arrays. */
+static void
+kvt_call_free(kvt_call_mem *m, Py_ssize_t got)
+{
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&m->views[i]);
+    PyMem_Free(m->views);
+    PyMem_Free(m->pieces);
+    PyMem_Free(m->blocks);
+    PyMem_Free(m->hashes);
+}
+
+/* kvt_scatter_hash over m's n blocks (total bytes: the GIL released from
+ * KVT_NOGIL_MIN on).  0; EFAULT (the caller raises, naming the buffer at
+ * *fault_addr); or -1 with ValueError (an overlap) or MemoryError. */
+static int
+kvt_call_run(kvt_call_mem *m, Py_ssize_t n, size_t npieces, size_t total, Py_ssize_t threads,
+             int hash, uintptr_t *fault_addr)
+{
+    int err;
+
+    if (total >= KVT_NOGIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        err = kvt_scatter_hash(m->blocks, (size_t)n, npieces, (size_t)threads, hash, m->hashes,
+                               fault_addr);
+        Py_END_ALLOW_THREADS
+    }
+    else {
+        err = kvt_scatter_hash(m->blocks, (size_t)n, npieces, (size_t)threads, hash, m->hashes,
+                               fault_addr);
+    }
+    if (err == 0 || err == EFAULT)
+        return err;
+    if (err == EINVAL)
+        PyErr_SetString(PyExc_ValueError, "a piece overlaps a source or another piece");
+    else
+        PyErr_NoMemory();
+    return -1;
+}
+
+/* The hashes of m's n blocks as a list of ints, or NULL with an error. */
+static PyObject *
+kvt_call_hashes(const kvt_call_mem *m, Py_ssize_t n)
+{
+    PyObject *out = PyList_New(n);
+
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *h = PyLong_FromUnsignedLongLong((unsigned long long)m->hashes[i]);
+
+        if (h == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, h);
+    }
+    return out;
+}
+
 PyDoc_STRVAR(py_scatter_hash_doc,
 "scatter_hash($module, srcs, pieces, threads=0, hash=True)\n"
 "--\n"
@@ -1562,10 +1642,7 @@ py_scatter_hash(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
     PyObject *srcs_obj, *pieces_obj, *srcs = NULL, *outer = NULL, *result = NULL;
     int hash = 1;
     PyObject **inner = NULL;  /* the tuple of pieces of each source */
-    Py_buffer *views = NULL;  /* block after block: its source, then its pieces */
-    kvt_block *blocks = NULL;
-    kvt_piece *pieces = NULL;
-    XXH64_hash_t *hashes = NULL;
+    kvt_call_mem m = {0};     /* views: block after block, its source, then its pieces */
     Py_ssize_t threads = 0, n = 0, ntuples = 0, got = 0, i;
     size_t npieces = 0, total = 0, k = 0;
     uintptr_t fault_addr = 0;
@@ -1597,89 +1674,50 @@ py_scatter_hash(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
             goto done;
         npieces += (size_t)PyTuple_GET_SIZE(inner[ntuples]);
     }
-    views = PyMem_Calloc((size_t)n + npieces ? (size_t)n + npieces : 1, sizeof *views);
-    pieces = PyMem_Calloc(npieces ? npieces : 1, sizeof *pieces);
-    blocks = PyMem_Calloc(n ? (size_t)n : 1, sizeof *blocks);
-    hashes = PyMem_Calloc(n ? (size_t)n : 1, sizeof *hashes);
-    if (views == NULL || pieces == NULL || blocks == NULL || hashes == NULL) {
-        PyErr_NoMemory();
+    if (kvt_call_alloc(&m, (size_t)n + npieces, npieces, (size_t)n) < 0)
         goto done;
-    }
     for (i = 0; i < n; i++) {
-        Py_ssize_t m = PyTuple_GET_SIZE(inner[i]);
+        Py_ssize_t nm = PyTuple_GET_SIZE(inner[i]);
         size_t need = 0;
         char name[64];
 
         PyOS_snprintf(name, sizeof name, "srcs[%zd]", i);
-        if (kvt_get_buffer(PyTuple_GET_ITEM(srcs, i), &views[got], name, 0) < 0)
+        if (kvt_get_buffer(PyTuple_GET_ITEM(srcs, i), &m.views[got], name, 0) < 0)
             goto done;
-        blocks[i].src = views[got].buf;
-        blocks[i].len = (size_t)views[got].len;
-        blocks[i].pieces = &pieces[k];
-        blocks[i].npieces = (size_t)m;
+        m.blocks[i].src = m.views[got].buf;
+        m.blocks[i].len = (size_t)m.views[got].len;
+        m.blocks[i].pieces = &m.pieces[k];
+        m.blocks[i].npieces = (size_t)nm;
         got++;
-        for (Py_ssize_t j = 0; j < m; j++, k++) {
+        for (Py_ssize_t j = 0; j < nm; j++, k++) {
             PyOS_snprintf(name, sizeof name, "pieces[%zd][%zd]", i, j);
-            if (kvt_get_buffer(PyTuple_GET_ITEM(inner[i], j), &views[got], name, 1) < 0)
+            if (kvt_get_buffer(PyTuple_GET_ITEM(inner[i], j), &m.views[got], name, 1) < 0)
                 goto done;
-            pieces[k].ptr = views[got].buf;
-            pieces[k].len = (size_t)views[got].len;
-            pieces[k].off = need;
-            need += (size_t)views[got].len;
+            m.pieces[k].ptr = m.views[got].buf;
+            m.pieces[k].len = (size_t)m.views[got].len;
+            m.pieces[k].off = need;
+            need += (size_t)m.views[got].len;
             got++;
         }
-        if (need > blocks[i].len) {
+        if (need > m.blocks[i].len) {
             PyErr_Format(PyExc_ValueError, "srcs[%zd] has %zu bytes, pieces[%zd] need %zu",
-                         i, blocks[i].len, i, need);
+                         i, m.blocks[i].len, i, need);
             goto done;
         }
-        total += blocks[i].len;
+        total += m.blocks[i].len;
     }
 
-    if (total >= KVT_NOGIL_MIN) {
-        Py_BEGIN_ALLOW_THREADS
-        err = kvt_scatter_hash(blocks, (size_t)n, npieces, (size_t)threads, hash, hashes,
-                               &fault_addr);
-        Py_END_ALLOW_THREADS
-    }
-    else {
-        err = kvt_scatter_hash(blocks, (size_t)n, npieces, (size_t)threads, hash, hashes,
-                               &fault_addr);
-    }
-    if (err == EFAULT) {
-        kvt_raise_blocks_fault(fault_addr, views, blocks, n);
-    }
-    else if (err == EINVAL) {
-        PyErr_SetString(PyExc_ValueError, "a piece overlaps a source or another piece");
-    }
-    else if (err != 0) {
-        PyErr_NoMemory();
-    }
-    else if (!hash) {
-        result = Py_NewRef(Py_None);
-    }
-    else if ((result = PyList_New(n)) != NULL) {
-        for (i = 0; i < n; i++) {
-            PyObject *h = PyLong_FromUnsignedLongLong((unsigned long long)hashes[i]);
-
-            if (h == NULL) {
-                Py_CLEAR(result);
-                break;
-            }
-            PyList_SET_ITEM(result, i, h);
-        }
-    }
+    err = kvt_call_run(&m, n, npieces, total, threads, hash, &fault_addr);
+    if (err == EFAULT)
+        kvt_raise_blocks_fault(fault_addr, m.views, m.blocks, n);
+    else if (err == 0)
+        result = hash ? kvt_call_hashes(&m, n) : Py_NewRef(Py_None);
 
 done:
-    for (i = 0; i < got; i++)
-        PyBuffer_Release(&views[i]);
+    kvt_call_free(&m, got);
     for (i = 0; i < ntuples; i++)
         Py_DECREF(inner[i]);
     PyMem_Free(inner);
-    PyMem_Free(views);
-    PyMem_Free(pieces);
-    PyMem_Free(blocks);
-    PyMem_Free(hashes);
     Py_XDECREF(outer);
     Py_XDECREF(srcs);
     return result;
@@ -1729,10 +1767,7 @@ py_scatter_hash_at(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs
     PyObject *srcs = NULL, *bases = NULL, *offs = NULL, *hs = NULL, *ns = NULL;
     Py_ssize_t limit, threads = 0, n = 0, got = 0, i;
     int hash = 1, err;
-    Py_buffer *views = NULL; /* block after block: its source, then its base */
-    kvt_block *blocks = NULL;
-    kvt_piece *pieces = NULL;
-    XXH64_hash_t *hashes = NULL;
+    kvt_call_mem m = {0}; /* views: block after block, its source, then its base */
     size_t total = 0;
     uintptr_t fault_addr = 0;
 
@@ -1753,22 +1788,16 @@ py_scatter_hash_at(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs
                      n, PyTuple_GET_SIZE(bases), PyTuple_GET_SIZE(offs));
         goto done;
     }
-    views = PyMem_Calloc(n ? 2 * (size_t)n : 1, sizeof *views);
-    pieces = PyMem_Calloc(n ? (size_t)n : 1, sizeof *pieces);
-    blocks = PyMem_Calloc(n ? (size_t)n : 1, sizeof *blocks);
-    hashes = PyMem_Calloc(n ? (size_t)n : 1, sizeof *hashes);
-    if (views == NULL || pieces == NULL || blocks == NULL || hashes == NULL) {
-        PyErr_NoMemory();
+    if (kvt_call_alloc(&m, 2 * (size_t)n, (size_t)n, (size_t)n) < 0)
         goto done;
-    }
     for (i = 0; i < n; i++) {
         char name[64];
         Py_ssize_t len, off;
 
         PyOS_snprintf(name, sizeof name, "srcs[%zd]", i);
-        if (kvt_get_buffer(PyTuple_GET_ITEM(srcs, i), &views[got], name, 0) < 0)
+        if (kvt_get_buffer(PyTuple_GET_ITEM(srcs, i), &m.views[got], name, 0) < 0)
             goto done;
-        len = views[got++].len;
+        len = m.views[got++].len;
         if (len < 1 || len > limit) {
             PyErr_Format(PyExc_ValueError, "srcs[%zd] is %zd bytes (1..%zd allowed)", i, len,
                          limit);
@@ -1782,71 +1811,41 @@ py_scatter_hash_at(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs
             goto done;
         }
         PyOS_snprintf(name, sizeof name, "bases[%zd]", i);
-        if (kvt_get_buffer(PyTuple_GET_ITEM(bases, i), &views[got], name, 1) < 0)
+        if (kvt_get_buffer(PyTuple_GET_ITEM(bases, i), &m.views[got], name, 1) < 0)
             goto done;
-        if (off > views[got].len - len) {
+        if (off > m.views[got].len - len) {
             PyErr_Format(PyExc_ValueError, "bases[%zd] holds %zd bytes, srcs[%zd] needs %zd at "
-                         "offset %zd", i, views[got].len, i, len, off);
+                         "offset %zd", i, m.views[got].len, i, len, off);
             got++;
             goto done;
         }
-        pieces[i].ptr = (char *)views[got++].buf + off;
-        pieces[i].len = (size_t)len;
-        pieces[i].off = 0;
-        blocks[i].src = views[got - 2].buf;
-        blocks[i].len = (size_t)len;
-        blocks[i].pieces = &pieces[i];
-        blocks[i].npieces = 1;
+        m.pieces[i].ptr = (char *)m.views[got++].buf + off;
+        m.pieces[i].len = (size_t)len;
+        m.pieces[i].off = 0;
+        m.blocks[i].src = m.views[got - 2].buf;
+        m.blocks[i].len = (size_t)len;
+        m.blocks[i].pieces = &m.pieces[i];
+        m.blocks[i].npieces = 1;
         total += (size_t)len;
     }
 
-    if (total >= KVT_NOGIL_MIN) {
-        Py_BEGIN_ALLOW_THREADS
-        err = kvt_scatter_hash(blocks, (size_t)n, (size_t)n, (size_t)threads, hash, hashes,
-                               &fault_addr);
-        Py_END_ALLOW_THREADS
-    }
-    else {
-        err = kvt_scatter_hash(blocks, (size_t)n, (size_t)n, (size_t)threads, hash, hashes,
-                               &fault_addr);
-    }
-    if (err == EFAULT) {
-        kvt_raise_at_fault(fault_addr, views, n);
-        goto done;
-    }
-    if (err == EINVAL) {
-        PyErr_SetString(PyExc_ValueError, "a piece overlaps a source or another piece");
-        goto done;
-    }
-    if (err != 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if ((ns = PyList_New(n)) == NULL)
-        goto done;
-    if (hash && (hs = PyList_New(n)) == NULL)
+    err = kvt_call_run(&m, n, (size_t)n, total, threads, hash, &fault_addr);
+    if (err == EFAULT)
+        kvt_raise_at_fault(fault_addr, m.views, n);
+    if (err != 0 || (hash && (hs = kvt_call_hashes(&m, n)) == NULL)
+        || (ns = PyList_New(n)) == NULL)
         goto done;
     for (i = 0; i < n; i++) {
-        PyObject *len = PyLong_FromSize_t(blocks[i].len), *h = NULL;
+        PyObject *len = PyLong_FromSize_t(m.blocks[i].len);
 
         if (len == NULL)
             goto done;
         PyList_SET_ITEM(ns, i, len);
-        if (hs != NULL) {
-            if ((h = PyLong_FromUnsignedLongLong((unsigned long long)hashes[i])) == NULL)
-                goto done;
-            PyList_SET_ITEM(hs, i, h);
-        }
     }
     result = PyTuple_Pack(2, hs != NULL ? hs : Py_None, ns);
 
 done:
-    for (i = 0; i < got; i++)
-        PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
-    PyMem_Free(pieces);
-    PyMem_Free(blocks);
-    PyMem_Free(hashes);
+    kvt_call_free(&m, got);
     Py_XDECREF(hs);
     Py_XDECREF(ns);
     Py_XDECREF(offs);
