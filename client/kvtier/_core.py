@@ -1089,13 +1089,24 @@ class ReservationState:
                 [arrays[seg] for seg in self._segment_ids], self._offsets, self._block_bytes,
                 hashed)
         except (TypeError, ValueError):
-            for i in reserved:  # the caller's block: named as every write names it
-                as_bytes_view(blocks[i], i, self._block_bytes)
-            raise
+            bad = self._bad_block(blocks)
+            if bad is None:
+                raise
+            raise bad from None
         lengths = self.lengths
         for i, n in zip(reserved, nbytes, strict=True):
             lengths[i] = n
         self._sums = sums
+
+    def _bad_block(self, blocks: Sequence[Any]) -> InvalidArgument | None:
+        """The error naming the first reserved block that is not a C-contiguous buffer of
+        1..block_bytes bytes (``as_bytes_view``'s, as every write names it), else None."""
+        for i in self._reserved:
+            try:
+                as_bytes_view(blocks[i], i, self._block_bytes)
+            except InvalidArgument as exc:
+                return exc
+        return None
 
     def commit_request(self, checksum: bool) -> pb.CommitRequest:
         lengths, sums = self._lengths_and_sums(checksum)

@@ -477,6 +477,34 @@ def test_client_side_argument_errors(d: DaemonProc, client: kvtier.Client) -> No
     assert_serving(d)
 
 
+def test_a_reservations_write_blocks_names_a_bad_block_and_copies_nothing(
+    d: DaemonProc, client: kvtier.Client
+) -> None:
+    """``Reservation.write_blocks`` checks every block in its one native call: a bad one
+    is named as ``put`` names it, nothing of the call is copied, and the reservation
+    goes on to take good blocks."""
+    keys = [uniq("wb-a"), uniq("wb-b")]
+    bad: list[tuple[Any, str]] = [
+        (np.zeros(BB + 1, np.uint8), f"blocks[1] is {BB + 1} bytes; a block holds 1..{BB} bytes"),
+        (b"", f"blocks[1] is 0 bytes; a block holds 1..{BB} bytes"),
+        (object(), "blocks[1] (object) does not support the buffer protocol"),
+        (np.zeros((4, 4), np.uint8)[:, ::2], "blocks[1] is not C-contiguous"),
+    ]
+    with client.reserve(keys) as r:
+        for block, message in bad:
+            with pytest.raises(errors.InvalidArgument) as ei:
+                r.write_blocks([b"first", block])
+            assert type(ei.value) is errors.InvalidArgument
+            assert str(ei.value) == message
+            assert ei.value.__cause__ is None and ei.value.__suppress_context__
+        assert r.lengths == [None, None]  # nothing written
+        r.write_blocks([b"first", np.full((2, 3), 7, np.uint8)])
+        assert r.commit() == 2
+    got = client.get(keys)
+    assert got[0].tobytes() == b"first" and got[1].tobytes() == bytes([7] * 6)
+    assert_serving(d)
+
+
 def test_message_over_max_message_bytes_is_resource_exhausted(
     d: DaemonProc, stub: pb_grpc.KVTierStub, client: kvtier.Client
 ) -> None:
