@@ -943,11 +943,10 @@ def test_a_grant_taken_while_its_extent_is_being_reclaimed_keeps_the_extent(
 def test_refills_come_in_batches_within_a_share_of_the_namespace_and_never_grow_it(
         store_factory: Callable[..., StoreEnv]) -> None:
     """A writer of one key at a time is granted a batch (REFILL_PUTS times what it asks, at least
-    REFILL_BATCH) when its namespace may reach enough slots (1/GRANT_SHARE of those its
-    extents hold and the budget lets it grow), what it asks when not; the slots past what
-    it needs come from free ones while the namespace could grow for them, and from
-    eviction only when it cannot (the steady state)."""
-    from kvtierd.store.grants import REFILL_BATCH
+    REFILL_BATCH) when its namespace is large enough (1/GRANT_SHARE of its slots), what it
+    asks when not; the slots past what it needs come from free ones while the namespace
+    could grow for them, and from eviction only when it cannot (the steady state)."""
+    from kvtierd.store.grants import GRANT_SHARE, REFILL_BATCH
     extent = 8 << 20
     layout = SegmentLayout.fit(BLOCK, extent)
     assert layout is not None
@@ -956,13 +955,11 @@ def test_refills_come_in_batches_within_a_share_of_the_namespace_and_never_grow_
                         grant_bytes=256 * BLOCK, options=StoreOptions(grow_ahead=False))
     s = session(env)
     put(env, s, [b"one"])
-    # One extent, room in the budget for four more: a batch, not a share of one extent.
-    assert len(s.ns.extents) == 1
-    assert env.store.grant_target(s.ns, 1) == REFILL_BATCH == 32
+    assert env.store.grant_target(s.ns, 1) == per // GRANT_SHARE == 7  # one extent: a share
     put(env, s, keys(4 * per - 8, "fill"))  # 4 extents, 7 slots free, room for a 5th
     assert len(s.ns.extents) == 4 and s.ns.free_slots() == 7
     target = env.store.grant_target(s.ns, 1)
-    assert target == REFILL_BATCH
+    assert target == min(REFILL_BATCH, 4 * per // GRANT_SHARE) == 31
     page, writes, bell = _attach(env, s)
     # Past what it needs, only the free slots: the namespace does not grow for a batch.
     assert env.store.refill_grants(s, target, 1) == 7 and len(s.ns.extents) == 4
@@ -977,7 +974,7 @@ def test_refills_come_in_batches_within_a_share_of_the_namespace_and_never_grow_
     put(env, s, keys(per, "fifth"))  # the 5th extent, filled: the budget is spent
     assert len(s.ns.extents) == 5 and s.ns.free_slots() == 0
     target = env.store.grant_target(s.ns, 1)
-    assert target == REFILL_BATCH
+    assert target == min(REFILL_BATCH, 5 * per // GRANT_SHARE) == 32
     # The steady state: a batch evicted at once, then one refill per 3/4 of it (a
     # writer of one key refills when it holds a quarter of the batch).
     struct.pack_into("<Q", page.mapping, _page.W_WANT, 1)
@@ -996,32 +993,6 @@ def test_refills_come_in_batches_within_a_share_of_the_namespace_and_never_grow_
     assert env.store.evictions == evictions + used  # one claim of 3/4 of the batch
     assert env.store.check() == []
     _detach(env, s, page, writes, bell)
-
-
-@pytest.mark.parametrize("bound", ["budget", "quota"])
-def test_a_namespace_that_cannot_grow_is_granted_a_share_of_its_slots(
-        store_factory: Callable[..., StoreEnv], bound: str) -> None:
-    """Past what its writer asks, a namespace the budget or its DRAM quota keeps at one
-    extent grants 1/GRANT_SHARE of that extent's slots, whatever room is left elsewhere;
-    its writer's larger puts still get what they ask."""
-    from kvtierd.store.grants import GRANT_SHARE, REFILL_BATCH
-    extent = 8 << 20
-    layout = SegmentLayout.fit(BLOCK, extent)
-    assert layout is not None
-    per = layout.n_slots  # 127
-    if bound == "budget":
-        env = store_factory(capacity=layout.file_bytes, extent_size=extent,
-                            grant_bytes=256 * BLOCK, options=StoreOptions(grow_ahead=False))
-    else:
-        env = store_factory(capacity=5 * layout.file_bytes, extent_size=extent,
-                            grant_bytes=256 * BLOCK, options=StoreOptions(
-                                grow_ahead=False,
-                                dram_quota_of=lambda name: layout.file_bytes))
-    s = session(env)
-    put(env, s, [b"one"])
-    assert len(s.ns.extents) == 1
-    assert env.store.grant_target(s.ns, 1) == per // GRANT_SHARE == 7 < REFILL_BATCH
-    assert env.store.grant_target(s.ns, 20) == 20
 
 
 def test_a_refill_comes_at_a_quarter_of_the_batch_or_before_two_puts_run_short() -> None:

@@ -100,15 +100,6 @@ class Budget:
         return (ns.grow_lock.locked()
                 or SegmentLayout.fit(ns.block_bytes, self.free_bytes) is not None)
 
-    def growable_slots(self, ns: Namespace) -> int:
-        """About how many more slots ``ns`` may get by growing: the budget's free bytes,
-        within its DRAM quota, in its slots (extent headers not counted)."""
-        room = self.free_bytes
-        quota = self._options.dram_quota_of(ns.name)
-        if quota:
-            room = min(room, quota - ns.extent_bytes())
-        return max(room, 0) // ns.slot_bytes
-
     def _usable_free(self, ns: Namespace) -> int:
         return self._state.pinned(ns).free_slots()
 

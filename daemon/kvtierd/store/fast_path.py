@@ -134,9 +134,8 @@ class FastPath:
 
     def grant_target(self, ns: Namespace, wanted: int) -> int:
         """How many grants a writer that asks for ``wanted`` is given at a refill
-        (``grants.grant_target``), within a share of the slots it may reach."""
-        return grants.grant_target(self.grant_limit(ns), ns, wanted,
-                                   ns.table.n_slots + self._budget.growable_slots(ns))
+        (``grants.grant_target``)."""
+        return grants.grant_target(self.grant_limit(ns), ns, wanted)
 
     def take_granted(self) -> collections.Counter[str]:
         """The slots granted ahead per namespace since the last call (metrics)."""

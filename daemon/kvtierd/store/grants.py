@@ -102,7 +102,7 @@ def grant_limit(grant_bytes: int, ns: Namespace) -> int:
     return min(GRANTS_N, grant_bytes // ns.slot_bytes)
 
 
-def grant_target(limit: int, ns: Namespace, wanted: int, reach: int | None = None) -> int:
+def grant_target(limit: int, ns: Namespace, wanted: int) -> int:
     """How many grants a writer that asks for ``wanted`` (its largest put: its next one
     must find as many) is given at a refill: ``REFILL_PUTS`` times that, at least
     ``REFILL_BATCH``, within ``limit`` (``grant_limit``).  A refill happens when it holds
@@ -112,18 +112,12 @@ def grant_target(limit: int, ns: Namespace, wanted: int, reach: int | None = Non
     index and table calls -- was most of a commit's: refilling at a quarter instead of
     half took 32 x 64 KiB puts from 1.29 to 1.15 us of daemon CPU a block), and a writer
     never holds fewer than it wants if it asks for no more than half the limit.
-    Past what it wants, never more than ``1 / GRANT_SHARE`` of the slots within the
-    namespace's reach (``reach``: its extents' and those the budget and its quota still
-    let it grow; None: its extents'): idle grants are room the cache does not use (a
-    small namespace that cannot grow, or one at its quota, grants what the writer asks
-    for and no batch).  A namespace that may still grow loses no cached block to them:
-    past what the writer needs, a refill only takes free slots while it could grow
-    (``FastPath.refill_grants``).  Counting its extents alone, a young namespace of large
-    blocks (one 256 MiB extent of 512 KiB slots) granted what one put takes, so every
-    put's refill came before its answer."""
+    Past what it wants, never more than ``1 / GRANT_SHARE`` of the namespace's slots:
+    idle grants are room the cache does not use (a small namespace, or one at its
+    quota, grants what the writer asks for and no batch)."""
     if wanted <= 0:
         return 0
-    share = max(ns.table.n_slots, reach or 0) // GRANT_SHARE
+    share = ns.table.n_slots // GRANT_SHARE
     return min(limit, max(REFILL_PUTS * wanted, REFILL_BATCH), max(wanted, share))
 
 
