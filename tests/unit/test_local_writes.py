@@ -943,8 +943,8 @@ def test_a_grant_taken_while_its_extent_is_being_reclaimed_keeps_the_extent(
 def test_refills_come_in_batches_within_a_share_of_the_namespace_and_never_grow_it(
         store_factory: Callable[..., StoreEnv]) -> None:
     """A writer of one key at a time is granted a batch (REFILL_PUTS times what it asks, at least
-    REFILL_BATCH) when its namespace is large enough (1/GRANT_SHARE of its slots), what it
-    asks when not; the slots past what it needs come from free ones while the namespace
+    REFILL_BATCH) when its namespace is large enough (1/GRANT_SHARE of its slots), two
+    puts' worth when not; the slots past what it needs come from free ones while the namespace
     could grow for them, and from eviction only when it cannot (the steady state)."""
     from kvtierd.store.grants import GRANT_SHARE, REFILL_BATCH
     extent = 8 << 20
@@ -956,6 +956,9 @@ def test_refills_come_in_batches_within_a_share_of_the_namespace_and_never_grow_
     s = session(env)
     put(env, s, [b"one"])
     assert env.store.grant_target(s.ns, 1) == per // GRANT_SHARE == 7  # one extent: a share
+    # A put larger than the share: two puts' worth (the next put's grants are held while
+    # the one after is refilled, after the answer), never a batch of eight.
+    assert env.store.grant_target(s.ns, 20) == 2 * 20
     put(env, s, keys(4 * per - 8, "fill"))  # 4 extents, 7 slots free, room for a 5th
     assert len(s.ns.extents) == 4 and s.ns.free_slots() == 7
     target = env.store.grant_target(s.ns, 1)
