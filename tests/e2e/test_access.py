@@ -302,14 +302,15 @@ def test_namespace_at_dram_quota_evicts_its_own_blocks_never_others(workdir: str
             # The quota holds (8 MiB of extents: at most 16 blocks), the newest blocks kept.
             assert 0 < s["q/a"].committed_blocks <= 16
             assert q.lookup([b"q39"]) == 1 and q.lookup([b"q0"]) == 0
-            # A lease on every block it holds: now it cannot make room, and says why.  (Two
-            # keys: the one slot the session holds granted ahead cannot take them both.)
+            # A lease on every block it holds: now it cannot make room, and says why.  (Three
+            # keys: the two slots the session holds granted ahead, two puts' worth of its
+            # 1-key puts, cannot take them all.)
             held = [k for k in (b"q%d" % i for i in range(40)) if q.lookup([k])]
             with q.acquire(held):
                 with pytest.raises(errors.CapacityExhausted,
                                    match=r"namespace 'q/a' is at its DRAM quota \(\d+ of "
-                                         r"8388608 bytes\): 2 slots needed, 0 obtainable"):
-                    q.put([b"more", b"more2"], [b"x" * blk] * 2)
+                                         r"8388608 bytes\): 3 slots needed, 0 obtainable"):
+                    q.put([b"more", b"more2", b"more3"], [b"x" * blk] * 3)
         with kvtier.Client(d.socket_dir, namespace="other/x", block_bytes=blk,
                            model_uid="m") as other:
             assert other.lookup(other_keys) == 24  # never starved by q/a
