@@ -152,28 +152,33 @@ class RingCommit(NamedTuple):
 _UNIQUE_MIN = 512
 
 
-def extent_ids(refs: Refs) -> list[int]:
-    """The extent ids among ``refs``, in increasing order."""
+def _extents(refs: Refs) -> tuple[list[int], npt.NDArray[np.uint64] | None]:
+    """The extent ids among ``refs`` in increasing order, and each ref's extent id (None
+    when they are all of one extent, or none)."""
     if not len(refs):
-        return []
+        return [], None
     first = _slot_ref.segment_of(int(refs[0]))
     if len(refs) == 1:
-        return [first]
+        return [first], None
     ids = _slot_ref.segments_of(refs)
     if bool((ids == first).all()):
-        return [first]
+        return [first], None
     if len(ids) < _UNIQUE_MIN:
-        return sorted(set(ids.tolist()))
-    return np.unique(ids).tolist()  # type: ignore[no-any-return]
+        return sorted(set(ids.tolist())), ids
+    return np.unique(ids).tolist(), ids
+
+
+def extent_ids(refs: Refs) -> list[int]:
+    """The extent ids among ``refs``, in increasing order."""
+    return _extents(refs)[0]
 
 
 def by_extent(refs: Refs) -> list[tuple[int, npt.NDArray[np.bool_] | None]]:
     """Each extent id among ``refs`` with the mask of its refs -- None when every ref
     is of that one extent (the usual batch: no pass over the refs per extent)."""
-    found = extent_ids(refs)
-    if len(found) == 1:
-        return [(found[0], None)]
-    ids = _slot_ref.segments_of(refs)
+    found, ids = _extents(refs)
+    if ids is None:
+        return [(ext_id, None) for ext_id in found]
     return [(ext_id, ids == ext_id) for ext_id in found]
 
 
