@@ -25,13 +25,17 @@ log = logging.getLogger("kvtierd")
 
 #: How long a thread holds the GIL while another waits for it (CPython's default is
 #: 5 ms).  When clients keep the event loop busy it never gives the GIL up by itself,
-#: and the I/O threads (demotions' SSD writes and syncs, promotions' reads, spill file
-#: creation) get it back after each system call only when this interval forces a
-#: switch.  At 5 ms a client flooding its session channel with calls made an SSD
-#: sync take up to 1 s and a spill file 0.4 s to create, demotion fell behind the
-#: other tenants' writers, and their reserves waited 0.1-2 s for room; at 0.5 ms
-#: still in most runs; at 0.2 ms in none (syncs under 20 ms, docs/decisions.md).
-GIL_SWITCH_INTERVAL = 0.0002
+#: and the I/O threads (demotions' SSD writes and syncs, promotions' reads, segment
+#: and spill file creation) get it back after each system call only when this
+#: interval forces a switch.  A waiting thread asks for the switch only after a whole
+#: interval in which the holder never let the GIL go: the loop (uvloop) lets it go
+#: and takes it back at every I/O callback, and each time the waiter's wait starts
+#: over.  So the interval must be shorter than the gaps between the loop's callbacks
+#: under a flood of calls.  At 5 ms an SSD sync took up to 1 s; at 0.2 ms, once the
+#: loop served calls faster (2026-12-07), a new extent took up to 0.34 s to create
+#: and a tenant's put waited for it; at 50 us creation stays under 10 ms
+#: (docs/decisions.md).
+GIL_SWITCH_INTERVAL = 0.00005
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
