@@ -537,8 +537,9 @@ def sec_control_path(r: Results) -> str:
         ], right=[False, True]),
         source_line("commit_path"),
         f"\nIn `kvtier bench`'s interleaved rounds the same reserve + commit is "
-        f"{_interleaved_commit(r)} the empty call (the two runs above): each commit there wakes an idle daemon and an idle writer, and on two vCPUs "
-        "the wake-ups, not the daemon's work, are most of the round trip.\n",
+        f"{_interleaved_commit(r)} the empty call (the two runs above): each commit there "
+        "wakes an idle daemon and an idle writer, and on two vCPUs the wake-ups, not the "
+        "daemon's work, are most of the round trip.\n",
         "\n**Why the session socket and not gRPC** (round-trip floors of the candidate transports, "
         "64 B, interleaved):\n",
         table(["round trip", "p50 us", "p99 us"],

@@ -46,10 +46,13 @@ def offsets(ns: Namespace, refs: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint6
     """Each ref's slot offset in its data file (what clients address)."""
     slots = _slot_ref.slots_of(refs)
     out = slots * np.uint64(ns.slot_bytes)
+    segments = None  # each ref's extent id, once an extent of another layout needs it
     for ext_id in extent_ids(refs):  # an extent of another layout (recovered): its own
         slot_bytes = ns.by_id[ext_id].segment.layout.slot_bytes
         if slot_bytes != ns.slot_bytes:
-            at = _slot_ref.segments_of(refs) == ext_id
+            if segments is None:
+                segments = _slot_ref.segments_of(refs)
+            at = segments == ext_id
             out[at] = slots[at] * np.uint64(slot_bytes)
     return out
 
