@@ -34,7 +34,7 @@ from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
 from kvtier.vllm import request_salt  # noqa: E402
 from tests.conftest import DaemonProc, scribble, start_daemon, stop_daemon  # noqa: E402
 from tests.vllm import tinymodel  # noqa: E402
-from tests.vllm.driver import ENGINE_DEADLINE, Engine  # noqa: E402
+from tests.vllm.driver import ENGINE_DEADLINE, LAB_CONNECTOR_TIMEOUT, Engine  # noqa: E402
 from tests.vllm.logs import failure_excerpt  # noqa: E402
 from tests.vllm.pdlab import child_env  # noqa: E402
 
@@ -80,9 +80,11 @@ class Lab:
         return os.path.join(self.base, "sock")
 
     def engine(self, name: str, phases: list[list[dict[str, Any]]], *, connector: Any = "kvtier",
-               model: str | None = None, prefix_caching: bool = False, tp: int = 1) -> Engine:
+               model: str | None = None, prefix_caching: bool = False, tp: int = 1,
+               timeout: float = 2.0) -> Engine:
+        """An engine running ``phases``; ``timeout`` is the kvtier connector's deadline."""
         if connector == "kvtier":
-            connector = {"socket_dir": self.socket_dir, "timeout": 2.0}
+            connector = {"socket_dir": self.socket_dir, "timeout": timeout}
         spec: dict[str, Any] = {"model": model or self.model, "connector": connector,
                                 "phases": phases, "prefix_caching": prefix_caching,
                                 "max_model_len": 2048, "tp": tp}
@@ -328,12 +330,16 @@ def test_tensor_parallel_ranks_store_their_own_shards_and_claim_only_common_bloc
     assert lab.daemon is not None
     t = P[:900]
     full = (len(t) - 1) // BLOCK  # 7
-    a = lab.engine("tp-a", [[{"tokens": t}]], tp=2)
-    # B starts beside A (each start costs ~40 s) and waits in an empty first phase.
-    b = lab.engine("tp-b", [[], [{"tokens": t}], [{"tokens": t}]], tp=2)
+    # B starts beside A (each start costs ~40 s) and waits in an empty first phase.  Six
+    # processes on two cores: in CI one rank's save ran out its 2 s deadline (save_seconds
+    # 2.0, that rank's 7 blocks missing), so the engines get the side-by-side labs' deadline.
+    a = lab.engine("tp-a", [[{"tokens": t}]], tp=2, timeout=LAB_CONNECTOR_TIMEOUT)
+    b = lab.engine("tp-b", [[], [{"tokens": t}], [{"tokens": t}]], tp=2,
+                   timeout=LAB_CONNECTOR_TIMEOUT)
     first = a.result()
     a.close()
-    assert _count(first, "saved_blocks") == 2 * full  # counters add up over the ranks
+    # Counters add up over the ranks; a save that failed says why in the counters and log.
+    assert _count(first, "saved_blocks") == 2 * full, (first["counters"], a.diagnosis())
     ranks = {ns.name.split("/")[2]: ns for ns in lab.daemon.stats().namespaces
              if "of2/" in ns.name}
     assert sorted(ranks) == ["tp0of2", "tp1of2"], sorted(ranks)
