@@ -693,6 +693,8 @@ def sec_ttft(r: Results) -> str:
         table(["configuration", "1k tokens, ms", "4k", "8k"], ttft_rows(r["ttft_epyc"]["summary"]),
               right=[False, True, True, True]),
         source_line("ttft_epyc"),
+        "\nToday's tree on the EPYC VM, and what any connector costs vLLM: \"vLLM time to first "
+        "token on today's tree\" under Further sections.\n",
         "\n![TTFT by configuration and prompt length](img/benchmarks/ttft-by-config.png)\n",
     ])
 

@@ -25,6 +25,9 @@ one warm-up request with an unrelated prompt (``--warmup-tokens``; it shares no
 * ``example_connector`` vLLM's in-tree ExampleConnector (safetensors files in a
                         temp dir): a writer process (its TTFT is reported as
                         ``example_miss``), then a fresh measuring process;
+* ``noop_connector``    a connector that does nothing (``bench/noop_connector.py``):
+                        what vLLM's own connector path costs, which every
+                        connector pays before its first lookup or save;
 * ``floor``             vLLM's in-process prefix cache: the same prompt twice in one
                         engine, TTFT of the second (the first is reported as
                         ``cold_inproc``).
@@ -48,6 +51,10 @@ log and the JSON as ``omp_cores``).
 Targets (printed with pass/fail): at 4k tokens every hit <= 0.1x cold; kvtier
 DRAM hit <= 1.1x floor and <= the ExampleConnector hit at every length; kvtier
 SSD hit <= 1.3x floor; kvtier miss overhead (cold_connector - cold) <= 5% of cold.
+With ``noop_connector`` measured too, the table's text also gives cold_connector
+against it: kvtier's own miss overhead, over what vLLM's connector path costs.
+``--kvtier-extra '{"save": false, "load_mode": "off"}'`` makes the kvtier engines
+connect and do nothing (and ``kvtier_dram`` then has nothing to hit).
 """
 
 from __future__ import annotations
@@ -75,10 +82,10 @@ GiB = 1 << 30
 BLOCK = 128  # vLLM CPU block size (tokens)
 
 ALL_CONFIGS = ["cold", "cold_connector", "kvtier_dram", "kvtier_ssd", "example_connector",
-               "floor"]
+               "noop_connector", "floor"]
 #: Rows of the table: the configurations plus the side measurements.
-ROWS = ["cold", "cold_inproc", "cold_connector", "example_miss", "kvtier_dram", "kvtier_ssd",
-        "example_connector", "floor"]
+ROWS = ["cold", "cold_inproc", "cold_connector", "noop_connector", "example_miss",
+        "kvtier_dram", "kvtier_ssd", "example_connector", "floor"]
 KVTIER_CONFIGS = {"cold_connector", "kvtier_dram", "kvtier_ssd"}
 
 BIG = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 8, "vocab": 32000}
@@ -254,10 +261,15 @@ class Bench:
                 "kv_connector_extra_config": {"shared_storage_path": path}}
 
     def kvtier_ktc(self, prefix: str) -> dict[str, Any]:
-        extra: dict[str, Any] = {"socket_dir": self.daemon.socket_dir,
+        extra: dict[str, Any] = {**self.args.kvtier_extra, "socket_dir": self.daemon.socket_dir,
                                  "namespace_prefix": prefix}
         return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.vllm",
                 "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+    @staticmethod
+    def noop_ktc() -> dict[str, Any]:
+        return {"kv_connector": "NoopConnector", "kv_connector_module_path": "bench.noop_connector",
+                "kv_role": "kv_both"}
 
     # -- one round of one length
     def round(self, r: int, n: int, configs: list[str]) -> dict[str, dict[str, Any]]:
@@ -301,6 +313,8 @@ class Bench:
             res = self.run_engine(f"floor-{n}", prompt, warmup, None, times=2)
             keep("cold_inproc", res, 0)
             keep("floor", res, 1)
+        elif u == "noop_connector":
+            keep("noop_connector", self.run_engine(f"noop-{n}", prompt, warmup, self.noop_ktc()))
         elif u == "example_connector":
             d = tempfile.mkdtemp(prefix="example-", dir=self.spill_root)
             try:
@@ -517,6 +531,9 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[tuple[str, bool | None, 
               "floor")
         check(f"{n}: cold_connector <= 1.05x cold (miss overhead <= 5%)",
               med(n, "cold_connector"), med(n, "cold"), 1.05, "cold")
+        if med(n, "noop_connector") is not None:
+            check(f"{n}: cold_connector <= 1.05x noop_connector (kvtier's own miss overhead)",
+                  med(n, "cold_connector"), med(n, "noop_connector"), 1.05, "noop")
     return out
 
 
@@ -568,6 +585,10 @@ def main() -> int:
                    "the first chunk of a longer prompt and its hit fails)")
     p.add_argument("--kv-space", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     p.add_argument("--proc-timeout", type=float, default=900, help="per engine process (s)")
+    p.add_argument("--kvtier-extra", type=json.loads, default={}, metavar="JSON",
+                   help="more kv_connector_extra_config for the kvtier engines, e.g. "
+                   "'{\"save\": false, \"load_mode\": \"off\"}' (a kvtier connector that "
+                   "connects and does nothing)")
     p.add_argument("--keep-logs", metavar="DIR", help="copy every engine process's log here")
     p.add_argument("--json", help="write the results here (default "
                    "bench/results/vllm-ttft-<UTC date-time>.json; '-' for none)")
