@@ -394,7 +394,7 @@ class Bench:
         shm = f"/dev/shm/kvtier-bench-{uuid.uuid4().hex[:12]}"
         self.daemon = Daemon(base=os.path.join(self.base, "kvtierd"), shm_dir=shm,
                              ssd_dir=os.path.join(self.spill_root, "ssd"), capacity=capacity,
-                             extent=64 * MiB, ssd_capacity=2 * capacity, ssd_file=256 * MiB)
+                             extent=self.args.extent_mib * MiB, ssd_capacity=2 * capacity, ssd_file=256 * MiB)
         os.makedirs(self.daemon.base, exist_ok=True)
         log(f"kvtierd: DRAM {capacity // MiB} MiB, SSD {2 * capacity // MiB} MiB in "
             f"{self.daemon.ssd_dir}, block {per_block / MiB:.2f} MiB")
@@ -585,6 +585,9 @@ def main() -> int:
                    "the first chunk of a longer prompt and its hit fails)")
     p.add_argument("--kv-space", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     p.add_argument("--proc-timeout", type=float, default=900, help="per engine process (s)")
+    p.add_argument("--extent-mib", type=int, default=64, metavar="MIB",
+                   help="the private kvtierd's extent size (default 64, its own default): "
+                   "how much a namespace's DRAM grows at a time")
     p.add_argument("--kvtier-extra", type=json.loads, default={}, metavar="JSON",
                    help="more kv_connector_extra_config for the kvtier engines, e.g. "
                    "'{\"save\": false, \"load_mode\": \"off\"}' (a kvtier connector that "
