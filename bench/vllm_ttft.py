@@ -51,8 +51,8 @@ log and the JSON as ``omp_cores``).
 Targets (printed with pass/fail): at 4k tokens every hit <= 0.1x cold; kvtier
 DRAM hit <= 1.1x floor and <= the ExampleConnector hit at every length; kvtier
 SSD hit <= 1.3x floor; kvtier miss overhead (cold_connector - cold) <= 5% of cold.
-With ``noop_connector`` measured too, the table's text also gives cold_connector
-against it: kvtier's own miss overhead, over what vLLM's connector path costs.
+With ``noop_connector`` measured too, the targets also compare cold_connector with
+it: kvtier's own miss overhead, over what vLLM's connector path costs.
 ``--kvtier-extra '{"save": false, "load_mode": "off"}'`` makes the kvtier engines
 connect and do nothing (and ``kvtier_dram`` then has nothing to hit).
 """
@@ -394,7 +394,8 @@ class Bench:
         shm = f"/dev/shm/kvtier-bench-{uuid.uuid4().hex[:12]}"
         self.daemon = Daemon(base=os.path.join(self.base, "kvtierd"), shm_dir=shm,
                              ssd_dir=os.path.join(self.spill_root, "ssd"), capacity=capacity,
-                             extent=self.args.extent_mib * MiB, ssd_capacity=2 * capacity, ssd_file=256 * MiB)
+                             extent=self.args.extent_mib * MiB, ssd_capacity=2 * capacity,
+                             ssd_file=256 * MiB)
         os.makedirs(self.daemon.base, exist_ok=True)
         log(f"kvtierd: DRAM {capacity // MiB} MiB, SSD {2 * capacity // MiB} MiB in "
             f"{self.daemon.ssd_dir}, block {per_block / MiB:.2f} MiB")
@@ -596,6 +597,8 @@ def main() -> int:
     p.add_argument("--json", help="write the results here (default "
                    "bench/results/vllm-ttft-<UTC date-time>.json; '-' for none)")
     args = p.parse_args()
+    if not isinstance(args.kvtier_extra, dict):
+        p.error("--kvtier-extra must be a JSON object")
     if args.tokens is None:
         args.tokens = [512] if args.small else [1024, 4096, 8192]
     if args.warmup_tokens is None:
