@@ -133,7 +133,9 @@ if [ -n "$vllm_tpu" ] && [ -n "$vllm_tpu_background" ]; then
     # venv's install above built the same file) and no other pip writes this venv; then
     # the engines' download in a detached job: it outlives this script (and make), so
     # its end is written down.  One at a time: a job still running is left to finish.
-    if read -r state pid <"$vllm_tpu_status" 2>/dev/null && [ "$state" = running ] \
+    # (A first install has no status file: the braces silence the redirection's own
+    # error, which a 2>/dev/null after it would not.)
+    if { read -r state pid <"$vllm_tpu_status"; } 2>/dev/null && [ "$state" = running ] \
             && kill -0 "$pid" 2>/dev/null; then
         echo "install.sh: vLLM TPU's install is still running (pid $pid, $vllm_tpu_status.log)"
     else
