@@ -322,7 +322,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., note: _Optional[str] = ..., granted_bytes: _Optional[int] = ..., granted_blocks: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("name", "block_bytes", "model_uid", "slot_bytes", "segments", "committed_blocks", "reserved_blocks", "free_slots", "leased_blocks", "sessions", "hits", "misses", "recovered_blocks", "granted_blocks", "client_reported")
+    __slots__ = ("name", "block_bytes", "model_uid", "slot_bytes", "segments", "committed_blocks", "reserved_blocks", "free_slots", "leased_blocks", "sessions", "hits", "misses", "recovered_blocks", "granted_blocks", "client_reported", "fast_path_leases")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_UID_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +338,7 @@ class NamespaceStats(_message.Message):
     RECOVERED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GRANTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REPORTED_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATH_LEASES_FIELD_NUMBER: _ClassVar[int]
     name: str
     block_bytes: int
     model_uid: str
@@ -353,7 +354,26 @@ class NamespaceStats(_message.Message):
     recovered_blocks: int
     granted_blocks: int
     client_reported: ClientReported
-    def __init__(self, name: _Optional[str] = ..., block_bytes: _Optional[int] = ..., model_uid: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., free_slots: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., recovered_blocks: _Optional[int] = ..., granted_blocks: _Optional[int] = ..., client_reported: _Optional[_Union[ClientReported, _Mapping]] = ...) -> None: ...
+    fast_path_leases: FastPathLeases
+    def __init__(self, name: _Optional[str] = ..., block_bytes: _Optional[int] = ..., model_uid: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., committed_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., free_slots: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., recovered_blocks: _Optional[int] = ..., granted_blocks: _Optional[int] = ..., client_reported: _Optional[_Union[ClientReported, _Mapping]] = ..., fast_path_leases: _Optional[_Union[FastPathLeases, _Mapping]] = ...) -> None: ...
+
+class FastPathLeases(_message.Message):
+    __slots__ = ("leases", "blocks", "bytes", "leases_seen", "blocks_seen", "bytes_seen", "unverified")
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_SEEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SEEN_FIELD_NUMBER: _ClassVar[int]
+    UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
+    leases: int
+    blocks: int
+    bytes: int
+    leases_seen: int
+    blocks_seen: int
+    bytes_seen: int
+    unverified: int
+    def __init__(self, leases: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., leases_seen: _Optional[int] = ..., blocks_seen: _Optional[int] = ..., bytes_seen: _Optional[int] = ..., unverified: _Optional[int] = ...) -> None: ...
 
 class ClientReported(_message.Message):
     __slots__ = ("lookups", "lookup_hits", "lookup_misses", "acquires", "acquire_hits", "acquire_misses", "read_bytes", "cut")
@@ -376,7 +396,7 @@ class ClientReported(_message.Message):
     def __init__(self, lookups: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., acquires: _Optional[int] = ..., acquire_hits: _Optional[int] = ..., acquire_misses: _Optional[int] = ..., read_bytes: _Optional[int] = ..., cut: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "sessions", "leases", "reservations", "evictions", "mlocked", "mlock_error", "prefault_seconds", "daemon_version", "boot_epoch", "uptime_seconds", "warm_start", "recovered_blocks", "recovery_seconds", "dropped_segments", "demotions", "promotions", "prefetches", "prefetch_hits", "spill_queue_depth", "spill_checksum_failures", "spill_faults", "ssd_direct_io", "ssd_adopted_blocks", "ssd_adopt_seconds", "dropped_spill_files", "backpressure_waits", "io", "rpcs", "hazard_blocks", "granted_blocks")
+    __slots__ = ("tiers", "namespaces", "sessions", "leases", "reservations", "evictions", "mlocked", "mlock_error", "prefault_seconds", "daemon_version", "boot_epoch", "uptime_seconds", "warm_start", "recovered_blocks", "recovery_seconds", "dropped_segments", "demotions", "promotions", "prefetches", "prefetch_hits", "spill_queue_depth", "spill_checksum_failures", "spill_faults", "ssd_direct_io", "ssd_adopted_blocks", "ssd_adopt_seconds", "dropped_spill_files", "backpressure_waits", "io", "rpcs", "hazard_blocks", "granted_blocks", "lease_look_interval_seconds", "lease_looks")
     class SpillFaultsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +436,8 @@ class StatsResponse(_message.Message):
     RPCS_FIELD_NUMBER: _ClassVar[int]
     HAZARD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GRANTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_LOOK_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_LOOKS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     sessions: int
@@ -448,7 +470,9 @@ class StatsResponse(_message.Message):
     rpcs: _containers.RepeatedCompositeFieldContainer[RpcStats]
     hazard_blocks: int
     granted_blocks: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., mlocked: _Optional[bool] = ..., mlock_error: _Optional[str] = ..., prefault_seconds: _Optional[float] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., warm_start: _Optional[bool] = ..., recovered_blocks: _Optional[int] = ..., recovery_seconds: _Optional[float] = ..., dropped_segments: _Optional[_Iterable[str]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., prefetches: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., spill_queue_depth: _Optional[int] = ..., spill_checksum_failures: _Optional[int] = ..., spill_faults: _Optional[_Mapping[str, int]] = ..., ssd_direct_io: _Optional[bool] = ..., ssd_adopted_blocks: _Optional[int] = ..., ssd_adopt_seconds: _Optional[float] = ..., dropped_spill_files: _Optional[_Iterable[str]] = ..., backpressure_waits: _Optional[int] = ..., io: _Optional[_Iterable[_Union[TierIO, _Mapping]]] = ..., rpcs: _Optional[_Iterable[_Union[RpcStats, _Mapping]]] = ..., hazard_blocks: _Optional[int] = ..., granted_blocks: _Optional[int] = ...) -> None: ...
+    lease_look_interval_seconds: float
+    lease_looks: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., mlocked: _Optional[bool] = ..., mlock_error: _Optional[str] = ..., prefault_seconds: _Optional[float] = ..., daemon_version: _Optional[str] = ..., boot_epoch: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., warm_start: _Optional[bool] = ..., recovered_blocks: _Optional[int] = ..., recovery_seconds: _Optional[float] = ..., dropped_segments: _Optional[_Iterable[str]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., prefetches: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., spill_queue_depth: _Optional[int] = ..., spill_checksum_failures: _Optional[int] = ..., spill_faults: _Optional[_Mapping[str, int]] = ..., ssd_direct_io: _Optional[bool] = ..., ssd_adopted_blocks: _Optional[int] = ..., ssd_adopt_seconds: _Optional[float] = ..., dropped_spill_files: _Optional[_Iterable[str]] = ..., backpressure_waits: _Optional[int] = ..., io: _Optional[_Iterable[_Union[TierIO, _Mapping]]] = ..., rpcs: _Optional[_Iterable[_Union[RpcStats, _Mapping]]] = ..., hazard_blocks: _Optional[int] = ..., granted_blocks: _Optional[int] = ..., lease_look_interval_seconds: _Optional[float] = ..., lease_looks: _Optional[int] = ...) -> None: ...
 
 class TierIO(_message.Message):
     __slots__ = ("tier", "read_bytes", "written_bytes", "reads", "writes")
