@@ -35,6 +35,7 @@ from kvtierd.cluster.format import Naming, load_secret
 from kvtierd.cluster.tier import ClusterSettings, ClusterTier
 from kvtierd.config import ClusterConfig, Config, ConfigError
 from kvtierd.events import EventPublisher
+from kvtierd.lease_watch import LeaseWatch
 from kvtierd.logs import Throttle, event, more
 from kvtierd.metrics import Metrics
 from kvtierd.recovery import RecoveryReport, log_problems, recover
@@ -337,6 +338,21 @@ async def _expire_forever(store: Store, metrics: Metrics) -> None:
             metrics.expired_leases.inc(leases)
 
 
+async def _look_at_leases_forever(watch: LeaseWatch, metrics: Metrics) -> None:
+    """Count the leases clients make without a call, at the daemon's pace
+    (``kvtierd.lease_watch``): a look every ``watch.interval``."""
+    while True:
+        await asyncio.sleep(watch.interval)
+        try:
+            watch.look()
+        except Exception:  # a bug: count and log it; the looks must keep running
+            metrics.background_error("lease_watch")
+            held = _throttle("lease_watch")
+            if held is not None:
+                log.exception("looking at the fast path's leases failed; it keeps "
+                              "running%s", more(held))
+
+
 async def _check_after_recovery(store: Store, metrics: Metrics, report: RecoveryReport) -> None:
     """Cross-check what a warm start adopted, once, soon after READY (off the loop).
 
@@ -488,6 +504,8 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         await tiering.start()
         undo.push_async_callback(tiering.stop)
         metrics.watch(store, tiering)
+        lease_watch = LeaseWatch(store)
+        metrics.watch_leases(lease_watch)
         events = None
         if cfg.events.enabled:
             events = EventPublisher(cfg.events, first_seq=boot_epoch << 32,
@@ -553,6 +571,7 @@ async def create_daemon(cfg: Config, *, registry: CollectorRegistry | None = Non
         loop = asyncio.get_running_loop()
         tasks = [
             loop.create_task(_expire_forever(store, metrics)),
+            loop.create_task(_look_at_leases_forever(lease_watch, metrics)),
             loop.create_task(_probe_loop_forever(metrics)),
             loop.create_task(_audit_forever(store, metrics)),
             loop.create_task(_check_after_recovery(store, metrics, report)),

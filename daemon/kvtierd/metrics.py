@@ -24,9 +24,11 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kvtierd.counters import saturating_add
+from kvtierd.lease_watch import Held, held_now
 
 if TYPE_CHECKING:
     from kvtierd.events import EventCounters
+    from kvtierd.lease_watch import LeaseWatch
     from kvtierd.store import Store
     from kvtierd.tiering import Tiering
 
@@ -191,6 +193,8 @@ class Metrics:
         )
         self.io: dict[str, TierIO] = {}
         self.rpcs: dict[str, RpcWindow] = {}
+        #: The leases made without a call, as the daemon's looks saw them (``watch_leases``).
+        self.lease_watch: LeaseWatch | None = None
 
     def tier_io(self, tier: str, op: str, nbytes: int, blocks: int = 1) -> None:
         """Count ``blocks`` blocks of ``nbytes`` in all read from or written to ``tier``."""
@@ -261,6 +265,12 @@ class Metrics:
         if tiering is not None:
             self.registry.register(_OnLoop(_TieringCollector(tiering), loop))
 
+    def watch_leases(self, watch: LeaseWatch) -> None:
+        """Export what ``watch``'s looks saw of the leases made without a call (the
+        ``kvtier_fast_path_*_seen`` totals), collected on the loop like the store's."""
+        self.lease_watch = watch
+        self.registry.register(_OnLoop(_LeaseCollector(watch), self._prelude.loop))
+
     def watch_events(self, counters: EventCounters) -> None:
         """Export the KV events publisher's counters (``kvtierd.events``)."""
         self.registry.register(_EventsCollector(counters))
@@ -282,6 +292,45 @@ class _EventsCollector(Collector):
         requests.add_metric(["snapshot"], c.snapshots)
         requests.add_metric(["malformed"], c.bad_requests)
         yield requests
+
+
+class _LeaseCollector(Collector):
+    """The leases made without a call that the daemon's looks verified
+    (``kvtierd.lease_watch``): facts, unlike ``kvtier_client_reported_*``."""
+
+    def __init__(self, watch: LeaseWatch) -> None:
+        self._w = watch
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        w = self._w
+        note = (" (verified: a hazard in a client's session page naming a committed block "
+                "of the namespace when kvtierd looked, every "
+                f"{w.interval * 1e3:g} ms; a lease held between two looks only is not seen)")
+        leases = CounterMetricFamily("kvtier_fast_path_leases_seen",
+                                     "Leases made without a call that kvtierd saw held" + note,
+                                     labels=["namespace"])
+        blocks = CounterMetricFamily("kvtier_fast_path_leased_blocks_seen",
+                                     "Blocks of those leases (each hazard once)" + note,
+                                     labels=["namespace"])
+        nbytes = CounterMetricFamily("kvtier_fast_path_leased_bytes_seen",
+                                     "Committed bytes of those blocks, from kvtierd's own slot "
+                                     "table" + note, labels=["namespace"])
+        bad = CounterMetricFamily("kvtier_fast_path_unverified_hazards",
+                                  "New hazards in clients' session pages that named no "
+                                  "committed block of the namespace (garbage or a freed slot): "
+                                  "never counted as leases", labels=["namespace"])
+        for name in w.namespaces():
+            t = w.tally(name)
+            leases.add_metric([name], t.leases)
+            blocks.add_metric([name], t.blocks)
+            nbytes.add_metric([name], t.nbytes)
+            bad.add_metric([name], t.unverified)
+        yield from (leases, blocks, nbytes, bad)
+        yield CounterMetricFamily("kvtier_fast_path_lease_looks", "Looks kvtierd made at its "
+                                  "clients' hazards to count the leases made without a call",
+                                  value=w.looks)
+        yield GaugeMetricFamily("kvtier_fast_path_lease_look_interval_seconds",
+                                "Seconds between those looks", value=w.interval)
 
 
 class _Hooks(Collector):
@@ -456,18 +505,34 @@ class _StoreCollector(Collector):
         ns_sessions = GaugeMetricFamily(
             "kvtier_namespace_sessions", "Open sessions per namespace", labels=["namespace"]
         )
+        fast_leases = GaugeMetricFamily(
+            "kvtier_fast_path_leases", "Leases clients hold without a call now, verified: "
+            "distinct leases of a session page whose hazards name committed blocks of the "
+            "namespace", labels=["namespace"])
+        fast_blocks = GaugeMetricFamily(
+            "kvtier_fast_path_leased_blocks", "Distinct committed blocks those leases name now",
+            labels=["namespace"])
+        fast_bytes = GaugeMetricFamily(
+            "kvtier_fast_path_leased_bytes", "Committed bytes of those blocks (kvtierd's own "
+            "slot table)", labels=["namespace"])
+        held: dict[str, Held] = {}
         for ns in list(store.namespaces.values()):
+            h = held[ns.name] = held_now(ns)
             free = ns.free_slots()
             granted = idle.get(ns.name, 0)
             for state, n in (("committed", ns.committed), ("reserved", ns.reserved - granted),
-                             ("granted", granted), ("leased", store.leased_blocks(ns)),
+                             ("granted", granted), ("leased", ns.leased + h.blocks),
                              ("free", free)):
                 ns_blocks.add_metric([ns.name, "dram", state], n)
                 ns_bytes.add_metric([ns.name, "dram", state], n * ns.slot_bytes)
             ns_sessions.add_metric([ns.name], ns.sessions)
+            fast_leases.add_metric([ns.name], h.leases)
+            fast_blocks.add_metric([ns.name], h.blocks)
+            fast_bytes.add_metric([ns.name], h.nbytes)
         yield ns_blocks
         yield ns_bytes
         yield ns_sessions
+        yield from (fast_leases, fast_blocks, fast_bytes)
         yield from _client_reported(store)
         recovered = GaugeMetricFamily(
             "kvtier_recovered_blocks", "Blocks re-adopted from a previous run at start",
@@ -485,7 +550,10 @@ class _StoreCollector(Collector):
             "it started cold (the DRAM cache was lost)",
             value=1 if any(ns.recovered for ns in list(store.namespaces.values())) else 0)
         yield GaugeMetricFamily("kvtier_active_sessions", "Open sessions", value=len(store.sessions))
-        yield GaugeMetricFamily("kvtier_active_leases", "Leases held", value=store.lease_count)
+        yield GaugeMetricFamily(
+            "kvtier_active_leases", "Leases held: by Acquire calls, and without a call as "
+            "verified (kvtier_fast_path_leases)",
+            value=store.call_lease_count + sum(h.leases for h in held.values()))
         yield GaugeMetricFamily(
             "kvtier_active_reservations", "Open reservations", value=store.reservation_count
         )

@@ -44,6 +44,7 @@ from kvtierd.access import AccessPolicy, AdminSessions, Identity, Right
 from kvtierd.cluster.tier import ClusterTier
 from kvtierd.config import LimitsConfig
 from kvtierd.counters import ClientReported
+from kvtierd.lease_watch import Held, LeaseWatch, SeenTally, held_now
 from kvtierd.metrics import Metrics
 from kvtierd.segments import MAX_KEY_BYTES
 from kvtierd.shared_index import SessionPage
@@ -562,6 +563,15 @@ def _client_reported(r: ClientReported | None) -> pb.ClientReported | None:
         read_bytes=r.read_bytes, cut=r.cut)
 
 
+def _fast_path_leases(held: Held, watch: LeaseWatch | None, name: str) -> pb.FastPathLeases:
+    """A namespace's leases made without a call as the daemon verified them
+    (``kvtierd.lease_watch``): held now, and seen by ``watch``'s looks (zeros without)."""
+    seen = watch.tally(name) if watch is not None else SeenTally()
+    return pb.FastPathLeases(leases=held.leases, blocks=held.blocks, bytes=held.nbytes,
+                             leases_seen=seen.leases, blocks_seen=seen.blocks,
+                             bytes_seen=seen.nbytes, unverified=seen.unverified)
+
+
 def _rpc_stats(metrics: Metrics) -> list[pb.RpcStats]:
     out = []
     for method, w in sorted(metrics.rpcs.items()):
@@ -608,14 +618,18 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
     if tiering.cluster is not None:
         tiers.append(_cluster_stats(tiering.cluster))
     c = tiering.counters
+    watch = metrics.lease_watch if metrics is not None else None
+    held = {name: held_now(ns) for name, ns in store.namespaces.items()}
     namespaces = [
         pb.NamespaceStats(
             name=ns.name, block_bytes=ns.block_bytes, model_uid=ns.model_uid,
             slot_bytes=ns.slot_bytes, segments=len(ns.extents), committed_blocks=ns.committed,
             reserved_blocks=ns.reserved - idle.get(ns.name, 0),
-            granted_blocks=idle.get(ns.name, 0), free_slots=ns.free_slots(), leased_blocks=store.leased_blocks(ns),
+            granted_blocks=idle.get(ns.name, 0), free_slots=ns.free_slots(),
+            leased_blocks=ns.leased + held[ns.name].blocks,
             sessions=ns.sessions, hits=ns.hits, misses=ns.misses,
             recovered_blocks=ns.recovered, client_reported=_client_reported(ns.reported),
+            fast_path_leases=_fast_path_leases(held[ns.name], watch, ns.name),
         )
         for ns in store.namespaces.values()
     ]
@@ -623,8 +637,10 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
         tiers=tiers,
         namespaces=namespaces,
         sessions=len(store.sessions),
-        leases=store.lease_count,
-        hazard_blocks=store.hazard_count(),
+        leases=store.call_lease_count + sum(h.leases for h in held.values()),
+        hazard_blocks=sum(h.blocks for h in held.values()),
+        lease_look_interval_seconds=watch.interval if watch is not None else 0.0,
+        lease_looks=watch.looks if watch is not None else 0,
         granted_blocks=granted_blocks,
         reservations=store.reservation_count,
         evictions=store.evictions,

@@ -414,7 +414,14 @@ class Store:
         are not counted)."""
         local = sum(page.leases() for ns in self.state.namespaces.values()
                     for page in ns.pages.values())
-        return local + sum(1 for lease in self.state.leases.values() if not lease.session.system)
+        return local + self.call_lease_count
+
+    @property
+    def call_lease_count(self) -> int:
+        """Leases held by clients through Acquire calls (the tiering layer's own pins are
+        not counted): the daemon made each one.  (Those made without a call, as the
+        daemon verifies them: ``kvtierd.lease_watch``.)"""
+        return sum(1 for lease in self.state.leases.values() if not lease.session.system)
 
     def hazard_count(self) -> int:
         """Blocks clients lease without a call, as their pages say now."""
