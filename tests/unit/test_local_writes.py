@@ -32,7 +32,7 @@ from kvtierd.shared_index import GRANT_TAKEN, GRANT_VALID, GRANTS_N, HAS_SUM, LA
 from kvtierd.store import GRANT_IDLE_SECONDS, CommitResult, Session, StoreOptions
 
 from .conftest import StoreEnv, close_store_and_files, make_store, run
-from .test_store import BLOCK, CAPACITY, keys, payload, put, session
+from .test_store import BLOCK, CAPACITY, TOTAL_SLOTS, keys, payload, put, session
 
 pytestmark = pytest.mark.skipif(not hasattr(_native, "grants_take"), reason="no native build")
 
@@ -731,6 +731,54 @@ def test_refills_evict_like_a_reserve_when_the_namespace_cannot_grow(
     assert env.store.refill_grants(s, 2) == 2  # the two oldest blocks evicted
     assert env.store.lookup(s, ks[:2]) == 0 and env.store.lookup(s, ks[2:3]) == 1
     assert len(s.ns.extents) == extents
+    assert env.store.check() == []
+    _detach(env, s, page, writes, bell)
+
+
+def test_unread_blocks_are_evicted_in_the_order_their_slots_were_claimed_not_committed(
+        granting: StoreEnv) -> None:
+    """CLOCK's hand walks the slots, and a block's place in that walk is its slot, fixed
+    when the slot is claimed (a reserve, or a refill of grants), not when the block is
+    committed.  In a full pool every claim evicts at the hand, so unread blocks go in the
+    order their slots were claimed.  A grant can wait in the writer's page while newer
+    ones are taken before it (first fit by entry, and a refill's grants go to the first
+    free entries): the block committed into it last is evicted before blocks committed
+    earlier into slots claimed after it (docs/decisions.md, "CLOCK's order is the slots'
+    claims, not the commits")."""
+    env = granting
+    s, other = session(env), session(env)
+    old = keys(TOTAL_SLOTS, "old")
+    put(env, s, old)  # every slot committed, the budget spent: each claim evicts
+    page, writes, bell = _attach(env, s)
+    assert env.store.refill_grants(s, GRANTS) == GRANTS  # slots a b c d, entries 0-3
+    assert [b.key for b in env.evicted] == old[:GRANTS]  # the hand's first four
+
+    def write(n: int, prefix: str) -> tuple[list[bytes], list[int]]:
+        got = writes.take(n)
+        assert got is not None
+        ks = keys(n, prefix)
+        for g, k in zip(got, ks, strict=True):
+            _fill(env, g, payload(k))
+        assert _commit(env, s, page, [(g.entry, k, len(payload(k)), None)
+                                      for g, k in zip(got, ks, strict=True)]) == \
+            bytes([CommitResult.COMMITTED]) * n
+        return ks, [g.entry for g in got]
+
+    first, at = write(2, "first")  # slots a b
+    assert at == [0, 1]
+    assert env.store.refill_grants(s, GRANTS) == 2  # slots e f, claimed after c d ...
+    second, at = write(2, "second")
+    assert at == [0, 1]  # ... into the entries the first put freed: taken first
+    third, at = write(2, "third")  # slots c d, claimed before e f, committed last
+    assert at == [2, 3]
+    assert env.store.lookup(s, first + second + third) == 6
+    del env.evicted[:]
+    # No reads: another writer's put evicts every block, the rest of the old ones first.
+    put(env, other, keys(TOTAL_SLOTS, "new"))
+    evicted = [b.key for b in env.evicted]
+    assert evicted[:-6] == old[GRANTS + 2:]
+    assert evicted[-6:] == first + third + second, (
+        "unread blocks go in the order of their slots' claims: a b, c d, e f")
     assert env.store.check() == []
     _detach(env, s, page, writes, bell)
 
