@@ -22,6 +22,7 @@ Where things are (docs/architecture.md walks a put, a get and a restart through 
   recovery.py        warm start: re-attach the segments a previous daemon left
   events.py          KV events for cache-aware routers
   counters.py        the daemon's totals, and what clients report about themselves
+  lease_watch.py     the leases clients make without a call, as the daemon verifies them
   config.py          typed, frozen configuration
   metrics.py         Prometheus metrics
   logs.py            logging (JSON or text)
