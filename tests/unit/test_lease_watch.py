@@ -19,7 +19,7 @@ from kvtier import _native, _page
 from kvtier._index import LocalIndex
 from kvtier.cli import render_fast_path, render_namespaces
 from kvtier.v1 import kvtier_pb2 as pb
-from kvtierd.lease_watch import Held, LeaseWatch, held_now
+from kvtierd.lease_watch import LOOK_BUDGET, Held, LeaseWatch, held_now
 from kvtierd.metrics import Metrics
 from kvtierd.shared_index import HAZARDS_N, SessionPage, hazard_of
 from kvtierd.store import Session
@@ -177,6 +177,45 @@ def test_a_look_reads_no_entry_past_the_sessions_share(env: StoreEnv) -> None:
     del view
     env.store.close_session(s)
     page.close()
+
+
+def test_a_look_verifies_a_bounded_number_of_entries_and_none_waits_forever(
+        env: StoreEnv) -> None:
+    """Pages that all move at once (one uid churning its whole share) are verified
+    ``LOOK_BUDGET`` entries a look, the next look starting after the last page counted."""
+    s = session(env)
+    ks = keys(4)
+    put(env, s, ks)
+    words = [env.store.slot_of(s.ns.index[k]) for k in ks]
+    per_page = LOOK_BUDGET * 3 // 5  # two pages do not fit one look
+    pages, views, readers = [], [], []
+    for i in range(3):
+        page = SessionPage("A")
+        readers.append(session(env))
+        env.store.attach_page(readers[-1], page)
+        view = np.frombuffer(page.mapping, dtype=np.uint64)
+        view[_HI] = per_page
+        view[_HZ:_HZ + per_page] = np.resize(np.array(words, dtype=np.uint64), per_page)
+        view[_SER:_SER + per_page] = i + 1
+        pages.append(page)
+        views.append(view)
+    watch = LeaseWatch(env.store)
+    seen = []
+    for _ in range(4):
+        watch.look()
+        seen.append(watch.tally("A").blocks)
+    assert seen == [per_page, 2 * per_page, 3 * per_page, 3 * per_page]
+    assert watch.tally("A").leases == 3
+    # Every page moves at every look: each is still counted, in turn.
+    for _ in range(6):
+        for v in views:
+            v[_SER:_SER + per_page] += 10
+        watch.look()
+    assert watch.tally("A").blocks == 3 * per_page + 6 * per_page
+    del view, views, v
+    for reader, page in zip(readers, pages, strict=True):
+        env.store.close_session(reader)
+        page.close()
 
 
 def test_metrics_show_verified_leases_and_keep_client_reported_apart(env: StoreEnv) -> None:
