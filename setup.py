@@ -12,7 +12,9 @@ from setuptools import Extension, setup
 # baseline ISA (the wheel must not require AVX).  Not AVX-512: the data we hash
 # is cold (just read from disk or streamed past the cache), and there its
 # AVX-512 loop ran at 23 GB/s against 33 GB/s for AVX2 (EPYC, gcc 12; SSE2:
-# 30).  The headers and LICENSE are in depends, so a change rebuilds the
+# 30).  csrc/xxh_dispatch.c compiles the dispatcher and lets KVTIER_XXH3=sse2|avx2
+# override its pick (tests and benchmarks run both paths on one host).  The headers
+# and LICENSE are in depends, so a change rebuilds the
 # extension and the sdist ships them.
 XXHASH = "csrc/third_party/xxhash"
 X86 = re.search(r"x86_64|amd64|i[3-6]86", sysconfig.get_platform().lower()) is not None
@@ -31,10 +33,10 @@ setup(
         Extension(
             "kvtier._native",
             sources=["csrc/native.c", "csrc/index.c", "csrc/writes.c", "csrc/blocks.c",
-                     "csrc/layout.c", "csrc/wire.c"] + ([f"{XXHASH}/xxh_x86dispatch.c"] if X86 else []),
+                     "csrc/layout.c", "csrc/wire.c"] + (["csrc/xxh_dispatch.c"] if X86 else []),
             include_dirs=[XXHASH, "csrc"],
             define_macros=XXH_DISPATCH if X86 else [],
-            depends=["csrc/index.h", "csrc/blocks.h", "csrc/layout.h", "csrc/wire.h"] + [f"{XXHASH}/{name}" for name in
+            depends=["csrc/index.h", "csrc/blocks.h", "csrc/layout.h", "csrc/wire.h", "csrc/xxh_dispatch.h"] + [f"{XXHASH}/{name}" for name in
                      ("xxhash.h", "xxh_x86dispatch.h", "xxh_x86dispatch.c", "LICENSE")],
             # Hidden by default: only PyInit__native is exported, not xxHash's symbols.
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-pthread",

@@ -72,6 +72,7 @@
 #include "blocks.h"
 #ifdef KVT_XXH_X86_DISPATCH
 #include "xxh_x86dispatch.h" /* XXH3_64bits is now XXH3_64bits_dispatch */
+#include "xxh_dispatch.h"    /* KVTIER_XXH3: which path it dispatches to */
 #endif
 
 /* Pages are touched every 4096 bytes: the smallest page size on every platform
@@ -396,9 +397,73 @@ kvt_memcpy_nt(char *dst, const char *src, size_t len)
     _mm_sfence(); /* streamed stores are weakly ordered: make them visible first */
     memcpy(dst + body, src + body, len - body);
 }
+/* Copy with cached stores, 64 bytes a step, never `rep movsb`: see
+ * kvt_memcpy_cached.  Not distributed into a memcpy call by GCC (that is
+ * the call this exists to avoid): the loads and stores are plain vector
+ * dereferences, which -ftree-loop-distribute-patterns would turn back into
+ * one. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+#endif
+static void
+kvt_memcpy_vec(char *dst, const char *src, size_t len)
+{
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    size_t i, body;
+
+    memcpy(dst, src, head); /* len >= KVT_ALIAS_MIN > 15: the caller saw to it */
+    dst += head;
+    src += head;
+    len -= head;
+    body = len & ~(size_t)63;
+    for (i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_store_si128((__m128i *)(dst + i), a);
+        _mm_store_si128((__m128i *)(dst + i + 16), b);
+        _mm_store_si128((__m128i *)(dst + i + 32), c);
+        _mm_store_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + body, src + body, len - body);
+}
 #else
 #define kvt_memcpy_nt memcpy
+#define kvt_memcpy_vec memcpy
 #endif
+
+/* Copies below this are left to memcpy whatever their alignment: glibc uses
+ * `rep movsb` only from 2 KiB (SSE2/AVX2) or 4 KiB (AVX-512) up. */
+#define KVT_ALIAS_MIN ((size_t)2 << 10)
+
+/* How close (in bytes, either way) the destination may come to the source
+ * modulo 4096 before the copy avoids `rep movsb`. */
+#define KVT_ALIAS_NEAR ((uintptr_t)64)
+
+/* memcpy, except where glibc's would run `rep movsb` into its slow case.
+ * glibc copies from ~2 KiB up to the L2 size (AMD) or its non-temporal
+ * threshold (Intel) with `rep movsb`, and AMD's runs many times slower when
+ * the destination is a few bytes past the source modulo 4096 (page
+ * aliasing; glibc bug 30994, where glibc 2.40 stopped using it on Zen 3/4).
+ * A get hits exactly that: it copies from a page-aligned slot into a numpy
+ * row, which malloc places 16 bytes past a page.  Measured on a Zen 4 EPYC
+ * (glibc 2.36), 64 KiB from a page-aligned source: dst 0 B past it 1.8 us,
+ * 1 and 8 B past 19-31 us, 16 B 2.3-3.4 us; on the AVX2-only EPYC of issue 53
+ * the get's 64 KiB copies took 23 us each.  Those copies take the vector
+ * loop above (2.1 us at any distance); all others stay with memcpy, which
+ * is faster when the distance is safe. */
+static inline void
+kvt_memcpy_cached(char *dst, const char *src, size_t len)
+{
+    uintptr_t dist = ((uintptr_t)dst - (uintptr_t)src) & 4095;
+
+    if (len >= KVT_ALIAS_MIN && dist != 0 &&
+        (dist < KVT_ALIAS_NEAR || dist > 4096 - KVT_ALIAS_NEAR))
+        kvt_memcpy_vec(dst, src, len);
+    else
+        memcpy(dst, src, len);
+}
 
 /* Copy len bytes (non-temporal stores if stream) in steps of KVT_STEP,
  * stopping early once another job of the call has faulted. */
@@ -412,7 +477,7 @@ kvt_copy_steps(char *dst, const char *src, size_t len, int stream,
         if (stream)
             kvt_memcpy_nt(dst + off, src + off, n);
         else
-            memcpy(dst + off, src + off, n);
+            kvt_memcpy_cached(dst + off, src + off, n);
     }
 }
 
@@ -813,7 +878,7 @@ kvt_scatter_hash_work(void *arg)
                     if (job->stream)
                         kvt_memcpy_nt(to, from, n);
                     else
-                        memcpy(to, from, n);
+                        kvt_memcpy_cached(to, from, n);
                 }
                 if (job->hash)
                     XXH3_64bits_update(&state, from, n);
@@ -2364,7 +2429,24 @@ py_fault_guard_installed(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
     return PyBool_FromLong(__atomic_load_n(&kvt_guard_on, __ATOMIC_ACQUIRE));
 }
 
+PyDoc_STRVAR(py_xxh3_dispatch_doc,
+"xxh3_dispatch($module, /)\n--\n\n"
+"The path XXH3 takes for inputs over 240 bytes: \"sse2\" or \"avx2\" (xxHash's\n"
+"x86 dispatcher, overridden by KVTIER_XXH3 at import), or \"portable\" on a\n"
+"build without the dispatcher (not x86).");
+
+static PyObject *
+py_xxh3_dispatch(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(arg))
+{
+#ifdef KVT_XXH_X86_DISPATCH
+    return PyUnicode_FromString(kvt_xxh3_dispatch_name());
+#else
+    return PyUnicode_FromString("portable");
+#endif
+}
+
 static PyMethodDef native_methods[] = {
+    {"xxh3_dispatch", py_xxh3_dispatch, METH_NOARGS, py_xxh3_dispatch_doc},
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_VARARGS | METH_KEYWORDS,
      py_copy_doc},
     {"prefault", (PyCFunction)(void (*)(void))py_prefault,
@@ -2500,6 +2582,32 @@ static PyMethodDef native_methods[] = {
 /* csrc/layout.c: adds LAYOUT and FIELDS (csrc/layout.h) to the module. */
 int kvt_layout_init(PyObject *module);
 
+/* KVTIER_XXH3=sse2|avx2|auto: the XXH3 path of this process (csrc/xxh_dispatch.c), set
+ * at import, before anything hashes.  A value it does not know, or avx2 on a CPU
+ * without it, fails the import (ValueError, not ImportError: kvtier._accel would take
+ * that for a missing build and quietly fall back to Python). */
+static int
+kvt_xxh3_init(PyObject *Py_UNUSED(module))
+{
+#ifdef KVT_XXH_X86_DISPATCH
+    const char *name = getenv("KVTIER_XXH3");
+    int err = kvt_xxh3_dispatch_set(name);
+
+    if (err == -1) {
+        PyErr_Format(PyExc_ValueError,
+                     "KVTIER_XXH3=%s: expected sse2, avx2 or auto", name);
+        return -1;
+    }
+    if (err == -2) {
+        PyErr_SetString(PyExc_ValueError,
+                        "KVTIER_XXH3=avx2: this CPU (or its OS) has no AVX2");
+        return -1;
+    }
+#endif
+    return 0;
+}
+
+
 /* The module has no per-interpreter state (the fault guard is per process and
  * per thread, not per interpreter), so it is safe in subinterpreters and
  * without a GIL. */
@@ -2508,6 +2616,8 @@ static PyModuleDef_Slot native_slots[] = {
     {Py_mod_exec, (void *)kvt_blocks_init},
     /* LAYOUT and FIELDS (csrc/layout.c) */
     {Py_mod_exec, (void *)kvt_layout_init},
+    /* KVTIER_XXH3 (csrc/xxh_dispatch.c) */
+    {Py_mod_exec, (void *)kvt_xxh3_init},
 #ifdef Py_mod_multiple_interpreters
     {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
 #endif

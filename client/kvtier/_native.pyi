@@ -20,6 +20,9 @@ def copy(dst: _Buffer, src: _Buffer, threads: int = 0) -> int:
 def prefault(buf: _Buffer, threads: int = 0) -> int:
     """Fault every page of buf in writable, leaving its content unchanged."""
 
+def xxh3_dispatch() -> str:
+    """The XXH3 path for inputs over 240 bytes: "sse2" or "avx2" (KVTIER_XXH3), or "portable"."""
+
 def checksum(buf: _Buffer) -> int:
     """Return the XXH3-64 hash (seed 0) of the bytes of buf, as an int."""
 

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 NATIVE_TESTS = ("tests/unit/test_block_table.py", "tests/unit/test_native.py",
                 "tests/unit/test_shared_index.py", "tests/unit/test_ssd_lookup.py",
                 "tests/unit/test_local_writes.py", "tests/unit/test_local_leases.py",
-                "tests/unit/test_commit_ring.py", "tests/unit/test_wire_columns.py")
+                "tests/unit/test_commit_ring.py", "tests/unit/test_wire_columns.py",
+                "tests/unit/test_native_dispatch.py")
 
 
 def _libasan() -> str | None:
