@@ -145,3 +145,14 @@ def test_native_hash_tests_pass_on_the_path_this_host_would_not_pick() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "KVTIER_XXH3": other})
     assert proc.returncode == 0, f"KVTIER_XXH3={other}:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
+
+
+def test_a_private_daemon_inherits_the_xxh3_path_and_no_other_kvtier_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.bench.private_daemon import daemon_env
+
+    monkeypatch.setenv("KVTIER_XXH3", "sse2")
+    monkeypatch.setenv("KVTIER_FAST_PATH", "0")
+    env = daemon_env({"KVTIER_SHM": "x"})
+    assert env["KVTIER_XXH3"] == "sse2" and "KVTIER_FAST_PATH" not in env
+    assert env["KVTIER_SHM"] == "x"  # what the caller passes still goes

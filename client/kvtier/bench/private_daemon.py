@@ -109,9 +109,17 @@ def daemon_args(socket_dir: str, shm_dir: str, settings: Sequence[str] = (), *,
     return args + list(argv)
 
 
+#: ``KVTIER_*`` variables that choose how this host runs rather than what the daemon
+#: is: they reach a private daemon (``KVTIER_XXH3``: the XXH3 path of ``kvtier._native``,
+#: so a run under ``KVTIER_XXH3=sse2`` tests the daemon's hashing on that path too).
+HOST_KNOBS = frozenset({"KVTIER_XXH3"})
+
+
 def daemon_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment without its ``KVTIER_*``, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    """This process's environment without its ``KVTIER_*`` (but for ``HOST_KNOBS``),
+    plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("KVTIER_") or k in HOST_KNOBS}
     env.update(extra or {})
     return env
 
