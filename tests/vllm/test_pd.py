@@ -9,8 +9,11 @@
 
 In both the decode server reports every full block of the prompt as cached (all but the
 one holding the last prompt token, which it recomputes, as vLLM's own prefix cache does),
-and every answer is token for token the one of a server without a connector.  Engines
-start once per fixture and together (each start costs 30-60 s on this machine).
+and every answer is token for token the one of a server without a connector: after the
+same hit from its own prefix cache where the decode server loaded from kvtier, cold where
+it loaded nothing (``lab``'s ``expected``; docs/decisions.md, "Output parity: what a hit
+is compared with").  Engines start once per fixture and together (each start costs
+30-60 s on this machine).
 """
 
 from __future__ import annotations
@@ -95,15 +98,31 @@ def lab() -> Iterator[dict[str, Any]]:
         with open(cfg_path, "w") as f:
             json.dump(tok_cfg, f)
         baseline = VllmServer(base, "baseline", model, None, dtype=DTYPE)
-        answers: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        answers: dict[tuple[tuple[int, ...], int, bool], list[int]] = {}
+        seen: set[tuple[int, ...]] = set()  # prompts the baseline's prefix cache holds
 
-        def expected(tokens: list[int], max_tokens: int = ANSWER) -> list[int]:
-            key = (tuple(tokens), max_tokens)
+        def ask(tokens: list[int], max_tokens: int) -> dict[str, Any]:
+            assert baseline is not None
+            status, out = call(baseline.url + "/v1/completions", completion(tokens, max_tokens))
+            assert status == 200, out
+            seen.add(tuple(tokens))
+            return out
+
+        def expected(tokens: list[int], max_tokens: int = ANSWER, *,
+                     hit: bool = True) -> list[int]:
+            """The baseline's answer after its own prefix-cache hit of the blocks a decode
+            server loads (the prompt asked once before, for one token, if need be); with
+            ``hit=False``, its cold answer (the prompt never asked before)."""
+            key = (tuple(tokens), max_tokens, hit)
             if key not in answers:
-                assert baseline is not None
-                status, out = call(baseline.url + "/v1/completions",
-                                   completion(tokens, max_tokens))
-                assert status == 200, out
+                if not hit:
+                    assert tuple(tokens) not in seen, "a cold answer is the baseline's first"
+                elif tuple(tokens) not in seen:
+                    ask(tokens, 1)
+                out = ask(tokens, max_tokens)
+                assert cached_tokens(out) == (full_blocks(len(tokens)) * BLOCK if hit else 0), \
+                    ("the baseline's own prefix-cache hit must be as long as a decode "
+                     f"server's load from kvtier: {out['usage']}")
                 answers[key] = answer_ids(out)
             return answers[key]
 
@@ -173,13 +192,18 @@ class TestOneHost:
                 "max_completion_tokens": ANSWER, "temperature": 0, "ignore_eos": True}
         status, out = call(one_host["proxy"].url + "/v1/chat/completions", body)
         assert status == 200, out
-        status, want = call(lab["baseline"].url + "/v1/chat/completions", body)
-        assert status == 200, want
+        # The baseline's answer after its own prefix-cache hit of what the decode server
+        # loaded: the prompt asked once before, for one token.
+        for max_tokens in (1, ANSWER):
+            status, want = call(lab["baseline"].url + "/v1/chat/completions",
+                                dict(body, max_completion_tokens=max_tokens))
+            assert status == 200, want
         assert out["choices"][0]["message"]["content"] == \
             want["choices"][0]["message"]["content"]
         n = out["usage"]["prompt_tokens"]
         assert n > 2 * BLOCK
         assert cached_tokens(out) == full_blocks(n) * BLOCK, out["usage"]
+        assert cached_tokens(want) == cached_tokens(out), want["usage"]
 
     def test_a_producers_blocks_are_committed_before_its_answer_returns(
             self, one_host: dict[str, Any]) -> None:
@@ -203,7 +227,7 @@ class TestOneHost:
         status, out = call(decode.url + "/v1/completions", completion(tokens, ANSWER))
         assert status == 200, out
         assert cached_tokens(out) == 0
-        assert answer_ids(out) == lab["expected"](tokens)
+        assert answer_ids(out) == lab["expected"](tokens, hit=False)
         time.sleep(0.5)  # (a background save, were there one, would land meanwhile)
         assert committed(daemon) == before
         name, block_bytes, uid = connector_namespace(daemon)
@@ -364,7 +388,7 @@ class TestTwoHosts:
         status, out = call(decode.url + "/v1/completions", completion(tokens, ANSWER),
                            ns=fleet.ns_b if fleet.netns else None)
         assert status == 200, out
-        assert cached_tokens(out) == 0 and answer_ids(out) == lab["expected"](tokens)
+        assert cached_tokens(out) == 0 and answer_ids(out) == lab["expected"](tokens, hit=False)
         time.sleep(0.5)
         assert committed(fleet.b) == before_b
         name, block_bytes, uid = connector_namespace(fleet.a)
