@@ -22,7 +22,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run daemon test install lint typecheck bench proto clean
 
-$(STAMP): pyproject.toml setup.py csrc/native.c csrc/index.c csrc/writes.c csrc/blocks.c csrc/layout.c csrc/index.h csrc/blocks.h csrc/layout.h $(wildcard csrc/third_party/xxhash/*) scripts/install.sh
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h csrc/third_party/xxhash/*) scripts/install.sh
 	VENV=$(VENV) TORCH=$(TORCH) VLLM=$(VLLM) SGLANG_JAX=$(SGLANG_JAX) JAX_VENV=$(JAX_VENV) VLLM_TPU=$(VLLM_TPU) VLLM_TPU_VENV=$(VLLM_TPU_VENV) VLLM_TPU_BACKGROUND=$(VLLM_TPU_BACKGROUND) scripts/install.sh
 	touch $(STAMP)
 
