@@ -34,8 +34,13 @@ from kvtierd.store.types import Extent, Namespace
 log = logging.getLogger(__name__)
 
 #: Threads that put an adopted extent's keys in the index (before the daemon serves:
-#: each owns a range of the table; csrc/index.c ``set_slots_par``).
-ADOPT_THREADS: Final = min(4, os.cpu_count() or 1)
+#: each owns a range of the table; csrc/index.c ``set_slots_par``).  One below 4 CPUs:
+#: on a 2-vCPU host the second thread saved no time (it waits for a core the first
+#: needs, 2 x 17 joins per million keys) and cost more CPU: a 1M-block restart took
+#: 0.14-0.145 s to recover with one, 0.146-0.184 s with two, and the daemon had used
+#: 0.63-0.75 s of CPU by READY against 0.79-0.92 s (2026-12-07, runs alternating,
+#: docs/benchmarks.d/warm-restart-1m.md).
+ADOPT_THREADS: Final = 1 if (os.cpu_count() or 1) < 4 else 4
 
 
 def check_adoptable(store: Store, segment: Segment) -> None:
