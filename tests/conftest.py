@@ -23,6 +23,12 @@ from kvtier.bench.private_daemon import (
     stop_private_daemon,
 )
 from kvtier.v1 import kvtier_pb2 as pb
+from tests.engine_zygote import ZYGOTE_ENV
+
+# The vLLM engines and servers the tests start fork from one process that imported vLLM
+# already (tests/engine_zygote.py: 9 of an engine's 13 s start are imports);
+# KVTIER_TEST_ZYGOTE=0 starts each afresh.
+os.environ.setdefault(ZYGOTE_ENV, "1")
 
 #: Test folders whose every test runs over both client transports (the fast path
 #: keeps every guarantee the call path gives), unless marked ``one_transport`` (it speaks raw frames or gRPC

@@ -15,8 +15,9 @@ import threading
 import time
 from typing import Any
 
+from tests.engine_zygote import Forked
 from tests.vllm.logs import failure_excerpt
-from tests.vllm.pdlab import child_env
+from tests.vllm.pdlab import child_env, vllm_zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: Seconds an engine may take to start or to answer one phase.
@@ -65,10 +66,17 @@ class Engine:
         # A hung engine's processes print every thread's Python stack on SIGABRT
         # (``stacks()``): the only account of where a hang sits that CI keeps.
         env.setdefault("PYTHONFAULTHANDLER", "1")
-        self.proc = subprocess.Popen([python, script, path],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, env=env,
-                                     start_new_session=True)
+        self.proc: subprocess.Popen[str] | Forked
+        vllm_engine = python == sys.executable and script == os.path.join(HERE, "engine.py")
+        zygote = vllm_zygote() if vllm_engine else None
+        if zygote is not None:  # forked from a process that imported vLLM already
+            self.proc = zygote.fork([script, path], env, stdin=None, stdout=None,
+                                    stderr=self._log.fileno())
+        else:
+            self.proc = subprocess.Popen([python, script, path],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=self._log, text=True, env=env,
+                                         start_new_session=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 

@@ -27,6 +27,7 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from tests.engine_zygote import ZYGOTE_ENV, Forked, Zygote
 from tests.vllm.logs import failure_excerpt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,7 +135,7 @@ def stream(url: str, body: dict[str, Any], *, ns: str | None = None, timeout: fl
     return in_netns(ns, go)
 
 
-def stop_group(proc: subprocess.Popen[bytes], grace: float = 30) -> None:
+def stop_group(proc: subprocess.Popen[bytes] | Forked, grace: float = 30) -> None:
     """SIGINT a process group, SIGKILL it if it is not gone within ``grace``."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -191,6 +192,25 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: What the vLLM zygote imports before it forks the tests' engines and servers
+#: (``tests/engine_zygote.py``): 9 of a tiny engine's 13 s start here are ``import vllm``
+#: and what ``LLM`` pulls in; a server's API process imports its own part on top.
+VLLM_PRELOAD = ("torch", "vllm", "vllm.v1.engine.llm_engine", "vllm.entrypoints.llm",
+                "vllm.v1.core.sched.scheduler", "vllm.v1.worker.cpu_model_runner",
+                "vllm.entrypoints.openai.api_server")
+
+
+def vllm_zygote() -> Zygote | None:
+    """The zygote that forks this process's vLLM engines and servers (started at the first
+    one, in an engine's environment: what import time reads is ``child_env``'s for every
+    one; each child gets exactly its own).  The suite forks them (tests/conftest.py sets
+    ``KVTIER_TEST_ZYGOTE=1`` unless it is set); benchmarks start each afresh, as a user
+    would, unless they set it."""
+    if os.environ.get(ZYGOTE_ENV, "0") != "1":
+        return None
+    return Zygote.get(sys.executable, VLLM_PRELOAD, child_env())
+
+
 def kvtier_ktc(role: str, socket_dir: str, **extra: Any) -> dict[str, Any]:
     """``--kv-transfer-config`` of the kvtier connector in ``role``."""
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.vllm",
@@ -200,14 +220,21 @@ def kvtier_ktc(role: str, socket_dir: str, **extra: Any) -> dict[str, Any]:
 class Proc:
     """A child in its own process group, its output in a log file; started by subclasses."""
 
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | Forked
     log_path: str
     ns: str | None
     host: str
     port: int
 
     def _spawn(self, cmd: Sequence[str], env: dict[str, str]) -> None:
+        api = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        zygote = vllm_zygote() if list(cmd[:3]) == api else None
         with open(self.log_path, "wb") as log:
+            if zygote is not None:  # `python -m ...` here, forked with vLLM imported
+                with open(os.devnull) as null:
+                    self.proc = zygote.fork(list(cmd[1:]), env, stdin=null.fileno(),
+                                            stdout=log.fileno(), stderr=log.fileno())
+                return
             self.proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env,
                                          start_new_session=True)
