@@ -368,9 +368,16 @@ kvt_threads_for(size_t len, size_t requested, int auto_cap)
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>
 
-/* Copy with non-temporal stores whatever the length (the caller decided). */
-static void
-kvt_memcpy_nt(char *dst, const char *src, size_t len)
+/* Copy 64 bytes a step with SSE2 loads and aligned stores: non-temporal
+ * (stream) or cached.  The cached form exists to avoid `rep movsb` (see
+ * kvt_memcpy_cached), so GCC must not distribute the loop back into a memcpy
+ * call: the loads and stores are plain vector dereferences, which
+ * -ftree-loop-distribute-patterns would turn into one. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+#endif
+static inline void
+kvt_memcpy_sse2(char *dst, const char *src, size_t len, int stream)
 {
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
     size_t i, body;
@@ -389,44 +396,35 @@ kvt_memcpy_nt(char *dst, const char *src, size_t len)
         __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
         __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
         __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-        _mm_stream_si128((__m128i *)(dst + i), a);
-        _mm_stream_si128((__m128i *)(dst + i + 16), b);
-        _mm_stream_si128((__m128i *)(dst + i + 32), c);
-        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        if (stream) {
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), c);
+            _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        } else {
+            _mm_store_si128((__m128i *)(dst + i), a);
+            _mm_store_si128((__m128i *)(dst + i + 16), b);
+            _mm_store_si128((__m128i *)(dst + i + 32), c);
+            _mm_store_si128((__m128i *)(dst + i + 48), d);
+        }
     }
-    _mm_sfence(); /* streamed stores are weakly ordered: make them visible first */
+    if (stream)
+        _mm_sfence(); /* streamed stores are weakly ordered: make them visible first */
     memcpy(dst + body, src + body, len - body);
 }
-/* Copy with cached stores, 64 bytes a step, never `rep movsb`: see
- * kvt_memcpy_cached.  Not distributed into a memcpy call by GCC (that is
- * the call this exists to avoid): the loads and stores are plain vector
- * dereferences, which -ftree-loop-distribute-patterns would turn back into
- * one. */
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("no-tree-loop-distribute-patterns")))
-#endif
+
+/* Copy with non-temporal stores whatever the length (the caller decided). */
+static void
+kvt_memcpy_nt(char *dst, const char *src, size_t len)
+{
+    kvt_memcpy_sse2(dst, src, len, 1);
+}
+
+/* Copy with cached stores, never `rep movsb`: see kvt_memcpy_cached. */
 static void
 kvt_memcpy_vec(char *dst, const char *src, size_t len)
 {
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-    size_t i, body;
-
-    memcpy(dst, src, head); /* len >= KVT_ALIAS_MIN > 15: the caller saw to it */
-    dst += head;
-    src += head;
-    len -= head;
-    body = len & ~(size_t)63;
-    for (i = 0; i < body; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-        _mm_store_si128((__m128i *)(dst + i), a);
-        _mm_store_si128((__m128i *)(dst + i + 16), b);
-        _mm_store_si128((__m128i *)(dst + i + 32), c);
-        _mm_store_si128((__m128i *)(dst + i + 48), d);
-    }
-    memcpy(dst + body, src + body, len - body);
+    kvt_memcpy_sse2(dst, src, len, 0);
 }
 #else
 #define kvt_memcpy_nt memcpy

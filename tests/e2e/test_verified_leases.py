@@ -19,7 +19,6 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -30,7 +29,7 @@ from kvtier._index import LocalIndex
 from kvtier._session import SessionLink, open_request
 from kvtier.cli import main as kvtier_main
 from kvtier.v1 import kvtier_pb2 as pb
-from tests.conftest import DaemonProc, start_daemon, stop_daemon
+from tests.conftest import DaemonProc
 
 BB = 64 << 10
 #: How long a test waits for the daemon's looks (10 ms apart) to see a lease.
@@ -50,14 +49,6 @@ def _wait_seen(d: DaemonProc, name: str, leases: int) -> pb.StatsResponse:
         if _ns(s, name).fast_path_leases.leases_seen >= leases or time.monotonic() > deadline:
             return s
         time.sleep(0.02)
-
-
-@pytest.fixture
-def daemon(workdir: str) -> Iterator[DaemonProc]:
-    d = start_daemon(workdir)
-    yield d
-    stop_daemon(d)
-    assert d.proc.returncode == 0, d.log()
 
 
 def test_a_lease_without_a_call_shows_on_metrics_and_in_kvtier_stats(
