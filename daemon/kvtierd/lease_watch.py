@@ -168,15 +168,33 @@ def held_now(ns: Namespace) -> Held:
             serials.append(s[used])
     if not words:
         return Held()
-    ok, lengths = verify(ns, np.concatenate(words))
+    every = np.concatenate(words)
+    ok, lengths = verify(ns, every)
     leases = 0
     at = 0
     for w, s in zip(words, serials, strict=True):
         leases += len(np.unique(s[ok[at:at + len(w)]]))
         at += len(w)
-    good = np.concatenate(words)[ok]
+    good = every[ok]
     distinct, first = np.unique(good, return_index=True)
     return Held(leases, len(distinct), int(lengths[ok][first].sum()))
+
+
+def held_by_namespace(store: Store) -> dict[str, Held]:
+    """``held_now`` of every namespace of ``store``, by name."""
+    return {name: held_now(ns) for name, ns in list(store.namespaces.items())}
+
+
+def leased_blocks(ns: Namespace, held: Held) -> int:
+    """``ns``'s leased blocks as the daemon reports them: pinned by its calls' leases or a
+    spill in flight, and named by verified hazards (``held``, ``held_now(ns)``)."""
+    return ns.leased + held.blocks
+
+
+def active_leases(store: Store, held: dict[str, Held]) -> int:
+    """Leases held as the daemon reports them: by Acquire calls, and without a call as
+    verified (``held``, ``held_by_namespace(store)``)."""
+    return store.call_lease_count + sum(h.leases for h in held.values())
 
 
 @dataclasses.dataclass(slots=True)

@@ -24,7 +24,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kvtierd.counters import saturating_add
-from kvtierd.lease_watch import Held, held_now
+from kvtierd.lease_watch import active_leases, held_by_namespace, leased_blocks
 
 if TYPE_CHECKING:
     from kvtierd.events import EventCounters
@@ -515,13 +515,13 @@ class _StoreCollector(Collector):
         fast_bytes = GaugeMetricFamily(
             "kvtier_fast_path_leased_bytes", "Committed bytes of those blocks (kvtierd's own "
             "slot table)", labels=["namespace"])
-        held: dict[str, Held] = {}
+        held = held_by_namespace(store)
         for ns in list(store.namespaces.values()):
-            h = held[ns.name] = held_now(ns)
+            h = held[ns.name]
             free = ns.free_slots()
             granted = idle.get(ns.name, 0)
             for state, n in (("committed", ns.committed), ("reserved", ns.reserved - granted),
-                             ("granted", granted), ("leased", ns.leased + h.blocks),
+                             ("granted", granted), ("leased", leased_blocks(ns, h)),
                              ("free", free)):
                 ns_blocks.add_metric([ns.name, "dram", state], n)
                 ns_bytes.add_metric([ns.name, "dram", state], n * ns.slot_bytes)
@@ -553,7 +553,7 @@ class _StoreCollector(Collector):
         yield GaugeMetricFamily(
             "kvtier_active_leases", "Leases held: by Acquire calls, and without a call as "
             "verified (kvtier_fast_path_leases)",
-            value=store.call_lease_count + sum(h.leases for h in held.values()))
+            value=active_leases(store, held))
         yield GaugeMetricFamily(
             "kvtier_active_reservations", "Open reservations", value=store.reservation_count
         )

@@ -44,7 +44,14 @@ from kvtierd.access import AccessPolicy, AdminSessions, Identity, Right
 from kvtierd.cluster.tier import ClusterTier
 from kvtierd.config import LimitsConfig
 from kvtierd.counters import ClientReported
-from kvtierd.lease_watch import Held, LeaseWatch, SeenTally, held_now
+from kvtierd.lease_watch import (
+    Held,
+    LeaseWatch,
+    SeenTally,
+    active_leases,
+    held_by_namespace,
+    leased_blocks,
+)
 from kvtierd.metrics import Metrics
 from kvtierd.segments import MAX_KEY_BYTES
 from kvtierd.shared_index import SessionPage
@@ -619,14 +626,14 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
         tiers.append(_cluster_stats(tiering.cluster))
     c = tiering.counters
     watch = metrics.lease_watch if metrics is not None else None
-    held = {name: held_now(ns) for name, ns in store.namespaces.items()}
+    held = held_by_namespace(store)
     namespaces = [
         pb.NamespaceStats(
             name=ns.name, block_bytes=ns.block_bytes, model_uid=ns.model_uid,
             slot_bytes=ns.slot_bytes, segments=len(ns.extents), committed_blocks=ns.committed,
             reserved_blocks=ns.reserved - idle.get(ns.name, 0),
             granted_blocks=idle.get(ns.name, 0), free_slots=ns.free_slots(),
-            leased_blocks=ns.leased + held[ns.name].blocks,
+            leased_blocks=leased_blocks(ns, held[ns.name]),
             sessions=ns.sessions, hits=ns.hits, misses=ns.misses,
             recovered_blocks=ns.recovered, client_reported=_client_reported(ns.reported),
             fast_path_leases=_fast_path_leases(held[ns.name], watch, ns.name),
@@ -637,7 +644,7 @@ def build_stats(tiering: Tiering, started: float, metrics: Metrics | None = None
         tiers=tiers,
         namespaces=namespaces,
         sessions=len(store.sessions),
-        leases=store.call_lease_count + sum(h.leases for h in held.values()),
+        leases=active_leases(store, held),
         hazard_blocks=sum(h.blocks for h in held.values()),
         lease_look_interval_seconds=watch.interval if watch is not None else 0.0,
         lease_looks=watch.looks if watch is not None else 0,
